@@ -23,6 +23,12 @@ enum Command {
     /// Work with policy files.
     #[command(subcommand)]
     Policy(cmd::policy::PolicyCommand),
+    /// Inspect and verify the hash-chained audit log.
+    Audit(cmd::audit::Args),
+    /// Diagnose throttled runs from NDJSON snapshots: waiting, stuck, or out of budget.
+    Diagnose(cmd::diagnose::Args),
+    /// Run the controllable fake provider.
+    FakeApi(cmd::fake_api::Args),
 }
 
 fn main() -> ExitCode {
@@ -30,5 +36,8 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Classify(args) => cmd::classify::run(args),
         Command::Policy(command) => cmd::policy::run(command),
+        Command::Audit(args) => cmd::audit::run(args),
+        Command::Diagnose(args) => cmd::diagnose::run(args),
+        Command::FakeApi(args) => cmd::fake_api::run(args),
     }
 }

@@ -1,4 +1,7 @@
 //! One module per subcommand.
 
+pub mod audit;
 pub mod classify;
+pub mod diagnose;
+pub mod fake_api;
 pub mod policy;
