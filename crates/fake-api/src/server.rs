@@ -1,0 +1,205 @@
+//! The listener: one hyper HTTP/1.1 connection task per accepted socket, serving an axum router.
+//!
+//! Why not `axum::serve`: the fake must be able to close a connection *without sending a single
+//! response byte* (a provider that committed a write and then lost the connection). Owning the
+//! connection task makes that exact: the handler signals the task, which drops the connection
+//! before hyper has written anything. `axum::serve` offers no such handle.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Notify};
+
+use crate::attempt::AttemptRecord;
+use crate::compiled::Compiled;
+use crate::provider::{self, Action, Incoming, ProviderState};
+
+/// Request bodies above this many bytes are answered 413.
+const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// Called once per attempt when its outcome is known.
+pub type Observer = Arc<dyn Fn(&AttemptRecord) + Send + Sync>;
+
+/// State shared by all connections.
+pub(crate) struct Shared {
+    pub(crate) compiled: Compiled,
+    pub(crate) state: Mutex<ProviderState>,
+    pub(crate) observer: Option<Observer>,
+}
+
+impl Shared {
+    /// The provider state; a poisoned lock is recovered (the state stays usable for tests).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, ProviderState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn notify(&self, record: Option<AttemptRecord>) {
+        if let (Some(observer), Some(record)) = (&self.observer, record) {
+            observer(&record);
+        }
+    }
+}
+
+/// Per-connection handle that lets a handler drop its own connection.
+#[derive(Clone)]
+struct ConnControl {
+    abort: Arc<Notify>,
+}
+
+/// Builds the router: reserved `/__fake/` paths, everything else to the provider.
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/__fake/attempts", get(attempts))
+        .route("/__fake/reset", post(reset))
+        .fallback(handle)
+        .with_state(shared)
+}
+
+async fn attempts(State(shared): State<Arc<Shared>>) -> Response {
+    let body = serde_json::to_vec(shared.lock().attempts()).unwrap_or_default();
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
+}
+
+async fn reset(State(shared): State<Arc<Shared>>) -> StatusCode {
+    shared.lock().reset(&shared.compiled);
+    StatusCode::NO_CONTENT
+}
+
+async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response {
+    let control = request.extensions().get::<ConnControl>().cloned();
+    let (parts, body) = request.into_parts();
+    if parts.uri.path().starts_with("/__fake/") {
+        return (StatusCode::NOT_FOUND, "unknown reserved path\n").into_response();
+    }
+    let body = axum::body::to_bytes(body, MAX_BODY_BYTES).await.ok();
+    let now = crate::clock::now();
+    let (action, ticket, finished) = {
+        let mut state = shared.lock();
+        provider::decide(
+            &shared.compiled,
+            &mut state,
+            &Incoming {
+                method: &parts.method,
+                path: parts.uri.path(),
+                query: parts.uri.query(),
+                headers: &parts.headers,
+                body: body.as_ref(),
+            },
+            now,
+        )
+    };
+    shared.notify(finished);
+    match action {
+        Action::Reply(reply) => (reply.status, reply.headers, reply.body).into_response(),
+        Action::Stream {
+            headers,
+            events,
+            interval,
+            stream_id,
+        } => {
+            let stream = futures_util::stream::unfold(0u32, move |i| {
+                let stream_id = stream_id.clone();
+                async move {
+                    if i > events {
+                        return None;
+                    }
+                    if i > 0 {
+                        tokio::time::sleep(interval).await;
+                    }
+                    let chunk = if i == events {
+                        Bytes::from_static(b"data: [DONE]\n\n")
+                    } else {
+                        provider::stream_event(&stream_id, i)
+                    };
+                    Some((Ok::<_, Infallible>(chunk), i + 1))
+                }
+            });
+            (StatusCode::OK, headers, Body::from_stream(stream)).into_response()
+        }
+        Action::Drop { hold, outcome } => {
+            if !hold.is_zero() {
+                tokio::time::sleep(hold).await;
+            }
+            let finished = shared.lock().finish(ticket, outcome, None);
+            shared.notify(finished);
+            drop_connection(control).await
+        }
+    }
+}
+
+/// Closes the connection without a response byte. Outside a connection task of ours (e.g. the
+/// router called in-process) the best available is a body that fails at once.
+async fn drop_connection(control: Option<ConnControl>) -> Response {
+    match control {
+        Some(control) => {
+            control.abort.notify_one();
+            std::future::pending::<Response>().await
+        }
+        None => {
+            let failing = futures_util::stream::once(async {
+                Err::<Bytes, std::io::Error>(std::io::Error::other("connection dropped"))
+            });
+            Body::from_stream(failing).into_response()
+        }
+    }
+}
+
+/// Accepts connections until `shutdown` flips (or its sender is dropped).
+pub(crate) async fn accept_loop(
+    listener: TcpListener,
+    router: Router,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.changed() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, _peer): (_, SocketAddr) = match accepted {
+            Ok(pair) => pair,
+            Err(_) => {
+                // Out of descriptors or a connection reset before accept: back off briefly.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        let mut shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let abort = Arc::new(Notify::new());
+            let control = ConnControl {
+                abort: Arc::clone(&abort),
+            };
+            let service = hyper::service::service_fn(move |mut request: Request<_>| {
+                request.extensions_mut().insert(control.clone());
+                let mut router = router.clone();
+                async move { tower_service::Service::call(&mut router, request.map(Body::new)).await }
+            });
+            let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                _ = abort.notified() => {}
+                _ = shutdown.changed() => {}
+            }
+        });
+    }
+}
