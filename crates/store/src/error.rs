@@ -1,0 +1,118 @@
+//! The one error type of the store.
+//!
+//! Every variant names the place (file, table, record id, NDJSON line) and the reason, so a
+//! caller can print it as one line. The type is `Clone` because one failed group commit is
+//! reported to every caller whose operation was in that transaction.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in `backstop-store`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The database file does not exist (audit commands never create one).
+    #[error("{path}: no such database file")]
+    Missing {
+        /// The path that was asked for.
+        path: PathBuf,
+    },
+    /// The file exists but is not a SQLite database (random bytes, truncated header, …).
+    #[error("{path}: not a SQLite database ({reason})")]
+    NotSqlite {
+        /// The offending file.
+        path: PathBuf,
+        /// SQLite's own explanation.
+        reason: String,
+    },
+    /// The file is a SQLite database written by another application.
+    #[error("{path}: not a backstop database (application_id {application_id:#010x}, expected {expected:#010x})")]
+    Foreign {
+        /// The offending file.
+        path: PathBuf,
+        /// The `PRAGMA application_id` found in the file.
+        application_id: i64,
+        /// The id backstop writes.
+        expected: i64,
+    },
+    /// The schema version (`PRAGMA user_version`) is newer than this build understands.
+    #[error("{path}: schema version {found} is newer than this build supports ({supported}); upgrade backstop")]
+    TooNew {
+        /// The offending file.
+        path: PathBuf,
+        /// The version found in the file.
+        found: i64,
+        /// The newest version this build can migrate to.
+        supported: i64,
+    },
+    /// A SQLite error while reading or writing.
+    #[error("sqlite: {0}")]
+    Sqlite(String),
+    /// A record the operation needs does not exist.
+    #[error("{what} not found")]
+    NotFound {
+        /// Which record, e.g. `action 17`.
+        what: String,
+    },
+    /// The same idempotency key was reused with a different payload
+    /// (IETF Idempotency-Key draft: answer 422 to the agent).
+    #[error("idempotency key {key:?} of agent {agent:?} is already bound to action {existing} with a different payload digest")]
+    KeyReuse {
+        /// The agent that sent the key.
+        agent: String,
+        /// The reused key.
+        key: String,
+        /// The action the key already belongs to.
+        existing: i64,
+    },
+    /// The operation is not allowed in the record's current state (e.g. sending a finished or
+    /// cancelled action, deciding an escalation twice).
+    #[error("{what}: {reason}")]
+    InvalidTransition {
+        /// Which record, e.g. `action 17`.
+        what: String,
+        /// Why the transition is refused.
+        reason: String,
+    },
+    /// An argument failed validation before touching the database.
+    #[error("invalid {field}: {reason}")]
+    Invalid {
+        /// The argument's name.
+        field: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A stored value could not be decoded (the database was edited by hand or is corrupt).
+    #[error("corrupt record in {table}: {reason}")]
+    Corrupt {
+        /// The table the record came from.
+        table: &'static str,
+        /// What could not be decoded.
+        reason: String,
+    },
+    /// The writer thread is gone (the store is shutting down or crashed).
+    #[error("the store's writer thread is not running")]
+    WriterGone,
+    /// Reading an NDJSON audit export failed.
+    #[error("{place}: line {line}: {reason}")]
+    BadExportLine {
+        /// The file (or `-` for stdin).
+        place: String,
+        /// 1-based line number.
+        line: usize,
+        /// Why the line could not be read as an audit event.
+        reason: String,
+    },
+    /// An I/O error outside SQLite (reading an export file).
+    #[error("{place}: {reason}")]
+    Io {
+        /// The file involved.
+        place: String,
+        /// The operating system's explanation.
+        reason: String,
+    },
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        StoreError::Sqlite(e.to_string())
+    }
+}

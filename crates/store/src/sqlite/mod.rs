@@ -1,0 +1,488 @@
+//! The embedded SQLite implementation of [`Store`], and the read-only [`AuditReader`].
+//!
+//! # Durability and group commit
+//! One writer thread owns the only write connection (WAL, `synchronous=FULL`, so every commit
+//! is fsync'd before it returns). Callers hand it operations over a channel and block on their
+//! own reply. The writer takes the first waiting operation, drains whatever else is queued (up to
+//! [`MAX_BATCH`]), runs each inside its own savepoint of one `BEGIN IMMEDIATE` transaction and
+//! commits once: many concurrent actions share one fsync. An operation that fails is rolled back
+//! to its savepoint and answered with its error; the others still commit. Replies are sent only
+//! after `COMMIT` returned, so when [`Store::mark_attempt_sent`] returns `Ok`, its `action_sent`
+//! event is on disk and the request's bytes may leave.
+//!
+//! Readers use separate connections from a small pool and never wait for the writer (WAL).
+//! Read actions may be recorded off the hot path by the caller (e.g. from a background task);
+//! the store offers one durability level for everything.
+
+mod ops;
+mod rows;
+mod schema;
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use jiff::Timestamp;
+use rusqlite::Connection;
+
+pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
+
+use crate::audit::{verify_chain, AuditEvent, Chain, ChainHead, Verdict};
+use crate::error::StoreError;
+use crate::model::{
+    ActionId, ActionRecord, Admission, AttemptRecord, AttemptResult, CancelReport, DueRetry,
+    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, RouteTemplate, ScopeRecord,
+    ScopeUpdate, TaskRecord, UnfinishedAttempt,
+};
+use crate::store::Store;
+use ops::WriteTx;
+
+/// Most operations committed in one transaction.
+pub const MAX_BATCH: usize = 1024;
+
+type Completion = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+/// An operation for the writer: run it in the open transaction (`Some`), or, when the
+/// transaction could not begin (`None`), only produce its completion.
+type Job = Box<dyn FnOnce(Option<&mut WriteTx<'_>>) -> (bool, Completion) + Send>;
+
+/// backstop's state in one SQLite file. See the module docs for durability.
+pub struct SqliteStore {
+    path: PathBuf,
+    jobs: Mutex<Option<SyncSender<Job>>>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    readers: Mutex<Vec<Connection>>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if missing) and migrates a store at `path`, and starts its writer thread.
+    ///
+    /// # Errors
+    /// [`StoreError::NotSqlite`], [`StoreError::Foreign`] or [`StoreError::TooNew`] when the
+    /// file is not a backstop database this build can use (it is then left untouched);
+    /// [`StoreError::Sqlite`] for I/O problems.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        Self::start(path.as_ref(), true)
+    }
+
+    /// Like [`SqliteStore::open`], but never creates a file.
+    ///
+    /// # Errors
+    /// [`StoreError::Missing`] when the file does not exist; otherwise as [`SqliteStore::open`].
+    pub fn open_existing(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        Self::start(path.as_ref(), false)
+    }
+
+    fn start(path: &Path, create: bool) -> Result<Self, StoreError> {
+        let conn = schema::open_writer(path, create)?;
+        let head = rows::audit_head(&conn)?;
+        let chain = Chain::after(head.as_ref());
+        let (tx, rx) = mpsc::sync_channel::<Job>(4 * MAX_BATCH);
+        let writer = std::thread::Builder::new()
+            .name("backstop-store-writer".into())
+            .spawn(move || writer_loop(conn, chain, rx))
+            .map_err(|e| StoreError::Sqlite(format!("cannot start the writer thread: {e}")))?;
+        Ok(SqliteStore {
+            path: path.to_owned(),
+            jobs: Mutex::new(Some(tx)),
+            writer: Mutex::new(Some(writer)),
+            readers: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `op` in the next group commit and waits until that commit is durable.
+    fn submit<T, F>(&self, op: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
+    {
+        let (reply_tx, reply_rx) = mpsc::sync_channel::<Result<T, StoreError>>(1);
+        let job: Job = Box::new(move |tx: Option<&mut WriteTx<'_>>| {
+            let result = match tx {
+                Some(tx) => op(tx),
+                // Replaced by the commit error the completion receives.
+                None => Err(StoreError::WriterGone),
+            };
+            let ok = result.is_ok();
+            let done: Completion = Box::new(move |commit: Result<(), StoreError>| {
+                let reply = match (result, commit) {
+                    (_, Err(e)) => Err(e),
+                    (Err(e), Ok(())) => Err(e),
+                    (Ok(v), Ok(())) => Ok(v),
+                };
+                // The caller may have given up; nobody to tell then.
+                let _ = reply_tx.send(reply);
+            });
+            (ok, done)
+        });
+        let sender = self
+            .jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .ok_or(StoreError::WriterGone)?;
+        sender.send(job).map_err(|_| StoreError::WriterGone)?;
+        reply_rx.recv().map_err(|_| StoreError::WriterGone)?
+    }
+
+    /// Runs `f` on a pooled read connection.
+    fn read<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let pooled = self
+            .readers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let conn = match pooled {
+            Some(c) => c,
+            None => schema::open_reader(&self.path, false)?,
+        };
+        let result = f(&conn);
+        self.readers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(conn);
+        result
+    }
+
+    /// Verifies the whole audit chain in this database. See [`verify_chain`].
+    ///
+    /// # Errors
+    /// Storage errors; a chain break is a [`Verdict::Broken`], not an error.
+    pub fn verify_audit(&self, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
+        self.read(|conn| verify_connection(conn, expect_head))
+    }
+}
+
+impl Drop for SqliteStore {
+    fn drop(&mut self) {
+        // Closing the channel ends the writer loop after it finished the queued operations.
+        self.jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(handle) = self
+            .writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            let _ = handle.join();
+        }
+    }
+}
+
+fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>) {
+    let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    while let Ok(first) = rx.recv() {
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let before = chain.clone();
+        let mut completions: Vec<Completion> = Vec::with_capacity(batch.len());
+        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+            let e = StoreError::from(e);
+            for job in batch.drain(..) {
+                let (_, done) = job(None);
+                done(Err(e.clone()));
+            }
+            continue;
+        }
+        for job in batch.drain(..) {
+            let snapshot = chain.clone();
+            let saved = conn.execute_batch("SAVEPOINT op").is_ok();
+            let mut tx = WriteTx {
+                conn: &conn,
+                chain: &mut chain,
+            };
+            let (ok, done) = job(Some(&mut tx));
+            if ok && saved {
+                let _ = conn.execute_batch("RELEASE op");
+            } else {
+                let _ = conn.execute_batch("ROLLBACK TO op; RELEASE op");
+                chain = snapshot;
+            }
+            completions.push(done);
+        }
+        let committed = conn.execute_batch("COMMIT").map_err(StoreError::from);
+        if committed.is_err() {
+            let _ = conn.execute_batch("ROLLBACK");
+            chain = before;
+        }
+        for done in completions {
+            done(committed.clone());
+        }
+    }
+}
+
+fn verify_connection(conn: &Connection, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
+    let seqs = rows::audit_seqs(conn)?;
+    let events = EventChunks {
+        conn,
+        since: 0,
+        buf: std::collections::VecDeque::new(),
+        done: false,
+    };
+    verify_chain(&seqs, events, expect_head)
+}
+
+/// Streams the audit log in `seq` order, [`CHUNK`] events per query, so verifying a large log
+/// needs memory for one chunk only.
+struct EventChunks<'a> {
+    conn: &'a Connection,
+    since: u64,
+    buf: std::collections::VecDeque<Result<AuditEvent, StoreError>>,
+    done: bool,
+}
+
+const CHUNK: usize = 4096;
+
+impl Iterator for EventChunks<'_> {
+    type Item = Result<AuditEvent, StoreError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.buf.is_empty() && !self.done {
+            let buf = &mut self.buf;
+            let mut last = None;
+            let read = rows::for_each_event(self.conn, self.since, Some(CHUNK), |e| {
+                if let Ok(e) = &e {
+                    last = Some(e.seq);
+                }
+                buf.push_back(e);
+                true
+            });
+            if let Err(e) = read {
+                self.buf.push_back(Err(e));
+            }
+            match last {
+                Some(seq) if self.buf.len() == CHUNK => self.since = seq,
+                _ => self.done = true,
+            }
+        }
+        self.buf.pop_front()
+    }
+}
+
+impl Store for SqliteStore {
+    fn open_task(&self, task: NewTask, at: Timestamp) -> Result<(), StoreError> {
+        self.submit(move |tx| tx.open_task(task, at))
+    }
+
+    fn record_action(&self, action: NewAction, at: Timestamp) -> Result<Admission, StoreError> {
+        self.submit(move |tx| tx.record_action(action, at))
+    }
+
+    fn mark_attempt_sent(&self, action: ActionId, at: Timestamp) -> Result<u32, StoreError> {
+        self.submit(move |tx| tx.mark_attempt_sent(action, at))
+    }
+
+    fn record_result(&self, result: AttemptResult, at: Timestamp) -> Result<(), StoreError> {
+        self.submit(move |tx| tx.record_result(result, at))
+    }
+
+    fn finish_action(
+        &self,
+        action: ActionId,
+        finish: Finish,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.submit(move |tx| tx.finish_action(action, finish, at))
+    }
+
+    fn record_reconciled(
+        &self,
+        action: ActionId,
+        provider_operation_id: Option<String>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.submit(move |tx| tx.record_reconciled(action, provider_operation_id, at))
+    }
+
+    fn schedule_retry(
+        &self,
+        action: ActionId,
+        due_at: Timestamp,
+        at: Timestamp,
+    ) -> Result<JobId, StoreError> {
+        self.submit(move |tx| tx.schedule_retry(action, due_at, at))
+    }
+
+    fn claim_due(
+        &self,
+        now: Timestamp,
+        limit: usize,
+        claimed_by: &str,
+    ) -> Result<Vec<DueRetry>, StoreError> {
+        let claimed_by = claimed_by.to_owned();
+        self.submit(move |tx| tx.claim_due(now, limit, &claimed_by))
+    }
+
+    fn update_scope(&self, update: ScopeUpdate, at: Timestamp) -> Result<ScopeRecord, StoreError> {
+        self.submit(move |tx| tx.update_scope(update, at))
+    }
+
+    fn open_escalation(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        self.submit(move |tx| tx.open_escalation(action, case_file, at))
+    }
+
+    fn decide_escalation(
+        &self,
+        escalation: EscalationId,
+        decision: &str,
+        decided_by: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (decision, decided_by) = (decision.to_owned(), decided_by.to_owned());
+        self.submit(move |tx| tx.decide_escalation(escalation, &decision, &decided_by, at))
+    }
+
+    fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError> {
+        let task = task.to_owned();
+        self.submit(move |tx| tx.cancel_task(&task, at))
+    }
+
+    fn record_circuit_opened(
+        &self,
+        task: &str,
+        provider: &str,
+        method: &str,
+        route: &RouteTemplate,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (task, provider, method, route) = (
+            task.to_owned(),
+            provider.to_owned(),
+            method.to_owned(),
+            route.clone(),
+        );
+        self.submit(move |tx| tx.record_circuit_opened(&task, &provider, &method, &route, at))
+    }
+
+    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        self.read(|c| rows::task(c, id))
+    }
+
+    fn action(&self, id: ActionId) -> Result<Option<ActionRecord>, StoreError> {
+        self.read(|c| rows::action(c, id))
+    }
+
+    fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError> {
+        self.read(|c| rows::attempts(c, action))
+    }
+
+    fn unfinished_attempts(&self) -> Result<Vec<UnfinishedAttempt>, StoreError> {
+        self.read(rows::unfinished_attempts)
+    }
+
+    fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError> {
+        self.read(|c| rows::scope(c, provider, scope))
+    }
+
+    fn escalation(&self, id: EscalationId) -> Result<Option<EscalationRecord>, StoreError> {
+        self.read(|c| rows::escalation(c, id))
+    }
+
+    fn open_escalations(&self) -> Result<Vec<EscalationRecord>, StoreError> {
+        self.read(rows::open_escalations)
+    }
+
+    fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError> {
+        self.read(|c| rows::audit_events(c, since, limit))
+    }
+
+    fn audit_head(&self) -> Result<Option<ChainHead>, StoreError> {
+        self.read(rows::audit_head)
+    }
+}
+
+/// Read-only access to the audit log of an existing backstop database, for
+/// `backstop audit verify|export|head`. Opening never creates or migrates a file.
+#[derive(Debug)]
+pub struct AuditReader {
+    conn: Connection,
+}
+
+impl AuditReader {
+    /// Opens `path` read-only and checks it is a backstop database of this schema version.
+    ///
+    /// # Errors
+    /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::Foreign`],
+    /// [`StoreError::TooNew`], or [`StoreError::Sqlite`] naming the file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        Ok(AuditReader {
+            conn: schema::open_reader(path.as_ref(), true)?,
+        })
+    }
+
+    /// The chain head, or `None` for an empty log.
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn head(&self) -> Result<Option<ChainHead>, StoreError> {
+        rows::audit_head(&self.conn)
+    }
+
+    /// Writes every event with `seq > since` as NDJSON to `out`; returns how many.
+    ///
+    /// # Errors
+    /// Storage errors, or [`StoreError::Io`] when `out` fails.
+    pub fn export<W: std::io::Write>(&self, since: u64, out: &mut W) -> Result<u64, StoreError> {
+        let mut count = 0u64;
+        let mut failure = None;
+        rows::for_each_event(&self.conn, since, None, |e| match e {
+            Ok(e) => match crate::audit::write_export(out, [&e]) {
+                Ok(()) => {
+                    count += 1;
+                    true
+                }
+                Err(io) => {
+                    failure = Some(StoreError::Io {
+                        place: "stdout".into(),
+                        reason: io.to_string(),
+                    });
+                    false
+                }
+            },
+            Err(e) => {
+                failure = Some(e);
+                false
+            }
+        })?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(count),
+        }
+    }
+
+    /// Verifies the chain. See [`verify_chain`].
+    ///
+    /// # Errors
+    /// Storage errors; a chain break is a [`Verdict::Broken`], not an error.
+    pub fn verify(&self, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
+        verify_connection(&self.conn, expect_head)
+    }
+}

@@ -1,0 +1,684 @@
+//! The write operations, each run inside the writer's transaction (one savepoint per
+//! operation, many operations per group commit).
+
+use jiff::Timestamp;
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::rows::{self, ms};
+use crate::audit::{format_instant, AuditEvent, Chain, EventKind};
+use crate::error::StoreError;
+use crate::model::{
+    ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport, DueRetry,
+    EscalationId, Finish, JobId, NewAction, NewTask, Outcome, RouteTemplate, ScopeRecord,
+    ScopeUpdate,
+};
+
+/// The writer's connection inside an open transaction, plus the chain it appends to.
+pub(crate) struct WriteTx<'a> {
+    pub(crate) conn: &'a Connection,
+    pub(crate) chain: &'a mut Chain,
+}
+
+/// The descriptive fields of an action copied into its events.
+struct ActionFacts {
+    task: String,
+    provider: String,
+    method: String,
+    route: String,
+    request_class: String,
+    idempotency_key: String,
+    state: ActionState,
+    outcome: Option<Outcome>,
+    cancelled: bool,
+}
+
+impl WriteTx<'_> {
+    fn append(&mut self, mut event: AuditEvent) -> Result<(), StoreError> {
+        self.chain.seal(&mut event);
+        rows::insert_event(self.conn, &event)
+    }
+
+    fn facts(&self, action: ActionId) -> Result<ActionFacts, StoreError> {
+        let row = self
+            .conn
+            .prepare_cached(
+                "SELECT a.task_id, a.provider, a.method, a.route, a.request_class, \
+                 a.idempotency_key, a.state, a.outcome, t.cancelled_at_ms IS NOT NULL \
+                 FROM actions a JOIN tasks t ON t.id = a.task_id WHERE a.id = ?1",
+            )?
+            .query_row(params![action.0], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, String>(3)?,
+                    r.get::<_, String>(4)?,
+                    r.get::<_, String>(5)?,
+                    r.get::<_, String>(6)?,
+                    r.get::<_, Option<String>>(7)?,
+                    r.get::<_, bool>(8)?,
+                ))
+            })
+            .optional()?;
+        let Some((
+            task,
+            provider,
+            method,
+            route,
+            request_class,
+            idempotency_key,
+            state,
+            outcome,
+            cancelled,
+        )) = row
+        else {
+            return Err(StoreError::NotFound {
+                what: format!("action {action}"),
+            });
+        };
+        let corrupt = |e: StoreError| StoreError::Corrupt {
+            table: "actions",
+            reason: format!("action {action}: {e}"),
+        };
+        Ok(ActionFacts {
+            task,
+            provider,
+            method,
+            route,
+            request_class,
+            idempotency_key,
+            state: ActionState::parse(&state).map_err(corrupt)?,
+            outcome: outcome
+                .as_deref()
+                .map(Outcome::parse)
+                .transpose()
+                .map_err(corrupt)?,
+            cancelled,
+        })
+    }
+
+    fn action_event(kind: EventKind, at: &str, action: ActionId, f: &ActionFacts) -> AuditEvent {
+        let mut e = AuditEvent::new(kind.as_str(), at);
+        e.task = Some(f.task.clone());
+        e.action = Some(action.0);
+        e.provider = Some(f.provider.clone());
+        e.route = Some(f.route.clone());
+        e.method = Some(f.method.clone());
+        e
+    }
+
+    pub(crate) fn open_task(&mut self, task: NewTask, at: Timestamp) -> Result<(), StoreError> {
+        if let Some(existing) = rows::task(self.conn, &task.id)? {
+            if existing.agent == task.agent {
+                return Ok(());
+            }
+            return Err(StoreError::InvalidTransition {
+                what: format!("task {:?}", task.id),
+                reason: format!("already opened by agent {:?}", existing.agent),
+            });
+        }
+        self.conn
+            .prepare_cached(
+                "INSERT INTO tasks (id, agent, priority, deadline_ms, created_at_ms) \
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?
+            .execute(params![
+                task.id,
+                task.agent,
+                task.priority.as_str(),
+                task.deadline.map(ms),
+                ms(at)
+            ])?;
+        let mut e = AuditEvent::new(EventKind::TaskOpened.as_str(), &format_instant(at));
+        e.task = Some(task.id);
+        self.append(e)
+    }
+
+    pub(crate) fn record_action(
+        &mut self,
+        new: NewAction,
+        at: Timestamp,
+    ) -> Result<Admission, StoreError> {
+        let task = rows::task(self.conn, &new.task_id)?.ok_or_else(|| StoreError::NotFound {
+            what: format!("task {:?}", new.task_id),
+        })?;
+        if task.cancelled_at.is_some() {
+            return Err(StoreError::InvalidTransition {
+                what: format!("task {:?}", task.id),
+                reason: "cancelled; it takes no new actions".into(),
+            });
+        }
+        let existing = self
+            .conn
+            .prepare_cached(
+                "SELECT id, payload_digest FROM actions WHERE agent = ?1 AND idempotency_key = ?2",
+            )?
+            .query_row(params![task.agent, new.idempotency_key], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+            })
+            .optional()?;
+        if let Some((id, digest)) = existing {
+            if digest != new.payload_digest.as_str() {
+                return Err(StoreError::KeyReuse {
+                    agent: task.agent,
+                    key: new.idempotency_key,
+                    existing: id,
+                });
+            }
+            let record =
+                rows::action(self.conn, ActionId(id))?.ok_or_else(|| StoreError::NotFound {
+                    what: format!("action {id}"),
+                })?;
+            return Ok(Admission::Existing(Box::new(record)));
+        }
+        self.conn
+            .prepare_cached(
+                "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
+                 payload_digest, idempotency_key, external_reference, state, created_at_ms, \
+                 updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11)",
+            )?
+            .execute(params![
+                new.task_id,
+                task.agent,
+                new.provider,
+                new.method,
+                new.route.as_str(),
+                new.request_class,
+                new.payload_digest.as_str(),
+                new.idempotency_key,
+                new.external_reference,
+                ActionState::Requested.as_str(),
+                ms(at),
+            ])?;
+        let id = ActionId(self.conn.last_insert_rowid());
+        let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
+        e.task = Some(new.task_id);
+        e.action = Some(id.0);
+        e.provider = Some(new.provider);
+        e.route = Some(new.route.as_str().to_owned());
+        e.method = Some(new.method);
+        e.request_class = Some(new.request_class);
+        e.idempotency_key = Some(new.idempotency_key);
+        e.payload_digest = Some(new.payload_digest.as_str().to_owned());
+        self.append(e)?;
+        Ok(Admission::New(id))
+    }
+
+    pub(crate) fn mark_attempt_sent(
+        &mut self,
+        action: ActionId,
+        at: Timestamp,
+    ) -> Result<u32, StoreError> {
+        let f = self.facts(action)?;
+        let refuse = |reason: String| StoreError::InvalidTransition {
+            what: format!("action {action}"),
+            reason,
+        };
+        if f.cancelled {
+            return Err(refuse(format!(
+                "task {:?} is cancelled; it never sends again",
+                f.task
+            )));
+        }
+        match f.state {
+            ActionState::Finished => {
+                let outcome = f.outcome.map_or("none", |o| o.as_str());
+                return Err(refuse(format!("already finished with outcome {outcome}")));
+            }
+            ActionState::InFlight => {
+                return Err(refuse(
+                    "an attempt is still in flight without a result".into(),
+                ))
+            }
+            _ => {}
+        }
+        let n: i64 = self
+            .conn
+            .prepare_cached("SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE action_id = ?1")?
+            .query_row(params![action.0], |r| r.get(0))?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (?1, ?2, 'sent', ?3)",
+            )?
+            .execute(params![action.0, n, ms(at)])?;
+        self.set_state(action, ActionState::InFlight, at)?;
+        let n = u32::try_from(n).map_err(|_| refuse(format!("attempt number {n} out of range")))?;
+        let mut e = Self::action_event(EventKind::ActionSent, &format_instant(at), action, &f);
+        e.attempt = Some(n);
+        e.request_class = Some(f.request_class);
+        e.idempotency_key = Some(f.idempotency_key);
+        self.append(e)?;
+        Ok(n)
+    }
+
+    fn set_state(
+        &self,
+        action: ActionId,
+        state: ActionState,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached("UPDATE actions SET state = ?2, updated_at_ms = ?3 WHERE id = ?1")?
+            .execute(params![action.0, state.as_str(), ms(at)])?;
+        Ok(())
+    }
+
+    pub(crate) fn record_result(
+        &mut self,
+        result: AttemptResult,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let action = result.action;
+        let f = self.facts(action)?;
+        let state: Option<String> = self
+            .conn
+            .prepare_cached("SELECT state FROM attempts WHERE action_id = ?1 AND n = ?2")?
+            .query_row(params![action.0, result.attempt], |r| r.get(0))
+            .optional()?;
+        match state.as_deref() {
+            None => {
+                return Err(StoreError::NotFound {
+                    what: format!("attempt {} of action {action}", result.attempt),
+                })
+            }
+            Some("sent") => {}
+            Some(_) => {
+                return Err(StoreError::InvalidTransition {
+                    what: format!("attempt {} of action {action}", result.attempt),
+                    reason: "already has a result".into(),
+                })
+            }
+        }
+        self.conn
+            .prepare_cached(
+                "UPDATE attempts SET state = 'finished', status = ?3, disposition = ?4, \
+                 finished_at_ms = ?5 WHERE action_id = ?1 AND n = ?2",
+            )?
+            .execute(params![
+                action.0,
+                result.attempt,
+                result.status,
+                result.disposition.as_str(),
+                ms(at)
+            ])?;
+        self.conn
+            .prepare_cached(
+                "UPDATE actions SET provider_operation_id = COALESCE(?2, provider_operation_id), \
+                 state = CASE WHEN state = 'finished' THEN state ELSE 'attempted' END, \
+                 updated_at_ms = ?3 WHERE id = ?1",
+            )?
+            .execute(params![action.0, result.provider_operation_id, ms(at)])?;
+        let at_text = format_instant(at);
+        let mut e = Self::action_event(EventKind::ActionResult, &at_text, action, &f);
+        e.attempt = Some(result.attempt);
+        e.status = result.status;
+        e.disposition = Some(result.disposition.as_str().to_owned());
+        e.boundary = result.boundary.map(|b| match b {
+            Boundary::Unknown => "unknown".to_owned(),
+            Boundary::At(t) => format_instant(t),
+        });
+        e.source = result.source;
+        self.append(e)?;
+        if let Some(finish) = result.finish {
+            self.finish_action(action, finish, at)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn finish_action(
+        &mut self,
+        action: ActionId,
+        finish: Finish,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let f = self.facts(action)?;
+        if f.state == ActionState::Finished
+            && !matches!(
+                f.outcome,
+                Some(Outcome::ReconciliationRequired) | Some(Outcome::Escalated)
+            )
+        {
+            return Err(StoreError::InvalidTransition {
+                what: format!("action {action}"),
+                reason: format!(
+                    "already finished with outcome {}",
+                    f.outcome.map_or("none", |o| o.as_str())
+                ),
+            });
+        }
+        let context = serde_json::to_string(&finish.context).map_err(|e| StoreError::Invalid {
+            field: "outcome context",
+            reason: e.to_string(),
+        })?;
+        let (status, headers, body) = match &finish.response {
+            Some(r) => (
+                Some(r.status),
+                Some(
+                    serde_json::to_string(&r.headers).map_err(|e| StoreError::Invalid {
+                        field: "response headers",
+                        reason: e.to_string(),
+                    })?,
+                ),
+                Some(r.body.as_slice()),
+            ),
+            None => (None, None, None),
+        };
+        self.conn
+            .prepare_cached(
+                "UPDATE actions SET state = 'finished', outcome = ?2, outcome_context = ?3, \
+                 response_status = COALESCE(?4, response_status), \
+                 response_headers = COALESCE(?5, response_headers), \
+                 response_body = COALESCE(?6, response_body), updated_at_ms = ?7 WHERE id = ?1",
+            )?
+            .execute(params![
+                action.0,
+                finish.outcome.as_str(),
+                context,
+                status,
+                headers,
+                body,
+                ms(at)
+            ])?;
+        self.conn
+            .prepare_cached(
+                "DELETE FROM scheduled_retries WHERE action_id = ?1 AND claimed_at_ms IS NULL",
+            )?
+            .execute(params![action.0])?;
+        let kind = match finish.outcome {
+            Outcome::BudgetExhausted => EventKind::BudgetExhausted,
+            Outcome::DeadlineExhausted => EventKind::DeadlineExhausted,
+            Outcome::ReconciliationRequired => EventKind::ReconciliationRequired,
+            Outcome::Escalated => EventKind::Escalated,
+            Outcome::Cancelled => EventKind::Cancelled,
+            _ => EventKind::ActionFinished,
+        };
+        let mut e = Self::action_event(kind, &format_instant(at), action, &f);
+        e.outcome = Some(finish.outcome.as_str().to_owned());
+        self.append(e)
+    }
+
+    pub(crate) fn record_reconciled(
+        &mut self,
+        action: ActionId,
+        provider_operation_id: Option<String>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let f = self.facts(action)?;
+        self.conn
+            .prepare_cached(
+                "UPDATE actions SET state = 'finished', outcome = 'succeeded', \
+                 provider_operation_id = COALESCE(?2, provider_operation_id), \
+                 outcome_context = COALESCE(outcome_context, '{\"reconciled\":true}'), \
+                 updated_at_ms = ?3 WHERE id = ?1",
+            )?
+            .execute(params![action.0, provider_operation_id, ms(at)])?;
+        let mut e = Self::action_event(EventKind::Reconciled, &format_instant(at), action, &f);
+        e.outcome = Some(Outcome::Succeeded.as_str().to_owned());
+        e.idempotency_key = Some(f.idempotency_key);
+        self.append(e)
+    }
+
+    pub(crate) fn schedule_retry(
+        &mut self,
+        action: ActionId,
+        due_at: Timestamp,
+        at: Timestamp,
+    ) -> Result<JobId, StoreError> {
+        let f = self.facts(action)?;
+        if f.cancelled || f.state == ActionState::Finished {
+            return Err(StoreError::InvalidTransition {
+                what: format!("action {action}"),
+                reason: if f.cancelled {
+                    format!("task {:?} is cancelled", f.task)
+                } else {
+                    "already finished".into()
+                },
+            });
+        }
+        self.conn
+            .prepare_cached("INSERT INTO scheduled_retries (action_id, due_at_ms) VALUES (?1, ?2)")?
+            .execute(params![action.0, ms(due_at)])?;
+        let job = JobId(self.conn.last_insert_rowid());
+        self.set_state(action, ActionState::Waiting, at)?;
+        let mut e = Self::action_event(EventKind::RetryScheduled, &format_instant(at), action, &f);
+        e.job = Some(job.0);
+        e.due_at = Some(format_instant(due_at));
+        self.append(e)?;
+        Ok(job)
+    }
+
+    pub(crate) fn claim_due(
+        &mut self,
+        now: Timestamp,
+        limit: usize,
+        claimed_by: &str,
+    ) -> Result<Vec<DueRetry>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let due: Vec<(i64, i64, i64)> = {
+            let mut stmt = self.conn.prepare_cached(
+                "SELECT r.job_id, r.action_id, r.due_at_ms FROM scheduled_retries r \
+                 JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.id = a.task_id \
+                 WHERE r.claimed_at_ms IS NULL AND r.due_at_ms <= ?1 \
+                 AND t.cancelled_at_ms IS NULL AND a.state != 'finished' \
+                 ORDER BY r.due_at_ms, r.job_id LIMIT ?2",
+            )?;
+            let rows = stmt.query_map(params![ms(now), limit], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?;
+            rows.collect::<Result<_, _>>()?
+        };
+        let at_text = format_instant(now);
+        let mut out = Vec::with_capacity(due.len());
+        for (job, action, due_at_ms) in due {
+            self.conn
+                .prepare_cached(
+                    "UPDATE scheduled_retries SET claimed_at_ms = ?2, claimed_by = ?3 WHERE job_id = ?1",
+                )?
+                .execute(params![job, ms(now), claimed_by])?;
+            let action = ActionId(action);
+            let due_at = rows::from_ms("scheduled_retries", due_at_ms)?;
+            let f = self.facts(action)?;
+            let mut e = Self::action_event(EventKind::RetryStarted, &at_text, action, &f);
+            e.job = Some(job);
+            e.due_at = Some(format_instant(due_at));
+            self.append(e)?;
+            out.push(DueRetry {
+                job: JobId(job),
+                action,
+                due_at,
+            });
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn update_scope(
+        &mut self,
+        update: ScopeUpdate,
+        at: Timestamp,
+    ) -> Result<ScopeRecord, StoreError> {
+        let old = rows::scope(self.conn, &update.provider, &update.scope)?;
+        let next_allowed_at = match (
+            old.as_ref().and_then(|o| o.next_allowed_at),
+            update.next_allowed_at,
+        ) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.conn
+            .prepare_cached(
+                "INSERT INTO scope_records (provider, scope, next_allowed_at_ms, remaining, limit_, \
+                 reset_at_ms, source, updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+                 ON CONFLICT (provider, scope) DO UPDATE SET \
+                 next_allowed_at_ms = excluded.next_allowed_at_ms, remaining = excluded.remaining, \
+                 limit_ = excluded.limit_, reset_at_ms = excluded.reset_at_ms, \
+                 source = excluded.source, updated_at_ms = excluded.updated_at_ms",
+            )?
+            .execute(params![
+                update.provider,
+                update.scope,
+                next_allowed_at.map(ms),
+                update.remaining.map(to_i64),
+                update.limit.map(to_i64),
+                update.reset_at.map(ms),
+                update.source,
+                ms(at)
+            ])?;
+        let record = ScopeRecord {
+            provider: update.provider,
+            scope: update.scope,
+            next_allowed_at,
+            remaining: update.remaining,
+            limit: update.limit,
+            reset_at: update.reset_at,
+            source: update.source,
+        };
+        let mut e = AuditEvent::new(EventKind::ScopeUpdated.as_str(), &format_instant(at));
+        e.provider = Some(record.provider.clone());
+        e.scope = Some(record.scope.clone());
+        e.boundary = record.next_allowed_at.map(format_instant);
+        e.remaining = record.remaining;
+        e.limit = record.limit;
+        e.source = Some(record.source.clone());
+        self.append(e)?;
+        Ok(record)
+    }
+
+    pub(crate) fn open_escalation(
+        &mut self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        let f = self.facts(action)?;
+        let case_text = serde_json::to_string(&case_file).map_err(|e| StoreError::Invalid {
+            field: "case_file",
+            reason: e.to_string(),
+        })?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO escalations (action_id, case_file, state, opened_at_ms) \
+                 VALUES (?1, ?2, 'open', ?3)",
+            )?
+            .execute(params![action.0, case_text, ms(at)])?;
+        let id = EscalationId(self.conn.last_insert_rowid());
+        self.conn
+            .prepare_cached(
+                "UPDATE actions SET state = 'finished', outcome = 'escalated', \
+                 outcome_context = ?2, updated_at_ms = ?3 WHERE id = ?1",
+            )?
+            .execute(params![
+                action.0,
+                serde_json::json!({ "escalation": id.0 }).to_string(),
+                ms(at)
+            ])?;
+        self.conn
+            .prepare_cached(
+                "DELETE FROM scheduled_retries WHERE action_id = ?1 AND claimed_at_ms IS NULL",
+            )?
+            .execute(params![action.0])?;
+        let mut e = Self::action_event(EventKind::Escalated, &format_instant(at), action, &f);
+        e.escalation = Some(id.0);
+        e.outcome = Some(Outcome::Escalated.as_str().to_owned());
+        self.append(e)?;
+        Ok(id)
+    }
+
+    pub(crate) fn decide_escalation(
+        &mut self,
+        escalation: EscalationId,
+        decision: &str,
+        decided_by: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let record =
+            rows::escalation(self.conn, escalation)?.ok_or_else(|| StoreError::NotFound {
+                what: format!("escalation {}", escalation.0),
+            })?;
+        if record.decision.is_some() {
+            return Err(StoreError::InvalidTransition {
+                what: format!("escalation {}", escalation.0),
+                reason: "already decided".into(),
+            });
+        }
+        self.conn
+            .prepare_cached(
+                "UPDATE escalations SET state = 'decided', decision = ?2, decided_by = ?3, \
+                 decided_at_ms = ?4 WHERE id = ?1",
+            )?
+            .execute(params![escalation.0, decision, decided_by, ms(at)])?;
+        let f = self.facts(record.action)?;
+        let mut e = Self::action_event(EventKind::Decision, &format_instant(at), record.action, &f);
+        e.escalation = Some(escalation.0);
+        e.decision = Some(decision.to_owned());
+        e.decided_by = Some(decided_by.to_owned());
+        self.append(e)
+    }
+
+    pub(crate) fn cancel_task(
+        &mut self,
+        task: &str,
+        at: Timestamp,
+    ) -> Result<CancelReport, StoreError> {
+        let record = rows::task(self.conn, task)?.ok_or_else(|| StoreError::NotFound {
+            what: format!("task {task:?}"),
+        })?;
+        if record.cancelled_at.is_some() {
+            return Ok(CancelReport::default());
+        }
+        self.conn
+            .prepare_cached("UPDATE tasks SET cancelled_at_ms = ?2 WHERE id = ?1")?
+            .execute(params![task, ms(at)])?;
+        let retries_dropped = self
+            .conn
+            .prepare_cached(
+                "DELETE FROM scheduled_retries WHERE claimed_at_ms IS NULL AND action_id IN \
+                 (SELECT id FROM actions WHERE task_id = ?1)",
+            )?
+            .execute(params![task])? as u64;
+        let at_text = format_instant(at);
+        let mut e = AuditEvent::new(EventKind::Cancelled.as_str(), &at_text);
+        e.task = Some(task.to_owned());
+        self.append(e)?;
+        // In-flight actions keep their state: their result (or reconciliation) must still be
+        // recorded, since the provider may have acted.
+        let open: Vec<i64> = {
+            let mut stmt = self.conn.prepare_cached(
+                "SELECT id FROM actions WHERE task_id = ?1 AND state IN ('requested', 'attempted', 'waiting') ORDER BY id",
+            )?;
+            let rows = stmt.query_map(params![task], |r| r.get(0))?;
+            rows.collect::<Result<_, _>>()?
+        };
+        for id in &open {
+            self.finish_action(
+                ActionId(*id),
+                Finish {
+                    outcome: Outcome::Cancelled,
+                    context: serde_json::json!({ "cancelled_with_task": task }),
+                    response: None,
+                },
+                at,
+            )?;
+        }
+        Ok(CancelReport {
+            actions_cancelled: open.len() as u64,
+            retries_dropped,
+        })
+    }
+
+    pub(crate) fn record_circuit_opened(
+        &mut self,
+        task: &str,
+        provider: &str,
+        method: &str,
+        route: &RouteTemplate,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let mut e = AuditEvent::new(EventKind::CircuitOpened.as_str(), &format_instant(at));
+        e.task = Some(task.to_owned());
+        e.provider = Some(provider.to_owned());
+        e.method = Some(method.to_owned());
+        e.route = Some(route.as_str().to_owned());
+        self.append(e)
+    }
+}

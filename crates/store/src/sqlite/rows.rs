@@ -1,0 +1,495 @@
+//! Reading records from a connection (shared by the writer, the read pool and the audit reader).
+
+use jiff::Timestamp;
+use rusqlite::{params, Connection, OptionalExtension, Row};
+
+use crate::audit::{AuditEvent, ChainHead};
+use crate::error::StoreError;
+use crate::model::{
+    ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Disposition, EscalationId,
+    EscalationRecord, EscalationState, Outcome, Priority, ScopeRecord, StoredResponse, TaskRecord,
+    UnfinishedAttempt,
+};
+
+/// Milliseconds since the Unix epoch, as stored.
+pub(crate) fn ms(at: Timestamp) -> i64 {
+    at.as_millisecond()
+}
+
+/// Decodes stored milliseconds.
+pub(crate) fn from_ms(table: &'static str, v: i64) -> Result<Timestamp, StoreError> {
+    Timestamp::from_millisecond(v).map_err(|e| StoreError::Corrupt {
+        table,
+        reason: format!("time {v} ms: {e}"),
+    })
+}
+
+fn opt_ms(table: &'static str, v: Option<i64>) -> Result<Option<Timestamp>, StoreError> {
+    v.map(|v| from_ms(table, v)).transpose()
+}
+
+fn corrupt(table: &'static str) -> impl Fn(StoreError) -> StoreError {
+    move |e| StoreError::Corrupt {
+        table,
+        reason: e.to_string(),
+    }
+}
+
+fn u64_of(table: &'static str, v: Option<i64>) -> Result<Option<u64>, StoreError> {
+    v.map(|v| {
+        u64::try_from(v).map_err(|_| StoreError::Corrupt {
+            table,
+            reason: format!("negative count {v}"),
+        })
+    })
+    .transpose()
+}
+
+pub(crate) fn task(conn: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+    let row = conn
+        .prepare_cached(
+            "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks WHERE id = ?1",
+        )?
+        .query_row(params![id], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, Option<i64>>(3)?,
+                r.get::<_, Option<i64>>(4)?,
+            ))
+        })
+        .optional()?;
+    row.map(|(id, agent, priority, deadline, cancelled)| {
+        Ok(TaskRecord {
+            id,
+            agent,
+            priority: Priority::parse(&priority).map_err(corrupt("tasks"))?,
+            deadline: opt_ms("tasks", deadline)?,
+            cancelled_at: opt_ms("tasks", cancelled)?,
+        })
+    })
+    .transpose()
+}
+
+const ACTION_COLUMNS: &str = "id, task_id, agent, provider, method, route, request_class, \
+     payload_digest, idempotency_key, external_reference, provider_operation_id, state, outcome, \
+     outcome_context, response_status, response_headers, response_body";
+
+struct RawAction {
+    id: i64,
+    task_id: String,
+    agent: String,
+    provider: String,
+    method: String,
+    route: String,
+    request_class: String,
+    payload_digest: String,
+    idempotency_key: String,
+    external_reference: Option<String>,
+    provider_operation_id: Option<String>,
+    state: String,
+    outcome: Option<String>,
+    outcome_context: Option<String>,
+    response_status: Option<i64>,
+    response_headers: Option<String>,
+    response_body: Option<Vec<u8>>,
+}
+
+fn raw_action(r: &Row<'_>) -> rusqlite::Result<RawAction> {
+    Ok(RawAction {
+        id: r.get(0)?,
+        task_id: r.get(1)?,
+        agent: r.get(2)?,
+        provider: r.get(3)?,
+        method: r.get(4)?,
+        route: r.get(5)?,
+        request_class: r.get(6)?,
+        payload_digest: r.get(7)?,
+        idempotency_key: r.get(8)?,
+        external_reference: r.get(9)?,
+        provider_operation_id: r.get(10)?,
+        state: r.get(11)?,
+        outcome: r.get(12)?,
+        outcome_context: r.get(13)?,
+        response_status: r.get(14)?,
+        response_headers: r.get(15)?,
+        response_body: r.get(16)?,
+    })
+}
+
+fn decode_action(raw: RawAction) -> Result<ActionRecord, StoreError> {
+    let bad = |reason: String| StoreError::Corrupt {
+        table: "actions",
+        reason: format!("action {}: {reason}", raw.id),
+    };
+    let outcome_context = raw
+        .outcome_context
+        .as_deref()
+        .map(serde_json::from_str)
+        .transpose()
+        .map_err(|e| bad(format!("outcome_context: {e}")))?;
+    let response = match raw.response_status {
+        None => None,
+        Some(status) => Some(StoredResponse {
+            status: u16::try_from(status).map_err(|_| bad(format!("status {status}")))?,
+            headers: raw
+                .response_headers
+                .as_deref()
+                .map(serde_json::from_str)
+                .transpose()
+                .map_err(|e| bad(format!("response_headers: {e}")))?
+                .unwrap_or_default(),
+            body: raw.response_body.clone().unwrap_or_default(),
+        }),
+    };
+    Ok(ActionRecord {
+        id: ActionId(raw.id),
+        state: ActionState::parse(&raw.state).map_err(corrupt("actions"))?,
+        outcome: raw
+            .outcome
+            .as_deref()
+            .map(Outcome::parse)
+            .transpose()
+            .map_err(corrupt("actions"))?,
+        outcome_context,
+        response,
+        task_id: raw.task_id,
+        agent: raw.agent,
+        provider: raw.provider,
+        method: raw.method,
+        route: raw.route,
+        request_class: raw.request_class,
+        payload_digest: raw.payload_digest,
+        idempotency_key: raw.idempotency_key,
+        external_reference: raw.external_reference,
+        provider_operation_id: raw.provider_operation_id,
+    })
+}
+
+pub(crate) fn action(conn: &Connection, id: ActionId) -> Result<Option<ActionRecord>, StoreError> {
+    let raw = conn
+        .prepare_cached(&format!(
+            "SELECT {ACTION_COLUMNS} FROM actions WHERE id = ?1"
+        ))?
+        .query_row(params![id.0], raw_action)
+        .optional()?;
+    raw.map(decode_action).transpose()
+}
+
+pub(crate) fn attempts(
+    conn: &Connection,
+    action: ActionId,
+) -> Result<Vec<AttemptRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT n, state, status, disposition, started_at_ms, finished_at_ms \
+         FROM attempts WHERE action_id = ?1 ORDER BY n",
+    )?;
+    let rows = stmt.query_map(params![action.0], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, Option<i64>>(2)?,
+            r.get::<_, Option<String>>(3)?,
+            r.get::<_, i64>(4)?,
+            r.get::<_, Option<i64>>(5)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (n, state, status, disposition, started, finished) = row?;
+        let bad = |reason: String| StoreError::Corrupt {
+            table: "attempts",
+            reason,
+        };
+        out.push(AttemptRecord {
+            action,
+            n: u32::try_from(n).map_err(|_| bad(format!("attempt number {n}")))?,
+            state: AttemptState::parse(&state).map_err(corrupt("attempts"))?,
+            status: status
+                .map(|s| u16::try_from(s).map_err(|_| bad(format!("status {s}"))))
+                .transpose()?,
+            disposition: disposition
+                .as_deref()
+                .map(Disposition::parse)
+                .transpose()
+                .map_err(corrupt("attempts"))?,
+            started_at: from_ms("attempts", started)?,
+            finished_at: opt_ms("attempts", finished)?,
+        });
+    }
+    Ok(out)
+}
+
+pub(crate) fn unfinished_attempts(conn: &Connection) -> Result<Vec<UnfinishedAttempt>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT t.action_id, t.n, a.request_class, a.idempotency_key \
+         FROM attempts t JOIN actions a ON a.id = t.action_id \
+         WHERE t.state = 'sent' ORDER BY t.action_id, t.n",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, i64>(1)?,
+            r.get::<_, String>(2)?,
+            r.get::<_, String>(3)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (action, n, request_class, idempotency_key) = row?;
+        out.push(UnfinishedAttempt {
+            action: ActionId(action),
+            attempt: u32::try_from(n).map_err(|_| StoreError::Corrupt {
+                table: "attempts",
+                reason: format!("attempt number {n}"),
+            })?,
+            request_class,
+            idempotency_key,
+        });
+    }
+    Ok(out)
+}
+
+pub(crate) fn scope(
+    conn: &Connection,
+    provider: &str,
+    scope: &str,
+) -> Result<Option<ScopeRecord>, StoreError> {
+    let row = conn
+        .prepare_cached(
+            "SELECT next_allowed_at_ms, remaining, limit_, reset_at_ms, source \
+             FROM scope_records WHERE provider = ?1 AND scope = ?2",
+        )?
+        .query_row(params![provider, scope], |r| {
+            Ok((
+                r.get::<_, Option<i64>>(0)?,
+                r.get::<_, Option<i64>>(1)?,
+                r.get::<_, Option<i64>>(2)?,
+                r.get::<_, Option<i64>>(3)?,
+                r.get::<_, String>(4)?,
+            ))
+        })
+        .optional()?;
+    row.map(|(next, remaining, limit, reset, source)| {
+        Ok(ScopeRecord {
+            provider: provider.to_owned(),
+            scope: scope.to_owned(),
+            next_allowed_at: opt_ms("scope_records", next)?,
+            remaining: u64_of("scope_records", remaining)?,
+            limit: u64_of("scope_records", limit)?,
+            reset_at: opt_ms("scope_records", reset)?,
+            source,
+        })
+    })
+    .transpose()
+}
+
+type RawEscalation = (i64, i64, String, String, Option<String>, Option<String>);
+
+fn decode_escalation(raw: RawEscalation) -> Result<EscalationRecord, StoreError> {
+    let (id, action, case_file, state, decision, decided_by) = raw;
+    Ok(EscalationRecord {
+        id: EscalationId(id),
+        action: ActionId(action),
+        case_file: serde_json::from_str(&case_file).map_err(|e| StoreError::Corrupt {
+            table: "escalations",
+            reason: format!("escalation {id}: case_file: {e}"),
+        })?,
+        state: EscalationState::parse(&state).map_err(corrupt("escalations"))?,
+        decision,
+        decided_by,
+    })
+}
+
+fn raw_escalation(r: &Row<'_>) -> rusqlite::Result<RawEscalation> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+    ))
+}
+
+pub(crate) fn escalation(
+    conn: &Connection,
+    id: EscalationId,
+) -> Result<Option<EscalationRecord>, StoreError> {
+    conn.prepare_cached(
+        "SELECT id, action_id, case_file, state, decision, decided_by FROM escalations WHERE id = ?1",
+    )?
+    .query_row(params![id.0], raw_escalation)
+    .optional()?
+    .map(decode_escalation)
+    .transpose()
+}
+
+pub(crate) fn open_escalations(conn: &Connection) -> Result<Vec<EscalationRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, action_id, case_file, state, decision, decided_by FROM escalations \
+         WHERE state = 'open' ORDER BY id",
+    )?;
+    let rows = stmt.query_map([], raw_escalation)?;
+    let mut out = Vec::new();
+    for row in rows {
+        out.push(decode_escalation(row?)?);
+    }
+    Ok(out)
+}
+
+const EVENT_COLUMNS: &str = "seq, at, kind, task, action, attempt, escalation, provider, scope, \
+     route, method, request_class, idempotency_key, payload_digest, status, disposition, boundary, \
+     source, outcome, job, due_at, remaining, limit_, decision, decided_by, prev, hash";
+
+fn event_row(r: &Row<'_>) -> rusqlite::Result<AuditEvent> {
+    let seq: i64 = r.get(0)?;
+    let remaining: Option<i64> = r.get(21)?;
+    let limit: Option<i64> = r.get(22)?;
+    Ok(AuditEvent {
+        // A negative seq or count can only come from a hand-edited file; it then fails the
+        // chain check as `altered` (u64::MAX never matches).
+        seq: u64::try_from(seq).unwrap_or(u64::MAX),
+        at: r.get(1)?,
+        kind: r.get(2)?,
+        task: r.get(3)?,
+        action: r.get(4)?,
+        attempt: r.get(5)?,
+        escalation: r.get(6)?,
+        provider: r.get(7)?,
+        scope: r.get(8)?,
+        route: r.get(9)?,
+        method: r.get(10)?,
+        request_class: r.get(11)?,
+        idempotency_key: r.get(12)?,
+        payload_digest: r.get(13)?,
+        status: r.get(14)?,
+        disposition: r.get(15)?,
+        boundary: r.get(16)?,
+        source: r.get(17)?,
+        outcome: r.get(18)?,
+        job: r.get(19)?,
+        due_at: r.get(20)?,
+        remaining: remaining.map(|v| u64::try_from(v).unwrap_or(u64::MAX)),
+        limit: limit.map(|v| u64::try_from(v).unwrap_or(u64::MAX)),
+        decision: r.get(23)?,
+        decided_by: r.get(24)?,
+        prev: r.get(25)?,
+        hash: r.get(26)?,
+    })
+}
+
+/// Calls `f` for every event with `seq > since`, in `seq` order, up to `limit` events.
+pub(crate) fn for_each_event(
+    conn: &Connection,
+    since: u64,
+    limit: Option<usize>,
+    mut f: impl FnMut(Result<AuditEvent, StoreError>) -> bool,
+) -> Result<(), StoreError> {
+    let since = i64::try_from(since).unwrap_or(i64::MAX);
+    let limit = limit.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX));
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {EVENT_COLUMNS} FROM audit_events WHERE seq > ?1 ORDER BY seq LIMIT ?2"
+    ))?;
+    let rows = stmt.query_map(params![since, limit], event_row)?;
+    for row in rows {
+        if !f(row.map_err(|e| StoreError::Corrupt {
+            table: "audit_events",
+            reason: e.to_string(),
+        })) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn audit_events(
+    conn: &Connection,
+    since: u64,
+    limit: usize,
+) -> Result<Vec<AuditEvent>, StoreError> {
+    let mut out = Vec::new();
+    let mut err = None;
+    for_each_event(conn, since, Some(limit), |e| match e {
+        Ok(e) => {
+            out.push(e);
+            true
+        }
+        Err(e) => {
+            err = Some(e);
+            false
+        }
+    })?;
+    match err {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+pub(crate) fn audit_seqs(conn: &Connection) -> Result<Vec<u64>, StoreError> {
+    let mut stmt = conn.prepare_cached("SELECT seq FROM audit_events ORDER BY seq")?;
+    let rows = stmt.query_map([], |r| r.get::<_, i64>(0))?;
+    let mut out = Vec::new();
+    for row in rows {
+        out.push(u64::try_from(row?).unwrap_or(u64::MAX));
+    }
+    Ok(out)
+}
+
+pub(crate) fn audit_head(conn: &Connection) -> Result<Option<ChainHead>, StoreError> {
+    let row = conn
+        .prepare_cached("SELECT seq, hash FROM audit_events ORDER BY seq DESC LIMIT 1")?
+        .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+        .optional()?;
+    row.map(|(seq, hash)| {
+        Ok(ChainHead {
+            seq: u64::try_from(seq).map_err(|_| StoreError::Corrupt {
+                table: "audit_events",
+                reason: format!("negative seq {seq}"),
+            })?,
+            hash,
+        })
+    })
+    .transpose()
+}
+
+/// Appends one sealed event.
+pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), StoreError> {
+    let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    conn.prepare_cached(&format!(
+        "INSERT INTO audit_events ({EVENT_COLUMNS}) VALUES \
+         (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, \
+          ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)"
+    ))?
+    .execute(params![
+        to_i64(e.seq),
+        e.at,
+        e.kind,
+        e.task,
+        e.action,
+        e.attempt,
+        e.escalation,
+        e.provider,
+        e.scope,
+        e.route,
+        e.method,
+        e.request_class,
+        e.idempotency_key,
+        e.payload_digest,
+        e.status,
+        e.disposition,
+        e.boundary,
+        e.source,
+        e.outcome,
+        e.job,
+        e.due_at,
+        e.remaining.map(to_i64),
+        e.limit.map(to_i64),
+        e.decision,
+        e.decided_by,
+        e.prev,
+        e.hash,
+    ])?;
+    Ok(())
+}

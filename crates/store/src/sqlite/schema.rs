@@ -1,0 +1,262 @@
+//! Opening, identifying and migrating a backstop SQLite file.
+//!
+//! A backstop database is recognised by `PRAGMA application_id` = [`APPLICATION_ID`] ("BSTP")
+//! and its schema version by `PRAGMA user_version`. Migrations are a list of SQL scripts; script
+//! *i* takes the schema from version *i* to *i + 1* and runs in its own transaction together
+//! with the version bump. A file with another application id, or with tables but no id, is
+//! refused as foreign; a newer version is refused rather than guessed at.
+
+use std::path::Path;
+
+use rusqlite::{Connection, OpenFlags};
+
+use crate::error::StoreError;
+
+/// `PRAGMA application_id` of every backstop database: the ASCII bytes `BSTP`.
+pub const APPLICATION_ID: i64 = 0x4253_5450;
+
+/// The schema version this build writes.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+const MIGRATIONS: &[&str] = &[
+    // 0 -> 1: the first schema.
+    r#"
+    CREATE TABLE tasks (
+        id              TEXT PRIMARY KEY,
+        agent           TEXT NOT NULL,
+        priority        TEXT NOT NULL,
+        deadline_ms     INTEGER,
+        cancelled_at_ms INTEGER,
+        created_at_ms   INTEGER NOT NULL
+    );
+    CREATE TABLE actions (
+        id                    INTEGER PRIMARY KEY,
+        task_id               TEXT NOT NULL REFERENCES tasks(id),
+        agent                 TEXT NOT NULL,
+        provider              TEXT NOT NULL,
+        method                TEXT NOT NULL,
+        route                 TEXT NOT NULL,
+        request_class         TEXT NOT NULL,
+        payload_digest        TEXT NOT NULL,
+        idempotency_key       TEXT NOT NULL,
+        external_reference    TEXT,
+        provider_operation_id TEXT,
+        state                 TEXT NOT NULL,
+        outcome               TEXT,
+        outcome_context       TEXT,
+        response_status       INTEGER,
+        response_headers      TEXT,
+        response_body         BLOB,
+        created_at_ms         INTEGER NOT NULL,
+        updated_at_ms         INTEGER NOT NULL,
+        UNIQUE (agent, idempotency_key)
+    );
+    CREATE INDEX actions_by_task ON actions(task_id);
+    CREATE TABLE attempts (
+        action_id      INTEGER NOT NULL REFERENCES actions(id),
+        n              INTEGER NOT NULL,
+        state          TEXT NOT NULL,
+        status         INTEGER,
+        disposition    TEXT,
+        started_at_ms  INTEGER NOT NULL,
+        finished_at_ms INTEGER,
+        PRIMARY KEY (action_id, n)
+    );
+    CREATE INDEX attempts_unfinished ON attempts(state) WHERE state = 'sent';
+    CREATE TABLE scheduled_retries (
+        job_id        INTEGER PRIMARY KEY,
+        action_id     INTEGER NOT NULL REFERENCES actions(id),
+        due_at_ms     INTEGER NOT NULL,
+        claimed_at_ms INTEGER,
+        claimed_by    TEXT
+    );
+    CREATE INDEX retries_due ON scheduled_retries(due_at_ms) WHERE claimed_at_ms IS NULL;
+    CREATE INDEX retries_by_action ON scheduled_retries(action_id);
+    CREATE TABLE scope_records (
+        provider           TEXT NOT NULL,
+        scope              TEXT NOT NULL,
+        next_allowed_at_ms INTEGER,
+        remaining          INTEGER,
+        limit_             INTEGER,
+        reset_at_ms        INTEGER,
+        source             TEXT NOT NULL,
+        updated_at_ms      INTEGER NOT NULL,
+        PRIMARY KEY (provider, scope)
+    );
+    CREATE TABLE escalations (
+        id             INTEGER PRIMARY KEY,
+        action_id      INTEGER NOT NULL REFERENCES actions(id),
+        case_file      TEXT NOT NULL,
+        state          TEXT NOT NULL,
+        decision       TEXT,
+        decided_by     TEXT,
+        opened_at_ms   INTEGER NOT NULL,
+        decided_at_ms  INTEGER
+    );
+    CREATE TABLE audit_events (
+        seq             INTEGER PRIMARY KEY,
+        at              TEXT NOT NULL,
+        kind            TEXT NOT NULL,
+        task            TEXT,
+        action          INTEGER,
+        attempt         INTEGER,
+        escalation      INTEGER,
+        provider        TEXT,
+        scope           TEXT,
+        route           TEXT,
+        method          TEXT,
+        request_class   TEXT,
+        idempotency_key TEXT,
+        payload_digest  TEXT,
+        status          INTEGER,
+        disposition     TEXT,
+        boundary        TEXT,
+        source          TEXT,
+        outcome         TEXT,
+        job             INTEGER,
+        due_at          TEXT,
+        remaining       INTEGER,
+        limit_          INTEGER,
+        decision        TEXT,
+        decided_by      TEXT,
+        prev            TEXT NOT NULL,
+        hash            TEXT NOT NULL
+    );
+    "#,
+];
+
+/// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
+fn first_query_error(path: &Path, e: rusqlite::Error) -> StoreError {
+    let reason = e.to_string();
+    match e.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::NotADatabase) | Some(rusqlite::ErrorCode::DatabaseCorrupt) => {
+            StoreError::NotSqlite {
+                path: path.to_owned(),
+                reason,
+            }
+        }
+        _ => StoreError::Sqlite(format!("{}: {reason}", path.display())),
+    }
+}
+
+/// What [`identify`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Identity {
+    /// An empty SQLite file (no tables, no application id): may be initialised.
+    Empty,
+    /// A backstop database at this schema version.
+    Backstop(i64),
+}
+
+/// Checks that `conn` is an empty file or a backstop database this build can read.
+pub(crate) fn identify(conn: &Connection, path: &Path) -> Result<Identity, StoreError> {
+    let application_id: i64 = conn
+        .query_row("PRAGMA application_id", [], |r| r.get(0))
+        .map_err(|e| first_query_error(path, e))?;
+    let user_version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(|e| first_query_error(path, e))?;
+    if application_id == 0 && user_version == 0 {
+        let tables: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+            .map_err(|e| first_query_error(path, e))?;
+        if tables == 0 {
+            return Ok(Identity::Empty);
+        }
+    }
+    if application_id != APPLICATION_ID {
+        return Err(StoreError::Foreign {
+            path: path.to_owned(),
+            application_id,
+            expected: APPLICATION_ID,
+        });
+    }
+    if user_version > SCHEMA_VERSION {
+        return Err(StoreError::TooNew {
+            path: path.to_owned(),
+            found: user_version,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    Ok(Identity::Backstop(user_version))
+}
+
+/// Brings a writable connection to [`SCHEMA_VERSION`], one transaction per migration.
+pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
+    let from = match identify(conn, path)? {
+        Identity::Empty => 0,
+        Identity::Backstop(v) => v,
+    };
+    for (version, script) in MIGRATIONS.iter().enumerate().skip(from as usize) {
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        tx.execute_batch(script)?;
+        tx.pragma_update(None, "application_id", APPLICATION_ID)?;
+        tx.pragma_update(None, "user_version", version as i64 + 1)?;
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+/// Opens the writer connection: creates the file when `create`, then WAL with
+/// `synchronous=FULL` (every commit is fsync'd), foreign keys on, migrated.
+pub(crate) fn open_writer(path: &Path, create: bool) -> Result<Connection, StoreError> {
+    if !create && !path.exists() {
+        return Err(StoreError::Missing {
+            path: path.to_owned(),
+        });
+    }
+    let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    if create {
+        flags |= OpenFlags::SQLITE_OPEN_CREATE;
+    }
+    let mut conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| StoreError::Sqlite(format!("{}: {e}", path.display())))?;
+    // Identify before changing anything, so a foreign file is left untouched.
+    identify(&conn, path)?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+        .map_err(|e| first_query_error(path, e))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Sqlite(format!(
+            "{}: could not switch to WAL (journal_mode is {mode})",
+            path.display()
+        )));
+    }
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    migrate(&mut conn, path)?;
+    Ok(conn)
+}
+
+/// Opens a read connection on an existing backstop database (never creates a file).
+///
+/// With `read_only`, SQLite is asked for a read-only handle (the audit commands use this so
+/// that checking evidence does not write to it).
+pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, StoreError> {
+    if !path.exists() {
+        return Err(StoreError::Missing {
+            path: path.to_owned(),
+        });
+    }
+    let flags = if read_only {
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
+    } else {
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX
+    };
+    let conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| StoreError::Sqlite(format!("{}: {e}", path.display())))?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    match identify(&conn, path)? {
+        Identity::Backstop(v) if v == SCHEMA_VERSION => Ok(conn),
+        Identity::Backstop(v) => Err(StoreError::Sqlite(format!(
+            "{}: schema version {v} is older than {SCHEMA_VERSION}; open it with the gateway once to migrate",
+            path.display()
+        ))),
+        Identity::Empty => Err(StoreError::Foreign {
+            path: path.to_owned(),
+            application_id: 0,
+            expected: APPLICATION_ID,
+        }),
+    }
+}

@@ -1,0 +1,216 @@
+//! The narrow storage trait: a few atomic operations, each its own transaction.
+//!
+//! Why a trait: the embedded default is one SQLite file, but several gateway instances on
+//! several machines will share one PostgreSQL database (SPEC §12). Callers see only these
+//! operations and plain record types; they never hold a connection or a transaction, so a second
+//! implementation can follow without changing them. Every state-changing operation appends its
+//! audit event(s) in the same transaction and returns only after that transaction is durable
+//! (committed and fsync'd), which is what lets the gateway send a write's bytes only after
+//! [`Store::mark_attempt_sent`] returned. Times are passed in by the caller (the store never
+//! reads the clock).
+
+use jiff::Timestamp;
+
+use crate::audit::{AuditEvent, ChainHead};
+use crate::error::StoreError;
+use crate::model::{
+    ActionId, ActionRecord, Admission, AttemptRecord, AttemptResult, CancelReport, DueRetry,
+    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, RouteTemplate, ScopeRecord,
+    ScopeUpdate, TaskRecord, UnfinishedAttempt,
+};
+
+/// Durable state of backstop. Implementations are `Send + Sync` and safe to call from many
+/// threads; each method is one atomic transaction.
+pub trait Store: Send + Sync {
+    /// Opens a task if it does not exist yet (audits `task_opened` once). Opening an existing
+    /// task is a no-op.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidTransition`] when the id exists with another agent.
+    fn open_task(&self, task: NewTask, at: Timestamp) -> Result<(), StoreError>;
+
+    /// Records a new logical action with its idempotency key before its first send
+    /// (audits `action_requested`). A key the agent already used with the same payload digest
+    /// returns [`Admission::Existing`] and writes nothing (IETF Idempotency-Key draft).
+    ///
+    /// # Errors
+    /// [`StoreError::KeyReuse`] for the same key with a different payload (answer 422);
+    /// [`StoreError::NotFound`] for an unknown task; [`StoreError::InvalidTransition`] when the
+    /// task is cancelled.
+    fn record_action(&self, action: NewAction, at: Timestamp) -> Result<Admission, StoreError>;
+
+    /// Durably records that attempt *n* (the returned number, 1-based) is about to be sent and
+    /// audits `action_sent`. Returns only after commit + fsync: the request's bytes may leave
+    /// only after this returns `Ok`.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidTransition`] when the action is finished, its task is cancelled,
+    /// or a previous attempt is still `sent` without a result (never two attempts in flight).
+    fn mark_attempt_sent(&self, action: ActionId, at: Timestamp) -> Result<u32, StoreError>;
+
+    /// Records an attempt's result (audits `action_result`), stores the provider operation id
+    /// when given, and, with `result.finish`, ends the action in the same transaction.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown attempt; [`StoreError::InvalidTransition`] when
+    /// the attempt already has a result.
+    fn record_result(&self, result: AttemptResult, at: Timestamp) -> Result<(), StoreError>;
+
+    /// Ends an action with an outcome (audits `budget_exhausted`, `deadline_exhausted`,
+    /// `reconciliation_required`, `escalated`, `cancelled` or `action_finished`). An action in
+    /// `reconciliation_required` may later be finished again by [`Store::record_reconciled`].
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidTransition`] when the action already ended (other than
+    /// `reconciliation_required`/`escalated`).
+    fn finish_action(
+        &self,
+        action: ActionId,
+        finish: Finish,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// Records that reconciliation found the action's effect at the provider: outcome
+    /// `succeeded`, provider operation id stored (audits `reconciled`).
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action.
+    fn record_reconciled(
+        &self,
+        action: ActionId,
+        provider_operation_id: Option<String>,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// Schedules a retry of an action at `due_at` (a scheduler receipt; audits
+    /// `retry_scheduled`). Returns the job id.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidTransition`] when the action ended or its task is cancelled.
+    fn schedule_retry(
+        &self,
+        action: ActionId,
+        due_at: Timestamp,
+        at: Timestamp,
+    ) -> Result<JobId, StoreError>;
+
+    /// Claims up to `limit` retries due at `now` (oldest first) whose task is not cancelled,
+    /// so that no other worker or instance claims them too, and audits `retry_started` for each.
+    /// (PostgreSQL: `SELECT … FOR UPDATE SKIP LOCKED LIMIT n` inside the same transaction.)
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn claim_due(
+        &self,
+        now: Timestamp,
+        limit: usize,
+        claimed_by: &str,
+    ) -> Result<Vec<DueRetry>, StoreError>;
+
+    /// Updates a scope record (audits `scope_updated`); `next_allowed_at` only moves later.
+    /// Returns the record after the update.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn update_scope(&self, update: ScopeUpdate, at: Timestamp) -> Result<ScopeRecord, StoreError>;
+
+    /// Opens an escalation with a sanitized case file (SPEC §8); the action ends with outcome
+    /// `escalated` (audits `escalated`).
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action.
+    fn open_escalation(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError>;
+
+    /// Records a human's decision on an open escalation (audits `decision`).
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidTransition`] when it was already decided.
+    fn decide_escalation(
+        &self,
+        escalation: EscalationId,
+        decision: &str,
+        decided_by: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// Cancels a task: drops its unclaimed scheduled retries before they wake and ends every
+    /// unfinished action with `cancelled` (audits `cancelled` for the task and each action).
+    /// Cancelling twice changes nothing the second time.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown task.
+    fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError>;
+
+    /// Audits that the circuit breaker opened a path (method + route template) for a task.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn record_circuit_opened(
+        &self,
+        task: &str,
+        provider: &str,
+        method: &str,
+        route: &RouteTemplate,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// Reads a task.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError>;
+
+    /// Reads an action (with its stored response, if any).
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn action(&self, id: ActionId) -> Result<Option<ActionRecord>, StoreError>;
+
+    /// Reads the attempts of an action, in order.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError>;
+
+    /// Attempts recorded as sent without a result (after a restart: writes to reconcile with
+    /// their original key, SPEC §12).
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn unfinished_attempts(&self) -> Result<Vec<UnfinishedAttempt>, StoreError>;
+
+    /// Reads a scope record.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError>;
+
+    /// Reads an escalation.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn escalation(&self, id: EscalationId) -> Result<Option<EscalationRecord>, StoreError>;
+
+    /// Open escalations, oldest first.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn open_escalations(&self) -> Result<Vec<EscalationRecord>, StoreError>;
+
+    /// Audit events with `seq > since`, in order, at most `limit`.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError>;
+
+    /// The chain head (last `seq` and `hash`), or `None` for an empty log.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn audit_head(&self) -> Result<Option<ChainHead>, StoreError>;
+}

@@ -1,0 +1,244 @@
+//! The hash chain: canonical encoding, and `verify` naming the first broken event for each
+//! kind of tampering.
+
+mod common;
+
+use backstop_store::audit::{
+    format_instant, parse_export, verify_events, write_export, AuditEvent, BreakKind, Chain,
+    Verdict, GENESIS_PREV,
+};
+use backstop_store::Store;
+use common::{populated, t};
+
+fn export(store: &backstop_store::SqliteStore) -> Vec<AuditEvent> {
+    store.audit_events(0, usize::MAX).expect("events")
+}
+
+fn broken(v: Verdict) -> (u64, BreakKind) {
+    match v {
+        Verdict::Broken(b) => (b.seq, b.kind),
+        Verdict::Intact { count, .. } => panic!("expected a break, log of {count} verified"),
+    }
+}
+
+#[test]
+fn canonical_encoding_has_sorted_keys_no_whitespace_and_no_hash() {
+    let mut e = AuditEvent::new("action_result", &format_instant(t(0)));
+    e.task = Some("task \"1\"\n".into());
+    e.status = Some(429);
+    e.action = Some(7);
+    e.boundary = Some("unknown".into());
+    Chain::genesis().seal(&mut e);
+    let text = String::from_utf8(e.canonical()).expect("utf-8");
+    assert_eq!(
+        text,
+        format!(
+            r#"{{"action":7,"at":"2025-06-15T15:06:40.000Z","boundary":"unknown","kind":"action_result","prev":"{GENESIS_PREV}","seq":1,"status":429,"task":"task \"1\"\n"}}"#
+        )
+    );
+    let value: serde_json::Value = serde_json::from_str(&e.export_line()).expect("json");
+    let keys: Vec<&String> = value.as_object().expect("object").keys().collect();
+    assert_eq!(keys.len(), 9);
+    assert!(keys.contains(&&"hash".to_owned()));
+    // The export line round-trips to the same event.
+    assert_eq!(
+        AuditEvent::from_export_line(&e.export_line()).expect("parse"),
+        e
+    );
+}
+
+#[test]
+fn instants_are_rfc3339_utc_with_milliseconds() {
+    let at = jiff::Timestamp::from_millisecond(1_700_000_000_123).expect("instant");
+    assert_eq!(format_instant(at), "2023-11-14T22:13:20.123Z");
+    let whole = jiff::Timestamp::from_second(1_700_000_000).expect("instant");
+    assert_eq!(format_instant(whole), "2023-11-14T22:13:20.000Z");
+}
+
+#[test]
+fn untouched_log_verifies_with_count_and_head() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 5);
+    let events = export(&store);
+    // task_opened + 5 × (action_requested, action_sent)
+    assert_eq!(events.len(), 11);
+    let head = store.audit_head().expect("head").expect("non-empty");
+    assert_eq!(head.seq, 11);
+    assert_eq!(
+        verify_events(&events, Some(&head.hash)),
+        Verdict::Intact {
+            count: 11,
+            head: Some(head.clone())
+        }
+    );
+    assert_eq!(
+        store.verify_audit(Some(&head.hash)).expect("verify db"),
+        Verdict::Intact {
+            count: 11,
+            head: Some(head)
+        }
+    );
+}
+
+#[test]
+fn one_changed_field_is_altered_at_its_seq() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 5);
+    let mut events = export(&store);
+    events[6].method = Some("PUT".into());
+    assert_eq!(
+        broken(verify_events(&events, None)),
+        (7, BreakKind::Altered)
+    );
+}
+
+#[test]
+fn a_deleted_event_is_missing_at_its_seq() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 5);
+    let mut events = export(&store);
+    events.remove(4); // seq 5
+    assert_eq!(
+        broken(verify_events(&events, None)),
+        (5, BreakKind::Missing)
+    );
+}
+
+#[test]
+fn two_swapped_events_are_reordered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 5);
+    let mut events = export(&store);
+    events.swap(3, 4); // seq 4 and 5
+    assert_eq!(
+        broken(verify_events(&events, None)),
+        (5, BreakKind::Reordered)
+    );
+}
+
+#[test]
+fn an_inserted_event_with_a_valid_own_hash_is_inserted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 5);
+    let mut events = export(&store);
+    // A forger copies seq 4, changes it, and re-seals it so its own hash is valid and it links
+    // to seq 3; the genuine seq 4 follows.
+    let mut forged = events[3].clone();
+    forged.method = Some("DELETE".into());
+    let mut chain = Chain::after(Some(&backstop_store::audit::ChainHead {
+        seq: 3,
+        hash: events[2].hash.clone(),
+    }));
+    chain.seal(&mut forged);
+    events.insert(3, forged);
+    assert_eq!(
+        broken(verify_events(&events, None)),
+        (4, BreakKind::Inserted)
+    );
+}
+
+#[test]
+fn a_renumbered_insertion_breaks_the_prev_link() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 3);
+    let mut events = export(&store);
+    // Insert a self-consistent event at seq 3 and renumber the rest without re-chaining them.
+    let mut forged = AuditEvent::new("decision", &events[2].at);
+    forged.seq = 3;
+    forged.prev = events[1].hash.clone();
+    forged.hash = forged.compute_hash();
+    for e in events.iter_mut().skip(2) {
+        e.seq += 1;
+        e.hash = e.compute_hash();
+    }
+    events.insert(2, forged);
+    // seq 3 (forged) links fine; seq 4's prev still points at the old seq 2.
+    assert_eq!(
+        broken(verify_events(&events, None)),
+        (4, BreakKind::Inserted)
+    );
+}
+
+#[test]
+fn a_cut_tail_is_truncated_against_the_previous_head() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 5);
+    let events = export(&store);
+    let head = store.audit_head().expect("head").expect("non-empty");
+    let cut = &events[..8];
+    // Without the anchor the shorter log is self-consistent …
+    assert!(matches!(
+        verify_events(cut, None),
+        Verdict::Intact { count: 8, .. }
+    ));
+    // … with it, the cut is found.
+    assert_eq!(
+        broken(verify_events(cut, Some(&head.hash))),
+        (9, BreakKind::Truncated)
+    );
+    // A log that grew past the anchored head is fine.
+    let older_head = events[5].hash.clone();
+    assert!(matches!(
+        verify_events(&events, Some(&older_head)),
+        Verdict::Intact { count: 11, .. }
+    ));
+}
+
+#[test]
+fn export_round_trips_through_ndjson() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 3);
+    let events = export(&store);
+    let mut out = Vec::new();
+    write_export(&mut out, &events).expect("write");
+    let text = String::from_utf8(out).expect("utf-8");
+    assert_eq!(text.lines().count(), events.len());
+    assert_eq!(parse_export("x.ndjson", &text).expect("parse"), events);
+    let err = parse_export("x.ndjson", &format!("{text}{{\"seq\":\n")).expect_err("bad line");
+    assert!(
+        err.to_string()
+            .starts_with(&format!("x.ndjson: line {}:", events.len() + 1)),
+        "{err}"
+    );
+}
+
+#[test]
+fn editing_the_database_is_found_by_verify() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 4);
+    drop(store);
+    let conn = rusqlite_conn(&path);
+    conn.execute(
+        "UPDATE audit_events SET route = '/v1/refunds' WHERE seq = 3",
+        [],
+    )
+    .expect("tamper");
+    drop(conn);
+    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    assert_eq!(
+        broken(reader.verify(None).expect("verify")),
+        (3, BreakKind::Altered)
+    );
+    let conn = rusqlite_conn(&path);
+    conn.execute("DELETE FROM audit_events WHERE seq = 6", [])
+        .expect("delete");
+    drop(conn);
+    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    assert_eq!(
+        broken(reader.verify(None).expect("verify")),
+        (3, BreakKind::Altered)
+    );
+    let conn = rusqlite_conn(&path);
+    conn.execute("DELETE FROM audit_events WHERE seq = 3", [])
+        .expect("delete");
+    drop(conn);
+    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    assert_eq!(
+        broken(reader.verify(None).expect("verify")),
+        (3, BreakKind::Missing)
+    );
+}
+
+fn rusqlite_conn(path: &std::path::Path) -> rusqlite::Connection {
+    rusqlite::Connection::open(path).expect("open raw")
+}
