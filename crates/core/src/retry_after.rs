@@ -1,1 +1,593 @@
-//! retry_after
+//! # Retry-After → a boundary (`retry_not_before`)
+//!
+//! Why normalize at all? `Retry-After` (RFC 9110 §10.2.3) looks simple — "seconds or an
+//! HTTP-date" — but real servers send decimals (`1.5`), Go durations (`1m0s`), values joined by a
+//! proxy (`7, 7`), dates in three formats, dates computed on a skewed clock, and OpenAI/Azure add
+//! `retry-after-ms`. A retry that comes early hits the limit again and may get the whole account
+//! throttled longer; a wait that was invented (a misread `0x10`, a negative number) is a
+//! permission the provider never gave. So every value becomes one [`Boundary`]: either
+//! [`Boundary::Known`] with the earliest instant a retry may happen and where that came from, or
+//! [`Boundary::Unknown`] with the raw value and the reason it was not usable (SPEC §2.2).
+//!
+//! Rules, in short:
+//! - delay-seconds with surrounding whitespace and decimals (`1.5` → 1500 ms, rounded up to the
+//!   millisecond); Go-style durations (`1m0s`); IMF-fixdate, RFC 850 and asctime dates (plus the
+//!   RFC 2822 variants some servers emit, such as `+0000` instead of `GMT`);
+//! - signs, prefixes (`+3`, `-1`, `0x10`), empty values, garbage and delays over
+//!   [`RetryAfterOptions::ceiling`] → `Unknown` with the raw value kept;
+//! - an HTTP-date with a `Date` header in the same response: delay = Retry-After − Date, added to
+//!   the local receive time ([`ClockSource::ServerDate`], immune to clock skew); without `Date` it
+//!   is compared with the local receive time ([`ClockSource::Local`]);
+//! - a date in the past or a zero delay → [`RetryAfterOptions::min_delay`], never a tight loop;
+//! - several instances or a joined value → the largest valid one; `retry-after-ms` wins over
+//!   `Retry-After`.
+//!
+//! ```
+//! use backstop_core::retry_after::{normalize_value, RetryAfterOptions};
+//!
+//! let received_at: jiff::Timestamp = "2025-01-01T00:00:00Z".parse().unwrap();
+//! let b = normalize_value(" 1.5 ", None, received_at, &RetryAfterOptions::default());
+//! assert_eq!(b.retry_not_before().unwrap().to_string(), "2025-01-01T00:00:01.5Z");
+//! ```
+
+use std::time::Duration;
+
+use jiff::{SignedDuration, Timestamp};
+use serde::{Deserialize, Serialize};
+
+use crate::duration::parse_go_duration;
+
+/// Name used in [`Boundary`] `source` for the standard header.
+pub const SOURCE_RETRY_AFTER: &str = "Retry-After";
+/// Name used in [`Boundary`] `source` for OpenAI/Azure's millisecond header.
+pub const SOURCE_RETRY_AFTER_MS: &str = "retry-after-ms";
+
+/// Limits applied while normalizing a Retry-After value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryAfterOptions {
+    /// Smallest wait ever returned for a usable signal: applied when the provider says "now"
+    /// (zero delay) or gives a date already past. Default 1 s.
+    pub min_delay: Duration,
+    /// Largest believable wait; anything longer is treated as absurd and yields
+    /// [`Boundary::Unknown`]. Default 24 h.
+    pub ceiling: Duration,
+}
+
+impl Default for RetryAfterOptions {
+    fn default() -> Self {
+        Self {
+            min_delay: Duration::from_secs(1),
+            ceiling: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+/// Which clock an HTTP-date Retry-After was compared against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClockSource {
+    /// The response's own `Date` header: delay = Retry-After − Date (skew-immune).
+    ServerDate,
+    /// The local receive time, because the response carried no usable `Date`.
+    Local,
+}
+
+/// The normalized provider boundary: the earliest instant a retry may happen, or why it is not
+/// known. Serialized with a `state` tag of `known` or `unknown`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Boundary {
+    /// The provider gave a usable signal.
+    Known {
+        /// Earliest instant (UTC) a retry may be sent.
+        retry_not_before: Timestamp,
+        /// `retry_not_before` − receive time, in milliseconds (≥ `min_delay`).
+        delay_ms: u64,
+        /// Where the signal came from, e.g. `Retry-After`, `retry-after-ms`, a quota header
+        /// family or a body pointer.
+        source: String,
+        /// The raw value the boundary was read from, when there was one.
+        raw: Option<String>,
+        /// For HTTP-dates: which clock the date was compared with.
+        clock: Option<ClockSource>,
+        /// Why the value was adjusted (e.g. `min_delay` applied), if it was.
+        reason: Option<String>,
+    },
+    /// No usable signal: never guess a permission the provider did not give.
+    Unknown {
+        /// The raw value that could not be used, if any was present.
+        raw: Option<String>,
+        /// Why there is no boundary (`no Retry-After`, `negative value`, …).
+        reason: String,
+        /// The header or body field the unusable value came from, if any.
+        source: Option<String>,
+    },
+}
+
+impl Boundary {
+    /// The boundary instant, if known.
+    pub fn retry_not_before(&self) -> Option<Timestamp> {
+        match self {
+            Boundary::Known {
+                retry_not_before, ..
+            } => Some(*retry_not_before),
+            Boundary::Unknown { .. } => None,
+        }
+    }
+
+    /// Whether the provider gave a usable boundary.
+    pub fn is_known(&self) -> bool {
+        matches!(self, Boundary::Known { .. })
+    }
+
+    fn unknown(raw: Option<&str>, reason: impl Into<String>, source: Option<&str>) -> Self {
+        Boundary::Unknown {
+            raw: raw.map(str::to_owned),
+            reason: reason.into(),
+            source: source.map(str::to_owned),
+        }
+    }
+}
+
+/// Builds a known boundary `delay` after `received_at`, applying `min_delay` and `ceiling`.
+///
+/// `adjust_reason` explains an adjustment already made by the caller; a zero delay gets
+/// `min_delay` with a reason. Returns `Unknown` when the delay is over the ceiling or the instant
+/// does not fit in a `Timestamp`. Shared by the Retry-After, quota and body-hint readers so that
+/// every boundary obeys the same limits.
+pub fn boundary_after(
+    delay: Duration,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+    source: &str,
+    raw: Option<&str>,
+    clock: Option<ClockSource>,
+    adjust_reason: Option<String>,
+) -> Boundary {
+    if delay > opts.ceiling {
+        return Boundary::unknown(
+            raw,
+            format!(
+                "delay of {} ms exceeds the ceiling of {} ms",
+                delay.as_millis(),
+                opts.ceiling.as_millis()
+            ),
+            Some(source),
+        );
+    }
+    let (delay, reason) = if delay.is_zero() {
+        (
+            opts.min_delay,
+            Some(adjust_reason.unwrap_or_else(|| "zero delay; min_delay applied".to_owned())),
+        )
+    } else if delay < opts.min_delay && adjust_reason.is_some() {
+        (opts.min_delay, adjust_reason)
+    } else {
+        (delay, adjust_reason)
+    };
+    // Round up to whole milliseconds: a boundary is never earlier than the provider said.
+    let delay_ms_u128 = delay.as_nanos().div_ceil(1_000_000);
+    let Ok(delay_ms) = u64::try_from(delay_ms_u128) else {
+        return Boundary::unknown(raw, "delay does not fit in u64 milliseconds", Some(source));
+    };
+    let Ok(delay_ms_i64) = i64::try_from(delay_ms) else {
+        return Boundary::unknown(raw, "delay does not fit in i64 milliseconds", Some(source));
+    };
+    match received_at.checked_add(SignedDuration::from_millis(delay_ms_i64)) {
+        Ok(retry_not_before) => Boundary::Known {
+            retry_not_before,
+            delay_ms,
+            source: source.to_owned(),
+            raw: raw.map(str::to_owned),
+            clock,
+            reason,
+        },
+        Err(_) => Boundary::unknown(
+            raw,
+            "boundary lies beyond the representable time range",
+            Some(source),
+        ),
+    }
+}
+
+/// Parses an unsigned decimal number of `unit_ns`-nanosecond units (`"1.5"` with 10^9 → 1.5 s).
+///
+/// Accepts only ASCII digits with an optional single `.` followed by at least one digit; no sign,
+/// no exponent, no prefix. `Ok(None)` means "not this form"; `Err` means the number is too large.
+fn parse_decimal(s: &str, unit_ns: u128) -> Result<Option<Duration>, ()> {
+    let (int, frac) = match s.split_once('.') {
+        Some((i, f)) => (i, Some(f)),
+        None => (s, None),
+    };
+    if int.is_empty() || !int.bytes().all(|b| b.is_ascii_digit()) {
+        return Ok(None);
+    }
+    if let Some(f) = frac {
+        if f.is_empty() || !f.bytes().all(|b| b.is_ascii_digit()) {
+            return Ok(None);
+        }
+    }
+    let mut whole: u128 = 0;
+    for b in int.bytes() {
+        whole = whole
+            .checked_mul(10)
+            .and_then(|v| v.checked_add(u128::from(b - b'0')))
+            .ok_or(())?;
+    }
+    let mut ns = whole.checked_mul(unit_ns).ok_or(())?;
+    if let Some(f) = frac {
+        let mut num: u128 = 0;
+        let mut scale: u128 = 1;
+        for b in f.bytes().take(18) {
+            num = num * 10 + u128::from(b - b'0');
+            scale *= 10;
+        }
+        // Round the fraction up so the wait is never shorter than stated.
+        let part = (num * unit_ns).div_ceil(scale);
+        ns = ns.checked_add(part).ok_or(())?;
+    }
+    let secs = u64::try_from(ns / 1_000_000_000).map_err(|_| ())?;
+    let nanos = u32::try_from(ns % 1_000_000_000).map_err(|_| ())?;
+    Ok(Some(Duration::new(secs, nanos)))
+}
+
+/// Parses an HTTP-date: IMF-fixdate, obsolete RFC 850 and asctime (via `httpdate`), then the
+/// RFC 2822 variants `httpdate` rejects (numeric offsets, `UTC`, one-digit days; via jiff).
+pub fn parse_http_date(s: &str) -> Option<Timestamp> {
+    let s = s.trim();
+    if s.is_empty() || s.len() > 64 {
+        return None;
+    }
+    if let Ok(t) = httpdate::parse_http_date(s) {
+        return Timestamp::try_from(t).ok();
+    }
+    static PARSER: jiff::fmt::rfc2822::DateTimeParser = jiff::fmt::rfc2822::DateTimeParser::new();
+    PARSER.parse_timestamp(s).ok()
+}
+
+/// One candidate value (no commas except inside a date).
+fn normalize_single(
+    raw: &str,
+    date_header: Option<&str>,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Boundary {
+    let s = raw.trim();
+    let src = Some(SOURCE_RETRY_AFTER);
+    if s.is_empty() {
+        return Boundary::unknown(Some(raw), "empty Retry-After value", src);
+    }
+    if s.starts_with(['+', '-']) {
+        return Boundary::unknown(
+            Some(raw),
+            "signed value: Retry-After must be unsigned delay-seconds or an HTTP-date",
+            src,
+        );
+    }
+    match parse_decimal(s, 1_000_000_000) {
+        Ok(Some(d)) => {
+            return boundary_after(
+                d,
+                received_at,
+                opts,
+                SOURCE_RETRY_AFTER,
+                Some(raw),
+                None,
+                None,
+            )
+        }
+        Ok(None) => {}
+        Err(()) => {
+            return Boundary::unknown(
+                Some(raw),
+                format!(
+                    "delay exceeds the ceiling of {} ms",
+                    opts.ceiling.as_millis()
+                ),
+                src,
+            )
+        }
+    }
+    let lower = s.to_ascii_lowercase();
+    if lower.starts_with("0x") || lower.starts_with("0o") || lower.starts_with("0b") {
+        return Boundary::unknown(
+            Some(raw),
+            "prefixed number: Retry-After must be decimal delay-seconds",
+            src,
+        );
+    }
+    if s.as_bytes()[0].is_ascii_digit() || s.starts_with('.') {
+        return match parse_go_duration(s) {
+            Ok(d) => boundary_after(
+                d,
+                received_at,
+                opts,
+                SOURCE_RETRY_AFTER,
+                Some(raw),
+                None,
+                None,
+            ),
+            Err(e) => Boundary::unknown(
+                Some(raw),
+                format!(
+                    "neither delay-seconds, an HTTP-date nor a duration: {}",
+                    e.reason
+                ),
+                src,
+            ),
+        };
+    }
+    let Some(at) = parse_http_date(s) else {
+        return Boundary::unknown(
+            Some(raw),
+            "unparseable: neither delay-seconds, an HTTP-date nor a duration",
+            src,
+        );
+    };
+    let server_now = date_header.and_then(parse_http_date);
+    let (clock, reference, note) = match (server_now, date_header) {
+        (Some(d), _) => (ClockSource::ServerDate, d, None),
+        (None, Some(_)) => (
+            ClockSource::Local,
+            received_at,
+            Some("Date header unparseable; local clock used"),
+        ),
+        (None, None) => (ClockSource::Local, received_at, None),
+    };
+    let diff = reference.duration_until(at);
+    if diff.is_negative() || diff.is_zero() {
+        let reason = match note {
+            Some(n) => format!("date not in the future; min_delay applied ({n})"),
+            None => "date not in the future; min_delay applied".to_owned(),
+        };
+        return boundary_after(
+            Duration::ZERO,
+            received_at,
+            opts,
+            SOURCE_RETRY_AFTER,
+            Some(raw),
+            Some(clock),
+            Some(reason),
+        );
+    }
+    let delay = diff.unsigned_abs();
+    boundary_after(
+        delay,
+        received_at,
+        opts,
+        SOURCE_RETRY_AFTER,
+        Some(raw),
+        Some(clock),
+        note.map(str::to_owned),
+    )
+}
+
+const WEEKDAYS: [&str; 14] = [
+    "mon",
+    "tue",
+    "wed",
+    "thu",
+    "fri",
+    "sat",
+    "sun",
+    "monday",
+    "tuesday",
+    "wednesday",
+    "thursday",
+    "friday",
+    "saturday",
+    "sunday",
+];
+
+/// Splits a possibly proxy-joined value (`7, 7`) into candidates, keeping the comma that belongs
+/// to an IMF-fixdate or RFC 850 date (`Sun, 06 Nov 1994 …`).
+fn split_candidates(raw: &str) -> Vec<String> {
+    let parts: Vec<&str> = raw.split(',').collect();
+    let mut out = Vec::with_capacity(parts.len());
+    let mut i = 0;
+    while i < parts.len() {
+        let part = parts[i];
+        let is_weekday = WEEKDAYS.contains(&part.trim().to_ascii_lowercase().as_str());
+        if is_weekday && i + 1 < parts.len() {
+            out.push(format!("{},{}", part, parts[i + 1]));
+            i += 2;
+        } else {
+            out.push(part.to_owned());
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Picks the largest known boundary; if none is known, the first unknown (or `fallback`).
+fn largest(candidates: Vec<Boundary>, fallback: Boundary) -> Boundary {
+    let mut best: Option<Boundary> = None;
+    let mut first_unknown: Option<Boundary> = None;
+    for c in candidates {
+        match (&c, &best) {
+            (Boundary::Known { .. }, None) => best = Some(c),
+            (Boundary::Known { .. }, Some(b)) => {
+                if c.retry_not_before() > b.retry_not_before() {
+                    best = Some(c);
+                }
+            }
+            (Boundary::Unknown { .. }, _) => {
+                if first_unknown.is_none() {
+                    first_unknown = Some(c);
+                }
+            }
+        }
+    }
+    best.or(first_unknown).unwrap_or(fallback)
+}
+
+/// Normalizes one raw `Retry-After` value into a [`Boundary`] (RFC 9110 §10.2.3, SPEC §2.2).
+///
+/// - `raw`: the header value as received; it may be joined by a proxy (`"7, 7"`, `"10, 20"`), in
+///   which case the largest valid candidate wins.
+/// - `date_header`: the same response's `Date` header, if any, used to turn an HTTP-date into a
+///   skew-immune delay.
+/// - `received_at`: local instant the response was received; every delay is added to it.
+///
+/// Never fails and never panics: unusable input gives [`Boundary::Unknown`] with `raw` kept and a
+/// `reason`. `source` is `"Retry-After"`.
+pub fn normalize_value(
+    raw: &str,
+    date_header: Option<&str>,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Boundary {
+    let candidates = split_candidates(raw);
+    if candidates.len() <= 1 {
+        return normalize_single(raw, date_header, received_at, opts);
+    }
+    let mut results: Vec<Boundary> = candidates
+        .iter()
+        .map(|c| normalize_single(c, date_header, received_at, opts))
+        .collect();
+    // Report the whole joined value as raw, which is what was received.
+    for r in &mut results {
+        match r {
+            Boundary::Known { raw: r, .. } | Boundary::Unknown { raw: r, .. } => {
+                *r = Some(raw.to_owned())
+            }
+        }
+    }
+    largest(
+        results,
+        Boundary::unknown(
+            Some(raw),
+            "no valid Retry-After value",
+            Some(SOURCE_RETRY_AFTER),
+        ),
+    )
+}
+
+/// Normalizes one raw `retry-after-ms` value (milliseconds, decimals allowed; joined values →
+/// largest valid).
+fn normalize_ms_value(raw: &str, received_at: Timestamp, opts: &RetryAfterOptions) -> Boundary {
+    let src = Some(SOURCE_RETRY_AFTER_MS);
+    let results = raw
+        .split(',')
+        .map(|part| {
+            let s = part.trim();
+            if s.is_empty() {
+                return Boundary::unknown(Some(raw), "empty retry-after-ms value", src);
+            }
+            match parse_decimal(s, 1_000_000) {
+                Ok(Some(d)) => boundary_after(
+                    d,
+                    received_at,
+                    opts,
+                    SOURCE_RETRY_AFTER_MS,
+                    Some(raw),
+                    None,
+                    None,
+                ),
+                Ok(None) => Boundary::unknown(
+                    Some(raw),
+                    "retry-after-ms must be unsigned decimal milliseconds",
+                    src,
+                ),
+                Err(()) => Boundary::unknown(
+                    Some(raw),
+                    format!(
+                        "delay exceeds the ceiling of {} ms",
+                        opts.ceiling.as_millis()
+                    ),
+                    src,
+                ),
+            }
+        })
+        .collect();
+    largest(
+        results,
+        Boundary::unknown(Some(raw), "no valid retry-after-ms value", src),
+    )
+}
+
+fn header_text(v: &http::HeaderValue) -> String {
+    match v.to_str() {
+        Ok(s) => s.to_owned(),
+        Err(_) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
+    }
+}
+
+/// Normalizes every `retry-after-ms` and `Retry-After` instance of one response (SPEC §2.2).
+///
+/// `retry-after-ms` (OpenAI/Azure, milliseconds) wins over `Retry-After` when it yields a valid
+/// boundary; among several instances of a header the largest valid one is taken. The `Date`
+/// header (first instance) is used for HTTP-dates. Without either header the result is
+/// `Unknown { reason: "no Retry-After", raw: None, source: None }`. Header values that are not
+/// visible ASCII are read lossily and then judged like any other value. Never panics.
+pub fn normalize(
+    headers: &http::HeaderMap,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Boundary {
+    let date = headers.get(http::header::DATE).map(header_text);
+    let ms: Vec<Boundary> = headers
+        .get_all(SOURCE_RETRY_AFTER_MS)
+        .iter()
+        .map(|v| normalize_ms_value(&header_text(v), received_at, opts))
+        .collect();
+    let ms_present = !ms.is_empty();
+    let ms_best = largest(ms, Boundary::unknown(None, "no retry-after-ms", None));
+    if ms_best.is_known() {
+        return ms_best;
+    }
+    let ra: Vec<Boundary> = headers
+        .get_all(http::header::RETRY_AFTER)
+        .iter()
+        .map(|v| normalize_value(&header_text(v), date.as_deref(), received_at, opts))
+        .collect();
+    if ra.is_empty() {
+        return if ms_present {
+            ms_best
+        } else {
+            Boundary::unknown(None, "no Retry-After", None)
+        };
+    }
+    let best = largest(ra, Boundary::unknown(None, "no Retry-After", None));
+    match best {
+        Boundary::Known {
+            retry_not_before,
+            delay_ms,
+            source,
+            raw,
+            clock,
+            reason,
+        } if ms_present => Boundary::Known {
+            retry_not_before,
+            delay_ms,
+            source,
+            raw,
+            clock,
+            reason: Some(match reason {
+                Some(r) => format!("{r}; retry-after-ms unusable, Retry-After used"),
+                None => "retry-after-ms unusable, Retry-After used".to_owned(),
+            }),
+        },
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn joined_dates_keep_their_comma() {
+        let parts = split_candidates("Sun, 06 Nov 1994 08:49:37 GMT, 7");
+        assert_eq!(parts, vec!["Sun, 06 Nov 1994 08:49:37 GMT", " 7"]);
+    }
+
+    #[test]
+    fn decimal_fraction_rounds_up() {
+        assert_eq!(
+            parse_decimal("0.0001", 1_000_000_000),
+            Ok(Some(Duration::from_nanos(100_000)))
+        );
+        assert_eq!(parse_decimal("1e3", 1_000_000_000), Ok(None));
+    }
+}
