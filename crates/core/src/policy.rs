@@ -1,1 +1,1853 @@
-//! policy
+//! The policy file: one YAML document, validated with positions (SPEC §3).
+//!
+//! Why policy as data: retries are a contract with providers, not a habit of whichever agent
+//! sends the call. The file states per request class how many attempts and how much waiting are
+//! allowed and which statuses may be retried; per provider its credential source, quota dialect,
+//! idempotency header, scopes with their published limits, and routes. The agent cannot override
+//! it at run time. It is validated once, at start, and every problem is reported as
+//! `FILE:LINE:COL: message`, all of them at once where possible, so that `backstop policy check`
+//! is useful in CI.
+//!
+//! ## YAML crate
+//! `serde_yaml` is archived. Of its successors, `serde_norway` is a maintained fork with the same
+//! design: errors carry a position only while deserializing, and there is no span-carrying value
+//! type, so a *semantic* error ("unknown scope `x`", "headroom must be in (0, 1]") cannot point
+//! at its line. `serde-saphyr` (pure Rust, actively maintained, panic-free parser) offers
+//! [`serde_saphyr::Spanned`], which records the line and column of any value, map keys
+//! included. That is what makes positioned semantic errors possible, so backstop uses
+//! `serde-saphyr` (default features off, `deserialize` only). Duplicate keys are errors.
+//!
+//! ## Reading is two passes
+//! 1. Deserialization into span-carrying raw types: YAML syntax errors, unknown keys and wrong
+//!    types. The deserializer stops at the first of these, so at most one is reported.
+//! 2. Validation of the raw document: ranges, references (class, scope), route templates,
+//!    secrets written in clear, JSON pointers. Every problem found is collected.
+//!
+//! Secrets are referenced only (`secret_env`, `secret_file`, `token_env`, `token_file`, or a
+//! `token_sha256` digest); a literal `secret`, `token`, `api_key`, `password` or `value` field,
+//! or a password in `base_url`, is an error that never echoes the value.
+//!
+//! ```
+//! use backstop_core::policy::Policy;
+//!
+//! let policy = Policy::from_yaml_str(
+//!     "request_classes:\n  read: { max_attempts: 4, max_wait_seconds: 90, retry_statuses: [429] }\n",
+//!     "backstop.yaml",
+//! )
+//! .unwrap();
+//! assert_eq!(policy.request_classes["read"].max_attempts, 4);
+//!
+//! let errors = Policy::from_yaml_str("breaker:\n  threshold: 0\n", "backstop.yaml").unwrap_err();
+//! assert_eq!(
+//!     errors.to_string(),
+//!     "backstop.yaml:2:14: breaker.threshold: must be at least 1"
+//! );
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::de::{IgnoredAny, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_saphyr::{Location, Spanned};
+
+use crate::backoff::BackoffConfig;
+use crate::budget::{ClassBudget, RetryQuotaConfig};
+use crate::pacing::{PacerConfig, ScopeRecord};
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+/// One problem in a policy file, with its position (1-based line and column; 0 when unknown).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyError {
+    /// The file name as given to the loader.
+    pub file: String,
+    /// 1-based line, 0 when the problem has no position (e.g. the file cannot be read).
+    pub line: u64,
+    /// 1-based column (characters), 0 when unknown.
+    pub column: u64,
+    /// What is wrong, naming the key path (`providers.billing.scopes.account.headroom: …`).
+    pub message: String,
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.file, self.message)
+        } else {
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file, self.line, self.column, self.message
+            )
+        }
+    }
+}
+
+/// Every problem found in a policy file, in file order. Display: one `FILE:LINE:COL: message`
+/// per line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub struct PolicyErrors(pub Vec<PolicyError>);
+
+impl fmt::Display for PolicyErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, error) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{error}")?;
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The validated policy
+
+/// The names of the three built-in request classes (SPEC §1).
+pub const BUILTIN_CLASSES: [&str; 3] = ["read", "idempotent_write", "uncertain_write"];
+
+/// Quota header dialects a provider may name (SPEC §2.3).
+pub const DIALECTS: [&str; 5] = ["generic", "ietf", "openai", "anthropic", "github"];
+
+/// Dispositions an `error_codes` entry may map to (SPEC §2.1).
+pub const DISPOSITIONS: [&str; 9] = [
+    "success",
+    "rate_limited",
+    "quota_exhausted",
+    "unavailable",
+    "transient",
+    "not_sent",
+    "uncertain",
+    "conflict",
+    "rejected",
+];
+
+/// A validated policy (SPEC §3). Construct with [`Policy::from_yaml_str`] or [`Policy::load`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Policy {
+    /// The file it was read from (as given).
+    pub file: String,
+    /// SQLite store path (`store`), if set.
+    pub store: Option<PathBuf>,
+    /// Listen address (`listen`), if set, e.g. `127.0.0.1:8080`.
+    pub listen: Option<String>,
+    /// Request classes by name; the three built-in ones always exist.
+    pub request_classes: BTreeMap<String, RequestClass>,
+    /// Scope limits that apply where a scope does not set its own (`shared_scope`).
+    pub shared_scope: SharedScope,
+    /// Backoff parameters (`backoff`).
+    pub backoff: BackoffPolicy,
+    /// Circuit breaker (`breaker`).
+    pub breaker: BreakerPolicy,
+    /// Scope retry quota (`retry_quota`).
+    pub retry_quota: RetryQuotaConfig,
+    /// Agents and how their tokens are found (`agents`).
+    pub agents: BTreeMap<String, TokenRef>,
+    /// Operators and how their tokens are found (`operators`).
+    pub operators: BTreeMap<String, TokenRef>,
+    /// Providers by name (`providers`).
+    pub providers: BTreeMap<String, Provider>,
+}
+
+/// A request class: budgets and retryable statuses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RequestClass {
+    /// The class name (`read`, `idempotent_write`, `uncertain_write`, or a configured one).
+    pub name: String,
+    /// Attempts in total, the first included (≥ 1).
+    pub max_attempts: u32,
+    /// Total wait between attempts (`max_wait_seconds`).
+    pub max_wait: Duration,
+    /// Statuses that may be retried, sorted and deduplicated.
+    pub retry_statuses: Vec<u16>,
+}
+
+impl RequestClass {
+    /// The class budget for [`crate::budget::ActionBudget`].
+    pub fn budget(&self) -> ClassBudget {
+        ClassBudget {
+            max_attempts: self.max_attempts,
+            max_wait: self.max_wait,
+        }
+    }
+}
+
+/// Scope limits shared by all scopes unless a scope sets its own (`shared_scope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SharedScope {
+    /// Delayed-queue limit per scope (default 25).
+    pub max_delayed_requests: u32,
+    /// Concurrency limit per scope (default 2).
+    pub max_concurrent_requests: u32,
+}
+
+/// Backoff and Retry-After parameters (`backoff`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BackoffPolicy {
+    /// `base_seconds` (default 1).
+    pub base: Duration,
+    /// `max_seconds` (default 60).
+    pub max: Duration,
+    /// `min_delay_seconds` applied to past or zero Retry-After values (default 1).
+    pub min_delay: Duration,
+    /// `retry_after_ceiling_seconds`: larger Retry-After values are absurd (default 86,400).
+    pub retry_after_ceiling: Duration,
+    /// `boundary_spread_seconds`: jitter after a provider boundary (default 5).
+    pub boundary_spread: Duration,
+}
+
+impl BackoffPolicy {
+    /// The parameters of [`crate::backoff::plan_retry`].
+    pub fn config(&self) -> BackoffConfig {
+        BackoffConfig {
+            base: self.base,
+            max: self.max,
+            boundary_spread: self.boundary_spread,
+        }
+    }
+}
+
+/// Circuit breaker parameters (`breaker`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BreakerPolicy {
+    /// Identical failures that open the path for a task (default 3).
+    pub threshold: u32,
+}
+
+/// Where an agent's or operator's token is found. Never the token itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenRef {
+    /// `token_env`: the environment variable holding the token.
+    Env(String),
+    /// `token_file`: the file holding the token.
+    File(PathBuf),
+    /// `token_sha256`: the lowercase hex SHA-256 of the token.
+    Sha256(String),
+}
+
+/// Where a provider secret is found. Never the secret itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecretRef {
+    /// `secret_env`: the environment variable holding the secret.
+    Env(String),
+    /// `secret_file`: the file holding the secret.
+    File(PathBuf),
+}
+
+/// How the gateway authenticates to a provider.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Credential {
+    /// Where the secret is.
+    pub secret: SecretRef,
+    /// Header carrying it (default `Authorization`).
+    pub header: String,
+    /// Scheme before the secret (default `Bearer`; empty for a bare value like `x-api-key`).
+    pub scheme: String,
+}
+
+/// A provider (`providers.NAME`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Provider {
+    /// The provider's name.
+    pub name: String,
+    /// Base URL, `http://` or `https://`, without a trailing slash.
+    pub base_url: String,
+    /// Credential, if the provider needs one.
+    pub credential: Option<Credential>,
+    /// Quota header dialect, one of [`DIALECTS`] (default `generic`).
+    pub dialect: String,
+    /// Idempotency header name (e.g. `Idempotency-Key`); its presence means the provider
+    /// honours keys, so POST/PATCH default to `idempotent_write`.
+    pub idempotency_header: Option<String>,
+    /// Whether PUT/DELETE are idempotent by the provider's contract.
+    pub idempotent_put_delete: bool,
+    /// JSON pointer (RFC 6901) to the error code in an error body.
+    pub error_code_pointer: Option<String>,
+    /// Provider error code → disposition (one of [`DISPOSITIONS`]).
+    pub error_codes: BTreeMap<String, String>,
+    /// Whether `x-should-retry`-style hints are honoured (default true).
+    pub honour_hints: bool,
+    /// Scopes by short name.
+    pub scopes: BTreeMap<String, Scope>,
+    /// Full scope names for requests that match no route (default: every scope).
+    pub default_scopes: Vec<String>,
+    /// Configured routes, in file order.
+    pub routes: Vec<Route>,
+}
+
+/// A quota scope (`providers.P.scopes.NAME`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Scope {
+    /// Full name, `provider/scope`.
+    pub name: String,
+    /// Published limit: requests per window; `None` for a scope with queue limits only.
+    pub limit: Option<u64>,
+    /// The window of the published limit (`window_seconds`, default 60).
+    pub window: Duration,
+    /// Share of the published rate backstop paces at, `0 < h ≤ 1` (default 0.8).
+    pub headroom: f64,
+    /// Share of capacity kept for interactive work, `0 ≤ r < 1` (default 0.2).
+    pub reserve_interactive: f64,
+    /// Delayed-queue limit.
+    pub max_delayed_requests: u32,
+    /// Concurrency limit.
+    pub max_concurrent_requests: u32,
+}
+
+impl Scope {
+    /// The pacing of this scope, `None` without a published limit.
+    pub fn pacer_config(&self) -> Option<PacerConfig> {
+        let limit = self.limit?;
+        PacerConfig::try_new(limit, self.window, self.headroom, self.reserve_interactive).ok()
+    }
+
+    /// A fresh scope record.
+    pub fn record(&self) -> ScopeRecord {
+        let mut record = ScopeRecord::new(
+            self.name.clone(),
+            self.max_concurrent_requests,
+            self.max_delayed_requests,
+        );
+        record.limit = self.limit;
+        record
+    }
+}
+
+/// One segment of a route template.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Segment {
+    /// Must equal the path segment.
+    Literal(String),
+    /// `{name}`: any non-empty segment.
+    Param(String),
+}
+
+/// How an uncertain write is reconciled (SPEC §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReconcileBy {
+    /// Look up by the idempotency key (`{key}` in the lookup).
+    IdempotencyKey,
+    /// Look up by a client-generated reference placed in the payload (`{ref}` in the lookup).
+    ExternalReference,
+    /// Look up by the provider's operation id (`{operation_id}` in the lookup).
+    OperationId,
+}
+
+/// A reconciliation lookup (`routes.R.reconcile`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Reconcile {
+    /// What the lookup is keyed by.
+    pub by: ReconcileBy,
+    /// Method of the lookup (a safe method: GET or HEAD).
+    pub lookup_method: String,
+    /// Path and query of the lookup with its placeholder, e.g. `/v1/transfers?reference={ref}`.
+    pub lookup_path: String,
+    /// JSON pointer to the external reference in the write's payload.
+    pub external_reference_pointer: Option<String>,
+    /// JSON pointer into the lookup response that is present/true when the operation exists.
+    pub found_pointer: Option<String>,
+    /// JSON pointer to the provider's operation id (in the write response or the lookup).
+    pub operation_id_pointer: Option<String>,
+}
+
+/// A configured route (`routes."METHOD /path/{param}"`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Route {
+    /// Upper-case method.
+    pub method: String,
+    /// The path template as written, e.g. `/v1/transfers/{id}`.
+    pub template: String,
+    /// The parsed template.
+    pub segments: Vec<Segment>,
+    /// Request class name.
+    pub class: String,
+    /// Full scope names.
+    pub scopes: Vec<String>,
+    /// Whether identical in-flight safe reads share one upstream call.
+    pub coalesce: bool,
+    /// JSON pointers of the stable payload fields for the fingerprint.
+    pub fingerprint_fields: Vec<String>,
+    /// Reconciliation lookup for uncertain writes.
+    pub reconcile: Option<Reconcile>,
+}
+
+/// The answer of [`Policy::route`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RouteMatch {
+    /// The provider.
+    pub provider: String,
+    /// Upper-case method.
+    pub method: String,
+    /// The route template: the configured one, or the path with ids replaced by `{id}`.
+    pub template: String,
+    /// Request class name.
+    pub class: String,
+    /// Full scope names (`provider/scope`).
+    pub scopes: Vec<String>,
+    /// Whether the route coalesces identical in-flight reads.
+    pub coalesce: bool,
+    /// Stable payload fields for the fingerprint.
+    pub fingerprint_fields: Vec<String>,
+    /// Reconciliation lookup, if configured.
+    pub reconcile: Option<Reconcile>,
+    /// Template parameters bound by the path (configured routes only).
+    pub params: BTreeMap<String, String>,
+    /// Whether a configured route matched (false: SPEC §3 defaults by method).
+    pub configured: bool,
+}
+
+/// [`Policy::route`] was asked about a provider the policy does not name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown provider `{0}`")]
+pub struct UnknownProvider(pub String);
+
+impl Policy {
+    /// Reads and validates a policy file.
+    ///
+    /// # Errors
+    /// [`PolicyErrors`]: the file cannot be read (no position), or see [`Policy::from_yaml_str`].
+    pub fn load(path: impl AsRef<Path>) -> Result<Policy, PolicyErrors> {
+        let path = path.as_ref();
+        let file = path.display().to_string();
+        let src = std::fs::read_to_string(path).map_err(|e| {
+            PolicyErrors(vec![PolicyError {
+                file: file.clone(),
+                line: 0,
+                column: 0,
+                message: format!("cannot read the policy file: {e}"),
+            }])
+        })?;
+        Policy::from_yaml_str(&src, &file)
+    }
+
+    /// Parses and validates a policy from YAML text; `file` names it in errors.
+    ///
+    /// # Errors
+    /// [`PolicyErrors`] with `FILE:LINE:COL: message` for: YAML syntax, unknown keys and wrong
+    /// types (the first one only), then every semantic problem (ranges, unknown class or scope
+    /// references, malformed route templates or JSON pointers, literal secrets).
+    pub fn from_yaml_str(src: &str, file: &str) -> Result<Policy, PolicyErrors> {
+        let raw: RawPolicy = serde_saphyr::from_str(src).map_err(|e| {
+            let (line, column) = e
+                .location()
+                .map(|l| (l.line(), l.column()))
+                .unwrap_or((0, 0));
+            PolicyErrors(vec![PolicyError {
+                file: file.to_owned(),
+                line,
+                column,
+                message: strip_position(&e.without_snippet().to_string()),
+            }])
+        })?;
+        let mut ctx = Ctx {
+            file: file.to_owned(),
+            errors: Vec::new(),
+        };
+        let policy = validate(raw, &mut ctx);
+        if ctx.errors.is_empty() {
+            Ok(policy)
+        } else {
+            ctx.errors.sort_by_key(|e| (e.line, e.column));
+            Err(PolicyErrors(ctx.errors))
+        }
+    }
+
+    /// Decides route, class and scopes for a request (SPEC §3).
+    ///
+    /// `path` may carry a query string (ignored). The configured route with the most literal
+    /// segments wins; without one, the class follows the method: GET/HEAD/OPTIONS → `read`;
+    /// PUT/DELETE → `idempotent_write` only if the provider sets `idempotent_put_delete`, else
+    /// `uncertain_write`; POST/PATCH (and any other method) → `idempotent_write` when the provider
+    /// has an `idempotency_header`, else `uncertain_write`. The template of an unmatched path has
+    /// its ids (numbers, UUIDs, long hex or opaque tokens) replaced by `{id}` (see
+    /// [`template_for_path`]), and its scopes are the provider's `default_scopes`.
+    ///
+    /// # Errors
+    /// [`UnknownProvider`] when the policy has no such provider.
+    pub fn route(
+        &self,
+        provider: &str,
+        method: &str,
+        path: &str,
+    ) -> Result<RouteMatch, UnknownProvider> {
+        let p = self
+            .providers
+            .get(provider)
+            .ok_or_else(|| UnknownProvider(provider.to_owned()))?;
+        let method = method.trim().to_ascii_uppercase();
+        let path = path.split(['?', '#']).next().unwrap_or("");
+        let segments = path_segments(path);
+        let mut best: Option<(&Route, usize, BTreeMap<String, String>)> = None;
+        for route in p.routes.iter().filter(|r| r.method == method) {
+            if let Some(params) = match_segments(&route.segments, &segments) {
+                let literals = route
+                    .segments
+                    .iter()
+                    .filter(|s| matches!(s, Segment::Literal(_)))
+                    .count();
+                if best.as_ref().is_none_or(|(_, l, _)| literals > *l) {
+                    best = Some((route, literals, params));
+                }
+            }
+        }
+        if let Some((route, _, params)) = best {
+            return Ok(RouteMatch {
+                provider: provider.to_owned(),
+                method,
+                template: route.template.clone(),
+                class: route.class.clone(),
+                scopes: route.scopes.clone(),
+                coalesce: route.coalesce,
+                fingerprint_fields: route.fingerprint_fields.clone(),
+                reconcile: route.reconcile.clone(),
+                params,
+                configured: true,
+            });
+        }
+        Ok(RouteMatch {
+            provider: provider.to_owned(),
+            class: default_class(p, &method).to_owned(),
+            method,
+            template: template_for_path(path),
+            scopes: p.default_scopes.clone(),
+            coalesce: false,
+            fingerprint_fields: Vec::new(),
+            reconcile: None,
+            params: BTreeMap::new(),
+            configured: false,
+        })
+    }
+
+    /// Every scope of every provider, by full name.
+    pub fn scopes(&self) -> impl Iterator<Item = &Scope> {
+        self.providers.values().flat_map(|p| p.scopes.values())
+    }
+}
+
+/// The SPEC §3 default class for `method` (upper case) at provider `p`.
+fn default_class(p: &Provider, method: &str) -> &'static str {
+    match method {
+        "GET" | "HEAD" | "OPTIONS" => "read",
+        "PUT" | "DELETE" if p.idempotent_put_delete => "idempotent_write",
+        "PUT" | "DELETE" => "uncertain_write",
+        _ if p.idempotency_header.is_some() => "idempotent_write",
+        _ => "uncertain_write",
+    }
+}
+
+fn path_segments(path: &str) -> Vec<&str> {
+    path.trim_matches('/')
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn match_segments(template: &[Segment], path: &[&str]) -> Option<BTreeMap<String, String>> {
+    if template.len() != path.len() {
+        return None;
+    }
+    let mut params = BTreeMap::new();
+    for (segment, actual) in template.iter().zip(path) {
+        match segment {
+            Segment::Literal(l) if l == actual => {}
+            Segment::Literal(_) => return None,
+            Segment::Param(name) => {
+                params.insert(name.clone(), (*actual).to_owned());
+            }
+        }
+    }
+    Some(params)
+}
+
+/// The route template of a concrete path: segments that look like ids become `{id}`, so that
+/// `/v1/transfers/8412/events` and `/v1/transfers/8413/events` share one template (and one
+/// fingerprint, metric and audit label). An id is: all digits; a UUID; 16 or more hex digits;
+/// 16 or more characters with at least one digit; or a prefixed opaque token like `tr_8a7b6c5d`
+/// (a `_`-separated prefix followed by 8 or more characters with a digit). Query and trailing
+/// slash are dropped.
+///
+/// ```
+/// use backstop_core::policy::template_for_path;
+/// assert_eq!(
+///     template_for_path("/v1/customers/cus_9s6XKzkNRiz8i3/charges/42?limit=3"),
+///     "/v1/customers/{id}/charges/{id}"
+/// );
+/// assert_eq!(template_for_path("/v1/chat/completions"), "/v1/chat/completions");
+/// ```
+pub fn template_for_path(path: &str) -> String {
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    let segments = path_segments(path);
+    if segments.is_empty() {
+        return "/".to_owned();
+    }
+    let mut out = String::with_capacity(path.len());
+    for segment in segments {
+        out.push('/');
+        if looks_like_id(segment) {
+            out.push_str("{id}");
+        } else {
+            out.push_str(segment);
+        }
+    }
+    out
+}
+
+fn looks_like_id(s: &str) -> bool {
+    let has_digit = s.bytes().any(|b| b.is_ascii_digit());
+    if s.bytes().all(|b| b.is_ascii_digit()) {
+        return true;
+    }
+    if is_uuid(s) {
+        return true;
+    }
+    if s.len() >= 16 && s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return true;
+    }
+    if s.len() >= 16 && has_digit {
+        return true;
+    }
+    if let Some((prefix, rest)) = s.split_once('_') {
+        return !prefix.is_empty()
+            && rest.len() >= 8
+            && rest.bytes().any(|b| b.is_ascii_digit())
+            && rest.bytes().all(|b| b.is_ascii_alphanumeric());
+    }
+    false
+}
+
+fn is_uuid(s: &str) -> bool {
+    let groups: Vec<&str> = s.split('-').collect();
+    groups.len() == 5
+        && groups
+            .iter()
+            .zip([8, 4, 4, 4, 12])
+            .all(|(g, n)| g.len() == n && g.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw, span-carrying document
+
+/// A YAML mapping read with the position of each key, in file order.
+struct SpannedMap<V>(Vec<(Spanned<String>, V)>);
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for SpannedMap<V> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MapVisitor<V>(PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for MapVisitor<V> {
+            type Value = SpannedMap<V>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a mapping")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(key) = map.next_key::<Spanned<String>>()? {
+                    entries.push((key, map.next_value()?));
+                }
+                Ok(SpannedMap(entries))
+            }
+        }
+        deserializer.deserialize_map(MapVisitor(PhantomData))
+    }
+}
+
+type S<T> = Spanned<T>;
+type Trap = Option<S<IgnoredAny>>;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    store: Option<S<String>>,
+    listen: Option<S<String>>,
+    request_classes: Option<SpannedMap<S<RawClass>>>,
+    shared_scope: Option<S<RawSharedScope>>,
+    backoff: Option<S<RawBackoff>>,
+    breaker: Option<S<RawBreaker>>,
+    retry_quota: Option<S<RawRetryQuota>>,
+    agents: Option<SpannedMap<S<RawPrincipal>>>,
+    operators: Option<SpannedMap<S<RawPrincipal>>>,
+    providers: Option<SpannedMap<S<RawProvider>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClass {
+    max_attempts: Option<S<u32>>,
+    max_wait_seconds: Option<S<f64>>,
+    retry_statuses: Option<S<Vec<S<u16>>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSharedScope {
+    max_delayed_requests: Option<S<u32>>,
+    max_concurrent_requests: Option<S<u32>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBackoff {
+    base_seconds: Option<S<f64>>,
+    max_seconds: Option<S<f64>>,
+    min_delay_seconds: Option<S<f64>>,
+    retry_after_ceiling_seconds: Option<S<f64>>,
+    boundary_spread_seconds: Option<S<f64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBreaker {
+    threshold: Option<S<u32>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRetryQuota {
+    capacity: Option<S<u32>>,
+    retry_cost: Option<S<u32>>,
+    timeout_cost: Option<S<u32>>,
+    success_refund: Option<S<u32>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPrincipal {
+    token_env: Option<S<String>>,
+    token_file: Option<S<String>>,
+    token_sha256: Option<S<String>>,
+    token: Trap,
+    secret: Trap,
+    password: Trap,
+    api_key: Trap,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCredential {
+    secret_env: Option<S<String>>,
+    secret_file: Option<S<String>>,
+    header: Option<S<String>>,
+    scheme: Option<S<String>>,
+    secret: Trap,
+    value: Trap,
+    token: Trap,
+    api_key: Trap,
+    password: Trap,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProvider {
+    base_url: Option<S<String>>,
+    credential: Option<S<RawCredential>>,
+    dialect: Option<S<String>>,
+    idempotency_header: Option<S<String>>,
+    idempotent_put_delete: Option<S<bool>>,
+    error_code_pointer: Option<S<String>>,
+    error_codes: Option<SpannedMap<S<String>>>,
+    honour_hints: Option<S<bool>>,
+    scopes: Option<SpannedMap<S<RawScope>>>,
+    default_scopes: Option<S<Vec<S<String>>>>,
+    routes: Option<SpannedMap<S<RawRoute>>>,
+    secret: Trap,
+    token: Trap,
+    api_key: Trap,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScope {
+    limit: Option<S<u64>>,
+    window_seconds: Option<S<f64>>,
+    headroom: Option<S<f64>>,
+    reserve_interactive: Option<S<f64>>,
+    max_delayed_requests: Option<S<u32>>,
+    max_concurrent_requests: Option<S<u32>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    class: Option<S<String>>,
+    scopes: Option<S<Vec<S<String>>>>,
+    coalesce: Option<S<bool>>,
+    fingerprint_fields: Option<S<Vec<S<String>>>>,
+    reconcile: Option<S<RawReconcile>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReconcile {
+    by: Option<S<String>>,
+    lookup: Option<S<String>>,
+    external_reference_pointer: Option<S<String>>,
+    found_pointer: Option<S<String>>,
+    operation_id_pointer: Option<S<String>>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+
+struct Ctx {
+    file: String,
+    errors: Vec<PolicyError>,
+}
+
+impl Ctx {
+    fn err(&mut self, at: &Location, message: impl Into<String>) {
+        self.errors.push(PolicyError {
+            file: self.file.clone(),
+            line: at.line(),
+            column: at.column(),
+            message: message.into(),
+        });
+    }
+
+    /// A positive `u32` (≥ 1), or the default.
+    fn at_least_one(&mut self, v: &Option<S<u32>>, path: &str, default: u32) -> u32 {
+        match v {
+            Some(s) if s.value == 0 => {
+                self.err(&s.referenced, format!("{path}: must be at least 1"));
+                default
+            }
+            Some(s) => s.value,
+            None => default,
+        }
+    }
+
+    /// Seconds as a [`Duration`] (finite, ≥ 0), or the default.
+    fn seconds(&mut self, v: &Option<S<f64>>, path: &str, default: Duration) -> Duration {
+        match v {
+            Some(s) => match Duration::try_from_secs_f64(s.value) {
+                Ok(d) => d,
+                Err(_) => {
+                    self.err(
+                        &s.referenced,
+                        format!(
+                            "{path}: must be a non-negative number of seconds, got {}",
+                            s.value
+                        ),
+                    );
+                    default
+                }
+            },
+            None => default,
+        }
+    }
+
+    fn trap(&mut self, v: &Trap, path: &str, use_instead: &str) {
+        if let Some(s) = v {
+            self.err(
+                &s.referenced,
+                format!(
+                    "{path}: literal secret; secrets are referenced, never written into the policy (use {use_instead})"
+                ),
+            );
+        }
+    }
+}
+
+fn strip_position(message: &str) -> String {
+    match message.rfind(" at line ") {
+        Some(i) if message[i..].contains(", column ") => message[..i].to_owned(),
+        _ => message.to_owned(),
+    }
+}
+
+fn builtin_class(name: &str) -> Option<RequestClass> {
+    let (max_attempts, max_wait_seconds, retry_statuses): (u32, u64, &[u16]) = match name {
+        "read" => (4, 90, &[408, 429, 500, 502, 503, 504]),
+        "idempotent_write" => (3, 120, &[408, 429, 502, 503, 504]),
+        "uncertain_write" => (1, 0, &[]),
+        _ => return None,
+    };
+    Some(RequestClass {
+        name: name.to_owned(),
+        max_attempts,
+        max_wait: Duration::from_secs(max_wait_seconds),
+        retry_statuses: retry_statuses.to_vec(),
+    })
+}
+
+fn is_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
+}
+
+fn is_json_pointer(s: &str) -> bool {
+    if s.is_empty() {
+        return true;
+    }
+    if !s.starts_with('/') {
+        return false;
+    }
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '~' && !matches!(chars.next(), Some('0' | '1')) {
+            return false;
+        }
+    }
+    true
+}
+
+fn check_pointer(ctx: &mut Ctx, v: &Option<S<String>>, path: &str) -> Option<String> {
+    let s = v.as_ref()?;
+    if !is_json_pointer(&s.value) {
+        ctx.err(
+            &s.referenced,
+            format!(
+                "{path}: `{}` is not a JSON pointer (RFC 6901: empty, or `/` followed by tokens, `~` only as `~0`/`~1`)",
+                s.value
+            ),
+        );
+        return None;
+    }
+    Some(s.value.clone())
+}
+
+fn check_header_name(ctx: &mut Ctx, s: &S<String>, path: &str) -> bool {
+    if http::HeaderName::from_bytes(s.value.as_bytes()).is_err() {
+        ctx.err(
+            &s.referenced,
+            format!("{path}: `{}` is not a valid HTTP header name", s.value),
+        );
+        return false;
+    }
+    true
+}
+
+fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
+    // Request classes: built-ins first, then the file's.
+    let mut request_classes: BTreeMap<String, RequestClass> = BUILTIN_CLASSES
+        .iter()
+        .filter_map(|n| builtin_class(n).map(|c| (n.to_string(), c)))
+        .collect();
+    for (key, class) in raw.request_classes.map(|m| m.0).unwrap_or_default() {
+        let name = key.value.clone();
+        let path = format!("request_classes.{name}");
+        if !is_name(&name) {
+            ctx.err(
+                &key.referenced,
+                format!("{path}: a class name uses letters, digits, `_`, `-`, `.` or `:`"),
+            );
+        }
+        let builtin = builtin_class(&name);
+        let c = &class.value;
+        if builtin.is_none() {
+            for (missing, field) in [
+                (c.max_attempts.is_none(), "max_attempts"),
+                (c.max_wait_seconds.is_none(), "max_wait_seconds"),
+            ] {
+                if missing {
+                    ctx.err(
+                        &class.referenced,
+                        format!("{path}: missing `{field}` (required for a configured class)"),
+                    );
+                }
+            }
+        }
+        let defaults = builtin.unwrap_or(RequestClass {
+            name: name.clone(),
+            max_attempts: 1,
+            max_wait: Duration::ZERO,
+            retry_statuses: Vec::new(),
+        });
+        let max_attempts = ctx.at_least_one(
+            &c.max_attempts,
+            &format!("{path}.max_attempts"),
+            defaults.max_attempts,
+        );
+        let max_wait = ctx.seconds(
+            &c.max_wait_seconds,
+            &format!("{path}.max_wait_seconds"),
+            defaults.max_wait,
+        );
+        let retry_statuses = match &c.retry_statuses {
+            Some(list) => {
+                let mut statuses = BTreeSet::new();
+                for status in &list.value {
+                    if !(100..=599).contains(&status.value) {
+                        ctx.err(
+                            &status.referenced,
+                            format!(
+                                "{path}.retry_statuses: {} is not an HTTP status (100–599)",
+                                status.value
+                            ),
+                        );
+                    } else if (200..=299).contains(&status.value) {
+                        ctx.err(
+                            &status.referenced,
+                            format!(
+                                "{path}.retry_statuses: {} is a success; it cannot be retried",
+                                status.value
+                            ),
+                        );
+                    } else {
+                        statuses.insert(status.value);
+                    }
+                }
+                statuses.into_iter().collect()
+            }
+            None => defaults.retry_statuses,
+        };
+        request_classes.insert(
+            name.clone(),
+            RequestClass {
+                name,
+                max_attempts,
+                max_wait,
+                retry_statuses,
+            },
+        );
+    }
+
+    let shared_scope = match &raw.shared_scope {
+        Some(s) => SharedScope {
+            max_delayed_requests: ctx.at_least_one(
+                &s.value.max_delayed_requests,
+                "shared_scope.max_delayed_requests",
+                25,
+            ),
+            max_concurrent_requests: ctx.at_least_one(
+                &s.value.max_concurrent_requests,
+                "shared_scope.max_concurrent_requests",
+                2,
+            ),
+        },
+        None => SharedScope {
+            max_delayed_requests: 25,
+            max_concurrent_requests: 2,
+        },
+    };
+
+    let backoff = validate_backoff(raw.backoff.as_ref(), ctx);
+    let breaker = BreakerPolicy {
+        threshold: match &raw.breaker {
+            Some(b) => ctx.at_least_one(&b.value.threshold, "breaker.threshold", 3),
+            None => 3,
+        },
+    };
+    let retry_quota = validate_retry_quota(raw.retry_quota.as_ref(), ctx);
+
+    let agents = validate_principals(raw.agents, "agents", ctx);
+    let operators = validate_principals(raw.operators, "operators", ctx);
+
+    let mut providers = BTreeMap::new();
+    for (key, provider) in raw.providers.map(|m| m.0).unwrap_or_default() {
+        if let Some(p) = validate_provider(&key, provider, &request_classes, &shared_scope, ctx) {
+            providers.insert(p.name.clone(), p);
+        }
+    }
+
+    Policy {
+        file: ctx.file.clone(),
+        store: raw.store.map(|s| PathBuf::from(s.value)),
+        listen: raw.listen.map(|s| s.value),
+        request_classes,
+        shared_scope,
+        backoff,
+        breaker,
+        retry_quota,
+        agents,
+        operators,
+        providers,
+    }
+}
+
+fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> BackoffPolicy {
+    let defaults = BackoffPolicy {
+        base: Duration::from_secs(1),
+        max: Duration::from_secs(60),
+        min_delay: Duration::from_secs(1),
+        retry_after_ceiling: Duration::from_secs(86_400),
+        boundary_spread: Duration::from_secs(5),
+    };
+    let Some(raw) = raw else {
+        return defaults;
+    };
+    let b = &raw.value;
+    let policy = BackoffPolicy {
+        base: ctx.seconds(&b.base_seconds, "backoff.base_seconds", defaults.base),
+        max: ctx.seconds(&b.max_seconds, "backoff.max_seconds", defaults.max),
+        min_delay: ctx.seconds(
+            &b.min_delay_seconds,
+            "backoff.min_delay_seconds",
+            defaults.min_delay,
+        ),
+        retry_after_ceiling: ctx.seconds(
+            &b.retry_after_ceiling_seconds,
+            "backoff.retry_after_ceiling_seconds",
+            defaults.retry_after_ceiling,
+        ),
+        boundary_spread: ctx.seconds(
+            &b.boundary_spread_seconds,
+            "backoff.boundary_spread_seconds",
+            defaults.boundary_spread,
+        ),
+    };
+    if let Some(s) = &b.base_seconds {
+        if policy.base.is_zero() {
+            ctx.err(&s.referenced, "backoff.base_seconds: must be positive");
+        }
+    }
+    if policy.max < policy.base {
+        let at = b
+            .max_seconds
+            .as_ref()
+            .map(|s| s.referenced)
+            .unwrap_or(raw.referenced);
+        ctx.err(
+            &at,
+            "backoff.max_seconds: must be at least backoff.base_seconds",
+        );
+    }
+    if policy.retry_after_ceiling < policy.min_delay {
+        let at = b
+            .retry_after_ceiling_seconds
+            .as_ref()
+            .map(|s| s.referenced)
+            .unwrap_or(raw.referenced);
+        ctx.err(
+            &at,
+            "backoff.retry_after_ceiling_seconds: must be at least backoff.min_delay_seconds",
+        );
+    }
+    policy
+}
+
+fn validate_retry_quota(raw: Option<&S<RawRetryQuota>>, ctx: &mut Ctx) -> RetryQuotaConfig {
+    let defaults = RetryQuotaConfig::default();
+    let Some(raw) = raw else {
+        return defaults;
+    };
+    let q = &raw.value;
+    let capacity = ctx.at_least_one(&q.capacity, "retry_quota.capacity", defaults.capacity);
+    let retry_cost = ctx.at_least_one(&q.retry_cost, "retry_quota.retry_cost", defaults.retry_cost);
+    let timeout_cost = ctx.at_least_one(
+        &q.timeout_cost,
+        "retry_quota.timeout_cost",
+        defaults.timeout_cost,
+    );
+    let success_refund = q
+        .success_refund
+        .as_ref()
+        .map(|s| s.value)
+        .unwrap_or(defaults.success_refund);
+    for (value, field, v) in [
+        (retry_cost, "retry_cost", &q.retry_cost),
+        (timeout_cost, "timeout_cost", &q.timeout_cost),
+    ] {
+        if value > capacity {
+            let at = v.as_ref().map(|s| s.referenced).unwrap_or(raw.referenced);
+            ctx.err(
+                &at,
+                format!(
+                    "retry_quota.{field}: {value} exceeds the capacity {capacity}; no retry could ever be paid"
+                ),
+            );
+        }
+    }
+    RetryQuotaConfig {
+        capacity,
+        retry_cost,
+        timeout_cost,
+        success_refund,
+    }
+}
+
+fn validate_principals(
+    raw: Option<SpannedMap<S<RawPrincipal>>>,
+    section: &str,
+    ctx: &mut Ctx,
+) -> BTreeMap<String, TokenRef> {
+    let mut out = BTreeMap::new();
+    for (key, principal) in raw.map(|m| m.0).unwrap_or_default() {
+        let path = format!("{section}.{}", key.value);
+        let p = &principal.value;
+        let use_instead = "token_env, token_file or token_sha256";
+        ctx.trap(&p.token, &format!("{path}.token"), use_instead);
+        ctx.trap(&p.secret, &format!("{path}.secret"), use_instead);
+        ctx.trap(&p.password, &format!("{path}.password"), use_instead);
+        ctx.trap(&p.api_key, &format!("{path}.api_key"), use_instead);
+        let mut refs = Vec::new();
+        if let Some(s) = &p.token_env {
+            refs.push(TokenRef::Env(s.value.clone()));
+        }
+        if let Some(s) = &p.token_file {
+            refs.push(TokenRef::File(PathBuf::from(&s.value)));
+        }
+        if let Some(s) = &p.token_sha256 {
+            let digest = s.value.trim().to_ascii_lowercase();
+            if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+                ctx.err(
+                    &s.referenced,
+                    format!("{path}.token_sha256: must be 64 hex digits (a SHA-256 digest)"),
+                );
+            }
+            refs.push(TokenRef::Sha256(digest));
+        }
+        match refs.len() {
+            1 => {
+                out.insert(key.value.clone(), refs.remove(0));
+            }
+            0 => {
+                if p.token.is_none()
+                    && p.secret.is_none()
+                    && p.password.is_none()
+                    && p.api_key.is_none()
+                {
+                    ctx.err(
+                        &key.referenced,
+                        format!("{path}: needs exactly one of {use_instead}"),
+                    );
+                }
+            }
+            _ => ctx.err(
+                &key.referenced,
+                format!("{path}: give only one of {use_instead}"),
+            ),
+        }
+    }
+    out
+}
+
+fn validate_provider(
+    key: &S<String>,
+    raw: S<RawProvider>,
+    classes: &BTreeMap<String, RequestClass>,
+    shared: &SharedScope,
+    ctx: &mut Ctx,
+) -> Option<Provider> {
+    let name = key.value.clone();
+    let path = format!("providers.{name}");
+    if !is_name(&name) || name.contains('/') {
+        ctx.err(
+            &key.referenced,
+            format!("{path}: a provider name uses letters, digits, `_`, `-`, `.` or `:`"),
+        );
+    }
+    let p = raw.value;
+    let use_instead = "credential.secret_env or credential.secret_file";
+    ctx.trap(&p.secret, &format!("{path}.secret"), use_instead);
+    ctx.trap(&p.token, &format!("{path}.token"), use_instead);
+    ctx.trap(&p.api_key, &format!("{path}.api_key"), use_instead);
+
+    let base_url = match &p.base_url {
+        Some(s) => {
+            let url = s.value.trim_end_matches('/').to_owned();
+            let rest = url
+                .strip_prefix("https://")
+                .or_else(|| url.strip_prefix("http://"));
+            match rest {
+                None => ctx.err(
+                    &s.referenced,
+                    format!("{path}.base_url: must start with http:// or https://"),
+                ),
+                Some(rest) => {
+                    let authority = rest.split('/').next().unwrap_or("");
+                    if authority.contains('@') {
+                        ctx.err(
+                            &s.referenced,
+                            format!("{path}.base_url: literal secret; credentials in the URL are not allowed (use {use_instead})"),
+                        );
+                    } else if authority.is_empty() {
+                        ctx.err(&s.referenced, format!("{path}.base_url: missing host"));
+                    }
+                }
+            }
+            url
+        }
+        None => {
+            ctx.err(&key.referenced, format!("{path}: missing `base_url`"));
+            String::new()
+        }
+    };
+
+    let credential = p
+        .credential
+        .as_ref()
+        .and_then(|c| validate_credential(c, &format!("{path}.credential"), ctx));
+
+    let dialect = match &p.dialect {
+        Some(s) if DIALECTS.contains(&s.value.as_str()) => s.value.clone(),
+        Some(s) => {
+            ctx.err(
+                &s.referenced,
+                format!(
+                    "{path}.dialect: unknown dialect `{}` (one of {})",
+                    s.value,
+                    DIALECTS.join(", ")
+                ),
+            );
+            "generic".to_owned()
+        }
+        None => "generic".to_owned(),
+    };
+
+    let idempotency_header = p.idempotency_header.as_ref().and_then(|s| {
+        check_header_name(ctx, s, &format!("{path}.idempotency_header")).then(|| s.value.clone())
+    });
+    let error_code_pointer = check_pointer(
+        ctx,
+        &p.error_code_pointer,
+        &format!("{path}.error_code_pointer"),
+    );
+    let mut error_codes = BTreeMap::new();
+    for (code, disposition) in p.error_codes.map(|m| m.0).unwrap_or_default() {
+        if DISPOSITIONS.contains(&disposition.value.as_str()) {
+            error_codes.insert(code.value, disposition.value);
+        } else {
+            ctx.err(
+                &disposition.referenced,
+                format!(
+                    "{path}.error_codes.{}: unknown disposition `{}` (one of {})",
+                    code.value,
+                    disposition.value,
+                    DISPOSITIONS.join(", ")
+                ),
+            );
+        }
+    }
+    if !error_codes.is_empty() && error_code_pointer.is_none() && p.error_code_pointer.is_none() {
+        ctx.err(
+            &raw.referenced,
+            format!("{path}: `error_codes` needs `error_code_pointer` to find the code in an error body"),
+        );
+    }
+
+    let mut scopes = BTreeMap::new();
+    for (scope_key, scope) in p.scopes.map(|m| m.0).unwrap_or_default() {
+        let scope_path = format!("{path}.scopes.{}", scope_key.value);
+        if !is_name(&scope_key.value) {
+            ctx.err(
+                &scope_key.referenced,
+                format!("{scope_path}: a scope name uses letters, digits, `_`, `-`, `.` or `:`"),
+            );
+        }
+        let s = validate_scope(&name, &scope_key.value, &scope, &scope_path, shared, ctx);
+        scopes.insert(scope_key.value.clone(), s);
+    }
+
+    let scope_ref = |ctx: &mut Ctx, s: &S<String>, at: &str| -> Option<String> {
+        let short = s
+            .value
+            .strip_prefix(&format!("{name}/"))
+            .unwrap_or(&s.value);
+        if scopes.contains_key(short) {
+            Some(format!("{name}/{short}"))
+        } else {
+            let known: Vec<&str> = scopes.keys().map(String::as_str).collect();
+            ctx.err(
+                &s.referenced,
+                format!(
+                    "{at}: unknown scope `{}` (provider {name} has: {})",
+                    s.value,
+                    if known.is_empty() {
+                        "no scopes".to_owned()
+                    } else {
+                        known.join(", ")
+                    }
+                ),
+            );
+            None
+        }
+    };
+
+    let default_scopes = match &p.default_scopes {
+        Some(list) => list
+            .value
+            .iter()
+            .filter_map(|s| scope_ref(ctx, s, &format!("{path}.default_scopes")))
+            .collect(),
+        None => scopes.values().map(|s| s.name.clone()).collect::<Vec<_>>(),
+    };
+
+    let mut routes: Vec<Route> = Vec::new();
+    let mut seen_routes: BTreeSet<(String, Vec<Segment>)> = BTreeSet::new();
+    for (route_key, route) in p.routes.map(|m| m.0).unwrap_or_default() {
+        let route_path = format!("{path}.routes.\"{}\"", route_key.value);
+        let Some((method, template, segments)) = parse_route_key(&route_key, &route_path, ctx)
+        else {
+            continue;
+        };
+        if !seen_routes.insert((method.clone(), segments.clone())) {
+            ctx.err(
+                &route_key.referenced,
+                format!("{route_path}: the same method and template are already routed"),
+            );
+        }
+        let r = &route.value;
+        let class = match &r.class {
+            Some(c) if classes.contains_key(&c.value) => c.value.clone(),
+            Some(c) => {
+                ctx.err(
+                    &c.referenced,
+                    format!(
+                        "{route_path}.class: unknown request class `{}` (known: {})",
+                        c.value,
+                        classes.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                );
+                continue;
+            }
+            None => {
+                let provider_stub = Provider {
+                    name: name.clone(),
+                    base_url: String::new(),
+                    credential: None,
+                    dialect: String::new(),
+                    idempotency_header: idempotency_header.clone(),
+                    idempotent_put_delete: p
+                        .idempotent_put_delete
+                        .as_ref()
+                        .is_some_and(|b| b.value),
+                    error_code_pointer: None,
+                    error_codes: BTreeMap::new(),
+                    honour_hints: true,
+                    scopes: BTreeMap::new(),
+                    default_scopes: Vec::new(),
+                    routes: Vec::new(),
+                };
+                default_class(&provider_stub, &method).to_owned()
+            }
+        };
+        let route_scopes = match &r.scopes {
+            Some(list) => list
+                .value
+                .iter()
+                .filter_map(|s| scope_ref(ctx, s, &format!("{route_path}.scopes")))
+                .collect(),
+            None => default_scopes.clone(),
+        };
+        let coalesce = r.coalesce.as_ref().is_some_and(|c| c.value);
+        if let Some(c) = r.coalesce.as_ref().filter(|c| c.value) {
+            if !matches!(method.as_str(), "GET" | "HEAD") || class != "read" {
+                ctx.err(
+                    &c.referenced,
+                    format!("{route_path}.coalesce: only safe reads (GET/HEAD of class `read`) may be coalesced"),
+                );
+            }
+        }
+        let fingerprint_fields = match &r.fingerprint_fields {
+            Some(list) => list
+                .value
+                .iter()
+                .filter_map(|f| {
+                    check_pointer(
+                        ctx,
+                        &Some(f.clone()),
+                        &format!("{route_path}.fingerprint_fields"),
+                    )
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let reconcile = r.reconcile.as_ref().and_then(|rc| {
+            validate_reconcile(
+                rc,
+                &format!("{route_path}.reconcile"),
+                idempotency_header.is_some(),
+                ctx,
+            )
+        });
+        routes.push(Route {
+            method,
+            template,
+            segments,
+            class,
+            scopes: route_scopes,
+            coalesce,
+            fingerprint_fields,
+            reconcile,
+        });
+    }
+
+    Some(Provider {
+        name: name.clone(),
+        base_url,
+        credential,
+        dialect,
+        idempotency_header,
+        idempotent_put_delete: p.idempotent_put_delete.as_ref().is_some_and(|b| b.value),
+        error_code_pointer,
+        error_codes,
+        honour_hints: p.honour_hints.as_ref().is_none_or(|b| b.value),
+        scopes,
+        default_scopes,
+        routes,
+    })
+}
+
+fn validate_credential(raw: &S<RawCredential>, path: &str, ctx: &mut Ctx) -> Option<Credential> {
+    let c = &raw.value;
+    let use_instead = "secret_env or secret_file";
+    ctx.trap(&c.secret, &format!("{path}.secret"), use_instead);
+    ctx.trap(&c.value, &format!("{path}.value"), use_instead);
+    ctx.trap(&c.token, &format!("{path}.token"), use_instead);
+    ctx.trap(&c.api_key, &format!("{path}.api_key"), use_instead);
+    ctx.trap(&c.password, &format!("{path}.password"), use_instead);
+    let header = match &c.header {
+        Some(h) => {
+            check_header_name(ctx, h, &format!("{path}.header"));
+            h.value.clone()
+        }
+        None => "Authorization".to_owned(),
+    };
+    let scheme = c
+        .scheme
+        .as_ref()
+        .map(|s| s.value.clone())
+        .unwrap_or_else(|| "Bearer".to_owned());
+    if scheme.chars().any(char::is_whitespace) {
+        if let Some(s) = &c.scheme {
+            ctx.err(
+                &s.referenced,
+                format!(
+                    "{path}.scheme: one word such as `Bearer` or empty (a secret never goes here)"
+                ),
+            );
+        }
+    }
+    let secret = match (&c.secret_env, &c.secret_file) {
+        (Some(env), None) => SecretRef::Env(env.value.clone()),
+        (None, Some(file)) => SecretRef::File(PathBuf::from(&file.value)),
+        (Some(_), Some(file)) => {
+            ctx.err(
+                &file.referenced,
+                format!("{path}: give only one of {use_instead}"),
+            );
+            return None;
+        }
+        (None, None) => {
+            let trapped = [&c.secret, &c.value, &c.token, &c.api_key, &c.password]
+                .iter()
+                .any(|t| t.is_some());
+            if !trapped {
+                ctx.err(
+                    &raw.referenced,
+                    format!("{path}: needs one of {use_instead}"),
+                );
+            }
+            return None;
+        }
+    };
+    Some(Credential {
+        secret,
+        header,
+        scheme,
+    })
+}
+
+fn validate_scope(
+    provider: &str,
+    short: &str,
+    raw: &S<RawScope>,
+    path: &str,
+    shared: &SharedScope,
+    ctx: &mut Ctx,
+) -> Scope {
+    let s = &raw.value;
+    let limit = match &s.limit {
+        Some(l) if l.value == 0 => {
+            ctx.err(&l.referenced, format!("{path}.limit: must be at least 1"));
+            None
+        }
+        Some(l) => Some(l.value),
+        None => None,
+    };
+    let window = ctx.seconds(
+        &s.window_seconds,
+        &format!("{path}.window_seconds"),
+        Duration::from_secs(60),
+    );
+    if let Some(w) = &s.window_seconds {
+        if window.is_zero() {
+            ctx.err(
+                &w.referenced,
+                format!("{path}.window_seconds: must be positive"),
+            );
+        }
+    }
+    let headroom = match &s.headroom {
+        Some(h) if !(h.value > 0.0 && h.value <= 1.0) => {
+            ctx.err(
+                &h.referenced,
+                format!("{path}.headroom: must be in (0, 1], got {}", h.value),
+            );
+            0.8
+        }
+        Some(h) => h.value,
+        None => 0.8,
+    };
+    let reserve_interactive = match &s.reserve_interactive {
+        Some(r) if !(0.0..1.0).contains(&r.value) => {
+            ctx.err(
+                &r.referenced,
+                format!(
+                    "{path}.reserve_interactive: must be in [0, 1), got {}",
+                    r.value
+                ),
+            );
+            0.2
+        }
+        Some(r) => r.value,
+        None => 0.2,
+    };
+    if (s.window_seconds.is_some() || s.headroom.is_some()) && s.limit.is_none() {
+        ctx.err(
+            &raw.referenced,
+            format!("{path}: `window_seconds`/`headroom` need the published `limit`"),
+        );
+    }
+    Scope {
+        name: format!("{provider}/{short}"),
+        limit,
+        window,
+        headroom,
+        reserve_interactive,
+        max_delayed_requests: ctx.at_least_one(
+            &s.max_delayed_requests,
+            &format!("{path}.max_delayed_requests"),
+            shared.max_delayed_requests,
+        ),
+        max_concurrent_requests: ctx.at_least_one(
+            &s.max_concurrent_requests,
+            &format!("{path}.max_concurrent_requests"),
+            shared.max_concurrent_requests,
+        ),
+    }
+}
+
+/// Parses `"METHOD /path/{param}"`.
+fn parse_route_key(
+    key: &S<String>,
+    path: &str,
+    ctx: &mut Ctx,
+) -> Option<(String, String, Vec<Segment>)> {
+    let text = key.value.trim();
+    let Some((method, template)) = text.split_once(char::is_whitespace) else {
+        ctx.err(
+            &key.referenced,
+            format!("{path}: a route is `METHOD /path/{{param}}`, e.g. `POST /v1/transfers`"),
+        );
+        return None;
+    };
+    let template = template.trim();
+    if method.is_empty()
+        || !method.bytes().all(|b| b.is_ascii_uppercase())
+        || http::Method::from_bytes(method.as_bytes()).is_err()
+    {
+        ctx.err(
+            &key.referenced,
+            format!("{path}: `{method}` is not an upper-case HTTP method"),
+        );
+        return None;
+    }
+    match parse_template(template) {
+        Ok(segments) => Some((method.to_owned(), template.to_owned(), segments)),
+        Err(reason) => {
+            ctx.err(&key.referenced, format!("{path}: {reason}"));
+            None
+        }
+    }
+}
+
+fn parse_template(template: &str) -> Result<Vec<Segment>, String> {
+    if !template.starts_with('/') {
+        return Err(format!("the path `{template}` must start with `/`"));
+    }
+    if template.contains(['?', '#']) {
+        return Err("a route template has no query or fragment".to_owned());
+    }
+    if template.chars().any(char::is_whitespace) {
+        return Err("a route template has no spaces".to_owned());
+    }
+    let mut segments = Vec::new();
+    let mut names = BTreeSet::new();
+    let trimmed = template.strip_suffix('/').unwrap_or(template);
+    if trimmed.is_empty() {
+        return Ok(segments);
+    }
+    for segment in trimmed[1..].split('/') {
+        if segment.is_empty() {
+            return Err(format!("empty segment (`//`) in `{template}`"));
+        }
+        if let Some(inner) = segment.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+            let valid = inner
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && inner.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(format!(
+                    "`{segment}`: a parameter is `{{name}}` with letters, digits and `_`"
+                ));
+            }
+            if !names.insert(inner.to_owned()) {
+                return Err(format!("parameter `{{{inner}}}` appears twice"));
+            }
+            segments.push(Segment::Param(inner.to_owned()));
+        } else if segment.contains(['{', '}']) {
+            return Err(format!(
+                "`{segment}`: braces must enclose a whole segment, like `{{id}}`"
+            ));
+        } else {
+            segments.push(Segment::Literal(segment.to_owned()));
+        }
+    }
+    Ok(segments)
+}
+
+fn validate_reconcile(
+    raw: &S<RawReconcile>,
+    path: &str,
+    provider_honours_keys: bool,
+    ctx: &mut Ctx,
+) -> Option<Reconcile> {
+    let r = &raw.value;
+    let by = match &r.by {
+        Some(b) => match b.value.as_str() {
+            "idempotency_key" => ReconcileBy::IdempotencyKey,
+            "external_reference" => ReconcileBy::ExternalReference,
+            "operation_id" => ReconcileBy::OperationId,
+            other => {
+                ctx.err(
+                    &b.referenced,
+                    format!("{path}.by: `{other}` is not one of idempotency_key, external_reference, operation_id"),
+                );
+                return None;
+            }
+        },
+        None => {
+            ctx.err(&raw.referenced, format!("{path}: missing `by`"));
+            return None;
+        }
+    };
+    let placeholder = match by {
+        ReconcileBy::IdempotencyKey => "{key}",
+        ReconcileBy::ExternalReference => "{ref}",
+        ReconcileBy::OperationId => "{operation_id}",
+    };
+    if by == ReconcileBy::IdempotencyKey && !provider_honours_keys {
+        if let Some(b) = &r.by {
+            ctx.err(
+                &b.referenced,
+                format!("{path}.by: the provider has no `idempotency_header`, so there is no key to look up"),
+            );
+        }
+    }
+    let external_reference_pointer = check_pointer(
+        ctx,
+        &r.external_reference_pointer,
+        &format!("{path}.external_reference_pointer"),
+    );
+    if by == ReconcileBy::ExternalReference && r.external_reference_pointer.is_none() {
+        ctx.err(
+            &raw.referenced,
+            format!("{path}: `by: external_reference` needs `external_reference_pointer` (where the reference is in the payload)"),
+        );
+    }
+    let operation_id_pointer = check_pointer(
+        ctx,
+        &r.operation_id_pointer,
+        &format!("{path}.operation_id_pointer"),
+    );
+    if by == ReconcileBy::OperationId && r.operation_id_pointer.is_none() {
+        ctx.err(
+            &raw.referenced,
+            format!("{path}: `by: operation_id` needs `operation_id_pointer`"),
+        );
+    }
+    let found_pointer = check_pointer(ctx, &r.found_pointer, &format!("{path}.found_pointer"));
+    let Some(lookup) = &r.lookup else {
+        ctx.err(
+            &raw.referenced,
+            format!("{path}: missing `lookup` (e.g. `GET /v1/transfers?reference={{ref}}`)"),
+        );
+        return None;
+    };
+    let text = lookup.value.trim();
+    let Some((method, target)) = text.split_once(char::is_whitespace) else {
+        ctx.err(
+            &lookup.referenced,
+            format!("{path}.lookup: a lookup is `GET /path?query={placeholder}`"),
+        );
+        return None;
+    };
+    let target = target.trim();
+    if !matches!(method, "GET" | "HEAD") {
+        ctx.err(
+            &lookup.referenced,
+            format!("{path}.lookup: a lookup must be a safe read (GET or HEAD), not `{method}`"),
+        );
+        return None;
+    }
+    let route_part = target.split('?').next().unwrap_or("");
+    if let Err(reason) = parse_template(route_part) {
+        ctx.err(&lookup.referenced, format!("{path}.lookup: {reason}"));
+        return None;
+    }
+    if !target.contains(placeholder) {
+        ctx.err(
+            &lookup.referenced,
+            format!(
+                "{path}.lookup: `by: {}` needs the placeholder `{placeholder}` in the lookup",
+                r.by.as_ref().map(|b| b.value.as_str()).unwrap_or("")
+            ),
+        );
+        return None;
+    }
+    Some(Reconcile {
+        by,
+        lookup_method: method.to_owned(),
+        lookup_path: target.to_owned(),
+        external_reference_pointer,
+        found_pointer,
+        operation_id_pointer,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_recognised() {
+        for id in [
+            "42",
+            "550e8400-e29b-41d4-a716-446655440000",
+            "0123456789abcdef01",
+            "cus_9s6XKzkNRiz8i3",
+            "tr_8a7b6c5d",
+        ] {
+            assert!(looks_like_id(id), "{id}");
+        }
+        for word in [
+            "v1",
+            "transfers",
+            "chat",
+            "completions",
+            "by_reference",
+            "v2beta",
+        ] {
+            assert!(!looks_like_id(word), "{word}");
+        }
+    }
+
+    #[test]
+    fn strip_position_keeps_the_message() {
+        assert_eq!(
+            strip_position("unknown field `x`, expected one of a at line 4, column 5"),
+            "unknown field `x`, expected one of a"
+        );
+    }
+}

@@ -2,6 +2,8 @@
 
 use std::{path::PathBuf, process::ExitCode};
 
+use backstop_core::policy::Policy;
+
 /// Subcommands of `backstop policy`.
 #[derive(Debug, clap::Subcommand)]
 pub enum PolicyCommand {
@@ -15,9 +17,81 @@ pub enum PolicyCommand {
 /// Runs `backstop policy …`.
 pub fn run(command: PolicyCommand) -> ExitCode {
     match command {
-        PolicyCommand::Check { file } => {
-            eprintln!("backstop policy check {}: not built yet", file.display());
-            ExitCode::from(2)
+        PolicyCommand::Check { file } => match Policy::load(&file) {
+            Ok(policy) => {
+                print!("{}", summary(&policy));
+                ExitCode::SUCCESS
+            }
+            Err(errors) => {
+                for error in &errors.0 {
+                    eprintln!("{error}");
+                }
+                eprintln!(
+                    "{}: {} problem{}",
+                    file.display(),
+                    errors.0.len(),
+                    if errors.0.len() == 1 { "" } else { "s" }
+                );
+                ExitCode::from(2)
+            }
+        },
+    }
+}
+
+/// The short summary printed for a valid policy: counts, then one line per class, scope and route.
+fn summary(policy: &Policy) -> String {
+    let scopes: Vec<_> = policy.scopes().collect();
+    let routes = policy
+        .providers
+        .values()
+        .map(|p| p.routes.len())
+        .sum::<usize>();
+    let mut out = format!(
+        "{}: ok: {} request classes, {} providers, {} scopes, {} routes, {} agents, {} operators\n",
+        policy.file,
+        policy.request_classes.len(),
+        policy.providers.len(),
+        scopes.len(),
+        routes,
+        policy.agents.len(),
+        policy.operators.len(),
+    );
+    for class in policy.request_classes.values() {
+        out.push_str(&format!(
+            "class {}: max_attempts {}, max_wait {} s, retry_statuses {:?}\n",
+            class.name,
+            class.max_attempts,
+            class.max_wait.as_secs_f64(),
+            class.retry_statuses
+        ));
+    }
+    for scope in scopes {
+        match scope.limit {
+            Some(limit) => out.push_str(&format!(
+                "scope {}: {} requests / {} s, paced at {} %, {} % reserved for interactive\n",
+                scope.name,
+                limit,
+                scope.window.as_secs_f64(),
+                scope.headroom * 100.0,
+                scope.reserve_interactive * 100.0
+            )),
+            None => out.push_str(&format!(
+                "scope {}: no published limit, {} concurrent, {} delayed\n",
+                scope.name, scope.max_concurrent_requests, scope.max_delayed_requests
+            )),
         }
     }
+    for provider in policy.providers.values() {
+        for route in &provider.routes {
+            out.push_str(&format!(
+                "route {} {} {} -> {} [{}]\n",
+                provider.name,
+                route.method,
+                route.template,
+                route.class,
+                route.scopes.join(", ")
+            ));
+        }
+    }
+    out
 }

@@ -1,0 +1,81 @@
+//! `backstop policy check` as a process: exit codes and output (SPEC §3, §11).
+
+use std::process::Command;
+
+fn backstop() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_backstop"))
+}
+
+#[test]
+fn shipped_example_passes_with_a_summary() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/backstop.yaml");
+    let out = backstop()
+        .args(["policy", "check", example])
+        .output()
+        .expect("run backstop");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("ok: 4 request classes, 2 providers, 3 scopes, 7 routes"),
+        "{stdout}"
+    );
+    assert!(stdout.contains(
+        "route billing-api POST /v1/transfers -> idempotent_write [billing-api/account, billing-api/transfers]"
+    ));
+}
+
+#[test]
+fn broken_file_exits_2_with_file_line_column() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("broken.yaml");
+    std::fs::write(
+        &file,
+        "breaker:\n  threshold: 0\nproviders:\n  a:\n    base_url: https://a.example\n    credential: { secret: sk-live-123 }\n",
+    )
+    .expect("write");
+    let out = backstop()
+        .args(["policy", "check"])
+        .arg(&file)
+        .output()
+        .expect("run backstop");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let name = file.display().to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert_eq!(
+        lines[0],
+        format!("{name}:2:14: breaker.threshold: must be at least 1")
+    );
+    assert!(
+        lines[1].starts_with(&format!(
+            "{name}:6:27: providers.a.credential.secret: literal secret"
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("sk-live-123"));
+    assert_eq!(lines[2], format!("{name}: 2 problems"));
+}
+
+#[test]
+fn syntax_error_exits_2() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("syntax.yaml");
+    std::fs::write(&file, "request_classes: [\n").expect("write");
+    let out = backstop()
+        .args(["policy", "check"])
+        .arg(&file)
+        .output()
+        .expect("run backstop");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!("{}:", file.display())),
+        "{stderr}"
+    );
+}

@@ -1,0 +1,344 @@
+//! Policy file loading and validation (SPEC §3).
+
+use backstop_core::policy::{Policy, PolicyError, ReconcileBy, TokenRef};
+
+const SEED: &str = "\
+request_classes:
+  read:             { max_attempts: 4, max_wait_seconds: 90,  retry_statuses: [408, 429, 500, 502, 503, 504] }
+  idempotent_write: { max_attempts: 3, max_wait_seconds: 120, retry_statuses: [408, 429, 502, 503, 504] }
+  uncertain_write:  { max_attempts: 1, max_wait_seconds: 0,   retry_statuses: [] }
+shared_scope:
+  max_delayed_requests: 25
+  max_concurrent_requests: 2
+";
+
+fn errors(src: &str) -> Vec<PolicyError> {
+    match Policy::from_yaml_str(src, "p.yaml") {
+        Ok(_) => panic!("expected the policy to be rejected:\n{src}"),
+        Err(e) => e.0,
+    }
+}
+
+/// The single error of `src`, as `(line, column, message)`.
+fn one_error(src: &str) -> (u64, u64, String) {
+    let errors = errors(src);
+    assert_eq!(
+        errors.len(),
+        1,
+        "expected exactly one error, got {errors:#?}"
+    );
+    let e = &errors[0];
+    (e.line, e.column, e.message.clone())
+}
+
+#[test]
+fn seed_fragment_loads_unchanged() {
+    let policy = Policy::from_yaml_str(SEED, "seed.yaml").expect("the seed must load");
+    let read = &policy.request_classes["read"];
+    assert_eq!(read.max_attempts, 4);
+    assert_eq!(read.max_wait.as_secs(), 90);
+    assert_eq!(read.retry_statuses, vec![408, 429, 500, 502, 503, 504]);
+    let write = &policy.request_classes["idempotent_write"];
+    assert_eq!((write.max_attempts, write.max_wait.as_secs()), (3, 120));
+    assert_eq!(write.retry_statuses, vec![408, 429, 502, 503, 504]);
+    let uncertain = &policy.request_classes["uncertain_write"];
+    assert_eq!(uncertain.max_attempts, 1);
+    assert!(uncertain.max_wait.is_zero());
+    assert!(uncertain.retry_statuses.is_empty());
+    assert_eq!(policy.shared_scope.max_delayed_requests, 25);
+    assert_eq!(policy.shared_scope.max_concurrent_requests, 2);
+    // Defaults for everything the seed leaves out.
+    assert_eq!(policy.backoff.base.as_secs(), 1);
+    assert_eq!(policy.backoff.max.as_secs(), 60);
+    assert_eq!(policy.backoff.min_delay.as_secs(), 1);
+    assert_eq!(policy.backoff.retry_after_ceiling.as_secs(), 86_400);
+    assert_eq!(policy.breaker.threshold, 3);
+    assert_eq!(policy.retry_quota.capacity, 500);
+    assert_eq!(policy.retry_quota.retry_cost, 5);
+    assert_eq!(policy.retry_quota.timeout_cost, 10);
+    assert_eq!(policy.retry_quota.success_refund, 1);
+}
+
+#[test]
+fn shipped_example_is_valid() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/backstop.yaml");
+    let policy = Policy::load(path).unwrap_or_else(|e| panic!("{e}"));
+    let billing = &policy.providers["billing-api"];
+    assert_eq!(
+        billing.idempotency_header.as_deref(),
+        Some("Idempotency-Key")
+    );
+    let transfers = billing
+        .routes
+        .iter()
+        .find(|r| r.template == "/v1/transfers" && r.method == "POST")
+        .expect("transfer route");
+    let reconcile = transfers.reconcile.as_ref().expect("reconcile");
+    assert_eq!(reconcile.by, ReconcileBy::ExternalReference);
+    assert_eq!(reconcile.lookup_path, "/v1/transfers?reference={ref}");
+    assert_eq!(
+        transfers.scopes,
+        vec!["billing-api/account", "billing-api/transfers"]
+    );
+    assert_eq!(policy.providers["openai"].dialect, "openai");
+    assert_eq!(
+        policy.agents["invoice-agent"],
+        TokenRef::Env("BACKSTOP_AGENT_INVOICE_TOKEN".into())
+    );
+    assert!(policy.request_classes.contains_key("batch_read"));
+}
+
+const PROVIDER: &str = "\
+providers:
+  shop:
+    base_url: https://shop.example.com
+    PROVIDER_EXTRA
+    scopes:
+      account: { limit: 100, window_seconds: 60 }
+    routes:
+      \"GET /v1/orders/{id}\": { class: read }
+      \"POST /v1/orders/{order_id}/refunds\": { class: idempotent_write, scopes: [account] }
+      \"GET /v1/exports\": { class: read, coalesce: true }
+";
+
+fn provider(extra: &str) -> Policy {
+    let src = PROVIDER.replace("PROVIDER_EXTRA", extra);
+    Policy::from_yaml_str(&src, "p.yaml").unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn default_classes_by_method() {
+    // (provider config, method, expected class)
+    let table = [
+        ("dialect: generic", "GET", "read"),
+        ("dialect: generic", "HEAD", "read"),
+        ("dialect: generic", "OPTIONS", "read"),
+        ("dialect: generic", "PUT", "uncertain_write"),
+        ("dialect: generic", "DELETE", "uncertain_write"),
+        ("idempotent_put_delete: true", "PUT", "idempotent_write"),
+        ("idempotent_put_delete: true", "DELETE", "idempotent_write"),
+        ("idempotent_put_delete: true", "POST", "uncertain_write"),
+        ("dialect: generic", "POST", "uncertain_write"),
+        ("dialect: generic", "PATCH", "uncertain_write"),
+        (
+            "idempotency_header: Idempotency-Key",
+            "POST",
+            "idempotent_write",
+        ),
+        (
+            "idempotency_header: Idempotency-Key",
+            "PATCH",
+            "idempotent_write",
+        ),
+        (
+            "idempotency_header: Idempotency-Key",
+            "PUT",
+            "uncertain_write",
+        ),
+        ("idempotency_header: Idempotency-Key", "GET", "read"),
+    ];
+    for (extra, method, expected) in table {
+        let policy = provider(extra);
+        let m = policy
+            .route("shop", method, "/v2/carts/123/items")
+            .expect("known provider");
+        assert!(!m.configured);
+        assert_eq!(m.class, expected, "{extra} / {method}");
+        assert_eq!(m.template, "/v2/carts/{id}/items");
+        assert_eq!(m.scopes, vec!["shop/account"]);
+    }
+}
+
+#[test]
+fn configured_routes_match_templates() {
+    let policy = provider("dialect: generic");
+    let m = policy
+        .route("shop", "get", "/v1/orders/ord_123?expand=items")
+        .expect("known provider");
+    assert!(m.configured);
+    assert_eq!(m.template, "/v1/orders/{id}");
+    assert_eq!(m.params["id"], "ord_123");
+    assert_eq!(m.class, "read");
+    let m = policy
+        .route("shop", "POST", "/v1/orders/77/refunds")
+        .expect("known provider");
+    assert_eq!(
+        (m.class.as_str(), m.template.as_str()),
+        ("idempotent_write", "/v1/orders/{order_id}/refunds")
+    );
+    assert!(
+        policy
+            .route("shop", "GET", "/v1/exports")
+            .expect("known")
+            .coalesce
+    );
+    assert!(policy.route("nope", "GET", "/").is_err());
+}
+
+#[test]
+fn yaml_syntax_error_has_position() {
+    let (line, column, message) = one_error("request_classes:\n  read: {max_attempts: 4\n");
+    assert_eq!((line, column), (2, 9));
+    assert!(message.contains("unclosed"), "{message}");
+}
+
+#[test]
+fn unknown_key_is_rejected_with_position() {
+    let (line, column, message) = one_error(&format!("{SEED}backof:\n  base_seconds: 2\n"));
+    assert_eq!((line, column), (8, 1));
+    assert!(message.contains("unknown field `backof`"), "{message}");
+
+    let (line, column, message) = one_error(
+        "providers:\n  a:\n    base_url: https://a.example\n    scopes:\n      s: { limit: 5, windw_seconds: 1 }\n",
+    );
+    assert_eq!(line, 5);
+    assert!(column > 10);
+    assert!(message.contains("windw_seconds"), "{message}");
+}
+
+#[test]
+fn wrong_type_is_rejected_with_position() {
+    let (line, column, message) = one_error("request_classes:\n  read:\n    max_attempts: four\n");
+    assert_eq!((line, column), (3, 19));
+    assert!(
+        message.contains("u32") || message.contains("integer"),
+        "{message}"
+    );
+}
+
+#[test]
+fn bad_route_templates_are_rejected() {
+    let src = "\
+providers:
+  a:
+    base_url: https://a.example
+    routes:
+      \"GET v1/items\": { class: read }
+      \"FETCH /v1/items\": { class: read }
+      \"get /v1/items\": { class: read }
+      \"GET /v1/items/{id\": { class: read }
+      \"GET /v1/{a}/{a}\": { class: read }
+      \"GET /v1//x\": { class: read }
+      \"GET /v1/items?x=1\": { class: read }
+";
+    let errors = errors(src);
+    let lines: Vec<u64> = errors.iter().map(|e| e.line).collect();
+    // FETCH is a valid extension token; every other key is malformed.
+    assert_eq!(lines, vec![5, 7, 8, 9, 10, 11], "{errors:#?}");
+    assert!(errors.iter().all(|e| e.column == 7));
+    assert!(errors[0].message.contains("must start with `/`"));
+    assert!(errors[1].message.contains("upper-case HTTP method"));
+    assert!(errors[2].message.contains("braces"));
+    assert!(errors[3].message.contains("twice"));
+}
+
+#[test]
+fn unknown_class_and_scope_references_are_all_reported() {
+    let src = "\
+providers:
+  a:
+    base_url: https://a.example
+    scopes:
+      account: { limit: 10 }
+    routes:
+      \"GET /v1/items\": { class: reed, scopes: [account] }
+      \"POST /v1/items\": { class: idempotent_write, scopes: [acount] }
+";
+    let errors = errors(src);
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert_eq!((errors[0].line, errors[0].column), (7, 33));
+    assert!(errors[0].message.contains("unknown request class `reed`"));
+    assert_eq!(errors[1].line, 8);
+    assert!(errors[1].message.contains("unknown scope `acount`"));
+    assert!(errors[1].message.contains("account"));
+}
+
+#[test]
+fn literal_secrets_are_rejected_without_echoing_them() {
+    let src = "\
+agents:
+  bot: { token: s3cr3t-agent-token }
+providers:
+  a:
+    base_url: https://user:hunter2@a.example
+    credential:
+      secret: sk-live-abcdef
+";
+    let errors = errors(src);
+    assert_eq!(errors.len(), 3, "{errors:#?}");
+    assert_eq!((errors[0].line, errors[0].column), (2, 17));
+    assert!(errors.iter().all(|e| e.message.contains("literal secret")));
+    let all = errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    for secret in ["s3cr3t-agent-token", "hunter2", "sk-live-abcdef"] {
+        assert!(!all.contains(secret), "error output leaks {secret}: {all}");
+    }
+}
+
+#[test]
+fn out_of_range_values_are_all_reported_in_file_order() {
+    let src = "\
+request_classes:
+  read: { max_attempts: 0 }
+breaker:
+  threshold: 0
+providers:
+  a:
+    base_url: ftp://a.example
+    dialect: klingon
+    scopes:
+      s: { limit: 10, headroom: 1.5, reserve_interactive: 1 }
+";
+    let errors = errors(src);
+    let positions: Vec<(u64, u64)> = errors.iter().map(|e| (e.line, e.column)).collect();
+    assert_eq!(
+        positions,
+        vec![(2, 25), (4, 14), (7, 15), (8, 14), (10, 33), (10, 59)],
+        "{errors:#?}"
+    );
+    assert!(errors[4].message.contains("headroom: must be in (0, 1]"));
+    let shown = errors[0].to_string();
+    assert_eq!(
+        shown,
+        "p.yaml:2:25: request_classes.read.max_attempts: must be at least 1"
+    );
+}
+
+#[test]
+fn reconcile_needs_a_lookup_with_its_placeholder() {
+    let src = "\
+providers:
+  a:
+    base_url: https://a.example
+    routes:
+      \"POST /v1/payments\":
+        class: uncertain_write
+        reconcile:
+          by: external_reference
+          lookup: \"GET /v1/payments?reference={id}\"
+          external_reference_pointer: /reference
+      \"POST /v1/refunds\":
+        reconcile:
+          by: idempotency_key
+          lookup: \"GET /v1/refunds?key={key}\"
+";
+    let errors = errors(src);
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert_eq!(errors[0].line, 9);
+    assert!(errors[0].message.contains("{ref}"));
+    assert_eq!(errors[1].line, 13);
+    assert!(errors[1].message.contains("idempotency_header"));
+}
+
+#[test]
+fn missing_file_is_an_error_without_position() {
+    let e = Policy::load("/nonexistent/backstop.yaml").expect_err("no file");
+    assert_eq!(e.0.len(), 1);
+    assert_eq!(e.0[0].line, 0);
+    assert!(e
+        .to_string()
+        .starts_with("/nonexistent/backstop.yaml: cannot read"));
+}
