@@ -345,7 +345,7 @@ mod tests {
     #[test]
     fn fixed_window_refuses_with_the_remaining_window_time() {
         let config = QuotaConfig::fixed_window("w", 2, 10_000);
-        let t0 = Instant::now();
+        let t0 = crate::clock::now().mono;
         let mut state = QuotaState::new(&config, t0);
         for _ in 0..2 {
             assert_eq!(state.check(&config, t0), None);
@@ -362,7 +362,7 @@ mod tests {
     #[test]
     fn token_bucket_refills_at_its_rate() {
         let config = QuotaConfig::token_bucket("b", 2.0, 1);
-        let t0 = Instant::now();
+        let t0 = crate::clock::now().mono;
         let mut state = QuotaState::new(&config, t0);
         assert_eq!(state.check(&config, t0), None);
         state.charge();
