@@ -1,13 +1,142 @@
-//! `backstop audit`.
+//! `backstop audit verify|export|head`: check, export and anchor the hash-chained audit log
+//! (SPEC §9) offline, without any secret.
+//!
+//! Exit codes: 0 success (verify: the chain is intact); 1 `verify` found a break (the first bad
+//! `seq` and why is printed); 2 the input could not be read (missing file, not a backstop
+//! database, bad NDJSON line). Audit commands open databases read-only and never create one.
 
+use std::io::Write as _;
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+use backstop_store::audit::{parse_export, verify_events, Verdict, GENESIS_PREV};
+use backstop_store::{AuditReader, StoreError};
 
 /// Arguments of `backstop audit`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// What to do with the log.
+    #[command(subcommand)]
+    pub command: AuditCommand,
+}
+
+/// The `backstop audit` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum AuditCommand {
+    /// Check the chain; exit 1 naming the first bad seq (altered, missing, reordered,
+    /// inserted, truncated).
+    Verify(VerifyArgs),
+    /// Print events as NDJSON (one JSON object per line) to stdout.
+    Export {
+        /// The backstop database file.
+        #[arg(long)]
+        db: PathBuf,
+        /// Only events with a seq greater than this.
+        #[arg(long, default_value_t = 0)]
+        since: u64,
+    },
+    /// Print the chain head as `SEQ HASH` (an empty log prints `0` and 64 zeros).
+    Head {
+        /// The backstop database file.
+        #[arg(long)]
+        db: PathBuf,
+    },
+}
+
+/// Arguments of `backstop audit verify`.
+#[derive(Debug, clap::Args)]
+#[command(group = clap::ArgGroup::new("source").required(true).args(["db", "export"]))]
+pub struct VerifyArgs {
+    /// Verify the log inside this backstop database.
+    #[arg(long)]
+    pub db: Option<PathBuf>,
+    /// Verify an NDJSON export file (from `backstop audit export`).
+    pub export: Option<PathBuf>,
+    /// A head hash exported earlier: the log must still contain it (detects a cut tail).
+    #[arg(long, value_name = "HASH")]
+    pub expect_head: Option<String>,
+}
 
 /// Runs `backstop audit`.
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("backstop audit: not built yet");
-    ExitCode::from(2)
+pub fn run(args: Args) -> ExitCode {
+    let (name, result) = match args.command {
+        AuditCommand::Verify(v) => ("verify", verify(v)),
+        AuditCommand::Export { db, since } => ("export", export(db, since)),
+        AuditCommand::Head { db } => ("head", head(db)),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("backstop audit {name}: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn verify(args: VerifyArgs) -> Result<ExitCode, StoreError> {
+    let expect_head = args.expect_head.as_deref();
+    if let Some(h) = expect_head {
+        if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(StoreError::Invalid {
+                field: "--expect-head",
+                reason: format!("expected 64 hex digits, got {h:?}"),
+            });
+        }
+    }
+    let expect_head = expect_head.map(str::to_ascii_lowercase);
+    let verdict = match (&args.db, &args.export) {
+        (Some(db), _) => AuditReader::open(db)?.verify(expect_head.as_deref())?,
+        (None, Some(file)) => {
+            let place = file.display().to_string();
+            let bytes = std::fs::read(file).map_err(|e| StoreError::Io {
+                place: place.clone(),
+                reason: e.to_string(),
+            })?;
+            let text = String::from_utf8(bytes).map_err(|e| StoreError::Io {
+                place: place.clone(),
+                reason: format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()),
+            })?;
+            let events = parse_export(&place, &text)?;
+            verify_events(&events, expect_head.as_deref())
+        }
+        (None, None) => {
+            return Err(StoreError::Invalid {
+                field: "source",
+                reason: "give --db FILE or an export file".into(),
+            })
+        }
+    };
+    match verdict {
+        Verdict::Intact { count, head } => {
+            match head {
+                Some(h) => println!("ok: {count} events, head seq {} hash {}", h.seq, h.hash),
+                None => println!("ok: 0 events, empty log"),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Verdict::Broken(b) => {
+            println!("broken: {b}");
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+fn export(db: PathBuf, since: u64) -> Result<ExitCode, StoreError> {
+    let reader = AuditReader::open(&db)?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    reader.export(since, &mut out)?;
+    out.flush().map_err(|e| StoreError::Io {
+        place: "stdout".into(),
+        reason: e.to_string(),
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn head(db: PathBuf) -> Result<ExitCode, StoreError> {
+    match AuditReader::open(&db)?.head()? {
+        Some(h) => println!("{} {}", h.seq, h.hash),
+        None => println!("0 {GENESIS_PREV}"),
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,218 @@
+//! `backstop audit verify|export|head` as a process: exit codes, messages, and never creating
+//! a database.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use backstop_store::{
+    Admission, NewAction, NewTask, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store,
+};
+
+fn t(ms: i64) -> jiff::Timestamp {
+    jiff::Timestamp::from_millisecond(1_750_000_000_000 + ms).expect("valid instant")
+}
+
+/// A closed backstop database with 1 + 2 × `actions` audit events.
+fn make_db(dir: &Path, actions: usize) -> PathBuf {
+    let path = dir.join("backstop.db");
+    let store = SqliteStore::open(&path).expect("open store");
+    store
+        .open_task(
+            NewTask {
+                id: "task-1".into(),
+                agent: "agent-a".into(),
+                priority: Priority::Normal,
+                deadline: None,
+            },
+            t(0),
+        )
+        .expect("task");
+    for i in 0..actions {
+        let action = NewAction {
+            task_id: "task-1".into(),
+            provider: "billing-api".into(),
+            method: "POST".into(),
+            route: RouteTemplate::try_new("/v1/transfers").expect("template"),
+            request_class: "idempotent_write".into(),
+            payload_digest: PayloadDigest::of(format!("payload {i}").as_bytes()),
+            idempotency_key: format!("key-{i}"),
+            external_reference: None,
+        };
+        let Admission::New(id) = store.record_action(action, t(1)).expect("record") else {
+            panic!("key reused");
+        };
+        store.mark_attempt_sent(id, t(2)).expect("sent");
+    }
+    drop(store);
+    path
+}
+
+fn backstop(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(args)
+        .output()
+        .expect("run backstop")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn head_export_and_verify_agree_on_an_untouched_log() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 3);
+    let head = backstop(&["audit", "head", "--db", p(&db)]);
+    assert_eq!(head.status.code(), Some(0), "{}", text(&head.stderr));
+    let head = text(&head.stdout);
+    let (seq, hash) = head.trim().split_once(' ').expect("SEQ HASH");
+    assert_eq!(seq, "7");
+    assert_eq!(hash.len(), 64);
+
+    let verify = backstop(&["audit", "verify", "--db", p(&db), "--expect-head", hash]);
+    assert_eq!(verify.status.code(), Some(0), "{}", text(&verify.stderr));
+    assert_eq!(
+        text(&verify.stdout).trim(),
+        format!("ok: 7 events, head seq 7 hash {hash}")
+    );
+
+    let export = backstop(&["audit", "export", "--db", p(&db)]);
+    assert_eq!(export.status.code(), Some(0), "{}", text(&export.stderr));
+    let lines = text(&export.stdout);
+    assert_eq!(lines.lines().count(), 7);
+    let file = dir.path().join("export.ndjson");
+    std::fs::write(&file, &lines).expect("write export");
+    let verify = backstop(&["audit", "verify", p(&file), "--expect-head", hash]);
+    assert_eq!(verify.status.code(), Some(0), "{}", text(&verify.stdout));
+
+    let since = backstop(&["audit", "export", "--db", p(&db), "--since", "5"]);
+    let since = text(&since.stdout);
+    assert_eq!(since.lines().count(), 2);
+    assert!(since.lines().next().expect("line").contains("\"seq\":6"));
+}
+
+#[test]
+fn verify_names_the_first_bad_seq_and_exits_1() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 3);
+    let export = text(&backstop(&["audit", "export", "--db", p(&db)]).stdout);
+    let head = text(&backstop(&["audit", "head", "--db", p(&db)]).stdout);
+    let hash = head.trim().split_once(' ').expect("SEQ HASH").1.to_owned();
+    let lines: Vec<&str> = export.lines().collect();
+
+    let check = |name: &str, lines: Vec<String>, extra: &[&str], expected: &str| {
+        let file = dir.path().join(name);
+        std::fs::write(&file, lines.join("\n") + "\n").expect("write");
+        let mut args = vec!["audit", "verify", p(&file)];
+        args.extend_from_slice(extra);
+        let out = backstop(&args);
+        assert_eq!(out.status.code(), Some(1), "{name}: {}", text(&out.stdout));
+        let stdout = text(&out.stdout);
+        assert!(stdout.starts_with(expected), "{name}: {stdout}");
+    };
+    let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+
+    let mut altered = owned(&lines);
+    altered[3] = altered[3].replace("\"method\":\"POST\"", "\"method\":\"PUT\"");
+    check("altered.ndjson", altered, &[], "broken: seq 4: altered:");
+
+    let mut missing = owned(&lines);
+    missing.remove(2);
+    check("missing.ndjson", missing, &[], "broken: seq 3: missing:");
+
+    let mut swapped = owned(&lines);
+    swapped.swap(4, 5);
+    check("swapped.ndjson", swapped, &[], "broken: seq 6: reordered:");
+
+    let mut inserted = owned(&lines);
+    inserted.insert(3, lines[4].to_owned());
+    check("inserted.ndjson", inserted, &[], "broken: seq 5: inserted:");
+
+    let truncated = owned(&lines[..5]);
+    check(
+        "truncated.ndjson",
+        truncated,
+        &["--expect-head", &hash],
+        "broken: seq 6: truncated:",
+    );
+}
+
+#[test]
+fn unreadable_inputs_exit_2_with_one_line_naming_the_place() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let expect_2 = |args: &[&str], needle: &str| {
+        let out = backstop(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stdout)
+        );
+        let stderr = text(&out.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    };
+
+    let missing = dir.path().join("nope.db");
+    expect_2(
+        &["audit", "verify", "--db", p(&missing)],
+        "nope.db: no such database file",
+    );
+    expect_2(
+        &["audit", "head", "--db", p(&missing)],
+        "no such database file",
+    );
+    expect_2(
+        &["audit", "export", "--db", p(&missing)],
+        "no such database file",
+    );
+    assert!(!missing.exists(), "an audit command created a database");
+
+    let random = dir.path().join("random.db");
+    let bytes: Vec<u8> = (0..8192u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::fs::write(&random, bytes).expect("write");
+    expect_2(
+        &["audit", "verify", "--db", p(&random)],
+        "random.db: not a SQLite database",
+    );
+
+    // A valid SQLite file from another application: patch the application id (header offset 68).
+    let db = make_db(dir.path(), 1);
+    let mut header = std::fs::read(&db).expect("read");
+    let foreign = dir.path().join("foreign.db");
+    header[68..72].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+    std::fs::write(&foreign, &header).expect("write");
+    expect_2(
+        &["audit", "head", "--db", p(&foreign)],
+        "foreign.db: not a backstop database",
+    );
+
+    // A newer schema version (user_version at header offset 60).
+    let mut newer = std::fs::read(&db).expect("read");
+    newer[60..64].copy_from_slice(&99u32.to_be_bytes());
+    let newer_path = dir.path().join("newer.db");
+    std::fs::write(&newer_path, &newer).expect("write");
+    expect_2(
+        &["audit", "verify", "--db", p(&newer_path)],
+        "schema version 99 is newer",
+    );
+
+    let bad = dir.path().join("bad.ndjson");
+    let export = text(&backstop(&["audit", "export", "--db", p(&db)]).stdout);
+    std::fs::write(&bad, format!("{export}{{\"seq\": 4, \"at\"\n")).expect("write");
+    expect_2(&["audit", "verify", p(&bad)], "bad.ndjson: line 4:");
+
+    expect_2(
+        &["audit", "verify", "--db", p(&db), "--expect-head", "xyz"],
+        "--expect-head",
+    );
+    let missing_export = dir.path().join("gone.ndjson");
+    expect_2(&["audit", "verify", p(&missing_export)], "gone.ndjson");
+}
