@@ -1,13 +1,392 @@
-//! `backstop diagnose`.
+//! `backstop diagnose [FILE|-] [--now RFC3339] [--grace 30s] [--format table|json|ndjson]`
+//!
+//! Reads throttled-action snapshots (one JSON object per line, SPEC §10) and prints one diagnosis
+//! per snapshot with its bounded action, headroom and retry-after debt, then totals by scope, by
+//! diagnosis, by run and overall.
+//!
+//! Memory: the input is read line by line into one reused buffer (lines longer than
+//! [`MAX_LINE_BYTES`] are rejected and skipped without being held), and every format writes each
+//! result as soon as it is computed — `json` too: the `snapshots` array is streamed element by
+//! element and closed at the end, so no format holds the snapshots or the results. Only the
+//! [`Totals`] grow, with the number of distinct runs and scopes.
+//!
+//! Output shapes (each result is [`DiagnosisReport`] plus the input `line` number; the four proofs
+//! are nested as `"proofs": {"limit", "wake", "authority", "outcome"}`, each `true`, `false` or
+//! `null`):
+//! - `table`: one row per snapshot (line, run, scope, diagnosis, action, headroom_ms, debt_ms),
+//!   then totals by scope, by diagnosis and overall;
+//! - `json`: `{"snapshots":[…], "totals":{…}}`;
+//! - `ndjson`: one result per input snapshot, then one final `{"totals":{…}}` line.
+//!
+//! A bad line (not JSON, a missing required field, a bad timestamp, an inconsistent snapshot) is
+//! reported on stderr as `FILE: LINE N: reason` and skipped; the rest is still processed and the
+//! exit status is 1. Blank lines are skipped silently. An input that cannot be opened or read,
+//! or output that cannot be written, exits with 2. A closed stdout (e.g. `| head`) ends quietly.
 
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
+
+use backstop_core::diagnose::{
+    diagnose, parse_snapshot, DiagnoseOptions, DiagnosisReport, Totals, WakeGrace,
+};
+use jiff::{SignedDuration, Timestamp};
+use serde::Serialize;
+
+/// Lines longer than this (1 MiB) are reported as bad and skipped, so memory stays bounded.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// How often (in lines) the progress counter is refreshed, when stderr is a terminal.
+const PROGRESS_EVERY_LINES: u64 = 100_000;
+
+/// Output format of `backstop diagnose`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Aligned text: one row per snapshot, then totals.
+    Table,
+    /// One JSON document `{"snapshots":[…], "totals":{…}}` (streamed).
+    Json,
+    /// One JSON result per line, then a final `{"totals":…}` line.
+    Ndjson,
+}
 
 /// Arguments of `backstop diagnose`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// NDJSON snapshot file; `-` or nothing reads standard input.
+    pub input: Option<PathBuf>,
+    /// The instant to diagnose at (RFC 3339, e.g. 2026-07-26T18:42:00Z). Default: the current time.
+    #[arg(long, value_parser = parse_now)]
+    pub now: Option<Timestamp>,
+    /// How long past scheduled_retry_at a retry may take to start (e.g. 30s, 1m, 500ms).
+    #[arg(long, default_value = "30s", value_parser = parse_grace)]
+    pub grace: Duration,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
 
-/// Runs `backstop diagnose`.
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("backstop diagnose: not built yet");
-    ExitCode::from(2)
+fn parse_now(s: &str) -> Result<Timestamp, String> {
+    s.parse::<Timestamp>()
+        .map_err(|e| format!("not an RFC 3339 instant with offset ({e})"))
+}
+
+/// Parses `30s`, `1m`, `500ms`, `1m30s` or ISO 8601 (`PT30S`) through jiff's duration parser.
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    let signed: SignedDuration = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("not a duration like 30s, 1m or 500ms ({e})"))?;
+    Duration::try_from(signed).map_err(|_| "the wake grace must not be negative".to_string())
+}
+
+/// The default for `--now`. The command line is the imperative shell: this is the one place in
+/// `diagnose` that reads the real clock; the core gets `now` passed in.
+#[allow(clippy::disallowed_methods)]
+fn current_time() -> Timestamp {
+    Timestamp::now()
+}
+
+/// One result as printed: the input line number beside the report.
+#[derive(Serialize)]
+struct Row<'a> {
+    line: u64,
+    #[serde(flatten)]
+    report: &'a DiagnosisReport,
+}
+
+#[derive(Serialize)]
+struct TotalsLine<'a> {
+    totals: &'a Totals,
+}
+
+/// Why the run stopped early.
+enum Failure {
+    /// stdout was closed by the reader: stop quietly.
+    BrokenPipe,
+    /// Anything else: message for stderr, exit 2.
+    Fatal(String),
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        if e.kind() == io::ErrorKind::BrokenPipe {
+            Failure::BrokenPipe
+        } else {
+            Failure::Fatal(format!("cannot write output: {e}"))
+        }
+    }
+}
+
+/// Runs `backstop diagnose`: exit 0 when every line was a valid snapshot, 1 when some lines were
+/// bad (reported on stderr), 2 when the input or output failed.
+pub fn run(args: Args) -> ExitCode {
+    let now = args.now.unwrap_or_else(current_time);
+    let opts = DiagnoseOptions {
+        wake_grace: WakeGrace(args.grace),
+        ..DiagnoseOptions::default()
+    };
+    let (name, reader): (String, Box<dyn BufRead>) = match &args.input {
+        None => ("<stdin>".to_string(), Box::new(io::stdin().lock())),
+        Some(path) if path.as_os_str() == "-" => {
+            ("<stdin>".to_string(), Box::new(io::stdin().lock()))
+        }
+        Some(path) => match File::open(path) {
+            Ok(file) => (
+                path.display().to_string(),
+                Box::new(BufReader::with_capacity(64 * 1024, file)),
+            ),
+            Err(e) => {
+                eprintln!("backstop diagnose: {}: cannot open: {e}", path.display());
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let stdout = io::stdout();
+    let mut out = BufWriter::with_capacity(64 * 1024, stdout.lock());
+    let result = process(reader, &name, now, &opts, args.format, &mut out)
+        .and_then(|bad| out.flush().map(|()| bad).map_err(Failure::from));
+    match result {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(Failure::BrokenPipe) => ExitCode::SUCCESS,
+        Err(Failure::Fatal(message)) => {
+            eprintln!("backstop diagnose: {name}: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Streams the input through the diagnosis; returns the number of bad lines.
+fn process(
+    mut reader: Box<dyn BufRead>,
+    name: &str,
+    now: Timestamp,
+    opts: &DiagnoseOptions,
+    format: Format,
+    out: &mut impl Write,
+) -> Result<u64, Failure> {
+    let progress = io::stderr().is_terminal();
+    let mut totals = Totals::default();
+    let mut buf = Vec::with_capacity(1024);
+    let mut line_no: u64 = 0;
+    let mut bad: u64 = 0;
+    let mut first = true;
+
+    match format {
+        Format::Table => writeln!(
+            out,
+            "{:>6}  {:<20} {:<32} {:<26} {:<27} {:>12} {:>12}",
+            "LINE", "RUN", "SCOPE", "DIAGNOSIS", "ACTION", "HEADROOM_MS", "DEBT_MS"
+        )?,
+        Format::Json => out.write_all(b"{\"snapshots\":[")?,
+        Format::Ndjson => {}
+    }
+
+    loop {
+        let line = match read_line_capped(&mut reader, &mut buf, MAX_LINE_BYTES) {
+            Ok(Some(line)) => line,
+            Ok(None) => break,
+            Err(e) => {
+                if progress {
+                    eprint!("\r\x1b[K");
+                }
+                return Err(Failure::Fatal(format!(
+                    "cannot read after line {line_no}: {e}"
+                )));
+            }
+        };
+        line_no += 1;
+        if progress && line_no % PROGRESS_EVERY_LINES == 0 {
+            eprint!("\r{name}: {line_no} lines");
+        }
+        let bytes = match line {
+            Line::TooLong => {
+                bad += 1;
+                eprintln!("{name}: LINE {line_no}: longer than {MAX_LINE_BYTES} bytes");
+                continue;
+            }
+            Line::Complete => buf.trim_ascii(),
+        };
+        if bytes.is_empty() {
+            continue;
+        }
+        let snapshot = match parse_snapshot(bytes) {
+            Ok(snapshot) => snapshot,
+            Err(e) => {
+                bad += 1;
+                eprintln!("{name}: LINE {line_no}: {e}");
+                continue;
+            }
+        };
+        let report = diagnose(&snapshot, now, opts);
+        totals.add(&report);
+        let row = Row {
+            line: line_no,
+            report: &report,
+        };
+        match format {
+            Format::Table => write_table_row(out, &row)?,
+            Format::Json => {
+                if !first {
+                    out.write_all(b",")?;
+                }
+                serde_json::to_writer(&mut *out, &row).map_err(json_failure)?;
+            }
+            Format::Ndjson => {
+                serde_json::to_writer(&mut *out, &row).map_err(json_failure)?;
+                out.write_all(b"\n")?;
+            }
+        }
+        first = false;
+    }
+    if progress && line_no >= PROGRESS_EVERY_LINES {
+        eprint!("\r\x1b[K");
+    }
+
+    match format {
+        Format::Table => write_table_totals(out, &totals)?,
+        Format::Json => {
+            out.write_all(b"],\"totals\":")?;
+            serde_json::to_writer(&mut *out, &totals).map_err(json_failure)?;
+            out.write_all(b"}\n")?;
+        }
+        Format::Ndjson => {
+            serde_json::to_writer(&mut *out, &TotalsLine { totals: &totals })
+                .map_err(json_failure)?;
+            out.write_all(b"\n")?;
+        }
+    }
+    Ok(bad)
+}
+
+fn json_failure(e: serde_json::Error) -> Failure {
+    match e.io_error_kind() {
+        Some(io::ErrorKind::BrokenPipe) => Failure::BrokenPipe,
+        _ => Failure::Fatal(format!("cannot write output: {e}")),
+    }
+}
+
+/// What [`read_line_capped`] put in the buffer.
+enum Line {
+    /// The whole line (terminator included, if any).
+    Complete,
+    /// The line exceeded the cap; it was consumed and dropped.
+    TooLong,
+}
+
+/// Reads one line into `buf` (cleared first), never holding more than `max + 1` bytes of it.
+/// `Ok(None)` at end of input.
+fn read_line_capped(
+    reader: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<Option<Line>> {
+    buf.clear();
+    let limit = u64::try_from(max).unwrap_or(u64::MAX).saturating_add(1);
+    let n = Read::take(&mut *reader, limit).read_until(b'\n', buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.len() <= max || buf.ends_with(b"\n") {
+        return Ok(Some(Line::Complete));
+    }
+    // Too long: drop the rest of the line without keeping it.
+    buf.clear();
+    loop {
+        let available = reader.fill_buf()?;
+        if available.is_empty() {
+            break;
+        }
+        match available.iter().position(|&b| b == b'\n') {
+            Some(pos) => {
+                reader.consume(pos + 1);
+                break;
+            }
+            None => {
+                let len = available.len();
+                reader.consume(len);
+            }
+        }
+    }
+    Ok(Some(Line::TooLong))
+}
+
+fn opt_i64(v: Option<i64>) -> String {
+    v.map_or_else(|| "-".to_string(), |v| v.to_string())
+}
+
+fn write_table_row(out: &mut impl Write, row: &Row<'_>) -> io::Result<()> {
+    let r = row.report;
+    writeln!(
+        out,
+        "{:>6}  {:<20} {:<32} {:<26} {:<27} {:>12} {:>12}",
+        row.line,
+        r.run_id,
+        r.quota_scope,
+        r.diagnosis.as_str(),
+        r.action.id(),
+        opt_i64(r.headroom_ms),
+        r.retry_after_debt_ms
+            .map_or_else(|| "-".to_string(), |d| d.to_string()),
+    )
+}
+
+fn write_table_totals(out: &mut impl Write, totals: &Totals) -> io::Result<()> {
+    writeln!(out)?;
+    writeln!(out, "TOTALS BY SCOPE")?;
+    writeln!(
+        out,
+        "  {:<40} {:>9} {:>7} {:>14}  DIAGNOSES",
+        "SCOPE", "SNAPSHOTS", "KNOWN", "DEBT_MS"
+    )?;
+    for (scope, group) in &totals.by_scope {
+        let diagnoses: Vec<String> = group
+            .by_diagnosis
+            .iter()
+            .map(|(d, n)| format!("{d}={n}"))
+            .collect();
+        writeln!(
+            out,
+            "  {:<40} {:>9} {:>7} {:>14}  {}",
+            scope,
+            group.snapshots,
+            group.known_boundaries,
+            group.retry_after_debt_ms,
+            diagnoses.join(" ")
+        )?;
+    }
+    writeln!(out)?;
+    writeln!(out, "TOTALS BY DIAGNOSIS")?;
+    writeln!(
+        out,
+        "  {:<28} {:>9} {:>14}  ACTION",
+        "DIAGNOSIS", "SNAPSHOTS", "DEBT_MS"
+    )?;
+    for (diagnosis, group) in &totals.by_diagnosis {
+        writeln!(
+            out,
+            "  {:<28} {:>9} {:>14}  {}",
+            diagnosis.as_str(),
+            group.snapshots,
+            group.retry_after_debt_ms,
+            diagnosis.action().id()
+        )?;
+    }
+    writeln!(out)?;
+    writeln!(
+        out,
+        "TOTAL  snapshots={} known_boundaries={} runs={} scopes={} retry_after_debt_ms={}",
+        totals.snapshots,
+        totals.known_boundaries,
+        totals.by_run.len(),
+        totals.by_scope.len(),
+        totals.retry_after_debt_ms
+    )?;
+    writeln!(
+        out,
+        "(debt is time deliberately yielded to provider backpressure, read beside the diagnosis, not a score)"
+    )
 }

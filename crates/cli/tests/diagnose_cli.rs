@@ -1,0 +1,283 @@
+//! `backstop diagnose` end to end: the seed's six-case audit in every format, bad lines, stdin,
+//! grace and clock options.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value;
+
+const NOW: &str = "2026-07-26T18:42:00Z";
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../core/tests/fixtures/six_case_audit.ndjson")
+}
+
+fn backstop(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .arg("diagnose")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pipe = child.stdin.take().unwrap();
+    if let Some(bytes) = stdin {
+        pipe.write_all(bytes).unwrap();
+    }
+    drop(pipe);
+    child.wait_with_output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8(o.stderr.clone()).unwrap()
+}
+
+const SIX: [&str; 6] = [
+    "waiting_backpressure",
+    "early_retry_loop",
+    "stuck_missed_wake",
+    "deadline_exhausted",
+    "retry_budget_exhausted",
+    "recovered",
+];
+
+#[test]
+fn six_case_audit_as_json() {
+    let f = fixture();
+    let o = backstop(
+        &[
+            f.to_str().unwrap(),
+            "--now",
+            NOW,
+            "--grace",
+            "30s",
+            "--format",
+            "json",
+        ],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let doc: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let snapshots = doc["snapshots"].as_array().unwrap();
+    let diagnoses: Vec<&str> = snapshots
+        .iter()
+        .map(|s| s["diagnosis"].as_str().unwrap())
+        .collect();
+    assert_eq!(diagnoses, SIX);
+    assert_eq!(doc["totals"]["retry_after_debt_ms"], 1_230_000);
+    assert_eq!(
+        doc["totals"]["by_scope"]["billing-api/account:ops-team"]["retry_after_debt_ms"],
+        1_020_000
+    );
+    assert_eq!(
+        doc["totals"]["by_diagnosis"]["deadline_exhausted"]["retry_after_debt_ms"],
+        900_000
+    );
+    assert_eq!(
+        doc["totals"]["by_run"]["run-waiting"]["retry_after_debt_ms"],
+        60_000
+    );
+    let waiting = &snapshots[0];
+    assert_eq!(waiting["run_id"], "run-waiting");
+    assert_eq!(waiting["quota_scope"], "llm-api/project:research");
+    assert_eq!(waiting["action"], "leave_alone_check_wake");
+    assert_eq!(waiting["headroom_ms"], 540_000);
+    assert_eq!(waiting["retry_after_debt_ms"], 60_000);
+    assert_eq!(waiting["line"], 1);
+    for proof in ["limit", "wake", "authority", "outcome"] {
+        assert_eq!(waiting["proofs"][proof], true, "{proof}");
+    }
+    assert_eq!(snapshots[3]["headroom_ms"], -300_000);
+    assert_eq!(snapshots[3]["proofs"]["outcome"], false);
+}
+
+#[test]
+fn six_case_audit_as_ndjson_ends_with_a_totals_line() {
+    let f = fixture();
+    let o = backstop(
+        &[f.to_str().unwrap(), "--now", NOW, "--format", "ndjson"],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lines: Vec<Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 7);
+    let diagnoses: Vec<&str> = lines[..6]
+        .iter()
+        .map(|s| s["diagnosis"].as_str().unwrap())
+        .collect();
+    assert_eq!(diagnoses, SIX);
+    assert_eq!(lines[6]["totals"]["retry_after_debt_ms"], 1_230_000);
+    assert_eq!(lines[6]["totals"]["snapshots"], 6);
+    assert_eq!(
+        lines[6]["totals"]["by_diagnosis"]
+            .as_object()
+            .unwrap()
+            .len(),
+        6
+    );
+}
+
+#[test]
+fn six_case_audit_as_table_from_stdin() {
+    let input = std::fs::read(fixture()).unwrap();
+    let o = backstop(&["-", "--now", NOW], Some(&input));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    for (i, diagnosis) in SIX.iter().enumerate() {
+        let row = out
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{} ", i + 1)))
+            .unwrap_or_else(|| panic!("row {}: {out}", i + 1));
+        assert!(row.contains(diagnosis), "{row}");
+    }
+    assert!(out.contains("TOTALS BY SCOPE"), "{out}");
+    assert!(out.contains("TOTALS BY DIAGNOSIS"), "{out}");
+    assert!(out.contains("retry_after_debt_ms=1230000"), "{out}");
+    let billing = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("billing-api/account:ops-team"))
+        .unwrap();
+    assert!(billing.contains("1020000"), "{billing}");
+    // Nothing on stderr for a clean run that is not on a terminal.
+    assert_eq!(stderr(&o), "");
+}
+
+#[test]
+fn bad_lines_are_reported_with_numbers_and_the_rest_is_processed() {
+    let good: Vec<String> = std::fs::read_to_string(fixture())
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let input = [
+        good[0].as_str(),                                      // 1
+        "this is not json",                                    // 2
+        "",                                                    // 3 (blank, skipped)
+        r#"{"run_id":"r","quota_scope":"s","status":429}"#,    // 4 missing throttled_at
+        &good[1].replace("2026-07-26T18:38:05Z", "yesterday"), // 5 bad timestamp
+        "   ",                                                 // 6 (blank, skipped)
+        good[5].as_str(),                                      // 7
+    ]
+    .join("\n");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("snapshots.ndjson");
+    std::fs::write(&path, input).unwrap();
+    let o = backstop(
+        &[path.to_str().unwrap(), "--now", NOW, "--format", "ndjson"],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    let name = path.display().to_string();
+    assert!(err.contains(&format!("{name}: LINE 2: ")), "{err}");
+    assert!(
+        err.contains(&format!("{name}: LINE 4: ")) && err.contains("throttled_at"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("{name}: LINE 5: throttled_at")),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 3, "{err}");
+    let lines: Vec<Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0]["line"], 1);
+    assert_eq!(lines[0]["diagnosis"], "waiting_backpressure");
+    assert_eq!(lines[1]["line"], 7);
+    assert_eq!(lines[1]["diagnosis"], "recovered");
+    assert_eq!(lines[2]["totals"]["snapshots"], 2);
+    assert_eq!(lines[2]["totals"]["retry_after_debt_ms"], 90_000);
+}
+
+#[test]
+fn an_overlong_line_is_bad_and_skipped() {
+    let good = std::fs::read_to_string(fixture()).unwrap();
+    let first = good.lines().next().unwrap();
+    let input = format!("{}\n{first}\n", "x".repeat(1 << 21));
+    let o = backstop(
+        &["--now", NOW, "--format", "ndjson"],
+        Some(input.as_bytes()),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("<stdin>: LINE 1: longer than"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(stdout(&o).lines().count(), 2);
+}
+
+#[test]
+fn grace_edge_through_the_cli() {
+    // The waiting snapshot's wake is at 18:42:30.
+    let good = std::fs::read_to_string(fixture()).unwrap();
+    let first = format!("{}\n", good.lines().next().unwrap());
+    let diagnosis_at = |now: &str, grace: &str| {
+        let o = backstop(
+            &["--now", now, "--grace", grace, "--format", "ndjson"],
+            Some(first.as_bytes()),
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: Value = serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
+        v["diagnosis"].as_str().unwrap().to_string()
+    };
+    assert_eq!(
+        diagnosis_at("2026-07-26T18:43:00Z", "30s"),
+        "waiting_backpressure"
+    );
+    assert_eq!(
+        diagnosis_at("2026-07-26T18:43:00.001Z", "30s"),
+        "stuck_missed_wake"
+    );
+    assert_eq!(
+        diagnosis_at("2026-07-26T18:43:00Z", "1m"),
+        "waiting_backpressure"
+    );
+    assert_eq!(
+        diagnosis_at("2026-07-26T18:42:31Z", "500ms"),
+        "stuck_missed_wake"
+    );
+}
+
+#[test]
+fn bad_options_and_missing_files_exit_2() {
+    let f = fixture();
+    let f = f.to_str().unwrap();
+    for args in [
+        vec![f, "--now", "yesterday"],
+        vec![f, "--grace", "soon"],
+        vec![f, "--grace", "-5s"],
+        vec![f, "--format", "xml"],
+    ] {
+        let o = backstop(&args, None);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+    }
+    let o = backstop(&["/nonexistent/snapshots.ndjson", "--now", NOW], None);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("/nonexistent/snapshots.ndjson"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn empty_input_gives_zero_totals() {
+    let o = backstop(&["--now", NOW, "--format", "json"], Some(b""));
+    assert_eq!(o.status.code(), Some(0));
+    let doc: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(doc["snapshots"].as_array().unwrap().len(), 0);
+    assert_eq!(doc["totals"]["retry_after_debt_ms"], 0);
+}
