@@ -199,7 +199,7 @@ fn process(
             }
         };
         line_no += 1;
-        if progress && line_no % PROGRESS_EVERY_LINES == 0 {
+        if progress && line_no.is_multiple_of(PROGRESS_EVERY_LINES) {
             eprint!("\r{name}: {line_no} lines");
         }
         let bytes = match line {
