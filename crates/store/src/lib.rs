@@ -21,5 +21,5 @@ pub mod store;
 
 pub use error::StoreError;
 pub use model::*;
-pub use sqlite::{AuditReader, SqliteStore};
+pub use sqlite::{AuditReader, SqliteStore, WriterStats};
 pub use store::Store;

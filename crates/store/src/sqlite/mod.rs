@@ -19,8 +19,9 @@ mod rows;
 mod schema;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use jiff::Timestamp;
@@ -52,6 +53,23 @@ pub struct SqliteStore {
     jobs: Mutex<Option<SyncSender<Job>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
+    counters: Arc<Counters>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    transactions: AtomicU64,
+    operations: AtomicU64,
+}
+
+/// How the writer grouped operations into commits since the store was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterStats {
+    /// Transactions committed (each one fsync).
+    pub transactions: u64,
+    /// Operations those transactions carried (including ones that failed and were rolled back
+    /// to their savepoint).
+    pub operations: u64,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -86,16 +104,27 @@ impl SqliteStore {
         let head = rows::audit_head(&conn)?;
         let chain = Chain::after(head.as_ref());
         let (tx, rx) = mpsc::sync_channel::<Job>(4 * MAX_BATCH);
+        let counters = Arc::new(Counters::default());
+        let writer_counters = Arc::clone(&counters);
         let writer = std::thread::Builder::new()
             .name("backstop-store-writer".into())
-            .spawn(move || writer_loop(conn, chain, rx))
+            .spawn(move || writer_loop(conn, chain, rx, &writer_counters))
             .map_err(|e| StoreError::Sqlite(format!("cannot start the writer thread: {e}")))?;
         Ok(SqliteStore {
             path: path.to_owned(),
             jobs: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
             readers: Mutex::new(Vec::new()),
+            counters,
         })
+    }
+
+    /// How many transactions and operations the writer committed so far.
+    pub fn writer_stats(&self) -> WriterStats {
+        WriterStats {
+            transactions: self.counters.transactions.load(Ordering::Relaxed),
+            operations: self.counters.operations.load(Ordering::Relaxed),
+        }
     }
 
     /// The database file.
@@ -187,7 +216,7 @@ impl Drop for SqliteStore {
     }
 }
 
-fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>) {
+fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: &Counters) {
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = rx.recv() {
         batch.push(first);
@@ -227,6 +256,11 @@ fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>) {
         if committed.is_err() {
             let _ = conn.execute_batch("ROLLBACK");
             chain = before;
+        } else {
+            counters.transactions.fetch_add(1, Ordering::Relaxed);
+            counters
+                .operations
+                .fetch_add(completions.len() as u64, Ordering::Relaxed);
         }
         for done in completions {
             done(committed.clone());
