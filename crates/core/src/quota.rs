@@ -296,12 +296,12 @@ fn sf_items(value: &str) -> Vec<sfv::Item> {
         .unwrap_or_default()
 }
 
-fn entry<'a>(
-    out: &'a mut Vec<QuotaObservation>,
+fn entry(
+    out: &mut Vec<QuotaObservation>,
     start: usize,
     dialect: Dialect,
     policy: Option<String>,
-) -> &'a mut QuotaObservation {
+) -> &mut QuotaObservation {
     let pos = out[start..]
         .iter()
         .position(|o| o.dialect == dialect && o.policy == policy);
