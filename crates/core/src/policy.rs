@@ -57,6 +57,7 @@ use serde_saphyr::{Location, Spanned};
 use crate::backoff::BackoffConfig;
 use crate::budget::{ClassBudget, RetryQuotaConfig};
 use crate::pacing::{PacerConfig, ScopeRecord};
+use crate::quota::Dialect;
 
 // ---------------------------------------------------------------------------------------------
 // Errors
@@ -261,8 +262,8 @@ pub struct Provider {
     pub base_url: String,
     /// Credential, if the provider needs one.
     pub credential: Option<Credential>,
-    /// Quota header dialect, one of [`DIALECTS`] (default `generic`).
-    pub dialect: String,
+    /// Quota header dialect (`dialect`, one of [`DIALECTS`], default `generic`).
+    pub dialect: Dialect,
     /// Idempotency header name (e.g. `Idempotency-Key`); its presence means the provider
     /// honours keys, so POST/PATCH default to `idempotent_write`.
     pub idempotency_header: Option<String>,
@@ -1278,19 +1279,23 @@ fn validate_provider(
         .and_then(|c| validate_credential(c, &format!("{path}.credential"), ctx));
 
     let dialect = match &p.dialect {
-        Some(s) if DIALECTS.contains(&s.value.as_str()) => s.value.clone(),
-        Some(s) => {
-            ctx.err(
-                &s.referenced,
-                format!(
-                    "{path}.dialect: unknown dialect `{}` (one of {})",
-                    s.value,
-                    DIALECTS.join(", ")
-                ),
-            );
-            "generic".to_owned()
+        Some(d) => {
+            match serde_json::from_value::<Dialect>(serde_json::Value::String(d.value.clone())) {
+                Ok(dialect) => dialect,
+                Err(_) => {
+                    ctx.err(
+                        &d.referenced,
+                        format!(
+                            "{path}.dialect: unknown dialect `{}` (one of {})",
+                            d.value,
+                            DIALECTS.join(", ")
+                        ),
+                    );
+                    Dialect::Generic
+                }
+            }
         }
-        None => "generic".to_owned(),
+        None => Dialect::Generic,
     };
 
     let idempotency_header = p.idempotency_header.as_ref().and_then(|s| {
@@ -1404,7 +1409,7 @@ fn validate_provider(
                     name: name.clone(),
                     base_url: String::new(),
                     credential: None,
-                    dialect: String::new(),
+                    dialect: Dialect::Generic,
                     idempotency_header: idempotency_header.clone(),
                     idempotent_put_delete: p
                         .idempotent_put_delete

@@ -1,6 +1,7 @@
 //! Policy file loading and validation (SPEC §3).
 
 use backstop_core::policy::{Policy, PolicyError, ReconcileBy, TokenRef};
+use backstop_core::quota::Dialect;
 
 const SEED: &str = "\
 request_classes:
@@ -80,7 +81,7 @@ fn shipped_example_is_valid() {
         transfers.scopes,
         vec!["billing-api/account", "billing-api/transfers"]
     );
-    assert_eq!(policy.providers["openai"].dialect, "openai");
+    assert_eq!(policy.providers["openai"].dialect, Dialect::Openai);
     assert_eq!(
         policy.agents["invoice-agent"],
         TokenRef::Env("BACKSTOP_AGENT_INVOICE_TOKEN".into())
