@@ -71,6 +71,9 @@ pub enum InvalidPacer {
     /// `headroom` must be in `(0, 1]`.
     #[error("headroom must be in (0, 1], got {0}")]
     Headroom(f64),
+    /// `window / (headroom × limit)` is not a representable duration.
+    #[error("window_seconds / (headroom × limit) is not a representable interval")]
+    IntervalOutOfRange,
     /// `reserve_interactive` must be in `[0, 1)`.
     #[error("reserve_interactive must be in [0, 1), got {0}")]
     Reserve(f64),
@@ -113,7 +116,8 @@ impl PacerConfig {
             return Err(InvalidPacer::Reserve(reserve_interactive));
         }
         let paced = (limit as f64) * headroom;
-        let emission_interval = window.div_f64(paced.max(f64::MIN_POSITIVE));
+        let emission_interval = Duration::try_from_secs_f64(window.as_secs_f64() / paced)
+            .map_err(|_| InvalidPacer::IntervalOutOfRange)?;
         // The epsilon absorbs binary rounding: (1 − 0.8) × 100 is 19.999…, meant as 20.
         let burst =
             (((1.0 - headroom) * limit as f64 + 1e-9).floor() as u64).clamp(1, u32::MAX as u64);

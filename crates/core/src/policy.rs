@@ -1613,6 +1613,13 @@ fn validate_scope(
             format!("{path}: `window_seconds`/`headroom` need the published `limit`"),
         );
     }
+    if let (Some(l), Some(limit)) = (&s.limit, limit) {
+        if let Err(e) = PacerConfig::try_new(limit, window, headroom, reserve_interactive) {
+            if !window.is_zero() {
+                ctx.err(&l.referenced, format!("{path}: {e}"));
+            }
+        }
+    }
     Scope {
         name: format!("{provider}/{short}"),
         limit,
