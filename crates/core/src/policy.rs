@@ -56,8 +56,10 @@ use serde_saphyr::{Location, Spanned};
 
 use crate::backoff::BackoffConfig;
 use crate::budget::{ClassBudget, RetryQuotaConfig};
+use crate::classify::{default_error_codes, ClassifyRules, Disposition};
 use crate::pacing::{PacerConfig, ScopeRecord};
 use crate::quota::Dialect;
+use crate::retry_after::RetryAfterOptions;
 
 // ---------------------------------------------------------------------------------------------
 // Errors
@@ -271,8 +273,15 @@ pub struct Provider {
     pub idempotent_put_delete: bool,
     /// JSON pointer (RFC 6901) to the error code in an error body.
     pub error_code_pointer: Option<String>,
-    /// Provider error code → disposition (one of [`DISPOSITIONS`]).
-    pub error_codes: BTreeMap<String, String>,
+    /// Provider error code → disposition (`error_codes`); these override
+    /// [`crate::classify::default_error_codes`].
+    pub error_codes: BTreeMap<String, Disposition>,
+    /// JSON pointers to a Google-style `retryDelay` in error bodies (`retry_delay_pointers`).
+    pub retry_delay_pointers: Vec<String>,
+    /// JSON pointers to the violated quota's name (`quota_id_pointers`; `…PerDay` → quota exhausted).
+    pub quota_id_pointers: Vec<String>,
+    /// JSON pointers to a `resets_in_seconds` number (`resets_in_seconds_pointers`).
+    pub resets_in_seconds_pointers: Vec<String>,
     /// Whether `x-should-retry`-style hints are honoured (default true).
     pub honour_hints: bool,
     /// Scopes by short name.
@@ -528,6 +537,40 @@ impl Policy {
         })
     }
 
+    /// The rules to classify a response of `provider` for a request of `class` (SPEC §2):
+    /// the class's `retry_statuses`; the provider's error-code pointer, its `error_codes` over
+    /// [`default_error_codes`], hint policy, dialect and body pointers; and the Retry-After
+    /// limits of `backoff` (`min_delay_seconds`, `retry_after_ceiling_seconds`).
+    ///
+    /// # Errors
+    /// [`UnknownProvider`] when the policy has no such provider.
+    pub fn classify_rules(
+        &self,
+        provider: &str,
+        class: &RequestClass,
+    ) -> Result<ClassifyRules, UnknownProvider> {
+        let p = self
+            .providers
+            .get(provider)
+            .ok_or_else(|| UnknownProvider(provider.to_owned()))?;
+        let mut error_codes = default_error_codes();
+        error_codes.extend(p.error_codes.iter().map(|(k, v)| (k.clone(), *v)));
+        Ok(ClassifyRules {
+            retry_statuses: class.retry_statuses.clone(),
+            error_code_pointer: p.error_code_pointer.clone(),
+            error_codes,
+            honour_hints: p.honour_hints,
+            dialect: p.dialect,
+            retry_after: RetryAfterOptions {
+                min_delay: self.backoff.min_delay,
+                ceiling: self.backoff.retry_after_ceiling,
+            },
+            retry_delay_pointers: p.retry_delay_pointers.clone(),
+            quota_id_pointers: p.quota_id_pointers.clone(),
+            resets_in_seconds_pointers: p.resets_in_seconds_pointers.clone(),
+        })
+    }
+
     /// Every scope of every provider, by full name.
     pub fn scopes(&self) -> impl Iterator<Item = &Scope> {
         self.providers.values().flat_map(|p| p.scopes.values())
@@ -754,6 +797,9 @@ struct RawProvider {
     idempotent_put_delete: Option<S<bool>>,
     error_code_pointer: Option<S<String>>,
     error_codes: Option<SpannedMap<S<String>>>,
+    retry_delay_pointers: Option<S<Vec<S<String>>>>,
+    quota_id_pointers: Option<S<Vec<S<String>>>>,
+    resets_in_seconds_pointers: Option<S<Vec<S<String>>>>,
     honour_hints: Option<S<bool>>,
     scopes: Option<SpannedMap<S<RawScope>>>,
     default_scopes: Option<S<Vec<S<String>>>>,
@@ -1308,10 +1354,13 @@ fn validate_provider(
     );
     let mut error_codes = BTreeMap::new();
     for (code, disposition) in p.error_codes.map(|m| m.0).unwrap_or_default() {
-        if DISPOSITIONS.contains(&disposition.value.as_str()) {
-            error_codes.insert(code.value, disposition.value);
-        } else {
-            ctx.err(
+        match serde_json::from_value::<Disposition>(serde_json::Value::String(
+            disposition.value.clone(),
+        )) {
+            Ok(d) => {
+                error_codes.insert(code.value, d);
+            }
+            Err(_) => ctx.err(
                 &disposition.referenced,
                 format!(
                     "{path}.error_codes.{}: unknown disposition `{}` (one of {})",
@@ -1319,9 +1368,28 @@ fn validate_provider(
                     disposition.value,
                     DISPOSITIONS.join(", ")
                 ),
-            );
+            ),
         }
     }
+    let pointer_list = |ctx: &mut Ctx, v: &Option<S<Vec<S<String>>>>, field: &str| -> Vec<String> {
+        v.as_ref()
+            .map(|list| {
+                list.value
+                    .iter()
+                    .filter_map(|f| {
+                        check_pointer(ctx, &Some(f.clone()), &format!("{path}.{field}"))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let retry_delay_pointers = pointer_list(ctx, &p.retry_delay_pointers, "retry_delay_pointers");
+    let quota_id_pointers = pointer_list(ctx, &p.quota_id_pointers, "quota_id_pointers");
+    let resets_in_seconds_pointers = pointer_list(
+        ctx,
+        &p.resets_in_seconds_pointers,
+        "resets_in_seconds_pointers",
+    );
     if !error_codes.is_empty() && error_code_pointer.is_none() && p.error_code_pointer.is_none() {
         ctx.err(
             &raw.referenced,
@@ -1417,6 +1485,9 @@ fn validate_provider(
                         .is_some_and(|b| b.value),
                     error_code_pointer: None,
                     error_codes: BTreeMap::new(),
+                    retry_delay_pointers: Vec::new(),
+                    quota_id_pointers: Vec::new(),
+                    resets_in_seconds_pointers: Vec::new(),
                     honour_hints: true,
                     scopes: BTreeMap::new(),
                     default_scopes: Vec::new(),
@@ -1485,6 +1556,9 @@ fn validate_provider(
         idempotent_put_delete: p.idempotent_put_delete.as_ref().is_some_and(|b| b.value),
         error_code_pointer,
         error_codes,
+        retry_delay_pointers,
+        quota_id_pointers,
+        resets_in_seconds_pointers,
         honour_hints: p.honour_hints.as_ref().is_none_or(|b| b.value),
         scopes,
         default_scopes,

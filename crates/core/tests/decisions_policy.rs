@@ -355,3 +355,41 @@ fn unrepresentable_pacing_is_rejected() {
         "{message}"
     );
 }
+
+#[test]
+fn classify_rules_come_from_class_provider_and_backoff() {
+    use backstop_core::classify::{classify, Disposition, Observed, ResponseView};
+
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/backstop.yaml");
+    let policy = Policy::load(path).unwrap_or_else(|e| panic!("{e}"));
+    let read = &policy.request_classes["read"];
+    let rules = policy
+        .classify_rules("billing-api", read)
+        .expect("provider");
+    assert_eq!(rules.retry_statuses, vec![408, 429, 500, 502, 503, 504]);
+    assert_eq!(rules.error_code_pointer.as_deref(), Some("/error/code"));
+    assert_eq!(
+        rules.error_codes["daily_limit_reached"],
+        Disposition::QuotaExhausted
+    );
+    assert_eq!(rules.dialect, Dialect::Ietf);
+    assert_eq!(rules.retry_after.ceiling.as_secs(), 86_400);
+    assert!(policy.classify_rules("nope", read).is_err());
+
+    // The provider's code mapping decides the disposition of a real response.
+    let headers = http::HeaderMap::new();
+    let body = br#"{"error": {"code": "daily_limit_reached"}}"#;
+    let now: jiff::Timestamp = "2026-03-01T12:00:00Z".parse().expect("timestamp");
+    let signal = classify(
+        &Observed::Response(ResponseView {
+            status: 429,
+            headers: &headers,
+            body: Some(body),
+        }),
+        &rules,
+        now,
+    );
+    // Without the mapping a 429 is `rate_limited`; the provider says this one is a daily quota.
+    assert_eq!(signal.disposition, Disposition::QuotaExhausted);
+    assert_eq!(signal.error_code.as_deref(), Some("daily_limit_reached"));
+}
