@@ -1,1 +1,574 @@
-//! classify
+//! # What did the provider say? Response or transport error → [`Signal`]
+//!
+//! Every retry decision starts by classifying what came back (SPEC §2.1). The classification must
+//! keep apart things that look alike but need opposite handling: a 429 slows down the whole scope
+//! while a 503 must not; a daily quota is not a short rate limit; a connect error (`not_sent`, the
+//! provider never saw the request) may be resent while a timeout after the bytes left
+//! (`uncertain`) must be reconciled first. Provider hints (`x-should-retry`,
+//! `Stripe-Should-Retry`) override the table where policy allows, and provider error codes are read
+//! from the error body through a configured JSON pointer (RFC 6901) — only that field is read,
+//! nothing of the body is kept.
+//!
+//! The result, a [`Signal`], also carries the [`Boundary`]: Retry-After first, else the boundary of
+//! an exhausted quota, else a hint from the error body (Google `RetryInfo.retryDelay`,
+//! `resets_in_seconds`), else `unknown`.
+//!
+//! ```
+//! use backstop_core::classify::{classify, ClassifyRules, Disposition, Observed, ResponseView};
+//! use http::HeaderMap;
+//!
+//! let mut headers = HeaderMap::new();
+//! headers.insert("retry-after", "10".parse().unwrap());
+//! let rules = ClassifyRules::with_retry_statuses(vec![408, 429, 500, 502, 503, 504]);
+//! let now: jiff::Timestamp = "2025-01-01T00:00:00Z".parse().unwrap();
+//! let view = ResponseView { status: 429, headers: &headers, body: None };
+//! let signal = classify(&Observed::Response(view), &rules, now);
+//! assert_eq!(signal.disposition, Disposition::RateLimited);
+//! assert!(signal.retryable);
+//! assert_eq!(signal.boundary.retry_not_before().unwrap().to_string(), "2025-01-01T00:00:10Z");
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use jiff::Timestamp;
+use serde::{Deserialize, Serialize};
+
+use crate::duration::parse_go_duration;
+use crate::quota::{parse_quota, quota_boundary_with, Dialect, QuotaObservation};
+use crate::retry_after::{boundary_after, normalize, Boundary, RetryAfterOptions};
+
+pub use http::{HeaderMap, HeaderName, HeaderValue};
+
+/// What a response or transport error means for scheduling (SPEC §2.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Disposition {
+    /// 2xx: done (an outcome receipt may still be required).
+    Success,
+    /// Slow down the whole scope and honour the boundary (429; 403 with GitHub-style limit signs).
+    RateLimited,
+    /// Billing or daily quota exhausted: wait for the reset or escalate, never a short loop.
+    QuotaExhausted,
+    /// 503/529: bounded retry, may honour Retry-After, does not lower the scope's pacing.
+    Unavailable,
+    /// 408/500/502/504: bounded retry within the class budget.
+    Transient,
+    /// Connect/DNS/TLS failure before any request byte was written: the provider never saw it.
+    NotSent,
+    /// Timeout, reset or EOF after bytes were written, or a cut response: reconcile first.
+    Uncertain,
+    /// 409: duplicate, version conflict or lock; no blind retry.
+    Conflict,
+    /// The request (or permissions) must change; retrying is waste.
+    Rejected,
+}
+
+impl Disposition {
+    /// The snake_case name used in JSON and the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Disposition::Success => "success",
+            Disposition::RateLimited => "rate_limited",
+            Disposition::QuotaExhausted => "quota_exhausted",
+            Disposition::Unavailable => "unavailable",
+            Disposition::Transient => "transient",
+            Disposition::NotSent => "not_sent",
+            Disposition::Uncertain => "uncertain",
+            Disposition::Conflict => "conflict",
+            Disposition::Rejected => "rejected",
+        }
+    }
+}
+
+impl fmt::Display for Disposition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A transport failure, split by whether request bytes had been written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TransportError {
+    /// TCP connect failed: nothing was sent.
+    Connect,
+    /// Name resolution failed: nothing was sent.
+    Dns,
+    /// TLS handshake failed: no request byte was sent.
+    Tls,
+    /// Timed out after request bytes were written.
+    TimeoutAfterSend,
+    /// Connection reset (or EOF) after request bytes were written.
+    ResetAfterSend,
+    /// The response started but was cut short.
+    ResponseCut,
+}
+
+impl TransportError {
+    /// Whether the request may have reached the provider.
+    pub fn maybe_delivered(self) -> bool {
+        matches!(
+            self,
+            TransportError::TimeoutAfterSend
+                | TransportError::ResetAfterSend
+                | TransportError::ResponseCut
+        )
+    }
+
+    /// The kebab-case name (`connect`, `timeout-after-send`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportError::Connect => "connect",
+            TransportError::Dns => "dns",
+            TransportError::Tls => "tls",
+            TransportError::TimeoutAfterSend => "timeout-after-send",
+            TransportError::ResetAfterSend => "reset-after-send",
+            TransportError::ResponseCut => "response-cut",
+        }
+    }
+}
+
+impl fmt::Display for TransportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A transport error name that is not one of the known kinds.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown transport error {0:?} (expected connect, dns, tls, timeout-after-send, reset-after-send or response-cut)")]
+pub struct UnknownTransportError(pub String);
+
+impl FromStr for TransportError {
+    type Err = UnknownTransportError;
+
+    /// Accepts `connect|dns|tls|timeout-after-send|reset-after-send|response-cut` (also with `_`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "connect" => Ok(TransportError::Connect),
+            "dns" => Ok(TransportError::Dns),
+            "tls" => Ok(TransportError::Tls),
+            "timeout-after-send" => Ok(TransportError::TimeoutAfterSend),
+            "reset-after-send" => Ok(TransportError::ResetAfterSend),
+            "response-cut" => Ok(TransportError::ResponseCut),
+            _ => Err(UnknownTransportError(s.to_owned())),
+        }
+    }
+}
+
+/// The provider error codes every rule set knows unless overridden:
+/// OpenAI `insufficient_quota` and `billing_hard_limit_reached`, ChatGPT `usage_limit_reached`
+/// → [`Disposition::QuotaExhausted`]; Google `RESOURCE_EXHAUSTED` → [`Disposition::RateLimited`]
+/// (upgraded to `QuotaExhausted` when the violated quota is a `…PerDay` one).
+pub fn default_error_codes() -> BTreeMap<String, Disposition> {
+    [
+        ("insufficient_quota", Disposition::QuotaExhausted),
+        ("billing_hard_limit_reached", Disposition::QuotaExhausted),
+        ("usage_limit_reached", Disposition::QuotaExhausted),
+        ("RESOURCE_EXHAUSTED", Disposition::RateLimited),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+/// How to read one provider's responses for one request class.
+///
+/// `Default` gives: no retry statuses, no pointers, [`default_error_codes`], hints honoured,
+/// generic dialect, default Retry-After limits.
+#[derive(Debug, Clone)]
+pub struct ClassifyRules {
+    /// Statuses the request class may retry (SPEC §3 `retry_statuses`); decides `retryable`.
+    pub retry_statuses: Vec<u16>,
+    /// RFC 6901 JSON pointer to the provider error code in the error body, e.g. `/error/code`.
+    pub error_code_pointer: Option<String>,
+    /// Provider error code → disposition (applies to non-2xx responses).
+    pub error_codes: BTreeMap<String, Disposition>,
+    /// Honour `x-should-retry` / `Stripe-Should-Retry` (default true).
+    pub honour_hints: bool,
+    /// Quota header dialect of the provider.
+    pub dialect: Dialect,
+    /// Limits for Retry-After and every other boundary.
+    pub retry_after: RetryAfterOptions,
+    /// RFC 6901 pointers to a Google-style `retryDelay` (`"45.837906927s"`); first match wins.
+    /// Example: `/error/details/1/retryDelay`.
+    pub retry_delay_pointers: Vec<String>,
+    /// RFC 6901 pointers to the violated quota's name (e.g. Google `quotaId`); a name containing
+    /// `PerDay` makes the response `quota_exhausted`.
+    pub quota_id_pointers: Vec<String>,
+    /// RFC 6901 pointers to a `resets_in_seconds` number (ChatGPT `usage_limit_reached`).
+    pub resets_in_seconds_pointers: Vec<String>,
+}
+
+impl Default for ClassifyRules {
+    fn default() -> Self {
+        Self {
+            retry_statuses: Vec::new(),
+            error_code_pointer: None,
+            error_codes: default_error_codes(),
+            honour_hints: true,
+            dialect: Dialect::Generic,
+            retry_after: RetryAfterOptions::default(),
+            retry_delay_pointers: Vec::new(),
+            quota_id_pointers: Vec::new(),
+            resets_in_seconds_pointers: Vec::new(),
+        }
+    }
+}
+
+impl ClassifyRules {
+    /// Defaults with the given retry statuses of the request class.
+    pub fn with_retry_statuses(retry_statuses: Vec<u16>) -> Self {
+        Self {
+            retry_statuses,
+            ..Self::default()
+        }
+    }
+
+    fn allows(&self, status: u16) -> bool {
+        self.retry_statuses.contains(&status)
+    }
+}
+
+/// A received response, borrowed: status, headers and (optionally) the error body bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct ResponseView<'a> {
+    /// HTTP status code.
+    pub status: u16,
+    /// Response headers.
+    pub headers: &'a HeaderMap,
+    /// The body, when the caller wants error codes or body hints read from it.
+    pub body: Option<&'a [u8]>,
+}
+
+/// What came back from one attempt.
+#[derive(Debug, Clone, Copy)]
+pub enum Observed<'a> {
+    /// A response with a status line.
+    Response(ResponseView<'a>),
+    /// No (complete) response.
+    Transport(TransportError),
+}
+
+/// A provider retry hint seen on the response and whether it was applied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Hint {
+    /// Header name as matched (`x-should-retry` or `stripe-should-retry`).
+    pub header: String,
+    /// Raw header value.
+    pub value: String,
+    /// The hint's meaning: `Some(true)` retry, `Some(false)` don't, `None` unreadable.
+    pub should_retry: Option<bool>,
+    /// Whether the hint changed or confirmed `retryable`.
+    pub applied: bool,
+    /// Why the hint was (not) applied.
+    pub reason: String,
+}
+
+/// The normalized signal of one attempt.
+#[derive(Debug, Clone, Serialize)]
+pub struct Signal {
+    /// What the response means (SPEC §2.1).
+    pub disposition: Disposition,
+    /// Whether the request class may try again (after the boundary, if any).
+    pub retryable: bool,
+    /// Earliest retry instant, or why it is unknown.
+    pub boundary: Boundary,
+    /// Quota observations from the headers (empty for transport errors).
+    pub quota: Vec<QuotaObservation>,
+    /// A provider retry hint, if one was present.
+    pub hint: Option<Hint>,
+    /// The provider error code read through `error_code_pointer`, if any.
+    pub error_code: Option<String>,
+}
+
+/// Values read from the error body through configured pointers only; the body itself is dropped.
+#[derive(Default)]
+struct BodyFields {
+    error_code: Option<String>,
+    retry_delay: Option<(String, String)>,
+    quota_id: Option<String>,
+    resets_in: Option<(String, String)>,
+}
+
+fn scalar_text(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        serde_json::Value::Bool(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+fn read_body(body: Option<&[u8]>, rules: &ClassifyRules) -> BodyFields {
+    let wants = rules.error_code_pointer.is_some()
+        || !rules.retry_delay_pointers.is_empty()
+        || !rules.quota_id_pointers.is_empty()
+        || !rules.resets_in_seconds_pointers.is_empty();
+    let Some(body) = body.filter(|_| wants) else {
+        return BodyFields::default();
+    };
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return BodyFields::default();
+    };
+    let first = |pointers: &[String]| {
+        pointers.iter().find_map(|p| {
+            json.pointer(p)
+                .and_then(scalar_text)
+                .map(|v| (p.clone(), v))
+        })
+    };
+    BodyFields {
+        error_code: rules
+            .error_code_pointer
+            .as_deref()
+            .and_then(|p| json.pointer(p))
+            .and_then(scalar_text),
+        retry_delay: first(&rules.retry_delay_pointers),
+        quota_id: first(&rules.quota_id_pointers).map(|(_, v)| v),
+        resets_in: first(&rules.resets_in_seconds_pointers),
+    }
+}
+
+/// The table of SPEC §2.1 for a status, before codes, envoy marks and hints.
+fn status_disposition(status: u16, headers: &HeaderMap, rules: &ClassifyRules) -> Disposition {
+    match status {
+        200..=299 => Disposition::Success,
+        429 => Disposition::RateLimited,
+        503 | 529 => Disposition::Unavailable,
+        408 | 500 | 502 | 504 => Disposition::Transient,
+        409 => Disposition::Conflict,
+        403 => {
+            let exhausted = headers
+                .get_all("x-ratelimit-remaining")
+                .iter()
+                .any(|v| v.to_str().map(|s| s.trim() == "0").unwrap_or(false));
+            let has_retry_after = headers.contains_key(http::header::RETRY_AFTER)
+                || headers.contains_key("retry-after-ms");
+            if exhausted || has_retry_after {
+                Disposition::RateLimited
+            } else {
+                Disposition::Rejected
+            }
+        }
+        400 | 401 | 404 | 405 | 410 | 413 | 422 => Disposition::Rejected,
+        s if rules.allows(s) => Disposition::Transient,
+        _ => Disposition::Rejected,
+    }
+}
+
+/// Whether the class allows retrying this disposition at this status (before hints).
+fn class_allows(disposition: Disposition, status: u16, rules: &ClassifyRules, known: bool) -> bool {
+    match disposition {
+        Disposition::Success | Disposition::Uncertain => false,
+        Disposition::NotSent => !rules.retry_statuses.is_empty(),
+        Disposition::RateLimited => rules.allows(status) || rules.allows(429),
+        // Only with a known reset: without one, waiting for "later" would be a guess.
+        Disposition::QuotaExhausted => known && (rules.allows(status) || rules.allows(429)),
+        Disposition::Unavailable => rules.allows(status) || rules.allows(503),
+        Disposition::Transient | Disposition::Conflict | Disposition::Rejected => {
+            rules.allows(status)
+        }
+    }
+}
+
+fn read_hint(headers: &HeaderMap) -> Option<(String, String, Option<bool>)> {
+    ["x-should-retry", "stripe-should-retry"]
+        .into_iter()
+        .find_map(|name| {
+            let v = headers.get(name)?;
+            let raw = String::from_utf8_lossy(v.as_bytes()).into_owned();
+            let meaning = match raw.trim().to_ascii_lowercase().as_str() {
+                "true" => Some(true),
+                "false" => Some(false),
+                _ => None,
+            };
+            Some((name.to_owned(), raw, meaning))
+        })
+}
+
+/// A boundary from the body hints. A `retryDelay` is skipped for a per-day quota: Google sends a
+/// short delay there, and retrying every few seconds until the daily reset is the loop SPEC §2.1
+/// forbids.
+fn body_boundary(
+    fields: &BodyFields,
+    per_day: bool,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Option<Boundary> {
+    if let Some((pointer, raw)) = fields.retry_delay.as_ref().filter(|_| !per_day) {
+        if let Ok(d) = parse_go_duration(raw) {
+            let source = format!("body {pointer}");
+            return Some(boundary_after(
+                d,
+                received_at,
+                opts,
+                &source,
+                Some(raw),
+                None,
+                None,
+            ));
+        }
+    }
+    if let Some((pointer, raw)) = &fields.resets_in {
+        let secs = raw
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0);
+        if let Some(secs) = secs {
+            if let Ok(d) = std::time::Duration::try_from_secs_f64(secs) {
+                let source = format!("body {pointer}");
+                return Some(boundary_after(
+                    d,
+                    received_at,
+                    opts,
+                    &source,
+                    Some(raw),
+                    None,
+                    None,
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// Classifies one attempt's result (SPEC §2.1–§2.3).
+///
+/// - `observed`: the response (status, headers, optional body) or the transport error.
+/// - `rules`: the provider's and request class's rules.
+/// - `received_at`: local instant the response (or error) was observed; all boundaries are
+///   relative to it.
+///
+/// `retryable` = the class allows the status/disposition AND no honoured hint forbids it (a
+/// `true` hint may allow a status the table would not retry, but never beyond a class without
+/// retries, an `uncertain` result or a success). `not_sent` is retryable when the class has any
+/// retry status; `uncertain` never is (reconcile first). `quota_exhausted` is retryable only with
+/// a known boundary. The boundary is Retry-After first, then an exhausted quota's reset, then a
+/// body hint (a Google `retryDelay` is not used for a `…PerDay` quota), else `unknown`. Never panics, whatever the headers or body.
+pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Timestamp) -> Signal {
+    let view = match observed {
+        Observed::Transport(e) => {
+            let (disposition, retryable, reason) = if e.maybe_delivered() {
+                (
+                    Disposition::Uncertain,
+                    false,
+                    format!("{e}: the provider may have acted; reconcile before any resend"),
+                )
+            } else {
+                (
+                    Disposition::NotSent,
+                    !rules.retry_statuses.is_empty(),
+                    format!("{e}: no request byte reached the provider"),
+                )
+            };
+            return Signal {
+                disposition,
+                retryable,
+                boundary: Boundary::Unknown {
+                    raw: None,
+                    reason,
+                    source: None,
+                },
+                quota: Vec::new(),
+                hint: None,
+                error_code: None,
+            };
+        }
+        Observed::Response(view) => view,
+    };
+    let headers = view.headers;
+    let status = view.status;
+    let quota = parse_quota(headers, rules.dialect, received_at);
+    let fields = read_body(view.body, rules);
+
+    // 1. The status table.
+    let mut disposition = status_disposition(status, headers, rules);
+    let per_day = status >= 400
+        && fields
+            .quota_id
+            .as_deref()
+            .is_some_and(|q| q.contains("PerDay"));
+    // 2. Provider error codes and body quota names (error responses only).
+    if status >= 400 {
+        if let Some(mapped) = fields
+            .error_code
+            .as_ref()
+            .and_then(|c| rules.error_codes.get(c))
+        {
+            disposition = *mapped;
+        }
+        if per_day && matches!(disposition, Disposition::RateLimited) {
+            disposition = Disposition::QuotaExhausted;
+        }
+        // 3. Envoy's rate-limit mark, even on 503.
+        if headers.contains_key("x-envoy-ratelimited")
+            && !matches!(disposition, Disposition::QuotaExhausted)
+        {
+            disposition = Disposition::RateLimited;
+        }
+    }
+
+    // Boundary: Retry-After, then exhausted quota, then body hint.
+    let opts = &rules.retry_after;
+    let ra = normalize(headers, received_at, opts);
+    let boundary = if ra.is_known() {
+        ra
+    } else if let Some(b) =
+        quota_boundary_with(&quota, received_at, opts).filter(Boundary::is_known)
+    {
+        b
+    } else if let Some(b) =
+        body_boundary(&fields, per_day, received_at, opts).filter(Boundary::is_known)
+    {
+        b
+    } else {
+        ra
+    };
+
+    // Retryable, then hints.
+    let class_ok = class_allows(disposition, status, rules, boundary.is_known());
+    let mut retryable = class_ok;
+    let hint = read_hint(headers).map(|(header, value, should_retry)| {
+        let (applied, reason) = match (rules.honour_hints, should_retry) {
+            (false, _) => (false, "hints are not honoured for this provider".to_owned()),
+            (true, None) => (false, "unreadable hint value".to_owned()),
+            (true, Some(false)) => {
+                retryable = false;
+                (true, "provider says do not retry".to_owned())
+            }
+            (true, Some(true)) => {
+                let can = !rules.retry_statuses.is_empty()
+                    && !matches!(disposition, Disposition::Success | Disposition::Uncertain)
+                    && !(disposition == Disposition::QuotaExhausted && !boundary.is_known());
+                if can {
+                    retryable = true;
+                    (true, "provider says retry".to_owned())
+                } else {
+                    (
+                        false,
+                        "provider says retry, but the class or disposition forbids it".to_owned(),
+                    )
+                }
+            }
+        };
+        Hint {
+            header,
+            value,
+            should_retry,
+            applied,
+            reason,
+        }
+    });
+
+    Signal {
+        disposition,
+        retryable,
+        boundary,
+        quota,
+        hint,
+        error_code: fields.error_code,
+    }
+}
