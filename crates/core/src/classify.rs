@@ -542,7 +542,7 @@ pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Tim
             (true, Some(true)) => {
                 let can = !rules.retry_statuses.is_empty()
                     && !matches!(disposition, Disposition::Success | Disposition::Uncertain)
-                    && !(disposition == Disposition::QuotaExhausted && !boundary.is_known());
+                    && (disposition != Disposition::QuotaExhausted || boundary.is_known());
                 if can {
                     retryable = true;
                     (true, "provider says retry".to_owned())
