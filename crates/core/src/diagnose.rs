@@ -595,6 +595,27 @@ fn and3(a: Option<bool>, b: Option<bool>) -> Option<bool> {
 /// Returns the diagnosis (first match in the SPEC's order), its bounded action, the four proofs,
 /// `headroom_ms` and `retry_after_debt_ms`. The edge-case decisions are listed in the module docs.
 pub fn diagnose(snapshot: &Snapshot, now: Timestamp, opts: &DiagnoseOptions) -> DiagnosisReport {
+    let mut report = evaluate(snapshot, now, opts);
+    report.run_id.clone_from(&snapshot.run_id);
+    report.quota_scope.clone_from(&snapshot.quota_scope);
+    report
+}
+
+/// [`diagnose`], consuming the snapshot so its `run_id` and `quota_scope` move into the report
+/// instead of being copied (the streaming path of `backstop diagnose`).
+pub fn diagnose_owned(
+    snapshot: Snapshot,
+    now: Timestamp,
+    opts: &DiagnoseOptions,
+) -> DiagnosisReport {
+    let mut report = evaluate(&snapshot, now, opts);
+    report.run_id = snapshot.run_id;
+    report.quota_scope = snapshot.quota_scope;
+    report
+}
+
+/// Everything of the report but the run and scope names (left empty for the callers to fill).
+fn evaluate(snapshot: &Snapshot, now: Timestamp, opts: &DiagnoseOptions) -> DiagnosisReport {
     let boundary = snapshot.boundary(&opts.retry_after);
     let rnb = boundary.retry_not_before();
     let (boundary_source, boundary_clock, boundary_reason) = match boundary {
@@ -674,8 +695,8 @@ pub fn diagnose(snapshot: &Snapshot, now: Timestamp, opts: &DiagnoseOptions) -> 
     debug_assert!(diagnosis != Diagnosis::WaitingBackpressure || proofs.all_hold());
     let action = diagnosis.action();
     DiagnosisReport {
-        run_id: snapshot.run_id.clone(),
-        quota_scope: snapshot.quota_scope.clone(),
+        run_id: String::new(),
+        quota_scope: String::new(),
         diagnosis,
         action,
         action_text: action.text(),
@@ -758,7 +779,39 @@ pub struct GroupTotals {
     /// Sum of `retry_after_debt_ms` over known boundaries (saturating).
     pub retry_after_debt_ms: u64,
     /// Snapshots per diagnosis.
-    pub by_diagnosis: BTreeMap<Diagnosis, u64>,
+    pub by_diagnosis: DiagnosisCounts,
+}
+
+/// Snapshot counts per diagnosis: a fixed array (no allocation per group), serialized as a map
+/// `{diagnosis: count}` of the non-zero entries in check order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiagnosisCounts([u64; Diagnosis::ALL.len()]);
+
+impl DiagnosisCounts {
+    /// The count of one diagnosis.
+    pub fn get(&self, diagnosis: Diagnosis) -> u64 {
+        self.0[diagnosis as usize]
+    }
+
+    /// Adds one snapshot with this diagnosis.
+    pub fn increment(&mut self, diagnosis: Diagnosis) {
+        let slot = &mut self.0[diagnosis as usize];
+        *slot = slot.saturating_add(1);
+    }
+
+    /// The non-zero counts, in check order.
+    pub fn iter(&self) -> impl Iterator<Item = (Diagnosis, u64)> + '_ {
+        Diagnosis::ALL
+            .iter()
+            .map(|d| (*d, self.get(*d)))
+            .filter(|(_, n)| *n > 0)
+    }
+}
+
+impl Serialize for DiagnosisCounts {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.iter())
+    }
 }
 
 /// Counts and debt of one diagnosis.
@@ -808,7 +861,7 @@ impl GroupTotals {
             self.known_boundaries += 1;
             self.retry_after_debt_ms = self.retry_after_debt_ms.saturating_add(debt);
         }
-        *self.by_diagnosis.entry(report.diagnosis).or_insert(0) += 1;
+        self.by_diagnosis.increment(report.diagnosis);
     }
 }
 

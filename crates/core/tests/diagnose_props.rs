@@ -1,7 +1,9 @@
 //! Properties of the diagnosis over arbitrary snapshots: it never panics; past the recovery check,
 //! `waiting_backpressure` if and only if all four proofs hold; debt only for known boundaries.
 
-use backstop_core::diagnose::{diagnose, parse_snapshot, DiagnoseOptions, Diagnosis, Totals};
+use backstop_core::diagnose::{
+    diagnose, diagnose_owned, parse_snapshot, DiagnoseOptions, Diagnosis, Totals,
+};
 use jiff::{SignedDuration, Timestamp};
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -65,6 +67,8 @@ proptest! {
         let snapshot = parse_snapshot(v.to_string().as_bytes()).unwrap();
         let now: Timestamp = "2026-07-26T18:42:00Z".parse().unwrap();
         let r = diagnose(&snapshot, now, &DiagnoseOptions::default());
+        prop_assert_eq!(&diagnose_owned(snapshot.clone(), now, &DiagnoseOptions::default()), &r);
+        prop_assert_eq!(&r.run_id, &snapshot.run_id);
         // Recovery is checked before the proofs; past it, waiting <=> all four proofs hold.
         if !matches!(r.diagnosis, Diagnosis::Recovered | Diagnosis::RetrySucceededUnverified) {
             prop_assert_eq!(r.diagnosis == Diagnosis::WaitingBackpressure, r.proofs.all_hold(), "{:?}", r);

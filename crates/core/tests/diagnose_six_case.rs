@@ -107,6 +107,13 @@ fn six_case_audit_total_debt_is_1230000_ms_with_its_breakdown() {
     let billing = &totals.by_scope["billing-api/account:ops-team"];
     assert_eq!(billing.snapshots, 2);
     assert_eq!(billing.retry_after_debt_ms, 1_020_000);
+    assert_eq!(billing.by_diagnosis.get(Diagnosis::EarlyRetryLoop), 1);
+    assert_eq!(billing.by_diagnosis.get(Diagnosis::DeadlineExhausted), 1);
+    assert_eq!(billing.by_diagnosis.get(Diagnosis::Recovered), 0);
+    assert_eq!(
+        serde_json::to_value(billing).unwrap()["by_diagnosis"],
+        serde_json::json!({"deadline_exhausted": 1, "early_retry_loop": 1})
+    );
     let research = &totals.by_scope["llm-api/project:research"];
     assert_eq!(research.retry_after_debt_ms, 90_000);
     assert_eq!(totals.by_scope.len(), 4);

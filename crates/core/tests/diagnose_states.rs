@@ -492,6 +492,9 @@ fn every_diagnosis_has_a_distinct_name_and_a_bounded_action() {
     let names: std::collections::BTreeSet<&str> =
         Diagnosis::ALL.iter().map(|d| d.as_str()).collect();
     assert_eq!(names.len(), Diagnosis::ALL.len());
+    for (i, d) in Diagnosis::ALL.iter().enumerate() {
+        assert_eq!(*d as usize, i, "ALL is in declaration (check) order");
+    }
     for d in Diagnosis::ALL {
         let serialized = serde_json::to_value(d).unwrap();
         assert_eq!(serialized, d.as_str());

@@ -30,7 +30,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use backstop_core::diagnose::{
-    diagnose, parse_snapshot, DiagnoseOptions, DiagnosisReport, Totals, WakeGrace,
+    diagnose_owned, parse_snapshot, DiagnoseOptions, DiagnosisReport, Totals, WakeGrace,
 };
 use jiff::{SignedDuration, Timestamp};
 use serde::Serialize;
@@ -221,7 +221,7 @@ fn process(
                 continue;
             }
         };
-        let report = diagnose(&snapshot, now, opts);
+        let report = diagnose_owned(snapshot, now, opts);
         totals.add(&report);
         let row = Row {
             line: line_no,
