@@ -1,17 +1,185 @@
-//! `backstop classify`.
+//! `backstop classify --status N [-H 'Name: value']… [--now RFC3339] [--class CLASS]
+//! [--dialect DIALECT] [--body-file F] [--error-pointer /error/code] [--transport-error KIND]`
+//!
+//! The tool to debug a provider (SPEC §11): give it what came back — a status with headers (and
+//! optionally the error body), or a transport error instead — and it prints the normalized signal
+//! as ONE JSON object: `disposition`, `retryable` (for the request class), `boundary` (`state`,
+//! `retry_not_before`, `delay_ms`, `source`, `raw`, `clock`, `reason`, every key present, `null`
+//! when not applicable), `quota` (array of `dialect`, `policy`, `limit`, `remaining`, `reset_at`,
+//! `window_seconds`), `hint` and `error_code`.
+//!
+//! Retry statuses per class are the SPEC §3 defaults (read: 408, 429, 500, 502, 503, 504;
+//! idempotent_write: 408, 429, 502, 503, 504; uncertain_write: none). Bad arguments (a header
+//! line without `:`, an invalid header name or value, a bad `--now`, both or neither of
+//! `--status` and `--transport-error`, an unreadable body file) print one line naming the
+//! argument on stderr and exit 2.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+use backstop_core::classify::{
+    classify, ClassifyRules, HeaderMap, HeaderName, HeaderValue, Observed, ResponseView,
+    TransportError,
+};
+use backstop_core::quota::Dialect;
+use jiff::Timestamp;
+use serde_json::Value;
+
+/// Request class whose retry statuses decide `retryable` (SPEC §3 defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[clap(rename_all = "snake_case")]
+pub enum Class {
+    /// Safe reads: 408, 429, 500, 502, 503, 504.
+    Read,
+    /// Writes with an honoured idempotency key: 408, 429, 502, 503, 504.
+    IdempotentWrite,
+    /// Writes without one: no automatic retry.
+    UncertainWrite,
+}
+
+impl Class {
+    /// The SPEC §3 default `retry_statuses` of the class.
+    pub fn retry_statuses(self) -> Vec<u16> {
+        match self {
+            Class::Read => vec![408, 429, 500, 502, 503, 504],
+            Class::IdempotentWrite => vec![408, 429, 502, 503, 504],
+            Class::UncertainWrite => vec![],
+        }
+    }
+}
 
 /// Arguments of `backstop classify`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// HTTP status of the response.
+    /// HTTP status of the response (omit when --transport-error is given).
     #[arg(long)]
     pub status: Option<u16>,
+    /// A response header, `Name: value`; repeat for several (order and repeats are kept).
+    #[arg(short = 'H', long = "header", value_name = "NAME: VALUE")]
+    pub headers: Vec<String>,
+    /// The local receive instant (RFC 3339, e.g. 2025-03-01T12:00:00Z). Default: the current time.
+    #[arg(long)]
+    pub now: Option<String>,
+    /// Request class deciding `retryable`.
+    #[arg(long, value_enum, default_value = "read")]
+    pub class: Class,
+    /// Quota header dialect: generic, ietf, openai, anthropic or github.
+    #[arg(long, default_value = "generic")]
+    pub dialect: String,
+    /// File holding the error body (read only through --error-pointer; never printed).
+    #[arg(long, value_name = "FILE")]
+    pub body_file: Option<PathBuf>,
+    /// RFC 6901 JSON pointer to the provider error code in the body, e.g. /error/code.
+    #[arg(long, value_name = "POINTER")]
+    pub error_pointer: Option<String>,
+    /// Instead of a response: connect, dns, tls, timeout-after-send, reset-after-send or
+    /// response-cut.
+    #[arg(long, value_name = "KIND")]
+    pub transport_error: Option<String>,
 }
 
-/// Runs `backstop classify`.
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("backstop classify: not built yet");
-    ExitCode::from(2)
+/// The default for `--now`. The command line is the imperative shell: this is the one place in
+/// `classify` that reads the real clock; the core gets `now` passed in.
+#[allow(clippy::disallowed_methods)]
+fn current_time() -> Timestamp {
+    Timestamp::now()
+}
+
+/// Parses one `-H 'Name: value'` line into the map.
+fn add_header(headers: &mut HeaderMap, line: &str) -> Result<(), String> {
+    let Some((name, value)) = line.split_once(':') else {
+        return Err(format!("--header {line:?}: expected 'Name: value'"));
+    };
+    let name = HeaderName::from_bytes(name.trim().as_bytes())
+        .map_err(|_| format!("--header {line:?}: invalid header name {:?}", name.trim()))?;
+    let value = HeaderValue::from_str(value.trim())
+        .map_err(|_| format!("--header {line:?}: invalid header value"))?;
+    headers.append(name, value);
+    Ok(())
+}
+
+/// Every `boundary` key present: an unknown boundary gets `null` for the instant, delay and clock.
+fn complete_boundary(v: &mut Value) {
+    if let Some(b) = v.get_mut("boundary").and_then(Value::as_object_mut) {
+        for key in [
+            "retry_not_before",
+            "delay_ms",
+            "source",
+            "raw",
+            "clock",
+            "reason",
+        ] {
+            b.entry(key).or_insert(Value::Null);
+        }
+    }
+}
+
+fn build(args: Args) -> Result<Value, String> {
+    let received_at = match &args.now {
+        Some(s) => s
+            .parse::<Timestamp>()
+            .map_err(|e| format!("--now {s:?}: not an RFC 3339 instant ({e})"))?,
+        None => current_time(),
+    };
+    let dialect: Dialect = args
+        .dialect
+        .parse()
+        .map_err(|e| format!("--dialect: {e}"))?;
+    let mut headers = HeaderMap::new();
+    for line in &args.headers {
+        add_header(&mut headers, line)?;
+    }
+    let body = match &args.body_file {
+        Some(path) => Some(
+            std::fs::read(path)
+                .map_err(|e| format!("--body-file {}: cannot read ({e})", path.display()))?,
+        ),
+        None => None,
+    };
+    let rules = ClassifyRules {
+        error_code_pointer: args.error_pointer.clone(),
+        dialect,
+        ..ClassifyRules::with_retry_statuses(args.class.retry_statuses())
+    };
+    let observed = match (args.status, &args.transport_error) {
+        (Some(_), Some(_)) => {
+            return Err("--status and --transport-error: give exactly one, not both".to_owned())
+        }
+        (None, None) => {
+            return Err("--status or --transport-error: one of them is required".to_owned())
+        }
+        (None, Some(kind)) => Observed::Transport(
+            kind.parse::<TransportError>()
+                .map_err(|e| format!("--transport-error: {e}"))?,
+        ),
+        (Some(status), None) => {
+            if !(100..=999).contains(&status) {
+                return Err(format!("--status {status}: not an HTTP status (100–999)"));
+            }
+            Observed::Response(ResponseView {
+                status,
+                headers: &headers,
+                body: body.as_deref(),
+            })
+        }
+    };
+    let signal = classify(&observed, &rules, received_at);
+    let mut v = serde_json::to_value(&signal).map_err(|e| format!("cannot encode signal: {e}"))?;
+    complete_boundary(&mut v);
+    Ok(v)
+}
+
+/// Runs `backstop classify`: prints the signal as one JSON object and exits 0, or prints a
+/// one-line error naming the bad argument and exits 2.
+pub fn run(args: Args) -> ExitCode {
+    match build(args) {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("backstop classify: {e}");
+            ExitCode::from(2)
+        }
+    }
 }

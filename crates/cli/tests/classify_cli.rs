@@ -1,0 +1,202 @@
+//! `backstop classify` end to end: the built binary, its JSON, and exit 2 on bad arguments.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const NOW: &str = "2025-03-01T12:00:00Z";
+
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .arg("classify")
+        .args(args)
+        .output()
+        .expect("the backstop binary runs")
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "exit {:?}, stderr {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.trim().lines().count(), 1, "one JSON object: {text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn fails_with_2(args: &[&str], names: &str) {
+    let out = run(args);
+    assert_eq!(out.status.code(), Some(2), "args {args:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(names), "stderr {err:?} should name {names}");
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn rate_limited_429_prints_the_boundary_and_quota() {
+    let v = json(&[
+        "--status",
+        "429",
+        "-H",
+        "Retry-After: 10",
+        "-H",
+        "x-ratelimit-remaining-tokens: 0",
+        "-H",
+        "x-ratelimit-reset-tokens: 6m0s",
+        "--now",
+        NOW,
+    ]);
+    assert_eq!(v["disposition"], "rate_limited");
+    assert_eq!(v["retryable"], true);
+    let b = &v["boundary"];
+    assert_eq!(b["state"], "known");
+    assert_eq!(b["retry_not_before"], "2025-03-01T12:00:10Z");
+    assert_eq!(b["delay_ms"], 10_000);
+    assert_eq!(b["source"], "Retry-After");
+    assert_eq!(b["raw"], "10");
+    assert!(b["clock"].is_null());
+    let q = &v["quota"][0];
+    assert_eq!(q["dialect"], "openai");
+    assert_eq!(q["policy"], "tokens");
+    assert_eq!(q["remaining"], 0);
+    assert_eq!(q["reset_at"], "2025-03-01T12:06:00Z");
+    assert!(q["window_seconds"].is_null());
+    assert!(v["hint"].is_null());
+}
+
+#[test]
+fn http_date_with_date_header_reports_the_server_clock() {
+    let v = json(&[
+        "--status",
+        "503",
+        "-H",
+        "Date: Sat, 01 Mar 2025 09:00:00 GMT",
+        "-H",
+        "Retry-After: Sat, 01 Mar 2025 09:00:30 GMT",
+        "--now",
+        NOW,
+    ]);
+    assert_eq!(v["disposition"], "unavailable");
+    assert_eq!(v["boundary"]["clock"], "server_date");
+    assert_eq!(v["boundary"]["delay_ms"], 30_000);
+    assert_eq!(v["boundary"]["retry_not_before"], "2025-03-01T12:00:30Z");
+}
+
+#[test]
+fn invalid_retry_after_gives_an_unknown_boundary_with_every_key() {
+    let v = json(&["--status", "429", "-H", "Retry-After: 0x10", "--now", NOW]);
+    let b = &v["boundary"];
+    assert_eq!(b["state"], "unknown");
+    assert!(b["retry_not_before"].is_null());
+    assert!(b["delay_ms"].is_null());
+    assert!(b["clock"].is_null());
+    assert_eq!(b["raw"], "0x10");
+    assert_eq!(b["source"], "Retry-After");
+    assert!(b["reason"].as_str().unwrap().contains("prefixed"));
+}
+
+#[test]
+fn class_decides_retryable() {
+    let read = json(&["--status", "500", "--now", NOW]);
+    assert_eq!(read["disposition"], "transient");
+    assert_eq!(read["retryable"], true);
+    let write = json(&[
+        "--status",
+        "500",
+        "--class",
+        "idempotent_write",
+        "--now",
+        NOW,
+    ]);
+    assert_eq!(write["retryable"], false);
+}
+
+#[test]
+fn transport_errors_split_not_sent_from_uncertain() {
+    let v = json(&[
+        "--transport-error",
+        "connect",
+        "--class",
+        "idempotent_write",
+    ]);
+    assert_eq!(v["disposition"], "not_sent");
+    assert_eq!(v["retryable"], true);
+    let v = json(&["--transport-error", "timeout-after-send"]);
+    assert_eq!(v["disposition"], "uncertain");
+    assert_eq!(v["retryable"], false);
+    let v = json(&["--transport-error", "connect", "--class", "uncertain_write"]);
+    assert_eq!(v["retryable"], false);
+}
+
+#[test]
+fn error_code_is_read_from_the_body_through_the_pointer() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = dir.path().join("body.json");
+    std::fs::write(
+        &body,
+        r#"{"error":{"code":"insufficient_quota","message":"secret-ish text"}}"#,
+    )
+    .unwrap();
+    let out = run(&[
+        "--status",
+        "429",
+        "--body-file",
+        body.to_str().unwrap(),
+        "--error-pointer",
+        "/error/code",
+        "--now",
+        NOW,
+    ]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(!text.contains("secret-ish"), "the body is never printed");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["disposition"], "quota_exhausted");
+    assert_eq!(v["error_code"], "insufficient_quota");
+}
+
+#[test]
+fn github_dialect_and_hint_are_reported() {
+    let v = json(&[
+        "--status",
+        "403",
+        "--dialect",
+        "github",
+        "-H",
+        "x-ratelimit-remaining: 0",
+        "-H",
+        "x-ratelimit-limit: 60",
+        "-H",
+        "x-ratelimit-reset: 1740830700",
+        "-H",
+        "x-should-retry: false",
+        "--now",
+        NOW,
+    ]);
+    assert_eq!(v["disposition"], "rate_limited");
+    assert_eq!(v["retryable"], false);
+    assert_eq!(v["hint"]["should_retry"], false);
+    assert_eq!(v["hint"]["applied"], true);
+    assert_eq!(v["boundary"]["retry_not_before"], "2025-03-01T12:05:01Z");
+    assert_eq!(v["quota"][0]["dialect"], "github");
+}
+
+#[test]
+fn bad_arguments_exit_2_naming_the_argument() {
+    fails_with_2(&["--status", "429", "-H", "no colon here"], "--header");
+    fails_with_2(&["--status", "429", "-H", "bad name: 1"], "--header");
+    fails_with_2(&["--status", "429", "--now", "yesterday"], "--now");
+    fails_with_2(&[], "--status");
+    fails_with_2(
+        &["--status", "429", "--transport-error", "connect"],
+        "--transport-error",
+    );
+    fails_with_2(&["--transport-error", "timeout"], "--transport-error");
+    fails_with_2(&["--status", "429", "--dialect", "modrinth"], "--dialect");
+    fails_with_2(
+        &["--status", "429", "--body-file", "/nonexistent/body.json"],
+        "--body-file",
+    );
+}
