@@ -73,3 +73,26 @@ impl Clock for ManualClock {
         *self.lock()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manual_clock_moves_only_when_told() {
+        let start: Timestamp = "2025-01-01T00:00:00Z".parse().unwrap();
+        let clock = ManualClock::new(start);
+        assert_eq!(clock.now(), start);
+        clock.advance(Duration::from_secs(90));
+        assert_eq!(clock.now().to_string(), "2025-01-01T00:01:30Z");
+        clock.set(start);
+        assert_eq!(clock.now(), start);
+    }
+
+    #[test]
+    fn manual_clock_saturates_instead_of_overflowing() {
+        let clock = ManualClock::new(Timestamp::MAX);
+        clock.advance(Duration::from_secs(u64::MAX));
+        assert_eq!(clock.now(), Timestamp::MAX);
+    }
+}
