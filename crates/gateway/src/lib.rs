@@ -1,2 +1,17 @@
-//! backstop's gateway: proxy door, scheduler, scope state, action API, metrics.
+//! # backstop-gateway — carrying out the core's decisions on real sockets
+//!
+//! Agents point their HTTP clients at the gateway instead of the provider. From then on one
+//! deterministic layer owns every retry: the proxy door turns a request into an action, the
+//! scheduler decides when each attempt may leave (SPEC §4.1), the executor sends attempts through
+//! a [`transport::Transport`], asks `backstop-core` what each answer means, and records every
+//! step in the store's audit chain.
+//!
+//! Module map:
+//! - [`clock`]: the one place that reads real time (tokio-aware, so paused-time tests work).
+//! - [`transport`]: the seam between the executor and the network (one attempt, no retries).
+//! - [`action`]: what the proxy door hands the executor, and what comes back.
 #![deny(missing_docs)]
+
+pub mod action;
+pub mod clock;
+pub mod transport;

@@ -1,0 +1,78 @@
+//! What the proxy door (or the action API) hands the executor, and what comes back.
+//!
+//! An [`ActionSpec`] is one *logical* operation (SPEC §1): it may take several attempts, all
+//! sending the same [`AttemptRequest`]. The executor answers with an [`Execution`]: either the
+//! provider's response to pass through (2xx bodies stream unbuffered; once bytes reached the agent
+//! nothing is retried), or a gateway-made outcome that the door renders as an RFC 9457 problem.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use backstop_core::{
+    outcome::{Outcome, OutcomeContext},
+    pacing::Priority,
+    policy::RouteMatch,
+};
+use jiff::Timestamp;
+
+use crate::transport::AttemptRequest;
+
+/// One logical action, fully resolved by the door.
+#[derive(Debug, Clone)]
+pub struct ActionSpec {
+    /// The task (run) id from `X-Backstop-Task` (or a minted one).
+    pub task_id: String,
+    /// The authenticated agent's name (from the policy's `agents`).
+    pub agent: String,
+    /// From `X-Backstop-Priority` (default `normal`).
+    pub priority: Priority,
+    /// From `X-Backstop-Deadline` (RFC 3339): nothing starts after it.
+    pub deadline: Option<Timestamp>,
+    /// From `Prefer: wait=N`: the most this caller is willing to wait in total.
+    pub max_wait: Option<Duration>,
+    /// The route, class and scopes resolved from the policy.
+    pub route: RouteMatch,
+    /// The prepared request, resent byte-identical on every attempt.
+    pub request: AttemptRequest,
+    /// The body was too large to buffer: exactly one attempt is allowed, and the outcome says so.
+    pub single_attempt: bool,
+    /// Idempotency key sent under the provider's header (agent-supplied or minted), for writes.
+    pub idempotency_key: Option<String>,
+    /// SHA-256 hex of the request body.
+    pub payload_digest: String,
+    /// Agent-supplied description of the desired outcome (action API), for case files.
+    pub desired_outcome: Option<String>,
+}
+
+/// Identity and accounting that every answer to the agent carries
+/// (`Backstop-Action-Id`, `Backstop-Attempts`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActionReceipt {
+    /// The store's action id.
+    pub action_id: i64,
+    /// Attempts that left the process for this action.
+    pub attempts: u32,
+}
+
+/// The executor's answer.
+#[derive(Debug)]
+pub enum Execution {
+    /// The provider's response, passed through (status, headers, streaming body).
+    Response {
+        /// Identity and accounting.
+        receipt: ActionReceipt,
+        /// The provider's response.
+        response: http::Response<Body>,
+    },
+    /// A gateway-made final outcome (rendered as `application/problem+json`).
+    Outcome {
+        /// Identity and accounting (`action_id` is 0 when refused before being recorded).
+        receipt: ActionReceipt,
+        /// The terminal outcome.
+        outcome: Outcome,
+        /// Its SPEC §5 context.
+        context: OutcomeContext,
+        /// One human sentence on why.
+        detail: String,
+    },
+}
