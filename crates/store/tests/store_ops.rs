@@ -365,3 +365,41 @@ fn concurrent_writers_share_commits_and_the_chain_stays_intact() {
         Verdict::Intact { count, .. } if count == events + 1
     ));
 }
+
+#[test]
+fn a_failing_operation_in_a_group_commit_leaves_the_others_and_the_chain_intact() {
+    let (_dir, store) = store();
+    let store = Arc::new(store);
+    open_task(&store, "task-1");
+    record(&store, "task-1", "taken", b"original");
+    let handles: Vec<_> = (0..16)
+        .map(|w| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let mut refused = 0;
+                for i in 0..10 {
+                    // Every other operation reuses a key with another payload and must fail.
+                    let (key, payload) = if i % 2 == 0 {
+                        ("taken".to_owned(), format!("other {w} {i}"))
+                    } else {
+                        (format!("w{w}-{i}"), format!("p{w}-{i}"))
+                    };
+                    match store.record_action(new_action("task-1", &key, payload.as_bytes()), t(i))
+                    {
+                        Err(StoreError::KeyReuse { .. }) => refused += 1,
+                        Ok(Admission::New(_)) => {}
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    let refused: u64 = handles.into_iter().map(|h| h.join().expect("thread")).sum();
+    assert_eq!(refused, 80);
+    // task_opened + the first record + 80 successful records; nothing from the refused ones.
+    assert!(matches!(
+        store.verify_audit(None).expect("verify"),
+        Verdict::Intact { count: 82, .. }
+    ));
+}

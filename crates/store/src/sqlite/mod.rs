@@ -237,20 +237,32 @@ fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: 
             continue;
         }
         for job in batch.drain(..) {
+            if let Err(e) = conn.execute_batch("SAVEPOINT op") {
+                // Without a savepoint the operation could not be undone alone: do not run it.
+                let (_, done) = job(None);
+                let e = StoreError::from(e);
+                completions.push(Box::new(move |_| done(Err(e))));
+                continue;
+            }
             let snapshot = chain.clone();
-            let saved = conn.execute_batch("SAVEPOINT op").is_ok();
             let mut tx = WriteTx {
                 conn: &conn,
                 chain: &mut chain,
             };
             let (ok, done) = job(Some(&mut tx));
-            if ok && saved {
-                let _ = conn.execute_batch("RELEASE op");
+            let released = if ok {
+                conn.execute_batch("RELEASE op").map_err(StoreError::from)
             } else {
+                Ok(())
+            };
+            if !ok || released.is_err() {
                 let _ = conn.execute_batch("ROLLBACK TO op; RELEASE op");
                 chain = snapshot;
             }
-            completions.push(done);
+            match released {
+                Ok(()) => completions.push(done),
+                Err(e) => completions.push(Box::new(move |_| done(Err(e)))),
+            }
         }
         let committed = conn.execute_batch("COMMIT").map_err(StoreError::from);
         if committed.is_err() {
