@@ -10,8 +10,10 @@
 //! - [`clock`]: the one place that reads real time (tokio-aware, so paused-time tests work).
 //! - [`transport`]: the seam between the executor and the network (one attempt, no retries).
 //! - [`action`]: what the proxy door hands the executor, and what comes back.
+//! - [`metrics`]: Prometheus metrics (`GET /metrics`).
 #![deny(missing_docs)]
 
 pub mod action;
 pub mod clock;
+pub mod metrics;
 pub mod transport;

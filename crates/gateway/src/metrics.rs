@@ -1,0 +1,257 @@
+//! Prometheus metrics of the gateway (text exposition via `prometheus-client`).
+//!
+//! Why these: an operator must tell a 429 storm from an outage from a stuck queue at a glance.
+//! Attempts are counted by the disposition the core gave them (so `unavailable` 503s stay apart
+//! from `rate_limited` 429s, SPEC §2.1), outcomes by their SPEC §5 name, queue depth and in-flight
+//! work per scope as gauges, the retry-after debt (time deliberately yielded to providers, SPEC
+//! §10) per scope, layered retries that were joined (SPEC §4.3), breakers opened (SPEC §7), and
+//! the gateway's own overhead per attempt.
+
+use std::sync::Mutex;
+
+use backstop_core::{classify::Disposition, outcome::Outcome};
+use prometheus_client::{
+    encoding::{text::encode, EncodeLabelSet},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::Registry,
+};
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AttemptLabels {
+    provider: String,
+    scope: String,
+    class: String,
+    disposition: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    provider: String,
+    class: String,
+    outcome: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ScopeLabels {
+    scope: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProviderLabels {
+    provider: String,
+}
+
+/// All gateway metrics, registered once; cheap to update from any task.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    attempts: Family<AttemptLabels, Counter>,
+    outcomes: Family<OutcomeLabels, Counter>,
+    delayed: Family<ScopeLabels, Gauge>,
+    in_flight: Family<ScopeLabels, Gauge>,
+    retry_after_debt: Family<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    layered_retries_joined: Family<ProviderLabels, Counter>,
+    breakers_opened: Family<ProviderLabels, Counter>,
+    missed_wakes: Counter,
+    overhead: Histogram,
+    // Serializes encoding; updates are lock-free.
+    encode_lock: Mutex<()>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric under the `backstop_` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("backstop");
+        let attempts = Family::<AttemptLabels, Counter>::default();
+        registry.register(
+            "attempts",
+            "Attempts that left the process, by provider, scope, request class and disposition",
+            attempts.clone(),
+        );
+        let outcomes = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "outcomes",
+            "Terminal outcomes of actions (SPEC §5)",
+            outcomes.clone(),
+        );
+        let delayed = Family::<ScopeLabels, Gauge>::default();
+        registry.register(
+            "delayed_actions",
+            "Actions waiting in the delayed queue, by scope",
+            delayed.clone(),
+        );
+        let in_flight = Family::<ScopeLabels, Gauge>::default();
+        registry.register(
+            "in_flight_attempts",
+            "Attempts in flight, by scope",
+            in_flight.clone(),
+        );
+        let retry_after_debt =
+            Family::<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "retry_after_debt_seconds",
+            "Time deliberately yielded to provider backpressure (retry_not_before - throttled_at), by scope",
+            retry_after_debt.clone(),
+        );
+        let layered_retries_joined = Family::<ProviderLabels, Counter>::default();
+        registry.register(
+            "layered_retries_joined",
+            "Agent-side retries of an in-flight action that were joined instead of sent again",
+            layered_retries_joined.clone(),
+        );
+        let breakers_opened = Family::<ProviderLabels, Counter>::default();
+        registry.register(
+            "breakers_opened",
+            "Per-task circuit breakers opened after repeated identical failures",
+            breakers_opened.clone(),
+        );
+        let missed_wakes = Counter::default();
+        registry.register(
+            "missed_wakes",
+            "Scheduled retries that did not start within the wake grace (watchdog)",
+            missed_wakes.clone(),
+        );
+        let overhead = Histogram::new(exponential_buckets(0.000_025, 2.0, 14));
+        registry.register(
+            "gateway_overhead_seconds",
+            "Time spent inside the gateway per attempt, excluding waiting and the upstream call",
+            overhead.clone(),
+        );
+        Self {
+            registry,
+            attempts,
+            outcomes,
+            delayed,
+            in_flight,
+            retry_after_debt,
+            layered_retries_joined,
+            breakers_opened,
+            missed_wakes,
+            overhead,
+            encode_lock: Mutex::new(()),
+        }
+    }
+
+    /// Counts one attempt that left the process, with the disposition of its answer.
+    pub fn attempt(&self, provider: &str, scope: &str, class: &str, disposition: Disposition) {
+        self.attempts
+            .get_or_create(&AttemptLabels {
+                provider: provider.to_owned(),
+                scope: scope.to_owned(),
+                class: class.to_owned(),
+                disposition: disposition.as_str().to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts one terminal outcome.
+    pub fn outcome(&self, provider: &str, class: &str, outcome: Outcome) {
+        self.outcomes
+            .get_or_create(&OutcomeLabels {
+                provider: provider.to_owned(),
+                class: class.to_owned(),
+                outcome: outcome.as_str().to_owned(),
+            })
+            .inc();
+    }
+
+    /// Sets the number of delayed actions of a scope.
+    pub fn set_delayed(&self, scope: &str, count: i64) {
+        self.delayed
+            .get_or_create(&ScopeLabels {
+                scope: scope.to_owned(),
+            })
+            .set(count);
+    }
+
+    /// Sets the number of in-flight attempts of a scope.
+    pub fn set_in_flight(&self, scope: &str, count: i64) {
+        self.in_flight
+            .get_or_create(&ScopeLabels {
+                scope: scope.to_owned(),
+            })
+            .set(count);
+    }
+
+    /// Adds retry-after debt (seconds yielded to a provider boundary) to a scope.
+    pub fn add_retry_after_debt(&self, scope: &str, seconds: f64) {
+        if seconds.is_finite() && seconds > 0.0 {
+            self.retry_after_debt
+                .get_or_create(&ScopeLabels {
+                    scope: scope.to_owned(),
+                })
+                .inc_by(seconds);
+        }
+    }
+
+    /// Counts an agent retry joined to its in-flight action (or refused with 409).
+    pub fn layered_retry_joined(&self, provider: &str) {
+        self.layered_retries_joined
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a circuit breaker opening.
+    pub fn breaker_opened(&self, provider: &str) {
+        self.breakers_opened
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a missed wake found by the watchdog.
+    pub fn missed_wake(&self) {
+        self.missed_wakes.inc();
+    }
+
+    /// Observes the gateway's own overhead for one attempt, in seconds.
+    pub fn observe_overhead(&self, seconds: f64) {
+        self.overhead.observe(seconds);
+    }
+
+    /// Renders the Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let _guard = self
+            .encode_lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut out = String::new();
+        // Encoding into a String cannot fail (fmt::Write on String is infallible).
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_labelled_attempts_and_outcomes() {
+        let metrics = Metrics::new();
+        metrics.attempt("billing", "billing/account", "read", Disposition::RateLimited);
+        metrics.attempt("billing", "billing/account", "read", Disposition::RateLimited);
+        metrics.outcome("billing", "read", Outcome::Succeeded);
+        metrics.add_retry_after_debt("billing/account", 10.0);
+        let text = metrics.render();
+        assert!(text.contains(
+            r#"backstop_attempts_total{provider="billing",scope="billing/account",class="read",disposition="rate_limited"} 2"#
+        ), "{text}");
+        assert!(text.contains(r#"outcome="succeeded"} 1"#), "{text}");
+        assert!(text.contains(r#"backstop_retry_after_debt_seconds_total{scope="billing/account"} 10"#), "{text}");
+    }
+}
