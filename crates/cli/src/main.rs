@@ -18,6 +18,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the gateway: the proxy door and the action API on one listener.
+    Serve(cmd::serve::Args),
     /// Classify one provider response (or transport error) and print the normalized signal as JSON.
     Classify(cmd::classify::Args),
     /// Work with policy files.
@@ -34,6 +36,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(args) => cmd::serve::run(args),
         Command::Classify(args) => cmd::classify::run(args),
         Command::Policy(command) => cmd::policy::run(command),
         Command::Audit(args) => cmd::audit::run(args),

@@ -5,3 +5,4 @@ pub mod classify;
 pub mod diagnose;
 pub mod fake_api;
 pub mod policy;
+pub mod serve;
