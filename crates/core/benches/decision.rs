@@ -79,6 +79,46 @@ fn full_decision(c: &mut Criterion) {
         })
     });
 
+    // The parts, to see where the time goes.
+    c.bench_function("decision/part_classify", |b| {
+        b.iter(|| {
+            let observed = Observed::Response(ResponseView {
+                status: black_box(429),
+                headers: black_box(&headers),
+                body: None,
+            });
+            black_box(classify(&observed, &rules, now))
+        })
+    });
+    let boundary = now
+        .checked_add(jiff::SignedDuration::from_secs(10))
+        .expect("in range");
+    c.bench_function("decision/part_admit_and_backoff", |b| {
+        b.iter(|| {
+            let mut scope = ScopeState {
+                record: ScopeRecord::new("billing-api/account", 2, 25),
+                pacer: Some(Pacer::new(pacing)),
+            };
+            scope
+                .record
+                .observe_429(black_box(boundary), "HTTP 429 Retry-After");
+            let mut budget = ActionBudget::new(class, None);
+            let admission = admit(AdmitRequest::default(), &mut budget, &mut [&mut scope], now);
+            let plan = plan_retry(
+                &RetryInput {
+                    retry_number: 1,
+                    backoff: BackoffConfig::default(),
+                    boundary: Some(boundary),
+                    wait_budget_remaining: budget.wait_remaining(),
+                    deadline: None,
+                },
+                now,
+                black_box(0.37),
+            );
+            black_box((admission, plan))
+        })
+    });
+
     let limiter = governor::RateLimiter::direct(governor::Quota::per_second(
         NonZeroU32::new(u32::MAX).expect("non-zero"),
     ));
