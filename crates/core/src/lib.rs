@@ -17,6 +17,8 @@
 //! - [`pacing`]: GCRA pacing with an interactive reserve, concurrency slots (SPEC §4.1).
 //! - [`breaker`]: sanitized fingerprints and the per-task circuit breaker (SPEC §7).
 //! - [`outcome`]: terminal outcomes with their context and `next_safe` options (SPEC §5).
+//! - [`reconcile`]: reconciliation lookups for uncertain writes (SPEC §6).
+//! - [`escalation`]: sanitized case files and decision options (SPEC §8).
 //! - [`diagnose`]: run health diagnosis and retry-after debt (SPEC §10).
 #![deny(missing_docs)]
 
@@ -27,8 +29,10 @@ pub mod classify;
 pub mod clock;
 pub mod diagnose;
 pub mod duration;
+pub mod escalation;
 pub mod outcome;
 pub mod pacing;
 pub mod policy;
 pub mod quota;
+pub mod reconcile;
 pub mod retry_after;

@@ -1,0 +1,1 @@
+//! Sanitized escalation case files and decision options (SPEC §8).

@@ -1,0 +1,1 @@
+//! Reconciliation of uncertain writes through configured lookups (SPEC §6).
