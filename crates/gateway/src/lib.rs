@@ -17,3 +17,9 @@ pub mod action;
 pub mod clock;
 pub mod metrics;
 pub mod transport;
+
+// The HTTP edge: `backstop serve`, the proxy door, the upstream client.
+pub mod auth;
+pub mod problem;
+pub mod secrets;
+pub mod upstream;

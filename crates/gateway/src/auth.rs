@@ -1,0 +1,248 @@
+//! Who is calling: agent and operator bearer tokens, checked in constant time.
+//!
+//! Why digests: the gateway must recognise tokens but has no reason to keep them. At start every
+//! `token_env`/`token_file` is read and only its SHA-256 kept (a `token_sha256` is used as
+//! given), so a memory dump or a debug print shows no usable token. A presented token is hashed
+//! and compared with *every* known digest using [`subtle::ConstantTimeEq`], without an early
+//! exit, so the time taken says nothing about which entry (or how much of it) matched.
+//!
+//! Who may use what: the proxy door takes agent tokens only (an agent's calls are charged to
+//! it); `GET /v1/scopes` takes agent or operator tokens; `GET /metrics` takes either too, and is
+//! open without a token when the gateway listens on a loopback address (see [`crate::server`]).
+
+use axum::http::{header, HeaderMap};
+use backstop_core::policy::{Policy, TokenRef};
+use sha2::{Digest, Sha256};
+use subtle::{Choice, ConstantTimeEq};
+
+use crate::secrets::{read_token, EnvLookup, SecretError};
+
+/// The role a token grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// An agent (`agents.NAME`): may use the proxy door.
+    Agent,
+    /// An operator (`operators.NAME`): may read scopes and metrics.
+    Operator,
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The name from the policy (`agents.NAME` or `operators.NAME`).
+    pub name: String,
+    /// Its role.
+    pub role: Role,
+}
+
+/// Why a request is not authenticated. Messages never contain the presented token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// No `Authorization` header.
+    #[error("the Authorization header is missing; send `Authorization: Bearer <backstop token>`")]
+    Missing,
+    /// Not `Bearer <token>`.
+    #[error("the Authorization header is not a bearer token")]
+    NotBearer,
+    /// No agent or operator has this token.
+    #[error("the bearer token matches no agent or operator of the policy")]
+    Unknown,
+}
+
+#[derive(Clone)]
+struct Entry {
+    name: String,
+    role: Role,
+    digest: [u8; 32],
+}
+
+/// The known token digests.
+#[derive(Clone, Default)]
+pub struct Authenticator {
+    entries: Vec<Entry>,
+}
+
+impl std::fmt::Debug for Authenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authenticator")
+            .field("tokens", &self.entries.len())
+            .finish()
+    }
+}
+
+/// The SHA-256 digest of a token.
+pub fn token_digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+impl Authenticator {
+    /// Reads every agent's and operator's token (keeping only digests).
+    ///
+    /// # Errors
+    /// [`SecretError`] naming `agents.NAME` or `operators.NAME`: a missing environment variable,
+    /// an unreadable or empty file, or a `token_sha256` that is not 64 hex digits.
+    pub fn resolve(policy: &Policy, env: EnvLookup<'_>) -> Result<Authenticator, SecretError> {
+        let mut entries = Vec::new();
+        for (section, role, tokens) in [
+            ("agents", Role::Agent, &policy.agents),
+            ("operators", Role::Operator, &policy.operators),
+        ] {
+            for (name, source) in tokens {
+                let place = format!("{section}.{name}");
+                let digest = match source {
+                    TokenRef::Sha256(hex_digest) => decode_digest(&place, hex_digest)?,
+                    other => match read_token(&place, other, env)? {
+                        Some(token) => token_digest(token.expose()),
+                        None => continue,
+                    },
+                };
+                entries.push(Entry {
+                    name: name.clone(),
+                    role,
+                    digest,
+                });
+            }
+        }
+        Ok(Authenticator { entries })
+    }
+
+    /// Adds one token (tests and embedding).
+    pub fn with_token(mut self, name: &str, role: Role, token: &str) -> Authenticator {
+        self.entries.push(Entry {
+            name: name.to_owned(),
+            role,
+            digest: token_digest(token),
+        });
+        self
+    }
+
+    /// Number of known tokens.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no token is known (then nobody can use the door).
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Identifies the caller of a request from `Authorization: Bearer <token>` (RFC 6750 §2.1;
+    /// the scheme is case-insensitive).
+    ///
+    /// # Errors
+    /// [`AuthError`]: missing header, not a bearer token, or unknown token.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthError> {
+        let value = headers
+            .get(header::AUTHORIZATION)
+            .ok_or(AuthError::Missing)?;
+        let value = value.to_str().map_err(|_| AuthError::NotBearer)?;
+        let (scheme, token) = value.split_once(' ').ok_or(AuthError::NotBearer)?;
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return Err(AuthError::NotBearer);
+        }
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(AuthError::NotBearer);
+        }
+        self.identify(token).ok_or(AuthError::Unknown)
+    }
+
+    /// The caller a token belongs to, compared in constant time against every entry.
+    pub fn identify(&self, token: &str) -> Option<Caller> {
+        let presented = token_digest(token);
+        let mut found: Option<&Entry> = None;
+        for entry in &self.entries {
+            let equal: Choice = entry.digest.ct_eq(&presented);
+            // Every entry is compared; the first match is kept without branching on the bytes.
+            if bool::from(equal) && found.is_none() {
+                found = Some(entry);
+            }
+        }
+        found.map(|entry| Caller {
+            name: entry.name.clone(),
+            role: entry.role,
+        })
+    }
+}
+
+fn decode_digest(place: &str, hex_digest: &str) -> Result<[u8; 32], SecretError> {
+    let bytes = hex::decode(hex_digest.trim()).map_err(|_| SecretError::BadDigest {
+        place: place.to_owned(),
+    })?;
+    bytes.try_into().map_err(|_| SecretError::BadDigest {
+        place: place.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_str(value).unwrap());
+        headers
+    }
+
+    #[test]
+    fn tokens_from_env_and_digest() {
+        let policy = Policy::from_yaml_str(
+            "agents:\n  a: { token_env: A_TOKEN }\n  b: { token_sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 }\noperators:\n  o: { token_env: O_TOKEN }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let env = |name: &str| match name {
+            "A_TOKEN" => Some("tok-a\n".to_owned()),
+            "O_TOKEN" => Some("tok-o".to_owned()),
+            _ => None,
+        };
+        let auth = Authenticator::resolve(&policy, &env).unwrap();
+        assert_eq!(auth.len(), 3);
+        let a = auth.authenticate(&headers("Bearer tok-a")).unwrap();
+        assert_eq!((a.name.as_str(), a.role), ("a", Role::Agent));
+        // sha256("test") is the digest configured for b.
+        let b = auth.authenticate(&headers("bearer test")).unwrap();
+        assert_eq!((b.name.as_str(), b.role), ("b", Role::Agent));
+        let o = auth.authenticate(&headers("Bearer tok-o")).unwrap();
+        assert_eq!(o.role, Role::Operator);
+        assert!(!format!("{auth:?}").contains("tok-a"));
+    }
+
+    #[test]
+    fn bad_authorization_headers() {
+        let auth = Authenticator::default().with_token("a", Role::Agent, "secret-token");
+        assert_eq!(
+            auth.authenticate(&HeaderMap::new()),
+            Err(AuthError::Missing)
+        );
+        assert_eq!(
+            auth.authenticate(&headers("Basic abc")),
+            Err(AuthError::NotBearer)
+        );
+        assert_eq!(
+            auth.authenticate(&headers("Bearer ")),
+            Err(AuthError::NotBearer)
+        );
+        assert_eq!(
+            auth.authenticate(&headers("secret-token")),
+            Err(AuthError::NotBearer)
+        );
+        assert_eq!(
+            auth.authenticate(&headers("Bearer secret-tokeN")),
+            Err(AuthError::Unknown)
+        );
+        assert!(!AuthError::Unknown.to_string().contains("secret-token"));
+    }
+
+    #[test]
+    fn missing_token_env_is_named() {
+        let policy =
+            Policy::from_yaml_str("agents:\n  a: { token_env: A_TOKEN }\n", "p.yaml").unwrap();
+        let err = Authenticator::resolve(&policy, &|_| None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "agents.a: environment variable A_TOKEN is not set"
+        );
+    }
+}

@@ -1,0 +1,436 @@
+//! Answers made by backstop itself: RFC 9457 problem details (`application/problem+json`).
+//!
+//! Why a careful status table: an agent's SDK sits between backstop and the agent, and common SDKs
+//! retry on their own (the OpenAI and Anthropic SDKs retry 408, 409, 429 and 5xx; Stripe's
+//! retries 409, 429 and 5xx). If backstop answered "budget exhausted" with a 503, the SDK would
+//! quietly send the call again — the layered retry backstop exists to prevent (SPEC §4.3, §11).
+//! So every final outcome made by backstop uses a status those SDKs do not retry, carries
+//! `x-should-retry: false`, and only when a later retry really is safe (the outcome's
+//! [`NextSafe::WaitUntil`] names the provider's boundary) does it answer 429 with an honest
+//! `Retry-After` and `x-should-retry: true`.
+//!
+//! | outcome                   | status | when a later retry is safe (`next_safe` has `wait_until`) |
+//! |---------------------------|--------|------------------------------------------------------------|
+//! | `rejected`                | 400    | never 429                                                  |
+//! | `circuit_open`            | 403    | never 429                                                  |
+//! | `quota_exhausted`         | 403    | 429 + `Retry-After`                                        |
+//! | `conflict`                | 422    | never 429 (409 would be retried by SDKs)                   |
+//! | `cancelled`               | 410    | never 429                                                  |
+//! | `deadline_exhausted`      | 424    | never 429 (the task's time is over)                        |
+//! | `budget_exhausted`        | 424    | 429 + `Retry-After`                                        |
+//! | `scope_saturated`         | 424    | 429 + `Retry-After`                                        |
+//! | `reconciliation_required` | 424    | never 429 (query the status first)                         |
+//! | `escalated`               | 424    | never 429 (a human decides)                                |
+//! | `succeeded` (reconciled)  | 200    | — (plain JSON, not a problem)                              |
+//!
+//! Problems of the door itself (the request never became an action, nothing was sent):
+//! missing or unknown agent token → 401; a malformed `X-Backstop-*` or `Prefer` header → 400
+//! naming the header; unknown provider → 404; a request body that cannot be read → 400; the
+//! gateway is shutting down → 503 with `Retry-After: 1` and `x-should-retry: true` (nothing was
+//! sent, so a retry is safe by construction).
+//!
+//! ```
+//! use backstop_core::outcome::{NextSafe, Outcome, OutcomeContext};
+//! use backstop_gateway::problem::Problem;
+//!
+//! let now: jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+//! let at: jiff::Timestamp = "2026-01-01T00:00:30Z".parse().unwrap();
+//! let context = OutcomeContext {
+//!     sent: true,
+//!     attempts: 4,
+//!     next_safe: vec![NextSafe::WaitUntil { at }, NextSafe::Abort],
+//!     ..OutcomeContext::default()
+//! };
+//! let problem = Problem::from_outcome(Outcome::BudgetExhausted, &context, "4 attempts used", now);
+//! assert_eq!(problem.status.as_u16(), 429);
+//! assert_eq!(problem.retry_after_seconds, Some(30));
+//! assert!(problem.should_retry);
+//!
+//! let problem = Problem::from_outcome(Outcome::Rejected, &OutcomeContext::default(), "bad", now);
+//! assert_eq!(problem.status.as_u16(), 400);
+//! assert!(!problem.should_retry);
+//! ```
+
+use axum::{
+    body::Body,
+    http::{header, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+};
+use backstop_core::outcome::{NextSafe, Outcome, OutcomeContext};
+use jiff::Timestamp;
+use serde_json::{json, Map, Value};
+
+/// The media type of RFC 9457 problem details.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The prefix of every problem `type` URI: `urn:backstop:problem:<name>`, where `<name>` is the
+/// outcome (`budget_exhausted`) or the door problem (`unauthorized`).
+pub const TYPE_PREFIX: &str = "urn:backstop:problem:";
+
+/// One problem response (RFC 9457): status, the standard members, extension members and the
+/// retry headers that go with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// The HTTP status (see the module table).
+    pub status: StatusCode,
+    /// The problem name, the last part of `type` (`budget_exhausted`, `bad_header`, …).
+    pub name: String,
+    /// A short, fixed summary of the problem type.
+    pub title: String,
+    /// One human sentence about this occurrence.
+    pub detail: String,
+    /// Extension members (SPEC §5 context for outcomes; `header` for a bad header, …).
+    pub extensions: Map<String, Value>,
+    /// `Retry-After` in whole seconds (rounded up), only on a 429 or 503 whose retry is safe.
+    pub retry_after_seconds: Option<u64>,
+    /// The value of `x-should-retry`.
+    pub should_retry: bool,
+}
+
+impl Problem {
+    fn door(status: StatusCode, name: &str, title: &str, detail: impl Into<String>) -> Problem {
+        let mut extensions = Map::new();
+        extensions.insert("sent".into(), Value::Bool(false));
+        Problem {
+            status,
+            name: name.to_owned(),
+            title: title.to_owned(),
+            detail: detail.into(),
+            extensions,
+            retry_after_seconds: None,
+            should_retry: false,
+        }
+    }
+
+    /// 401: the `Authorization` header is missing, not a bearer token, or names no agent.
+    /// `detail` says which, never echoing the token.
+    pub fn unauthorized(detail: impl Into<String>) -> Problem {
+        Problem::door(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "Missing or unknown backstop token",
+            detail,
+        )
+    }
+
+    /// 400: the header `header` is malformed; `reason` says why (the `header` extension member
+    /// names it for programs).
+    pub fn bad_header(header: &str, reason: impl std::fmt::Display) -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::BAD_REQUEST,
+            "bad_header",
+            "Malformed request header",
+            format!("header `{header}`: {reason}"),
+        );
+        problem
+            .extensions
+            .insert("header".into(), Value::String(header.to_owned()));
+        problem
+    }
+
+    /// 400: the request itself cannot be turned into an action (unreadable body, bad path).
+    pub fn bad_request(detail: impl Into<String>) -> Problem {
+        Problem::door(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "The request cannot be forwarded",
+            detail,
+        )
+    }
+
+    /// 404: the policy names no provider `provider`.
+    pub fn unknown_provider(provider: &str) -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::NOT_FOUND,
+            "unknown_provider",
+            "Unknown provider",
+            format!("the policy names no provider `{provider}`"),
+        );
+        problem
+            .extensions
+            .insert("provider".into(), Value::String(provider.to_owned()));
+        problem
+    }
+
+    /// 404: no such backstop endpoint.
+    pub fn not_found(path: &str) -> Problem {
+        Problem::door(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "No such endpoint",
+            format!("backstop has no endpoint `{path}`; the proxy door is /{{provider}}/{{path}}"),
+        )
+    }
+
+    /// 403: the caller is authenticated but may not use this endpoint.
+    pub fn forbidden(detail: impl Into<String>) -> Problem {
+        Problem::door(StatusCode::FORBIDDEN, "forbidden", "Not allowed", detail)
+    }
+
+    /// 503: the gateway is shutting down and takes no new work. Nothing was sent, so a retry
+    /// (against this or another instance) is safe: `Retry-After: 1`, `x-should-retry: true`.
+    pub fn shutting_down() -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "backstop is shutting down",
+            "backstop is shutting down and takes no new work; nothing was sent",
+        );
+        problem.retry_after_seconds = Some(1);
+        problem.should_retry = true;
+        problem
+    }
+
+    /// The problem for a gateway-made final outcome (SPEC §5), with the status of the module
+    /// table. The context becomes extension members: `outcome`, `sent`, `response_received`,
+    /// `attempts`, `total_wait_ms`, `last_status`, `last_signal`, `boundary` (RFC 3339 or null)
+    /// and `next_safe` (each option with its `description`). When `next_safe` has
+    /// `wait_until` and the outcome allows it, the answer is 429 with `Retry-After` = the
+    /// seconds from `now` to that instant, rounded up, at least 1.
+    pub fn from_outcome(
+        outcome: Outcome,
+        context: &OutcomeContext,
+        detail: impl Into<String>,
+        now: Timestamp,
+    ) -> Problem {
+        let wait_until = context.next_safe.iter().find_map(|option| match option {
+            NextSafe::WaitUntil { at } => Some(*at),
+            _ => None,
+        });
+        let may_wait = matches!(
+            outcome,
+            Outcome::BudgetExhausted | Outcome::QuotaExhausted | Outcome::ScopeSaturated
+        );
+        let retry_after_seconds = match wait_until {
+            Some(at) if may_wait => Some(seconds_until(now, at)),
+            _ => None,
+        };
+        let status = match (retry_after_seconds, outcome) {
+            (Some(_), _) => StatusCode::TOO_MANY_REQUESTS,
+            (None, outcome) => outcome_status(outcome),
+        };
+        let mut extensions = Map::new();
+        extensions.insert("outcome".into(), Value::String(outcome.as_str().into()));
+        extensions.insert("sent".into(), Value::Bool(context.sent));
+        extensions.insert(
+            "response_received".into(),
+            Value::Bool(context.response_received),
+        );
+        extensions.insert("attempts".into(), json!(context.attempts));
+        extensions.insert("total_wait_ms".into(), json!(context.total_wait_ms));
+        extensions.insert("last_status".into(), json!(context.last_status));
+        extensions.insert("last_signal".into(), json!(context.last_signal));
+        extensions.insert(
+            "boundary".into(),
+            json!(context.boundary.map(|b| b.to_string())),
+        );
+        let next_safe: Vec<Value> = context
+            .next_safe
+            .iter()
+            .map(|option| {
+                let mut value = serde_json::to_value(option).unwrap_or(Value::Null);
+                if let Value::Object(map) = &mut value {
+                    map.insert("description".into(), Value::String(option.description()));
+                }
+                value
+            })
+            .collect();
+        extensions.insert("next_safe".into(), Value::Array(next_safe));
+        Problem {
+            status,
+            name: outcome.as_str().to_owned(),
+            title: outcome_title(outcome).to_owned(),
+            detail: detail.into(),
+            extensions,
+            should_retry: retry_after_seconds.is_some(),
+            retry_after_seconds,
+        }
+    }
+
+    /// Adds (or replaces) one extension member.
+    pub fn with_extension(mut self, key: &str, value: Value) -> Problem {
+        self.extensions.insert(key.to_owned(), value);
+        self
+    }
+
+    /// The JSON body: `type`, `title`, `status`, `detail`, then the extension members.
+    pub fn body(&self) -> Value {
+        let mut map = Map::new();
+        map.insert(
+            "type".into(),
+            Value::String(format!("{TYPE_PREFIX}{}", self.name)),
+        );
+        map.insert("title".into(), Value::String(self.title.clone()));
+        map.insert("status".into(), json!(self.status.as_u16()));
+        map.insert("detail".into(), Value::String(self.detail.clone()));
+        for (key, value) in &self.extensions {
+            map.insert(key.clone(), value.clone());
+        }
+        Value::Object(map)
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = serde_json::to_vec(&self.body()).unwrap_or_default();
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        headers.insert(
+            "x-should-retry",
+            HeaderValue::from_static(if self.should_retry { "true" } else { "false" }),
+        );
+        if let Some(seconds) = self.retry_after_seconds {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"backstop\""),
+            );
+        }
+        response
+    }
+}
+
+/// The status of an outcome without a safe later retry (the module table).
+pub fn outcome_status(outcome: Outcome) -> StatusCode {
+    match outcome {
+        Outcome::Succeeded => StatusCode::OK,
+        Outcome::Rejected => StatusCode::BAD_REQUEST,
+        Outcome::CircuitOpen | Outcome::QuotaExhausted => StatusCode::FORBIDDEN,
+        Outcome::Conflict => StatusCode::UNPROCESSABLE_ENTITY,
+        Outcome::Cancelled => StatusCode::GONE,
+        Outcome::DeadlineExhausted
+        | Outcome::BudgetExhausted
+        | Outcome::ScopeSaturated
+        | Outcome::ReconciliationRequired
+        | Outcome::Escalated => StatusCode::FAILED_DEPENDENCY,
+    }
+}
+
+fn outcome_title(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Succeeded => "The action succeeded",
+        Outcome::Rejected => "The provider rejected the request",
+        Outcome::Conflict => "The provider reported a conflict",
+        Outcome::BudgetExhausted => "The retry budget is exhausted",
+        Outcome::DeadlineExhausted => "The task deadline is exhausted",
+        Outcome::QuotaExhausted => "The provider quota is exhausted",
+        Outcome::ScopeSaturated => "The quota scope is saturated",
+        Outcome::CircuitOpen => "The circuit for this request is open",
+        Outcome::ReconciliationRequired => "The request may have been acted upon",
+        Outcome::Escalated => "A human must decide",
+        Outcome::Cancelled => "The action was cancelled",
+    }
+}
+
+/// Whole seconds from `now` until `at`, rounded up, at least 1 (`Retry-After` delay-seconds,
+/// RFC 9110 §10.2.3).
+fn seconds_until(now: Timestamp, at: Timestamp) -> u64 {
+    let millis = at.duration_since(now).as_millis();
+    let millis = u64::try_from(millis.max(0)).unwrap_or(u64::MAX);
+    millis.div_ceil(1000).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now() -> Timestamp {
+        "2026-01-01T00:00:00Z".parse().unwrap()
+    }
+
+    #[test]
+    fn no_gateway_outcome_uses_a_status_sdks_retry() {
+        let retried_by_sdks = [408, 409, 429, 500, 502, 503, 504];
+        for outcome in Outcome::ALL {
+            let problem = Problem::from_outcome(outcome, &OutcomeContext::default(), "x", now());
+            assert!(
+                !retried_by_sdks.contains(&problem.status.as_u16()),
+                "{outcome} answers {}",
+                problem.status
+            );
+            assert!(!problem.should_retry, "{outcome}");
+            assert_eq!(problem.retry_after_seconds, None);
+        }
+    }
+
+    #[test]
+    fn wait_until_makes_an_honest_429_only_where_waiting_helps() {
+        let at: Timestamp = "2026-01-01T00:00:09.200Z".parse().unwrap();
+        let context = OutcomeContext {
+            next_safe: vec![NextSafe::WaitUntil { at }],
+            ..OutcomeContext::default()
+        };
+        for outcome in Outcome::ALL {
+            let problem = Problem::from_outcome(outcome, &context, "x", now());
+            let waits = matches!(
+                outcome,
+                Outcome::BudgetExhausted | Outcome::QuotaExhausted | Outcome::ScopeSaturated
+            );
+            assert_eq!(problem.status == StatusCode::TOO_MANY_REQUESTS, waits);
+            assert_eq!(problem.retry_after_seconds, waits.then_some(10));
+            assert_eq!(problem.should_retry, waits);
+        }
+    }
+
+    #[test]
+    fn past_boundary_still_gives_at_least_one_second() {
+        let at: Timestamp = "2025-12-31T23:59:00Z".parse().unwrap();
+        assert_eq!(seconds_until(now(), at), 1);
+    }
+
+    #[test]
+    fn body_carries_the_outcome_context() {
+        let at: Timestamp = "2026-01-01T00:01:00Z".parse().unwrap();
+        let context = OutcomeContext {
+            sent: true,
+            response_received: true,
+            attempts: 2,
+            total_wait_ms: 1500,
+            last_status: Some(503),
+            last_signal: Some("unavailable".into()),
+            boundary: Some(at),
+            next_safe: vec![NextSafe::QueryStatus, NextSafe::Abort],
+        };
+        let problem = Problem::from_outcome(
+            Outcome::ReconciliationRequired,
+            &context,
+            "the connection was reset after the request was written",
+            now(),
+        );
+        let body = problem.body();
+        assert_eq!(body["type"], "urn:backstop:problem:reconciliation_required");
+        assert_eq!(body["status"], 424);
+        assert_eq!(body["outcome"], "reconciliation_required");
+        assert_eq!(body["sent"], true);
+        assert_eq!(body["response_received"], true);
+        assert_eq!(body["attempts"], 2);
+        assert_eq!(body["total_wait_ms"], 1500);
+        assert_eq!(body["last_status"], 503);
+        assert_eq!(body["last_signal"], "unavailable");
+        assert_eq!(body["boundary"], "2026-01-01T00:01:00Z");
+        assert_eq!(body["next_safe"][0]["option"], "query_status");
+        assert!(body["next_safe"][0]["description"]
+            .as_str()
+            .unwrap()
+            .starts_with("query the provider"));
+    }
+
+    #[test]
+    fn response_headers() {
+        let response =
+            Problem::bad_header("X-Backstop-Priority", "must be one of …").into_response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(response.headers()["content-type"], PROBLEM_JSON);
+        assert_eq!(response.headers()["x-should-retry"], "false");
+        assert!(response.headers().get("retry-after").is_none());
+        let response = Problem::shutting_down().into_response();
+        assert_eq!(response.headers()["retry-after"], "1");
+        assert_eq!(response.headers()["x-should-retry"], "true");
+        let response = Problem::unauthorized("no token").into_response();
+        assert!(response.headers().contains_key("www-authenticate"));
+    }
+}
