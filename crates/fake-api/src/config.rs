@@ -328,7 +328,8 @@ pub enum Fault {
     /// Close the connection at once without answering. Nothing is done.
     Drop,
     /// Do the work (quota, idempotency record, store) and commit it, optionally hold for
-    /// `hold_ms`, then close the connection without sending any response byte.
+    /// `hold_ms`, then close the connection without sending any response byte. When the quota
+    /// refuses the call, nothing is committed and the connection is still dropped.
     StoreThenDrop {
         /// Milliseconds to hold after committing (default 0).
         #[serde(default)]

@@ -248,7 +248,7 @@ fn choose_fault(route: &CompiledRoute, call: u64, rng: &mut SplitMix64) -> Optio
         let hit = if !rule.on_calls.is_empty() {
             rule.on_calls.contains(&call)
         } else if let Some(n) = rule.every_nth {
-            call.is_multiple_of(n)
+            call % n == 0
         } else if let Some(p) = rule.probability {
             rng.next_unit() < p
         } else {

@@ -641,3 +641,111 @@ fn start_outside_a_runtime_is_an_error() {
         .expect_err("no runtime");
     assert!(err.to_string().contains("tokio runtime"), "{err}");
 }
+
+#[tokio::test]
+async fn github_quota_exhausted_answers_403_with_remaining_zero() {
+    let mut quota = QuotaConfig::fixed_window("core", 1, 60_000).with_dialect(Dialect::Github);
+    quota.exceeded_status = 403;
+    let fake = start(FakeConfig::default().with_quota(quota).with_route(
+        RouteConfig::new("GET /repos/{owner}/{repo}", Handler::default()).with_quota("core"),
+    ));
+    let c = client();
+    let url = format!("{}/repos/o/r", fake.url());
+    assert_eq!(c.get(&url).send().await.expect("send").status(), 200);
+    let refused = c.get(&url).send().await.expect("send");
+    assert_eq!(refused.status(), 403);
+    assert_eq!(header(refused.headers(), "x-ratelimit-remaining"), "0");
+    assert_eq!(header(refused.headers(), "x-ratelimit-used"), "1");
+    assert!(refused.headers().get("retry-after").is_some());
+}
+
+#[tokio::test]
+async fn every_nth_and_drop_faults_follow_the_call_count() {
+    let fake = start(
+        FakeConfig::default().with_route(
+            RouteConfig::new("GET /v1/items", Handler::default())
+                .with_script([Fault::Pass, Fault::Drop])
+                .with_fault(FaultRule {
+                    on_calls: Vec::new(),
+                    every_nth: Some(3),
+                    probability: None,
+                    fault: Fault::Status {
+                        status: 500,
+                        retry_after: None,
+                        body: None,
+                    },
+                }),
+        ),
+    );
+    let mut outcomes = Vec::new();
+    for _ in 0..6 {
+        let received = raw_exchange(
+            fake.addr(),
+            "GET /v1/items HTTP/1.1\r\nHost: fake\r\nConnection: close\r\n\r\n".into(),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&received).into_owned();
+        outcomes.push(text.split("\r\n").next().unwrap_or("").to_owned());
+    }
+    assert_eq!(
+        outcomes,
+        [
+            "HTTP/1.1 200 OK",
+            "",
+            "HTTP/1.1 500 Internal Server Error",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 500 Internal Server Error",
+        ]
+    );
+    let attempts = fake.attempts();
+    assert_eq!(attempts.len(), 6);
+    assert_eq!(attempts[1].outcome, AttemptOutcome::Dropped);
+}
+
+#[tokio::test]
+async fn unique_reference_refuses_a_second_object() {
+    let mut config = transfers_config();
+    if let Handler::Create {
+        unique_reference, ..
+    } = &mut config.routes[0].handler
+    {
+        *unique_reference = true;
+    }
+    let fake = start(config);
+    let c = client();
+    let url = format!("{}/v1/transfers", fake.url());
+    let body = json!({"reference": "order-1", "amount": 1});
+    let first = c.post(&url).json(&body).send().await.expect("send");
+    assert_eq!(first.status(), 201);
+    let first: Value = first.json().await.expect("json");
+    let second = c.post(&url).json(&body).send().await.expect("send");
+    assert_eq!(second.status(), 409);
+    let second: Value = second.json().await.expect("json");
+    assert_eq!(second["error"]["code"], "duplicate_reference");
+    assert_eq!(second["error"]["existing_id"], first["id"]);
+}
+
+#[tokio::test]
+async fn chat_completion_without_stream_is_one_json_answer() {
+    let fake = start(FakeConfig::default().with_route(RouteConfig::new(
+        "POST /v1/chat/completions",
+        Handler::Stream {
+            events: 3,
+            interval_ms: 10,
+        },
+    )));
+    let response = client()
+        .post(format!("{}/v1/chat/completions", fake.url()))
+        .json(&json!({"stream": false}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.expect("json");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "token-0 token-1 token-2 "
+    );
+}
