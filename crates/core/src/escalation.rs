@@ -1,1 +1,948 @@
 //! Sanitized escalation case files and decision options (SPEC §8).
+//!
+//! Why a case file: when backstop cannot decide safely — a write may or may not have happened,
+//! the provider's boundary lies beyond the deadline, the shared quota is gone, or repeated limits
+//! point at the account's configuration — a person must decide. That person needs, on one page,
+//! what the agent wanted, what was sent where and when, what the provider answered, what it cost,
+//! and which options exist with their real risks. They must not need (nor be shown) the payload
+//! or any credential: the case file names the action by its route template and payload digest,
+//! and every string in it passes a credential sanitizer before it is stored.
+//!
+//! Decisions are validated here ([`validate_decision`]): an option that was not offered is
+//! refused, and `send_new` — which may create a second payment, message or deployment — is
+//! refused unless the request explicitly confirms that risk. Revealing a stored payload is not an
+//! action decision at all: it is a separate, audited access decision ([`REVEAL_PAYLOAD`]),
+//! recorded apart from approving an action.
+//!
+//! ```
+//! use backstop_core::escalation::{
+//!     validate_decision, CaseAction, CaseFile, CaseInput, Decision, DecisionError,
+//!     EscalationReason,
+//! };
+//!
+//! let input = CaseInput {
+//!     opened_at: "2026-01-01T00:00:00Z".parse().unwrap(),
+//!     reason: EscalationReason::SideEffectUnknown,
+//!     reason_detail: "connection reset after the request was written".into(),
+//!     desired_outcome: Some("pay invoice 7 (key sk-live-abc123def456ghi789)".into()),
+//!     action: CaseAction {
+//!         task_id: "run-1".into(),
+//!         method: "POST".into(),
+//!         route: "/v1/transfers".into(),
+//!         request_class: "uncertain_write".into(),
+//!         payload_digest: "ab".repeat(32),
+//!     },
+//!     provider: "billing-api".into(),
+//!     ..CaseInput::default()
+//! };
+//! let case = CaseFile::build(input).unwrap();
+//! assert_eq!(case.desired_outcome.as_deref(), Some("pay invoice 7 (key [redacted])"));
+//! let send_new = Decision { option: "send_new".into(), confirm_second_side_effect: false, note: None };
+//! assert!(matches!(
+//!     validate_decision(&case, &send_new),
+//!     Err(DecisionError::ConfirmationRequired)
+//! ));
+//! ```
+
+use std::fmt;
+
+use jiff::Timestamp;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::policy::template_for_path;
+
+/// The version of the case file layout written by [`CaseFile::build`].
+pub const CASE_FILE_VERSION: u32 = 1;
+
+/// The decision word of the separate access decision that reveals a stored payload. It is never
+/// one of an escalation's action options and never approves an action.
+pub const REVEAL_PAYLOAD: &str = "reveal_payload";
+
+/// Longest operator note accepted with a decision, in characters.
+pub const MAX_NOTE_CHARS: usize = 2_000;
+
+/// What replaces a credential-looking value.
+pub const REDACTED: &str = "[redacted]";
+
+/// Why an escalation was opened (SPEC §8). Serialized in `snake_case`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EscalationReason {
+    /// A write may or may not have happened and reconciliation could not tell.
+    #[default]
+    SideEffectUnknown,
+    /// The provider's boundary (or the remaining wait) lies beyond the task deadline.
+    RemainingWaitExceedsDeadline,
+    /// The shared quota of a scope is exhausted (billing or daily quota).
+    SharedQuotaExhausted,
+    /// Repeated limits point to the account's configuration (plan, tier, permissions).
+    AccountConfiguration,
+}
+
+impl EscalationReason {
+    /// The `snake_case` wire name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            EscalationReason::SideEffectUnknown => "side_effect_unknown",
+            EscalationReason::RemainingWaitExceedsDeadline => "remaining_wait_exceeds_deadline",
+            EscalationReason::SharedQuotaExhausted => "shared_quota_exhausted",
+            EscalationReason::AccountConfiguration => "account_configuration",
+        }
+    }
+}
+
+impl fmt::Display for EscalationReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One option a person may choose (SPEC §8). Serialized in `snake_case`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionOption {
+    /// Ask the provider whether the operation happened (the reconciliation lookup).
+    QueryStatus,
+    /// Send again with the same idempotency key (the provider deduplicates).
+    RetrySameKey,
+    /// Give up on the action.
+    Abort,
+    /// Send as a new operation with a new key: may create a second side effect.
+    SendNew,
+    /// Wait until the provider's boundary or quota reset, then send.
+    Wait,
+    /// Raise the provider quota or plan for the scope, then send.
+    RaiseQuota,
+    /// Change the plan: the deadline, the request, or the account it runs under.
+    ChangePlan,
+}
+
+impl DecisionOption {
+    /// Every option, in SPEC §8 order.
+    pub const ALL: [DecisionOption; 7] = [
+        DecisionOption::QueryStatus,
+        DecisionOption::RetrySameKey,
+        DecisionOption::Abort,
+        DecisionOption::SendNew,
+        DecisionOption::Wait,
+        DecisionOption::RaiseQuota,
+        DecisionOption::ChangePlan,
+    ];
+
+    /// The `snake_case` wire name (also the decision word recorded in the store and audit log).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DecisionOption::QueryStatus => "query_status",
+            DecisionOption::RetrySameKey => "retry_same_key",
+            DecisionOption::Abort => "abort",
+            DecisionOption::SendNew => "send_new",
+            DecisionOption::Wait => "wait",
+            DecisionOption::RaiseQuota => "raise_quota",
+            DecisionOption::ChangePlan => "change_plan",
+        }
+    }
+
+    /// Parses the wire name.
+    pub fn parse(text: &str) -> Option<DecisionOption> {
+        DecisionOption::ALL.into_iter().find(|o| o.as_str() == text)
+    }
+}
+
+impl fmt::Display for DecisionOption {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An option offered in a case file, with its real risk in plain words.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OfferedOption {
+    /// The option.
+    pub option: DecisionOption,
+    /// What choosing it does and what can go wrong.
+    pub risk: String,
+    /// Whether choosing it needs `confirm_second_side_effect: true` (only `send_new`).
+    pub requires_confirmation: bool,
+}
+
+/// The logical action, named without its payload.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaseAction {
+    /// The task (run) it belongs to.
+    pub task_id: String,
+    /// HTTP method, upper case.
+    pub method: String,
+    /// The route template (`/v1/transfers/{id}`); a concrete path given here is reduced to its
+    /// template by [`CaseFile::build`].
+    pub route: String,
+    /// Request class (`read`, `idempotent_write`, `uncertain_write`, …).
+    pub request_class: String,
+    /// SHA-256 of the payload as 64 lowercase hex digits (never the payload).
+    pub payload_digest: String,
+}
+
+/// A header observed on an attempt's response (only Retry-After and quota headers are kept).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObservedHeader {
+    /// Lower-case header name.
+    pub name: String,
+    /// The raw value (sanitized).
+    pub value: String,
+}
+
+/// One attempt as the person needs to see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaseAttempt {
+    /// 1-based attempt number.
+    pub n: u32,
+    /// When it was durably recorded as sent (RFC 3339 UTC).
+    pub started_at: Timestamp,
+    /// When its result was recorded, if it has one.
+    pub finished_at: Option<Timestamp>,
+    /// HTTP status, when a response arrived.
+    pub status: Option<u16>,
+    /// Disposition (SPEC §2.1), e.g. `uncertain`, `rate_limited`.
+    pub disposition: Option<String>,
+    /// The raw `Retry-After` (or `retry-after-ms`) value, if any.
+    pub retry_after_raw: Option<String>,
+    /// The boundary it normalized to (`retry_not_before`), if usable.
+    pub retry_not_before: Option<Timestamp>,
+    /// Retry-After and quota headers observed on the response (other headers are dropped).
+    pub quota_headers: Vec<ObservedHeader>,
+}
+
+/// Budget consumed by the action so far (SPEC §5).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetConsumed {
+    /// Attempts made (every attempt that left the process).
+    pub attempts_used: u32,
+    /// The class's attempt ceiling.
+    pub max_attempts: u32,
+    /// Time waited between attempts, in milliseconds.
+    pub wait_used_ms: u64,
+    /// The class's wait ceiling, in milliseconds.
+    pub max_wait_ms: u64,
+    /// The task deadline, if any.
+    pub deadline: Option<Timestamp>,
+}
+
+/// Plain inputs of [`CaseFile::build`]. Strings may be raw: the builder sanitizes them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CaseInput {
+    /// When the escalation opens.
+    pub opened_at: Timestamp,
+    /// Why.
+    pub reason: EscalationReason,
+    /// Why, in plain words (e.g. the reconciliation step's reason).
+    pub reason_detail: String,
+    /// The text the agent supplied as its desired outcome.
+    pub desired_outcome: Option<String>,
+    /// The logical action.
+    pub action: CaseAction,
+    /// Provider name.
+    pub provider: String,
+    /// Full scope names the request falls under.
+    pub scopes: Vec<String>,
+    /// The sanitized fingerprint (SPEC §7).
+    pub fingerprint: String,
+    /// Attempts, in order.
+    pub attempts: Vec<CaseAttempt>,
+    /// Budget consumed.
+    pub budget: BudgetConsumed,
+    /// Whether the provider honours the idempotency key on this route.
+    pub honours_key: bool,
+    /// The action's idempotency key.
+    pub idempotency_key: Option<String>,
+    /// The client-generated external reference, if any.
+    pub external_reference: Option<String>,
+    /// The provider's operation id, if known.
+    pub provider_operation_id: Option<String>,
+    /// The reconciliation lookup in template form (`GET /v1/transfers?reference={ref}`).
+    pub reconciliation_query: Option<String>,
+    /// The provider's boundary (or quota reset), if known: the `wait` option waits until it.
+    pub retry_not_before: Option<Timestamp>,
+}
+
+/// A sanitized escalation case file (SPEC §8). Stored as JSON with the escalation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaseFile {
+    /// Layout version ([`CASE_FILE_VERSION`]).
+    pub version: u32,
+    /// When the escalation opened (RFC 3339 UTC).
+    pub opened_at: Timestamp,
+    /// Why it was opened.
+    pub reason: EscalationReason,
+    /// Why, in plain words.
+    pub reason_detail: String,
+    /// The agent's desired outcome text.
+    pub desired_outcome: Option<String>,
+    /// The logical action (route template and payload digest, never the payload).
+    pub action: CaseAction,
+    /// Provider name.
+    pub provider: String,
+    /// `METHOD /route/{template}`: never a concrete path.
+    pub endpoint: String,
+    /// Full scope names.
+    pub scopes: Vec<String>,
+    /// The sanitized fingerprint.
+    pub fingerprint: String,
+    /// Attempts with times, statuses, dispositions, Retry-After (raw and normalized) and quota
+    /// headers.
+    pub attempts: Vec<CaseAttempt>,
+    /// Budget consumed.
+    pub budget: BudgetConsumed,
+    /// Whether the provider honours the idempotency key on this route.
+    pub honours_key: bool,
+    /// The action's idempotency key.
+    pub idempotency_key: Option<String>,
+    /// The external reference, if any.
+    pub external_reference: Option<String>,
+    /// The provider's operation id, if known.
+    pub provider_operation_id: Option<String>,
+    /// The reconciliation lookup in template form.
+    pub reconciliation_query: Option<String>,
+    /// The provider's boundary or quota reset, if known.
+    pub retry_not_before: Option<Timestamp>,
+    /// The options, each with its real risk.
+    pub options: Vec<OfferedOption>,
+    /// Where something credential-like was removed (`desired_outcome`, `attempts[0].quota_headers`),
+    /// never what.
+    pub redactions: Vec<String>,
+}
+
+/// [`CaseFile::build`] was given something that cannot name an action.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("case file: {field}: {reason}")]
+pub struct CaseFileError {
+    /// The input field.
+    pub field: &'static str,
+    /// What is wrong.
+    pub reason: String,
+}
+
+impl CaseFile {
+    /// Builds a sanitized case file from plain inputs.
+    ///
+    /// - The route is reduced to its template ([`template_for_path`]); `endpoint` is
+    ///   `METHOD /template`.
+    /// - Attempt headers other than `Retry-After`, `retry-after-ms` and rate-limit/quota headers
+    ///   are dropped (`Authorization`, cookies and API-key headers never appear).
+    /// - Every string passes [`sanitize_text`]: bearer/basic tokens, `Authorization` values,
+    ///   `sk-…`-style API keys, GitHub/Slack/GitLab tokens, AWS access key ids, Google API keys,
+    ///   JWTs and `password=`/`token=`-style assignments become [`REDACTED`]; the path of each
+    ///   redacted field is listed in `redactions`.
+    /// - The options follow the reason (see [`offered_options`]).
+    ///
+    /// # Errors
+    /// [`CaseFileError`] for an empty method, provider or route, or a payload digest that is not
+    /// 64 lowercase hex digits.
+    pub fn build(input: CaseInput) -> Result<CaseFile, CaseFileError> {
+        let a = &input.action;
+        if a.method.trim().is_empty() {
+            return Err(CaseFileError {
+                field: "action.method",
+                reason: "must not be empty".into(),
+            });
+        }
+        if input.provider.trim().is_empty() {
+            return Err(CaseFileError {
+                field: "provider",
+                reason: "must not be empty".into(),
+            });
+        }
+        if !a.route.starts_with('/') {
+            return Err(CaseFileError {
+                field: "action.route",
+                reason: "a route template starts with `/`".into(),
+            });
+        }
+        let digest_ok = a.payload_digest.len() == 64
+            && a.payload_digest
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if !digest_ok {
+            return Err(CaseFileError {
+                field: "action.payload_digest",
+                reason: format!(
+                    "expected 64 lowercase hex digits (SHA-256), got {} characters",
+                    a.payload_digest.len()
+                ),
+            });
+        }
+        let method = a.method.trim().to_ascii_uppercase();
+        let route = template_for_path(&a.route);
+        let attempts = input
+            .attempts
+            .into_iter()
+            .map(|mut attempt| {
+                attempt.quota_headers.retain(|h| is_quota_header(&h.name));
+                for h in &mut attempt.quota_headers {
+                    h.name = h.name.to_ascii_lowercase();
+                }
+                attempt
+            })
+            .collect();
+        let mut case = CaseFile {
+            version: CASE_FILE_VERSION,
+            opened_at: input.opened_at,
+            reason: input.reason,
+            reason_detail: input.reason_detail,
+            desired_outcome: input.desired_outcome,
+            endpoint: format!("{method} {route}"),
+            action: CaseAction {
+                task_id: input.action.task_id,
+                method,
+                route,
+                request_class: input.action.request_class,
+                payload_digest: input.action.payload_digest,
+            },
+            provider: input.provider,
+            scopes: input.scopes,
+            fingerprint: input.fingerprint,
+            attempts,
+            budget: input.budget,
+            honours_key: input.honours_key,
+            idempotency_key: input.idempotency_key,
+            external_reference: input.external_reference,
+            provider_operation_id: input.provider_operation_id,
+            reconciliation_query: input.reconciliation_query,
+            retry_not_before: input.retry_not_before,
+            options: Vec::new(),
+            redactions: Vec::new(),
+        };
+        let mut value = serde_json::to_value(&case).map_err(|e| CaseFileError {
+            field: "case_file",
+            reason: e.to_string(),
+        })?;
+        let mut redactions = Vec::new();
+        sanitize_value(&mut value, "", &mut redactions);
+        if !redactions.is_empty() {
+            case = serde_json::from_value(value).map_err(|e| CaseFileError {
+                field: "case_file",
+                reason: e.to_string(),
+            })?;
+        }
+        case.redactions = redactions;
+        case.options = offered_options(&case);
+        Ok(case)
+    }
+
+    /// The case file as the JSON value the store keeps ([`CaseFile::build`]'s output is already
+    /// sanitized).
+    pub fn to_json(&self) -> Value {
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+
+    /// Reads a stored case file.
+    ///
+    /// # Errors
+    /// The `serde_json` error naming the field when the value is not a case file.
+    pub fn from_json(value: &Value) -> Result<CaseFile, serde_json::Error> {
+        CaseFile::deserialize(value)
+    }
+
+    /// The offered option for `option`, if it was offered.
+    pub fn offered(&self, option: DecisionOption) -> Option<&OfferedOption> {
+        self.options.iter().find(|o| o.option == option)
+    }
+}
+
+fn is_quota_header(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    n == "retry-after"
+        || n == "retry-after-ms"
+        || n == "date"
+        || n.contains("ratelimit")
+        || n.contains("rate-limit")
+        || n.contains("quota")
+}
+
+/// The options of a case file, each with its risk, by reason (SPEC §8):
+///
+/// - `side_effect_unknown`: `query_status` (when a reconciliation query or operation id
+///   exists), `retry_same_key` (when the provider honours the key and there is one), `abort`,
+///   `send_new` (needs confirmation).
+/// - `remaining_wait_exceeds_deadline`: `wait`, `change_plan`, `abort`.
+/// - `shared_quota_exhausted`: `wait`, `raise_quota`, `change_plan`, `abort`.
+/// - `account_configuration`: `raise_quota`, `change_plan`, `wait`, `abort`.
+pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
+    let offer = |option: DecisionOption, risk: String| OfferedOption {
+        option,
+        risk,
+        requires_confirmation: option == DecisionOption::SendNew,
+    };
+    let wait = || {
+        let until = match case.retry_not_before {
+            Some(at) => format!("until {at}"),
+            None => "until the provider's limit resets (the instant is not known)".to_owned(),
+        };
+        let deadline = match (case.budget.deadline, case.reason) {
+            (Some(d), EscalationReason::RemainingWaitExceedsDeadline) => {
+                format!(" The task deadline {d} will be missed.")
+            }
+            _ => String::new(),
+        };
+        offer(
+            DecisionOption::Wait,
+            format!(
+                "Hold the action {until}, then send it; nothing is sent before then.{deadline}"
+            ),
+        )
+    };
+    let abort = || {
+        let risk = if case.reason == EscalationReason::SideEffectUnknown {
+            "Stop here and send nothing more. If the first write did happen, it stays done and \
+             nobody is told automatically: check with the provider."
+        } else {
+            "Stop here and send nothing more. The agent gets the outcome `escalated` with this \
+             decision; the work is not done."
+        };
+        offer(DecisionOption::Abort, risk.to_owned())
+    };
+    let raise_quota = || {
+        offer(
+            DecisionOption::RaiseQuota,
+            "Raise the provider quota or plan for the scope first (may cost money). Until it is \
+             raised, every task in the scope stays delayed; the action is sent once the quota \
+             allows it."
+                .to_owned(),
+        )
+    };
+    let change_plan = || {
+        offer(
+            DecisionOption::ChangePlan,
+            "Change the plan: extend the deadline, reduce or reschedule the work, or move it to \
+             another account. Nothing is sent for this action; the agent must submit the changed \
+             work."
+                .to_owned(),
+        )
+    };
+    let mut options = Vec::new();
+    match case.reason {
+        EscalationReason::SideEffectUnknown => {
+            if case.reconciliation_query.is_some() || case.provider_operation_id.is_some() {
+                let how = case
+                    .reconciliation_query
+                    .as_deref()
+                    .unwrap_or("the provider's operation id");
+                options.push(offer(
+                    DecisionOption::QueryStatus,
+                    format!(
+                        "Ask the provider whether the write happened ({how}). No side effect; \
+                         if the operation is found the action ends `succeeded`, otherwise it \
+                         comes back here."
+                    ),
+                ));
+            }
+            if case.honours_key {
+                if let Some(key) = &case.idempotency_key {
+                    options.push(offer(
+                        DecisionOption::RetrySameKey,
+                        format!(
+                            "Send again with the same idempotency key `{key}`. The provider \
+                             deduplicates it, so a write that already happened is not repeated, \
+                             as long as the provider still remembers the key (often 24 hours)."
+                        ),
+                    ));
+                }
+            }
+            options.push(abort());
+            options.push(offer(
+                DecisionOption::SendNew,
+                "Send the request as a NEW operation with a new idempotency key. If the first \
+                 write did happen, this CREATES A SECOND SIDE EFFECT (a second payment, message \
+                 or deployment). Requires explicit confirmation: \
+                 `confirm_second_side_effect: true`."
+                    .to_owned(),
+            ));
+        }
+        EscalationReason::RemainingWaitExceedsDeadline => {
+            options.push(wait());
+            options.push(change_plan());
+            options.push(abort());
+        }
+        EscalationReason::SharedQuotaExhausted => {
+            options.push(wait());
+            options.push(raise_quota());
+            options.push(change_plan());
+            options.push(abort());
+        }
+        EscalationReason::AccountConfiguration => {
+            options.push(raise_quota());
+            options.push(change_plan());
+            options.push(wait());
+            options.push(abort());
+        }
+    }
+    options
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sanitizer
+
+/// Text after [`sanitize_text`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sanitized {
+    /// The text with every credential-looking word replaced by [`REDACTED`].
+    pub text: String,
+    /// Whether anything was replaced.
+    pub redacted: bool,
+}
+
+const SECRET_PREFIXES: [&str; 17] = [
+    "sk-",
+    "sk_",
+    "rk_",
+    "pk_live_",
+    "whsec_",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "github_pat_",
+    "glpat-",
+    "xoxb-",
+    "xoxp-",
+    "xoxa-",
+    "xapp-",
+    "AIza",
+];
+
+const SECRET_ASSIGNMENTS: [&str; 10] = [
+    "password",
+    "passwd",
+    "secret",
+    "token",
+    "api_key",
+    "apikey",
+    "api-key",
+    "access_key",
+    "client_secret",
+    "authorization",
+];
+
+/// Replaces credential-looking words in free text by [`REDACTED`]:
+/// - the word after `Bearer` or `Authorization:` (and `Authorization: Bearer`), and base64
+///   credentials after `Basic`;
+/// - words starting with a provider key prefix (`sk-`, `sk_`, `rk_`, `whsec_`, `ghp_`,
+///   `github_pat_`, `glpat-`, `xoxb-`, `AIza`, …), AWS access key ids (`AKIA`/`ASIA` + 16),
+///   and JWTs (`eyJ…` with two dots);
+/// - the value of `password=`, `secret:`, `token=`, `api_key=` and similar assignments.
+///
+/// Idempotency keys, UUIDs and route templates are left alone.
+pub fn sanitize_text(text: &str) -> Sanitized {
+    let mut out = String::with_capacity(text.len());
+    let mut redacted = false;
+    let mut redact_next = false;
+    let mut basic_next = false;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let ws_end = rest
+            .find(|c: char| !c.is_whitespace())
+            .unwrap_or(rest.len());
+        out.push_str(&rest[..ws_end]);
+        rest = &rest[ws_end..];
+        if rest.is_empty() {
+            break;
+        }
+        let word_end = rest.find(char::is_whitespace).unwrap_or(rest.len());
+        let word = &rest[..word_end];
+        rest = &rest[word_end..];
+        // The word without surrounding quotes, brackets and separators; base64 padding, dots
+        // and slashes stay (they belong to tokens).
+        let core = word.trim_matches(|c: char| {
+            !c.is_ascii_alphanumeric() && !matches!(c, '-' | '_' | '=' | '+' | '/' | '.' | '~')
+        });
+        let lower = core.to_ascii_lowercase();
+        if lower == "bearer" || lower == "authorization" {
+            // `Bearer xyz`, `Authorization: xyz`, `Authorization: Bearer xyz`.
+            redact_next = true;
+            basic_next = false;
+            out.push_str(word);
+            continue;
+        }
+        if lower == "basic" {
+            basic_next = true;
+            out.push_str(word);
+            continue;
+        }
+        if (redact_next || (basic_next && looks_like_basic_credentials(core))) && !core.is_empty() {
+            redact_next = false;
+            basic_next = false;
+            redacted = true;
+            out.push_str(&replace_core(word, core));
+            continue;
+        }
+        basic_next = false;
+        if let Some(replaced) = redact_assignment(word) {
+            redacted = true;
+            out.push_str(&replaced);
+            continue;
+        }
+        if looks_like_secret(core) {
+            redacted = true;
+            out.push_str(&replace_core(word, core));
+            continue;
+        }
+        out.push_str(word);
+    }
+    Sanitized {
+        text: out,
+        redacted,
+    }
+}
+
+/// `Basic` credentials are base64 (RFC 7617): at least 8 characters of the base64 alphabet with
+/// an upper-case letter, a digit or padding, so that prose like "basic plan" is left alone.
+fn looks_like_basic_credentials(core: &str) -> bool {
+    core.len() >= 8
+        && core
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='))
+        && core
+            .bytes()
+            .any(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'=')
+}
+
+fn replace_core(word: &str, core: &str) -> String {
+    word.replacen(core, REDACTED, 1)
+}
+
+fn redact_assignment(word: &str) -> Option<String> {
+    let lower = word.to_ascii_lowercase();
+    for name in SECRET_ASSIGNMENTS {
+        for sep in ['=', ':'] {
+            let needle = format!("{name}{sep}");
+            if let Some(pos) = lower.find(&needle) {
+                let start = pos + needle.len();
+                let boundary = pos == 0 || !lower.as_bytes()[pos - 1].is_ascii_alphanumeric();
+                if boundary && start < word.len() {
+                    let value = &word[start..];
+                    let value = value.trim_end_matches([',', ';', '&', ')', '"', '\'']);
+                    if !value.is_empty() && value != REDACTED {
+                        return Some(format!(
+                            "{}{}{}",
+                            &word[..start],
+                            REDACTED,
+                            &word[start + value.len()..]
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    None
+}
+
+fn looks_like_secret(core: &str) -> bool {
+    if core.len() < 8 {
+        return false;
+    }
+    let starts_at_boundary = |prefix: &str| {
+        core.match_indices(prefix)
+            .any(|(i, _)| i == 0 || !core.as_bytes()[i - 1].is_ascii_alphanumeric())
+            && core.len() >= prefix.len() + 6
+    };
+    if SECRET_PREFIXES.iter().any(|p| starts_at_boundary(p)) {
+        return true;
+    }
+    let aws = |p: &str| {
+        core.starts_with(p)
+            && core.len() == 20
+            && core[4..]
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit())
+    };
+    if aws("AKIA") || aws("ASIA") {
+        return true;
+    }
+    core.starts_with("eyJ") && core.matches('.').count() >= 2
+}
+
+/// Sanitizes every string in a JSON value (keys are kept), appending the JSON path of each
+/// redacted string to `redactions`.
+pub fn sanitize_value(value: &mut Value, path: &str, redactions: &mut Vec<String>) {
+    match value {
+        Value::String(s) => {
+            let clean = sanitize_text(s);
+            if clean.redacted {
+                *s = clean.text;
+                redactions.push(if path.is_empty() {
+                    "$".to_owned()
+                } else {
+                    path.to_owned()
+                });
+            }
+        }
+        Value::Array(items) => {
+            for (i, item) in items.iter_mut().enumerate() {
+                sanitize_value(item, &format!("{path}[{i}]"), redactions);
+            }
+        }
+        Value::Object(map) => {
+            for (key, item) in map.iter_mut() {
+                let child = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                sanitize_value(item, &child, redactions);
+            }
+        }
+        _ => {}
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decisions
+
+/// A person's decision on an escalation, as posted to `POST /v1/escalations/{id}/decision`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Decision {
+    /// The chosen option's wire name (`query_status`, `retry_same_key`, `abort`, `send_new`,
+    /// `wait`, `raise_quota`, `change_plan`).
+    pub option: String,
+    /// Explicit confirmation that `send_new` may create a second side effect.
+    #[serde(default)]
+    pub confirm_second_side_effect: bool,
+    /// A free-text note (sanitized, at most [`MAX_NOTE_CHARS`] characters).
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+/// What the engine must do after a valid decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "effect", rename_all = "snake_case")]
+pub enum DecisionEffect {
+    /// Run the reconciliation lookup again.
+    QueryStatus,
+    /// Send again with the action's original key.
+    RetrySameKey {
+        /// The original key.
+        idempotency_key: String,
+    },
+    /// End the action; nothing more is sent.
+    Abort,
+    /// Send as a new operation under a newly minted key; the second side effect was confirmed.
+    SendNew,
+    /// Hold the action until `until` (or the quota reset), then send.
+    Wait {
+        /// The instant to wait for, when known.
+        until: Option<Timestamp>,
+    },
+    /// Hold the action until the quota was raised by the operator.
+    RaiseQuota,
+    /// Nothing is sent; the agent must submit changed work.
+    ChangePlan,
+}
+
+impl DecisionEffect {
+    /// The option this effect carries out.
+    pub fn option(&self) -> DecisionOption {
+        match self {
+            DecisionEffect::QueryStatus => DecisionOption::QueryStatus,
+            DecisionEffect::RetrySameKey { .. } => DecisionOption::RetrySameKey,
+            DecisionEffect::Abort => DecisionOption::Abort,
+            DecisionEffect::SendNew => DecisionOption::SendNew,
+            DecisionEffect::Wait { .. } => DecisionOption::Wait,
+            DecisionEffect::RaiseQuota => DecisionOption::RaiseQuota,
+            DecisionEffect::ChangePlan => DecisionOption::ChangePlan,
+        }
+    }
+}
+
+/// Why a decision was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecisionError {
+    /// The option word is not an option at all.
+    #[error("option: `{option}` is not one of query_status, retry_same_key, abort, send_new, wait, raise_quota, change_plan")]
+    UnknownOption {
+        /// The word given (sanitized).
+        option: String,
+    },
+    /// `reveal_payload` was posted as an action decision.
+    #[error("option: `reveal_payload` is a separate access decision (POST /v1/escalations/{{id}}/reveal), not an action decision")]
+    RevealIsSeparate,
+    /// The option exists but this case file does not offer it.
+    #[error("option: `{option}` is not offered for this escalation; offered: {offered}")]
+    NotOffered {
+        /// The option.
+        option: DecisionOption,
+        /// The offered options, comma-separated.
+        offered: String,
+    },
+    /// `send_new` without `confirm_second_side_effect: true`.
+    #[error("confirm_second_side_effect: `send_new` may create a second side effect (a second payment, message or deployment) and is refused without `confirm_second_side_effect: true`")]
+    ConfirmationRequired,
+    /// The note is too long.
+    #[error("note: {chars} characters, at most {MAX_NOTE_CHARS} allowed")]
+    NoteTooLong {
+        /// Its length in characters.
+        chars: usize,
+    },
+}
+
+/// Validates a decision against a case file and says what the engine must do.
+///
+/// # Errors
+/// [`DecisionError::UnknownOption`], [`DecisionError::RevealIsSeparate`],
+/// [`DecisionError::NotOffered`] (the option exists but was not offered),
+/// [`DecisionError::ConfirmationRequired`] (`send_new` without confirmation),
+/// [`DecisionError::NoteTooLong`].
+pub fn validate_decision(
+    case: &CaseFile,
+    decision: &Decision,
+) -> Result<DecisionEffect, DecisionError> {
+    let word = decision.option.trim();
+    if word == REVEAL_PAYLOAD {
+        return Err(DecisionError::RevealIsSeparate);
+    }
+    let Some(option) = DecisionOption::parse(word) else {
+        return Err(DecisionError::UnknownOption {
+            option: sanitize_text(word).text.chars().take(64).collect(),
+        });
+    };
+    if let Some(note) = &decision.note {
+        let chars = note.chars().count();
+        if chars > MAX_NOTE_CHARS {
+            return Err(DecisionError::NoteTooLong { chars });
+        }
+    }
+    if case.offered(option).is_none() {
+        return Err(DecisionError::NotOffered {
+            option,
+            offered: case
+                .options
+                .iter()
+                .map(|o| o.option.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    }
+    Ok(match option {
+        DecisionOption::QueryStatus => DecisionEffect::QueryStatus,
+        DecisionOption::RetrySameKey => match &case.idempotency_key {
+            Some(key) => DecisionEffect::RetrySameKey {
+                idempotency_key: key.clone(),
+            },
+            None => {
+                return Err(DecisionError::NotOffered {
+                    option,
+                    offered: "the case file has no idempotency key".to_owned(),
+                })
+            }
+        },
+        DecisionOption::Abort => DecisionEffect::Abort,
+        DecisionOption::SendNew if !decision.confirm_second_side_effect => {
+            return Err(DecisionError::ConfirmationRequired)
+        }
+        DecisionOption::SendNew => DecisionEffect::SendNew,
+        DecisionOption::Wait => DecisionEffect::Wait {
+            until: case.retry_not_before,
+        },
+        DecisionOption::RaiseQuota => DecisionEffect::RaiseQuota,
+        DecisionOption::ChangePlan => DecisionEffect::ChangePlan,
+    })
+}
