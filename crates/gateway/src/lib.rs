@@ -18,6 +18,11 @@ pub mod clock;
 pub mod metrics;
 pub mod transport;
 
+// The engine: one scheduler for all work and the executor that owns every retry.
+pub mod coalesce;
+pub mod engine;
+pub mod scheduler;
+
 // The HTTP edge: `backstop serve`, the proxy door, the upstream client.
 pub mod auth;
 pub mod problem;

@@ -1,0 +1,1623 @@
+//! The engine: the executor that owns every retry, on top of the one scheduler.
+//!
+//! Why one owner: retries layered in SDKs, frameworks and proxies multiply calls exactly when a
+//! provider is already throttling. The engine is the single place that decides whether another
+//! attempt leaves, and every decision is the core's (`classify`, `plan_retry`, `admit`, budgets,
+//! breaker) — the engine only carries them out, in this order for each attempt:
+//!
+//! 1. ask the [scheduler](crate::scheduler) for a permit (SPEC §4.1: cancellation and deadline,
+//!    every scope's `next_allowed_at`, pacing, concurrency slots);
+//! 2. mark the attempt `sent` in the store — durable before the bytes leave (SPEC §9, §12);
+//! 3. send it once through the [`Transport`];
+//! 4. classify the answer with the route's `ClassifyRules` (a 2xx body is never read; a non-2xx
+//!    body is buffered up to [`ERROR_BODY_LIMIT`] for the error-code pointer, then passed on);
+//! 5. on a rate limit or quota signal update the scope record FIRST (scheduler, then
+//!    `store.update_scope`), so no other action assumes the next slot is its own;
+//! 6. record the result; then either pass the response through, plan the retry
+//!    (`plan_retry`: full jitter, boundary precedence, stop instead of sleeping into failure),
+//!    withdraw from the scope retry quota and schedule it durably, or end the action with an
+//!    outcome carrying the SPEC §5 context and `next_safe`.
+//!
+//! Provider responses the agent must see (`rejected`, `conflict`) pass through unchanged;
+//! outcomes the gateway makes (`budget_exhausted`, `deadline_exhausted`, `quota_exhausted`,
+//! `scope_saturated`, `circuit_open`, `reconciliation_required`, `cancelled`) come back as
+//! [`Execution::Outcome`]. Every answer carries the receipt (action id, attempts sent).
+//!
+//! Budgets (SPEC §5): the class budget (`max_attempts`, `max_wait_seconds`, capped further by
+//! `Prefer: wait=N`), the task deadline, the scope retry quota, and the per-task circuit breaker
+//! (SPEC §7) keyed by the sanitized fingerprint (method + route template + configured payload
+//! fields) and the normalized provider error code.
+//!
+//! Cancellation: dropping the [`Engine::execute`] future before an attempt is sent (the client
+//! disconnected) ends the action `cancelled` in the store; [`Engine::cancel_task`] drops a task's
+//! delayed actions before they wake. A cancelled action never sends again: the scheduler refuses
+//! it and the store refuses to mark another attempt sent.
+
+use std::{
+    collections::HashMap,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    task::{Context, Poll},
+};
+
+use axum::body::{Body, HttpBody};
+use backstop_core::{
+    backoff::{plan_retry, RetryDecision, RetryInput},
+    breaker::{RequestFingerprint, TaskBreaker},
+    budget::{ActionBudget, ClassBudget, RetryCause},
+    classify::{
+        classify, ClassifyRules, Disposition, Observed, ResponseView, Signal, TransportError,
+    },
+    clock::Clock,
+    outcome::{NextSafe, Outcome, OutcomeContext},
+    pacing::Priority,
+    policy::Policy,
+    quota::quota_boundary_with,
+};
+use backstop_store::{
+    ActionId, ActionRecord, ActionState, Admission as StoreAdmission, AttemptResult,
+    Boundary as StoreBoundary, Finish, NewAction, NewTask, PayloadDigest, RouteTemplate,
+    ScopeUpdate, Store, StoreError, StoredResponse,
+};
+use bytes::{Bytes, BytesMut};
+use jiff::Timestamp;
+
+use crate::{
+    action::{ActionReceipt, ActionSpec, Execution},
+    clock::TokioClock,
+    coalesce::{FlightKey, Flights, LeaderGuard, Role, Shared, SHARED_BODY_LIMIT},
+    metrics::Metrics,
+    scheduler::{AcquireRequest, Acquired, RetryTokens, SchedulerHandle, ScopeSignal},
+    transport::{AttemptReply, Transport},
+};
+
+pub use crate::scheduler::ScopeView;
+
+/// Largest part of a non-2xx response body read for classification (64 KiB); the rest streams
+/// on to the agent untouched.
+pub const ERROR_BODY_LIMIT: usize = 64 * 1024;
+
+/// Request headers that make two reads different for coalescing (besides method, URL and body).
+const COALESCE_HEADERS: [&str; 5] = [
+    "accept",
+    "accept-encoding",
+    "accept-language",
+    "authorization",
+    "content-type",
+];
+
+/// Errors of the engine's management calls.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// No task with this id is stored.
+    #[error("task {0:?} not found")]
+    UnknownTask(String),
+    /// The task belongs to another agent (answer as not found at the edge).
+    #[error("task {task:?} does not belong to agent {agent:?}")]
+    NotYourTask {
+        /// The task id.
+        task: String,
+        /// The agent that asked.
+        agent: String,
+    },
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// A blocking store call could not run to completion.
+    #[error("store call aborted: {0}")]
+    Aborted(String),
+}
+
+/// What [`Engine::cancel_task`] changed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TaskCancelled {
+    /// The task id.
+    pub task_id: String,
+    /// Actions that ended with `cancelled` in the store.
+    pub actions_cancelled: u64,
+    /// Durable scheduled retries dropped before they woke.
+    pub retries_dropped: u64,
+    /// Actions taken out of the scheduler's delayed queue.
+    pub waiting_dropped: u64,
+}
+
+/// The gateway's executor and scheduler: a cheap, cloneable handle.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    policy: Arc<Policy>,
+    store: Arc<dyn Store>,
+    transport: Arc<dyn Transport>,
+    clock: TokioClock,
+    metrics: Arc<Metrics>,
+    scheduler: SchedulerHandle,
+    rng: Mutex<crate::scheduler::SplitMix64>,
+    breakers: Mutex<HashMap<String, TaskBreaker>>,
+    flights: Arc<Flights>,
+    shutting_down: AtomicBool,
+    minted: AtomicU64,
+}
+
+/// What has been seen of an action so far (for the SPEC §5 context).
+#[derive(Debug, Default)]
+struct Seen {
+    sent: u32,
+    response_received: bool,
+    last_status: Option<u16>,
+    last_signal: Option<String>,
+    boundary: Option<Timestamp>,
+}
+
+/// Everything fixed about one recorded action during its attempt loop.
+struct Run<'a> {
+    spec: &'a ActionSpec,
+    id: ActionId,
+    fingerprint: RequestFingerprint,
+    rules: ClassifyRules,
+}
+
+fn store_outcome(outcome: Outcome) -> backstop_store::Outcome {
+    backstop_store::Outcome::parse(outcome.as_str()).unwrap_or(backstop_store::Outcome::Cancelled)
+}
+
+fn core_outcome(outcome: backstop_store::Outcome) -> Outcome {
+    serde_json::from_value(serde_json::Value::String(outcome.as_str().to_owned()))
+        .unwrap_or(Outcome::Cancelled)
+}
+
+fn store_disposition(d: Disposition) -> backstop_store::Disposition {
+    backstop_store::Disposition::parse(d.as_str()).unwrap_or(backstop_store::Disposition::Uncertain)
+}
+
+fn store_priority(p: Priority) -> backstop_store::Priority {
+    match p {
+        Priority::Interactive => backstop_store::Priority::Interactive,
+        Priority::Normal => backstop_store::Priority::Normal,
+        Priority::Background => backstop_store::Priority::Background,
+    }
+}
+
+fn wait_ms(budget: &ActionBudget) -> u64 {
+    u64::try_from(budget.waited().as_millis()).unwrap_or(u64::MAX)
+}
+
+fn wait_then_abort(boundary: Option<Timestamp>) -> Vec<NextSafe> {
+    match boundary {
+        Some(at) => vec![NextSafe::WaitUntil { at }, NextSafe::Abort],
+        None => vec![NextSafe::Abort],
+    }
+}
+
+fn is_safe_method(method: &http::Method) -> bool {
+    matches!(
+        *method,
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    )
+}
+
+fn coalesce_key(spec: &ActionSpec) -> String {
+    let mut key = format!("{} {}", spec.request.method, spec.request.url);
+    for name in COALESCE_HEADERS {
+        for value in spec.request.headers.get_all(name) {
+            key.push('\n');
+            key.push_str(name);
+            key.push(':');
+            key.push_str(&String::from_utf8_lossy(value.as_bytes()));
+        }
+    }
+    key.push('\n');
+    key.push_str(&spec.payload_digest);
+    key
+}
+
+/// A body that yields an already read prefix, then the rest of the original body.
+struct Prefixed {
+    prefix: Option<Bytes>,
+    rest: Body,
+}
+
+impl HttpBody for Prefixed {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        if let Some(prefix) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(prefix))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+}
+
+/// Reads at most `limit` bytes of `body`. Returns the bytes read and, when the body is longer,
+/// a body that replays them followed by the rest.
+///
+/// # Errors
+/// The body failed while being read (the response was cut).
+async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axum::Error> {
+    let mut buf = BytesMut::new();
+    loop {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        match frame {
+            None => {
+                let bytes = buf.freeze();
+                return Ok((bytes.clone(), Body::from(bytes)));
+            }
+            Some(Err(e)) => return Err(e),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > limit {
+                        let bytes = buf.freeze();
+                        let rebuilt = Body::new(Prefixed {
+                            prefix: Some(bytes.clone()),
+                            rest: body,
+                        });
+                        return Ok((bytes, rebuilt));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Ends an action `cancelled` (audited) when its `execute` future is dropped mid-way.
+struct ActionGuard {
+    inner: Arc<Inner>,
+    id: ActionId,
+    provider: String,
+    class: String,
+    sent: u32,
+    in_flight: Option<u32>,
+    armed: bool,
+}
+
+impl Drop for ActionGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = self.inner.clone();
+        let (id, in_flight, sent) = (self.id, self.in_flight, self.sent);
+        let (provider, class) = (self.provider.clone(), self.class.clone());
+        tracing::info!(
+            action = id.0,
+            sent,
+            "client disconnected: the action is cancelled and never sends again"
+        );
+        runtime.spawn(async move {
+            let context = OutcomeContext {
+                sent: sent > 0,
+                attempts: sent,
+                next_safe: if in_flight.is_some() {
+                    vec![NextSafe::QueryStatus, NextSafe::Abort]
+                } else {
+                    vec![NextSafe::Abort]
+                },
+                ..OutcomeContext::default()
+            };
+            let finish = Finish {
+                outcome: backstop_store::Outcome::Cancelled,
+                context: serde_json::to_value(&context).unwrap_or_default(),
+                response: None,
+            };
+            let now = inner.clock.now();
+            let result = match in_flight {
+                Some(attempt) => {
+                    let result = AttemptResult {
+                        action: id,
+                        attempt,
+                        status: None,
+                        disposition: backstop_store::Disposition::Uncertain,
+                        boundary: None,
+                        source: Some("client disconnected during the attempt".to_owned()),
+                        provider_operation_id: None,
+                        finish: Some(finish),
+                    };
+                    inner.blocking(move |s| s.record_result(result, now)).await
+                }
+                None => {
+                    inner
+                        .blocking(move |s| s.finish_action(id, finish, now))
+                        .await
+                }
+            };
+            if let Err(e) = result {
+                tracing::warn!(action = id.0, error = %e, "could not record the cancellation");
+            }
+            inner.metrics.outcome(&provider, &class, Outcome::Cancelled);
+        });
+    }
+}
+
+impl Inner {
+    /// Runs a blocking store call off the async workers.
+    async fn blocking<T, F>(&self, f: F) -> Result<T, EngineError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&dyn Store) -> Result<T, StoreError> + Send + 'static,
+    {
+        let store = self.store.clone();
+        match tokio::task::spawn_blocking(move || f(store.as_ref())).await {
+            Ok(result) => result.map_err(EngineError::Store),
+            Err(e) => Err(EngineError::Aborted(e.to_string())),
+        }
+    }
+
+    fn unit(&self) -> f64 {
+        self.rng
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .unit()
+    }
+}
+
+impl Engine {
+    /// Builds the engine and spawns its scheduler task (call inside a tokio runtime). Scope
+    /// records start from the policy and are then refreshed from the store, so boundaries
+    /// recorded before a restart keep holding. `seed` seeds every jitter draw (deterministic
+    /// tests); production passes a random seed.
+    pub fn new(
+        policy: Arc<Policy>,
+        store: Arc<dyn Store>,
+        transport: Arc<dyn Transport>,
+        clock: TokioClock,
+        metrics: Arc<Metrics>,
+        seed: u64,
+    ) -> Engine {
+        let scheduler = SchedulerHandle::spawn(&policy, clock, metrics.clone(), seed);
+        let inner = Arc::new(Inner {
+            policy,
+            store,
+            transport,
+            clock,
+            metrics,
+            scheduler,
+            rng: Mutex::new(crate::scheduler::SplitMix64::new(
+                seed ^ 0xA076_1D64_78BD_642F,
+            )),
+            breakers: Mutex::new(HashMap::new()),
+            flights: Arc::new(Flights::default()),
+            shutting_down: AtomicBool::new(false),
+            minted: AtomicU64::new(0),
+        });
+        let restore = inner.clone();
+        tokio::spawn(async move {
+            let scopes: Vec<(String, String)> = restore
+                .policy
+                .providers
+                .iter()
+                .flat_map(|(p, provider)| {
+                    provider
+                        .scopes
+                        .values()
+                        .map(move |s| (p.clone(), s.name.clone()))
+                })
+                .collect();
+            for (provider, scope) in scopes {
+                let (p, s) = (provider.clone(), scope.clone());
+                match restore.blocking(move |st| st.scope(&p, &s)).await {
+                    Ok(Some(record)) => {
+                        restore
+                            .scheduler
+                            .signal(
+                                std::slice::from_ref(&scope),
+                                ScopeSignal::Restore {
+                                    next_allowed_at: record.next_allowed_at,
+                                    remaining: record.remaining,
+                                    limit: record.limit,
+                                    reset_at: record.reset_at,
+                                    source: record.source,
+                                },
+                            )
+                            .await;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(scope = %scope, error = %e, "could not read the stored scope record")
+                    }
+                }
+            }
+        });
+        Engine { inner }
+    }
+
+    /// The scope records as the scheduler last published them (for `GET /v1/scopes`).
+    pub fn scopes(&self) -> Vec<ScopeView> {
+        self.inner.scheduler.scopes()
+    }
+
+    /// Stops taking new work: later [`Engine::execute`] calls end `cancelled` without being
+    /// recorded, waiting actions are released without a final outcome (their scheduled retries
+    /// stay in the store, recoverable after a restart), and the scheduler task ends.
+    pub async fn shutdown(&self) {
+        self.inner.shutting_down.store(true, Ordering::SeqCst);
+        self.inner.scheduler.shutdown().await;
+    }
+
+    /// Cancels a task of `agent` (SPEC §4.3): its delayed actions are dropped before they wake,
+    /// their slots and delayed counts freed, every unfinished action ends `cancelled` (audited)
+    /// and no action of the task sends again.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownTask`], [`EngineError::NotYourTask`], or a store failure.
+    pub async fn cancel_task(
+        &self,
+        task_id: &str,
+        agent: &str,
+    ) -> Result<TaskCancelled, EngineError> {
+        let inner = &self.inner;
+        let id = task_id.to_owned();
+        let task = inner
+            .blocking(move |s| s.task(&id))
+            .await?
+            .ok_or_else(|| EngineError::UnknownTask(task_id.to_owned()))?;
+        if task.agent != agent {
+            return Err(EngineError::NotYourTask {
+                task: task_id.to_owned(),
+                agent: agent.to_owned(),
+            });
+        }
+        let waiting_dropped = inner.scheduler.cancel_task(task_id).await;
+        let id = task_id.to_owned();
+        let now = inner.clock.now();
+        let report = inner.blocking(move |s| s.cancel_task(&id, now)).await?;
+        tracing::info!(
+            task = %task_id,
+            actions = report.actions_cancelled,
+            retries = report.retries_dropped,
+            waiting = waiting_dropped,
+            "task cancelled"
+        );
+        Ok(TaskCancelled {
+            task_id: task_id.to_owned(),
+            actions_cancelled: report.actions_cancelled,
+            retries_dropped: report.retries_dropped,
+            waiting_dropped,
+        })
+    }
+
+    /// Carries out one action to its end (see the module docs). Dropping the future before an
+    /// attempt was sent cancels the action (audited `cancelled`, slot and delayed count freed).
+    ///
+    /// Coalescing: on a `coalesce: true` route, identical safe reads in flight (same method, URL,
+    /// relevant headers and body digest) share one upstream call; the shared 2xx body is
+    /// buffered (up to [`SHARED_BODY_LIMIT`]) and every caller gets a copy, with the leader's
+    /// receipt.
+    pub async fn execute(&self, spec: ActionSpec) -> Execution {
+        if self.inner.shutting_down.load(Ordering::SeqCst) {
+            return unrecorded(
+                Outcome::Cancelled,
+                "the gateway is shutting down and takes no new work".to_owned(),
+            );
+        }
+        if spec.route.coalesce && is_safe_method(&spec.request.method) {
+            let key = FlightKey::Read(coalesce_key(&spec));
+            loop {
+                match self.inner.flights.join_or_lead(key.clone()) {
+                    Role::Follower(mut rx) => match rx.recv().await {
+                        Ok(shared) => {
+                            tracing::debug!(route = %spec.route.template, "coalesced read answered by the shared call");
+                            return from_shared(shared);
+                        }
+                        // The leader went away without a result: start over.
+                        Err(_) => continue,
+                    },
+                    Role::Leader(guard) => return self.lead(spec, Some(guard)).await,
+                }
+            }
+        }
+        self.lead(spec, None).await
+    }
+
+    /// Runs the action and shares its result with whoever joined it.
+    async fn lead(&self, spec: ActionSpec, read_guard: Option<LeaderGuard>) -> Execution {
+        let (execution, action_guard) = self.run(&spec).await;
+        let senders: Vec<_> = [read_guard, action_guard]
+            .into_iter()
+            .flatten()
+            .filter_map(LeaderGuard::finish)
+            .collect();
+        if senders.is_empty() {
+            return execution;
+        }
+        let shared = match execution {
+            Execution::Response { receipt, response } => {
+                let (parts, body) = response.into_parts();
+                match axum::body::to_bytes(body, SHARED_BODY_LIMIT).await {
+                    Ok(bytes) => Shared::Response {
+                        receipt,
+                        status: parts.status,
+                        headers: parts.headers,
+                        body: bytes,
+                    },
+                    Err(e) => {
+                        tracing::warn!(route = %spec.route.template, error = %e, "shared response body could not be buffered");
+                        Shared::Outcome {
+                            context: OutcomeContext {
+                                sent: true,
+                                response_received: true,
+                                attempts: receipt.attempts,
+                                last_status: Some(parts.status.as_u16()),
+                                next_safe: vec![NextSafe::Abort],
+                                ..OutcomeContext::default()
+                            },
+                            receipt,
+                            outcome: Outcome::BudgetExhausted,
+                            detail: format!(
+                                "the response body could not be buffered to share it between identical calls: {e}"
+                            ),
+                        }
+                    }
+                }
+            }
+            Execution::Outcome {
+                receipt,
+                outcome,
+                context,
+                detail,
+            } => Shared::Outcome {
+                receipt,
+                outcome,
+                context,
+                detail,
+            },
+        };
+        for sender in senders {
+            let _ = sender.send(shared.clone());
+        }
+        from_shared(shared)
+    }
+
+    /// Records the action and runs its attempt loop.
+    async fn run(&self, spec: &ActionSpec) -> (Execution, Option<LeaderGuard>) {
+        let inner = &self.inner;
+        let route = &spec.route;
+        let Some(class) = inner.policy.request_classes.get(&route.class) else {
+            return (
+                unrecorded(
+                    Outcome::Rejected,
+                    format!("request class `{}` is not in the policy", route.class),
+                ),
+                None,
+            );
+        };
+        let rules = match inner.policy.classify_rules(&route.provider, class) {
+            Ok(rules) => rules,
+            Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
+        };
+        let template = match RouteTemplate::try_new(&route.template) {
+            Ok(t) => t,
+            Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
+        };
+        let digest = match PayloadDigest::try_new(&spec.payload_digest) {
+            Ok(d) => d,
+            Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
+        };
+        let payload = if route.fingerprint_fields.is_empty() {
+            None
+        } else {
+            serde_json::from_slice::<serde_json::Value>(&spec.request.body).ok()
+        };
+        let fingerprint = RequestFingerprint::compute(
+            &route.method,
+            &route.template,
+            payload.as_ref(),
+            &route.fingerprint_fields,
+        );
+
+        // Record task and action before anything is sent.
+        let now = inner.clock.now();
+        let task = NewTask {
+            id: spec.task_id.clone(),
+            agent: spec.agent.clone(),
+            priority: store_priority(spec.priority),
+            deadline: spec.deadline,
+        };
+        if let Err(e) = inner.blocking(move |s| s.open_task(task, now)).await {
+            return (refused_by_store(e), None);
+        }
+        let key = spec.idempotency_key.clone().unwrap_or_else(|| {
+            format!(
+                "backstop-{}-{}",
+                now.as_nanosecond(),
+                inner.minted.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        let new_action = NewAction {
+            task_id: spec.task_id.clone(),
+            provider: route.provider.clone(),
+            method: route.method.clone(),
+            route: template,
+            request_class: route.class.clone(),
+            payload_digest: digest,
+            idempotency_key: key,
+            external_reference: None,
+        };
+        let id = match inner
+            .blocking(move |s| s.record_action(new_action, now))
+            .await
+        {
+            Ok(StoreAdmission::New(id)) => id,
+            Ok(StoreAdmission::Existing(record)) => return (self.existing(*record).await, None),
+            Err(e) => return (refused_by_store(e), None),
+        };
+        let action_guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
+            Role::Leader(guard) => Some(guard),
+            Role::Follower(_) => None,
+        };
+        let mut guard = ActionGuard {
+            inner: inner.clone(),
+            id,
+            provider: route.provider.clone(),
+            class: route.class.clone(),
+            sent: 0,
+            in_flight: None,
+            armed: true,
+        };
+        let run = Run {
+            spec,
+            id,
+            fingerprint,
+            rules,
+        };
+
+        // The per-task circuit breaker (SPEC §7).
+        let open = {
+            let breakers = inner
+                .breakers
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            breakers
+                .get(&spec.task_id)
+                .and_then(|b| b.check(&run.fingerprint).err())
+        };
+        if let Some(open) = open {
+            guard.armed = false;
+            let context = OutcomeContext {
+                last_status: open.last_status,
+                last_signal: Some(format!("rejected ({})", open.error_code)),
+                next_safe: vec![NextSafe::ChangeRequest, NextSafe::Abort],
+                ..OutcomeContext::default()
+            };
+            tracing::info!(
+                task = %spec.task_id,
+                route = %route.template,
+                error_code = %open.error_code,
+                failures = open.failures,
+                "refused: the circuit is open for this request in this task"
+            );
+            let detail = format!(
+                "this request failed {} times in this task with `{}`; the circuit is open",
+                open.failures, open.error_code
+            );
+            let execution = self
+                .finish(
+                    &run,
+                    &ActionBudget::new(class.budget(), None),
+                    Outcome::CircuitOpen,
+                    context,
+                    detail,
+                    0,
+                )
+                .await;
+            return (execution, action_guard);
+        }
+
+        let max_wait = match spec.max_wait {
+            Some(prefer) => class.max_wait.min(prefer),
+            None => class.max_wait,
+        };
+        let max_attempts = if spec.single_attempt {
+            1
+        } else {
+            class.max_attempts
+        };
+        let budget = ActionBudget::new(
+            ClassBudget {
+                max_attempts,
+                max_wait,
+            },
+            spec.deadline,
+        );
+        let execution = self.attempts(&run, budget, &mut guard).await;
+        (execution, action_guard)
+    }
+
+    /// The attempt loop of one recorded action.
+    async fn attempts(
+        &self,
+        run: &Run<'_>,
+        mut budget: ActionBudget,
+        guard: &mut ActionGuard,
+    ) -> Execution {
+        let inner = &self.inner;
+        let spec = run.spec;
+        let route = &spec.route;
+        let provider = inner.policy.providers.get(&route.provider);
+        let mut seen = Seen::default();
+        let mut not_before: Option<Timestamp> = None;
+        let mut tokens: Option<RetryTokens> = None;
+        loop {
+            let acquired = inner
+                .scheduler
+                .acquire(AcquireRequest {
+                    task_id: spec.task_id.clone(),
+                    priority: spec.priority,
+                    scopes: route.scopes.clone(),
+                    budget,
+                    not_before,
+                    route: route.template.clone(),
+                })
+                .await;
+            let permit = match acquired {
+                Acquired::Go {
+                    permit,
+                    budget: charged,
+                } => {
+                    budget = charged;
+                    permit
+                }
+                Acquired::Refused {
+                    outcome,
+                    detail,
+                    budget: charged,
+                    boundary,
+                } => {
+                    budget = charged;
+                    guard.armed = false;
+                    if let Some(tokens) = tokens.take() {
+                        inner.scheduler.deposit(&route.scopes, Some(tokens));
+                    }
+                    let boundary = boundary.or(seen.boundary.filter(|b| *b > inner.clock.now()));
+                    let next_safe = match outcome {
+                        Outcome::Cancelled => vec![NextSafe::Abort],
+                        _ => wait_then_abort(boundary),
+                    };
+                    let context = self.context(&budget, &seen, boundary, next_safe);
+                    return self
+                        .finish(run, &budget, outcome, context, detail, seen.sent)
+                        .await;
+                }
+                Acquired::Stopped { .. } => {
+                    guard.armed = false;
+                    return Execution::Outcome {
+                        receipt: ActionReceipt {
+                            action_id: run.id.0,
+                            attempts: seen.sent,
+                        },
+                        outcome: Outcome::Cancelled,
+                        context: self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]),
+                        detail: "the gateway is shutting down; the action stays recorded and can be resumed".to_owned(),
+                    };
+                }
+            };
+
+            // Durable before the bytes leave.
+            let (id, sent_at) = (run.id, inner.clock.now());
+            let attempt = match inner
+                .blocking(move |s| s.mark_attempt_sent(id, sent_at))
+                .await
+            {
+                Ok(n) => n,
+                Err(e) => {
+                    drop(permit);
+                    guard.armed = false;
+                    let cancelled =
+                        matches!(e, EngineError::Store(StoreError::InvalidTransition { .. }));
+                    let detail = if cancelled {
+                        format!("the action may not send again: {e}")
+                    } else {
+                        format!(
+                            "the attempt could not be recorded durably, so it was not sent: {e}"
+                        )
+                    };
+                    let context = self.context(&budget, &seen, None, vec![NextSafe::Abort]);
+                    return self
+                        .finish(run, &budget, Outcome::Cancelled, context, detail, seen.sent)
+                        .await;
+                }
+            };
+            seen.sent += 1;
+            guard.sent = seen.sent;
+            guard.in_flight = Some(attempt);
+            tracing::debug!(
+                task = %spec.task_id,
+                route = %route.template,
+                attempt,
+                "attempt sent"
+            );
+            let reply = inner.transport.send(spec.request.clone()).await;
+            drop(permit);
+            let received_at = inner.clock.now();
+
+            // Classify (never read a 2xx body).
+            let (signal, response) = match reply {
+                AttemptReply::Response(response) if response.status().is_success() => {
+                    let signal = classify(
+                        &Observed::Response(ResponseView {
+                            status: response.status().as_u16(),
+                            headers: response.headers(),
+                            body: None,
+                        }),
+                        &run.rules,
+                        received_at,
+                    );
+                    (signal, Some(response))
+                }
+                AttemptReply::Response(response) => {
+                    let (parts, body) = response.into_parts();
+                    match read_bounded(body, ERROR_BODY_LIMIT).await {
+                        Ok((bytes, body)) => {
+                            let signal = classify(
+                                &Observed::Response(ResponseView {
+                                    status: parts.status.as_u16(),
+                                    headers: &parts.headers,
+                                    body: Some(&bytes),
+                                }),
+                                &run.rules,
+                                received_at,
+                            );
+                            (signal, Some(http::Response::from_parts(parts, body)))
+                        }
+                        Err(_) => (
+                            classify(
+                                &Observed::Transport(TransportError::ResponseCut),
+                                &run.rules,
+                                received_at,
+                            ),
+                            None,
+                        ),
+                    }
+                }
+                AttemptReply::Failed(e) => (
+                    classify(&Observed::Transport(e), &run.rules, received_at),
+                    None,
+                ),
+            };
+            let status = response.as_ref().map(|r| r.status().as_u16());
+            if status.is_some() {
+                seen.response_received = true;
+                seen.last_status = status;
+            }
+            seen.last_signal = Some(signal.disposition.as_str().to_owned());
+            seen.boundary = signal.boundary.retry_not_before();
+            let scope_labels: Vec<&str> = if route.scopes.is_empty() {
+                vec!["-"]
+            } else {
+                route.scopes.iter().map(String::as_str).collect()
+            };
+            for scope in scope_labels {
+                inner
+                    .metrics
+                    .attempt(&route.provider, scope, &route.class, signal.disposition);
+            }
+
+            // Scope records first: quota headers, then a rate limit's boundary.
+            self.update_scopes(run, &signal, status, received_at).await;
+
+            let store_boundary = Some(match seen.boundary {
+                Some(at) => StoreBoundary::At(at),
+                None => StoreBoundary::Unknown,
+            });
+            let source = match &signal.boundary {
+                backstop_core::retry_after::Boundary::Known { source, .. } => Some(source.clone()),
+                backstop_core::retry_after::Boundary::Unknown { source, .. } => source.clone(),
+            };
+            let mut result = AttemptResult {
+                action: run.id,
+                attempt,
+                status,
+                disposition: store_disposition(signal.disposition),
+                boundary: store_boundary,
+                source,
+                provider_operation_id: None,
+                finish: None,
+            };
+
+            if signal.disposition == Disposition::Success {
+                guard.armed = false;
+                let Some(response) = response else {
+                    return unrecorded(
+                        Outcome::Cancelled,
+                        "internal: a success without a response".to_owned(),
+                    );
+                };
+                self.breaker_success(run);
+                inner.scheduler.deposit(&route.scopes, tokens.take());
+                let context = self.context(&budget, &seen, None, Vec::new());
+                result.finish = Some(Finish {
+                    outcome: backstop_store::Outcome::Succeeded,
+                    context: serde_json::to_value(&context).unwrap_or_default(),
+                    response: None,
+                });
+                if let Err(e) = inner
+                    .blocking(move |s| s.record_result(result, received_at))
+                    .await
+                {
+                    tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                }
+                inner
+                    .metrics
+                    .outcome(&route.provider, &route.class, Outcome::Succeeded);
+                return Execution::Response {
+                    receipt: ActionReceipt {
+                        action_id: run.id.0,
+                        attempts: seen.sent,
+                    },
+                    response,
+                };
+            }
+
+            if !signal.retryable {
+                guard.armed = false;
+                return self
+                    .final_failure(
+                        run,
+                        &budget,
+                        &seen,
+                        signal,
+                        response,
+                        result,
+                        provider
+                            .and_then(|p| p.idempotency_header.as_ref())
+                            .is_some(),
+                    )
+                    .await;
+            }
+
+            // Retryable: attempts left, retry quota, then the core's plan.
+            if budget.attempts_remaining() == 0 {
+                guard.armed = false;
+                let boundary = seen.boundary;
+                let context = self.context(&budget, &seen, boundary, wait_then_abort(boundary));
+                let detail = format!(
+                    "all {} attempts of the `{}` budget are used (last: {})",
+                    budget.attempts_used(),
+                    route.class,
+                    signal.disposition
+                );
+                return self
+                    .finish_with_result(
+                        run,
+                        &budget,
+                        result,
+                        Outcome::BudgetExhausted,
+                        context,
+                        detail,
+                        seen.sent,
+                    )
+                    .await;
+            }
+            let cause = match signal.disposition {
+                Disposition::NotSent | Disposition::Uncertain => RetryCause::Timeout,
+                _ => RetryCause::ErrorResponse,
+            };
+            let withdrawn = match inner.scheduler.withdraw_retry(&route.scopes, cause).await {
+                Ok(withdrawn) => withdrawn,
+                Err(refused) => {
+                    guard.armed = false;
+                    let boundary = seen.boundary;
+                    let context = self.context(&budget, &seen, boundary, wait_then_abort(boundary));
+                    return self
+                        .finish_with_result(
+                            run,
+                            &budget,
+                            result,
+                            Outcome::QuotaExhausted,
+                            context,
+                            refused.to_string(),
+                            seen.sent,
+                        )
+                        .await;
+                }
+            };
+            let mut all_tokens = tokens.take().unwrap_or_default();
+            all_tokens.0.extend(withdrawn.0);
+            tokens = Some(all_tokens);
+            let plan_now = inner.clock.now();
+            let decision = plan_retry(
+                &RetryInput {
+                    retry_number: budget.attempts_used(),
+                    backoff: inner.policy.backoff.config(),
+                    boundary: seen.boundary,
+                    wait_budget_remaining: budget.wait_remaining(),
+                    deadline: budget.deadline(),
+                },
+                plan_now,
+                inner.unit(),
+            );
+            match decision {
+                RetryDecision::Stop {
+                    outcome,
+                    reason,
+                    not_before: boundary,
+                } => {
+                    guard.armed = false;
+                    inner.scheduler.deposit(&route.scopes, tokens.take());
+                    let context = self.context(&budget, &seen, boundary, decision.next_safe());
+                    let detail = match boundary {
+                        Some(at) => format!("the provider allows a retry only at {at}: {reason:?}; not sleeping into failure"),
+                        None => format!("no retry: {reason:?}"),
+                    };
+                    tracing::info!(
+                        task = %spec.task_id,
+                        route = %route.template,
+                        outcome = %outcome,
+                        reason = ?reason,
+                        "retry refused by the plan"
+                    );
+                    return self
+                        .finish_with_result(
+                            run, &budget, result, outcome, context, detail, seen.sent,
+                        )
+                        .await;
+                }
+                RetryDecision::RetryAt { at, delay, cause } => {
+                    if let Err(e) = inner
+                        .blocking(move |s| s.record_result(result, received_at))
+                        .await
+                    {
+                        tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                    }
+                    guard.in_flight = None;
+                    let id = run.id;
+                    if let Err(e) = inner
+                        .blocking(move |s| s.schedule_retry(id, at, plan_now))
+                        .await
+                    {
+                        guard.armed = false;
+                        inner.scheduler.deposit(&route.scopes, tokens.take());
+                        let context =
+                            self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]);
+                        return self
+                            .finish(
+                                run,
+                                &budget,
+                                Outcome::Cancelled,
+                                context,
+                                format!("the retry could not be scheduled: {e}"),
+                                seen.sent,
+                            )
+                            .await;
+                    }
+                    tracing::info!(
+                        task = %spec.task_id,
+                        route = %route.template,
+                        disposition = %signal.disposition,
+                        retry_at = %at,
+                        delay_ms = delay.as_millis() as u64,
+                        cause = ?cause,
+                        attempts_left = budget.attempts_remaining(),
+                        wait_left_ms = budget.wait_remaining().as_millis() as u64,
+                        "retry scheduled"
+                    );
+                    not_before = Some(at);
+                }
+            }
+        }
+    }
+
+    /// Applies quota headers and a rate limit's boundary to the route's scopes: in the
+    /// scheduler first, then durably (`scope_updated`), before any retry is planned.
+    async fn update_scopes(
+        &self,
+        run: &Run<'_>,
+        signal: &Signal,
+        status: Option<u16>,
+        received_at: Timestamp,
+    ) {
+        let inner = &self.inner;
+        let route = &run.spec.route;
+        if route.scopes.is_empty() {
+            return;
+        }
+        let mut updates: Vec<ScopeUpdate> = Vec::new();
+        if let Some(obs) = signal
+            .quota
+            .iter()
+            .filter(|o| o.remaining.is_some() || o.reset_at.is_some())
+            .min_by_key(|o| o.remaining.unwrap_or(u64::MAX))
+        {
+            let exhausted = quota_boundary_with(&signal.quota, received_at, &run.rules.retry_after);
+            let reset_at = match exhausted.as_ref().and_then(|b| b.retry_not_before()) {
+                Some(at) if obs.remaining == Some(0) => Some(at),
+                _ => obs.reset_at,
+            };
+            let source = format!("{} quota headers", obs.dialect);
+            inner
+                .scheduler
+                .signal(
+                    &route.scopes,
+                    ScopeSignal::Quota {
+                        remaining: obs.remaining,
+                        limit: obs.limit,
+                        reset_at,
+                        source: source.clone(),
+                    },
+                )
+                .await;
+            for scope in &route.scopes {
+                updates.push(ScopeUpdate {
+                    provider: route.provider.clone(),
+                    scope: scope.clone(),
+                    next_allowed_at: reset_at.filter(|_| obs.remaining == Some(0)),
+                    remaining: obs.remaining,
+                    limit: obs.limit,
+                    reset_at,
+                    source: source.clone(),
+                });
+            }
+        }
+        let limited = matches!(
+            signal.disposition,
+            Disposition::RateLimited | Disposition::QuotaExhausted
+        );
+        if let (true, Some(boundary)) = (limited, signal.boundary.retry_not_before()) {
+            let source = match (&signal.boundary, status) {
+                (backstop_core::retry_after::Boundary::Known { source, .. }, Some(status)) => {
+                    format!("HTTP {status} {source}")
+                }
+                (backstop_core::retry_after::Boundary::Known { source, .. }, None) => {
+                    source.clone()
+                }
+                _ => "provider boundary".to_owned(),
+            };
+            inner
+                .scheduler
+                .signal(
+                    &route.scopes,
+                    ScopeSignal::RateLimited {
+                        boundary,
+                        source: source.clone(),
+                    },
+                )
+                .await;
+            let debt = boundary.duration_since(received_at).as_secs_f64();
+            for scope in &route.scopes {
+                inner.metrics.add_retry_after_debt(scope, debt);
+                updates.push(ScopeUpdate {
+                    provider: route.provider.clone(),
+                    scope: scope.clone(),
+                    next_allowed_at: Some(boundary),
+                    remaining: Some(0),
+                    limit: None,
+                    reset_at: None,
+                    source: source.clone(),
+                });
+            }
+            tracing::info!(
+                task = %run.spec.task_id,
+                route = %route.template,
+                source = %source,
+                boundary = %boundary,
+                "rate limited: every action of the route's scopes waits for the boundary"
+            );
+        }
+        for update in updates {
+            if let Err(e) = inner
+                .blocking(move |s| s.update_scope(update, received_at).map(|_| ()))
+                .await
+            {
+                tracing::warn!(error = %e, "could not persist the scope record");
+            }
+        }
+    }
+
+    /// Ends an action whose last answer may not be retried.
+    #[allow(clippy::too_many_arguments)]
+    async fn final_failure(
+        &self,
+        run: &Run<'_>,
+        budget: &ActionBudget,
+        seen: &Seen,
+        signal: Signal,
+        response: Option<http::Response<Body>>,
+        result: AttemptResult,
+        key_honoured: bool,
+    ) -> Execution {
+        let inner = &self.inner;
+        let route = &run.spec.route;
+        match (signal.disposition, response) {
+            (disposition @ (Disposition::Rejected | Disposition::Conflict), Some(response)) => {
+                let outcome = if disposition == Disposition::Rejected {
+                    Outcome::Rejected
+                } else {
+                    Outcome::Conflict
+                };
+                if disposition == Disposition::Rejected {
+                    let code = signal
+                        .error_code
+                        .clone()
+                        .unwrap_or_else(|| format!("http_{}", response.status().as_u16()));
+                    self.breaker_failure(run, &code, seen.last_status).await;
+                }
+                let context = self.context(
+                    budget,
+                    seen,
+                    None,
+                    vec![NextSafe::ChangeRequest, NextSafe::Abort],
+                );
+                let mut result = result;
+                result.finish = Some(Finish {
+                    outcome: store_outcome(outcome),
+                    context: serde_json::to_value(&context).unwrap_or_default(),
+                    response: None,
+                });
+                let at = inner.clock.now();
+                if let Err(e) = inner.blocking(move |s| s.record_result(result, at)).await {
+                    tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                }
+                inner
+                    .metrics
+                    .outcome(&route.provider, &route.class, outcome);
+                tracing::info!(
+                    task = %run.spec.task_id,
+                    route = %route.template,
+                    status = seen.last_status,
+                    outcome = %outcome,
+                    "final provider answer passed through"
+                );
+                Execution::Response {
+                    receipt: ActionReceipt {
+                        action_id: run.id.0,
+                        attempts: seen.sent,
+                    },
+                    response,
+                }
+            }
+            (Disposition::Uncertain, _) => {
+                let mut next_safe = vec![NextSafe::QueryStatus];
+                if key_honoured {
+                    next_safe.push(NextSafe::ResendSameKey);
+                }
+                next_safe.push(NextSafe::Abort);
+                let context = self.context(budget, seen, None, next_safe);
+                let detail = "the provider may have acted on the request; reconcile before any further side effect".to_owned();
+                self.finish_with_result(
+                    run,
+                    budget,
+                    result,
+                    Outcome::ReconciliationRequired,
+                    context,
+                    detail,
+                    seen.sent,
+                )
+                .await
+            }
+            (Disposition::QuotaExhausted, _) => {
+                let boundary = seen.boundary;
+                let context = self.context(budget, seen, boundary, wait_then_abort(boundary));
+                let detail = "the provider's quota is exhausted until its reset".to_owned();
+                self.finish_with_result(
+                    run,
+                    budget,
+                    result,
+                    Outcome::QuotaExhausted,
+                    context,
+                    detail,
+                    seen.sent,
+                )
+                .await
+            }
+            (disposition, _) => {
+                let boundary = seen.boundary;
+                let context = self.context(budget, seen, boundary, wait_then_abort(boundary));
+                let detail = format!(
+                    "`{}` answers are not retried for request class `{}`",
+                    disposition, route.class
+                );
+                self.finish_with_result(
+                    run,
+                    budget,
+                    result,
+                    Outcome::BudgetExhausted,
+                    context,
+                    detail,
+                    seen.sent,
+                )
+                .await
+            }
+        }
+    }
+
+    fn breaker_success(&self, run: &Run<'_>) {
+        let mut breakers = self
+            .inner
+            .breakers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(breaker) = breakers.get_mut(&run.spec.task_id) {
+            breaker.record_success(&run.fingerprint);
+        }
+    }
+
+    async fn breaker_failure(&self, run: &Run<'_>, code: &str, status: Option<u16>) {
+        let inner = &self.inner;
+        let opened = {
+            let mut breakers = inner
+                .breakers
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let breaker = breakers
+                .entry(run.spec.task_id.clone())
+                .or_insert_with(|| TaskBreaker::new(inner.policy.breaker.threshold));
+            let was_open = breaker.check(&run.fingerprint).is_err();
+            let now_open = breaker.record_failure(&run.fingerprint, code, status);
+            now_open.filter(|_| !was_open)
+        };
+        if let Some(open) = opened {
+            let route = &run.spec.route;
+            inner.metrics.breaker_opened(&route.provider);
+            tracing::info!(
+                task = %run.spec.task_id,
+                route = %route.template,
+                error_code = %open.error_code,
+                failures = open.failures,
+                "circuit opened for this request in this task"
+            );
+            let (task, provider, method) = (
+                run.spec.task_id.clone(),
+                route.provider.clone(),
+                route.method.clone(),
+            );
+            let at = inner.clock.now();
+            if let Ok(template) = RouteTemplate::try_new(&route.template) {
+                if let Err(e) = inner
+                    .blocking(move |s| {
+                        s.record_circuit_opened(&task, &provider, &method, &template, at)
+                    })
+                    .await
+                {
+                    tracing::warn!(error = %e, "could not audit the opened circuit");
+                }
+            }
+        }
+    }
+
+    fn context(
+        &self,
+        budget: &ActionBudget,
+        seen: &Seen,
+        boundary: Option<Timestamp>,
+        next_safe: Vec<NextSafe>,
+    ) -> OutcomeContext {
+        OutcomeContext {
+            sent: seen.sent > 0,
+            response_received: seen.response_received,
+            attempts: seen.sent,
+            total_wait_ms: wait_ms(budget),
+            last_status: seen.last_status,
+            last_signal: seen.last_signal.clone(),
+            boundary,
+            next_safe,
+        }
+    }
+
+    /// Ends the action with a gateway-made outcome (no attempt result pending).
+    async fn finish(
+        &self,
+        run: &Run<'_>,
+        _budget: &ActionBudget,
+        outcome: Outcome,
+        context: OutcomeContext,
+        detail: String,
+        attempts: u32,
+    ) -> Execution {
+        let inner = &self.inner;
+        let finish = Finish {
+            outcome: store_outcome(outcome),
+            context: serde_json::to_value(&context).unwrap_or_default(),
+            response: None,
+        };
+        let (id, at) = (run.id, inner.clock.now());
+        if let Err(e) = inner
+            .blocking(move |s| s.finish_action(id, finish, at))
+            .await
+        {
+            // A cancelled task's actions were already ended by the store.
+            tracing::debug!(action = id.0, error = %e, "action not finished again");
+        }
+        inner
+            .metrics
+            .outcome(&run.spec.route.provider, &run.spec.route.class, outcome);
+        Execution::Outcome {
+            receipt: ActionReceipt {
+                action_id: run.id.0,
+                attempts,
+            },
+            outcome,
+            context,
+            detail,
+        }
+    }
+
+    /// Ends the action with a gateway-made outcome together with the last attempt's result.
+    #[allow(clippy::too_many_arguments)]
+    async fn finish_with_result(
+        &self,
+        run: &Run<'_>,
+        _budget: &ActionBudget,
+        mut result: AttemptResult,
+        outcome: Outcome,
+        context: OutcomeContext,
+        detail: String,
+        attempts: u32,
+    ) -> Execution {
+        let inner = &self.inner;
+        result.finish = Some(Finish {
+            outcome: store_outcome(outcome),
+            context: serde_json::to_value(&context).unwrap_or_default(),
+            response: None,
+        });
+        let at = inner.clock.now();
+        if let Err(e) = inner.blocking(move |s| s.record_result(result, at)).await {
+            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+        }
+        inner
+            .metrics
+            .outcome(&run.spec.route.provider, &run.spec.route.class, outcome);
+        Execution::Outcome {
+            receipt: ActionReceipt {
+                action_id: run.id.0,
+                attempts,
+            },
+            outcome,
+            context,
+            detail,
+        }
+    }
+
+    /// The agent reused an idempotency key with the same payload: replay, join, or refuse.
+    async fn existing(&self, record: ActionRecord) -> Execution {
+        let inner = &self.inner;
+        let id = record.id;
+        let attempts = inner
+            .blocking(move |s| s.attempts(id))
+            .await
+            .map(|a| u32::try_from(a.len()).unwrap_or(u32::MAX))
+            .unwrap_or(0);
+        let receipt = ActionReceipt {
+            action_id: id.0,
+            attempts,
+        };
+        if record.state == ActionState::Finished {
+            if let Some(stored) = record.response {
+                return replay(receipt, stored);
+            }
+            let outcome = record.outcome.map_or(Outcome::Cancelled, core_outcome);
+            let context = record
+                .outcome_context
+                .and_then(|c| serde_json::from_value(c).ok())
+                .unwrap_or_default();
+            return Execution::Outcome {
+                receipt,
+                outcome,
+                context,
+                detail: "replayed: this idempotency key already ended with this outcome".to_owned(),
+            };
+        }
+        inner.metrics.layered_retry_joined(&record.provider);
+        if let Some(mut rx) = inner.flights.follow(&FlightKey::Action(id.0)) {
+            tracing::info!(
+                action = id.0,
+                "layered retry joined to the action in flight"
+            );
+            if let Ok(shared) = rx.recv().await {
+                return from_shared(shared);
+            }
+        }
+        tracing::info!(
+            action = id.0,
+            "layered retry refused: the action is still in flight"
+        );
+        Execution::Outcome {
+            receipt,
+            outcome: Outcome::Conflict,
+            context: OutcomeContext {
+                sent: attempts > 0,
+                attempts,
+                next_safe: vec![NextSafe::QueryStatus, NextSafe::Abort],
+                ..OutcomeContext::default()
+            },
+            detail: "an action with this idempotency key is still in flight".to_owned(),
+        }
+    }
+}
+
+/// An outcome for a request that was never recorded (`action_id` 0, no attempts).
+fn unrecorded(outcome: Outcome, detail: String) -> Execution {
+    Execution::Outcome {
+        receipt: ActionReceipt {
+            action_id: 0,
+            attempts: 0,
+        },
+        outcome,
+        context: OutcomeContext {
+            next_safe: match outcome {
+                Outcome::Rejected => vec![NextSafe::ChangeRequest, NextSafe::Abort],
+                _ => vec![NextSafe::Abort],
+            },
+            ..OutcomeContext::default()
+        },
+        detail,
+    }
+}
+
+/// The store refused to record the action: a cancelled task, a reused key with another payload,
+/// a task owned by another agent, or a storage failure (nothing was sent).
+fn refused_by_store(e: EngineError) -> Execution {
+    match &e {
+        EngineError::Store(StoreError::KeyReuse { .. }) => {
+            unrecorded(Outcome::Rejected, e.to_string())
+        }
+        EngineError::Store(StoreError::InvalidTransition { .. }) => unrecorded(
+            Outcome::Cancelled,
+            format!("the action was not accepted: {e}"),
+        ),
+        _ => unrecorded(
+            Outcome::Cancelled,
+            format!("the action could not be recorded durably, so nothing was sent: {e}"),
+        ),
+    }
+}
+
+fn replay(receipt: ActionReceipt, stored: StoredResponse) -> Execution {
+    let mut builder = http::Response::builder().status(stored.status);
+    for (name, value) in &stored.headers {
+        builder = builder.header(name, value);
+    }
+    match builder.body(Body::from(stored.body)) {
+        Ok(response) => Execution::Response { receipt, response },
+        Err(e) => Execution::Outcome {
+            receipt,
+            outcome: Outcome::Cancelled,
+            context: OutcomeContext::default(),
+            detail: format!("the stored response could not be replayed: {e}"),
+        },
+    }
+}
+
+fn from_shared(shared: Shared) -> Execution {
+    match shared {
+        Shared::Response {
+            receipt,
+            status,
+            headers,
+            body,
+        } => {
+            let mut response = http::Response::new(Body::from(body));
+            *response.status_mut() = status;
+            *response.headers_mut() = headers;
+            Execution::Response { receipt, response }
+        }
+        Shared::Outcome {
+            receipt,
+            outcome,
+            context,
+            detail,
+        } => Execution::Outcome {
+            receipt,
+            outcome,
+            context,
+            detail,
+        },
+    }
+}
