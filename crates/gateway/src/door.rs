@@ -1,0 +1,789 @@
+//! The proxy door `/{provider}/{path…}`: an agent's HTTP call becomes one action.
+//!
+//! Why a door and not a library: agents are written in every language and already speak HTTP
+//! through an SDK or curl. Pointing their base URL at backstop is the whole integration; from
+//! then on one deterministic layer owns every retry. The door turns a request into an
+//! [`ActionSpec`] and hands it to the engine; it makes no retry decision itself.
+//!
+//! What the door does, in order (each refusal is an RFC 9457 problem, see [`crate::problem`]):
+//! 1. Authenticates the agent by its bearer token (401 otherwise; an operator token gets 403).
+//! 2. Finds the provider from the first path segment (404 for one the policy does not name).
+//! 3. Reads `X-Backstop-Task` (a task id; minted `task-…` if absent), `X-Backstop-Priority`
+//!    (`interactive` | `normal` | `background`), `X-Backstop-Deadline` (RFC 3339) and
+//!    `Prefer: wait=N` (RFC 7240, delay-seconds); a malformed one is a 400 naming the header.
+//! 4. Resolves route template, request class and scopes through [`Policy::route`].
+//! 5. Buffers the request body so every attempt resends the same bytes. Up to
+//!    [`DoorConfig::max_buffered_body_bytes`] (default 1 MiB) the action may take as many
+//!    attempts as its class allows. A larger body is still buffered, up to the hard cap
+//!    [`DoorConfig::max_body_bytes`] (default 32 MiB; beyond it, 413), but the action is
+//!    marked `single_attempt`: exactly one attempt, and the answer carries
+//!    `Backstop-Single-Attempt: body-too-large` (and a warning is logged).
+//! 6. Prepares the upstream headers: hop-by-hop headers removed (RFC 9110 §7.6.1: `Connection`
+//!    and every header it names, `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`,
+//!    `Upgrade`), `Host` dropped (the client sets the provider's), the agent's `Authorization`
+//!    and every `X-Backstop-*` header removed, the `wait` preference removed from `Prefer`, the
+//!    provider credential injected under the policy's header and scheme. For writes to a
+//!    provider with an `idempotency_header`, the agent's key is kept or one is minted
+//!    (`bk-…`), so every attempt carries the same key (SPEC §6).
+//! 7. Answers with the engine's [`Execution`]: the provider's response (hop-by-hop headers
+//!    removed, the body streamed through unbuffered — SSE arrives as produced), or a problem for
+//!    a gateway-made outcome. Every answer carries `Backstop-Action-Id`, `Backstop-Attempts`
+//!    and `Backstop-Task`.
+//!
+//! Header names are case-insensitive (RFC 9110 §5.1); values of the `X-Backstop-*` headers are
+//! read as given, with surrounding whitespace ignored.
+
+use std::{
+    collections::hash_map::RandomState,
+    hash::BuildHasher,
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+use axum::{
+    body::Body,
+    http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode},
+    response::{IntoResponse, Response},
+};
+use backstop_core::{
+    clock::Clock,
+    outcome::Outcome,
+    pacing::Priority,
+    policy::{Policy, Provider},
+};
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use jiff::Timestamp;
+use sha2::{Digest, Sha256};
+
+use crate::{
+    action::{ActionReceipt, ActionSpec, Execution},
+    auth::{AuthError, Role},
+    problem::Problem,
+    server::AppState,
+    transport::AttemptRequest,
+};
+
+/// `X-Backstop-Task`: the task (run) id.
+pub const TASK_HEADER: &str = "x-backstop-task";
+/// `X-Backstop-Priority`: `interactive`, `normal` or `background`.
+pub const PRIORITY_HEADER: &str = "x-backstop-priority";
+/// `X-Backstop-Deadline`: RFC 3339 instant after which nothing starts.
+pub const DEADLINE_HEADER: &str = "x-backstop-deadline";
+/// `Backstop-Action-Id` on every answer: the store's action id (0 when refused before being
+/// recorded).
+pub const ACTION_ID_HEADER: &str = "backstop-action-id";
+/// `Backstop-Attempts` on every answer: attempts that left the process for this action.
+pub const ATTEMPTS_HEADER: &str = "backstop-attempts";
+/// `Backstop-Task` on every answer: the task id used (echoed or minted).
+pub const TASK_ECHO_HEADER: &str = "backstop-task";
+/// `Backstop-Single-Attempt: body-too-large` when the body was too large to allow retries.
+pub const SINGLE_ATTEMPT_HEADER: &str = "backstop-single-attempt";
+
+/// `Prefer` (RFC 7240).
+const PREFER: HeaderName = HeaderName::from_static("prefer");
+
+/// Longest accepted `X-Backstop-Task`, in bytes.
+pub const MAX_TASK_ID_BYTES: usize = 200;
+
+/// Body limits of the door.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DoorConfig {
+    /// Bodies up to this size may be resent on retries (default 1 MiB).
+    pub max_buffered_body_bytes: usize,
+    /// Hard cap: larger bodies are refused with 413 (default 32 MiB). Bodies between the two
+    /// limits get exactly one attempt.
+    pub max_body_bytes: usize,
+}
+
+impl Default for DoorConfig {
+    fn default() -> Self {
+        DoorConfig {
+            max_buffered_body_bytes: 1024 * 1024,
+            max_body_bytes: 32 * 1024 * 1024,
+        }
+    }
+}
+
+/// The request's backstop headers, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackstopHeaders {
+    /// `X-Backstop-Task`, if given.
+    pub task_id: Option<String>,
+    /// `X-Backstop-Priority` (default `normal`).
+    pub priority: Priority,
+    /// `X-Backstop-Deadline`.
+    pub deadline: Option<Timestamp>,
+    /// `Prefer: wait=N`.
+    pub max_wait: Option<Duration>,
+}
+
+/// Parses the `X-Backstop-*` headers and `Prefer: wait=N`.
+///
+/// # Errors
+/// A 400 [`Problem`] naming the first malformed header: a task id that is empty, longer than
+/// [`MAX_TASK_ID_BYTES`] or not visible ASCII; a priority other than the three names; a
+/// deadline that is not an RFC 3339 instant with an offset; a `wait` that is not
+/// delay-seconds (RFC 7240 §4.3); or any of them given twice.
+pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Problem> {
+    let task_id = single(headers, TASK_HEADER, "X-Backstop-Task")?
+        .map(|value| {
+            if value.is_empty() || value.len() > MAX_TASK_ID_BYTES {
+                return Err(Problem::bad_header(
+                    "X-Backstop-Task",
+                    format!("a task id must be 1 to {MAX_TASK_ID_BYTES} characters"),
+                ));
+            }
+            if !value.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(Problem::bad_header(
+                    "X-Backstop-Task",
+                    "a task id must be visible ASCII without spaces",
+                ));
+            }
+            Ok(value.to_owned())
+        })
+        .transpose()?;
+    let priority = match single(headers, PRIORITY_HEADER, "X-Backstop-Priority")? {
+        None => Priority::Normal,
+        Some(value) => match value.to_ascii_lowercase().as_str() {
+            "interactive" => Priority::Interactive,
+            "normal" => Priority::Normal,
+            "background" => Priority::Background,
+            _ => {
+                return Err(Problem::bad_header(
+                    "X-Backstop-Priority",
+                    format!(
+                        "`{}` is not one of interactive, normal, background",
+                        clip(value)
+                    ),
+                ))
+            }
+        },
+    };
+    let deadline = single(headers, DEADLINE_HEADER, "X-Backstop-Deadline")?
+        .map(|value| {
+            value.parse::<Timestamp>().map_err(|_| {
+                Problem::bad_header(
+                    "X-Backstop-Deadline",
+                    format!(
+                        "`{}` is not an RFC 3339 instant like 2026-01-01T12:00:00Z",
+                        clip(value)
+                    ),
+                )
+            })
+        })
+        .transpose()?;
+    let max_wait = prefer_wait(headers)?;
+    Ok(BackstopHeaders {
+        task_id,
+        priority,
+        deadline,
+        max_wait,
+    })
+}
+
+/// One header value as trimmed text; two instances or non-text bytes are errors.
+fn single<'a>(
+    headers: &'a HeaderMap,
+    name: &str,
+    display: &str,
+) -> Result<Option<&'a str>, Problem> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(Problem::bad_header(display, "given more than once"));
+    }
+    let text = value
+        .to_str()
+        .map_err(|_| Problem::bad_header(display, "the value is not visible ASCII text"))?;
+    Ok(Some(text.trim()))
+}
+
+fn clip(value: &str) -> String {
+    value.chars().take(64).collect()
+}
+
+/// The `wait` preference of all `Prefer` headers (RFC 7240 §2: comma-separated preferences,
+/// `token [= value]` with optional `;` parameters; names are case-insensitive).
+fn prefer_wait(headers: &HeaderMap) -> Result<Option<Duration>, Problem> {
+    let mut wait = None;
+    for value in headers.get_all(PREFER) {
+        let text = value
+            .to_str()
+            .map_err(|_| Problem::bad_header("Prefer", "the value is not visible ASCII text"))?;
+        for preference in text.split(',') {
+            let head = preference.split(';').next().unwrap_or("").trim();
+            let (name, value) = match head.split_once('=') {
+                Some((n, v)) => (n.trim(), Some(v.trim().trim_matches('"'))),
+                None => (head, None),
+            };
+            if !name.eq_ignore_ascii_case("wait") {
+                continue;
+            }
+            let seconds = value
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| {
+                    Problem::bad_header(
+                        "Prefer",
+                        "`wait` must be a whole number of seconds, like `wait=30` (RFC 7240 §4.3)",
+                    )
+                })?;
+            if wait.is_some() {
+                return Err(Problem::bad_header("Prefer", "`wait` given more than once"));
+            }
+            wait = Some(Duration::from_secs(seconds));
+        }
+    }
+    Ok(wait)
+}
+
+/// The `Prefer` header without the `wait` preference (which is backstop's), or `None` when
+/// nothing is left to forward.
+fn forwarded_prefer(headers: &HeaderMap) -> Option<HeaderValue> {
+    let kept: Vec<&str> = headers
+        .get_all(PREFER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .filter(|p| {
+            let name = p.split([';', '=']).next().unwrap_or("").trim();
+            !name.eq_ignore_ascii_case("wait")
+        })
+        .collect();
+    if kept.is_empty() {
+        None
+    } else {
+        HeaderValue::from_str(&kept.join(", ")).ok()
+    }
+}
+
+/// The fixed hop-by-hop headers of RFC 9110 §7.6.1 (plus the legacy `Proxy-Connection`).
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+];
+
+/// Removes the hop-by-hop headers of RFC 9110 §7.6.1: `Connection` and every header it lists,
+/// `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    headers.remove(header::UPGRADE);
+    let proxy: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with("proxy-"))
+        .cloned()
+        .collect();
+    for name in proxy {
+        headers.remove(name);
+    }
+}
+
+/// Process-unique, unpredictable ids (`task-…`, `bk-…`): 128 bits from the standard library's
+/// randomly keyed hasher over a process-wide counter.
+pub fn mint_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let state = RandomState::new();
+    let high = state.hash_one((n, 0u8));
+    let low = state.hash_one((n, 1u8));
+    format!("{prefix}{high:016x}{low:016x}")
+}
+
+/// Splits `/provider/rest?query` into the provider name and `/rest?query`.
+fn split_provider(path_and_query: &str) -> Option<(&str, String)> {
+    let trimmed = path_and_query.strip_prefix('/')?;
+    let (provider, rest) = match trimmed.find(['/', '?']) {
+        Some(i) => (&trimmed[..i], &trimmed[i..]),
+        None => (trimmed, ""),
+    };
+    if provider.is_empty() {
+        return None;
+    }
+    let rest = if rest.starts_with('/') {
+        rest.to_owned()
+    } else {
+        format!("/{rest}")
+    };
+    Some((provider, rest))
+}
+
+/// Reads a body into memory up to `config.max_body_bytes`. Returns the bytes and whether they
+/// exceed `config.max_buffered_body_bytes`.
+async fn read_body(body: Body, config: DoorConfig) -> Result<(Bytes, bool), Problem> {
+    let mut body = body;
+    let mut buffer = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            Problem::bad_request(format!("the request body could not be read: {e}"))
+        })?;
+        if let Ok(data) = frame.into_data() {
+            if buffer.len() + data.len() > config.max_body_bytes {
+                return Err(body_too_large(config));
+            }
+            buffer.extend_from_slice(&data);
+        }
+    }
+    let large = buffer.len() > config.max_buffered_body_bytes;
+    Ok((buffer.freeze(), large))
+}
+
+fn body_too_large(config: DoorConfig) -> Problem {
+    let mut problem = Problem::bad_request(format!(
+        "the request body is larger than backstop's hard cap of {} bytes; nothing was sent",
+        config.max_body_bytes
+    ));
+    problem.status = StatusCode::PAYLOAD_TOO_LARGE;
+    problem.name = "body_too_large".into();
+    problem.title = "Request body too large".into();
+    problem
+}
+
+/// Whether requests of this method are safe (RFC 9110 §9.2.1): no idempotency key is set.
+fn is_safe(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
+/// Builds the upstream headers from the agent's (see the module docs). Returns them and the
+/// idempotency key used, if any.
+fn upstream_headers(
+    incoming: &HeaderMap,
+    method: &Method,
+    provider: &Provider,
+    credential: Option<&crate::secrets::CredentialHeader>,
+) -> Result<(HeaderMap, Option<String>), Problem> {
+    let mut headers = incoming.clone();
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(header::AUTHORIZATION);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.remove(header::EXPECT);
+    headers.remove(PREFER);
+    if let Some(prefer) = forwarded_prefer(incoming) {
+        headers.insert(PREFER, prefer);
+    }
+    let backstop: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with("x-backstop-"))
+        .cloned()
+        .collect();
+    for name in backstop {
+        headers.remove(name);
+    }
+    if let Some(credential) = credential {
+        headers.insert(credential.name.clone(), credential.value.clone());
+    }
+    let mut key = None;
+    if let Some(name) = &provider.idempotency_header {
+        if !is_safe(method) {
+            let header_name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                Problem::bad_request(format!(
+                    "the provider's idempotency header `{name}` is not a valid header name"
+                ))
+            })?;
+            let supplied = single(incoming, header_name.as_str(), name)?;
+            let value = match supplied {
+                Some(v) if !v.is_empty() => v.to_owned(),
+                Some(_) => return Err(Problem::bad_header(name, "an empty idempotency key")),
+                None => mint_id("bk-"),
+            };
+            let header_value = HeaderValue::from_str(&value)
+                .map_err(|_| Problem::bad_header(name, "not a valid header value"))?;
+            headers.insert(header_name, header_value);
+            key = Some(value);
+        }
+    }
+    Ok((headers, key))
+}
+
+fn receipt_headers(response: &mut Response, receipt: &ActionReceipt, task_id: &str, single: bool) {
+    let headers = response.headers_mut();
+    headers.insert(ACTION_ID_HEADER, HeaderValue::from(receipt.action_id));
+    headers.insert(ATTEMPTS_HEADER, HeaderValue::from(receipt.attempts));
+    if let Ok(task) = HeaderValue::from_str(task_id) {
+        headers.insert(TASK_ECHO_HEADER, task);
+    }
+    if single {
+        headers.insert(
+            SINGLE_ATTEMPT_HEADER,
+            HeaderValue::from_static("body-too-large"),
+        );
+    }
+}
+
+/// A door refusal before any action exists: the problem with `Backstop-Action-Id: 0` and
+/// `Backstop-Attempts: 0`.
+pub fn refusal(problem: Problem) -> Response {
+    let mut response = problem.into_response();
+    let headers = response.headers_mut();
+    headers.insert(ACTION_ID_HEADER, HeaderValue::from(0u32));
+    headers.insert(ATTEMPTS_HEADER, HeaderValue::from(0u32));
+    response
+}
+
+/// The proxy door handler (axum fallback of the router in [`crate::server`]).
+pub async fn proxy(state: std::sync::Arc<AppState>, request: Request<Body>) -> Response {
+    match prepare(&state, request).await {
+        Err(problem) => refusal(problem),
+        Ok(spec) => execute(&state, spec).await,
+    }
+}
+
+async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec, Problem> {
+    if !state.accepting() {
+        return Err(Problem::shutting_down());
+    }
+    let caller = state.auth.authenticate(request.headers()).map_err(|e| {
+        tracing::info!(reason = %e, "door: refused an unauthenticated request");
+        Problem::unauthorized(e.to_string())
+    })?;
+    if caller.role != Role::Agent {
+        return Err(Problem::forbidden(format!(
+            "`{}` is an operator; the proxy door takes agent tokens only",
+            caller.name
+        )));
+    }
+    let (parts, body) = request.into_parts();
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/");
+    let (provider_name, rest) =
+        split_provider(path_and_query).ok_or_else(|| Problem::not_found(parts.uri.path()))?;
+    let policy: &Policy = &state.policy;
+    let provider = policy
+        .providers
+        .get(provider_name)
+        .ok_or_else(|| Problem::unknown_provider(provider_name))?;
+    let backstop = parse_backstop_headers(&parts.headers)?;
+    let route = policy
+        .route(provider_name, parts.method.as_str(), &rest)
+        .map_err(|_| Problem::unknown_provider(provider_name))?;
+    if let Some(length) = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        if length > state.door.max_body_bytes as u64 {
+            return Err(body_too_large(state.door));
+        }
+    }
+    let (headers, idempotency_key) = upstream_headers(
+        &parts.headers,
+        &parts.method,
+        provider,
+        state.credentials.get(provider_name),
+    )?;
+    let (body, single_attempt) = read_body(body, state.door).await?;
+    let task_id = backstop.task_id.unwrap_or_else(|| mint_id("task-"));
+    if single_attempt {
+        tracing::warn!(
+            provider = provider_name,
+            route = %route.template,
+            task = %task_id,
+            body_bytes = body.len(),
+            limit_bytes = state.door.max_buffered_body_bytes,
+            "door: body larger than the retry buffer; exactly one attempt"
+        );
+    }
+    let payload_digest = hex::encode(Sha256::digest(&body));
+    let url = format!("{}{}", provider.base_url, rest);
+    Ok(ActionSpec {
+        task_id,
+        agent: caller.name,
+        priority: backstop.priority,
+        deadline: backstop.deadline,
+        max_wait: backstop.max_wait,
+        route,
+        request: AttemptRequest {
+            method: parts.method,
+            url,
+            headers,
+            body,
+        },
+        single_attempt,
+        idempotency_key,
+        payload_digest,
+        desired_outcome: None,
+    })
+}
+
+async fn execute(state: &AppState, spec: ActionSpec) -> Response {
+    let task_id = spec.task_id.clone();
+    let single = spec.single_attempt;
+    let provider = spec.route.provider.clone();
+    let template = spec.route.template.clone();
+    let class = spec.route.class.clone();
+    let method = spec.route.method.clone();
+    let agent = spec.agent.clone();
+    match state.executor.execute(spec).await {
+        Execution::Response {
+            receipt,
+            mut response,
+        } => {
+            strip_hop_by_hop(response.headers_mut());
+            tracing::info!(
+                %agent, %provider, %method, route = %template, %class, task = %task_id,
+                action_id = receipt.action_id, attempts = receipt.attempts,
+                status = response.status().as_u16(),
+                "door: provider response passed through"
+            );
+            let mut response = response.into_response();
+            receipt_headers(&mut response, &receipt, &task_id, single);
+            response
+        }
+        Execution::Outcome {
+            receipt,
+            outcome,
+            context,
+            detail,
+        } => {
+            tracing::info!(
+                %agent, %provider, %method, route = %template, %class, task = %task_id,
+                action_id = receipt.action_id, attempts = receipt.attempts,
+                %outcome, %detail,
+                "door: action ended with a gateway outcome"
+            );
+            let mut response = if outcome == Outcome::Succeeded {
+                let body = serde_json::json!({
+                    "outcome": outcome.as_str(),
+                    "detail": detail,
+                    "context": context,
+                });
+                (StatusCode::OK, axum::Json(body)).into_response()
+            } else {
+                let problem = Problem::from_outcome(outcome, &context, detail, state.clock.now())
+                    .with_extension("action_id", receipt.action_id.into())
+                    .with_extension("task", task_id.clone().into());
+                problem.into_response()
+            };
+            receipt_headers(&mut response, &receipt, &task_id, single);
+            response
+        }
+    }
+}
+
+impl From<AuthError> for Problem {
+    fn from(error: AuthError) -> Problem {
+        Problem::unauthorized(error.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (k, v) in pairs {
+            map.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        map
+    }
+
+    #[test]
+    fn backstop_headers_parse() {
+        let parsed = parse_backstop_headers(&headers(&[
+            ("X-Backstop-Task", " run-7 "),
+            ("X-Backstop-Priority", "Interactive"),
+            ("X-Backstop-Deadline", "2026-01-01T12:00:00+01:00"),
+            ("Prefer", "return=minimal, wait=30"),
+        ]))
+        .unwrap();
+        assert_eq!(parsed.task_id.as_deref(), Some("run-7"));
+        assert_eq!(parsed.priority, Priority::Interactive);
+        assert_eq!(
+            parsed.deadline,
+            Some("2026-01-01T11:00:00Z".parse().unwrap())
+        );
+        assert_eq!(parsed.max_wait, Some(Duration::from_secs(30)));
+        let defaults = parse_backstop_headers(&HeaderMap::new()).unwrap();
+        assert_eq!(defaults.priority, Priority::Normal);
+        assert_eq!(defaults.task_id, None);
+    }
+
+    fn bad(pairs: &[(&str, &str)]) -> Problem {
+        parse_backstop_headers(&headers(pairs)).unwrap_err()
+    }
+
+    #[test]
+    fn malformed_headers_name_themselves() {
+        for (pairs, header) in [
+            (
+                vec![("X-Backstop-Priority", "urgent")],
+                "X-Backstop-Priority",
+            ),
+            (
+                vec![("X-Backstop-Deadline", "tomorrow")],
+                "X-Backstop-Deadline",
+            ),
+            (
+                vec![("X-Backstop-Deadline", "2026-01-01 12:00")],
+                "X-Backstop-Deadline",
+            ),
+            (vec![("Prefer", "wait=soon")], "Prefer"),
+            (vec![("Prefer", "wait=-1")], "Prefer"),
+            (vec![("Prefer", "wait")], "Prefer"),
+            (vec![("Prefer", "wait=1"), ("Prefer", "wait=2")], "Prefer"),
+            (vec![("X-Backstop-Task", "a b")], "X-Backstop-Task"),
+            (
+                vec![("X-Backstop-Task", "a"), ("X-Backstop-Task", "b")],
+                "X-Backstop-Task",
+            ),
+        ] {
+            let problem = bad(&pairs);
+            assert_eq!(problem.status, StatusCode::BAD_REQUEST, "{pairs:?}");
+            assert_eq!(problem.extensions["header"], header, "{pairs:?}");
+            assert!(problem.detail.contains(header), "{}", problem.detail);
+        }
+        let long = "t".repeat(MAX_TASK_ID_BYTES + 1);
+        assert_eq!(
+            bad(&[("X-Backstop-Task", &long)]).extensions["header"],
+            "X-Backstop-Task"
+        );
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_removed() {
+        let mut map = headers(&[
+            ("Connection", "keep-alive, X-Private-Hop"),
+            ("X-Private-Hop", "1"),
+            ("Keep-Alive", "timeout=5"),
+            ("Proxy-Authorization", "Basic x"),
+            ("Proxy-Foo", "1"),
+            ("TE", "trailers"),
+            ("Trailer", "X-Checksum"),
+            ("Transfer-Encoding", "chunked"),
+            ("Upgrade", "websocket"),
+            ("Content-Type", "application/json"),
+            ("X-End-To-End", "kept"),
+        ]);
+        strip_hop_by_hop(&mut map);
+        let mut left: Vec<&str> = map.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(left, ["content-type", "x-end-to-end"]);
+    }
+
+    fn provider(idempotency_header: Option<&str>) -> Provider {
+        let header = idempotency_header
+            .map(|h| format!("    idempotency_header: {h}\n"))
+            .unwrap_or_default();
+        let src = format!("providers:\n  p:\n    base_url: http://127.0.0.1:9\n{header}");
+        Policy::from_yaml_str(&src, "p.yaml").unwrap().providers["p"].clone()
+    }
+
+    #[test]
+    fn upstream_headers_swap_credentials_and_keep_keys() {
+        let incoming = headers(&[
+            ("Authorization", "Bearer agent-token"),
+            ("Host", "127.0.0.1:8080"),
+            ("X-Backstop-Task", "t1"),
+            ("X-Backstop-Priority", "background"),
+            ("Prefer", "wait=10, respond-async"),
+            ("Content-Length", "5"),
+            ("Idempotency-Key", "key-1"),
+            ("Content-Type", "application/json"),
+        ]);
+        let mut credential_value = HeaderValue::from_static("Bearer provider-secret");
+        credential_value.set_sensitive(true);
+        let credential = crate::secrets::CredentialHeader {
+            name: header::AUTHORIZATION,
+            value: credential_value,
+        };
+        let p = provider(Some("Idempotency-Key"));
+        let (out, key) = upstream_headers(&incoming, &Method::POST, &p, Some(&credential)).unwrap();
+        assert_eq!(out["authorization"], "Bearer provider-secret");
+        assert_eq!(out.get_all("authorization").iter().count(), 1);
+        assert!(out.get("host").is_none());
+        assert!(out.get("content-length").is_none());
+        assert!(out.keys().all(|k| !k.as_str().starts_with("x-backstop-")));
+        assert_eq!(out["prefer"], "respond-async");
+        assert_eq!(out["idempotency-key"], "key-1");
+        assert_eq!(key.as_deref(), Some("key-1"));
+
+        // A write without a key gets a minted one; a read gets none.
+        let bare = headers(&[("Authorization", "Bearer agent-token")]);
+        let (out, key) = upstream_headers(&bare, &Method::POST, &p, None).unwrap();
+        let key = key.unwrap();
+        assert!(key.starts_with("bk-") && key.len() == 35, "{key}");
+        assert_eq!(out["idempotency-key"], key.as_str());
+        assert!(out.get("authorization").is_none());
+        let (out, key) = upstream_headers(&bare, &Method::GET, &p, None).unwrap();
+        assert_eq!(key, None);
+        assert!(out.get("idempotency-key").is_none());
+        // No idempotency header configured: nothing minted.
+        let (_, key) = upstream_headers(&bare, &Method::POST, &provider(None), None).unwrap();
+        assert_eq!(key, None);
+    }
+
+    #[test]
+    fn provider_is_the_first_segment() {
+        assert_eq!(
+            split_provider("/billing/v1/transfers?x=1"),
+            Some(("billing", "/v1/transfers?x=1".to_owned()))
+        );
+        assert_eq!(
+            split_provider("/billing"),
+            Some(("billing", "/".to_owned()))
+        );
+        assert_eq!(
+            split_provider("/billing?x=1"),
+            Some(("billing", "/?x=1".to_owned()))
+        );
+        assert_eq!(split_provider("/"), None);
+    }
+
+    #[test]
+    fn minted_ids_differ() {
+        let a = mint_id("task-");
+        let b = mint_id("task-");
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 5 + 32);
+    }
+
+    #[tokio::test]
+    async fn bodies_between_the_limits_get_one_attempt_and_beyond_the_cap_413() {
+        let config = DoorConfig {
+            max_buffered_body_bytes: 4,
+            max_body_bytes: 8,
+        };
+        let (bytes, large) = read_body(Body::from("abcd"), config).await.unwrap();
+        assert_eq!((&bytes[..], large), (&b"abcd"[..], false));
+        let (bytes, large) = read_body(Body::from("abcdef"), config).await.unwrap();
+        assert_eq!((bytes.len(), large), (6, true));
+        let problem = read_body(Body::from("abcdefghi"), config)
+            .await
+            .unwrap_err();
+        assert_eq!(problem.status, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+}

@@ -1,0 +1,794 @@
+//! `backstop serve`: one listener for the proxy door, `GET /v1/scopes` and `GET /metrics`.
+//!
+//! Why one listener and a careful start: agents, operators and Prometheus all reach backstop at
+//! one address, and a gateway that starts with a missing secret or an unreadable store would
+//! fail every call later, far from the cause. [`start`] therefore resolves everything first —
+//! agent token digests, provider credentials, the store, the upstream client, the listening
+//! socket — and fails with a [`StartError`] naming what is wrong before accepting any request.
+//!
+//! Who may read what:
+//! - the proxy door: agent tokens (see [`crate::door`]);
+//! - `GET /v1/scopes`: agent or operator tokens; the JSON array of the engine's scope views;
+//! - `GET /metrics`: open when the listener is on a loopback address (a local Prometheus or
+//!   curl needs no token), otherwise an agent or operator token. Content type
+//!   `text/plain; version=0.0.4`.
+//!
+//! Shutdown ([`Running::shutdown`], wired to SIGTERM and Ctrl-C by the CLI): new requests are
+//! answered 503 `shutting_down` at once (nothing sent), the engine's `shutdown` stops taking work
+//! and leaves every accepted action recoverable in the store, then open connections are drained
+//! for at most the grace period (a long SSE stream is cut after it).
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    path::PathBuf,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use axum::{
+    body::Body,
+    extract::State,
+    http::{header, HeaderValue, Request},
+    response::{IntoResponse, Response},
+    routing::get,
+    Router,
+};
+use backstop_core::policy::Policy;
+use backstop_store::Store;
+use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+
+use crate::{
+    action::{ActionSpec, Execution},
+    auth::Authenticator,
+    clock::TokioClock,
+    door::{self, DoorConfig},
+    metrics::Metrics,
+    problem::Problem,
+    secrets::{EnvLookup, ProviderCredentials, SecretError},
+    transport::Transport,
+    upstream::{Upstream, UpstreamConfig, UpstreamError},
+};
+
+/// A boxed, sendable future.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// What the HTTP edge needs from the engine (implemented by `engine::Engine`; tests plug in
+/// simpler executors).
+pub trait Executor: Send + Sync + 'static {
+    /// Runs one action to its end (see `Engine::execute`). Dropping the future before the first
+    /// send cancels the action.
+    fn execute(&self, spec: ActionSpec) -> BoxFuture<Execution>;
+    /// The scope records as JSON (an array), for `GET /v1/scopes`.
+    fn scopes(&self) -> serde_json::Value;
+    /// Stops taking new work; accepted actions stay recoverable in the store.
+    fn shutdown(&self) -> BoxFuture<()>;
+}
+
+impl Executor for crate::engine::Engine {
+    fn execute(&self, spec: ActionSpec) -> BoxFuture<Execution> {
+        let engine = self.clone();
+        Box::pin(async move { crate::engine::Engine::execute(&engine, spec).await })
+    }
+
+    fn scopes(&self) -> serde_json::Value {
+        serde_json::to_value(crate::engine::Engine::scopes(self))
+            .unwrap_or_else(|_| serde_json::Value::Array(Vec::new()))
+    }
+
+    fn shutdown(&self) -> BoxFuture<()> {
+        let engine = self.clone();
+        Box::pin(async move { crate::engine::Engine::shutdown(&engine).await })
+    }
+}
+
+/// The production executor: `engine::Engine` over the given parts (pass to [`start`]).
+pub fn engine(parts: Parts) -> Arc<dyn Executor> {
+    Arc::new(crate::engine::Engine::new(
+        parts.policy,
+        parts.store,
+        parts.transport,
+        parts.clock,
+        parts.metrics,
+        parts.seed,
+    ))
+}
+
+/// Shared state of the router.
+pub struct AppState {
+    /// The validated policy.
+    pub policy: Arc<Policy>,
+    /// Agent and operator token digests.
+    pub auth: Authenticator,
+    /// Provider credential headers.
+    pub credentials: ProviderCredentials,
+    /// The engine.
+    pub executor: Arc<dyn Executor>,
+    /// The clock (for `Retry-After` in problems).
+    pub clock: TokioClock,
+    /// Metrics rendered at `/metrics`.
+    pub metrics: Arc<Metrics>,
+    /// Body limits of the door.
+    pub door: DoorConfig,
+    /// Whether `/metrics` is served without a token (loopback listener).
+    pub metrics_open: bool,
+    accepting: AtomicBool,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("auth", &self.auth)
+            .field("credentials", &self.credentials)
+            .field("door", &self.door)
+            .field("metrics_open", &self.metrics_open)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// Assembles the state; it accepts work until [`AppState::stop_accepting`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        policy: Arc<Policy>,
+        auth: Authenticator,
+        credentials: ProviderCredentials,
+        executor: Arc<dyn Executor>,
+        clock: TokioClock,
+        metrics: Arc<Metrics>,
+        door: DoorConfig,
+        metrics_open: bool,
+    ) -> AppState {
+        AppState {
+            policy,
+            auth,
+            credentials,
+            executor,
+            clock,
+            metrics,
+            door,
+            metrics_open,
+            accepting: AtomicBool::new(true),
+        }
+    }
+
+    /// Whether new work is accepted.
+    pub fn accepting(&self) -> bool {
+        self.accepting.load(Ordering::Acquire)
+    }
+
+    /// From now on the door answers 503 `shutting_down`.
+    pub fn stop_accepting(&self) {
+        self.accepting.store(false, Ordering::Release);
+    }
+}
+
+/// The router: `GET /v1/scopes`, `GET /metrics`, and the proxy door for every other path.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/scopes", get(scopes))
+        .route("/metrics", get(metrics))
+        .fallback(door_handler)
+        .with_state(state)
+}
+
+async fn door_handler(State(state): State<Arc<AppState>>, request: Request<Body>) -> Response {
+    door::proxy(state, request).await
+}
+
+async fn scopes(State(state): State<Arc<AppState>>, request: Request<Body>) -> Response {
+    if let Err(problem) = state.auth.authenticate(request.headers()) {
+        return Problem::from(problem).into_response();
+    }
+    axum::Json(state.executor.scopes()).into_response()
+}
+
+/// The Prometheus text exposition content type.
+pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+async fn metrics(State(state): State<Arc<AppState>>, request: Request<Body>) -> Response {
+    if !state.metrics_open {
+        if let Err(problem) = state.auth.authenticate(request.headers()) {
+            return Problem::from(problem).into_response();
+        }
+    }
+    let mut response = state.metrics.render().into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(METRICS_CONTENT_TYPE),
+    );
+    response
+}
+
+/// Options of `backstop serve` beyond the policy.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Listen address; overrides the policy's `listen` (default `127.0.0.1:8080`).
+    pub listen: Option<String>,
+    /// SQLite store path; overrides the policy's `store` (default `./backstop.db`).
+    pub store: Option<PathBuf>,
+    /// Body limits.
+    pub door: DoorConfig,
+    /// Upstream timeouts.
+    pub upstream: UpstreamConfig,
+    /// Seed of the engine's jitter.
+    pub seed: u64,
+    /// Longest time open connections are drained at shutdown (default 10 s).
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            listen: None,
+            store: None,
+            door: DoorConfig::default(),
+            upstream: UpstreamConfig::default(),
+            seed: 0,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// The default store file.
+pub const DEFAULT_STORE: &str = "./backstop.db";
+
+/// Why `backstop serve` could not start. Each message names what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A token or secret could not be resolved (names the policy place and the variable/file).
+    #[error("{0}")]
+    Secret(#[from] SecretError),
+    /// The store could not be opened.
+    #[error("cannot open the store {}: {reason}", path.display())]
+    Store {
+        /// The store file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The listener could not be bound.
+    #[error("cannot listen on {addr}: {reason}")]
+    Listen {
+        /// The address as given.
+        addr: String,
+        /// Why (`the address is already in use`, …).
+        reason: String,
+    },
+    /// The upstream client could not be built.
+    #[error("{0}")]
+    Upstream(#[from] UpstreamError),
+}
+
+/// Everything an executor is built from.
+#[derive(Clone)]
+pub struct Parts {
+    /// The policy.
+    pub policy: Arc<Policy>,
+    /// The opened store.
+    pub store: Arc<dyn Store>,
+    /// The upstream client.
+    pub transport: Arc<dyn Transport>,
+    /// The clock.
+    pub clock: TokioClock,
+    /// The metrics.
+    pub metrics: Arc<Metrics>,
+    /// Seed of the engine's jitter.
+    pub seed: u64,
+}
+
+/// A started gateway.
+#[derive(Debug)]
+pub struct Running {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// The store file in use.
+    pub store_path: PathBuf,
+    state: Arc<AppState>,
+    trigger: watch::Sender<bool>,
+    task: JoinHandle<std::io::Result<()>>,
+    grace: Duration,
+}
+
+impl Running {
+    /// The router state (tests inspect it).
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// Stops the gateway: refuse new work, shut the engine down, drain connections for at most
+    /// the grace period.
+    ///
+    /// # Errors
+    /// The server's I/O error, if it failed while running.
+    pub async fn shutdown(self) -> std::io::Result<()> {
+        let _ = self.trigger.send(true);
+        let mut task = self.task;
+        // The engine's shutdown runs before draining; allow it its own grace as well.
+        match tokio::time::timeout(self.grace * 2, &mut task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(std::io::Error::other(join.to_string())),
+            Err(_) => {
+                tracing::warn!(
+                    "shutdown: connections still open after the grace period; closing them"
+                );
+                task.abort();
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits until the server stops on its own (it only does on an I/O error).
+    ///
+    /// # Errors
+    /// The server's I/O error.
+    pub async fn wait(&mut self) -> std::io::Result<()> {
+        match (&mut self.task).await {
+            Ok(result) => result,
+            Err(join) => Err(std::io::Error::other(join.to_string())),
+        }
+    }
+}
+
+/// Opens the SQLite store at `path` (blocking work, run off the async workers).
+///
+/// # Errors
+/// [`StartError::Store`] naming the path.
+pub async fn open_sqlite(path: PathBuf) -> Result<Arc<dyn Store>, StartError> {
+    let for_error = path.clone();
+    let opened = tokio::task::spawn_blocking(move || backstop_store::SqliteStore::open(&path))
+        .await
+        .map_err(|e| StartError::Store {
+            path: for_error.clone(),
+            reason: e.to_string(),
+        })?;
+    match opened {
+        Ok(store) => Ok(Arc::new(store)),
+        Err(e) => Err(StartError::Store {
+            path: for_error,
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Starts the gateway: resolves tokens and credentials, opens the store, builds the upstream
+/// client and the executor (`build`), binds the listener and serves until
+/// [`Running::shutdown`]. Logs one startup line with the address, the store and the providers.
+///
+/// # Errors
+/// [`StartError`]: a missing or unreadable secret (named), a store that cannot be opened, an
+/// address that cannot be bound (`the address is already in use`).
+pub async fn start(
+    policy: Policy,
+    options: ServeOptions,
+    env: EnvLookup<'_>,
+    build: impl FnOnce(Parts) -> Arc<dyn Executor>,
+) -> Result<Running, StartError> {
+    let auth = Authenticator::resolve(&policy, env)?;
+    let credentials = ProviderCredentials::resolve(&policy, env)?;
+    let listen = options
+        .listen
+        .clone()
+        .or_else(|| policy.listen.clone())
+        .unwrap_or_else(|| DEFAULT_LISTEN.to_owned());
+    let store_path = options
+        .store
+        .clone()
+        .or_else(|| policy.store.clone())
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE));
+    let listener = TcpListener::bind(listen.as_str())
+        .await
+        .map_err(|e| StartError::Listen {
+            addr: listen.clone(),
+            reason: match e.kind() {
+                std::io::ErrorKind::AddrInUse => "the address is already in use".to_owned(),
+                std::io::ErrorKind::PermissionDenied => {
+                    "permission denied (ports below 1024 need privileges)".to_owned()
+                }
+                _ => e.to_string(),
+            },
+        })?;
+    let addr = listener.local_addr().map_err(|e| StartError::Listen {
+        addr: listen.clone(),
+        reason: e.to_string(),
+    })?;
+    let store = open_sqlite(store_path.clone()).await?;
+    let transport: Arc<dyn Transport> = Arc::new(Upstream::new(options.upstream)?);
+    let policy = Arc::new(policy);
+    let clock = TokioClock::system();
+    let metrics = Arc::new(Metrics::new());
+    let executor = build(Parts {
+        policy: policy.clone(),
+        store,
+        transport,
+        clock,
+        metrics: metrics.clone(),
+        seed: options.seed,
+    });
+    let state = Arc::new(AppState::new(
+        policy.clone(),
+        auth,
+        credentials,
+        executor,
+        clock,
+        metrics,
+        options.door,
+        addr.ip().is_loopback(),
+    ));
+    let providers: Vec<&str> = policy.providers.keys().map(String::as_str).collect();
+    tracing::info!(
+        listen = %addr,
+        store = %store_path.display(),
+        providers = %providers.join(","),
+        agents = state.auth.len(),
+        "backstop serve: listening on http://{addr} (store {}, providers: {})",
+        store_path.display(),
+        if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
+    );
+    let (trigger, mut signal) = watch::channel(false);
+    let app = router(state.clone());
+    let draining = state.clone();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = signal.wait_for(|stop| *stop).await;
+                draining.stop_accepting();
+                tracing::info!("backstop serve: shutting down; new requests get 503");
+                draining.executor.shutdown().await;
+                tracing::info!("backstop serve: engine stopped; draining open connections");
+            })
+            .await
+    });
+    Ok(Running {
+        addr,
+        store_path,
+        state,
+        trigger,
+        task,
+        grace: options.shutdown_grace,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        action::ActionReceipt,
+        auth::Role,
+        transport::{AttemptReply, AttemptRequest},
+    };
+    use backstop_core::outcome::{Outcome, OutcomeContext};
+    use http_body_util::BodyExt;
+    use std::sync::Mutex;
+    use tower::ServiceExt;
+
+    /// Records the spec it was given and answers from a script.
+    struct Scripted {
+        seen: Mutex<Vec<ActionSpec>>,
+        answer: fn() -> Execution,
+    }
+
+    impl Executor for Scripted {
+        fn execute(&self, spec: ActionSpec) -> BoxFuture<Execution> {
+            self.seen.lock().unwrap().push(spec);
+            let answer = (self.answer)();
+            Box::pin(async move { answer })
+        }
+        fn scopes(&self) -> serde_json::Value {
+            serde_json::json!([{"provider": "billing", "scope": "billing/account", "in_flight": 0}])
+        }
+        fn shutdown(&self) -> BoxFuture<()> {
+            Box::pin(async {})
+        }
+    }
+
+    fn ok_answer() -> Execution {
+        Execution::Response {
+            receipt: ActionReceipt {
+                action_id: 7,
+                attempts: 2,
+            },
+            response: http::Response::builder()
+                .status(200)
+                .header("connection", "x-hop")
+                .header("x-hop", "1")
+                .header("x-provider", "kept")
+                .body(Body::from("hello"))
+                .unwrap(),
+        }
+    }
+
+    fn budget_answer() -> Execution {
+        Execution::Outcome {
+            receipt: ActionReceipt {
+                action_id: 9,
+                attempts: 4,
+            },
+            outcome: Outcome::BudgetExhausted,
+            context: OutcomeContext {
+                sent: true,
+                attempts: 4,
+                ..OutcomeContext::default()
+            },
+            detail: "4 of 4 attempts used".into(),
+        }
+    }
+
+    const POLICY: &str = "providers:\n  billing:\n    base_url: http://127.0.0.1:9/api\n    credential: { secret_env: BILL }\n    idempotency_header: Idempotency-Key\n    scopes:\n      account: { limit: 10 }\n    routes:\n      \"POST /v1/transfers\": { class: idempotent_write, scopes: [account] }\n";
+
+    fn state(answer: fn() -> Execution, metrics_open: bool) -> (Arc<AppState>, Arc<Scripted>) {
+        let policy = Policy::from_yaml_str(POLICY, "p.yaml").unwrap();
+        let credentials =
+            ProviderCredentials::resolve(&policy, &|_| Some("provider-secret".into())).unwrap();
+        let auth = Authenticator::default()
+            .with_token("invoice-agent", Role::Agent, "agent-token")
+            .with_token("oncall", Role::Operator, "operator-token");
+        let executor = Arc::new(Scripted {
+            seen: Mutex::new(Vec::new()),
+            answer,
+        });
+        let state = Arc::new(AppState::new(
+            Arc::new(policy),
+            auth,
+            credentials,
+            executor.clone(),
+            TokioClock::anchored_at("2026-01-01T00:00:00Z".parse().unwrap()),
+            Arc::new(Metrics::new()),
+            DoorConfig::default(),
+            metrics_open,
+        ));
+        (state, executor)
+    }
+
+    async fn call(
+        state: Arc<AppState>,
+        request: Request<Body>,
+    ) -> (http::response::Parts, Vec<u8>) {
+        let response = router(state).oneshot(request).await.unwrap();
+        let (parts, body) = response.into_parts();
+        let bytes = body.collect().await.unwrap().to_bytes().to_vec();
+        (parts, bytes)
+    }
+
+    fn json(bytes: &[u8]) -> serde_json::Value {
+        serde_json::from_slice(bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn door_builds_the_action_and_passes_the_response_through() {
+        let (state, executor) = state(ok_answer, true);
+        let request = Request::post("/billing/v1/transfers?dry=1")
+            .header("authorization", "Bearer agent-token")
+            .header("x-backstop-task", "run-1")
+            .header("x-backstop-priority", "interactive")
+            .header("prefer", "wait=20")
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"amount":5}"#))
+            .unwrap();
+        let (parts, body) = call(state, request).await;
+        assert_eq!(parts.status, 200);
+        assert_eq!(body, b"hello");
+        assert_eq!(parts.headers["backstop-action-id"], "7");
+        assert_eq!(parts.headers["backstop-attempts"], "2");
+        assert_eq!(parts.headers["backstop-task"], "run-1");
+        assert_eq!(parts.headers["x-provider"], "kept");
+        assert!(parts.headers.get("x-hop").is_none());
+        let seen = executor.seen.lock().unwrap();
+        let spec = &seen[0];
+        assert_eq!(spec.agent, "invoice-agent");
+        assert_eq!(spec.task_id, "run-1");
+        assert_eq!(spec.route.template, "/v1/transfers");
+        assert_eq!(spec.route.class, "idempotent_write");
+        assert_eq!(spec.route.scopes, ["billing/account"]);
+        assert_eq!(spec.max_wait, Some(Duration::from_secs(20)));
+        assert_eq!(
+            spec.request.url,
+            "http://127.0.0.1:9/api/v1/transfers?dry=1"
+        );
+        assert_eq!(
+            spec.request.headers["authorization"],
+            "Bearer provider-secret"
+        );
+        assert_eq!(&spec.request.body[..], br#"{"amount":5}"#);
+        assert_eq!(
+            spec.payload_digest,
+            hex::encode(sha2::Sha256::digest(br#"{"amount":5}"#))
+        );
+        assert!(spec.idempotency_key.as_deref().unwrap().starts_with("bk-"));
+        assert!(!spec.single_attempt);
+    }
+
+    use sha2::Digest;
+
+    #[tokio::test]
+    async fn gateway_outcomes_are_problems_with_receipts() {
+        let (state, _) = state(budget_answer, true);
+        let request = Request::get("/billing/v1/balance")
+            .header("authorization", "Bearer agent-token")
+            .body(Body::empty())
+            .unwrap();
+        let (parts, body) = call(state, request).await;
+        assert_eq!(parts.status, 424);
+        assert_eq!(parts.headers["content-type"], "application/problem+json");
+        assert_eq!(parts.headers["x-should-retry"], "false");
+        assert_eq!(parts.headers["backstop-action-id"], "9");
+        assert_eq!(parts.headers["backstop-attempts"], "4");
+        let body = json(&body);
+        assert_eq!(body["outcome"], "budget_exhausted");
+        assert_eq!(body["attempts"], 4);
+        assert_eq!(body["action_id"], 9);
+    }
+
+    #[tokio::test]
+    async fn refusals_are_problems_and_never_reach_the_engine() {
+        let (state, executor) = state(ok_answer, false);
+        let cases: Vec<(Request<Body>, u16, &str)> = vec![
+            (
+                Request::get("/billing/x").body(Body::empty()).unwrap(),
+                401,
+                "unauthorized",
+            ),
+            (
+                Request::get("/billing/x")
+                    .header("authorization", "Bearer wrong")
+                    .body(Body::empty())
+                    .unwrap(),
+                401,
+                "unauthorized",
+            ),
+            (
+                Request::get("/billing/x")
+                    .header("authorization", "Bearer operator-token")
+                    .body(Body::empty())
+                    .unwrap(),
+                403,
+                "forbidden",
+            ),
+            (
+                Request::get("/nope/x")
+                    .header("authorization", "Bearer agent-token")
+                    .body(Body::empty())
+                    .unwrap(),
+                404,
+                "unknown_provider",
+            ),
+            (
+                Request::get("/billing/x")
+                    .header("authorization", "Bearer agent-token")
+                    .header("x-backstop-deadline", "soon")
+                    .body(Body::empty())
+                    .unwrap(),
+                400,
+                "bad_header",
+            ),
+            (
+                Request::get("/metrics").body(Body::empty()).unwrap(),
+                401,
+                "unauthorized",
+            ),
+            (
+                Request::get("/v1/scopes").body(Body::empty()).unwrap(),
+                401,
+                "unauthorized",
+            ),
+        ];
+        for (request, status, name) in cases {
+            let uri = request.uri().clone();
+            let (parts, body) = call(state.clone(), request).await;
+            assert_eq!(parts.status, status, "{uri}");
+            assert_eq!(parts.headers["content-type"], "application/problem+json");
+            let body = json(&body);
+            assert_eq!(
+                body["type"],
+                format!("urn:backstop:problem:{name}"),
+                "{uri}"
+            );
+            assert_eq!(body["sent"], false);
+        }
+        assert!(executor.seen.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn scopes_and_metrics() {
+        let (state, _) = state(ok_answer, true);
+        let (parts, body) = call(
+            state.clone(),
+            Request::get("/v1/scopes")
+                .header("authorization", "Bearer operator-token")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(parts.status, 200);
+        assert_eq!(json(&body)[0]["scope"], "billing/account");
+        let (parts, body) = call(
+            state.clone(),
+            Request::get("/metrics").body(Body::empty()).unwrap(),
+        )
+        .await;
+        assert_eq!(parts.status, 200);
+        assert_eq!(parts.headers["content-type"], METRICS_CONTENT_TYPE);
+        assert!(String::from_utf8(body).unwrap().contains("# EOF"));
+    }
+
+    #[tokio::test]
+    async fn shutting_down_refuses_new_work() {
+        let (state, executor) = state(ok_answer, true);
+        state.stop_accepting();
+        let (parts, _) = call(
+            state,
+            Request::get("/billing/x")
+                .header("authorization", "Bearer agent-token")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(parts.status, 503);
+        assert_eq!(parts.headers["x-should-retry"], "true");
+        assert!(executor.seen.lock().unwrap().is_empty());
+    }
+
+    /// A transport that must never be called (start wiring test).
+    struct Unused;
+    impl Transport for Unused {
+        fn send(&self, _: AttemptRequest) -> BoxFuture<AttemptReply> {
+            Box::pin(async {
+                AttemptReply::Failed(backstop_core::classify::TransportError::Connect)
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn start_names_missing_secrets_and_busy_ports() {
+        let dir = tempfile::tempdir().unwrap();
+        let policy = Policy::from_yaml_str(POLICY, "p.yaml").unwrap();
+        let options = ServeOptions {
+            listen: Some("127.0.0.1:0".into()),
+            store: Some(dir.path().join("b.db")),
+            ..ServeOptions::default()
+        };
+        let build = |_: Parts| -> Arc<dyn Executor> {
+            Arc::new(Scripted {
+                seen: Mutex::new(Vec::new()),
+                answer: ok_answer,
+            })
+        };
+        let err = start(policy.clone(), options.clone(), &|_| None, build)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "providers.billing.credential: environment variable BILL is not set"
+        );
+        let running = start(
+            policy.clone(),
+            options.clone(),
+            &|_| Some("s".into()),
+            build,
+        )
+        .await
+        .unwrap();
+        let busy = ServeOptions {
+            listen: Some(running.addr.to_string()),
+            ..options
+        };
+        let err = start(policy, busy, &|_| Some("s".into()), build)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "cannot listen on {}: the address is already in use",
+                running.addr
+            )
+        );
+        let _ = Unused;
+        running.shutdown().await.unwrap();
+    }
+}
