@@ -25,6 +25,8 @@ pub mod scheduler;
 
 // The HTTP edge: `backstop serve`, the proxy door, the upstream client.
 pub mod auth;
+pub mod door;
 pub mod problem;
 pub mod secrets;
+pub mod server;
 pub mod upstream;
