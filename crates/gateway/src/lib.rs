@@ -30,3 +30,6 @@ pub mod problem;
 pub mod secrets;
 pub mod server;
 pub mod upstream;
+
+// Operators: escalation case files and decisions.
+pub mod escalations;

@@ -1,0 +1,364 @@
+//! The escalation API: operators read case files and record decisions (SPEC §8, §11).
+//!
+//! Why operator-only: a case file names an account's endpoints, idempotency keys and budgets, and
+//! a decision can send a write again. Every route therefore needs an operator token
+//! (`Authorization: Bearer …`, resolved by [`EscalationsState::operators`]); agent tokens are not
+//! operator tokens. Decisions are validated by [`backstop_core::escalation::validate_decision`]
+//! (an option must have been offered; `send_new` must confirm that it may create a second side
+//! effect) and recorded with who decided through [`Store::decide_escalation`], which audits a
+//! `decision` event in the same transaction.
+//!
+//! | route | answer |
+//! |---|---|
+//! | `GET /v1/escalations` | `{"escalations": [{id, action, provider, route, reason, opened_at, state}]}`, open ones, oldest first |
+//! | `GET /v1/escalations/{id}` | `{id, action, state, decision, decided_by, case_file}` |
+//! | `POST /v1/escalations/{id}/decision` | body `{option, confirm_second_side_effect?, note?}` → `{id, action, decision, decided_by, decided_at, effect, note}` |
+//! | `POST /v1/escalations/{id}/reveal` | always `404 payload_not_stored` (see below) |
+//!
+//! Errors are RFC 9457 `application/problem+json` bodies with `type`
+//! `urn:backstop:problem:<name>` and `x-should-retry: false`: 401 `unauthorized` (no or unknown
+//! operator token), 404 `escalation_not_found`, 400 `bad_decision` (body is not a decision),
+//! 409 `already_decided`, 422 `decision_refused` (option not offered, unknown, or `send_new`
+//! without `confirm_second_side_effect: true`), 500 `store_error`.
+//!
+//! ## Revealing a payload
+//! Revealing a payload is a separate access decision (`reveal_payload`), never an approval of
+//! the action. The store keeps only the payload's SHA-256 digest, never its bytes, so there is
+//! nothing to reveal: the endpoint refuses explicitly with `404 payload_not_stored` and says how
+//! to proceed — ask the agent for its copy and compare its SHA-256 with the case file's
+//! `action.payload_digest`, or configure a payload vault (not built). Each request is logged
+//! with the operator's name (`tracing` target `backstop::escalations`); it is not written to the
+//! hash-chained audit log, because the store has no event for an access decision that does not
+//! close the escalation.
+
+use std::sync::Arc;
+
+use axum::{
+    body::Bytes,
+    extract::{Path, State},
+    http::{header, HeaderMap, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Json, Router,
+};
+use backstop_core::clock::Clock;
+use backstop_core::escalation::{validate_decision, CaseFile, Decision, REVEAL_PAYLOAD};
+use backstop_store::{EscalationId, EscalationRecord, Store, StoreError};
+use serde_json::{json, Value};
+
+use crate::clock::TokioClock;
+
+/// Resolves a bearer token to an operator name, `None` for anything that is not an operator
+/// token. Comparison should be constant-time on the caller's side.
+pub type OperatorLookup = dyn Fn(&str) -> Option<String> + Send + Sync;
+
+/// What the escalation routes need.
+#[derive(Clone)]
+pub struct EscalationsState {
+    /// The store holding escalations.
+    pub store: Arc<dyn Store>,
+    /// Operator token → operator name.
+    pub operators: Arc<OperatorLookup>,
+    /// The clock that stamps decisions.
+    pub clock: TokioClock,
+}
+
+impl std::fmt::Debug for EscalationsState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EscalationsState")
+            .field("clock", &self.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The escalation routes (see the module table), ready to merge into the gateway's router.
+pub fn router(state: EscalationsState) -> Router {
+    Router::new()
+        .route("/v1/escalations", get(list))
+        .route("/v1/escalations/{id}", get(show))
+        .route("/v1/escalations/{id}/decision", post(decide))
+        .route("/v1/escalations/{id}/reveal", post(reveal))
+        .with_state(state)
+}
+
+/// An RFC 9457 problem made by these routes.
+#[derive(Debug)]
+struct ApiProblem {
+    status: StatusCode,
+    name: &'static str,
+    title: &'static str,
+    detail: String,
+}
+
+impl ApiProblem {
+    fn new(status: StatusCode, name: &'static str, title: &'static str, detail: String) -> Self {
+        ApiProblem {
+            status,
+            name,
+            title,
+            detail,
+        }
+    }
+
+    fn unauthorized() -> Self {
+        ApiProblem::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "Operator token required",
+            "escalations are read and decided with an operator token in `Authorization: Bearer …`"
+                .to_owned(),
+        )
+    }
+
+    fn not_found(id: &str) -> Self {
+        ApiProblem::new(
+            StatusCode::NOT_FOUND,
+            "escalation_not_found",
+            "No such escalation",
+            format!("escalation `{id}` does not exist"),
+        )
+    }
+
+    fn store(e: &StoreError) -> Self {
+        match e {
+            StoreError::NotFound { what } => ApiProblem::new(
+                StatusCode::NOT_FOUND,
+                "escalation_not_found",
+                "No such escalation",
+                format!("{what} not found"),
+            ),
+            StoreError::InvalidTransition { .. } => ApiProblem::new(
+                StatusCode::CONFLICT,
+                "already_decided",
+                "Already decided",
+                e.to_string(),
+            ),
+            _ => ApiProblem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "store_error",
+                "The store failed",
+                e.to_string(),
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiProblem {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "type": format!("urn:backstop:problem:{}", self.name),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        let mut response = (self.status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        headers.insert("x-should-retry", HeaderValue::from_static("false"));
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"backstop-operators\""),
+            );
+        }
+        response
+    }
+}
+
+fn operator(state: &EscalationsState, headers: &HeaderMap) -> Result<String, ApiProblem> {
+    let value = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(ApiProblem::unauthorized)?;
+    let (scheme, token) = value
+        .trim()
+        .split_once(' ')
+        .ok_or_else(ApiProblem::unauthorized)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return Err(ApiProblem::unauthorized());
+    }
+    (state.operators)(token.trim()).ok_or_else(ApiProblem::unauthorized)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiProblem> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(result) => result.map_err(|e| ApiProblem::store(&e)),
+        Err(e) => Err(ApiProblem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "store_error",
+            "The store failed",
+            format!("store task ended: {e}"),
+        )),
+    }
+}
+
+async fn load(state: &EscalationsState, id: &str) -> Result<EscalationRecord, ApiProblem> {
+    let number: i64 = id
+        .parse()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| ApiProblem::not_found(id))?;
+    let store = state.store.clone();
+    blocking(move || store.escalation(EscalationId(number)))
+        .await?
+        .ok_or_else(|| ApiProblem::not_found(id))
+}
+
+fn case_str<'a>(record: &'a EscalationRecord, field: &str) -> &'a str {
+    record.case_file[field].as_str().unwrap_or("")
+}
+
+async fn list(
+    State(state): State<EscalationsState>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiProblem> {
+    operator(&state, &headers)?;
+    let store = state.store.clone();
+    let open = blocking(move || store.open_escalations()).await?;
+    let rows: Vec<Value> = open
+        .iter()
+        .map(|e| {
+            json!({
+                "id": e.id.0,
+                "action": e.action.0,
+                "provider": case_str(e, "provider"),
+                "route": case_str(e, "endpoint"),
+                "reason": case_str(e, "reason"),
+                "opened_at": e.case_file["opened_at"],
+                "state": e.state.as_str(),
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "escalations": rows })))
+}
+
+async fn show(
+    State(state): State<EscalationsState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiProblem> {
+    operator(&state, &headers)?;
+    let e = load(&state, &id).await?;
+    Ok(Json(json!({
+        "id": e.id.0,
+        "action": e.action.0,
+        "state": e.state.as_str(),
+        "decision": e.decision,
+        "decided_by": e.decided_by,
+        "case_file": e.case_file,
+    })))
+}
+
+async fn decide(
+    State(state): State<EscalationsState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiProblem> {
+    let who = operator(&state, &headers)?;
+    let e = load(&state, &id).await?;
+    if let Some(decision) = &e.decision {
+        return Err(ApiProblem::new(
+            StatusCode::CONFLICT,
+            "already_decided",
+            "Already decided",
+            format!(
+                "escalation {id} was already decided: `{decision}` by `{}`",
+                e.decided_by.as_deref().unwrap_or("unknown")
+            ),
+        ));
+    }
+    let decision: Decision = serde_json::from_slice(&body).map_err(|err| {
+        ApiProblem::new(
+            StatusCode::BAD_REQUEST,
+            "bad_decision",
+            "Not a decision",
+            format!(
+                "body: expected {{\"option\": …, \"confirm_second_side_effect\": bool, \"note\": …}}: {err}"
+            ),
+        )
+    })?;
+    let case = CaseFile::from_json(&e.case_file).map_err(|err| {
+        ApiProblem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "store_error",
+            "Case file unreadable",
+            format!("escalation {id}: the stored case file cannot be read: {err}"),
+        )
+    })?;
+    let effect = validate_decision(&case, &decision).map_err(|err| {
+        ApiProblem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "decision_refused",
+            "Decision refused",
+            err.to_string(),
+        )
+    })?;
+    let word = effect.option().as_str();
+    let at = state.clock.now();
+    let store = state.store.clone();
+    let (escalation, decided_by) = (e.id, who.clone());
+    blocking(move || store.decide_escalation(escalation, word, &decided_by, at)).await?;
+    tracing::info!(
+        target: "backstop::escalations",
+        escalation = e.id.0,
+        action = e.action.0,
+        decision = word,
+        decided_by = %who,
+        "escalation decided"
+    );
+    let note = decision
+        .note
+        .as_deref()
+        .map(|n| backstop_core::escalation::sanitize_text(n).text);
+    Ok(Json(json!({
+        "id": e.id.0,
+        "action": e.action.0,
+        "decision": word,
+        "decided_by": who,
+        "decided_at": at.to_string(),
+        "effect": effect,
+        "note": note,
+    })))
+}
+
+async fn reveal(
+    State(state): State<EscalationsState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiProblem> {
+    let who = operator(&state, &headers)?;
+    let e = load(&state, &id).await?;
+    tracing::info!(
+        target: "backstop::escalations",
+        escalation = e.id.0,
+        action = e.action.0,
+        decision = REVEAL_PAYLOAD,
+        decided_by = %who,
+        "payload reveal requested; refused: the payload is not stored"
+    );
+    let digest = case_str_nested(&e.case_file, "/action/payload_digest");
+    Err(ApiProblem::new(
+        StatusCode::NOT_FOUND,
+        "payload_not_stored",
+        "Payload not stored",
+        format!(
+            "backstop keeps only the payload's SHA-256 digest ({digest}), never the payload; ask \
+             the agent for its copy and compare its SHA-256 with the case file's \
+             action.payload_digest, or configure a payload vault. Revealing a payload is a \
+             separate access decision and approves nothing."
+        ),
+    ))
+}
+
+fn case_str_nested<'a>(case_file: &'a Value, pointer: &str) -> &'a str {
+    case_file
+        .pointer(pointer)
+        .and_then(Value::as_str)
+        .unwrap_or("unknown")
+}
