@@ -57,9 +57,10 @@ struct Entry {
 }
 
 /// The known token digests.
-#[derive(Clone, Default)]
+#[derive(Default)]
 pub struct Authenticator {
     entries: Vec<Entry>,
+    unavailable: Vec<SecretError>,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -76,13 +77,16 @@ pub fn token_digest(token: &str) -> [u8; 32] {
 }
 
 impl Authenticator {
-    /// Reads every agent's and operator's token (keeping only digests).
+    /// Reads every agent's and operator's token (keeping only digests). A `token_file` that
+    /// cannot be read leaves that agent or operator unable to authenticate
+    /// ([`Authenticator::unavailable`]) instead of failing.
     ///
     /// # Errors
     /// [`SecretError`] naming `agents.NAME` or `operators.NAME`: a missing environment variable,
-    /// an unreadable or empty file, or a `token_sha256` that is not 64 hex digits.
+    /// an empty token, or a `token_sha256` that is not 64 hex digits.
     pub fn resolve(policy: &Policy, env: EnvLookup<'_>) -> Result<Authenticator, SecretError> {
         let mut entries = Vec::new();
+        let mut unavailable = Vec::new();
         for (section, role, tokens) in [
             ("agents", Role::Agent, &policy.agents),
             ("operators", Role::Operator, &policy.operators),
@@ -91,9 +95,14 @@ impl Authenticator {
                 let place = format!("{section}.{name}");
                 let digest = match source {
                     TokenRef::Sha256(hex_digest) => decode_digest(&place, hex_digest)?,
-                    other => match read_token(&place, other, env)? {
-                        Some(token) => token_digest(token.expose()),
-                        None => continue,
+                    other => match read_token(&place, other, env) {
+                        Ok(Some(token)) => token_digest(token.expose()),
+                        Ok(None) => continue,
+                        Err(error @ SecretError::ReadFile { .. }) => {
+                            unavailable.push(error);
+                            continue;
+                        }
+                        Err(error) => return Err(error),
                     },
                 };
                 entries.push(Entry {
@@ -103,7 +112,15 @@ impl Authenticator {
                 });
             }
         }
-        Ok(Authenticator { entries })
+        Ok(Authenticator {
+            entries,
+            unavailable,
+        })
+    }
+
+    /// Token files that could not be read at start (their owners cannot authenticate).
+    pub fn unavailable(&self) -> &[SecretError] {
+        &self.unavailable
     }
 
     /// Adds one token (tests and embedding).
@@ -233,6 +250,22 @@ mod tests {
             Err(AuthError::Unknown)
         );
         assert!(!AuthError::Unknown.to_string().contains("secret-token"));
+    }
+
+    #[test]
+    fn unreadable_token_file_disables_only_that_agent() {
+        let policy = Policy::from_yaml_str(
+            "agents:\n  a: { token_env: A_TOKEN }\n  r: { token_file: /nonexistent/backstop-token }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let auth = Authenticator::resolve(&policy, &|_| Some("tok-a".into())).unwrap();
+        assert_eq!(auth.len(), 1);
+        assert_eq!(auth.unavailable().len(), 1);
+        assert!(auth.unavailable()[0]
+            .to_string()
+            .starts_with("agents.r: cannot read secret file"));
+        assert!(auth.identify("tok-a").is_some());
     }
 
     #[test]

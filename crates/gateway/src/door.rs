@@ -481,6 +481,9 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
         .providers
         .get(provider_name)
         .ok_or_else(|| Problem::unknown_provider(provider_name))?;
+    if state.credentials.unavailable().contains_key(provider_name) {
+        return Err(Problem::credential_unavailable(provider_name));
+    }
     let backstop = parse_backstop_headers(&parts.headers)?;
     let route = policy
         .route(provider_name, parts.method.as_str(), &rest)

@@ -25,7 +25,8 @@
 //!
 //! Problems of the door itself (the request never became an action, nothing was sent):
 //! missing or unknown agent token → 401; a malformed `X-Backstop-*` or `Prefer` header → 400
-//! naming the header; unknown provider → 404; a request body that cannot be read → 400; the
+//! naming the header; unknown provider → 404; the provider's `secret_file` could not be read at
+//! start → 424 `credential_unavailable`; a body over the hard cap → 413; a request body that cannot be read → 400; the
 //! gateway is shutting down → 503 with `Retry-After: 1` and `x-should-retry: true` (nothing was
 //! sent, so a retry is safe by construction).
 //!
@@ -160,6 +161,23 @@ impl Problem {
             "No such endpoint",
             format!("backstop has no endpoint `{path}`; the proxy door is /{{provider}}/{{path}}"),
         )
+    }
+
+    /// 424: the provider's credential could not be read at start (its `secret_file` is missing);
+    /// nothing was sent. Not retried by SDKs: an operator must provide the file and restart.
+    pub fn credential_unavailable(provider: &str) -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::FAILED_DEPENDENCY,
+            "credential_unavailable",
+            "Provider credential unavailable",
+            format!(
+                "the credential of provider `{provider}` could not be read when backstop started; nothing was sent"
+            ),
+        );
+        problem
+            .extensions
+            .insert("provider".into(), Value::String(provider.to_owned()));
+        problem
     }
 
     /// 403: the caller is authenticated but may not use this endpoint.

@@ -1,13 +1,20 @@
 //! Provider credentials and agent tokens, read once at start from where the policy points.
 //!
-//! Why read at start: a missing environment variable or unreadable file is a configuration
-//! error, and `backstop serve` should refuse to start naming it, not fail the first agent call an
-//! hour later. The policy only ever names *where* a secret is (`secret_env`, `secret_file`,
+//! Why read at start: a missing environment variable is a configuration error, and
+//! `backstop serve` should refuse to start naming it, not fail the first agent call an hour
+//! later. The policy only ever names *where* a secret is (`secret_env`, `secret_file`,
 //! `token_env`, `token_file`); the values live in [`Secret`], whose `Debug` never shows them, and
 //! provider credentials become header values marked sensitive (so HTTP/2 HPACK never indexes
 //! them). Agent tokens are not kept at all: [`crate::auth`] keeps their SHA-256 digests.
 //!
 //! A file's content is used without its trailing newline (`echo "sk-…" > file` works).
+//!
+//! Environment variables and files differ in one way: a missing environment variable stops the
+//! start (it is part of how the process was launched), while a secret *file* that cannot be read
+//! (not mounted on this host) only makes its owner unavailable — the agent cannot authenticate,
+//! the provider's calls are refused with `credential_unavailable` before anything is sent — and
+//! is reported as a warning at start, naming the file. A policy that lists secrets for several
+//! deployments thus starts wherever its environment is complete.
 
 use std::{collections::BTreeMap, path::PathBuf};
 
@@ -169,27 +176,39 @@ impl std::fmt::Debug for CredentialHeader {
 }
 
 /// Every provider's credential header, resolved at start.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct ProviderCredentials {
     by_provider: BTreeMap<String, CredentialHeader>,
+    unavailable: BTreeMap<String, SecretError>,
 }
 
 impl ProviderCredentials {
-    /// Resolves the credential of every provider that has one.
+    /// Resolves the credential of every provider that has one. A `secret_file` that cannot be
+    /// read makes that provider unavailable ([`ProviderCredentials::unavailable`]) instead of
+    /// failing.
     ///
     /// # Errors
-    /// The first [`SecretError`] in provider order, naming `providers.NAME.credential`.
+    /// The first other [`SecretError`] in provider order, naming `providers.NAME.credential`:
+    /// a missing environment variable, an empty secret, a value or header name HTTP cannot carry.
     pub fn resolve(
         policy: &Policy,
         env: EnvLookup<'_>,
     ) -> Result<ProviderCredentials, SecretError> {
         let mut by_provider = BTreeMap::new();
+        let mut unavailable = BTreeMap::new();
         for (name, provider) in &policy.providers {
             let Some(credential) = &provider.credential else {
                 continue;
             };
             let place = format!("providers.{name}.credential");
-            let secret = read_secret(&place, &credential.secret, env)?;
+            let secret = match read_secret(&place, &credential.secret, env) {
+                Ok(secret) => secret,
+                Err(error @ SecretError::ReadFile { .. }) => {
+                    unavailable.insert(name.clone(), error);
+                    continue;
+                }
+                Err(error) => return Err(error),
+            };
             let header = HeaderName::try_from(credential.header.as_str()).map_err(|_| {
                 SecretError::InvalidHeader {
                     place: place.clone(),
@@ -215,12 +234,20 @@ impl ProviderCredentials {
                 },
             );
         }
-        Ok(ProviderCredentials { by_provider })
+        Ok(ProviderCredentials {
+            by_provider,
+            unavailable,
+        })
     }
 
     /// The credential header of `provider`, if it has one.
     pub fn get(&self, provider: &str) -> Option<&CredentialHeader> {
         self.by_provider.get(provider)
+    }
+
+    /// Providers whose `secret_file` could not be read at start, with the reason.
+    pub fn unavailable(&self) -> &BTreeMap<String, SecretError> {
+        &self.unavailable
     }
 }
 
@@ -271,10 +298,11 @@ mod tests {
     }
 
     #[test]
-    fn unreadable_or_empty_files_are_named() {
+    fn unreadable_files_make_the_provider_unavailable_and_empty_secrets_fail() {
         let p = policy("    credential: { secret_file: /nonexistent/backstop-key }\n");
-        let err = ProviderCredentials::resolve(&p, &|_| None).unwrap_err();
-        assert!(err.to_string().starts_with(
+        let creds = ProviderCredentials::resolve(&p, &|_| None).unwrap();
+        assert!(creds.get("billing").is_none());
+        assert!(creds.unavailable()["billing"].to_string().starts_with(
             "providers.billing.credential: cannot read secret file /nonexistent/backstop-key"
         ));
         let p = policy("    credential: { secret_env: K }\n");

@@ -421,6 +421,14 @@ pub async fn start(
         options.door,
         addr.ip().is_loopback(),
     ));
+    for error in state.auth.unavailable() {
+        tracing::warn!(
+            "{error}; this caller cannot authenticate until the file exists and backstop restarts"
+        );
+    }
+    for error in state.credentials.unavailable().values() {
+        tracing::warn!("{error}; calls to this provider are refused (credential_unavailable) until the file exists and backstop restarts");
+    }
     let providers: Vec<&str> = policy.providers.keys().map(String::as_str).collect();
     tracing::info!(
         listen = %addr,

@@ -1,13 +1,174 @@
-//! `backstop serve`.
+//! `backstop serve`: run the gateway (proxy door, `/v1/scopes`, `/metrics`) on one listener.
+//!
+//! Start-up is all-or-nothing: the policy is validated (errors as `FILE:LINE:COL: message`),
+//! every agent token and provider secret is resolved (a missing one is named), the store is
+//! opened and the address bound (`already in use` is said plainly) before any request is
+//! accepted; any failure exits 2. SIGTERM or Ctrl-C stops taking new work, shuts the engine down
+//! (accepted actions stay recoverable in the store) and drains open connections.
+//! Logs go to stderr through `tracing` (`RUST_LOG`, default `info`).
 
-use std::process::ExitCode;
+use std::{
+    collections::hash_map::RandomState, hash::BuildHasher, path::PathBuf, process::ExitCode,
+    time::Duration,
+};
+
+use backstop_core::policy::Policy;
+use backstop_gateway::{
+    door::DoorConfig,
+    secrets::process_env,
+    server::{self, ServeOptions},
+    upstream::UpstreamConfig,
+};
 
 /// Arguments of `backstop serve`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The policy file (YAML).
+    #[arg(
+        long,
+        short = 'c',
+        value_name = "FILE",
+        default_value = "backstop.yaml"
+    )]
+    pub config: PathBuf,
+    /// Listen address, e.g. 127.0.0.1:8080 (overrides the policy's `listen`).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// SQLite store file (overrides the policy's `store`; default ./backstop.db).
+    #[arg(long, value_name = "PATH")]
+    pub store: Option<PathBuf>,
+    /// Request bodies up to this many bytes may be resent on retries; larger ones get exactly
+    /// one attempt.
+    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024)]
+    pub retry_body_bytes: usize,
+    /// Hard cap on request bodies; larger ones are refused with 413.
+    #[arg(long, value_name = "BYTES", default_value_t = 32 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Most seconds from the start of an attempt to the provider's response head.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    pub attempt_timeout_seconds: u64,
+    /// Most seconds to drain open connections at shutdown.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    pub shutdown_grace_seconds: u64,
+    /// Seed of the retry jitter (default: random).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
 
-/// Runs `backstop serve`.
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("backstop serve: not built yet");
-    ExitCode::from(2)
+/// Runs `backstop serve` until SIGTERM or Ctrl-C. Exit 0 after a clean shutdown, 2 when it
+/// cannot start.
+pub fn run(args: Args) -> ExitCode {
+    init_logging();
+    let policy = match Policy::load(&args.config) {
+        Ok(policy) => policy,
+        Err(errors) => {
+            for error in &errors.0 {
+                eprintln!("{error}");
+            }
+            eprintln!(
+                "backstop serve: the policy {} is invalid",
+                args.config.display()
+            );
+            return ExitCode::from(2);
+        }
+    };
+    if args.retry_body_bytes > args.max_body_bytes {
+        eprintln!(
+            "backstop serve: --retry-body-bytes ({}) must not exceed --max-body-bytes ({})",
+            args.retry_body_bytes, args.max_body_bytes
+        );
+        return ExitCode::from(2);
+    }
+    if args.attempt_timeout_seconds == 0 {
+        eprintln!("backstop serve: --attempt-timeout-seconds must be at least 1");
+        return ExitCode::from(2);
+    }
+    let options = ServeOptions {
+        listen: args.listen,
+        store: args.store,
+        door: DoorConfig {
+            max_buffered_body_bytes: args.retry_body_bytes,
+            max_body_bytes: args.max_body_bytes,
+        },
+        upstream: UpstreamConfig {
+            attempt_timeout: Duration::from_secs(args.attempt_timeout_seconds),
+            ..UpstreamConfig::default()
+        },
+        seed: args
+            .seed
+            .unwrap_or_else(|| RandomState::new().hash_one(std::process::id())),
+        shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("backstop serve: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    runtime.block_on(async move {
+        let mut running = match server::start(policy, options, &process_env, server::engine).await {
+            Ok(running) => running,
+            Err(e) => {
+                eprintln!("backstop serve: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        tokio::select! {
+            () = stop_signal() => {}
+            result = running.wait() => {
+                if let Err(e) = result {
+                    eprintln!("backstop serve: the server stopped: {e}");
+                }
+                return ExitCode::from(1);
+            }
+        }
+        tracing::info!("backstop serve: stop signal received");
+        match running.shutdown().await {
+            Ok(()) => {
+                tracing::info!("backstop serve: stopped");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("backstop serve: error while stopping: {e}");
+                ExitCode::from(1)
+            }
+        }
+    })
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Resolves on Ctrl-C (SIGINT) or, on Unix, SIGTERM.
+async fn stop_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
 }
