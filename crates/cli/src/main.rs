@@ -31,6 +31,8 @@ enum Command {
     Diagnose(cmd::diagnose::Args),
     /// Run the controllable fake provider.
     FakeApi(cmd::fake_api::Args),
+    /// Read escalation case files and record decisions on a running gateway.
+    Escalations(cmd::escalations::Args),
 }
 
 fn main() -> ExitCode {
@@ -42,5 +44,6 @@ fn main() -> ExitCode {
         Command::Audit(args) => cmd::audit::run(args),
         Command::Diagnose(args) => cmd::diagnose::run(args),
         Command::FakeApi(args) => cmd::fake_api::run(args),
+        Command::Escalations(args) => cmd::escalations::run(args),
     }
 }

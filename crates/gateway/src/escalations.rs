@@ -300,7 +300,9 @@ async fn decide(
         )
     })?;
     let word = effect.option().as_str();
-    let at = state.clock.now();
+    // The store keeps milliseconds; answer the instant exactly as recorded.
+    let now = state.clock.now();
+    let at = jiff::Timestamp::from_millisecond(now.as_millisecond()).unwrap_or(now);
     let store = state.store.clone();
     let (escalation, decided_by) = (e.id, who.clone());
     blocking(move || store.decide_escalation(escalation, word, &decided_by, at)).await?;

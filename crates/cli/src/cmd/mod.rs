@@ -3,6 +3,7 @@
 pub mod audit;
 pub mod classify;
 pub mod diagnose;
+pub mod escalations;
 pub mod fake_api;
 pub mod policy;
 pub mod serve;

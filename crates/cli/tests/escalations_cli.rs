@@ -1,0 +1,332 @@
+//! `backstop escalations list|show|decide` as a process against the gateway's escalation router
+//! served on a loopback port, over a temporary SQLite store.
+
+use std::net::SocketAddr;
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use backstop_core::escalation::{
+    BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput, EscalationReason,
+};
+use backstop_gateway::clock::TokioClock;
+use backstop_gateway::escalations::{router, EscalationsState};
+use backstop_store::{
+    Admission, EscalationId, NewAction, NewTask, PayloadDigest, Priority, RouteTemplate,
+    SqliteStore, Store,
+};
+use jiff::Timestamp;
+
+const TOKEN: &str = "op-token-cli-1";
+const PAYLOAD: &[u8] = br#"{"amount":700,"note":"PAYLOAD-CANARY-CLI"}"#;
+
+fn t(s: &str) -> Timestamp {
+    s.parse().expect("timestamp")
+}
+
+struct Gateway {
+    _dir: tempfile::TempDir,
+    _runtime: tokio::runtime::Runtime,
+    store: Arc<SqliteStore>,
+    escalation: EscalationId,
+    url: String,
+}
+
+fn open_escalation(store: &SqliteStore) -> EscalationId {
+    store
+        .open_task(
+            NewTask {
+                id: "run-1".into(),
+                agent: "agent-a".into(),
+                priority: Priority::Normal,
+                deadline: None,
+            },
+            t("2026-01-01T00:00:00Z"),
+        )
+        .expect("task");
+    let Admission::New(action) = store
+        .record_action(
+            NewAction {
+                task_id: "run-1".into(),
+                provider: "billing-api".into(),
+                method: "POST".into(),
+                route: RouteTemplate::try_new("/v1/transfers").expect("route"),
+                request_class: "uncertain_write".into(),
+                payload_digest: PayloadDigest::of(PAYLOAD),
+                idempotency_key: "0f1e2d3c-4b5a-4978-8877-665544332211".into(),
+                external_reference: None,
+            },
+            t("2026-01-01T00:00:00Z"),
+        )
+        .expect("action")
+    else {
+        panic!("the action existed already");
+    };
+    let case = CaseFile::build(CaseInput {
+        opened_at: t("2026-01-01T00:00:30Z"),
+        reason: EscalationReason::SideEffectUnknown,
+        reason_detail: "no key support and no lookup".into(),
+        desired_outcome: Some("pay invoice 7".into()),
+        action: CaseAction {
+            task_id: "run-1".into(),
+            method: "POST".into(),
+            route: "/v1/transfers".into(),
+            request_class: "uncertain_write".into(),
+            payload_digest: PayloadDigest::of(PAYLOAD).as_str().to_owned(),
+        },
+        provider: "billing-api".into(),
+        scopes: vec!["billing-api/account".into()],
+        fingerprint: "POST /v1/transfers".into(),
+        attempts: vec![CaseAttempt {
+            n: 1,
+            started_at: t("2026-01-01T00:00:01Z"),
+            finished_at: None,
+            status: None,
+            disposition: Some("uncertain".into()),
+            retry_after_raw: None,
+            retry_not_before: None,
+            quota_headers: vec![],
+        }],
+        budget: BudgetConsumed {
+            attempts_used: 1,
+            max_attempts: 1,
+            ..BudgetConsumed::default()
+        },
+        honours_key: false,
+        idempotency_key: Some("0f1e2d3c-4b5a-4978-8877-665544332211".into()),
+        ..CaseInput::default()
+    })
+    .expect("case file");
+    store
+        .open_escalation(action, case.to_json(), t("2026-01-01T00:00:30Z"))
+        .expect("escalation")
+}
+
+fn gateway() -> Gateway {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(SqliteStore::open(dir.path().join("backstop.db")).expect("store"));
+    let escalation = open_escalation(&store);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let state_store = store.clone();
+    let addr: SocketAddr = runtime.block_on(async move {
+        let app = router(EscalationsState {
+            store: state_store,
+            operators: Arc::new(|token: &str| (token == TOKEN).then(|| "alice".to_owned())),
+            clock: TokioClock::anchored_at(t("2026-01-01T00:10:00Z")),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    });
+    Gateway {
+        _dir: dir,
+        _runtime: runtime,
+        store,
+        escalation,
+        url: format!("http://{addr}"),
+    }
+}
+
+fn backstop(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(args)
+        .env_remove("BACKSTOP_URL")
+        .env_remove("BACKSTOP_OPERATOR_TOKEN")
+        .output()
+        .expect("run backstop")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn list_show_decide_round_trip() {
+    let g = gateway();
+    let id = g.escalation.0.to_string();
+
+    let out = backstop(&["escalations", "list", "--url", &g.url, "--token", TOKEN]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    let header: Vec<&str> = lines[0].split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["ID", "ACTION", "PROVIDER", "ROUTE", "REASON", "OPENED"]
+    );
+    let row: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(row[0], id);
+    assert_eq!(row[2], "billing-api");
+    assert_eq!(row[3..5], ["POST", "/v1/transfers"]);
+    assert_eq!(row[5], "side_effect_unknown");
+    assert_eq!(row[6], "2026-01-01T00:00:30Z");
+
+    let out = backstop(&[
+        "escalations",
+        "show",
+        &id,
+        "--url",
+        &g.url,
+        "--token",
+        TOKEN,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).expect("pretty JSON");
+    assert_eq!(shown["case_file"]["endpoint"], "POST /v1/transfers");
+    assert_eq!(shown["state"], "open");
+    assert!(text(&out.stdout).contains("\n  \""), "not pretty-printed");
+    assert!(!text(&out.stdout).contains("PAYLOAD-CANARY-CLI"));
+
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        &id,
+        "--option",
+        "send_new",
+        "--url",
+        &g.url,
+        "--token",
+        TOKEN,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("backstop escalations decide: HTTP 422 decision_refused: "),
+        "{stderr}"
+    );
+    assert!(stderr.contains("second side effect"), "{stderr}");
+    let record = g
+        .store
+        .escalation(g.escalation)
+        .expect("read")
+        .expect("exists");
+    assert_eq!(record.decision, None);
+
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        &id,
+        "--option",
+        "send_new",
+        "--confirm-second-side-effect",
+        "--note",
+        "customer confirmed nothing arrived",
+        "--url",
+        &g.url,
+        "--token",
+        TOKEN,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        format!(
+            "escalation {id}: send_new (action 1, decided by alice at {})\n",
+            decided_at(&g)
+        )
+    );
+    assert!(text(&out.stdout).contains(" at 2026-01-01T00:10:0"));
+    let record = g
+        .store
+        .escalation(g.escalation)
+        .expect("read")
+        .expect("exists");
+    assert_eq!(record.decision.as_deref(), Some("send_new"));
+    assert_eq!(record.decided_by.as_deref(), Some("alice"));
+
+    let out = backstop(&["escalations", "list", "--url", &g.url, "--token", TOKEN]);
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        1,
+        "decided escalations are not listed"
+    );
+}
+
+/// The instant the store recorded for the decision (the served clock runs in real time).
+fn decided_at(g: &Gateway) -> String {
+    let events = g.store.audit_events(0, 100).expect("audit");
+    let decision = events
+        .iter()
+        .find(|e| e.kind == "decision")
+        .expect("decision event");
+    decision
+        .at
+        .parse::<Timestamp>()
+        .expect("instant")
+        .to_string()
+}
+
+#[test]
+fn url_and_token_come_from_the_environment() {
+    let g = gateway();
+    let out = Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["escalations", "list"])
+        .env("BACKSTOP_URL", &g.url)
+        .env("BACKSTOP_OPERATOR_TOKEN", TOKEN)
+        .output()
+        .expect("run backstop");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("side_effect_unknown"));
+}
+
+#[test]
+fn a_wrong_or_missing_token_is_one_line_and_exit_2() {
+    let g = gateway();
+    let out = backstop(&["escalations", "list", "--url", &g.url, "--token", "nope"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr).lines().collect::<Vec<_>>(),
+        ["backstop escalations list: HTTP 401 unauthorized: escalations are read and decided with an operator token in `Authorization: Bearer …`"]
+    );
+
+    let out = backstop(&["escalations", "list", "--url", &g.url]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("no operator token"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = backstop(&[
+        "escalations",
+        "show",
+        "999",
+        "--url",
+        &g.url,
+        "--token",
+        TOKEN,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("HTTP 404 escalation_not_found"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn an_unreachable_gateway_is_named() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let out = backstop(&["escalations", "list", "--url", &url, "--token", TOKEN]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with(&format!(
+            "backstop escalations list: cannot reach the gateway at {url}"
+        )),
+        "{stderr}"
+    );
+}
