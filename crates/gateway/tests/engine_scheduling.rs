@@ -321,6 +321,17 @@ async fn a_client_disconnecting_before_send_cancels_its_action() {
     advance(SEC).await;
     waiting.abort();
     let _ = waiting.await;
+    advance(Duration::from_millis(10)).await;
+    let view = h
+        .engine
+        .scopes()
+        .into_iter()
+        .find(|v| v.scope == "account")
+        .unwrap();
+    assert_eq!(
+        view.delayed, 1,
+        "only the 429'd retry still waits; the abandoned place is freed at once"
+    );
     advance(Duration::from_secs(30)).await;
     assert_eq!(summary(&first.await.unwrap()), "200");
     assert!(

@@ -1,0 +1,229 @@
+//! Budgets, deadlines, outcomes and the breaker through the engine (SPEC §4.2, §5, §7), with
+//! paused time; attempts are measured at the scripted transport.
+
+mod engine_support;
+
+use std::time::Duration;
+
+use backstop_core::outcome::{NextSafe, Outcome};
+use backstop_gateway::action::Execution;
+use backstop_store::{ActionId, Store};
+use engine_support::{advance, answer, attempts, summary, Harness, Step};
+use jiff::SignedDuration;
+
+fn outcome_of(execution: &Execution) -> (Outcome, backstop_core::outcome::OutcomeContext, i64) {
+    match execution {
+        Execution::Outcome {
+            outcome,
+            context,
+            receipt,
+            ..
+        } => (*outcome, context.clone(), receipt.action_id),
+        Execution::Response { response, .. } => {
+            panic!("expected an outcome, got HTTP {}", response.status())
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_boundary_beyond_the_deadline_ends_at_once_with_wait_until() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    spec.deadline = Some(h.t0 + SignedDuration::from_secs(5));
+    let execution = h.engine.execute(spec).await;
+    let (outcome, context, id) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::DeadlineExhausted);
+    assert_eq!(h.clock_now(), h.t0, "no sleep into failure");
+    let boundary = h.t0 + SignedDuration::from_secs(10);
+    assert_eq!(context.next_safe[0], NextSafe::WaitUntil { at: boundary });
+    assert_eq!(context.boundary, Some(boundary));
+    assert!(context.sent && context.response_received);
+    assert_eq!(context.last_status, Some(429));
+    assert_eq!(context.attempts, 1);
+    assert_eq!(h.transport.sent().len(), 1);
+    let stored = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(
+        stored.outcome,
+        Some(backstop_store::Outcome::DeadlineExhausted)
+    );
+    // Nothing more leaves later either.
+    advance(Duration::from_secs(60)).await;
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn nothing_starts_after_the_deadline() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(503, &[], ""), answer(503, &[], "")],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    // Full jitter for retry 1 is up to 2 s; with a 1 ms deadline the retry cannot start.
+    spec.deadline = Some(h.t0 + SignedDuration::from_millis(1));
+    let execution = h.engine.execute(spec).await;
+    let (outcome, _, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::DeadlineExhausted);
+    let deadline = h.t0 + SignedDuration::from_millis(1);
+    for sent in h.transport.sent() {
+        assert!(sent.at < deadline, "an attempt started after the deadline");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_stop_with_budget_exhausted_after_max_attempts() {
+    let h = Harness::new();
+    h.transport
+        .script("/v1/items/1", vec![answer(503, &[], "busy"); 6]);
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(attempts(&execution), 4, "the read class allows 4 attempts");
+    assert_eq!(h.transport.sent().len(), 4);
+    assert_eq!(context.last_status, Some(503));
+    assert_eq!(context.last_signal.as_deref(), Some("unavailable"));
+    assert!(context.total_wait_ms > 0, "waits are counted");
+    // Each retry waited within the full-jitter cap min(60, 1 * 2^n) s.
+    let sent = h.transport.sent();
+    for (n, pair) in sent.windows(2).enumerate() {
+        let gap = pair[1].at.duration_since(pair[0].at).as_secs_f64();
+        let cap = f64::from(1u32 << (n + 1));
+        assert!(
+            gap <= cap + 0.001,
+            "retry {} waited {gap} s > cap {cap}",
+            n + 1
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_boundary_beyond_the_wait_budget_is_budget_exhausted_not_clamped() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "120")], "")],
+    );
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(h.clock_now(), h.t0);
+    assert_eq!(
+        context.next_safe[0],
+        NextSafe::WaitUntil {
+            at: h.t0 + SignedDuration::from_secs(120)
+        }
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn prefer_wait_caps_the_wait_budget() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/2",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let mut spec = h.get("t", "/v1/items/2");
+    spec.max_wait = Some(Duration::from_secs(5));
+    let (outcome, context, _) = outcome_of(&h.engine.execute(spec).await);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(context.boundary, Some(h.t0 + SignedDuration::from_secs(10)));
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_breaker_opens_at_the_threshold_and_sends_nothing_more() {
+    let h = Harness::new();
+    let rejection = r#"{"error":{"code":"invalid_iban"}}"#;
+    h.transport
+        .script("/v1/transfers", vec![answer(422, &[], rejection); 3]);
+    for i in 0..3 {
+        // The agent "varies the whitespace": same amount, different bytes.
+        let body = format!("{{\"amount\": 100, \"note\": \"{}\"}}", " ".repeat(i));
+        let execution = h
+            .engine
+            .execute(h.spec("t", "POST", "/v1/transfers", &body))
+            .await;
+        let Execution::Response { response, .. } = execution else {
+            panic!("a provider rejection passes through")
+        };
+        assert_eq!(response.status(), 422);
+        let body = axum::body::to_bytes(response.into_body(), 1024)
+            .await
+            .unwrap();
+        assert_eq!(
+            &body[..],
+            rejection.as_bytes(),
+            "the error body is passed on"
+        );
+    }
+    assert_eq!(h.transport.sent().len(), 3);
+    let execution = h
+        .engine
+        .execute(h.spec("t", "POST", "/v1/transfers", "{\"amount\":100}"))
+        .await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::CircuitOpen);
+    assert_eq!(context.last_status, Some(422));
+    assert!(context.next_safe.contains(&NextSafe::ChangeRequest));
+    assert_eq!(
+        h.transport.sent().len(),
+        3,
+        "0 new attempts once the circuit is open"
+    );
+    assert!(h.audit().iter().any(|e| e.kind == "circuit_opened"));
+    assert!(h
+        .metrics
+        .render()
+        .contains("backstop_breakers_opened_total{provider=\"billing\"} 1"));
+    // Another task, or another request, is not affected.
+    let other = h
+        .engine
+        .execute(h.spec("t2", "POST", "/v1/transfers", "{\"amount\":100}"))
+        .await;
+    assert_eq!(summary(&other), "200");
+    let changed = h
+        .engine
+        .execute(h.spec("t", "POST", "/v1/transfers", "{\"amount\":101}"))
+        .await;
+    assert_eq!(summary(&changed), "200");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_is_never_resent_blindly() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(
+            backstop_core::classify::TransportError::TimeoutAfterSend,
+        )],
+    );
+    let execution = h
+        .engine
+        .execute(h.spec("t", "POST", "/v1/transfers", "{\"amount\":5}"))
+        .await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::ReconciliationRequired);
+    assert_eq!(context.next_safe[0], NextSafe::QueryStatus);
+    advance(Duration::from_secs(300)).await;
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_not_sent_failure_is_retried_and_every_attempt_is_charged() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![Step::Fail(backstop_core::classify::TransportError::Connect)],
+    );
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    assert_eq!(summary(&execution), "200");
+    assert_eq!(attempts(&execution), 2);
+    assert_eq!(h.transport.sent().len(), 2);
+    let text = h.metrics.render();
+    assert!(text.contains("disposition=\"not_sent\"} 1"), "{text}");
+    assert!(text.contains("disposition=\"success\"} 1"), "{text}");
+}
