@@ -754,7 +754,10 @@ impl Engine {
         let provider = inner.policy.providers.get(&route.provider);
         let mut seen = Seen::default();
         let mut not_before: Option<Timestamp> = None;
-        let mut tokens: Option<RetryTokens> = None;
+        // Tokens of retries that were sent (refunded if the action succeeds) and of the planned
+        // retry not sent yet (refunded if it never leaves).
+        let mut spent: Option<RetryTokens> = None;
+        let mut pending: Option<RetryTokens> = None;
         loop {
             let acquired = inner
                 .scheduler
@@ -773,6 +776,12 @@ impl Engine {
                     budget: charged,
                 } => {
                     budget = charged;
+                    if let Some(RetryTokens(tokens)) = pending.take() {
+                        spent
+                            .get_or_insert_with(RetryTokens::default)
+                            .0
+                            .extend(tokens);
+                    }
                     permit
                 }
                 Acquired::Refused {
@@ -783,7 +792,7 @@ impl Engine {
                 } => {
                     budget = charged;
                     guard.armed = false;
-                    if let Some(tokens) = tokens.take() {
+                    if let Some(tokens) = pending.take() {
                         inner.scheduler.deposit(&route.scopes, Some(tokens));
                     }
                     let boundary = boundary.or(seen.boundary.filter(|b| *b > inner.clock.now()));
@@ -941,7 +950,7 @@ impl Engine {
                     );
                 };
                 self.breaker_success(run);
-                inner.scheduler.deposit(&route.scopes, tokens.take());
+                inner.scheduler.deposit(&route.scopes, spent.take());
                 let context = self.context(&budget, &seen, None, Vec::new());
                 result.finish = Some(Finish {
                     outcome: backstop_store::Outcome::Succeeded,
@@ -1029,9 +1038,7 @@ impl Engine {
                         .await;
                 }
             };
-            let mut all_tokens = tokens.take().unwrap_or_default();
-            all_tokens.0.extend(withdrawn.0);
-            tokens = Some(all_tokens);
+            pending = Some(withdrawn);
             let plan_now = inner.clock.now();
             let decision = plan_retry(
                 &RetryInput {
@@ -1051,7 +1058,9 @@ impl Engine {
                     not_before: boundary,
                 } => {
                     guard.armed = false;
-                    inner.scheduler.deposit(&route.scopes, tokens.take());
+                    if let Some(tokens) = pending.take() {
+                        inner.scheduler.deposit(&route.scopes, Some(tokens));
+                    }
                     let context = self.context(&budget, &seen, boundary, decision.next_safe());
                     let detail = match boundary {
                         Some(at) => format!("the provider allows a retry only at {at}: {reason:?}; not sleeping into failure"),
@@ -1084,7 +1093,9 @@ impl Engine {
                         .await
                     {
                         guard.armed = false;
-                        inner.scheduler.deposit(&route.scopes, tokens.take());
+                        if let Some(tokens) = pending.take() {
+                            inner.scheduler.deposit(&route.scopes, Some(tokens));
+                        }
                         let context =
                             self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]);
                         return self

@@ -227,3 +227,29 @@ async fn a_not_sent_failure_is_retried_and_every_attempt_is_charged() {
     assert!(text.contains("disposition=\"not_sent\"} 1"), "{text}");
     assert!(text.contains("disposition=\"success\"} 1"), "{text}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_scope_retry_quota_is_shared_by_every_task_of_the_scope() {
+    // Two retries' worth of tokens for the whole scope.
+    let policy = engine_support::POLICY.replace(
+        "breaker:\n  threshold: 3\n",
+        "breaker:\n  threshold: 3\nretry_quota: { capacity: 10, retry_cost: 5, timeout_cost: 10, success_refund: 1 }\n",
+    );
+    let h = Harness::with_policy(&policy);
+    h.transport
+        .script("/v1/items/1", vec![answer(503, &[], ""); 4]);
+    h.transport
+        .script("/v1/items/2", vec![answer(503, &[], ""); 4]);
+    let first = h.engine.execute(h.get("a", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&first);
+    assert_eq!(outcome, Outcome::QuotaExhausted);
+    assert_eq!(
+        context.attempts, 3,
+        "two retries fit in the quota, the third does not"
+    );
+    // Another task in the same scope finds the quota empty: no retry at all.
+    let second = h.engine.execute(h.get("b", "/v1/items/2")).await;
+    assert_eq!(outcome_of(&second).0, Outcome::QuotaExhausted);
+    assert_eq!(attempts(&second), 1);
+    assert_eq!(h.transport.sent().len(), 4);
+}

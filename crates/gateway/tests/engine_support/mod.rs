@@ -217,11 +217,16 @@ pub struct Harness {
 impl Harness {
     /// A fresh engine over [`POLICY`] (call with paused time).
     pub fn new() -> Harness {
+        Harness::with_policy(POLICY)
+    }
+
+    /// A fresh engine over the given policy YAML (call with paused time).
+    pub fn with_policy(yaml: &str) -> Harness {
         let t0: Timestamp = T0.parse().unwrap();
         let clock = TokioClock::anchored_at(t0);
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(SqliteStore::open(dir.path().join("backstop.db")).unwrap());
-        let policy = Arc::new(Policy::from_yaml_str(POLICY, "test.yaml").unwrap());
+        let policy = Arc::new(Policy::from_yaml_str(yaml, "test.yaml").unwrap());
         let transport = Scripted::new(clock);
         let metrics = Arc::new(Metrics::new());
         let engine = Engine::new(
