@@ -1,0 +1,145 @@
+//! `backstop serve` as a process: start-up errors exit 2 and name the cause; the shipped example
+//! starts when its environment is set, logs where it listens, and stops cleanly on SIGTERM.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+fn backstop() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_backstop"));
+    command.env_remove("RUST_LOG");
+    command
+}
+
+const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/backstop.yaml");
+
+#[test]
+fn invalid_policy_exits_2_with_file_line_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(&file, "breaker:\n  threshold: 0\n").unwrap();
+    let out = backstop()
+        .args(["serve", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bad.yaml:2:14: breaker.threshold: must be at least 1"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn missing_secret_env_var_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = backstop()
+        .args([
+            "serve",
+            "--config",
+            EXAMPLE,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+        ])
+        .arg(dir.path().join("b.db"))
+        .env_remove("BACKSTOP_AGENT_INVOICE_TOKEN")
+        .env_remove("BILLING_API_KEY")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("environment variable BACKSTOP_AGENT_INVOICE_TOKEN is not set"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn port_in_use_is_said_plainly() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let out = backstop()
+        .args(["serve", "--config", EXAMPLE, "--listen", &addr, "--store"])
+        .arg(dir.path().join("b.db"))
+        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "t")
+        .env("BILLING_API_KEY", "k")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "cannot listen on {addr}: the address is already in use"
+        )),
+        "{stderr}"
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn example_starts_logs_its_address_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = backstop()
+        .args([
+            "serve",
+            "--config",
+            EXAMPLE,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+        ])
+        .arg(dir.path().join("b.db"))
+        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
+        .env("BILLING_API_KEY", "billing-secret-value")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let mut seen = String::new();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("serve exited before listening")
+            .unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_owned();
+        }
+    };
+    assert!(seen.contains("billing-api, openai"), "{seen}");
+    assert!(seen.contains("b.db"), "{seen}");
+
+    // The door answers: an unauthenticated call gets a 401 problem.
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    use std::io::{Read, Write};
+    stream
+        .write_all(b"GET /billing-api/v1/balance HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = child.wait().unwrap();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let all = format!("{seen}{}", rest.join("\n"));
+    assert_eq!(exit.code(), Some(0), "{all}");
+    assert!(all.contains("stopped"), "{all}");
+    assert!(!all.contains("billing-secret-value"), "{all}");
+    assert!(!all.contains("invoice-token"), "{all}");
+}
