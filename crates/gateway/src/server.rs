@@ -434,7 +434,7 @@ pub async fn start(
         listen = %addr,
         store = %store_path.display(),
         providers = %providers.join(","),
-        agents = state.auth.len(),
+        tokens = state.auth.len(),
         "backstop serve: listening on http://{addr} (store {}, providers: {})",
         store_path.display(),
         if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
