@@ -12,6 +12,8 @@ use std::process::ExitCode;
 use backstop_store::audit::{parse_export, verify_events, Verdict, GENESIS_PREV};
 use backstop_store::{AuditReader, StoreError};
 
+use crate::cmd::output::{self, errln, PipeWatch};
+
 /// Arguments of `backstop audit`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -65,15 +67,23 @@ pub fn run(args: Args) -> ExitCode {
         AuditCommand::Head { db } => ("head", head(db)),
     };
     match result {
-        Ok(code) => code,
+        Ok(Printed::Text(text, code)) => output::print(&format!("audit {name}"), &text, code),
+        Ok(Printed::Done(code)) => code,
         Err(e) => {
-            eprintln!("backstop audit {name}: {e}");
+            errln!("backstop audit {name}: {e}");
             ExitCode::from(2)
         }
     }
 }
 
-fn verify(args: VerifyArgs) -> Result<ExitCode, StoreError> {
+/// What a subcommand produced: text still to print with the exit status, or output already
+/// written (the streamed export).
+enum Printed {
+    Text(String, ExitCode),
+    Done(ExitCode),
+}
+
+fn verify(args: VerifyArgs) -> Result<Printed, StoreError> {
     let expect_head = args.expect_head.as_deref();
     if let Some(h) = expect_head {
         if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -108,35 +118,38 @@ fn verify(args: VerifyArgs) -> Result<ExitCode, StoreError> {
     };
     match verdict {
         Verdict::Intact { count, head } => {
-            match head {
-                Some(h) => println!("ok: {count} events, head seq {} hash {}", h.seq, h.hash),
-                None => println!("ok: 0 events, empty log"),
-            }
-            Ok(ExitCode::SUCCESS)
+            let text = match head {
+                Some(h) => format!("ok: {count} events, head seq {} hash {}\n", h.seq, h.hash),
+                None => "ok: 0 events, empty log\n".to_owned(),
+            };
+            Ok(Printed::Text(text, ExitCode::SUCCESS))
         }
-        Verdict::Broken(b) => {
-            println!("broken: {b}");
-            Ok(ExitCode::from(1))
-        }
+        Verdict::Broken(b) => Ok(Printed::Text(format!("broken: {b}\n"), ExitCode::from(1))),
     }
 }
 
-fn export(db: PathBuf, since: u64) -> Result<ExitCode, StoreError> {
+fn export(db: PathBuf, since: u64) -> Result<Printed, StoreError> {
     let reader = AuditReader::open(&db)?;
     let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(stdout.lock());
-    reader.export(since, &mut out)?;
-    out.flush().map_err(|e| StoreError::Io {
-        place: "stdout".into(),
-        reason: e.to_string(),
-    })?;
-    Ok(ExitCode::SUCCESS)
+    let mut out = PipeWatch::new(std::io::BufWriter::new(stdout.lock()));
+    let written = reader.export(since, &mut out).and_then(|_| {
+        out.flush().map_err(|e| StoreError::Io {
+            place: "stdout".into(),
+            reason: e.to_string(),
+        })
+    });
+    match written {
+        // The reader closed the pipe (`| head`): stop quietly.
+        Err(_) if out.broken_pipe => Ok(Printed::Done(ExitCode::SUCCESS)),
+        Err(e) => Err(e),
+        Ok(()) => Ok(Printed::Done(ExitCode::SUCCESS)),
+    }
 }
 
-fn head(db: PathBuf) -> Result<ExitCode, StoreError> {
-    match AuditReader::open(&db)?.head()? {
-        Some(h) => println!("{} {}", h.seq, h.hash),
-        None => println!("0 {GENESIS_PREV}"),
-    }
-    Ok(ExitCode::SUCCESS)
+fn head(db: PathBuf) -> Result<Printed, StoreError> {
+    let text = match AuditReader::open(&db)?.head()? {
+        Some(h) => format!("{} {}\n", h.seq, h.hash),
+        None => format!("0 {GENESIS_PREV}\n"),
+    };
+    Ok(Printed::Text(text, ExitCode::SUCCESS))
 }

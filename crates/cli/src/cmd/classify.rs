@@ -25,6 +25,8 @@ use backstop_core::quota::Dialect;
 use jiff::Timestamp;
 use serde_json::Value;
 
+use crate::cmd::output::{self, errln};
+
 /// Request class whose retry statuses decide `retryable` (SPEC §3 defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 #[clap(rename_all = "snake_case")]
@@ -173,12 +175,9 @@ fn build(args: Args) -> Result<Value, String> {
 /// one-line error naming the bad argument and exits 2.
 pub fn run(args: Args) -> ExitCode {
     match build(args) {
-        Ok(v) => {
-            println!("{v}");
-            ExitCode::SUCCESS
-        }
+        Ok(v) => output::print("classify", &format!("{v}\n"), ExitCode::SUCCESS),
         Err(e) => {
-            eprintln!("backstop classify: {e}");
+            errln!("backstop classify: {e}");
             ExitCode::from(2)
         }
     }

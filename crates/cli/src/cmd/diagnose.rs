@@ -35,6 +35,8 @@ use backstop_core::diagnose::{
 use jiff::{SignedDuration, Timestamp};
 use serde::Serialize;
 
+use crate::cmd::output::{self, errln};
+
 /// Lines longer than this (1 MiB) are reported as bad and skipped, so memory stays bounded.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 
@@ -139,7 +141,7 @@ pub fn run(args: Args) -> ExitCode {
                 Box::new(BufReader::with_capacity(64 * 1024, file)),
             ),
             Err(e) => {
-                eprintln!("backstop diagnose: {}: cannot open: {e}", path.display());
+                errln!("backstop diagnose: {}: cannot open: {e}", path.display());
                 return ExitCode::from(2);
             }
         },
@@ -153,7 +155,7 @@ pub fn run(args: Args) -> ExitCode {
         Ok(_) => ExitCode::from(1),
         Err(Failure::BrokenPipe) => ExitCode::SUCCESS,
         Err(Failure::Fatal(message)) => {
-            eprintln!("backstop diagnose: {name}: {message}");
+            errln!("backstop diagnose: {name}: {message}");
             ExitCode::from(2)
         }
     }
@@ -191,7 +193,7 @@ fn process(
             Ok(None) => break,
             Err(e) => {
                 if progress {
-                    eprint!("\r\x1b[K");
+                    output::stderr_raw(format_args!("\r\x1b[K"));
                 }
                 return Err(Failure::Fatal(format!(
                     "cannot read after line {line_no}: {e}"
@@ -200,12 +202,12 @@ fn process(
         };
         line_no += 1;
         if progress && line_no.is_multiple_of(PROGRESS_EVERY_LINES) {
-            eprint!("\r{name}: {line_no} lines");
+            output::stderr_raw(format_args!("\r{name}: {line_no} lines"));
         }
         let bytes = match line {
             Line::TooLong => {
                 bad += 1;
-                eprintln!("{name}: LINE {line_no}: longer than {MAX_LINE_BYTES} bytes");
+                errln!("{name}: LINE {line_no}: longer than {MAX_LINE_BYTES} bytes");
                 continue;
             }
             Line::Complete => buf.trim_ascii(),
@@ -217,7 +219,7 @@ fn process(
             Ok(snapshot) => snapshot,
             Err(e) => {
                 bad += 1;
-                eprintln!("{name}: LINE {line_no}: {e}");
+                errln!("{name}: LINE {line_no}: {e}");
                 continue;
             }
         };
@@ -243,7 +245,7 @@ fn process(
         first = false;
     }
     if progress && line_no >= PROGRESS_EVERY_LINES {
-        eprint!("\r\x1b[K");
+        output::stderr_raw(format_args!("\r\x1b[K"));
     }
 
     match format {

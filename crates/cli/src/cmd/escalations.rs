@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use crate::cmd::output::{self, errln};
+
 /// Where the gateway is when neither `--url` nor `BACKSTOP_URL` says otherwise.
 pub const DEFAULT_URL: &str = "http://127.0.0.1:8080";
 
@@ -69,12 +71,9 @@ pub fn run(args: Args) -> ExitCode {
         EscalationsCommand::Decide { .. } => "decide",
     };
     match execute(args) {
-        Ok(output) => {
-            print!("{output}");
-            ExitCode::SUCCESS
-        }
+        Ok(text) => output::print(&format!("escalations {name}"), &text, ExitCode::SUCCESS),
         Err(message) => {
-            eprintln!("backstop escalations {name}: {message}");
+            errln!("backstop escalations {name}: {message}");
             ExitCode::from(2)
         }
     }

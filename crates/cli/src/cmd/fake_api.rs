@@ -10,6 +10,8 @@ use std::sync::Arc;
 
 use backstop_fake_api::{AttemptOutcome, AttemptRecord, FakeConfig};
 
+use crate::cmd::output::errln;
+
 /// Arguments of `backstop fake-api`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -68,21 +70,21 @@ pub fn run(args: Args) -> ExitCode {
     let mut config = match FakeConfig::from_yaml_file(&args.config) {
         Ok(config) => config,
         Err(e) => {
-            eprintln!("backstop fake-api: {e}");
+            errln!("backstop fake-api: {e}");
             return ExitCode::from(2);
         }
     };
     if let Some(seed) = args.seed {
         config.seed = seed;
     }
-    let observer = Arc::new(|record: &AttemptRecord| eprintln!("{}", log_line(record)));
+    let observer = Arc::new(|record: &AttemptRecord| errln!("{}", log_line(record)));
     let result = backstop_fake_api::run_until_signal(config, args.listen, observer, |addr| {
-        eprintln!("backstop fake-api: listening on http://{addr} (attempts at /__fake/attempts)");
+        errln!("backstop fake-api: listening on http://{addr} (attempts at /__fake/attempts)");
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("backstop fake-api: {e}");
+            errln!("backstop fake-api: {e}");
             ExitCode::FAILURE
         }
     }

@@ -5,5 +5,6 @@ pub mod classify;
 pub mod diagnose;
 pub mod escalations;
 pub mod fake_api;
+pub mod output;
 pub mod policy;
 pub mod serve;

@@ -4,6 +4,8 @@ use std::{path::PathBuf, process::ExitCode};
 
 use backstop_core::policy::Policy;
 
+use crate::cmd::output::{self, errln};
+
 /// Subcommands of `backstop policy`.
 #[derive(Debug, clap::Subcommand)]
 pub enum PolicyCommand {
@@ -18,15 +20,12 @@ pub enum PolicyCommand {
 pub fn run(command: PolicyCommand) -> ExitCode {
     match command {
         PolicyCommand::Check { file } => match Policy::load(&file) {
-            Ok(policy) => {
-                print!("{}", summary(&policy));
-                ExitCode::SUCCESS
-            }
+            Ok(policy) => output::print("policy check", &summary(&policy), ExitCode::SUCCESS),
             Err(errors) => {
                 for error in &errors.0 {
-                    eprintln!("{error}");
+                    errln!("{error}");
                 }
-                eprintln!(
+                errln!(
                     "{}: {} problem{}",
                     file.display(),
                     errors.0.len(),
