@@ -80,6 +80,8 @@ pub enum EventKind {
     ReconciliationRequired,
     /// Reconciliation found the effect (outcome receipt).
     Reconciled,
+    /// A reconciliation lookup was sent to the provider and answered (or failed).
+    ReconciliationLookup,
     /// A case file went to a human.
     Escalated,
     /// A human decided an escalation.
@@ -108,6 +110,7 @@ impl EventKind {
             EventKind::ScopeUpdated => "scope_updated",
             EventKind::ReconciliationRequired => "reconciliation_required",
             EventKind::Reconciled => "reconciled",
+            EventKind::ReconciliationLookup => "reconciliation_lookup",
             EventKind::Escalated => "escalated",
             EventKind::Decision => "decision",
             EventKind::Cancelled => "cancelled",

@@ -107,6 +107,42 @@ pub trait Store: Send + Sync {
         claimed_by: &str,
     ) -> Result<Vec<DueRetry>, StoreError>;
 
+    /// Claims one scheduled retry by its job id (the wake of one action's own timer), so that no
+    /// other worker claims it too, and audits `retry_started`. Returns `None` when the job was
+    /// already claimed, its action finished, or its task was cancelled (nothing is audited then).
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn claim_job(
+        &self,
+        job: JobId,
+        now: Timestamp,
+        claimed_by: &str,
+    ) -> Result<Option<DueRetry>, StoreError>;
+
+    /// Every scheduled retry not claimed yet whose action is unfinished and whose task is not
+    /// cancelled, soonest first (re-armed after a restart, SPEC §12).
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn scheduled_retries(&self) -> Result<Vec<DueRetry>, StoreError>;
+
+    /// Audits one reconciliation lookup of an uncertain write (`reconciliation_lookup`): the
+    /// lookup in template form (`GET /v1/transfers?reference={ref}`, never the filled URL), the
+    /// provider's status when it answered, and the verdict (`found`, `not_found`,
+    /// `inconclusive`) as the event's disposition. The action's state does not change.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action.
+    fn record_reconciliation_lookup(
+        &self,
+        action: ActionId,
+        lookup: &str,
+        status: Option<u16>,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
     /// Updates a scope record (audits `scope_updated`); `next_allowed_at` only moves later.
     /// Returns the record after the update.
     ///

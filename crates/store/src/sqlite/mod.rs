@@ -382,6 +382,34 @@ impl Store for SqliteStore {
         self.submit(move |tx| tx.claim_due(now, limit, &claimed_by))
     }
 
+    fn claim_job(
+        &self,
+        job: JobId,
+        now: Timestamp,
+        claimed_by: &str,
+    ) -> Result<Option<DueRetry>, StoreError> {
+        let claimed_by = claimed_by.to_owned();
+        self.submit(move |tx| tx.claim_job(job, now, &claimed_by))
+    }
+
+    fn record_reconciliation_lookup(
+        &self,
+        action: ActionId,
+        lookup: &str,
+        status: Option<u16>,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (lookup, verdict) = (lookup.to_owned(), verdict.to_owned());
+        self.submit(move |tx| {
+            tx.record_reconciliation_lookup(action, &lookup, status, &verdict, at)
+        })
+    }
+
+    fn scheduled_retries(&self) -> Result<Vec<DueRetry>, StoreError> {
+        self.read(|conn| rows::scheduled_retries(conn))
+    }
+
     fn update_scope(&self, update: ScopeUpdate, at: Timestamp) -> Result<ScopeRecord, StoreError> {
         self.submit(move |tx| tx.update_scope(update, at))
     }

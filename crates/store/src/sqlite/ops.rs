@@ -491,6 +491,66 @@ impl WriteTx<'_> {
         Ok(out)
     }
 
+    pub(crate) fn claim_job(
+        &mut self,
+        job: JobId,
+        now: Timestamp,
+        claimed_by: &str,
+    ) -> Result<Option<DueRetry>, StoreError> {
+        let row: Option<(i64, i64)> = self
+            .conn
+            .prepare_cached(
+                "SELECT r.action_id, r.due_at_ms FROM scheduled_retries r \
+                 JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.id = a.task_id \
+                 WHERE r.job_id = ?1 AND r.claimed_at_ms IS NULL \
+                 AND t.cancelled_at_ms IS NULL AND a.state != 'finished'",
+            )?
+            .query_row(params![job.0], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        let Some((action, due_at_ms)) = row else {
+            return Ok(None);
+        };
+        self.conn
+            .prepare_cached(
+                "UPDATE scheduled_retries SET claimed_at_ms = ?2, claimed_by = ?3 WHERE job_id = ?1",
+            )?
+            .execute(params![job.0, ms(now), claimed_by])?;
+        let action = ActionId(action);
+        let due_at = rows::from_ms("scheduled_retries", due_at_ms)?;
+        let f = self.facts(action)?;
+        let mut e = Self::action_event(EventKind::RetryStarted, &format_instant(now), action, &f);
+        e.job = Some(job.0);
+        e.due_at = Some(format_instant(due_at));
+        self.append(e)?;
+        Ok(Some(DueRetry {
+            job,
+            action,
+            due_at,
+        }))
+    }
+
+    pub(crate) fn record_reconciliation_lookup(
+        &mut self,
+        action: ActionId,
+        lookup: &str,
+        status: Option<u16>,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let f = self.facts(action)?;
+        let mut e = Self::action_event(
+            EventKind::ReconciliationLookup,
+            &format_instant(at),
+            action,
+            &f,
+        );
+        e.idempotency_key = Some(f.idempotency_key);
+        e.status = status;
+        e.disposition = Some(verdict.to_owned());
+        e.source = Some(lookup.to_owned());
+        self.append(e)
+    }
+
     pub(crate) fn update_scope(
         &mut self,
         update: ScopeUpdate,

@@ -6,9 +6,9 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use crate::audit::{AuditEvent, ChainHead};
 use crate::error::StoreError;
 use crate::model::{
-    ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Disposition, EscalationId,
-    EscalationRecord, EscalationState, Outcome, Priority, ScopeRecord, StoredResponse, TaskRecord,
-    UnfinishedAttempt,
+    ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Disposition, DueRetry,
+    EscalationId, EscalationRecord, EscalationState, JobId, Outcome, Priority, ScopeRecord,
+    StoredResponse, TaskRecord, UnfinishedAttempt,
 };
 
 /// Milliseconds since the Unix epoch, as stored.
@@ -246,6 +246,32 @@ pub(crate) fn unfinished_attempts(conn: &Connection) -> Result<Vec<UnfinishedAtt
             })?,
             request_class,
             idempotency_key,
+        });
+    }
+    Ok(out)
+}
+
+pub(crate) fn scheduled_retries(conn: &Connection) -> Result<Vec<DueRetry>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT r.job_id, r.action_id, r.due_at_ms FROM scheduled_retries r \
+         JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.id = a.task_id \
+         WHERE r.claimed_at_ms IS NULL AND t.cancelled_at_ms IS NULL AND a.state != 'finished' \
+         ORDER BY r.due_at_ms, r.job_id",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, i64>(1)?,
+            r.get::<_, i64>(2)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (job, action, due_at_ms) = row?;
+        out.push(DueRetry {
+            job: JobId(job),
+            action: ActionId(action),
+            due_at: from_ms("scheduled_retries", due_at_ms)?,
         });
     }
     Ok(out)
