@@ -407,7 +407,7 @@ impl Store for SqliteStore {
     }
 
     fn scheduled_retries(&self) -> Result<Vec<DueRetry>, StoreError> {
-        self.read(|conn| rows::scheduled_retries(conn))
+        self.read(rows::scheduled_retries)
     }
 
     fn update_scope(&self, update: ScopeUpdate, at: Timestamp) -> Result<ScopeRecord, StoreError> {
