@@ -94,6 +94,9 @@ pub enum EventKind {
     DeadlineExhausted,
     /// The circuit breaker opened a path for a task.
     CircuitOpened,
+    /// The health watchdog found a throttled action that needs an operator (SPEC §10:
+    /// `stuck_missed_wake`, `no_durable_wake`, `early_retry_loop`); `source` names the finding.
+    WatchdogFinding,
 }
 
 impl EventKind {
@@ -117,6 +120,7 @@ impl EventKind {
             EventKind::BudgetExhausted => "budget_exhausted",
             EventKind::DeadlineExhausted => "deadline_exhausted",
             EventKind::CircuitOpened => "circuit_opened",
+            EventKind::WatchdogFinding => "watchdog_finding",
         }
     }
 }

@@ -195,6 +195,23 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<(), StoreError>;
 
+    /// Audits a health finding about an action (`watchdog_finding`, SPEC §10): `finding` is the
+    /// diagnosis (`stuck_missed_wake`, `no_durable_wake`, `early_retry_loop`), recorded in the
+    /// event's `source`; `job` and `due_at` name the scheduled retry it concerns, if any. Changes
+    /// no state: the finding is evidence for the operator.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action; [`StoreError::Invalid`] for an empty
+    /// finding.
+    fn record_watchdog_finding(
+        &self,
+        action: ActionId,
+        finding: &str,
+        job: Option<JobId>,
+        due_at: Option<Timestamp>,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
     /// Reads a task.
     ///
     /// # Errors

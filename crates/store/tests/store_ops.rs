@@ -403,3 +403,34 @@ fn a_failing_operation_in_a_group_commit_leaves_the_others_and_the_chain_intact(
         Verdict::Intact { count: 82, .. }
     ));
 }
+
+#[test]
+fn a_watchdog_finding_is_audited_with_its_job_and_changes_no_state() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let a = record(&store, "task-1", "k-w", b"w");
+    let job = store.schedule_retry(a, t(40), t(10)).expect("schedule");
+    let before = store.action(a).expect("read").expect("a");
+    store
+        .record_watchdog_finding(a, "stuck_missed_wake", Some(job), Some(t(40)), t(71))
+        .expect("finding");
+    assert_eq!(store.action(a).expect("read").expect("a"), before);
+    let events = store.audit_events(0, usize::MAX).expect("events");
+    let last = events.last().expect("one event");
+    assert_eq!(last.kind, "watchdog_finding");
+    assert_eq!(last.source.as_deref(), Some("stuck_missed_wake"));
+    assert_eq!(last.job, Some(job.0));
+    assert_eq!(last.action, Some(a.0));
+    assert!(matches!(
+        store.record_watchdog_finding(a, " ", None, None, t(72)),
+        Err(StoreError::Invalid { .. })
+    ));
+    assert!(matches!(
+        store.record_watchdog_finding(backstop_store::ActionId(999), "x", None, None, t(72)),
+        Err(StoreError::NotFound { .. })
+    ));
+    assert!(matches!(
+        store.verify_audit(None).expect("verify"),
+        Verdict::Intact { .. }
+    ));
+}

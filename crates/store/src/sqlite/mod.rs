@@ -456,6 +456,18 @@ impl Store for SqliteStore {
         self.submit(move |tx| tx.record_circuit_opened(&task, &provider, &method, &route, at))
     }
 
+    fn record_watchdog_finding(
+        &self,
+        action: ActionId,
+        finding: &str,
+        job: Option<JobId>,
+        due_at: Option<Timestamp>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let finding = finding.to_owned();
+        self.submit(move |tx| tx.record_watchdog_finding(action, &finding, job, due_at, at))
+    }
+
     fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
         self.read(|c| rows::task(c, id))
     }

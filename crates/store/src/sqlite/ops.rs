@@ -741,4 +741,26 @@ impl WriteTx<'_> {
         e.route = Some(route.as_str().to_owned());
         self.append(e)
     }
+
+    pub(crate) fn record_watchdog_finding(
+        &mut self,
+        action: ActionId,
+        finding: &str,
+        job: Option<JobId>,
+        due_at: Option<Timestamp>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if finding.trim().is_empty() {
+            return Err(StoreError::Invalid {
+                field: "finding",
+                reason: "must not be empty".into(),
+            });
+        }
+        let f = self.facts(action)?;
+        let mut e = Self::action_event(EventKind::WatchdogFinding, &format_instant(at), action, &f);
+        e.source = Some(finding.to_owned());
+        e.job = job.map(|j| j.0);
+        e.due_at = due_at.map(format_instant);
+        self.append(e)
+    }
 }
