@@ -58,6 +58,7 @@ pub struct Metrics {
     layered_retries_joined: Family<ProviderLabels, Counter>,
     breakers_opened: Family<ProviderLabels, Counter>,
     missed_wakes: Counter,
+    early_retries: Counter,
     overhead: Histogram,
     // Serializes encoding; updates are lock-free.
     encode_lock: Mutex<()>,
@@ -122,6 +123,12 @@ impl Metrics {
             "Scheduled retries that did not start within the wake grace (watchdog)",
             missed_wakes.clone(),
         );
+        let early_retries = Counter::default();
+        registry.register(
+            "early_retries",
+            "Retries that started before the provider's boundary (watchdog)",
+            early_retries.clone(),
+        );
         let overhead = Histogram::new(exponential_buckets(0.000_025, 2.0, 14));
         registry.register(
             "gateway_overhead_seconds",
@@ -138,6 +145,7 @@ impl Metrics {
             layered_retries_joined,
             breakers_opened,
             missed_wakes,
+            early_retries,
             overhead,
             encode_lock: Mutex::new(()),
         }
@@ -216,6 +224,12 @@ impl Metrics {
     /// Counts a missed wake found by the watchdog.
     pub fn missed_wake(&self) {
         self.missed_wakes.inc();
+    }
+
+    /// Counts a retry found started before its provider boundary (watchdog, SPEC §10
+    /// `early_retry_loop`).
+    pub fn early_retry(&self) {
+        self.early_retries.inc();
     }
 
     /// Observes the gateway's own overhead for one attempt, in seconds.
