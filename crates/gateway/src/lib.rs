@@ -33,3 +33,7 @@ pub mod upstream;
 
 // Operators: escalation case files and decisions.
 pub mod escalations;
+
+// Run health: snapshots from receipts, the health routes and the watchdog.
+pub mod health;
+pub mod watchdog;

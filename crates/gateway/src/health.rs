@@ -1,0 +1,949 @@
+//! Live run health from the gateway's own receipts (SPEC §10): snapshots, `GET
+//! /v1/runs/{task_id}/health` and `GET /v1/health`.
+//!
+//! ## Why receipts
+//! A throttled run that went quiet may be healthily yielding to the provider or forgotten by its
+//! scheduler; process liveness cannot tell. The hash-chained audit log (SPEC §9) already holds
+//! every receipt the diagnosis needs, written in the same transaction as the state change it
+//! describes, so a snapshot derived from it is evidence rather than a guess. [`Evidence`] folds the
+//! log into one [`ActionTrail`] per action; [`derive_snapshot`] turns a trail into the SPEC §10
+//! [`Snapshot`] that [`backstop_core::diagnose::diagnose`] judges. Both are pure (no clock, no
+//! store), so they are unit-tested on records; the routes and the
+//! [watchdog](crate::watchdog) only fetch the records and carry the verdicts out.
+//!
+//! ## Where each snapshot field comes from
+//! | field | receipt |
+//! |---|---|
+//! | `run_id` | the action's task (`action_requested.task`) |
+//! | `quota_scope` | the `scope_updated` event the gateway wrote for the same provider at the same instant just before the throttling `action_result` (SPEC §4.1: the scope record is updated first); else the policy route's first scope ([`HealthPolicy`]); else the provider's name |
+//! | `throttled_at`, `status` | the throttling attempt's `action_result` (`at`, `status`) |
+//! | `retry_not_before` | that result's `boundary` (the normalized Retry-After); `unknown` → absent |
+//! | `retry_after_raw`, `date_header` | not recorded (the audit log keeps the normalized boundary only): always `null` |
+//! | `scheduled_retry_at`, `scheduler_job_id` | the last `retry_scheduled` (`due_at`, `job`) after that result and before the next attempt |
+//! | `scheduler_heartbeat_at` | the latest `action_sent` or `retry_started` of *any* action in the log: the last instant the executor demonstrably moved work (engine-independent, read from the store) |
+//! | `retry_started_at` | the next attempt's `action_sent`; else a `retry_started` claim of the scheduled job |
+//! | `retry_finished_at`, `retry_status` | the next attempt's `action_result` |
+//! | `attempts_used` | attempts sent up to and including the retry |
+//! | `max_attempts`, `wait_budget_ms` | the request class in [`HealthPolicy`] (`Prefer: wait` caps are not recorded) |
+//! | `wait_used_ms` | gaps between earlier results and the next sends, plus this wait: until the retry started, else until `min(now, boundary or scheduled wake)` — a missed wake is the scheduler's fault and never drifts into a budget verdict |
+//! | `outcome_deadline` | the task's deadline ([`backstop_store::Store::task`]) |
+//! | `outcome_receipt` | `{"matches": true}` only when the action finished `succeeded` (a 2xx the gateway recorded, or a reconciliation); otherwise `null` |
+//!
+//! A *throttling* attempt is one whose disposition is `rate_limited` or `quota_exhausted`, or
+//! `unavailable` with a known boundary or a scheduled retry after it. One snapshot per throttled
+//! action: the latest throttle, unless an earlier throttle of the same action was answered by an
+//! early retry (sent before its boundary) — then the first such throttle, so an early retry loop
+//! is not hidden by the 429 it provoked.
+//!
+//! ## Routes
+//! | route | answer |
+//! |---|---|
+//! | `GET /v1/runs/{task_id}/health` | [`RunHealth`]: `{run_id, now, wake_grace_ms, healthy, actions: [{action_id, open, snapshot, report}], totals}` |
+//! | `GET /v1/health` | [`GatewayHealth`]: `{now, wake_grace_ms, runs: [RunHealth…], totals}` — only runs with a diagnosis other than `waiting_backpressure`/`recovered`; `totals` cover every visible throttled action (by scope, by diagnosis, by run) |
+//!
+//! Auth: `Authorization: Bearer <token>` resolved by [`HealthState::callers`]. Operators see every
+//! run; an agent sees only its own tasks (another agent's task answers 404, as an unknown one).
+//! Errors are RFC 9457 problems: 401 `unauthorized`, 404 `run_not_found`, 500 `store_error`.
+//! Each request reads the whole audit log (paged); a store-side index is the step after this one
+//! if logs grow large.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::{
+    extract::{Path, State},
+    http::{header, HeaderMap, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+    routing::get,
+    Json, Router,
+};
+use backstop_core::clock::Clock;
+use backstop_core::diagnose::{
+    diagnose, DiagnoseOptions, Diagnosis, DiagnosisReport, OutcomeReceipt, Snapshot, Totals,
+    WakeGrace,
+};
+use backstop_core::policy::Policy;
+use backstop_store::audit::AuditEvent;
+use backstop_store::{Store, StoreError, TaskRecord};
+use jiff::Timestamp;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::auth::{Caller, Role};
+use crate::clock::TokioClock;
+
+/// Audit events read per page when scanning the log.
+pub const PAGE_EVENTS: usize = 1_000;
+
+/// The audit event kind the watchdog appends for a finding (`source` names the diagnosis).
+pub const WATCHDOG_FINDING: &str = "watchdog_finding";
+
+/// Why evidence could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum HealthError {
+    /// An audit event carries a time that is not RFC 3339.
+    #[error("audit event {seq} ({kind}): `{field}` {value:?} is not an RFC 3339 instant")]
+    BadInstant {
+        /// The event's `seq`.
+        seq: u64,
+        /// The event's kind.
+        kind: String,
+        /// The field (`at`, `boundary`, `due_at`).
+        field: &'static str,
+        /// The offending text.
+        value: String,
+    },
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// The attempt and wait ceilings of one request class (SPEC §3, §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClassLimits {
+    /// Attempts in total, the first included.
+    pub max_attempts: u32,
+    /// Total wait between attempts, in milliseconds.
+    pub max_wait_ms: u64,
+}
+
+/// What the health derivation needs from the policy: class ceilings and route scopes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthPolicy {
+    classes: BTreeMap<String, ClassLimits>,
+    /// (provider, METHOD, template) → first scope of the route.
+    routes: BTreeMap<(String, String, String), String>,
+    /// provider → first default scope.
+    default_scopes: BTreeMap<String, String>,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        Self::spec_defaults()
+    }
+}
+
+impl HealthPolicy {
+    /// The SPEC §3 classes (`read` 4 attempts / 90 s, `idempotent_write` 3 / 120 s,
+    /// `uncertain_write` 1 / 0 s) and no routes.
+    pub fn spec_defaults() -> Self {
+        let classes = [
+            ("read", 4, 90),
+            ("idempotent_write", 3, 120),
+            ("uncertain_write", 1, 0),
+        ]
+        .into_iter()
+        .map(|(name, max_attempts, seconds)| {
+            (
+                name.to_owned(),
+                ClassLimits {
+                    max_attempts,
+                    max_wait_ms: seconds * 1_000,
+                },
+            )
+        })
+        .collect();
+        HealthPolicy {
+            classes,
+            routes: BTreeMap::new(),
+            default_scopes: BTreeMap::new(),
+        }
+    }
+
+    /// The classes, routes and default scopes of a loaded policy.
+    pub fn from_policy(policy: &Policy) -> Self {
+        let classes = policy
+            .request_classes
+            .iter()
+            .map(|(name, class)| {
+                (
+                    name.clone(),
+                    ClassLimits {
+                        max_attempts: class.max_attempts,
+                        max_wait_ms: u64::try_from(class.max_wait.as_millis()).unwrap_or(u64::MAX),
+                    },
+                )
+            })
+            .collect();
+        let mut routes = BTreeMap::new();
+        let mut default_scopes = BTreeMap::new();
+        for (name, provider) in &policy.providers {
+            if let Some(first) = provider.default_scopes.first() {
+                default_scopes.insert(name.clone(), first.clone());
+            }
+            for route in &provider.routes {
+                if let Some(first) = route.scopes.first() {
+                    routes.insert(
+                        (name.clone(), route.method.clone(), route.template.clone()),
+                        first.clone(),
+                    );
+                }
+            }
+        }
+        HealthPolicy {
+            classes,
+            routes,
+            default_scopes,
+        }
+    }
+
+    /// The ceilings of a class. An unknown class gets the most conservative ceilings
+    /// (1 attempt, no wait), so an unknown class is never reported as having authority left.
+    pub fn class(&self, name: &str) -> ClassLimits {
+        self.classes.get(name).copied().unwrap_or(ClassLimits {
+            max_attempts: 1,
+            max_wait_ms: 0,
+        })
+    }
+
+    /// The scope a route falls under by policy (its first scope, else the provider's first
+    /// default scope), `None` when the policy names none.
+    pub fn scope(&self, provider: &str, method: &str, route: &str) -> Option<&str> {
+        self.routes
+            .get(&(provider.to_owned(), method.to_owned(), route.to_owned()))
+            .or_else(|| self.default_scopes.get(provider))
+            .map(String::as_str)
+    }
+}
+
+/// The result of one attempt, as audited (`action_result`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrailResult {
+    /// The event's `seq`.
+    pub seq: u64,
+    /// When the result was recorded.
+    pub at: Timestamp,
+    /// HTTP status, when a response arrived.
+    pub status: Option<u16>,
+    /// The disposition (SPEC §2.1), e.g. `rate_limited`.
+    pub disposition: String,
+    /// The normalized boundary: `Some(None)` for `unknown`, `None` when none was recorded.
+    pub boundary: Option<Option<Timestamp>>,
+    /// The scope the gateway updated for this result (the `scope_updated` evidence), if any.
+    pub scope: Option<String>,
+}
+
+/// One attempt as audited.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrailAttempt {
+    /// The `action_sent` event's `seq`.
+    pub sent_seq: u64,
+    /// When the attempt was durably recorded as sent.
+    pub sent_at: Timestamp,
+    /// Its result, once recorded.
+    pub result: Option<TrailResult>,
+}
+
+/// A scheduler receipt (`retry_scheduled`) or a claim (`retry_started`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrailWake {
+    /// The event's `seq`.
+    pub seq: u64,
+    /// When it was written.
+    pub at: Timestamp,
+    /// The scheduler job id.
+    pub job: Option<i64>,
+    /// When the retry is (was) due.
+    pub due_at: Option<Timestamp>,
+}
+
+/// Everything the audit log says about one action.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActionTrail {
+    /// Store id of the action.
+    pub action: i64,
+    /// The task (run).
+    pub task: String,
+    /// Provider name.
+    pub provider: String,
+    /// HTTP method.
+    pub method: String,
+    /// Route template.
+    pub route: String,
+    /// Request class.
+    pub request_class: String,
+    /// Idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Payload digest (SHA-256 hex).
+    pub payload_digest: Option<String>,
+    /// Attempts by number.
+    pub attempts: BTreeMap<u32, TrailAttempt>,
+    /// Scheduled retries, in order.
+    pub scheduled: Vec<TrailWake>,
+    /// Claims of scheduled retries, in order.
+    pub claimed: Vec<TrailWake>,
+    /// The outcome once the action ended (SPEC §5 word).
+    pub outcome: Option<String>,
+    /// Findings the watchdog already raised (diagnosis names).
+    pub findings: BTreeSet<String>,
+}
+
+impl ActionTrail {
+    /// Whether the action ended (any outcome).
+    pub fn finished(&self) -> bool {
+        self.outcome.is_some()
+    }
+
+    /// Whether any attempt of this action was throttled (see the module docs).
+    pub fn throttled(&self) -> bool {
+        self.attempts.keys().any(|n| self.is_throttle(*n).is_some())
+    }
+
+    /// The result of attempt `n` when it is a throttle.
+    fn is_throttle(&self, n: u32) -> Option<&TrailResult> {
+        let result = self.attempts.get(&n)?.result.as_ref()?;
+        match result.disposition.as_str() {
+            "rate_limited" | "quota_exhausted" => Some(result),
+            "unavailable"
+                if matches!(result.boundary, Some(Some(_)))
+                    || self.wake_after(n, result.seq).is_some() =>
+            {
+                Some(result)
+            }
+            _ => None,
+        }
+    }
+
+    /// The last `retry_scheduled` after attempt `n`'s result and before attempt `n + 1`.
+    fn wake_after(&self, n: u32, result_seq: u64) -> Option<&TrailWake> {
+        let until = self.attempts.get(&(n + 1)).map_or(u64::MAX, |a| a.sent_seq);
+        self.scheduled
+            .iter()
+            .rev()
+            .find(|w| w.seq > result_seq && w.seq < until)
+    }
+
+    /// The throttle a snapshot is built from (see the module docs).
+    fn chosen_throttle(&self) -> Option<u32> {
+        let throttles: Vec<u32> = self
+            .attempts
+            .keys()
+            .copied()
+            .filter(|n| self.is_throttle(*n).is_some())
+            .collect();
+        let early = throttles.iter().copied().find(|n| {
+            let boundary = self.is_throttle(*n).and_then(|r| r.boundary.flatten());
+            let next = self.attempts.get(&(n + 1)).map(|a| a.sent_at);
+            matches!((boundary, next), (Some(b), Some(sent)) if sent < b)
+        });
+        early.or_else(|| throttles.last().copied())
+    }
+}
+
+/// The audit log folded per action, plus the scheduler heartbeat.
+#[derive(Debug, Default, Clone)]
+pub struct Evidence {
+    trails: BTreeMap<i64, ActionTrail>,
+    heartbeat_at: Option<Timestamp>,
+    last_seq: u64,
+    /// Recent `scope_updated` events: (provider, at, scope).
+    recent_scopes: VecDeque<(String, Timestamp, String)>,
+}
+
+/// How many recent `scope_updated` events are kept to attribute a throttle to its scope.
+const RECENT_SCOPES: usize = 64;
+
+fn instant(event: &AuditEvent, field: &'static str, text: &str) -> Result<Timestamp, HealthError> {
+    text.parse().map_err(|_| HealthError::BadInstant {
+        seq: event.seq,
+        kind: event.kind.clone(),
+        field,
+        value: text.to_owned(),
+    })
+}
+
+impl Evidence {
+    /// An empty fold.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The `seq` of the last event folded in (0 before any).
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// The scheduler heartbeat: the latest `action_sent` or `retry_started` of any action.
+    pub fn heartbeat_at(&self) -> Option<Timestamp> {
+        self.heartbeat_at
+    }
+
+    /// The trail of one action.
+    pub fn trail(&self, action: i64) -> Option<&ActionTrail> {
+        self.trails.get(&action)
+    }
+
+    /// Every trail, by action id.
+    pub fn trails(&self) -> impl Iterator<Item = &ActionTrail> {
+        self.trails.values()
+    }
+
+    /// Marks a finding as raised for an action (its `watchdog_finding` event, folded in later,
+    /// says the same).
+    pub fn note_finding(&mut self, action: i64, finding: &str) {
+        if let Some(trail) = self.trails.get_mut(&action) {
+            trail.findings.insert(finding.to_owned());
+        }
+    }
+
+    /// Forgets finished actions (the watchdog only watches open ones). Later events about a
+    /// forgotten action are ignored.
+    pub fn forget_finished(&mut self) {
+        self.trails.retain(|_, t| !t.finished());
+    }
+
+    /// Folds one event in. Events must arrive in `seq` order; events about actions whose
+    /// `action_requested` was not seen are ignored.
+    ///
+    /// # Errors
+    /// [`HealthError::BadInstant`] for a time that is not RFC 3339 (the event is skipped).
+    pub fn ingest(&mut self, e: &AuditEvent) -> Result<(), HealthError> {
+        self.last_seq = self.last_seq.max(e.seq);
+        let at = instant(e, "at", &e.at)?;
+        if matches!(e.kind.as_str(), "action_sent" | "retry_started") {
+            self.heartbeat_at = Some(self.heartbeat_at.map_or(at, |h| h.max(at)));
+        }
+        if e.kind == "scope_updated" {
+            if let (Some(provider), Some(scope)) = (&e.provider, &e.scope) {
+                if self.recent_scopes.len() == RECENT_SCOPES {
+                    self.recent_scopes.pop_front();
+                }
+                self.recent_scopes
+                    .push_back((provider.clone(), at, scope.clone()));
+            }
+            return Ok(());
+        }
+        let Some(action) = e.action else {
+            return Ok(());
+        };
+        if e.kind == "action_requested" {
+            self.trails.insert(
+                action,
+                ActionTrail {
+                    action,
+                    task: e.task.clone().unwrap_or_default(),
+                    provider: e.provider.clone().unwrap_or_default(),
+                    method: e.method.clone().unwrap_or_default(),
+                    route: e.route.clone().unwrap_or_default(),
+                    request_class: e.request_class.clone().unwrap_or_default(),
+                    idempotency_key: e.idempotency_key.clone(),
+                    payload_digest: e.payload_digest.clone(),
+                    attempts: BTreeMap::new(),
+                    scheduled: Vec::new(),
+                    claimed: Vec::new(),
+                    outcome: None,
+                    findings: BTreeSet::new(),
+                },
+            );
+            return Ok(());
+        }
+        // Parse before borrowing the trail, so a bad event changes nothing.
+        let boundary = match e.boundary.as_deref() {
+            None => None,
+            Some("unknown") => Some(None),
+            Some(text) => Some(Some(instant(e, "boundary", text)?)),
+        };
+        let due_at = e
+            .due_at
+            .as_deref()
+            .map(|t| instant(e, "due_at", t))
+            .transpose()?;
+        let scope = self
+            .recent_scopes
+            .iter()
+            .find(|(provider, when, _)| Some(provider) == e.provider.as_ref() && *when == at)
+            .map(|(_, _, scope)| scope.clone());
+        let Some(trail) = self.trails.get_mut(&action) else {
+            return Ok(());
+        };
+        match e.kind.as_str() {
+            "action_sent" => {
+                if let Some(n) = e.attempt {
+                    trail.attempts.insert(
+                        n,
+                        TrailAttempt {
+                            sent_seq: e.seq,
+                            sent_at: at,
+                            result: None,
+                        },
+                    );
+                }
+            }
+            "action_result" => {
+                if let Some(attempt) = e.attempt.and_then(|n| trail.attempts.get_mut(&n)) {
+                    attempt.result = Some(TrailResult {
+                        seq: e.seq,
+                        at,
+                        status: e.status,
+                        disposition: e.disposition.clone().unwrap_or_default(),
+                        boundary,
+                        scope,
+                    });
+                }
+            }
+            "retry_scheduled" | "retry_started" => {
+                let wake = TrailWake {
+                    seq: e.seq,
+                    at,
+                    job: e.job,
+                    due_at,
+                };
+                if e.kind == "retry_scheduled" {
+                    trail.scheduled.push(wake);
+                } else {
+                    trail.claimed.push(wake);
+                }
+            }
+            "action_finished"
+            | "budget_exhausted"
+            | "deadline_exhausted"
+            | "reconciliation_required"
+            | "escalated"
+            | "cancelled"
+            | "reconciled" => {
+                trail.outcome = Some(e.outcome.clone().unwrap_or_else(|| e.kind.clone()));
+            }
+            WATCHDOG_FINDING => {
+                if let Some(finding) = &e.source {
+                    trail.findings.insert(finding.clone());
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Folds every event after [`Evidence::last_seq`] from the store, in pages of
+    /// [`PAGE_EVENTS`]. A malformed event is skipped with a warning (it cannot stop the fold).
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn catch_up(&mut self, store: &dyn Store) -> Result<u64, HealthError> {
+        let mut read = 0u64;
+        loop {
+            let page = store.audit_events(self.last_seq, PAGE_EVENTS)?;
+            let Some(last) = page.last().map(|e| e.seq) else {
+                return Ok(read);
+            };
+            for event in &page {
+                if let Err(e) = self.ingest(event) {
+                    tracing::warn!(error = %e, "audit event skipped by the health fold");
+                }
+            }
+            self.last_seq = self.last_seq.max(last);
+            read += page.len() as u64;
+            if page.len() < PAGE_EVENTS {
+                return Ok(read);
+            }
+        }
+    }
+}
+
+/// Inputs of [`derive_snapshot`] besides the trail.
+#[derive(Debug, Clone, Copy)]
+pub struct SnapshotContext<'a> {
+    /// The task's deadline (`outcome_deadline`), if any.
+    pub deadline: Option<Timestamp>,
+    /// The policy (class ceilings, route scopes).
+    pub policy: &'a HealthPolicy,
+    /// The scheduler heartbeat ([`Evidence::heartbeat_at`]).
+    pub heartbeat_at: Option<Timestamp>,
+    /// The instant the snapshot describes (only `wait_used_ms` of a pending wait depends on it).
+    pub now: Timestamp,
+}
+
+fn ms_between(from: Timestamp, to: Timestamp) -> u64 {
+    u64::try_from(to.duration_since(from).as_millis().max(0)).unwrap_or(u64::MAX)
+}
+
+/// Derives the SPEC §10 snapshot of one throttled action from its trail (field sources in the
+/// module docs). Pure: nothing is read, `ctx.now` is given. `None` when the action was never
+/// throttled (or its throttling answer carried no status).
+pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option<Snapshot> {
+    let k = trail.chosen_throttle()?;
+    let throttle = trail.is_throttle(k)?;
+    let status = throttle.status?;
+    let throttled_at = throttle.at;
+    let boundary = throttle.boundary.flatten();
+    let wake = trail.wake_after(k, throttle.seq);
+    let retry = trail.attempts.get(&(k + 1));
+    let claim = wake.and_then(|w| {
+        trail
+            .claimed
+            .iter()
+            .find(|c| c.seq > w.seq && (w.job.is_none() || c.job == w.job))
+    });
+    let retry_started_at = retry.map(|a| a.sent_at).or(claim.map(|c| c.at));
+    let retry_result = retry.and_then(|a| a.result.as_ref());
+    // Validation requires finished ≥ started: a finish without a start time cannot exist here.
+    let retry_finished_at = retry_result.map(|r| r.at);
+    let retry_status = retry_result.and_then(|r| r.status);
+
+    let limits = ctx.policy.class(&trail.request_class);
+    let attempts_used =
+        u32::try_from(trail.attempts.keys().filter(|n| **n <= k + 1).count()).unwrap_or(u32::MAX);
+
+    // Waits already finished before this throttle: result of i → send of i + 1.
+    let mut wait_used_ms: u64 = 0;
+    for i in 1..k {
+        let finished = trail.attempts.get(&i).and_then(|a| a.result.as_ref());
+        let next = trail.attempts.get(&(i + 1));
+        if let (Some(r), Some(n)) = (finished, next) {
+            wait_used_ms = wait_used_ms.saturating_add(ms_between(r.at, n.sent_at));
+        }
+    }
+    let wait_end = match retry_started_at {
+        Some(started) => started,
+        None => {
+            let planned = boundary.or(wake.and_then(|w| w.due_at));
+            planned.map_or(ctx.now, |p| p.min(ctx.now))
+        }
+    };
+    wait_used_ms = wait_used_ms.saturating_add(ms_between(throttled_at, wait_end));
+
+    let scope = throttle
+        .scope
+        .clone()
+        .or_else(|| {
+            ctx.policy
+                .scope(&trail.provider, &trail.method, &trail.route)
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| trail.provider.clone());
+    let outcome_receipt = match trail.outcome.as_deref() {
+        Some("succeeded") => Some(OutcomeReceipt { matches: true }),
+        _ => None,
+    };
+    Some(Snapshot {
+        run_id: trail.task.clone(),
+        quota_scope: scope,
+        throttled_at,
+        status,
+        retry_after_raw: None,
+        date_header: None,
+        retry_not_before: boundary.filter(|b| *b >= throttled_at),
+        scheduled_retry_at: wake.and_then(|w| w.due_at),
+        scheduler_job_id: wake.and_then(|w| w.job).map(|j| j.to_string()),
+        scheduler_heartbeat_at: ctx.heartbeat_at,
+        retry_started_at,
+        retry_finished_at: retry_finished_at.filter(|_| retry_started_at.is_some()),
+        retry_status: retry_status.filter(|_| retry_started_at.is_some()),
+        attempts_used,
+        max_attempts: limits.max_attempts,
+        wait_budget_ms: limits.max_wait_ms,
+        wait_used_ms,
+        outcome_deadline: ctx.deadline,
+        completion_estimate_ms: 0,
+        outcome_receipt,
+    })
+}
+
+/// `true` for the diagnoses that need no operator: `waiting_backpressure` and `recovered`.
+pub fn is_healthy(diagnosis: Diagnosis) -> bool {
+    matches!(
+        diagnosis,
+        Diagnosis::WaitingBackpressure | Diagnosis::Recovered
+    )
+}
+
+/// One throttled action of a run with its snapshot and diagnosis.
+#[derive(Debug, Clone, Serialize)]
+pub struct ActionHealth {
+    /// Store id of the action.
+    pub action_id: i64,
+    /// Whether the action has not ended yet.
+    pub open: bool,
+    /// The derived snapshot (SPEC §10 shape).
+    pub snapshot: Snapshot,
+    /// Its diagnosis.
+    pub report: DiagnosisReport,
+}
+
+/// The health of one run: `GET /v1/runs/{task_id}/health`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunHealth {
+    /// The task id.
+    pub run_id: String,
+    /// The instant diagnosed at.
+    pub now: Timestamp,
+    /// The wake grace, in milliseconds.
+    pub wake_grace_ms: u64,
+    /// `true` when every throttled action is `waiting_backpressure` or `recovered` (or there is
+    /// none).
+    pub healthy: bool,
+    /// Whether any throttled action is still open.
+    pub open: bool,
+    /// The throttled actions, by action id.
+    pub actions: Vec<ActionHealth>,
+    /// Totals of this run: `retry_after_debt_ms`, by scope, by diagnosis.
+    pub totals: Totals,
+}
+
+/// The gateway's unhealthy runs: `GET /v1/health`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GatewayHealth {
+    /// The instant diagnosed at.
+    pub now: Timestamp,
+    /// The wake grace, in milliseconds.
+    pub wake_grace_ms: u64,
+    /// Runs with at least one diagnosis other than `waiting_backpressure`/`recovered`.
+    pub runs: Vec<RunHealth>,
+    /// Totals over every visible throttled action (healthy ones included), by scope, diagnosis
+    /// and run.
+    pub totals: Totals,
+}
+
+/// Diagnoses the throttled actions of `trails` (all of one run) at `now`.
+pub fn run_health<'a>(
+    run_id: &str,
+    trails: impl IntoIterator<Item = &'a ActionTrail>,
+    ctx: &SnapshotContext<'_>,
+    opts: &DiagnoseOptions,
+) -> RunHealth {
+    let mut actions = Vec::new();
+    let mut totals = Totals::default();
+    for trail in trails {
+        let Some(snapshot) = derive_snapshot(trail, ctx) else {
+            continue;
+        };
+        let report = diagnose(&snapshot, ctx.now, opts);
+        totals.add(&report);
+        actions.push(ActionHealth {
+            action_id: trail.action,
+            open: !trail.finished(),
+            snapshot,
+            report,
+        });
+    }
+    RunHealth {
+        run_id: run_id.to_owned(),
+        now: ctx.now,
+        wake_grace_ms: u64::try_from(opts.wake_grace.0.as_millis()).unwrap_or(u64::MAX),
+        healthy: actions.iter().all(|a| is_healthy(a.report.diagnosis)),
+        open: actions.iter().any(|a| a.open),
+        actions,
+        totals,
+    }
+}
+
+/// Resolves a bearer token to its caller (agent or operator), `None` for an unknown token. The
+/// server passes [`crate::auth::Authenticator::identify`].
+pub type CallerLookup = dyn Fn(&str) -> Option<Caller> + Send + Sync;
+
+/// What the health routes need.
+#[derive(Clone)]
+pub struct HealthState {
+    /// The store whose audit log and tasks are read.
+    pub store: Arc<dyn Store>,
+    /// Bearer token → caller.
+    pub callers: Arc<CallerLookup>,
+    /// The clock giving `now`.
+    pub clock: TokioClock,
+    /// The wake grace (SPEC §10 default 30 s).
+    pub grace: Duration,
+    /// Class ceilings and route scopes.
+    pub policy: Arc<HealthPolicy>,
+}
+
+impl std::fmt::Debug for HealthState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HealthState")
+            .field("clock", &self.clock)
+            .field("grace", &self.grace)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The health routes (see the module table), ready to merge into the gateway's router.
+pub fn router(state: HealthState) -> Router {
+    Router::new()
+        .route("/v1/runs/{task_id}/health", get(one_run))
+        .route("/v1/health", get(all_runs))
+        .with_state(state)
+}
+
+#[derive(Debug)]
+struct HealthProblem {
+    status: StatusCode,
+    name: &'static str,
+    detail: String,
+}
+
+impl IntoResponse for HealthProblem {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "type": format!("{}{}", crate::problem::TYPE_PREFIX, self.name),
+            "title": self.name.replace('_', " "),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        let mut response = (self.status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(crate::problem::PROBLEM_JSON),
+        );
+        headers.insert("x-should-retry", HeaderValue::from_static("false"));
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"backstop\""),
+            );
+        }
+        response
+    }
+}
+
+fn problem(status: StatusCode, name: &'static str, detail: impl Into<String>) -> HealthProblem {
+    HealthProblem {
+        status,
+        name,
+        detail: detail.into(),
+    }
+}
+
+fn caller(state: &HealthState, headers: &HeaderMap) -> Result<Caller, HealthProblem> {
+    let unauthorized = || {
+        problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "run health is read with an agent or operator token in `Authorization: Bearer …`",
+        )
+    };
+    let value = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(unauthorized)?;
+    let (scheme, token) = value.trim().split_once(' ').ok_or_else(unauthorized)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return Err(unauthorized());
+    }
+    (state.callers)(token.trim()).ok_or_else(unauthorized)
+}
+
+fn visible(caller: &Caller, task: &TaskRecord) -> bool {
+    caller.role == Role::Operator || task.agent == caller.name
+}
+
+/// Reads the whole log and the tasks of every throttled run; keeps the runs `caller` may see.
+fn gather(
+    store: &dyn Store,
+    only_task: Option<&str>,
+    caller: &Caller,
+) -> Result<(Evidence, BTreeMap<String, TaskRecord>), HealthError> {
+    let mut evidence = Evidence::new();
+    evidence.catch_up(store)?;
+    let mut tasks = BTreeMap::new();
+    for trail in evidence.trails() {
+        if only_task.is_some_and(|t| t != trail.task) || tasks.contains_key(&trail.task) {
+            continue;
+        }
+        if let Some(task) = store.task(&trail.task)? {
+            if visible(caller, &task) {
+                tasks.insert(trail.task.clone(), task);
+            }
+        }
+    }
+    Ok((evidence, tasks))
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, HealthError> + Send + 'static,
+) -> Result<T, HealthProblem> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "store_error",
+            e.to_string(),
+        )),
+        Err(e) => Err(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "store_error",
+            format!("store task ended: {e}"),
+        )),
+    }
+}
+
+fn options(state: &HealthState) -> DiagnoseOptions {
+    DiagnoseOptions {
+        wake_grace: WakeGrace(state.grace),
+        ..DiagnoseOptions::default()
+    }
+}
+
+async fn one_run(
+    State(state): State<HealthState>,
+    Path(task_id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<RunHealth>, HealthProblem> {
+    let caller = caller(&state, &headers)?;
+    let store = state.store.clone();
+    let (task, visible_task) = {
+        let (task_id, caller) = (task_id.clone(), caller.clone());
+        blocking(move || {
+            let task = store.task(&task_id)?;
+            let ok = task.as_ref().is_some_and(|t| visible(&caller, t));
+            Ok((task, ok))
+        })
+        .await?
+    };
+    let Some(task) = task.filter(|_| visible_task) else {
+        return Err(problem(
+            StatusCode::NOT_FOUND,
+            "run_not_found",
+            format!("run `{task_id}` does not exist or is not yours"),
+        ));
+    };
+    let store = state.store.clone();
+    let only = task.id.clone();
+    let (evidence, _) = blocking(move || gather(store.as_ref(), Some(&only), &caller)).await?;
+    let ctx = SnapshotContext {
+        deadline: task.deadline,
+        policy: &state.policy,
+        heartbeat_at: evidence.heartbeat_at(),
+        now: state.clock.now(),
+    };
+    let trails = evidence.trails().filter(|t| t.task == task.id);
+    Ok(Json(run_health(&task.id, trails, &ctx, &options(&state))))
+}
+
+async fn all_runs(
+    State(state): State<HealthState>,
+    headers: HeaderMap,
+) -> Result<Json<GatewayHealth>, HealthProblem> {
+    let caller = caller(&state, &headers)?;
+    let store = state.store.clone();
+    let (evidence, tasks) = blocking(move || gather(store.as_ref(), None, &caller)).await?;
+    let now = state.clock.now();
+    let opts = options(&state);
+    let mut runs = Vec::new();
+    let mut totals = Totals::default();
+    for task in tasks.values() {
+        let ctx = SnapshotContext {
+            deadline: task.deadline,
+            policy: &state.policy,
+            heartbeat_at: evidence.heartbeat_at(),
+            now,
+        };
+        let health = run_health(
+            &task.id,
+            evidence.trails().filter(|t| t.task == task.id),
+            &ctx,
+            &opts,
+        );
+        for action in &health.actions {
+            totals.add(&action.report);
+        }
+        if !health.healthy {
+            runs.push(health);
+        }
+    }
+    Ok(Json(GatewayHealth {
+        now,
+        wake_grace_ms: u64::try_from(state.grace.as_millis()).unwrap_or(u64::MAX),
+        runs,
+        totals,
+    }))
+}
