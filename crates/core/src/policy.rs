@@ -25,7 +25,13 @@
 //!
 //! Secrets are referenced only (`secret_env`, `secret_file`, `token_env`, `token_file`, or a
 //! `token_sha256` digest); a literal `secret`, `token`, `api_key`, `password` or `value` field,
-//! or a password in `base_url`, is an error that never echoes the value.
+//! userinfo, a query string or a fragment in `base_url`, an `*_env` that is not a variable name
+//! (`[A-Za-z_][A-Za-z0-9_]*`), an empty `*_file`, or a credential `header` that is not a bare
+//! field name is an error that never echoes the value.
+//!
+//! The `uncertain_write` class may not retry (`max_attempts` 1, no `retry_statuses`): an
+//! uncertain write is never resent blindly (SPEC §6). Numbers are read permissively and checked
+//! here, so a wrong sign, size or type is reported with its key path.
 //!
 //! ```
 //! use backstop_core::policy::Policy;
@@ -428,14 +434,34 @@ impl Policy {
     pub fn load(path: impl AsRef<Path>) -> Result<Policy, PolicyErrors> {
         let path = path.as_ref();
         let file = path.display().to_string();
-        let src = std::fs::read_to_string(path).map_err(|e| {
+        let unpositioned = |message: String| {
             PolicyErrors(vec![PolicyError {
                 file: file.clone(),
                 line: 0,
                 column: 0,
-                message: format!("cannot read the policy file: {e}"),
+                message,
             }])
-        })?;
+        };
+        let bytes = std::fs::read(path)
+            .map_err(|e| unpositioned(format!("cannot read the policy file: {e}")))?;
+        let src = match String::from_utf8(bytes) {
+            Ok(src) => src,
+            Err(e) => {
+                let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+                let line = valid.iter().filter(|&&b| b == b'\n').count() as u64 + 1;
+                let column =
+                    valid.len() - valid.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
+                return Err(PolicyErrors(vec![PolicyError {
+                    file: file.clone(),
+                    line,
+                    column: column as u64,
+                    message: format!(
+                        "not UTF-8 (invalid byte at offset {}); a policy file is UTF-8 text",
+                        e.utf8_error().valid_up_to()
+                    ),
+                }]));
+            }
+        };
         Policy::from_yaml_str(&src, &file)
     }
 
@@ -446,6 +472,14 @@ impl Policy {
     /// types (the first one only), then every semantic problem (ranges, unknown class or scope
     /// references, malformed route templates or JSON pointers, literal secrets).
     pub fn from_yaml_str(src: &str, file: &str) -> Result<Policy, PolicyErrors> {
+        if is_blank_yaml(src) {
+            return Err(PolicyErrors(vec![PolicyError {
+                file: file.to_owned(),
+                line: 0,
+                column: 0,
+                message: "empty policy file (no settings, only blank lines or comments)".to_owned(),
+            }]));
+        }
         let raw: RawPolicy = serde_saphyr::from_str(src).map_err(|e| {
             let (line, column) = e
                 .location()
@@ -455,7 +489,7 @@ impl Policy {
                 file: file.to_owned(),
                 line,
                 column,
-                message: strip_position(&e.without_snippet().to_string()),
+                message: yaml_message(&e),
             }])
         })?;
         let mut ctx = Ctx {
@@ -706,6 +740,64 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for SpannedMap<V> {
 type S<T> = Spanned<T>;
 type Trap = Option<S<IgnoredAny>>;
 
+/// A number as written in the file, read permissively so that validation — not the YAML
+/// library — reports a wrong sign, size or type together with the key path
+/// (`breaker.threshold: expected a non-negative integer, got -3`).
+#[derive(Debug, Clone, PartialEq)]
+enum Num {
+    Int(i128),
+    Float(f64),
+    /// Not a number: the scalar as written (a string or a boolean).
+    Other(String),
+}
+
+impl<'de> Deserialize<'de> for Num {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct NumVisitor;
+        impl Visitor<'_> for NumVisitor {
+            type Value = Num;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number")
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Num, E> {
+                Ok(Num::Int(v.into()))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Num, E> {
+                Ok(Num::Int(v.into()))
+            }
+            fn visit_i128<E>(self, v: i128) -> Result<Num, E> {
+                Ok(Num::Int(v))
+            }
+            fn visit_u128<E>(self, v: u128) -> Result<Num, E> {
+                Ok(i128::try_from(v).map_or(Num::Float(v as f64), Num::Int))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Num, E> {
+                Ok(Num::Float(v))
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Num, E> {
+                Ok(Num::Other(v.to_string()))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Num, E> {
+                Ok(Num::Other(format!("{v:?}")))
+            }
+        }
+        deserializer.deserialize_any(NumVisitor)
+    }
+}
+
+impl fmt::Display for Num {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Num::Int(i) => write!(f, "{i}"),
+            Num::Float(x) => write!(f, "{x}"),
+            Num::Other(text) => f.write_str(text),
+        }
+    }
+}
+
+/// The largest number of seconds a policy duration may hold (about 136 years).
+const MAX_POLICY_SECONDS: f64 = u32::MAX as f64;
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPolicy {
@@ -724,41 +816,41 @@ struct RawPolicy {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawClass {
-    max_attempts: Option<S<u32>>,
-    max_wait_seconds: Option<S<f64>>,
-    retry_statuses: Option<S<Vec<S<u16>>>>,
+    max_attempts: Option<S<Num>>,
+    max_wait_seconds: Option<S<Num>>,
+    retry_statuses: Option<S<Vec<S<Num>>>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSharedScope {
-    max_delayed_requests: Option<S<u32>>,
-    max_concurrent_requests: Option<S<u32>>,
+    max_delayed_requests: Option<S<Num>>,
+    max_concurrent_requests: Option<S<Num>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawBackoff {
-    base_seconds: Option<S<f64>>,
-    max_seconds: Option<S<f64>>,
-    min_delay_seconds: Option<S<f64>>,
-    retry_after_ceiling_seconds: Option<S<f64>>,
-    boundary_spread_seconds: Option<S<f64>>,
+    base_seconds: Option<S<Num>>,
+    max_seconds: Option<S<Num>>,
+    min_delay_seconds: Option<S<Num>>,
+    retry_after_ceiling_seconds: Option<S<Num>>,
+    boundary_spread_seconds: Option<S<Num>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawBreaker {
-    threshold: Option<S<u32>>,
+    threshold: Option<S<Num>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRetryQuota {
-    capacity: Option<S<u32>>,
-    retry_cost: Option<S<u32>>,
-    timeout_cost: Option<S<u32>>,
-    success_refund: Option<S<u32>>,
+    capacity: Option<S<Num>>,
+    retry_cost: Option<S<Num>>,
+    timeout_cost: Option<S<Num>>,
+    success_refund: Option<S<Num>>,
 }
 
 #[derive(Deserialize)]
@@ -812,12 +904,12 @@ struct RawProvider {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawScope {
-    limit: Option<S<u64>>,
-    window_seconds: Option<S<f64>>,
-    headroom: Option<S<f64>>,
-    reserve_interactive: Option<S<f64>>,
-    max_delayed_requests: Option<S<u32>>,
-    max_concurrent_requests: Option<S<u32>>,
+    limit: Option<S<Num>>,
+    window_seconds: Option<S<Num>>,
+    headroom: Option<S<Num>>,
+    reserve_interactive: Option<S<Num>>,
+    max_delayed_requests: Option<S<Num>>,
+    max_concurrent_requests: Option<S<Num>>,
 }
 
 #[derive(Deserialize)]
@@ -858,34 +950,122 @@ impl Ctx {
         });
     }
 
-    /// A positive `u32` (≥ 1), or the default.
-    fn at_least_one(&mut self, v: &Option<S<u32>>, path: &str, default: u32) -> u32 {
-        match v {
-            Some(s) if s.value == 0 => {
-                self.err(&s.referenced, format!("{path}: must be at least 1"));
-                default
+    /// A whole number in `min..=max`, or `None` after reporting why not.
+    fn integer(&mut self, s: &S<Num>, path: &str, min: u64, max: u64) -> Option<u64> {
+        let value = match &s.value {
+            Num::Int(i) => *i,
+            Num::Float(x) if x.is_finite() && x.fract() == 0.0 && x.abs() < 1e30 => *x as i128,
+            Num::Float(x) if x.is_finite() && *x > 0.0 && x.fract() == 0.0 => i128::MAX,
+            other => {
+                self.err(
+                    &s.referenced,
+                    format!("{path}: expected a non-negative integer, got {other}"),
+                );
+                return None;
             }
-            Some(s) => s.value,
-            None => default,
+        };
+        if value < 0 {
+            self.err(
+                &s.referenced,
+                format!("{path}: expected a non-negative integer, got {value}"),
+            );
+            None
+        } else if value > i128::from(max) {
+            self.err(
+                &s.referenced,
+                format!("{path}: too large, at most {max}, got {}", s.value),
+            );
+            None
+        } else if value < i128::from(min) {
+            self.err(
+                &s.referenced,
+                format!("{path}: must be at least {min}"),
+            );
+            None
+        } else {
+            u64::try_from(value).ok()
         }
     }
 
-    /// Seconds as a [`Duration`] (finite, ≥ 0), or the default.
-    fn seconds(&mut self, v: &Option<S<f64>>, path: &str, default: Duration) -> Duration {
-        match v {
-            Some(s) => match Duration::try_from_secs_f64(s.value) {
-                Ok(d) => d,
-                Err(_) => {
-                    self.err(
-                        &s.referenced,
-                        format!(
-                            "{path}: must be a non-negative number of seconds, got {}",
-                            s.value
-                        ),
-                    );
-                    default
-                }
-            },
+    /// A positive `u32` (≥ 1), or `None` when absent or invalid (reported).
+    fn positive_u32(&mut self, v: &Option<S<Num>>, path: &str) -> Option<u32> {
+        let s = v.as_ref()?;
+        self.integer(s, path, 1, u64::from(u32::MAX))
+            .and_then(|n| u32::try_from(n).ok())
+    }
+
+    /// A positive `u32` (≥ 1), or the default.
+    fn at_least_one(&mut self, v: &Option<S<Num>>, path: &str, default: u32) -> u32 {
+        self.positive_u32(v, path).unwrap_or(default)
+    }
+
+    /// A finite number, or `None` after reporting why not.
+    fn number(&mut self, s: &S<Num>, path: &str) -> Option<f64> {
+        match &s.value {
+            Num::Int(i) => Some(*i as f64),
+            Num::Float(x) if x.is_finite() => Some(*x),
+            other => {
+                self.err(
+                    &s.referenced,
+                    format!("{path}: expected a finite number, got {other}"),
+                );
+                None
+            }
+        }
+    }
+
+    /// Seconds as a [`Duration`] (finite, ≥ 0, at most [`MAX_POLICY_SECONDS`]), or the default.
+    fn seconds(&mut self, v: &Option<S<Num>>, path: &str, default: Duration) -> Duration {
+        let Some(s) = v else {
+            return default;
+        };
+        let Some(x) = self.number(s, path) else {
+            return default;
+        };
+        if x < 0.0 {
+            self.err(
+                &s.referenced,
+                format!(
+                    "{path}: must be a non-negative number of seconds, got {}",
+                    s.value
+                ),
+            );
+            default
+        } else if x > MAX_POLICY_SECONDS {
+            self.err(
+                &s.referenced,
+                format!(
+                    "{path}: too large, at most {MAX_POLICY_SECONDS} seconds, got {}",
+                    s.value
+                ),
+            );
+            default
+        } else {
+            Duration::from_secs_f64(x)
+        }
+    }
+
+    /// A fraction in the range `ok`, described as `range` in the message, or the default.
+    fn fraction(
+        &mut self,
+        v: &Option<S<Num>>,
+        path: &str,
+        ok: impl Fn(f64) -> bool,
+        range: &str,
+        default: f64,
+    ) -> f64 {
+        let Some(s) = v else {
+            return default;
+        };
+        match self.number(s, path) {
+            Some(x) if ok(x) => x,
+            Some(_) => {
+                self.err(
+                    &s.referenced,
+                    format!("{path}: must be in {range}, got {}", s.value),
+                );
+                default
+            }
             None => default,
         }
     }
@@ -902,11 +1082,67 @@ impl Ctx {
     }
 }
 
-fn strip_position(message: &str) -> String {
-    match message.rfind(" at line ") {
-        Some(i) if message[i..].contains(", column ") => message[..i].to_owned(),
-        _ => message.to_owned(),
+/// Whether `src` holds no YAML content: only whitespace, comments and a byte-order mark.
+fn is_blank_yaml(src: &str) -> bool {
+    src.trim_start_matches('\u{feff}').lines().all(|line| {
+        let line = line.trim();
+        line.is_empty() || line.starts_with('#')
+    })
+}
+
+/// Location wording of the YAML library, suppressed: the position is reported once, in
+/// structured form, as the `FILE:LINE:COL` prefix.
+struct NoLocationSuffix;
+
+impl serde_saphyr::Localizer for NoLocationSuffix {
+    fn attach_location<'a>(
+        &self,
+        base: std::borrow::Cow<'a, str>,
+        _loc: Location,
+    ) -> std::borrow::Cow<'a, str> {
+        base
     }
+
+    fn alias_used_at(&self, _used: Location) -> String {
+        String::new()
+    }
+
+    fn alias_defined_at(&self, defined: Location) -> String {
+        format!(
+            " (the value comes from the anchor at {}:{})",
+            defined.line(),
+            defined.column()
+        )
+    }
+}
+
+/// The YAML library's end-user wording, with backstop's own text for duplicate keys.
+struct PolicyMessages;
+
+impl serde_saphyr::MessageFormatter for PolicyMessages {
+    fn localizer(&self) -> &dyn serde_saphyr::Localizer {
+        &NoLocationSuffix
+    }
+
+    fn format_message<'a>(&self, err: &'a serde_saphyr::Error) -> std::borrow::Cow<'a, str> {
+        match err {
+            serde_saphyr::Error::DuplicateMappingKey { key: Some(key), .. } => {
+                format!("duplicate key `{key}` (each key may appear once per mapping)").into()
+            }
+            serde_saphyr::Error::DuplicateMappingKey { key: None, .. } => {
+                "duplicate key (each key may appear once per mapping)".into()
+            }
+            other => serde_saphyr::UserMessageFormatter.format_message(other),
+        }
+    }
+}
+
+/// The message of a YAML error without any position (the caller reports the library's
+/// structured [`Location`] instead) and without the library's configuration advice.
+fn yaml_message(e: &serde_saphyr::Error) -> String {
+    let mut options = serde_saphyr::RenderOptions::new(&PolicyMessages);
+    options.snippets = serde_saphyr::SnippetMode::Off;
+    e.render_with_options(options)
 }
 
 fn builtin_class(name: &str) -> Option<RequestClass> {
@@ -972,6 +1208,109 @@ fn check_header_name(ctx: &mut Ctx, s: &S<String>, path: &str) -> bool {
     true
 }
 
+/// SPEC §1/§6: an uncertain write (no honoured idempotency key) is never resent blindly — the
+/// provider may already have applied it — so its class allows one attempt and no retry statuses;
+/// what comes next is reconciliation or an escalation.
+fn check_uncertain_write(
+    raw: &RawClass,
+    max_attempts: u32,
+    retry_statuses: &[u16],
+    path: &str,
+    ctx: &mut Ctx,
+) {
+    let why = "an uncertain write is never resent blindly (the provider may already have applied \
+               it); it is reconciled or escalated instead (SPEC §6)";
+    if max_attempts > 1 {
+        if let Some(s) = &raw.max_attempts {
+            ctx.err(
+                &s.referenced,
+                format!("{path}.max_attempts: must be 1, got {max_attempts}: {why}"),
+            );
+        }
+    }
+    if !retry_statuses.is_empty() {
+        if let Some(s) = &raw.retry_statuses {
+            ctx.err(
+                &s.referenced,
+                format!("{path}.retry_statuses: must be empty, got {retry_statuses:?}: {why}"),
+            );
+        }
+    }
+}
+
+/// `listen`: `HOST:PORT` as a TCP listener binds it — an IPv4 address, a bracketed IPv6 address
+/// or a host name, and a port 0–65535 (0 picks a free port).
+fn check_listen(value: &str) -> Result<(), String> {
+    let expected = "expected HOST:PORT such as 127.0.0.1:8080 or [::1]:8080";
+    if value.parse::<std::net::SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let Some((host, port)) = value.rsplit_once(':') else {
+        return Err(format!("`{value}` has no port; {expected}"));
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(format!(
+            "`{value}`: the port `{port}` is not a number 0–65535; {expected}"
+        ));
+    }
+    let is_host_name = !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if is_host_name {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{value}`: `{host}` is not an IP address or host name; {expected}"
+        ))
+    }
+}
+
+/// Whether `name` is a portable environment variable name: `[A-Za-z_][A-Za-z0-9_]*`.
+fn is_env_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// Checks a secret or token reference (`secret_env`, `token_file`, …). An environment reference
+/// must be a variable *name*; a file reference must not be empty. The message never repeats the
+/// value: a value that is not a name is most likely the secret itself.
+fn check_secret_ref(ctx: &mut Ctx, s: &S<String>, path: &str, env: bool) -> bool {
+    if env && !is_env_name(&s.value) {
+        let got = if s.value.is_empty() {
+            "empty"
+        } else {
+            "not a name"
+        };
+        ctx.err(
+            &s.referenced,
+            format!(
+                "{path}: {got}; give the NAME of the environment variable holding the secret \
+                 (letters, digits and `_`, not starting with a digit), never the secret (value not shown)"
+            ),
+        );
+        return false;
+    }
+    if !env && s.value.trim().is_empty() {
+        ctx.err(
+            &s.referenced,
+            format!("{path}: empty; give the path of the file holding the secret"),
+        );
+        return false;
+    }
+    true
+}
+
 fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
     // Request classes: built-ins first, then the file's.
     let mut request_classes: BTreeMap<String, RequestClass> = BUILTIN_CLASSES
@@ -1022,30 +1361,36 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
             Some(list) => {
                 let mut statuses = BTreeSet::new();
                 for status in &list.value {
-                    if !(100..=599).contains(&status.value) {
+                    let Some(code) =
+                        ctx.integer(status, &format!("{path}.retry_statuses"), 0, u64::MAX)
+                    else {
+                        continue;
+                    };
+                    if !(100..=599).contains(&code) {
                         ctx.err(
                             &status.referenced,
                             format!(
-                                "{path}.retry_statuses: {} is not an HTTP status (100–599)",
-                                status.value
+                                "{path}.retry_statuses: {code} is not an HTTP status (100–599)"
                             ),
                         );
-                    } else if (200..=299).contains(&status.value) {
+                    } else if (200..=299).contains(&code) {
                         ctx.err(
                             &status.referenced,
                             format!(
-                                "{path}.retry_statuses: {} is a success; it cannot be retried",
-                                status.value
+                                "{path}.retry_statuses: {code} is a success; it cannot be retried"
                             ),
                         );
-                    } else {
-                        statuses.insert(status.value);
+                    } else if let Ok(code) = u16::try_from(code) {
+                        statuses.insert(code);
                     }
                 }
                 statuses.into_iter().collect()
             }
             None => defaults.retry_statuses,
         };
+        if name == "uncertain_write" {
+            check_uncertain_write(c, max_attempts, &retry_statuses, &path, ctx);
+        }
         request_classes.insert(
             name.clone(),
             RequestClass {
@@ -1092,6 +1437,20 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
     for (key, provider) in raw.providers.map(|m| m.0).unwrap_or_default() {
         if let Some(p) = validate_provider(&key, provider, &request_classes, &shared_scope, ctx) {
             providers.insert(p.name.clone(), p);
+        }
+    }
+
+    if let Some(store) = &raw.store {
+        if store.value.trim().is_empty() {
+            ctx.err(
+                &store.referenced,
+                "store: must be the path of the SQLite database file, not empty",
+            );
+        }
+    }
+    if let Some(listen) = &raw.listen {
+        if let Err(reason) = check_listen(&listen.value) {
+            ctx.err(&listen.referenced, format!("listen: {reason}"));
         }
     }
 
@@ -1177,28 +1536,37 @@ fn validate_retry_quota(raw: Option<&S<RawRetryQuota>>, ctx: &mut Ctx) -> RetryQ
         return defaults;
     };
     let q = &raw.value;
-    let capacity = ctx.at_least_one(&q.capacity, "retry_quota.capacity", defaults.capacity);
-    let retry_cost = ctx.at_least_one(&q.retry_cost, "retry_quota.retry_cost", defaults.retry_cost);
-    let timeout_cost = ctx.at_least_one(
-        &q.timeout_cost,
-        "retry_quota.timeout_cost",
-        defaults.timeout_cost,
-    );
-    let success_refund = q
-        .success_refund
-        .as_ref()
-        .map(|s| s.value)
-        .unwrap_or(defaults.success_refund);
+    let capacity = ctx.positive_u32(&q.capacity, "retry_quota.capacity");
+    let retry_cost = ctx.positive_u32(&q.retry_cost, "retry_quota.retry_cost");
+    let timeout_cost = ctx.positive_u32(&q.timeout_cost, "retry_quota.timeout_cost");
+    let success_refund = match &q.success_refund {
+        Some(s) => ctx
+            .integer(s, "retry_quota.success_refund", 0, u64::from(u32::MAX))
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(defaults.success_refund),
+        None => defaults.success_refund,
+    };
+    // A cost is compared with the capacity the file states (or the default when it states
+    // none); an invalid capacity was already reported and is not compared with.
+    let capacity_valid = q.capacity.is_none() || capacity.is_some();
+    let capacity = capacity.unwrap_or(defaults.capacity);
+    let retry_cost = retry_cost.unwrap_or(defaults.retry_cost);
+    let timeout_cost = timeout_cost.unwrap_or(defaults.timeout_cost);
     for (value, field, v) in [
         (retry_cost, "retry_cost", &q.retry_cost),
         (timeout_cost, "timeout_cost", &q.timeout_cost),
     ] {
-        if value > capacity {
+        if capacity_valid && value > capacity {
             let at = v.as_ref().map(|s| s.referenced).unwrap_or(raw.referenced);
+            let whose = if q.capacity.is_some() {
+                "the capacity"
+            } else {
+                "the default capacity"
+            };
             ctx.err(
                 &at,
                 format!(
-                    "retry_quota.{field}: {value} exceeds the capacity {capacity}; no retry could ever be paid"
+                    "retry_quota.{field}: {value} exceeds {whose} {capacity}; no retry could ever be paid"
                 ),
             );
         }
@@ -1227,9 +1595,11 @@ fn validate_principals(
         ctx.trap(&p.api_key, &format!("{path}.api_key"), use_instead);
         let mut refs = Vec::new();
         if let Some(s) = &p.token_env {
+            check_secret_ref(ctx, s, &format!("{path}.token_env"), true);
             refs.push(TokenRef::Env(s.value.clone()));
         }
         if let Some(s) = &p.token_file {
+            check_secret_ref(ctx, s, &format!("{path}.token_file"), false);
             refs.push(TokenRef::File(PathBuf::from(&s.value)));
         }
         if let Some(s) = &p.token_sha256 {
@@ -1300,8 +1670,13 @@ fn validate_provider(
                     format!("{path}.base_url: must start with http:// or https://"),
                 ),
                 Some(rest) => {
-                    let authority = rest.split('/').next().unwrap_or("");
-                    if authority.contains('@') {
+                    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+                    if rest.contains(['?', '#']) {
+                        ctx.err(
+                            &s.referenced,
+                            format!("{path}.base_url: must not carry a query string or fragment (they can hold keys; use {use_instead} for credentials; value not shown)"),
+                        );
+                    } else if authority.contains('@') {
                         ctx.err(
                             &s.referenced,
                             format!("{path}.base_url: literal secret; credentials in the URL are not allowed (use {use_instead})"),
@@ -1576,7 +1951,15 @@ fn validate_credential(raw: &S<RawCredential>, path: &str, ctx: &mut Ctx) -> Opt
     ctx.trap(&c.password, &format!("{path}.password"), use_instead);
     let header = match &c.header {
         Some(h) => {
-            check_header_name(ctx, h, &format!("{path}.header"));
+            if http::HeaderName::from_bytes(h.value.as_bytes()).is_err() {
+                ctx.err(
+                    &h.referenced,
+                    format!(
+                        "{path}.header: not a valid HTTP header field name (no `:` or spaces; \
+                         the name only, e.g. `Authorization`, never the secret; value not shown)"
+                    ),
+                );
+            }
             h.value.clone()
         }
         None => "Authorization".to_owned(),
@@ -1597,8 +1980,18 @@ fn validate_credential(raw: &S<RawCredential>, path: &str, ctx: &mut Ctx) -> Opt
         }
     }
     let secret = match (&c.secret_env, &c.secret_file) {
-        (Some(env), None) => SecretRef::Env(env.value.clone()),
-        (None, Some(file)) => SecretRef::File(PathBuf::from(&file.value)),
+        (Some(env), None) => {
+            if !check_secret_ref(ctx, env, &format!("{path}.secret_env"), true) {
+                return None;
+            }
+            SecretRef::Env(env.value.clone())
+        }
+        (None, Some(file)) => {
+            if !check_secret_ref(ctx, file, &format!("{path}.secret_file"), false) {
+                return None;
+            }
+            SecretRef::File(PathBuf::from(&file.value))
+        }
         (Some(_), Some(file)) => {
             ctx.err(
                 &file.referenced,
@@ -1635,14 +2028,10 @@ fn validate_scope(
     ctx: &mut Ctx,
 ) -> Scope {
     let s = &raw.value;
-    let limit = match &s.limit {
-        Some(l) if l.value == 0 => {
-            ctx.err(&l.referenced, format!("{path}.limit: must be at least 1"));
-            None
-        }
-        Some(l) => Some(l.value),
-        None => None,
-    };
+    let limit = s
+        .limit
+        .as_ref()
+        .and_then(|l| ctx.integer(l, &format!("{path}.limit"), 1, u64::MAX));
     let window = ctx.seconds(
         &s.window_seconds,
         &format!("{path}.window_seconds"),
@@ -1656,31 +2045,20 @@ fn validate_scope(
             );
         }
     }
-    let headroom = match &s.headroom {
-        Some(h) if !(h.value > 0.0 && h.value <= 1.0) => {
-            ctx.err(
-                &h.referenced,
-                format!("{path}.headroom: must be in (0, 1], got {}", h.value),
-            );
-            0.8
-        }
-        Some(h) => h.value,
-        None => 0.8,
-    };
-    let reserve_interactive = match &s.reserve_interactive {
-        Some(r) if !(0.0..1.0).contains(&r.value) => {
-            ctx.err(
-                &r.referenced,
-                format!(
-                    "{path}.reserve_interactive: must be in [0, 1), got {}",
-                    r.value
-                ),
-            );
-            0.2
-        }
-        Some(r) => r.value,
-        None => 0.2,
-    };
+    let headroom = ctx.fraction(
+        &s.headroom,
+        &format!("{path}.headroom"),
+        |h| h > 0.0 && h <= 1.0,
+        "(0, 1]",
+        0.8,
+    );
+    let reserve_interactive = ctx.fraction(
+        &s.reserve_interactive,
+        &format!("{path}.reserve_interactive"),
+        |r| (0.0..1.0).contains(&r),
+        "[0, 1)",
+        0.2,
+    );
     if (s.window_seconds.is_some() || s.headroom.is_some()) && s.limit.is_none() {
         ctx.err(
             &raw.referenced,
@@ -1929,11 +2307,232 @@ mod tests {
         }
     }
 
+    /// Every error of `src` as `LINE:COL: message`.
+    fn problems(src: &str) -> Vec<String> {
+        Policy::from_yaml_str(src, "p.yaml")
+            .expect_err("the policy is refused")
+            .0
+            .iter()
+            .map(|e| format!("{}:{}: {}", e.line, e.column, e.message))
+            .collect()
+    }
+
     #[test]
-    fn strip_position_keeps_the_message() {
-        assert_eq!(
-            strip_position("unknown field `x`, expected one of a at line 4, column 5"),
-            "unknown field `x`, expected one of a"
+    fn alias_error_message_is_complete_and_has_no_inline_position() {
+        let errors = problems("backoff: &b\n  base_seconds: 1\nbreaker: *b\n");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let e = &errors[0];
+        assert!(
+            e.starts_with("3:10: unknown field `base_seconds`, expected one of threshold"),
+            "{e}"
         );
+        assert!(
+            e.ends_with("(the value comes from the anchor at 2:3)"),
+            "{e}"
+        );
+        assert!(!e.contains(" at line "), "{e}");
+        assert!(!e.contains("(used"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_key_message_names_the_key_without_library_advice() {
+        let errors = problems("backoff:\n  base_seconds: 1\n  base_seconds: 2\n");
+        assert_eq!(
+            errors,
+            ["3:3: duplicate key `base_seconds` (each key may appear once per mapping)"]
+        );
+    }
+
+    #[test]
+    fn empty_or_comment_only_policy_is_refused() {
+        for src in ["", "\n\n", "# only a comment\n  # another\n", "\u{feff}"] {
+            let errors = problems(src);
+            assert_eq!(errors.len(), 1, "{src:?}: {errors:?}");
+            assert!(
+                errors[0].contains("empty policy file"),
+                "{src:?}: {errors:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn non_utf8_policy_file_names_line_and_offset() {
+        let dir = std::env::temp_dir().join(format!("backstop-policy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("latin1.yaml");
+        std::fs::write(&path, b"breaker:\n  threshold: 3\n# caf\xe9\n").expect("write");
+        let errors = Policy::load(&path).expect_err("refused").0;
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(errors.len(), 1);
+        assert_eq!((errors[0].line, errors[0].column), (3, 6));
+        assert_eq!(
+            errors[0].message,
+            "not UTF-8 (invalid byte at offset 29); a policy file is UTF-8 text"
+        );
+    }
+
+    #[test]
+    fn wrong_number_types_name_the_field() {
+        assert_eq!(
+            problems("breaker:\n  threshold: -3\n"),
+            ["2:14: breaker.threshold: expected a non-negative integer, got -3"]
+        );
+        assert_eq!(
+            problems("breaker:\n  threshold: 2.5\n"),
+            ["2:14: breaker.threshold: expected a non-negative integer, got 2.5"]
+        );
+        assert_eq!(
+            problems("backoff:\n  base_seconds: one\n"),
+            ["2:17: backoff.base_seconds: expected a finite number, got \"one\""]
+        );
+    }
+
+    #[test]
+    fn too_large_numbers_say_too_large_with_the_limit() {
+        assert_eq!(
+            problems("breaker:\n  threshold: 99999999999\n"),
+            ["2:14: breaker.threshold: too large, at most 4294967295, got 99999999999"]
+        );
+        let errors = problems("backoff:\n  retry_after_ceiling_seconds: 1e300\n");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with(
+                "2:32: backoff.retry_after_ceiling_seconds: too large, at most 4294967295 seconds"
+            ),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn retry_quota_cost_is_compared_with_the_files_capacity() {
+        assert_eq!(
+            problems("retry_quota: {capacity: 0, retry_cost: 1000}\n"),
+            ["1:25: retry_quota.capacity: must be at least 1"]
+        );
+        assert_eq!(
+            problems("retry_quota: {capacity: 10, retry_cost: 11}\n"),
+            ["1:41: retry_quota.retry_cost: 11 exceeds the capacity 10; no retry could ever be paid"]
+        );
+    }
+
+    #[test]
+    fn uncertain_write_cannot_be_configured_to_retry() {
+        let errors = problems(
+            "request_classes:\n  uncertain_write: {max_attempts: 5, retry_statuses: [500]}\n",
+        );
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(
+            errors[0].starts_with("2:35: request_classes.uncertain_write.max_attempts: must be 1, got 5: an uncertain write is never resent blindly"),
+            "{errors:?}"
+        );
+        assert!(
+            errors[1].starts_with(
+                "2:54: request_classes.uncertain_write.retry_statuses: must be empty, got [500]"
+            ),
+            "{errors:?}"
+        );
+        // The shipped defaults stay valid.
+        Policy::from_yaml_str(
+            "request_classes:\n  uncertain_write: {max_attempts: 1}\n",
+            "p.yaml",
+        )
+        .expect("one attempt is fine");
+    }
+
+    const PROVIDER: &str = "providers:\n  billing:\n    base_url: https://billing.example\n";
+
+    #[test]
+    fn secret_env_must_be_a_variable_name_and_is_never_echoed() {
+        for value in ["sk-proj-abc123secret", "\"\"", "1ABC", "MY VAR"] {
+            let src = format!("{PROVIDER}    credential:\n      secret_env: {value}\n");
+            let errors = problems(&src);
+            assert_eq!(errors.len(), 1, "{value}: {errors:?}");
+            assert!(errors[0].contains("credential.secret_env"), "{errors:?}");
+            assert!(
+                !errors[0].contains("sk-proj"),
+                "echoes the value: {errors:?}"
+            );
+            assert!(
+                !errors[0].contains("MY VAR"),
+                "echoes the value: {errors:?}"
+            );
+        }
+        Policy::from_yaml_str(
+            &format!("{PROVIDER}    credential:\n      secret_env: BILLING_API_KEY\n"),
+            "p.yaml",
+        )
+        .expect("a variable name is accepted");
+    }
+
+    #[test]
+    fn empty_secret_file_and_token_refs_are_refused() {
+        let errors = problems(&format!(
+            "{PROVIDER}    credential:\n      secret_file: \"\"\n"
+        ));
+        assert!(
+            errors[0].contains("credential.secret_file: empty"),
+            "{errors:?}"
+        );
+        let errors = problems("agents:\n  a1:\n    token_env: sk-live-123\n");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("agents.a1.token_env"), "{errors:?}");
+        assert!(!errors[0].contains("sk-live"), "{errors:?}");
+        let errors = problems("operators:\n  o1:\n    token_file: \"\"\n");
+        assert!(
+            errors[0].contains("operators.o1.token_file: empty"),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn base_url_with_a_query_or_fragment_is_refused_without_echo() {
+        for url in [
+            "https://x.example/?api_key=sk-123",
+            "https://x.example/v1#sk-123",
+        ] {
+            let src = format!("providers:\n  p:\n    base_url: {url}\n");
+            let errors = problems(&src);
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert!(errors[0].contains("query string or fragment"), "{errors:?}");
+            assert!(!errors[0].contains("sk-123"), "{errors:?}");
+        }
+    }
+
+    #[test]
+    fn credential_header_with_a_value_is_refused_without_echo() {
+        let src = format!(
+            "{PROVIDER}    credential:\n      secret_env: K\n      header: \"Authorization: Bearer sk-live-9\"\n"
+        );
+        let errors = problems(&src);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("credential.header: not a valid HTTP header field name"));
+        assert!(!errors[0].contains("sk-live"), "{errors:?}");
+    }
+
+    #[test]
+    fn listen_must_be_host_and_port_and_store_not_empty() {
+        assert_eq!(
+            problems("listen: \"not an addr\"\n"),
+            ["1:9: listen: `not an addr` has no port; expected HOST:PORT such as 127.0.0.1:8080 or [::1]:8080"]
+        );
+        let errors = problems("listen: \"127.0.0.1:99999\"\n");
+        assert!(
+            errors[0].starts_with(
+                "1:9: listen: `127.0.0.1:99999`: the port `99999` is not a number 0–65535"
+            ),
+            "{errors:?}"
+        );
+        assert_eq!(
+            problems("store: \"\"\n"),
+            ["1:8: store: must be the path of the SQLite database file, not empty"]
+        );
+        for ok in [
+            "127.0.0.1:8080",
+            "[::1]:0",
+            "localhost:9000",
+            "gateway.internal:80",
+        ] {
+            Policy::from_yaml_str(&format!("listen: \"{ok}\"\n"), "p.yaml").expect(ok);
+        }
     }
 }

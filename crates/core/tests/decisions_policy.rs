@@ -347,7 +347,7 @@ fn missing_file_is_an_error_without_position() {
 #[test]
 fn unrepresentable_pacing_is_rejected() {
     let (line, column, message) = one_error(
-        "providers:\n  a:\n    base_url: https://a.example\n    scopes:\n      s: { limit: 1, window_seconds: 1.0e15, headroom: 1.0e-10 }\n",
+        "providers:\n  a:\n    base_url: https://a.example\n    scopes:\n      s: { limit: 1, window_seconds: 4.0e9, headroom: 1.0e-10 }\n",
     );
     assert_eq!((line, column), (5, 19));
     assert!(
