@@ -86,6 +86,9 @@ fn env(name: &str) -> Option<String> {
     }
 }
 
+/// The engine and the store the gateway was built with.
+type Handles = (Engine, Arc<dyn Store>);
+
 /// One backstop gateway and one fake provider on loopback, with handles on the engine (to
 /// cancel tasks) and the store (to wait for receipts).
 struct Scenario {
@@ -116,7 +119,7 @@ impl Scenario {
             shutdown_grace: Duration::from_secs(2),
             ..ServeOptions::default()
         };
-        let slot: Arc<Mutex<Option<(Engine, Arc<dyn Store>)>>> = Arc::default();
+        let slot: Arc<Mutex<Option<Handles>>> = Arc::default();
         let keep = slot.clone();
         let gateway = server::start(policy, options, &env, move |parts| {
             let engine = Engine::new(
