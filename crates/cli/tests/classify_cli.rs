@@ -200,3 +200,92 @@ fn bad_arguments_exit_2_naming_the_argument() {
         "--body-file",
     );
 }
+
+#[test]
+fn invalid_error_pointer_exits_2_naming_the_flag() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let body = dir.path().join("body.json");
+    std::fs::write(&body, r#"{"error":{"code":"x"}}"#).expect("write body");
+    let body = body.to_str().expect("utf-8 path");
+    for pointer in ["error/code", "/error/~2"] {
+        fails_with_2(
+            &[
+                "--status",
+                "400",
+                "--body-file",
+                body,
+                "--error-pointer",
+                pointer,
+            ],
+            "--error-pointer",
+        );
+    }
+}
+
+#[test]
+fn error_pointer_without_body_file_exits_2() {
+    fails_with_2(
+        &["--status", "400", "--error-pointer", "/error/code"],
+        "--body-file",
+    );
+}
+
+#[test]
+fn body_that_is_not_json_says_why_no_code_was_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases: [(&str, &[u8], &str); 4] = [
+        ("text.txt", b"upstream connect error", "body is not JSON"),
+        ("bin.dat", &[0xff, 0x00, 0x9c, 0x42], "body is not JSON"),
+        (
+            "other.json",
+            br#"{"message":"x"}"#,
+            "nothing at the pointer",
+        ),
+        (
+            "obj.json",
+            br#"{"error":{"code":{"a":1}}}"#,
+            "not a string, number or boolean at the pointer",
+        ),
+    ];
+    for (name, bytes, reason) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).expect("write body");
+        let v = json(&[
+            "--status",
+            "400",
+            "--now",
+            NOW,
+            "--body-file",
+            path.to_str().expect("utf-8 path"),
+            "--error-pointer",
+            "/error/code",
+        ]);
+        assert!(v["error_code"].is_null(), "{name}: {v}");
+        assert_eq!(v["error_code_reason"], reason, "{name}: {v}");
+    }
+}
+
+#[test]
+fn error_code_longer_than_256_chars_is_ignored_with_a_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run_with = |code: &str| {
+        let path = dir.path().join("body.json");
+        std::fs::write(&path, format!(r#"{{"error":{{"code":"{code}"}}}}"#)).expect("write");
+        json(&[
+            "--status",
+            "400",
+            "--now",
+            NOW,
+            "--body-file",
+            path.to_str().expect("utf-8 path"),
+            "--error-pointer",
+            "/error/code",
+        ])
+    };
+    let v = run_with(&"x".repeat(257));
+    assert!(v["error_code"].is_null(), "{v}");
+    assert_eq!(v["error_code_reason"], "longer than 256 characters");
+    let v = run_with(&"x".repeat(256));
+    assert_eq!(v["error_code"], "x".repeat(256));
+    assert!(v["error_code_reason"].is_null(), "{v}");
+}

@@ -280,14 +280,24 @@ pub struct Signal {
     pub quota: Vec<QuotaObservation>,
     /// A provider retry hint, if one was present.
     pub hint: Option<Hint>,
-    /// The provider error code read through `error_code_pointer`, if any.
+    /// The provider error code read through `error_code_pointer`, if any (at most
+    /// [`MAX_ERROR_CODE_CHARS`] characters).
     pub error_code: Option<String>,
+    /// Why no error code was read although `error_code_pointer` is set: `no body`,
+    /// `body is not JSON`, `nothing at the pointer`, `not a string, number or boolean at the
+    /// pointer`, or `longer than 256 characters`. `None` when a code was read or none was asked for.
+    pub error_code_reason: Option<String>,
 }
+
+/// The longest provider error code taken from a body, in characters; a longer value is not a
+/// code (it is ignored, with a reason in [`Signal::error_code_reason`]).
+pub const MAX_ERROR_CODE_CHARS: usize = 256;
 
 /// Values read from the error body through configured pointers only; the body itself is dropped.
 #[derive(Default)]
 struct BodyFields {
     error_code: Option<String>,
+    error_code_reason: Option<String>,
     retry_delay: Option<(String, String)>,
     quota_id: Option<String>,
     resets_in: Option<(String, String)>,
@@ -307,11 +317,15 @@ fn read_body(body: Option<&[u8]>, rules: &ClassifyRules) -> BodyFields {
         || !rules.retry_delay_pointers.is_empty()
         || !rules.quota_id_pointers.is_empty()
         || !rules.resets_in_seconds_pointers.is_empty();
-    let Some(body) = body.filter(|_| wants) else {
-        return BodyFields::default();
+    let no_code = |reason: &str| BodyFields {
+        error_code_reason: rules.error_code_pointer.as_ref().map(|_| reason.to_owned()),
+        ..BodyFields::default()
+    };
+    let Some(body) = body.filter(|b| wants && !b.is_empty()) else {
+        return no_code("no body");
     };
     let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return BodyFields::default();
+        return no_code("body is not JSON");
     };
     let first = |pointers: &[String]| {
         pointers.iter().find_map(|p| {
@@ -320,12 +334,26 @@ fn read_body(body: Option<&[u8]>, rules: &ClassifyRules) -> BodyFields {
                 .map(|v| (p.clone(), v))
         })
     };
+    let (error_code, error_code_reason) = match rules.error_code_pointer.as_deref() {
+        None => (None, None),
+        Some(p) => match json.pointer(p) {
+            None => (None, Some("nothing at the pointer".to_owned())),
+            Some(v) => match scalar_text(v) {
+                None => (
+                    None,
+                    Some("not a string, number or boolean at the pointer".to_owned()),
+                ),
+                Some(code) if code.chars().count() > MAX_ERROR_CODE_CHARS => (
+                    None,
+                    Some(format!("longer than {MAX_ERROR_CODE_CHARS} characters")),
+                ),
+                Some(code) => (Some(code), None),
+            },
+        },
+    };
     BodyFields {
-        error_code: rules
-            .error_code_pointer
-            .as_deref()
-            .and_then(|p| json.pointer(p))
-            .and_then(scalar_text),
+        error_code,
+        error_code_reason,
         retry_delay: first(&rules.retry_delay_pointers),
         quota_id: first(&rules.quota_id_pointers).map(|(_, v)| v),
         resets_in: first(&rules.resets_in_seconds_pointers),
@@ -475,6 +503,10 @@ pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Tim
                 quota: Vec::new(),
                 hint: None,
                 error_code: None,
+                error_code_reason: rules
+                    .error_code_pointer
+                    .as_ref()
+                    .map(|_| "no response (transport error)".to_owned()),
             };
         }
         Observed::Response(view) => view,
@@ -570,5 +602,6 @@ pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Tim
         quota,
         hint,
         error_code: fields.error_code,
+        error_code_reason: fields.error_code_reason,
     }
 }

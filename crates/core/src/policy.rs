@@ -977,10 +977,7 @@ impl Ctx {
             );
             None
         } else if value < i128::from(min) {
-            self.err(
-                &s.referenced,
-                format!("{path}: must be at least {min}"),
-            );
+            self.err(&s.referenced, format!("{path}: must be at least {min}"));
             None
         } else {
             u64::try_from(value).ok()
@@ -1166,7 +1163,16 @@ fn is_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
 }
 
-fn is_json_pointer(s: &str) -> bool {
+/// Whether `s` is a JSON pointer (RFC 6901 §3): empty, or `/` followed by reference tokens in
+/// which `~` appears only as `~0` or `~1`.
+///
+/// ```
+/// use backstop_core::policy::is_json_pointer;
+/// assert!(is_json_pointer("/error/code"));
+/// assert!(!is_json_pointer("error/code"));
+/// assert!(!is_json_pointer("/error/~2"));
+/// ```
+pub fn is_json_pointer(s: &str) -> bool {
     if s.is_empty() {
         return true;
     }

@@ -6,12 +6,15 @@
 //! as ONE JSON object: `disposition`, `retryable` (for the request class), `boundary` (`state`,
 //! `retry_not_before`, `delay_ms`, `source`, `raw`, `clock`, `reason`, every key present, `null`
 //! when not applicable), `quota` (array of `dialect`, `policy`, `limit`, `remaining`, `reset_at`,
-//! `window_seconds`), `hint` and `error_code`.
+//! `window_seconds`), `hint`, `error_code` and `error_code_reason` (why no code was read through
+//! `--error-pointer`: no body, body is not JSON, nothing at the pointer, not a scalar, longer
+//! than 256 characters; `null` otherwise).
 //!
 //! Retry statuses per class are the SPEC §3 defaults (read: 408, 429, 500, 502, 503, 504;
 //! idempotent_write: 408, 429, 502, 503, 504; uncertain_write: none). Bad arguments (a header
 //! line without `:`, an invalid header name or value, a bad `--now`, both or neither of
-//! `--status` and `--transport-error`, an unreadable body file) print one line naming the
+//! `--status` and `--transport-error`, an unreadable body file, an `--error-pointer` that is
+//! not an RFC 6901 pointer or is given without `--body-file`) print one line naming the
 //! argument on stderr and exit 2.
 
 use std::path::PathBuf;
@@ -21,6 +24,7 @@ use backstop_core::classify::{
     classify, ClassifyRules, HeaderMap, HeaderName, HeaderValue, Observed, ResponseView,
     TransportError,
 };
+use backstop_core::policy::is_json_pointer;
 use backstop_core::quota::Dialect;
 use jiff::Timestamp;
 use serde_json::Value;
@@ -130,6 +134,20 @@ fn build(args: Args) -> Result<Value, String> {
     let mut headers = HeaderMap::new();
     for line in &args.headers {
         add_header(&mut headers, line)?;
+    }
+    if let Some(pointer) = &args.error_pointer {
+        if !is_json_pointer(pointer) {
+            return Err(format!(
+                "--error-pointer {pointer:?}: not a JSON pointer (RFC 6901: `/` followed by \
+                 tokens, `~` only as `~0` or `~1`, e.g. /error/code)"
+            ));
+        }
+        if args.body_file.is_none() {
+            return Err(
+                "--error-pointer needs --body-file: the code is read from the error body"
+                    .to_owned(),
+            );
+        }
     }
     let body = match &args.body_file {
         Some(path) => Some(
