@@ -567,3 +567,121 @@ async fn a_cancelled_task_never_wakes_and_never_reaches_the_provider_again() {
     assert_eq!(sent, 1, "the store recorded one send for the task");
     scenario.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecidable_write_reaches_the_operator_as_a_sanitized_escalation() {
+    let scenario = Scenario::start(vec![
+        RouteConfig::new(
+            "POST /v1/transfers",
+            Handler::Create {
+                collection: "transfers".into(),
+                id_prefix: "tr_".into(),
+                reference_field: None,
+                unique_reference: false,
+            },
+        )
+        .with_idempotency()
+        .with_script([Fault::StoreThenDrop { hold_ms: 0 }]),
+        // The status query itself fails: the evidence stays inconclusive.
+        RouteConfig::new(
+            "GET /v1/transfers",
+            Handler::Lookup {
+                collection: "transfers".into(),
+            },
+        )
+        .with_script([Fault::Status {
+            status: 503,
+            retry_after: None,
+            body: None,
+        }]),
+    ])
+    .await;
+    // The operator's view of the same store, as `backstop serve` exposes it.
+    let operators =
+        backstop_gateway::escalations::router(backstop_gateway::escalations::EscalationsState {
+            store: scenario.store.clone(),
+            operators: Arc::new(|token: &str| {
+                (token == "operator-token-scenario").then(|| "ops".to_owned())
+            }),
+            clock: backstop_gateway::clock::TokioClock::system(),
+        });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("operator listener");
+    let operator_addr = listener.local_addr().expect("addr");
+    let serving = tokio::spawn(async move { axum::serve(listener, operators).await });
+
+    let key = "scenario-refund-0042";
+    let payload = r#"{"amount":990,"currency":"eur","destination":"acct_PAYLOAD_CANARY"}"#;
+    let response = client()
+        .post(scenario.url("/v1/transfers"))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-refund")
+        .header("Idempotency-Key", key)
+        .header("content-type", "application/json")
+        .body(payload)
+        .send()
+        .await
+        .expect("request reaches backstop");
+    let status = response.status().as_u16();
+    let body = response.text().await.expect("body");
+    assert_eq!(status, 424, "{body}");
+    assert_eq!(problem(&body)["outcome"], "escalated", "{body}");
+
+    let attempts = scenario.fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST /v1/transfers").len(),
+        1,
+        "never a second create while the effect is unknown: {attempts:#?}"
+    );
+    assert_eq!(on_route(&attempts, "GET /v1/transfers").len(), 1);
+
+    let operator = |path: &str| {
+        client()
+            .get(format!("http://{operator_addr}{path}"))
+            .bearer_auth("operator-token-scenario")
+            .send()
+    };
+    let list: Value = serde_json::from_str(
+        &operator("/v1/escalations")
+            .await
+            .expect("list")
+            .text()
+            .await
+            .expect("body"),
+    )
+    .expect("json");
+    let open = list["escalations"].as_array().expect("escalations");
+    assert_eq!(open.len(), 1, "{list:#}");
+    let id = open[0]["id"].as_i64().expect("id");
+    let shown = operator(&format!("/v1/escalations/{id}"))
+        .await
+        .expect("show")
+        .text()
+        .await
+        .expect("body");
+    let case: Value = serde_json::from_str(&shown).expect("case json");
+    let case_file = &case["case_file"];
+    assert_eq!(case_file["idempotency_key"], key, "{case:#}");
+    let options: Vec<&str> = case_file["options"]
+        .as_array()
+        .expect("options")
+        .iter()
+        .filter_map(|o| o["option"].as_str())
+        .collect();
+    for expected in ["query_status", "retry_same_key", "abort", "send_new"] {
+        assert!(
+            options.contains(&expected),
+            "{expected} missing: {options:?}"
+        );
+    }
+    // Sanitized: no payload, no credentials.
+    for secret in ["PAYLOAD_CANARY", PROVIDER_SECRET, AGENT_TOKEN] {
+        assert!(
+            !shown.contains(secret),
+            "{secret} leaked into the case file"
+        );
+    }
+    serving.abort();
+    scenario.stop().await;
+}
