@@ -16,6 +16,7 @@
 pub mod audit;
 pub mod error;
 pub mod model;
+pub mod snapshots;
 pub mod sqlite;
 pub mod store;
 
