@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Gateway overhead, side by side: the same fast upstream reached directly, through nginx as a
+# plain reverse proxy, and through `backstop serve` (release build, realistic policy, audit on).
+#
+#   bench/proxy.sh            # from the repository root (builds, installs wrk and nginx if missing)
+#
+# Environment knobs (defaults in brackets):
+#   BENCH_SECONDS [8]       length of each measured wrk run
+#   BENCH_ROUNDS [3]        how many times the alternation direct, nginx, backstop is repeated
+#   BENCH_CONNECTIONS [32]  wrk connections of the saturation runs
+#
+# What it prints: per path the median over the rounds of requests/s, p50 and p99 latency at
+# saturation, then the ratios backstop/direct and backstop/nginx; then the same three paths at a
+# fixed offered rate of half of backstop's own saturation rate, with backstop's added latency
+# (backstop − direct) at p50 and p99. Method and caveats: BENCHMARKS.md, "Gateway overhead".
+#
+# Every process it starts (upstream, nginx, backstop) is stopped on exit, also on Ctrl-C.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SECONDS_PER_RUN="${BENCH_SECONDS:-8}"
+ROUNDS="${BENCH_ROUNDS:-3}"
+CONNECTIONS="${BENCH_CONNECTIONS:-32}"
+
+log() { printf '%s\n' "$*" >&2; }
+die() { log "proxy.sh: $*"; exit 1; }
+
+# --- tools ---------------------------------------------------------------------------------
+install_missing() {
+    local missing=()
+    command -v wrk >/dev/null || missing+=(wrk)
+    command -v nginx >/dev/null && [ -x "$(command -v nginx)" ] || missing+=(nginx-light)
+    [ ${#missing[@]} -eq 0 ] && return 0
+    [ "$(id -u)" -eq 0 ] || die "needs ${missing[*]} (apt-get install ${missing[*]}) and is not root"
+    log "installing ${missing[*]} from Debian's packages"
+    # Keep the package's own nginx service from starting on port 80: a policy-rc.d that refuses
+    # every start, only when the machine has none (and removed again afterwards).
+    local own_policy=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 755 /usr/sbin/policy-rc.d
+        own_policy=1
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    [ "$own_policy" -eq 1 ] && rm -f /usr/sbin/policy-rc.d
+    return 0
+}
+install_missing
+command -v wrk >/dev/null || die "wrk is not installed"
+command -v nginx >/dev/null || die "nginx is not installed"
+
+log "building backstop (release) and the upstream"
+(cd "$ROOT" && cargo build --quiet --release -p backstop --bin backstop)
+BACKSTOP="$ROOT/target/release/backstop"
+UPSTREAM_BIN="$(cd "$ROOT" && cargo build --quiet --profile bench -p backstop-gateway --bench upstream \
+    --message-format=json | sed -n 's/.*"executable":"\([^"]*upstream[^"]*\)".*/\1/p' | tail -n1)"
+[ -x "$UPSTREAM_BIN" ] || die "could not find the upstream bench binary"
+
+# --- processes -----------------------------------------------------------------------------
+WORK="$(mktemp -d /tmp/backstop-proxy-bench.XXXXXX)"
+PIDS=()
+cleanup() {
+    local pid
+    for pid in "${PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${PIDS[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() {
+    local port
+    for _ in $(seq 1 200); do
+        port=$((20000 + RANDOM % 40000))
+        if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            echo "$port"
+            return 0
+        fi
+    done
+    die "no free port found"
+}
+
+wait_listening() { # port name
+    for _ in $(seq 1 200); do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
+        sleep 0.05
+    done
+    die "$2 did not start listening on port $1 (logs in $WORK)"
+}
+
+UP_PORT="$(free_port)"
+"$UPSTREAM_BIN" --listen "127.0.0.1:$UP_PORT" --threads 1 >"$WORK/upstream.log" 2>&1 &
+PIDS+=($!)
+wait_listening "$UP_PORT" upstream
+
+NGINX_PORT="$(free_port)"
+mkdir -p "$WORK/nginx/logs"
+cat >"$WORK/nginx/nginx.conf" <<EOF
+# A plain reverse proxy: keep-alive to the upstream, no buffering of small answers on disk,
+# no access log (backstop's audit is its own cost and is counted; nginx's log would be too).
+worker_processes auto;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/logs/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $WORK/nginx/body;
+    proxy_temp_path $WORK/nginx/proxy;
+    fastcgi_temp_path $WORK/nginx/fastcgi;
+    uwsgi_temp_path $WORK/nginx/uwsgi;
+    scgi_temp_path $WORK/nginx/scgi;
+    upstream fast { server 127.0.0.1:$UP_PORT; keepalive 256; }
+    server {
+        listen 127.0.0.1:$NGINX_PORT;
+        location /fast/ {
+            proxy_pass http://fast/;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }
+}
+EOF
+nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' >"$WORK/nginx/logs/stdout.log" 2>&1 &
+PIDS+=($!)
+wait_listening "$NGINX_PORT" nginx
+
+BACKSTOP_PORT="$(free_port)"
+export BENCH_TOKEN="bench-agent-token-$RANDOM$RANDOM"
+sed "s/@UPSTREAM@/127.0.0.1:$UP_PORT/" "$ROOT/bench/backstop-bench.yaml" >"$WORK/backstop.yaml"
+BENCH_AGENT_TOKEN="$BENCH_TOKEN" BENCH_PROVIDER_KEY="bench-provider-key" \
+    "$BACKSTOP" serve --config "$WORK/backstop.yaml" --listen "127.0.0.1:$BACKSTOP_PORT" \
+    --store "$WORK/backstop.db" >"$WORK/backstop.log" 2>&1 &
+PIDS+=($!)
+wait_listening "$BACKSTOP_PORT" backstop
+
+declare -A URL=(
+    [direct]="http://127.0.0.1:$UP_PORT/v1/fast"
+    [nginx]="http://127.0.0.1:$NGINX_PORT/fast/v1/fast"
+    [backstop]="http://127.0.0.1:$BACKSTOP_PORT/fast/v1/fast"
+)
+PATHS=(direct nginx backstop)
+
+# Each path must answer 200 before anything is measured.
+for p in "${PATHS[@]}"; do
+    code="$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $BENCH_TOKEN" "${URL[$p]}")"
+    [ "$code" = 200 ] || die "$p answered $code at ${URL[$p]} (logs in $WORK)"
+done
+
+# run_wrk PATH CONNECTIONS SECONDS [DELAY_MS] -> "rps p50_us p99_us errors"
+run_wrk() {
+    local out line
+    out="$(BENCH_DELAY_MS="${4:-0}" wrk -t1 -c"$2" -d"${3}s" --timeout 5s \
+        -s "$ROOT/bench/wrk_report.lua" "${URL[$1]}")"
+    line="$(grep '^RESULT' <<<"$out")" || die "wrk printed no result for $1: $out"
+    awk '{for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+          print v["rps"], v["p50_us"], v["p99_us"], v["errors"]}' <<<"$line"
+}
+
+median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
+
+declare -A RPS P50 P99
+measure_rounds() { # CONNECTIONS DELAY_MS label
+    local round p r
+    for p in "${PATHS[@]}"; do RPS[$p]=""; P50[$p]=""; P99[$p]=""; done
+    for round in $(seq 1 "$ROUNDS"); do
+        for p in "${PATHS[@]}"; do
+            read -r rps p50 p99 errors <<<"$(run_wrk "$p" "$1" "$SECONDS_PER_RUN" "$2")"
+            [ "$errors" = 0 ] || log "warning: $p round $round ($3): $errors errors (non-2xx or socket)"
+            log "  $3 round $round $(printf '%-8s' "$p") $(printf '%9.0f req/s  p50 %7.0f µs  p99 %7.0f µs' "$rps" "$p50" "$p99")"
+            RPS[$p]+="$rps"$'\n'; P50[$p]+="$p50"$'\n'; P99[$p]+="$p99"$'\n'
+        done
+    done
+    for p in "${PATHS[@]}"; do
+        RPS[$p]="$(printf '%s' "${RPS[$p]}" | median)"
+        P50[$p]="$(printf '%s' "${P50[$p]}" | median)"
+        P99[$p]="$(printf '%s' "${P99[$p]}" | median)"
+    done
+}
+
+log "warming up each path (2 s)"
+for p in "${PATHS[@]}"; do run_wrk "$p" "$CONNECTIONS" 2 >/dev/null; done
+
+log "saturation: wrk -t1 -c$CONNECTIONS -d${SECONDS_PER_RUN}s, $ROUNDS rounds alternating direct, nginx, backstop"
+measure_rounds "$CONNECTIONS" 0 saturation
+echo "== saturation (wrk -t1 -c$CONNECTIONS, median of $ROUNDS alternating rounds) =="
+printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
+for p in "${PATHS[@]}"; do
+    printf '%-9s %12.0f %10.0f %10.0f\n' "$p" "${RPS[$p]}" "${P50[$p]}" "${P99[$p]}"
+done
+SAT_BACKSTOP="${RPS[backstop]}"
+awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" \
+    'BEGIN { printf "throughput ratio backstop/direct = %.3f, backstop/nginx = %.3f (target >= 0.7)\n", b / d, b / n }'
+
+# Half of backstop's saturation rate, offered as C connections that each wait DELAY ms after
+# every answer: rate ≈ C × 1000 / (DELAY + latency). DELAY is whole milliseconds (wrk's timer),
+# so C is chosen for a 10 ms delay and the achieved rate is printed, not assumed.
+DELAY_MS=10
+HALF_RATE="$(awk -v s="$SAT_BACKSTOP" 'BEGIN { printf "%.0f", s / 2 }')"
+HALF_CONNECTIONS="$(awk -v r="$HALF_RATE" -v d="$DELAY_MS" 'BEGIN { c = int(r * (d + 0.3) / 1000 + 0.5); if (c < 1) c = 1; print c }')"
+log "half saturation: target $HALF_RATE req/s as $HALF_CONNECTIONS connections × (${DELAY_MS} ms pause after each answer)"
+measure_rounds "$HALF_CONNECTIONS" "$DELAY_MS" half-rate
+echo "== half of backstop's saturation rate (target $HALF_RATE req/s: wrk -t1 -c$HALF_CONNECTIONS, ${DELAY_MS} ms pause per connection, median of $ROUNDS rounds) =="
+printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
+for p in "${PATHS[@]}"; do
+    printf '%-9s %12.0f %10.0f %10.0f\n' "$p" "${RPS[$p]}" "${P50[$p]}" "${P99[$p]}"
+done
+awk -v b50="${P50[backstop]}" -v d50="${P50[direct]}" -v b99="${P99[backstop]}" -v d99="${P99[direct]}" \
+    -v n50="${P50[nginx]}" -v n99="${P99[nginx]}" 'BEGIN {
+    printf "added latency backstop - direct: p50 %.0f µs (target <= 300), p99 %.0f µs (target <= 1000)\n", b50 - d50, b99 - d99
+    printf "added latency nginx - direct:    p50 %.0f µs, p99 %.0f µs\n", n50 - d50, n99 - d99 }'
+
+errors_logged="$(grep -c ' ERROR ' "$WORK/backstop.log" || true)"
+echo "backstop log: $(wc -l <"$WORK/backstop.log") lines, $errors_logged ERROR lines; store $(du -h "$WORK/backstop.db" 2>/dev/null | cut -f1) (+WAL)"
