@@ -467,7 +467,8 @@ pub enum Verdict {
 /// Rules, checked per event in order: a `seq` that occurs more than once → `inserted`; a `seq`
 /// lower than expected → `reordered`; higher than expected → `reordered` when the expected
 /// `seq` appears later (`inserted` when the `seq` is beyond the log's length), else `missing`;
-/// own hash wrong → `altered`; `prev` not the previous hash → `inserted`.
+/// own hash wrong → `altered`; `prev` not the previous hash → `inserted`. An event the source
+/// cannot decode ([`StoreError::UndecodableEvent`]) → `altered` at its `seq`.
 ///
 /// # Errors
 /// Whatever `events` yields as an error (an unreadable source) is passed through.
@@ -487,7 +488,18 @@ where
     let mut buf = Vec::with_capacity(320);
     let mut count: u64 = 0;
     for (position, event) in events.into_iter().enumerate() {
-        let event = event?;
+        let event = match event {
+            Ok(event) => event,
+            // A row that cannot even be decoded was changed after it was written.
+            Err(StoreError::UndecodableEvent { seq, reason }) => {
+                return Ok(Verdict::Broken(ChainBreak {
+                    seq,
+                    kind: BreakKind::Altered,
+                    detail: format!("seq {seq} cannot be decoded ({reason})"),
+                }))
+            }
+            Err(e) => return Err(e),
+        };
         let event: &AuditEvent = event.borrow();
         if event.seq != expected {
             let occurrences = seqs.iter().filter(|&&s| s == event.seq).count();

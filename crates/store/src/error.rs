@@ -88,6 +88,15 @@ pub enum StoreError {
         /// What could not be decoded.
         reason: String,
     },
+    /// An audit event row whose columns cannot be decoded (a value of the wrong type or out of
+    /// range, e.g. edited by hand): verification reports it as an altered event.
+    #[error("audit_events seq {seq}: the stored event cannot be decoded ({reason})")]
+    UndecodableEvent {
+        /// The row's `seq`.
+        seq: u64,
+        /// What could not be decoded.
+        reason: String,
+    },
     /// The writer thread is gone (the store is shutting down or crashed).
     #[error("the store's writer thread is not running")]
     WriterGone,

@@ -242,3 +242,36 @@ fn editing_the_database_is_found_by_verify() {
 fn rusqlite_conn(path: &std::path::Path) -> rusqlite::Connection {
     rusqlite::Connection::open(path).expect("open raw")
 }
+
+#[test]
+fn undecodable_column_is_an_altered_event_named_by_seq() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 4);
+    drop(store);
+    let conn = rusqlite_conn(&path);
+    // A status that does not fit the u16 column type, and a text where a number belongs.
+    conn.execute(
+        "UPDATE audit_events SET status = 99999999999 WHERE seq = 7",
+        [],
+    )
+    .expect("tamper");
+    drop(conn);
+    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    let verdict = reader
+        .verify(None)
+        .expect("verify reports a break, not an error");
+    assert_eq!(broken(verdict), (7, BreakKind::Altered));
+    let mut out = Vec::new();
+    let err = reader.export(0, &mut out).expect_err("export stops");
+    assert!(err.to_string().contains("seq 7"), "{err}");
+
+    let conn = rusqlite_conn(&path);
+    conn.execute("UPDATE audit_events SET status = 'oops' WHERE seq = 5", [])
+        .expect("tamper");
+    drop(conn);
+    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    assert_eq!(
+        broken(reader.verify(None).expect("verify")),
+        (5, BreakKind::Altered)
+    );
+}

@@ -418,12 +418,20 @@ pub(crate) fn for_each_event(
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {EVENT_COLUMNS} FROM audit_events WHERE seq > ?1 ORDER BY seq LIMIT ?2"
     ))?;
-    let rows = stmt.query_map(params![since, limit], event_row)?;
-    for row in rows {
-        if !f(row.map_err(|e| StoreError::Corrupt {
-            table: "audit_events",
-            reason: e.to_string(),
-        })) {
+    let mut rows = stmt.query(params![since, limit])?;
+    while let Some(row) = rows.next()? {
+        let event = event_row(row).map_err(|e| match row.get::<_, i64>(0) {
+            // The row exists but a column has a wrong type: an altered event, named by seq.
+            Ok(seq) => StoreError::UndecodableEvent {
+                seq: u64::try_from(seq).unwrap_or(u64::MAX),
+                reason: e.to_string(),
+            },
+            Err(_) => StoreError::Corrupt {
+                table: "audit_events",
+                reason: e.to_string(),
+            },
+        });
+        if !f(event) {
             break;
         }
     }
