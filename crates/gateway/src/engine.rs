@@ -37,7 +37,7 @@ use std::{
     collections::HashMap,
     pin::Pin,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, Ordering},
         Arc, Mutex,
     },
     task::{Context, Poll},
@@ -55,7 +55,12 @@ use backstop_core::{
     outcome::{NextSafe, Outcome, OutcomeContext},
     pacing::Priority,
     policy::Policy,
+    policy::ReconcileBy,
     quota::quota_boundary_with,
+    reconcile::{
+        ensure_external_reference, mint_idempotency_key, operation_id_from_response,
+        validate_idempotency_key,
+    },
 };
 use backstop_store::{
     ActionId, ActionRecord, ActionState, Admission as StoreAdmission, AttemptResult,
@@ -64,6 +69,7 @@ use backstop_store::{
 };
 use bytes::{Bytes, BytesMut};
 use jiff::Timestamp;
+use tokio::sync::oneshot;
 
 use crate::{
     action::{ActionReceipt, ActionSpec, Execution},
@@ -75,6 +81,8 @@ use crate::{
 };
 
 pub use crate::scheduler::ScopeView;
+
+mod writes;
 
 /// Largest part of a non-2xx response body read for classification (64 KiB); the rest streams
 /// on to the agent untouched.
@@ -147,7 +155,10 @@ struct Inner {
     breakers: Mutex<HashMap<String, TaskBreaker>>,
     flights: Arc<Flights>,
     shutting_down: AtomicBool,
-    minted: AtomicU64,
+    /// Provider credential headers for lookups made without an agent request (after a restart).
+    credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
+    /// Prepared requests of escalated writes (in memory only), for operator decisions.
+    held: Mutex<HashMap<i64, ActionSpec>>,
 }
 
 /// What has been seen of an action so far (for the SPEC §5 context).
@@ -166,6 +177,15 @@ struct Run<'a> {
     id: ActionId,
     fingerprint: RequestFingerprint,
     rules: ClassifyRules,
+    /// The request every attempt sends: the agent's, with the idempotency key under the
+    /// provider's header and the external reference written into the payload when configured.
+    request: crate::transport::AttemptRequest,
+    /// The one idempotency key of this logical action.
+    key: String,
+    /// The client-generated external reference, if the route reconciles by one.
+    reference: Option<String>,
+    /// The provider's operation id, once a response carried it.
+    operation_id: Mutex<Option<String>>,
 }
 
 fn store_outcome(outcome: Outcome) -> backstop_store::Outcome {
@@ -361,6 +381,25 @@ impl Inner {
         }
     }
 
+    /// 16 bytes for minting an idempotency key: the engine's generator mixed with the current
+    /// instant, so a restarted gateway with the same seed never mints a key again.
+    fn random_16(&self) -> [u8; 16] {
+        let nanos = self.clock.now().as_nanosecond().to_le_bytes();
+        let mut out = [0u8; 16];
+        let mut rng = self
+            .rng
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (i, chunk) in out.chunks_mut(4).enumerate() {
+            let draw = (rng.unit() * f64::from(u32::MAX)) as u32;
+            chunk.copy_from_slice(&draw.to_le_bytes());
+            for (j, b) in chunk.iter_mut().enumerate() {
+                *b ^= nanos[i * 4 + j];
+            }
+        }
+        out
+    }
+
     fn unit(&self) -> f64 {
         self.rng
             .lock()
@@ -396,7 +435,8 @@ impl Engine {
             breakers: Mutex::new(HashMap::new()),
             flights: Arc::new(Flights::default()),
             shutting_down: AtomicBool::new(false),
-            minted: AtomicU64::new(0),
+            credentials: Mutex::new(HashMap::new()),
+            held: Mutex::new(HashMap::new()),
         });
         let restore = inner.clone();
         tokio::spawn(async move {
@@ -435,6 +475,10 @@ impl Engine {
                     }
                 }
             }
+            // Restart recovery (SPEC §12): writes sent without a result are reconciled with
+            // their original key; scheduled retries are re-armed at their due instants.
+            restore.recover_unfinished().await;
+            restore.rearm_scheduled().await;
         });
         Engine { inner }
     }
@@ -502,6 +546,16 @@ impl Engine {
     /// buffered (up to [`SHARED_BODY_LIMIT`]) and every caller gets a copy, with the leader's
     /// receipt.
     pub async fn execute(&self, spec: ActionSpec) -> Execution {
+        self.execute_notifying(spec, None).await
+    }
+
+    /// [`Engine::execute`], telling `notify` the action id as soon as the action is recorded
+    /// (or found under the agent's key).
+    async fn execute_notifying(
+        &self,
+        spec: ActionSpec,
+        notify: Option<oneshot::Sender<i64>>,
+    ) -> Execution {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
             return unrecorded(
                 Outcome::Cancelled,
@@ -520,16 +574,21 @@ impl Engine {
                         // The leader went away without a result: start over.
                         Err(_) => continue,
                     },
-                    Role::Leader(guard) => return self.lead(spec, Some(guard)).await,
+                    Role::Leader(guard) => return self.lead(spec, Some(guard), notify).await,
                 }
             }
         }
-        self.lead(spec, None).await
+        self.lead(spec, None, notify).await
     }
 
     /// Runs the action and shares its result with whoever joined it.
-    async fn lead(&self, spec: ActionSpec, read_guard: Option<LeaderGuard>) -> Execution {
-        let (execution, action_guard) = self.run(&spec).await;
+    async fn lead(
+        &self,
+        spec: ActionSpec,
+        read_guard: Option<LeaderGuard>,
+        notify: Option<oneshot::Sender<i64>>,
+    ) -> Execution {
+        let (execution, action_guard) = self.run(&spec, notify).await;
         let senders: Vec<_> = [read_guard, action_guard]
             .into_iter()
             .flatten()
@@ -587,7 +646,11 @@ impl Engine {
     }
 
     /// Records the action and runs its attempt loop.
-    async fn run(&self, spec: &ActionSpec) -> (Execution, Option<LeaderGuard>) {
+    async fn run(
+        &self,
+        spec: &ActionSpec,
+        notify: Option<oneshot::Sender<i64>>,
+    ) -> (Execution, Option<LeaderGuard>) {
         let inner = &self.inner;
         let route = &spec.route;
         let Some(class) = inner.policy.request_classes.get(&route.class) else {
@@ -623,6 +686,73 @@ impl Engine {
             &route.fingerprint_fields,
         );
 
+        // One idempotency key per logical action: the agent's (validated) or minted once.
+        let key = match &spec.idempotency_key {
+            Some(supplied) => match validate_idempotency_key(supplied) {
+                Ok(key) => key.to_owned(),
+                Err(e) => {
+                    return (
+                        unrecorded(Outcome::Rejected, format!("Idempotency-Key: {e}")),
+                        None,
+                    )
+                }
+            },
+            None => mint_idempotency_key(inner.random_16()),
+        };
+        let mut request = spec.request.clone();
+        let provider = inner.policy.providers.get(&route.provider);
+        let is_write = !is_safe_method(&request.method);
+        let mut reference = None;
+        if let (true, Some(rc)) = (is_write, route.reconcile.as_ref()) {
+            if let (ReconcileBy::ExternalReference, Some(pointer)) =
+                (rc.by, rc.external_reference_pointer.as_deref())
+            {
+                match ensure_external_reference(&request.body, pointer, &key) {
+                    Ok((body, found)) => {
+                        request.body = Bytes::from(body);
+                        reference = Some(found);
+                    }
+                    Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
+                }
+            }
+        }
+        if let (true, Some(name)) = (
+            is_write,
+            provider.and_then(|p| p.idempotency_header.as_deref()),
+        ) {
+            match (
+                http::HeaderName::from_bytes(name.as_bytes()),
+                http::HeaderValue::from_str(&key),
+            ) {
+                (Ok(name), Ok(value)) => {
+                    request.headers.insert(name, value);
+                }
+                _ => {
+                    return (
+                        unrecorded(
+                            Outcome::Rejected,
+                            format!("the idempotency key cannot be sent under `{name}`"),
+                        ),
+                        None,
+                    )
+                }
+            }
+        }
+        // Remember how to reach the provider for lookups made later without this request.
+        if let Some(cred) = provider
+            .and_then(|p| p.credential.as_ref())
+            .and_then(|c| http::HeaderName::from_bytes(c.header.as_bytes()).ok())
+        {
+            if let Some(value) = request.headers.get(&cred) {
+                inner
+                    .credentials
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .entry(route.provider.clone())
+                    .or_insert_with(|| (cred.clone(), value.clone()));
+            }
+        }
+
         // Record task and action before anything is sent.
         let now = inner.clock.now();
         let task = NewTask {
@@ -634,13 +764,6 @@ impl Engine {
         if let Err(e) = inner.blocking(move |s| s.open_task(task, now)).await {
             return (refused_by_store(e), None);
         }
-        let key = spec.idempotency_key.clone().unwrap_or_else(|| {
-            format!(
-                "backstop-{}-{}",
-                now.as_nanosecond(),
-                inner.minted.fetch_add(1, Ordering::Relaxed)
-            )
-        });
         let new_action = NewAction {
             task_id: spec.task_id.clone(),
             provider: route.provider.clone(),
@@ -648,17 +771,34 @@ impl Engine {
             route: template,
             request_class: route.class.clone(),
             payload_digest: digest,
-            idempotency_key: key,
-            external_reference: None,
+            idempotency_key: key.clone(),
+            external_reference: reference.clone(),
         };
         let id = match inner
             .blocking(move |s| s.record_action(new_action, now))
             .await
         {
             Ok(StoreAdmission::New(id)) => id,
-            Ok(StoreAdmission::Existing(record)) => return (self.existing(*record).await, None),
+            Ok(StoreAdmission::Existing(record)) => {
+                if record.agent != spec.agent {
+                    return (
+                        unrecorded(
+                            Outcome::Rejected,
+                            "the idempotency key belongs to another agent's action".to_owned(),
+                        ),
+                        None,
+                    );
+                }
+                if let Some(tx) = notify {
+                    let _ = tx.send(record.id.0);
+                }
+                return (self.existing(*record).await, None);
+            }
             Err(e) => return (refused_by_store(e), None),
         };
+        if let Some(tx) = notify {
+            let _ = tx.send(id.0);
+        }
         let action_guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
             Role::Leader(guard) => Some(guard),
             Role::Follower(_) => None,
@@ -677,6 +817,10 @@ impl Engine {
             id,
             fingerprint,
             rules,
+            request,
+            key,
+            reference,
+            operation_id: Mutex::new(None),
         };
 
         // The per-task circuit breaker (SPEC §7).
@@ -853,7 +997,7 @@ impl Engine {
                 attempt,
                 "attempt sent"
             );
-            let reply = inner.transport.send(spec.request.clone()).await;
+            let reply = inner.transport.send(run.request.clone()).await;
             drop(permit);
             let received_at = inner.clock.now();
 
@@ -941,14 +1085,107 @@ impl Engine {
                 finish: None,
             };
 
+            // An uncertain write is reconciled before anything else happens (SPEC §6).
+            let mut resend_same_key = false;
+            if signal.disposition == Disposition::Uncertain && !is_safe_method(&run.request.method)
+            {
+                let facts = self.write_facts(run, &budget);
+                match inner
+                    .reconcile_uncertain(&facts, Some(&run.request.headers))
+                    .await
+                {
+                    writes::UncertainEnd::Found { operation_id } => {
+                        guard.armed = false;
+                        self.breaker_success(run);
+                        inner.scheduler.deposit(&route.scopes, spent.take());
+                        if let Some(tokens) = pending.take() {
+                            inner.scheduler.deposit(&route.scopes, Some(tokens));
+                        }
+                        if let Err(e) = inner
+                            .blocking(move |s| s.record_result(result, received_at))
+                            .await
+                        {
+                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                        }
+                        let (id, op, at) = (run.id, operation_id.clone(), inner.clock.now());
+                        if let Err(e) = inner
+                            .blocking(move |s| s.record_reconciled(id, op, at))
+                            .await
+                        {
+                            tracing::warn!(action = run.id.0, error = %e, "could not record the reconciliation");
+                        }
+                        inner
+                            .metrics
+                            .outcome(&route.provider, &route.class, Outcome::Succeeded);
+                        tracing::info!(
+                            action = run.id.0,
+                            task = %spec.task_id,
+                            route = %route.template,
+                            provider_operation_id = operation_id.as_deref().unwrap_or("-"),
+                            "reconciled: the provider has the write; nothing is resent"
+                        );
+                        let context = self.context(&budget, &seen, None, Vec::new());
+                        return Execution::Outcome {
+                            receipt: ActionReceipt {
+                                action_id: run.id.0,
+                                attempts: seen.sent,
+                            },
+                            outcome: Outcome::Succeeded,
+                            context,
+                            detail: match operation_id {
+                                Some(op) => format!("reconciled: the provider has this write as `{op}`; it was not sent again"),
+                                None => "reconciled: the provider has this write; it was not sent again".to_owned(),
+                            },
+                        };
+                    }
+                    writes::UncertainEnd::RetrySameKey => resend_same_key = true,
+                    writes::UncertainEnd::Escalate { reason } => {
+                        guard.armed = false;
+                        if let Some(tokens) = pending.take() {
+                            inner.scheduler.deposit(&route.scopes, Some(tokens));
+                        }
+                        if let Err(e) = inner
+                            .blocking(move |s| s.record_result(result, received_at))
+                            .await
+                        {
+                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                        }
+                        guard.in_flight = None;
+                        return self
+                            .escalate_uncertain(run, &budget, &seen, &facts, &reason)
+                            .await;
+                    }
+                }
+            }
+
             if signal.disposition == Disposition::Success {
                 guard.armed = false;
-                let Some(response) = response else {
+                let Some(mut response) = response else {
                     return unrecorded(
                         Outcome::Cancelled,
                         "internal: a success without a response".to_owned(),
                     );
                 };
+                // The provider's operation id of a write, read from a bounded prefix of the body.
+                if let (false, Some(rc)) = (
+                    is_safe_method(&run.request.method),
+                    route.reconcile.as_ref(),
+                ) {
+                    if rc.operation_id_pointer.is_some() {
+                        let (parts, body) = response.into_parts();
+                        match read_bounded(body, ERROR_BODY_LIMIT).await {
+                            Ok((bytes, body)) => {
+                                result.provider_operation_id =
+                                    operation_id_from_response(rc, &bytes);
+                                response = http::Response::from_parts(parts, body);
+                            }
+                            Err(e) => {
+                                tracing::warn!(action = run.id.0, error = %e, "the write's response body was cut while reading its operation id");
+                                response = http::Response::from_parts(parts, Body::empty());
+                            }
+                        }
+                    }
+                }
                 self.breaker_success(run);
                 inner.scheduler.deposit(&route.scopes, spent.take());
                 let context = self.context(&budget, &seen, None, Vec::new());
@@ -975,7 +1212,7 @@ impl Engine {
                 };
             }
 
-            if !signal.retryable {
+            if !signal.retryable && !resend_same_key {
                 guard.armed = false;
                 return self
                     .final_failure(
@@ -1122,6 +1359,99 @@ impl Engine {
                     );
                     not_before = Some(at);
                 }
+            }
+        }
+    }
+
+    /// The facts of the running write for reconciliation and case files.
+    fn write_facts(&self, run: &Run<'_>, budget: &ActionBudget) -> writes::WriteFacts {
+        let spec = run.spec;
+        let route = &spec.route;
+        let class = self.inner.policy.request_classes.get(&route.class);
+        writes::WriteFacts {
+            action: run.id,
+            task_id: spec.task_id.clone(),
+            priority: spec.priority,
+            provider: route.provider.clone(),
+            method: route.method.clone(),
+            route: route.template.clone(),
+            class: route.class.clone(),
+            scopes: route.scopes.clone(),
+            payload_digest: spec.payload_digest.clone(),
+            idempotency_key: run.key.clone(),
+            external_reference: run.reference.clone(),
+            provider_operation_id: run
+                .operation_id
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone(),
+            fingerprint: run.fingerprint.to_string(),
+            desired_outcome: spec.desired_outcome.clone(),
+            reconcile: route.reconcile.clone(),
+            max_attempts: class.map_or(1, |c| c.max_attempts),
+            max_wait: class.map_or(std::time::Duration::ZERO, |c| c.max_wait),
+            deadline: spec.deadline,
+            wait_used_ms: wait_ms(budget),
+        }
+    }
+
+    /// Escalates an uncertain write (its attempt result already recorded) and keeps its
+    /// prepared request in memory so an operator's `retry_same_key` can resend it.
+    async fn escalate_uncertain(
+        &self,
+        run: &Run<'_>,
+        budget: &ActionBudget,
+        seen: &Seen,
+        facts: &writes::WriteFacts,
+        reason: &str,
+    ) -> Execution {
+        let inner = &self.inner;
+        let mut held = run.spec.clone();
+        held.request = run.request.clone();
+        held.idempotency_key = Some(run.key.clone());
+        inner
+            .held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(run.id.0, held);
+        let mut next_safe = vec![NextSafe::QueryStatus];
+        if inner.honours_key(&run.spec.route.provider) {
+            next_safe.push(NextSafe::ResendSameKey);
+        }
+        next_safe.push(NextSafe::Abort);
+        let context = self.context(budget, seen, None, next_safe);
+        match inner
+            .escalate(
+                facts,
+                backstop_core::escalation::EscalationReason::SideEffectUnknown,
+                reason,
+                None,
+            )
+            .await
+        {
+            Ok(escalation) => Execution::Outcome {
+                receipt: ActionReceipt {
+                    action_id: run.id.0,
+                    attempts: seen.sent,
+                },
+                outcome: Outcome::Escalated,
+                context,
+                detail: format!(
+                    "the provider may have acted on this write and it cannot be decided safely ({reason}); escalation {} awaits an operator",
+                    escalation.0
+                ),
+            },
+            Err(e) => {
+                tracing::warn!(action = run.id.0, error = %e, "could not open the escalation");
+                self.finish(
+                    run,
+                    budget,
+                    Outcome::ReconciliationRequired,
+                    context,
+                    format!("the provider may have acted on this write ({reason}); the escalation could not be opened: {e}"),
+                    seen.sent,
+                )
+                .await
             }
         }
     }
@@ -1576,9 +1906,10 @@ fn unrecorded(outcome: Outcome, detail: String) -> Execution {
 /// a task owned by another agent, or a storage failure (nothing was sent).
 fn refused_by_store(e: EngineError) -> Execution {
     match &e {
-        EngineError::Store(StoreError::KeyReuse { .. }) => {
-            unrecorded(Outcome::Rejected, e.to_string())
-        }
+        EngineError::Store(StoreError::KeyReuse { .. }) => unrecorded(
+            Outcome::Conflict,
+            format!("Idempotency-Key: this key was already used with a different payload: {e}"),
+        ),
         EngineError::Store(StoreError::InvalidTransition { .. }) => unrecorded(
             Outcome::Cancelled,
             format!("the action was not accepted: {e}"),

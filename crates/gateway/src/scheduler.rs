@@ -481,6 +481,9 @@ struct Waiter {
     budget: ActionBudget,
     /// Waited time up to here is charged.
     since: Timestamp,
+    /// Not examined yet since it arrived ready (the gap until the first look is processing,
+    /// not waiting: a class with `max_wait_seconds: 0` must still get its first attempt).
+    fresh: bool,
     seq: u64,
     wake: Option<Timestamp>,
     delayed: bool,
@@ -756,12 +759,14 @@ impl State {
         let now = self.clock.now();
         let seq = self.next_seq;
         self.next_seq += 1;
+        let planned = request.not_before.is_some_and(|at| at > now);
         let mut waiter = Waiter {
             task_id: request.task_id,
             priority: request.priority,
             scopes: request.scopes,
             budget: request.budget,
             since: now,
+            fresh: !planned,
             seq,
             wake: None,
             delayed: false,
@@ -905,7 +910,11 @@ impl State {
             self.undelay(&waiter);
             return;
         }
-        let waited = positive(now.duration_since(waiter.since));
+        let waited = if std::mem::take(&mut waiter.fresh) {
+            Duration::ZERO
+        } else {
+            positive(now.duration_since(waiter.since))
+        };
         waiter.since = now;
         if !waited.is_zero() {
             if let Err(refusal) = waiter.budget.withdraw_wait(waited) {

@@ -193,7 +193,9 @@ async fn the_breaker_opens_at_the_threshold_and_sends_nothing_more() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_uncertain_write_is_never_resent_blindly() {
+async fn an_uncertain_write_without_lookup_is_resent_only_under_the_same_key() {
+    // The provider honours `Idempotency-Key` and the route has no lookup: SPEC §6 allows a
+    // resend with the SAME key (the provider deduplicates), never with a new one.
     let h = Harness::new();
     h.transport.script(
         "/v1/transfers",
@@ -205,11 +207,22 @@ async fn an_uncertain_write_is_never_resent_blindly() {
         .engine
         .execute(h.spec("t", "POST", "/v1/transfers", "{\"amount\":5}"))
         .await;
-    let (outcome, context, _) = outcome_of(&execution);
-    assert_eq!(outcome, Outcome::ReconciliationRequired);
-    assert_eq!(context.next_safe[0], NextSafe::QueryStatus);
+    assert_eq!(summary(&execution), "200");
+    assert_eq!(h.transport.sent().len(), 2);
+    let id = match &execution {
+        Execution::Response { receipt, .. } => receipt.action_id,
+        Execution::Outcome { .. } => unreachable!("summary was 200"),
+    };
+    let stored = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert!(!stored.idempotency_key.is_empty());
+    let events = h.store.audit_events(0, 1_000).unwrap();
+    let sent_keys: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == "action_sent" && e.action == Some(id))
+        .collect();
+    assert_eq!(sent_keys.len(), 2, "two attempts of ONE action (one key)");
     advance(Duration::from_secs(300)).await;
-    assert_eq!(h.transport.sent().len(), 1);
+    assert_eq!(h.transport.sent().len(), 2);
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,0 +1,579 @@
+//! Writes that never duplicate: reconciling uncertain writes, escalating what cannot be decided,
+//! and resuming both after a restart (SPEC §6, §8, §12).
+//!
+//! Why a separate path: after a timeout, reset or EOF once the request's bytes left, the provider
+//! may or may not have acted. A blind resend could create a second payment, message or
+//! deployment. The engine therefore never treats an `uncertain` write like any other retryable
+//! failure; it follows [`next_step_after_uncertain`]:
+//!
+//! 1. with a configured lookup, ask the provider (a safe read, sent through the same scopes and
+//!    the same transport, audited as `reconciliation_lookup`);
+//! 2. found → `succeeded` (reconciled, the provider's operation id stored, audited `reconciled`);
+//! 3. not found and the provider honours the idempotency key → resend with the SAME key;
+//! 4. otherwise (not found without key support, an inconclusive lookup, or neither a key nor a
+//!    lookup) → `escalated` with a sanitized [`CaseFile`].
+//!
+//! The same rule runs at start-up for every write attempt the store recorded as `sent` without a
+//! result (the gateway died while the request was in flight): the attempt is recorded
+//! `uncertain`, then reconciled with its ORIGINAL key. The payload itself is never stored, so a
+//! write that must be resent after a restart is escalated instead (an operator or the agent
+//! resubmitting the same key and payload decides).
+
+use std::time::Duration;
+
+use backstop_core::{
+    budget::{ActionBudget, ClassBudget},
+    clock::Clock,
+    escalation::{BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput, EscalationReason},
+    pacing::Priority,
+    policy::Reconcile,
+    reconcile::{
+        interpret_lookup, lookup_request, lookup_template, next_step_after_uncertain,
+        operation_id_at, LookupVerdict, UncertainNextStep,
+    },
+};
+use backstop_store::{
+    ActionId, ActionRecord, AttemptResult, Disposition as StoreDisposition, EscalationId,
+};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+
+use super::{read_bounded, EngineError, Inner, ERROR_BODY_LIMIT};
+use crate::{
+    scheduler::{AcquireRequest, Acquired},
+    transport::{AttemptReply, AttemptRequest},
+};
+
+/// The longest a reconciliation lookup may wait for its scopes (pacing, `next_allowed_at`).
+pub(super) const LOOKUP_MAX_WAIT: Duration = Duration::from_secs(60);
+
+/// Everything about one write that reconciliation and a case file need (no payload).
+#[derive(Debug, Clone)]
+pub(super) struct WriteFacts {
+    pub(super) action: ActionId,
+    pub(super) task_id: String,
+    pub(super) priority: Priority,
+    pub(super) provider: String,
+    pub(super) method: String,
+    pub(super) route: String,
+    pub(super) class: String,
+    pub(super) scopes: Vec<String>,
+    pub(super) payload_digest: String,
+    pub(super) idempotency_key: String,
+    pub(super) external_reference: Option<String>,
+    pub(super) provider_operation_id: Option<String>,
+    pub(super) fingerprint: String,
+    pub(super) desired_outcome: Option<String>,
+    pub(super) reconcile: Option<Reconcile>,
+    pub(super) max_attempts: u32,
+    pub(super) max_wait: Duration,
+    pub(super) deadline: Option<jiff::Timestamp>,
+    pub(super) wait_used_ms: u64,
+}
+
+/// Where the SPEC §6 rule ended for one uncertain write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum UncertainEnd {
+    /// The lookup found the write (`operation_id` when known).
+    Found {
+        /// The provider's operation id.
+        operation_id: Option<String>,
+    },
+    /// Resend with the same key.
+    RetrySameKey,
+    /// A human decides; the reason in plain words.
+    Escalate {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The verdict's one-word name, as audited.
+fn verdict_word(verdict: &LookupVerdict) -> &'static str {
+    match verdict {
+        LookupVerdict::Found { .. } => "found",
+        LookupVerdict::NotFound => "not_found",
+        LookupVerdict::Inconclusive { .. } => "inconclusive",
+    }
+}
+
+impl Inner {
+    /// Whether the provider honours an idempotency header (a key is sent with every write).
+    pub(super) fn honours_key(&self, provider: &str) -> bool {
+        self.policy
+            .providers
+            .get(provider)
+            .is_some_and(|p| p.idempotency_header.is_some())
+    }
+
+    /// The provider credential header for lookups: the one the action's request carried, else
+    /// the one registered with [`super::Engine::set_credentials`] (after a restart).
+    fn lookup_headers(&self, provider: &str, request_headers: Option<&HeaderMap>) -> HeaderMap {
+        let mut out = HeaderMap::new();
+        let name = self
+            .policy
+            .providers
+            .get(provider)
+            .and_then(|p| p.credential.as_ref())
+            .and_then(|c| HeaderName::from_bytes(c.header.as_bytes()).ok());
+        if let (Some(name), Some(headers)) = (&name, request_headers) {
+            if let Some(value) = headers.get(name) {
+                out.insert(name.clone(), value.clone());
+                return out;
+            }
+        }
+        let known = self
+            .credentials
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(provider)
+            .cloned();
+        if let Some((name, value)) = known {
+            out.insert(name, value);
+        }
+        out.insert(
+            http::header::ACCEPT,
+            HeaderValue::from_static("application/json"),
+        );
+        out
+    }
+
+    /// Sends the route's lookup once (a safe read in the write's scopes) and interprets it.
+    /// A transport failure, a refused permit or an unusable template is `inconclusive`.
+    /// Audits `reconciliation_lookup` with the template, the status and the verdict.
+    pub(super) async fn lookup(
+        &self,
+        facts: &WriteFacts,
+        request_headers: Option<&HeaderMap>,
+    ) -> LookupVerdict {
+        let Some(rc) = facts.reconcile.as_ref() else {
+            return LookupVerdict::Inconclusive {
+                reason: "the route has no reconciliation lookup".to_owned(),
+            };
+        };
+        let template = lookup_template(rc);
+        let (verdict, status) = self.lookup_once(facts, rc, request_headers).await;
+        let (id, word, at) = (facts.action, verdict_word(&verdict), self.clock.now());
+        let audited = template.clone();
+        if let Err(e) = self
+            .blocking(move |s| s.record_reconciliation_lookup(id, &audited, status, word, at))
+            .await
+        {
+            tracing::warn!(action = id.0, error = %e, "could not audit the reconciliation lookup");
+        }
+        tracing::info!(
+            action = facts.action.0,
+            task = %facts.task_id,
+            lookup = %template,
+            status,
+            verdict = word,
+            "reconciliation lookup answered"
+        );
+        verdict
+    }
+
+    async fn lookup_once(
+        &self,
+        facts: &WriteFacts,
+        rc: &Reconcile,
+        request_headers: Option<&HeaderMap>,
+    ) -> (LookupVerdict, Option<u16>) {
+        let inconclusive = |reason: String| (LookupVerdict::Inconclusive { reason }, None);
+        let filled = match lookup_request(
+            rc,
+            Some(&facts.idempotency_key),
+            facts.external_reference.as_deref(),
+            facts.provider_operation_id.as_deref(),
+        ) {
+            Ok(filled) => filled,
+            Err(e) => return inconclusive(e.to_string()),
+        };
+        let Some(provider) = self.policy.providers.get(&facts.provider) else {
+            return inconclusive(format!(
+                "provider `{}` is not in the policy",
+                facts.provider
+            ));
+        };
+        let Ok(method) = Method::from_bytes(filled.method.as_bytes()) else {
+            return inconclusive(format!("lookup method `{}` is not a method", filled.method));
+        };
+        let request = AttemptRequest {
+            method,
+            url: format!(
+                "{}{}",
+                provider.base_url.trim_end_matches('/'),
+                filled.path_and_query
+            ),
+            headers: self.lookup_headers(&facts.provider, request_headers),
+            body: Bytes::new(),
+        };
+        let budget = ActionBudget::new(
+            ClassBudget {
+                max_attempts: 1,
+                max_wait: LOOKUP_MAX_WAIT,
+            },
+            None,
+        );
+        let acquired = self
+            .scheduler
+            .acquire(AcquireRequest {
+                task_id: facts.task_id.clone(),
+                priority: facts.priority,
+                scopes: facts.scopes.clone(),
+                budget,
+                not_before: None,
+                route: lookup_template(rc),
+            })
+            .await;
+        let permit = match acquired {
+            Acquired::Go { permit, .. } => permit,
+            Acquired::Refused { detail, .. } => {
+                return inconclusive(format!("the lookup could not be sent: {detail}"))
+            }
+            Acquired::Stopped { .. } => {
+                return inconclusive("the gateway is shutting down".to_owned())
+            }
+        };
+        let reply = self.transport.send(request).await;
+        drop(permit);
+        match reply {
+            AttemptReply::Failed(e) => {
+                inconclusive(format!("the lookup failed in transport: {e:?}"))
+            }
+            AttemptReply::Response(response) => {
+                let status = response.status().as_u16();
+                let body = match read_bounded(response.into_body(), ERROR_BODY_LIMIT).await {
+                    Ok((bytes, _)) => bytes,
+                    Err(_) => return inconclusive("the lookup answer was cut short".to_owned()),
+                };
+                let mut verdict = interpret_lookup(rc, status, &body);
+                // A found pointer that names the id itself (`/data/0/id`) carries it too.
+                if let LookupVerdict::Found { operation_id: None } = &verdict {
+                    if let Some(id) = rc
+                        .found_pointer
+                        .as_deref()
+                        .and_then(|p| operation_id_at(p, &body))
+                    {
+                        verdict = LookupVerdict::Found {
+                            operation_id: Some(id),
+                        };
+                    }
+                }
+                (verdict, Some(status))
+            }
+        }
+    }
+
+    /// Runs the SPEC §6 rule to its end for an uncertain write: lookup when configured, then
+    /// found / resend with the same key / escalate.
+    pub(super) async fn reconcile_uncertain(
+        &self,
+        facts: &WriteFacts,
+        request_headers: Option<&HeaderMap>,
+    ) -> UncertainEnd {
+        let honours = self.honours_key(&facts.provider);
+        let has_lookup = facts.reconcile.is_some();
+        let mut step = next_step_after_uncertain(honours, has_lookup, None);
+        if step == UncertainNextStep::Lookup {
+            let verdict = self.lookup(facts, request_headers).await;
+            step = next_step_after_uncertain(honours, has_lookup, Some(&verdict));
+        }
+        match step {
+            UncertainNextStep::Succeeded { operation_id } => UncertainEnd::Found { operation_id },
+            UncertainNextStep::RetrySameKey => UncertainEnd::RetrySameKey,
+            UncertainNextStep::Escalate { reason } => UncertainEnd::Escalate { reason },
+            UncertainNextStep::Lookup => UncertainEnd::Escalate {
+                reason: "the reconciliation rule asked for a second lookup".to_owned(),
+            },
+        }
+    }
+
+    /// Opens an escalation with a sanitized case file built from the stored attempts; the action
+    /// ends `escalated` (audited).
+    ///
+    /// # Errors
+    /// The case file could not be built, or the store failed.
+    pub(super) async fn escalate(
+        &self,
+        facts: &WriteFacts,
+        reason: EscalationReason,
+        detail: &str,
+        retry_not_before: Option<jiff::Timestamp>,
+    ) -> Result<EscalationId, EngineError> {
+        let id = facts.action;
+        let stored = self.blocking(move |s| s.attempts(id)).await?;
+        let attempts: Vec<CaseAttempt> = stored
+            .iter()
+            .map(|a| CaseAttempt {
+                n: a.n,
+                started_at: a.started_at,
+                finished_at: a.finished_at,
+                status: a.status,
+                disposition: a.disposition.map(|d| d.as_str().to_owned()),
+                retry_after_raw: None,
+                retry_not_before: None,
+                quota_headers: Vec::new(),
+            })
+            .collect();
+        let now = self.clock.now();
+        let case = CaseFile::build(CaseInput {
+            opened_at: now,
+            reason,
+            reason_detail: detail.to_owned(),
+            desired_outcome: facts.desired_outcome.clone(),
+            action: CaseAction {
+                task_id: facts.task_id.clone(),
+                method: facts.method.clone(),
+                route: facts.route.clone(),
+                request_class: facts.class.clone(),
+                payload_digest: facts.payload_digest.clone(),
+            },
+            provider: facts.provider.clone(),
+            scopes: facts.scopes.clone(),
+            fingerprint: facts.fingerprint.clone(),
+            budget: BudgetConsumed {
+                attempts_used: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
+                max_attempts: facts.max_attempts,
+                wait_used_ms: facts.wait_used_ms,
+                max_wait_ms: u64::try_from(facts.max_wait.as_millis()).unwrap_or(u64::MAX),
+                deadline: facts.deadline,
+            },
+            attempts,
+            honours_key: self.honours_key(&facts.provider),
+            idempotency_key: Some(facts.idempotency_key.clone()),
+            external_reference: facts.external_reference.clone(),
+            provider_operation_id: facts.provider_operation_id.clone(),
+            reconciliation_query: facts.reconcile.as_ref().map(lookup_template),
+            retry_not_before,
+        })
+        .map_err(|e| EngineError::Aborted(e.to_string()))?;
+        let json = case.to_json();
+        let escalation = self
+            .blocking(move |s| s.open_escalation(id, json, now))
+            .await?;
+        self.metrics.outcome(
+            &facts.provider,
+            &facts.class,
+            backstop_core::outcome::Outcome::Escalated,
+        );
+        tracing::warn!(
+            action = id.0,
+            escalation = escalation.0,
+            task = %facts.task_id,
+            reason = %detail,
+            "escalated: a human must decide"
+        );
+        Ok(escalation)
+    }
+
+    /// The facts of a stored action (after a restart or for an operator decision).
+    pub(super) fn facts_of(&self, record: &ActionRecord, priority: Priority) -> WriteFacts {
+        let route = self
+            .policy
+            .route(&record.provider, &record.method, &record.route)
+            .ok();
+        let class = self.policy.request_classes.get(&record.request_class);
+        WriteFacts {
+            action: record.id,
+            task_id: record.task_id.clone(),
+            priority,
+            provider: record.provider.clone(),
+            method: record.method.clone(),
+            route: record.route.clone(),
+            class: record.request_class.clone(),
+            scopes: route.as_ref().map(|r| r.scopes.clone()).unwrap_or_default(),
+            payload_digest: record.payload_digest.clone(),
+            idempotency_key: record.idempotency_key.clone(),
+            external_reference: record.external_reference.clone(),
+            provider_operation_id: record.provider_operation_id.clone(),
+            fingerprint: format!("{} {}", record.method, record.route),
+            desired_outcome: None,
+            reconcile: route.and_then(|r| r.reconcile),
+            max_attempts: class.map_or(1, |c| c.max_attempts),
+            max_wait: class.map_or(Duration::ZERO, |c| c.max_wait),
+            deadline: None,
+            wait_used_ms: 0,
+        }
+    }
+
+    /// Restart recovery (SPEC §12): every write attempt recorded as sent without a result is
+    /// recorded `uncertain` and reconciled with its original key; reads in that state are
+    /// recorded `uncertain` and end `budget_exhausted` (nobody waits for them any more).
+    pub(super) async fn recover_unfinished(&self) {
+        let unfinished = match self.blocking(|s| s.unfinished_attempts()).await {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::error!(error = %e, "restart recovery: cannot read unfinished attempts");
+                return;
+            }
+        };
+        for attempt in unfinished {
+            let id = attempt.action;
+            let record = match self.blocking(move |s| s.action(id)).await {
+                Ok(Some(record)) => record,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the action");
+                    continue;
+                }
+            };
+            let task_id = record.task_id.clone();
+            let priority = match self.blocking(move |s| s.task(&task_id)).await {
+                Ok(Some(task)) => match task.priority {
+                    backstop_store::Priority::Interactive => Priority::Interactive,
+                    backstop_store::Priority::Normal => Priority::Normal,
+                    backstop_store::Priority::Background => Priority::Background,
+                },
+                _ => Priority::Normal,
+            };
+            let facts = self.facts_of(&record, priority);
+            let is_read = attempt.request_class == "read"
+                || matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
+            tracing::info!(
+                action = id.0,
+                attempt = attempt.attempt,
+                idempotency_key = %attempt.idempotency_key,
+                "restart recovery: an attempt was sent without a recorded result"
+            );
+            let now = self.clock.now();
+            let finish = if is_read {
+                Some(super::Finish {
+                    outcome: backstop_store::Outcome::BudgetExhausted,
+                    context: serde_json::json!({
+                        "sent": true, "response_received": false, "attempts": attempt.attempt,
+                        "last_signal": "uncertain", "next_safe": [{"option": "abort"}],
+                        "detail": "the gateway restarted while this read was in flight"
+                    }),
+                    response: None,
+                })
+            } else {
+                None
+            };
+            let result = AttemptResult {
+                action: id,
+                attempt: attempt.attempt,
+                status: None,
+                disposition: StoreDisposition::Uncertain,
+                boundary: None,
+                source: Some("the gateway restarted before the result was recorded".to_owned()),
+                provider_operation_id: None,
+                finish,
+            };
+            if let Err(e) = self.blocking(move |s| s.record_result(result, now)).await {
+                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot record the uncertain attempt");
+                continue;
+            }
+            if is_read {
+                continue;
+            }
+            let end = self.reconcile_uncertain(&facts, None).await;
+            self.close_after_recovery(&facts, end).await;
+        }
+    }
+
+    /// Ends a recovered write: found → reconciled; otherwise escalated (the payload is not kept
+    /// across a restart, so even a same-key resend needs the agent or an operator).
+    pub(super) async fn close_after_recovery(&self, facts: &WriteFacts, end: UncertainEnd) {
+        let id = facts.action;
+        match end {
+            UncertainEnd::Found { operation_id } => {
+                let at = self.clock.now();
+                let op = operation_id.clone();
+                match self
+                    .blocking(move |s| s.record_reconciled(id, op, at))
+                    .await
+                {
+                    Ok(()) => {
+                        self.metrics.outcome(
+                            &facts.provider,
+                            &facts.class,
+                            backstop_core::outcome::Outcome::Succeeded,
+                        );
+                        tracing::info!(
+                            action = id.0,
+                            provider_operation_id = operation_id.as_deref().unwrap_or("-"),
+                            "reconciled: the provider has the write; nothing is resent"
+                        );
+                    }
+                    Err(e) => {
+                        tracing::warn!(action = id.0, error = %e, "could not record the reconciliation")
+                    }
+                }
+            }
+            UncertainEnd::RetrySameKey => {
+                let detail = "the lookup did not find the write; a resend with the same key would be deduplicated by the provider, but the payload is not kept across a restart, so nothing can be resent automatically; an operator decides";
+                if let Err(e) = self
+                    .escalate(facts, EscalationReason::SideEffectUnknown, detail, None)
+                    .await
+                {
+                    tracing::warn!(action = id.0, error = %e, "could not open the escalation");
+                }
+            }
+            UncertainEnd::Escalate { reason } => {
+                if let Err(e) = self
+                    .escalate(facts, EscalationReason::SideEffectUnknown, &reason, None)
+                    .await
+                {
+                    tracing::warn!(action = id.0, error = %e, "could not open the escalation");
+                }
+            }
+        }
+    }
+
+    /// Re-arms every scheduled retry found in the store (SPEC §12): each wakes at its due
+    /// instant, is claimed by its job id (audited `retry_started`) and, because the request's
+    /// payload is not kept across a restart, ends `budget_exhausted` with `next_safe` saying
+    /// that the agent may resubmit (with the same key for writes). A retry of a cancelled task or
+    /// a finished action is not claimed.
+    pub(super) async fn rearm_scheduled(self: &std::sync::Arc<Self>) {
+        let due = match self.blocking(|s| s.scheduled_retries()).await {
+            Ok(due) => due,
+            Err(e) => {
+                tracing::error!(error = %e, "restart recovery: cannot read scheduled retries");
+                return;
+            }
+        };
+        for retry in due {
+            let inner = self.clone();
+            tracing::info!(
+                action = retry.action.0,
+                job = retry.job.0,
+                due_at = %retry.due_at,
+                "restart recovery: scheduled retry re-armed"
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep_until(inner.clock.instant_at(retry.due_at)).await;
+                let (job, now) = (retry.job, inner.clock.now());
+                let claimed = match inner
+                    .blocking(move |s| s.claim_job(job, now, "backstop-restart"))
+                    .await
+                {
+                    Ok(Some(claimed)) => claimed,
+                    Ok(None) => return,
+                    Err(e) => {
+                        tracing::warn!(job = job.0, error = %e, "could not claim the re-armed retry");
+                        return;
+                    }
+                };
+                let id = claimed.action;
+                let finish = super::Finish {
+                    outcome: backstop_store::Outcome::BudgetExhausted,
+                    context: serde_json::json!({
+                        "sent": true,
+                        "attempts": 0,
+                        "next_safe": [{"option": "resend_same_key"}, {"option": "abort"}],
+                        "detail": "the retry woke after a restart, but the request's payload is not kept across a restart; resubmit it (with the same Idempotency-Key for a write)"
+                    }),
+                    response: None,
+                };
+                let at = inner.clock.now();
+                if let Err(e) = inner
+                    .blocking(move |s| s.finish_action(id, finish, at))
+                    .await
+                {
+                    tracing::warn!(action = id.0, error = %e, "could not end the re-armed action");
+                }
+            });
+        }
+    }
+}

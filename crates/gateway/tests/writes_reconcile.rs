@@ -1,0 +1,299 @@
+//! Writes that never duplicate, end to end over loopback: backstop (door + engine + SQLite
+//! store + upstream client) in front of the fake provider, which commits a write and then drops
+//! the connection. Every count is measured at the fake provider's own attempt record.
+
+use std::{path::Path, time::Duration};
+
+use backstop_core::policy::Policy;
+use backstop_fake_api::{AttemptRecord, FakeApi, FakeConfig, Fault, Handler, RouteConfig};
+use backstop_gateway::server::{self, Running, ServeOptions};
+use backstop_store::{ActionId, SqliteStore, Store};
+
+const AGENT_TOKEN: &str = "agent-token-writes-1";
+const OTHER_TOKEN: &str = "agent-token-writes-2";
+const PROVIDER_SECRET: &str = "sk-live-provider-secret-writes";
+
+fn policy_yaml(base_url: &str) -> String {
+    format!(
+        r#"
+backoff:
+  base_seconds: 1
+  max_seconds: 2
+  boundary_spread_seconds: 0
+agents:
+  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+  other-agent: {{ token_env: OTHER_AGENT_TOKEN }}
+providers:
+  fake:
+    base_url: {base_url}
+    credential: {{ secret_env: FAKE_API_KEY }}
+    idempotency_header: Idempotency-Key
+    scopes:
+      account: {{ limit: 1000, window_seconds: 60 }}
+    routes:
+      "POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/transfers?idempotency_key={{key}}"
+          found_pointer: /data/0/id
+          operation_id_pointer: /id
+      "POST /v1/payouts":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: external_reference
+          lookup: "GET /v1/payouts?reference={{ref}}"
+          external_reference_pointer: /reference
+          found_pointer: /data/0/id
+      "GET /v1/transfers": {{ class: read, scopes: [account] }}
+      "GET /v1/payouts": {{ class: read, scopes: [account] }}
+  nokeys:
+    base_url: {base_url}
+    routes:
+      "POST /v1/messages": {{ class: uncertain_write }}
+"#
+    )
+}
+
+fn env(name: &str) -> Option<String> {
+    match name {
+        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
+        "OTHER_AGENT_TOKEN" => Some(OTHER_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some(PROVIDER_SECRET.to_owned()),
+        _ => None,
+    }
+}
+
+async fn start_gateway(base_url: &str, dir: &Path) -> Running {
+    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "writes.yaml").expect("policy");
+    let options = ServeOptions {
+        listen: Some("127.0.0.1:0".into()),
+        store: Some(dir.join("backstop.db")),
+        seed: 11,
+        shutdown_grace: Duration::from_secs(2),
+        ..ServeOptions::default()
+    };
+    server::start(policy, options, &env, server::engine)
+        .await
+        .expect("gateway starts")
+}
+
+fn create(collection: &str, prefix: &str, reference_field: Option<&str>) -> Handler {
+    Handler::Create {
+        collection: collection.into(),
+        id_prefix: prefix.into(),
+        reference_field: reference_field.map(str::to_owned),
+        unique_reference: false,
+    }
+}
+
+/// The fake: writes commit and then drop the connection on their first call.
+fn fake() -> backstop_fake_api::RunningFake {
+    let drop_first =
+        || backstop_fake_api::FaultRule::on_calls([1], Fault::StoreThenDrop { hold_ms: 0 });
+    let config = FakeConfig::default()
+        .with_route(
+            RouteConfig::new("POST /v1/transfers", create("transfers", "tr_", None))
+                .with_idempotency()
+                .with_fault(drop_first()),
+        )
+        .with_route(RouteConfig::new(
+            "GET /v1/transfers",
+            Handler::Lookup {
+                collection: "transfers".into(),
+            },
+        ))
+        .with_route(
+            RouteConfig::new(
+                "POST /v1/payouts",
+                create("payouts", "po_", Some("reference")),
+            )
+            .with_fault(drop_first()),
+        )
+        .with_route(RouteConfig::new(
+            "GET /v1/payouts",
+            Handler::Lookup {
+                collection: "payouts".into(),
+            },
+        ))
+        .with_route(
+            RouteConfig::new("POST /v1/messages", create("messages", "msg_", None))
+                .with_fault(drop_first()),
+        );
+    FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake provider starts")
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
+fn on_route<'a>(attempts: &'a [AttemptRecord], method: &str, path: &str) -> Vec<&'a AttemptRecord> {
+    attempts
+        .iter()
+        .filter(|a| a.method == method && a.path == path)
+        .collect()
+}
+
+fn action_id(response: &reqwest::Response) -> i64 {
+    response.headers()["backstop-action-id"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_then_dropped_write_is_reconciled_by_key_with_one_create_and_one_lookup() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let response = client()
+        .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-reconcile")
+        .header("content-type", "application/json")
+        .body(r#"{"amount":100,"currency":"EUR"}"#)
+        .send()
+        .await
+        .expect("request");
+    let id = action_id(&response);
+    let status = response.status();
+    let body: serde_json::Value =
+        serde_json::from_slice(&response.bytes().await.expect("body")).expect("json");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["outcome"], "succeeded", "{body}");
+
+    let attempts = fake.attempts();
+    let creates = on_route(&attempts, "POST", "/v1/transfers");
+    let lookups = on_route(&attempts, "GET", "/v1/transfers");
+    assert_eq!(creates.len(), 1, "exactly one create: {attempts:?}");
+    assert_eq!(lookups.len(), 1, "exactly one lookup: {attempts:?}");
+    let key = creates[0]
+        .idempotency_key
+        .clone()
+        .expect("the write carried a key");
+    assert_eq!(
+        lookups[0].query.as_deref(),
+        Some(format!("idempotency_key={key}").as_str())
+    );
+    assert!(
+        lookups[0].auth_present,
+        "the lookup carries the provider credential"
+    );
+
+    gateway.shutdown().await.unwrap();
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let action = store.action(ActionId(id)).unwrap().expect("action");
+    assert_eq!(action.outcome.map(|o| o.as_str()), Some("succeeded"));
+    assert_eq!(action.idempotency_key, key);
+    let op = action.provider_operation_id.expect("provider id stored");
+    assert!(op.starts_with("tr_"), "{op}");
+    let kinds: Vec<String> = store
+        .audit_events(0, 10_000)
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.action == Some(id))
+        .map(|e| e.kind)
+        .collect();
+    for kind in [
+        "action_sent",
+        "action_result",
+        "reconciliation_lookup",
+        "reconciled",
+    ] {
+        assert!(
+            kinds.iter().any(|k| k == kind),
+            "{kind} missing from {kinds:?}"
+        );
+    }
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_then_dropped_write_is_reconciled_by_its_external_reference() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let response = client()
+        .post(format!("http://{}/fake/v1/payouts", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":5}"#)
+        .send()
+        .await
+        .expect("request");
+    let id = action_id(&response);
+    let body: serde_json::Value =
+        serde_json::from_slice(&response.bytes().await.expect("body")).expect("json");
+    assert_eq!(body["outcome"], "succeeded", "{body}");
+
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/payouts").len(),
+        1,
+        "{attempts:?}"
+    );
+    let lookups = on_route(&attempts, "GET", "/v1/payouts");
+    assert_eq!(lookups.len(), 1, "{attempts:?}");
+    gateway.shutdown().await.unwrap();
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let action = store.action(ActionId(id)).unwrap().expect("action");
+    let reference = action.external_reference.expect("reference recorded");
+    assert_eq!(
+        lookups[0].query.as_deref(),
+        Some(format!("reference={reference}").as_str())
+    );
+    assert!(action
+        .provider_operation_id
+        .is_some_and(|op| op.starts_with("po_")));
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_without_key_support_or_lookup_is_never_resent_and_is_escalated() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let response = client()
+        .post(format!("http://{}/nokeys/v1/messages", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("content-type", "application/json")
+        .body(r#"{"text":"hello","api_key":"sk-live-should-never-appear"}"#)
+        .send()
+        .await
+        .expect("request");
+    let id = action_id(&response);
+    let body: serde_json::Value =
+        serde_json::from_slice(&response.bytes().await.expect("body")).expect("json");
+    assert_eq!(body["outcome"], "escalated", "{body}");
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/messages").len(),
+        1,
+        "{attempts:?}"
+    );
+
+    gateway.shutdown().await.unwrap();
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let open = store.open_escalations().unwrap();
+    let escalation = open.iter().find(|e| e.action.0 == id).expect("escalation");
+    let case = escalation.case_file.to_string();
+    assert!(
+        !case.contains("hello"),
+        "no payload in the case file: {case}"
+    );
+    assert!(
+        !case.contains("sk-live"),
+        "no credential in the case file: {case}"
+    );
+    assert_eq!(escalation.case_file["reason"], "side_effect_unknown");
+    fake.shutdown().await;
+}
