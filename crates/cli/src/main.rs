@@ -33,6 +33,8 @@ enum Command {
     FakeApi(cmd::fake_api::Args),
     /// Read escalation case files and record decisions on a running gateway.
     Escalations(cmd::escalations::Args),
+    /// Export health snapshots of throttled actions from a gateway database (NDJSON).
+    Snapshots(cmd::snapshots::Args),
 }
 
 fn main() -> ExitCode {
@@ -45,5 +47,6 @@ fn main() -> ExitCode {
         Command::Diagnose(args) => cmd::diagnose::run(args),
         Command::FakeApi(args) => cmd::fake_api::run(args),
         Command::Escalations(args) => cmd::escalations::run(args),
+        Command::Snapshots(args) => cmd::snapshots::run(args),
     }
 }

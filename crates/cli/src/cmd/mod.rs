@@ -8,3 +8,4 @@ pub mod fake_api;
 pub mod output;
 pub mod policy;
 pub mod serve;
+pub mod snapshots;

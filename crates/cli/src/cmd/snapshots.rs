@@ -1,0 +1,160 @@
+//! `backstop snapshots export --db FILE [--task ID] [--now RFC3339] [--policy FILE]`
+//!
+//! Writes one SPEC §10 snapshot per throttled action, derived from the gateway's own receipts in
+//! its database (the audit log and task deadlines; see `backstop_gateway::health` for where each
+//! field comes from), as NDJSON on stdout — the input `backstop diagnose` reads:
+//!
+//! ```text
+//! backstop snapshots export --db backstop.db | backstop diagnose --format table
+//! ```
+//!
+//! The database is opened read-only and never created (a running gateway may keep writing it).
+//! `--task` limits the export to one run. `--now` fixes the instant a pending wait is measured
+//! to (`wait_used_ms`; default: the current time). `--policy` supplies the request classes'
+//! attempt and wait ceilings and the route scopes; without it the SPEC §3 defaults are used
+//! (`read` 4 / 90 s, `idempotent_write` 3 / 120 s, `uncertain_write` 1 / 0 s).
+//!
+//! Exit status: 0 on success (also when nothing was throttled), 2 when the database or the
+//! policy cannot be read or stdout fails. A closed stdout (`| head`) ends quietly.
+
+use std::collections::HashMap;
+use std::io::{self, BufWriter, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use backstop_core::policy::Policy;
+use backstop_gateway::health::{derive_snapshot, Evidence, HealthPolicy, SnapshotContext};
+use backstop_store::snapshots::RunRecordsReader;
+use jiff::Timestamp;
+
+use crate::cmd::output::errln;
+
+/// Arguments of `backstop snapshots`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: SnapshotsCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum SnapshotsCommand {
+    /// Export one NDJSON snapshot per throttled action (input of `backstop diagnose`).
+    Export(ExportArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ExportArgs {
+    /// The gateway's SQLite database (opened read-only, never created).
+    #[arg(long)]
+    db: PathBuf,
+    /// Export only this run (task id).
+    #[arg(long)]
+    task: Option<String>,
+    /// The instant pending waits are measured to (RFC 3339). Default: the current time.
+    #[arg(long, value_parser = parse_now)]
+    now: Option<Timestamp>,
+    /// Policy file for class ceilings and route scopes (default: the SPEC §3 classes).
+    #[arg(long)]
+    policy: Option<PathBuf>,
+}
+
+fn parse_now(s: &str) -> Result<Timestamp, String> {
+    s.parse::<Timestamp>()
+        .map_err(|e| format!("not an RFC 3339 instant with offset ({e})"))
+}
+
+/// The default for `--now`: the one clock read of this command (the derivation is given `now`).
+#[allow(clippy::disallowed_methods)]
+fn current_time() -> Timestamp {
+    Timestamp::now()
+}
+
+/// Runs `backstop snapshots …`.
+pub fn run(args: Args) -> ExitCode {
+    match args.command {
+        SnapshotsCommand::Export(args) => export(args),
+    }
+}
+
+fn export(args: ExportArgs) -> ExitCode {
+    let policy = match &args.policy {
+        None => HealthPolicy::spec_defaults(),
+        Some(path) => match Policy::load(path) {
+            Ok(policy) => HealthPolicy::from_policy(&policy),
+            Err(errors) => {
+                errln!("backstop snapshots export: {errors}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let place = args.db.display().to_string();
+    let reader = match RunRecordsReader::open(&args.db) {
+        Ok(reader) => reader,
+        Err(e) => {
+            errln!("backstop snapshots export: {place}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let events = match reader.audit_events() {
+        Ok(events) => events,
+        Err(e) => {
+            errln!("backstop snapshots export: {place}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut evidence = Evidence::new();
+    for event in &events {
+        if let Err(e) = evidence.ingest(event) {
+            errln!("backstop snapshots export: {place}: skipped: {e}");
+        }
+    }
+    drop(events);
+    let now = args.now.unwrap_or_else(current_time);
+    let stdout = io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    let mut deadlines: HashMap<String, Option<Timestamp>> = HashMap::new();
+    let mut written = Ok(());
+    for trail in evidence.trails() {
+        if args.task.as_deref().is_some_and(|t| t != trail.task) {
+            continue;
+        }
+        let deadline = match deadlines.get(&trail.task) {
+            Some(deadline) => *deadline,
+            None => match reader.task(&trail.task) {
+                Ok(task) => {
+                    let deadline = task.and_then(|t| t.deadline);
+                    deadlines.insert(trail.task.clone(), deadline);
+                    deadline
+                }
+                Err(e) => {
+                    errln!("backstop snapshots export: {place}: {e}");
+                    return ExitCode::from(2);
+                }
+            },
+        };
+        let ctx = SnapshotContext {
+            deadline,
+            policy: &policy,
+            heartbeat_at: evidence.heartbeat_at(),
+            now,
+        };
+        let Some(snapshot) = derive_snapshot(trail, &ctx) else {
+            continue;
+        };
+        written = serde_json::to_writer(&mut out, &snapshot)
+            .map_err(io::Error::from)
+            .and_then(|()| out.write_all(b"\n"));
+        if written.is_err() {
+            break;
+        }
+    }
+    let written = written.and_then(|()| out.flush());
+    match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            errln!("backstop snapshots export: cannot write output: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
