@@ -1,0 +1,179 @@
+//! Restart recovery as processes (SPEC §12, §13): `backstop serve` sends a write that the fake
+//! provider commits and then holds without answering; backstop is killed with SIGKILL while the
+//! attempt is recorded `sent` without a result, started again on the same database, and must
+//! reconcile the write through the lookup with its ORIGINAL key — zero duplicate creates,
+//! measured at the fake provider.
+
+use std::{
+    io::Write,
+    net::TcpStream,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
+use backstop_store::{SqliteStore, Store};
+
+const AGENT_TOKEN: &str = "agent-token-restart";
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+fn policy(base_url: &str) -> String {
+    format!(
+        r#"
+agents:
+  restart-agent: {{ token_env: RESTART_AGENT_TOKEN }}
+providers:
+  fake:
+    base_url: {base_url}
+    idempotency_header: Idempotency-Key
+    routes:
+      "POST /v1/transfers":
+        class: idempotent_write
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/transfers?idempotency_key={{key}}"
+          found_pointer: /data/0/id
+      "GET /v1/transfers": {{ class: read }}
+"#
+    )
+}
+
+fn serve(config: &Path, store: &Path, port: u16) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--store"])
+        .arg(store)
+        .env_remove("RUST_LOG")
+        .env("RESTART_AGENT_TOKEN", AGENT_TOKEN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("backstop serve starts")
+}
+
+fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let config = FakeConfig::default()
+        .with_route(
+            RouteConfig::new(
+                "POST /v1/transfers",
+                Handler::Create {
+                    collection: "transfers".into(),
+                    id_prefix: "tr_".into(),
+                    reference_field: None,
+                    unique_reference: false,
+                },
+            )
+            .with_idempotency()
+            // Commit the write, then hold the connection long enough to kill backstop.
+            .with_fault(FaultRule::on_calls(
+                [1],
+                Fault::StoreThenDrop { hold_ms: 30_000 },
+            )),
+        )
+        .with_route(RouteConfig::new(
+            "GET /v1/transfers",
+            Handler::Lookup {
+                collection: "transfers".into(),
+            },
+        ));
+    let fake = runtime.block_on(async {
+        FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let policy_file = dir.path().join("policy.yaml");
+    std::fs::write(&policy_file, policy(&fake.url())).unwrap();
+    let db = dir.path().join("backstop.db");
+    let port = free_port();
+    let mut first = serve(&policy_file, &db, port);
+    wait_until(
+        "the first gateway to listen",
+        Duration::from_secs(20),
+        || TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    );
+
+    // The agent's write; its answer never comes (backstop dies first).
+    let body = r#"{"amount":100,"currency":"EUR"}"#;
+    let mut agent = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    write!(
+        agent,
+        "POST /fake/v1/transfers HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {AGENT_TOKEN}\r\nX-Backstop-Task: run-restart\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write request");
+
+    // Kill only once the attempt is durably `sent` and the fake has committed the create.
+    wait_until(
+        "the write to be committed upstream",
+        Duration::from_secs(20),
+        || fake.attempts().iter().any(|a| a.method == "POST"),
+    );
+    let unfinished = SqliteStore::open_existing(&db)
+        .expect("store readable")
+        .unfinished_attempts()
+        .expect("unfinished attempts");
+    assert_eq!(unfinished.len(), 1, "{unfinished:?}");
+    let original_key = unfinished[0].idempotency_key.clone();
+    let action = unfinished[0].action;
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    drop(agent);
+
+    let mut second = serve(&policy_file, &db, port);
+    wait_until(
+        "reconciliation after the restart",
+        Duration::from_secs(30),
+        || {
+            SqliteStore::open_existing(&db)
+                .ok()
+                .and_then(|s| s.action(action).ok().flatten())
+                .is_some_and(|a| a.outcome.is_some())
+        },
+    );
+    second.kill().expect("stop");
+    second.wait().expect("reaped");
+
+    let attempts = fake.attempts();
+    let creates: Vec<_> = attempts.iter().filter(|a| a.method == "POST").collect();
+    let lookups: Vec<_> = attempts.iter().filter(|a| a.method == "GET").collect();
+    assert_eq!(creates.len(), 1, "zero duplicate creates: {attempts:?}");
+    assert_eq!(
+        creates[0].idempotency_key.as_deref(),
+        Some(original_key.as_str())
+    );
+    assert_eq!(lookups.len(), 1, "{attempts:?}");
+    assert_eq!(
+        lookups[0].query.as_deref(),
+        Some(format!("idempotency_key={original_key}").as_str()),
+        "the lookup uses the original key"
+    );
+    let store = SqliteStore::open_existing(&db).expect("store");
+    let record = store.action(action).unwrap().expect("action");
+    assert_eq!(record.outcome.map(|o| o.as_str()), Some("succeeded"));
+    assert_eq!(record.idempotency_key, original_key);
+    assert!(record
+        .provider_operation_id
+        .is_some_and(|op| op.starts_with("tr_")));
+    assert!(store.unfinished_attempts().unwrap().is_empty());
+    runtime.block_on(fake.shutdown());
+}
