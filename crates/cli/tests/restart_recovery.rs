@@ -9,7 +9,7 @@ use std::{
     net::TcpStream,
     path::Path,
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
@@ -57,11 +57,15 @@ fn serve(config: &Path, store: &Path, port: u16) -> Child {
         .expect("backstop serve starts")
 }
 
+/// Polls `ready` every 50 ms, at most `limit` long (a bounded poll of another process, not a
+/// sleep that waits for a race to settle).
 fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
-    let start = Instant::now();
+    let step = Duration::from_millis(50);
+    let mut polled = Duration::ZERO;
     while !ready() {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
+        assert!(polled < limit, "timed out waiting for {what}");
+        std::thread::sleep(step);
+        polled += step;
     }
 }
 
