@@ -202,7 +202,8 @@ pub struct BackoffPolicy {
     pub base: Duration,
     /// `max_seconds` (default 60).
     pub max: Duration,
-    /// `min_delay_seconds` applied to past or zero Retry-After values (default 1).
+    /// `min_delay_seconds`: the floor of every known boundary delay (past, zero or smaller values
+    /// are raised to it; default 1).
     pub min_delay: Duration,
     /// `retry_after_ceiling_seconds`: larger Retry-After values are absurd (default 86,400).
     pub retry_after_ceiling: Duration,

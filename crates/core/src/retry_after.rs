@@ -18,7 +18,8 @@
 //! - an HTTP-date with a `Date` header in the same response: delay = Retry-After − Date, added to
 //!   the local receive time ([`ClockSource::ServerDate`], immune to clock skew); without `Date` it
 //!   is compared with the local receive time ([`ClockSource::Local`]);
-//! - a date in the past or a zero delay → [`RetryAfterOptions::min_delay`], never a tight loop;
+//! - a date in the past, a zero delay or any delay below [`RetryAfterOptions::min_delay`] →
+//!   `min_delay` (the reason records the raised value), never a tight loop;
 //! - several instances or a joined value → the largest valid one; `retry-after-ms` wins over
 //!   `Retry-After`.
 //!
@@ -45,8 +46,8 @@ pub const SOURCE_RETRY_AFTER_MS: &str = "retry-after-ms";
 /// Limits applied while normalizing a Retry-After value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryAfterOptions {
-    /// Smallest wait ever returned for a usable signal: applied when the provider says "now"
-    /// (zero delay) or gives a date already past. Default 1 s.
+    /// Smallest wait ever returned for a usable signal: a floor applied to every known delay —
+    /// "now" (zero), a date already past, or a positive delay below it. Default 1 s.
     pub min_delay: Duration,
     /// Largest believable wait; anything longer is treated as absurd and yields
     /// [`Boundary::Unknown`]. Default 24 h.
@@ -131,8 +132,10 @@ impl Boundary {
 
 /// Builds a known boundary `delay` after `received_at`, applying `min_delay` and `ceiling`.
 ///
-/// `adjust_reason` explains an adjustment already made by the caller; a zero delay gets
-/// `min_delay` with a reason. Returns `Unknown` when the delay is over the ceiling or the instant
+/// `adjust_reason` explains an adjustment already made by the caller. `min_delay` is a floor
+/// for every known delay: a zero delay gets `min_delay` (reason `zero delay; min_delay applied`
+/// unless the caller gave one), a smaller non-zero delay (`Retry-After: 0.0001`,
+/// `retry-after-ms: 1`) is raised to it and the reason records the raised value. Returns `Unknown` when the delay is over the ceiling or the instant
 /// does not fit in a `Timestamp`. Shared by the Retry-After, quota and body-hint readers so that
 /// every boundary obeys the same limits.
 pub fn boundary_after(
@@ -160,8 +163,16 @@ pub fn boundary_after(
             opts.min_delay,
             Some(adjust_reason.unwrap_or_else(|| "zero delay; min_delay applied".to_owned())),
         )
-    } else if delay < opts.min_delay && adjust_reason.is_some() {
-        (opts.min_delay, adjust_reason)
+    } else if delay < opts.min_delay {
+        let raised = format!(
+            "raised to min_delay {} ms",
+            opts.min_delay.as_nanos().div_ceil(1_000_000)
+        );
+        let reason = match adjust_reason {
+            Some(r) => format!("{r}; {raised}"),
+            None => format!("delay of {delay:?} is below min_delay; {raised}"),
+        };
+        (opts.min_delay, Some(reason))
     } else {
         (delay, adjust_reason)
     };

@@ -49,6 +49,15 @@ fn delay_of(raw: &str) -> u64 {
     known(&normalize_value(raw, None, ts(NOW), &opts())).1
 }
 
+/// The delay read from `raw` with a 1 ms `min_delay`, to check parsing below the default floor.
+fn parsed_delay_of(raw: &str) -> u64 {
+    let opts = RetryAfterOptions {
+        min_delay: Duration::from_millis(1),
+        ..opts()
+    };
+    known(&normalize_value(raw, None, ts(NOW), &opts)).1
+}
+
 #[test]
 fn retry_after_integer_seconds_is_honoured() {
     let b = normalize_value("120", None, ts(NOW), &opts());
@@ -63,7 +72,7 @@ fn retry_after_integer_seconds_is_honoured() {
 #[test]
 fn retry_after_decimal_seconds_is_honoured() {
     assert_eq!(delay_of("1.5"), 1_500);
-    assert_eq!(delay_of("0.25"), 250);
+    assert_eq!(parsed_delay_of("0.25"), 250);
     assert_eq!(delay_of("2.0001"), 2_001, "fractions round up, never early");
 }
 
@@ -76,7 +85,7 @@ fn retry_after_surrounding_whitespace_is_accepted() {
 fn retry_after_go_style_duration_is_read_as_a_duration() {
     assert_eq!(delay_of("1m0s"), 60_000);
     assert_eq!(delay_of("1m30.5s"), 90_500);
-    assert_eq!(delay_of("250ms"), 250);
+    assert_eq!(parsed_delay_of("250ms"), 250);
 }
 
 #[test]
@@ -272,4 +281,28 @@ fn boundary_serializes_with_a_state_tag() {
     let u = serde_json::to_value(normalize_value("-1", None, ts(NOW), &opts())).unwrap();
     assert_eq!(u["state"], "unknown");
     assert_eq!(u["raw"], "-1");
+}
+
+#[test]
+fn delay_below_min_delay_is_raised_to_it_with_a_reason() {
+    for raw in ["0.0001", "1ms", "0.25", "250ms", "0"] {
+        let (at, delay_ms, _, reason, _) = known(&normalize_value(raw, None, ts(NOW), &opts()));
+        assert_eq!(delay_ms, 1_000, "{raw}");
+        assert_eq!(at, ts("2025-03-01T12:00:01Z"), "{raw}");
+        let reason = reason.unwrap_or_default();
+        assert!(reason.contains("min_delay"), "{raw}: {reason}");
+    }
+    let (_, delay_ms, _, reason, _) = known(&normalize_value("0.0001", None, ts(NOW), &opts()));
+    assert_eq!(delay_ms, 1_000);
+    assert_eq!(
+        reason.as_deref(),
+        Some("delay of 100µs is below min_delay; raised to min_delay 1000 ms")
+    );
+    let h = headers(&[("retry-after-ms", "1")]);
+    let (_, delay_ms, _, reason, source) = known(&normalize(&h, ts(NOW), &opts()));
+    assert_eq!(delay_ms, 1_000);
+    assert_eq!(source, "retry-after-ms");
+    assert!(reason
+        .unwrap_or_default()
+        .contains("raised to min_delay 1000 ms"));
 }
