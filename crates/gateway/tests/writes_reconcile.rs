@@ -48,6 +48,7 @@ providers:
           external_reference_pointer: /reference
           found_pointer: /data/0/id
       "GET /v1/transfers": {{ class: read, scopes: [account] }}
+      "POST /v1/refunds": {{ class: idempotent_write, scopes: [account] }}
       "GET /v1/payouts": {{ class: read, scopes: [account] }}
   nokeys:
     base_url: {base_url}
@@ -118,6 +119,9 @@ fn fake() -> backstop_fake_api::RunningFake {
                 collection: "payouts".into(),
             },
         ))
+        .with_route(
+            RouteConfig::new("POST /v1/refunds", create("refunds", "re_", None)).with_idempotency(),
+        )
         .with_route(
             RouteConfig::new("POST /v1/messages", create("messages", "msg_", None))
                 .with_fault(drop_first()),
@@ -295,5 +299,66 @@ async fn write_without_key_support_or_lookup_is_never_resent_and_is_escalated() 
         "no credential in the case file: {case}"
     );
     assert_eq!(escalation.case_file["reason"], "side_effect_unknown");
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_keys_replay_refuse_a_changed_payload_with_422_and_reject_a_bad_key_with_400() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let url = format!("http://{}/fake/v1/refunds", gateway.addr);
+    let send = |key: String, body: &'static str| {
+        client()
+            .post(&url)
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-keys")
+            .header("Idempotency-Key", key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+
+    let first = send("refund-7".into(), r#"{"amount":7}"#).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let id = action_id(&first);
+
+    // Same key, same payload, after completion: replayed, nothing sent.
+    let again = send("refund-7".into(), r#"{"amount":7}"#).await.unwrap();
+    assert_eq!(action_id(&again), id);
+    assert_eq!(again.status(), 200);
+    let body: serde_json::Value = serde_json::from_slice(&again.bytes().await.unwrap()).unwrap();
+    assert_eq!(body["outcome"], "succeeded", "{body}");
+
+    // Same key, another payload: 422, nothing sent.
+    let changed = send("refund-7".into(), r#"{"amount":8}"#).await.unwrap();
+    assert_eq!(changed.status(), 422);
+    let problem: serde_json::Value =
+        serde_json::from_slice(&changed.bytes().await.unwrap()).unwrap();
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("different payload"),
+        "{problem}"
+    );
+
+    // A key that is not a valid Idempotency-Key: 400 naming the header, nothing sent.
+    let bad = send("x".repeat(300), r#"{"amount":9}"#).await.unwrap();
+    assert_eq!(bad.status(), 400);
+    let problem: serde_json::Value = serde_json::from_slice(&bad.bytes().await.unwrap()).unwrap();
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("Idempotency-Key"),
+        "{problem}"
+    );
+
+    let attempts = fake.attempts();
+    let refunds = on_route(&attempts, "POST", "/v1/refunds");
+    assert_eq!(refunds.len(), 1, "one create for the key: {attempts:?}");
+    assert_eq!(refunds[0].idempotency_key.as_deref(), Some("refund-7"));
+    gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
