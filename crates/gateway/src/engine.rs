@@ -483,6 +483,17 @@ impl Engine {
         Engine { inner }
     }
 
+    /// Registers the credential header (`name: value`) that reconciliation lookups of
+    /// `provider` carry when no agent request is at hand (restart recovery). Lookups made for a
+    /// running action reuse the credential header of that action's request instead.
+    pub fn set_credential(&self, provider: &str, name: http::HeaderName, value: http::HeaderValue) {
+        self.inner
+            .credentials
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(provider.to_owned(), (name, value));
+    }
+
     /// The scope records as the scheduler last published them (for `GET /v1/scopes`).
     pub fn scopes(&self) -> Vec<ScopeView> {
         self.inner.scheduler.scopes()

@@ -107,7 +107,7 @@ impl Inner {
     }
 
     /// The provider credential header for lookups: the one the action's request carried, else
-    /// the one registered with [`super::Engine::set_credentials`] (after a restart).
+    /// the one registered with [`super::Engine::set_credential`] (after a restart).
     fn lookup_headers(&self, provider: &str, request_headers: Option<&HeaderMap>) -> HeaderMap {
         let mut out = HeaderMap::new();
         let name = self
