@@ -110,36 +110,8 @@ impl Scenario {
         let fake = FakeApi::start(config, "127.0.0.1:0".parse().expect("addr"))
             .expect("fake provider starts");
         let dir = tempfile::tempdir().expect("tempdir");
-        let policy =
-            Policy::from_yaml_str(&policy_yaml(&fake.url()), "scenario.yaml").expect("policy");
-        let options = ServeOptions {
-            listen: Some("127.0.0.1:0".into()),
-            store: Some(dir.path().join("backstop.db")),
-            seed: 11,
-            shutdown_grace: Duration::from_secs(2),
-            ..ServeOptions::default()
-        };
-        let slot: Arc<Mutex<Option<Handles>>> = Arc::default();
-        let keep = slot.clone();
-        let gateway = server::start(policy, options, &env, move |parts| {
-            let engine = Engine::new(
-                parts.policy,
-                parts.store.clone(),
-                parts.transport,
-                parts.clock,
-                parts.metrics,
-                parts.seed,
-            );
-            *keep.lock().expect("slot") = Some((engine.clone(), parts.store));
-            Arc::new(engine)
-        })
-        .await
-        .expect("gateway starts");
-        let (engine, store) = slot
-            .lock()
-            .expect("slot")
-            .take()
-            .expect("the engine was built");
+        let (gateway, engine, store) =
+            start_backstop(&fake.url(), &dir.path().join("backstop.db")).await;
         Scenario {
             fake,
             gateway,
@@ -213,6 +185,44 @@ impl Scenario {
         self.gateway.shutdown().await.expect("gateway stops");
         self.fake.shutdown().await;
     }
+}
+
+/// Starts backstop in front of `fake_url` on the SQLite store at `store` (created when
+/// missing, resumed when it exists) and returns the engine and store it was built with.
+async fn start_backstop(
+    fake_url: &str,
+    store: &std::path::Path,
+) -> (Running, Engine, Arc<dyn Store>) {
+    let policy = Policy::from_yaml_str(&policy_yaml(fake_url), "scenario.yaml").expect("policy");
+    let options = ServeOptions {
+        listen: Some("127.0.0.1:0".into()),
+        store: Some(store.to_path_buf()),
+        seed: 11,
+        shutdown_grace: Duration::from_millis(500),
+        ..ServeOptions::default()
+    };
+    let slot: Arc<Mutex<Option<Handles>>> = Arc::default();
+    let keep = slot.clone();
+    let gateway = server::start(policy, options, &env, move |parts| {
+        let engine = Engine::new(
+            parts.policy,
+            parts.store.clone(),
+            parts.transport,
+            parts.clock,
+            parts.metrics,
+            parts.seed,
+        );
+        *keep.lock().expect("slot") = Some((engine.clone(), parts.store));
+        Arc::new(engine)
+    })
+    .await
+    .expect("gateway starts");
+    let (engine, store) = slot
+        .lock()
+        .expect("slot")
+        .take()
+        .expect("the engine was built");
+    (gateway, engine, store)
 }
 
 fn client() -> reqwest::Client {
