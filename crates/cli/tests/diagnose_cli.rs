@@ -281,3 +281,50 @@ fn empty_input_gives_zero_totals() {
     assert_eq!(doc["snapshots"].as_array().unwrap().len(), 0);
     assert_eq!(doc["totals"]["retry_after_debt_ms"], 0);
 }
+
+#[test]
+fn snapshot_throttled_after_now_is_a_bad_line() {
+    let good: Vec<String> = std::fs::read_to_string(fixture())
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    // Diagnosed before the first snapshot was throttled (throttled_at 2026-07-26T18:41:30Z).
+    let early_now = "2026-07-26T18:37:05Z";
+    let input = format!("{}\n", good[0]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("snapshots.ndjson");
+    std::fs::write(&path, input).unwrap();
+    let o = backstop(
+        &[
+            path.to_str().unwrap(),
+            "--now",
+            early_now,
+            "--format",
+            "ndjson",
+        ],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!("{}: LINE 1: throttled_at: ", path.display()))
+            && err.contains("is after now"),
+        "{err}"
+    );
+    let lines: Vec<Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "only the totals line");
+    assert_eq!(lines[0]["totals"]["snapshots"], 0);
+}
+
+#[test]
+fn directory_input_fails_before_any_table_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = backstop(&[dir.path().to_str().unwrap(), "--now", NOW], None);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stdout.is_empty(), "printed {}", stdout(&o));
+    assert!(stderr(&o).contains("is a directory"), "{}", stderr(&o));
+}

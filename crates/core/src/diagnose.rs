@@ -201,6 +201,23 @@ pub enum SnapshotError {
     },
 }
 
+impl Snapshot {
+    /// Checks the snapshot against the diagnosis instant: a snapshot cannot have been throttled
+    /// after `now` (a clock mix-up or a wrong `--now`; its wait and debt would be meaningless).
+    ///
+    /// # Errors
+    /// [`SnapshotError::Invalid`] naming `throttled_at` when it is after `now`.
+    pub fn check_at(&self, now: Timestamp) -> Result<(), SnapshotError> {
+        if self.throttled_at > now {
+            return Err(SnapshotError::Invalid {
+                field: "throttled_at",
+                reason: format!("{} is after now ({now})", self.throttled_at),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Parses and validates one NDJSON line (without its line terminator; surrounding whitespace is
 /// allowed) into a [`Snapshot`].
 ///

@@ -18,10 +18,11 @@
 //! - `json`: `{"snapshots":[…], "totals":{…}}`;
 //! - `ndjson`: one result per input snapshot, then one final `{"totals":{…}}` line.
 //!
-//! A bad line (not JSON, a missing required field, a bad timestamp, an inconsistent snapshot) is
-//! reported on stderr as `FILE: LINE N: reason` and skipped; the rest is still processed and the
-//! exit status is 1. Blank lines are skipped silently. An input that cannot be opened or read,
-//! or output that cannot be written, exits with 2. A closed stdout (e.g. `| head`) ends quietly.
+//! A bad line (not JSON, a missing required field, a bad timestamp, an inconsistent snapshot, a
+//! `throttled_at` after `--now`) is reported on stderr as `FILE: LINE N: reason` and skipped; the
+//! rest is still processed and the exit status is 1. Blank lines are skipped silently. An input that cannot be opened or read
+//! (a directory included, refused before anything is printed), or output that cannot be
+//! written, exits with 2. A closed stdout (e.g. `| head`) ends quietly.
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
@@ -135,7 +136,16 @@ pub fn run(args: Args) -> ExitCode {
         Some(path) if path.as_os_str() == "-" => {
             ("<stdin>".to_string(), Box::new(io::stdin().lock()))
         }
-        Some(path) => match File::open(path) {
+        Some(path) => match File::open(path).and_then(|file| {
+            if file.metadata()?.is_dir() {
+                Err(io::Error::new(
+                    io::ErrorKind::IsADirectory,
+                    "is a directory",
+                ))
+            } else {
+                Ok(file)
+            }
+        }) {
             Ok(file) => (
                 path.display().to_string(),
                 Box::new(BufReader::with_capacity(64 * 1024, file)),
@@ -215,7 +225,7 @@ fn process(
         if bytes.is_empty() {
             continue;
         }
-        let snapshot = match parse_snapshot(bytes) {
+        let snapshot = match parse_snapshot(bytes).and_then(|s| s.check_at(now).map(|()| s)) {
             Ok(snapshot) => snapshot,
             Err(e) => {
                 bad += 1;
