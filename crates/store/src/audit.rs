@@ -585,9 +585,10 @@ where
             seq: expected,
             kind: BreakKind::Truncated,
             detail: format!(
-                "the log ends at seq {} and does not contain the expected head {}",
+                "expected head {} not found: the log (ending at seq {}) was truncated before it, \
+                 or the head belongs to another log",
+                expect_head.unwrap_or_default(),
                 expected - 1,
-                expect_head.unwrap_or_default()
             ),
         }));
     }
@@ -602,7 +603,9 @@ fn short(hash: &str) -> &str {
     hash.get(..12).unwrap_or(hash)
 }
 
-/// Reads an NDJSON export (one event per line; blank lines are not allowed) into events.
+/// Reads an NDJSON export (one event per line) into events. A leading UTF-8 byte-order mark and
+/// blank lines (e.g. a trailing empty line added by an editor) are skipped; line numbers in
+/// errors still count them.
 ///
 /// `place` names the source in errors (a file name).
 ///
@@ -611,7 +614,11 @@ fn short(hash: &str) -> &str {
 /// audit event.
 pub fn parse_export(place: &str, text: &str) -> Result<Vec<AuditEvent>, StoreError> {
     let mut events = Vec::new();
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
         let event =
             AuditEvent::from_export_line(line).map_err(|reason| StoreError::BadExportLine {
                 place: place.to_owned(),

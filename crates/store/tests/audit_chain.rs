@@ -275,3 +275,54 @@ fn undecodable_column_is_an_altered_event_named_by_seq() {
         (5, BreakKind::Altered)
     );
 }
+
+#[test]
+fn export_with_bom_and_blank_lines_still_parses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 2);
+    let events = export(&store);
+    let mut out = Vec::new();
+    write_export(&mut out, &events).expect("write");
+    let text = String::from_utf8(out).expect("utf-8");
+    let edited = format!("\u{feff}\n{}\n\n  \n", text.replace('\n', "\n\n"));
+    assert_eq!(parse_export("x.ndjson", &edited).expect("parse"), events);
+}
+
+#[test]
+fn expected_head_not_in_the_log_says_truncated_or_another_log() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 2);
+    let events = export(&store);
+    let foreign = "ab".repeat(32);
+    match verify_events(&events, Some(&foreign)) {
+        Verdict::Broken(b) => {
+            assert_eq!(b.kind, BreakKind::Truncated);
+            assert!(
+                b.detail
+                    .starts_with(&format!("expected head {foreign} not found: ")),
+                "{}",
+                b.detail
+            );
+            assert!(
+                b.detail
+                    .ends_with("was truncated before it, or the head belongs to another log"),
+                "{}",
+                b.detail
+            );
+        }
+        other => panic!("expected a break, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_directory_is_not_a_database() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let err = backstop_store::AuditReader::open(dir.path())
+        .err()
+        .expect("a directory is refused");
+    assert!(
+        err.to_string()
+            .ends_with("is a directory, not a database file"),
+        "{err}"
+    );
+}

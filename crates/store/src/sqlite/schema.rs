@@ -197,6 +197,17 @@ pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreErr
     Ok(())
 }
 
+/// A directory is not a database file: say so instead of SQLite's "unable to open".
+fn refuse_directory(path: &Path) -> Result<(), StoreError> {
+    if path.is_dir() {
+        return Err(StoreError::Io {
+            place: path.display().to_string(),
+            reason: "is a directory, not a database file".to_owned(),
+        });
+    }
+    Ok(())
+}
+
 /// Opens the writer connection: creates the file when `create`, then WAL with
 /// `synchronous=FULL` (every commit is fsync'd), foreign keys on, migrated.
 pub(crate) fn open_writer(path: &Path, create: bool) -> Result<Connection, StoreError> {
@@ -205,6 +216,7 @@ pub(crate) fn open_writer(path: &Path, create: bool) -> Result<Connection, Store
             path: path.to_owned(),
         });
     }
+    refuse_directory(path)?;
     let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     if create {
         flags |= OpenFlags::SQLITE_OPEN_CREATE;
@@ -239,6 +251,7 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
             path: path.to_owned(),
         });
     }
+    refuse_directory(path)?;
     let flags = if read_only {
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
     } else {
