@@ -317,9 +317,9 @@ fn expected_head_not_in_the_log_says_truncated_or_another_log() {
 #[test]
 fn a_directory_is_not_a_database() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let err = backstop_store::AuditReader::open(dir.path())
-        .err()
-        .expect("a directory is refused");
+    let Err(err) = backstop_store::AuditReader::open(dir.path()) else {
+        panic!("a directory is refused");
+    };
     assert!(
         err.to_string()
             .ends_with("is a directory, not a database file"),
