@@ -246,6 +246,19 @@ impl Compiled {
         for (i, route) in config.routes.iter().enumerate() {
             let place = format!("routes[{i}]");
             let (method, segments) = parse_pattern(&place, &route.route)?;
+            // Two routes for the same method and path shape (parameter names aside): the second
+            // could never be reached.
+            if let Some(k) = routes.iter().position(|r: &CompiledRoute| {
+                r.method == method && same_shape(&r.segments, &segments)
+            }) {
+                return Err(invalid(
+                    format!("{place}.route"),
+                    format!(
+                        "{:?} duplicates routes[{k}] (same method and path); each route once",
+                        route.route
+                    ),
+                ));
+            }
             let mut quotas = Vec::new();
             for (j, name) in route.quotas.iter().enumerate() {
                 let index = config
@@ -407,6 +420,16 @@ impl Compiled {
             RouteMatch::NotFound
         }
     }
+}
+
+/// Whether two patterns match the same paths: equal literals, parameters in the same places.
+fn same_shape(a: &[Segment], b: &[Segment]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|pair| match pair {
+            (Segment::Literal(x), Segment::Literal(y)) => x == y,
+            (Segment::Param(_), Segment::Param(_)) => true,
+            _ => false,
+        })
 }
 
 fn route_path(segments: &[Segment]) -> String {

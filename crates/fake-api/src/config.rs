@@ -442,11 +442,18 @@ impl FakeConfig {
     /// Parses a YAML config and validates it.
     ///
     /// # Errors
-    /// [`Error::Yaml`] (with line and column) for malformed YAML or unknown fields,
+    /// [`Error::Yaml`] (`LINE:COL: message`) for malformed YAML, unknown fields or duplicate keys,
     /// [`Error::Config`] for a semantically invalid config.
     pub fn from_yaml_str(text: &str) -> Result<Self, Error> {
-        let config: FakeConfig =
-            serde_norway::from_str(text).map_err(|e| Error::Yaml(e.to_string()))?;
+        let config: FakeConfig = serde_saphyr::from_str(text).map_err(|e| {
+            let mut options = serde_saphyr::RenderOptions::new(&YamlMessages);
+            options.snippets = serde_saphyr::SnippetMode::Off;
+            let message = e.render_with_options(options);
+            Error::Yaml(match e.location() {
+                Some(at) => format!("{}:{}: {message}", at.line(), at.column()),
+                None => message,
+            })
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -461,7 +468,14 @@ impl FakeConfig {
             source,
         })?;
         FakeConfig::from_yaml_str(&text).map_err(|e| match e {
+            Error::Yaml(msg) if msg.starts_with(|c: char| c.is_ascii_digit()) => {
+                Error::Yaml(format!("{}:{msg}", path.display()))
+            }
             Error::Yaml(msg) => Error::Yaml(format!("{}: {msg}", path.display())),
+            Error::Config { place, reason } => Error::Config {
+                place: format!("{} {place}", path.display()),
+                reason,
+            },
             other => other,
         })
     }
@@ -490,5 +504,41 @@ impl FakeConfig {
     /// [`Error::Config`] naming the first bad place (`routes[1].faults[0]`) and why.
     pub fn validate(&self) -> Result<(), Error> {
         crate::compiled::Compiled::new(self).map(|_| ())
+    }
+}
+
+/// The YAML library's messages without its inline position (reported once, as `LINE:COL`) and
+/// without its configuration advice.
+struct YamlMessages;
+
+/// Suppresses the YAML library's `at line L, column C` suffixes.
+struct NoLocationSuffix;
+
+impl serde_saphyr::Localizer for NoLocationSuffix {
+    fn attach_location<'a>(
+        &self,
+        base: std::borrow::Cow<'a, str>,
+        _loc: serde_saphyr::Location,
+    ) -> std::borrow::Cow<'a, str> {
+        base
+    }
+
+    fn alias_used_at(&self, _used: serde_saphyr::Location) -> String {
+        String::new()
+    }
+}
+
+impl serde_saphyr::MessageFormatter for YamlMessages {
+    fn localizer(&self) -> &dyn serde_saphyr::Localizer {
+        &NoLocationSuffix
+    }
+
+    fn format_message<'a>(&self, err: &'a serde_saphyr::Error) -> std::borrow::Cow<'a, str> {
+        match err {
+            serde_saphyr::Error::DuplicateMappingKey { key: Some(key), .. } => {
+                format!("duplicate key `{key}`").into()
+            }
+            other => serde_saphyr::UserMessageFormatter.format_message(other),
+        }
     }
 }

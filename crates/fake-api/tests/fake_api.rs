@@ -632,7 +632,35 @@ fn invalid_yaml_config_names_the_place() {
     let err = FakeConfig::from_yaml_str("routes:\n  - route: GET /x\n    colour: red\n")
         .expect_err("unknown field");
     let text = err.to_string();
-    assert!(text.contains("colour") && text.contains("line"), "{text}");
+    assert!(text.contains("3:5: unknown field `colour`"), "{text}");
+}
+
+#[test]
+fn duplicate_routes_are_a_config_error() {
+    let err = FakeConfig::from_yaml_str(
+        "routes:\n  - route: GET /v1/x/{id}\n  - route: POST /v1/x/{id}\n  - route: GET /v1/x/{ref}\n",
+    )
+    .expect_err("the third route repeats the first");
+    let text = err.to_string();
+    assert!(
+        text.contains("routes[2].route") && text.contains("duplicates routes[0]"),
+        "{text}"
+    );
+}
+
+#[test]
+fn yaml_config_errors_carry_file_line_and_column() {
+    let dir = std::env::temp_dir().join(format!("fake-api-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("fake.yaml");
+    std::fs::write(&path, "seed: 1\nseed: 2\n").expect("write");
+    let err = FakeConfig::from_yaml_file(&path).expect_err("duplicate key");
+    std::fs::remove_dir_all(&dir).ok();
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("{}:2:1: duplicate key `seed`", path.display())),
+        "{text}"
+    );
 }
 
 #[test]
