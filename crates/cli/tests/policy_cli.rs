@@ -79,3 +79,28 @@ fn syntax_error_exits_2() {
         "{stderr}"
     );
 }
+
+#[test]
+fn yaml_alias_error_is_printed_whole_with_one_position() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("alias.yaml");
+    std::fs::write(&file, "backoff: &b\n  base_seconds: 1\nbreaker: *b\n").expect("write");
+    let out = backstop()
+        .args(["policy", "check"])
+        .arg(&file)
+        .output()
+        .expect("run backstop");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let name = file.display().to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        lines[0],
+        format!(
+            "{name}:3:10: unknown field `base_seconds`, expected one of threshold \
+             (the value comes from the anchor at 2:3)"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(lines[1], format!("{name}: 1 problem"));
+}
