@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod demo;
 
 /// backstop — the one layer that owns retries for AI agents' outbound API calls.
 #[derive(Debug, Parser)]
@@ -33,6 +34,8 @@ enum Command {
     FakeApi(cmd::fake_api::Args),
     /// Read escalation case files and record decisions on a running gateway.
     Escalations(cmd::escalations::Args),
+    /// Run the reference scenario on loopback and print its timeline: start here.
+    Demo(cmd::demo::Args),
     /// Export health snapshots of throttled actions from a gateway database (NDJSON).
     Snapshots(cmd::snapshots::Args),
 }
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Command::Diagnose(args) => cmd::diagnose::run(args),
         Command::FakeApi(args) => cmd::fake_api::run(args),
         Command::Escalations(args) => cmd::escalations::run(args),
+        Command::Demo(args) => cmd::demo::run(args),
         Command::Snapshots(args) => cmd::snapshots::run(args),
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod audit;
 pub mod classify;
+pub mod demo;
 pub mod diagnose;
 pub mod escalations;
 pub mod fake_api;

@@ -1,0 +1,439 @@
+//! The demo's report as text: a timeline like an audit trail, a summary table, and where to
+//! look next. Colour (ANSI) only when asked for (stdout is a terminal).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use backstop_fake_api::AttemptRecord;
+use backstop_store::audit::AuditEvent;
+use jiff::{SignedDuration, Timestamp};
+
+use super::Report;
+
+struct Style {
+    on: bool,
+}
+
+impl Style {
+    fn paint(&self, code: &str, text: &str) -> String {
+        if self.on {
+            format!("\x1b[{code}m{text}\x1b[0m")
+        } else {
+            text.to_owned()
+        }
+    }
+    fn bold(&self, text: &str) -> String {
+        self.paint("1", text)
+    }
+    fn event(&self, word: &str) -> String {
+        let padded = format!("{word:<17}");
+        let code = match word {
+            "result" | "sent" | "requested" | "provider saw" => return padded,
+            "retry scheduled" | "scope updated" | "status query" => "33",
+            "reconciled" | "finished" => "32",
+            _ => "31",
+        };
+        self.paint(code, &padded)
+    }
+}
+
+fn parse(at: &str) -> Option<Timestamp> {
+    at.parse().ok()
+}
+
+fn relative(at: Option<Timestamp>, origin: Timestamp) -> String {
+    match at {
+        Some(at) => {
+            let ms = at.duration_since(origin).as_millis();
+            format!("+{}.{:03}s", ms / 1000, ms % 1000)
+        }
+        None => "+?".to_owned(),
+    }
+}
+
+fn seconds(d: SignedDuration) -> String {
+    format!("{:.3}s", d.as_secs_f64())
+}
+
+fn word(kind: &str) -> &str {
+    match kind {
+        "action_requested" => "requested",
+        "action_sent" => "sent",
+        "action_result" => "result",
+        "action_finished" => "finished",
+        "retry_scheduled" => "retry scheduled",
+        "retry_started" => "retry started",
+        "scope_updated" => "scope updated",
+        "reconciliation_required" => "reconcile first",
+        "reconciliation_lookup" => "status query",
+        "reconciled" => "reconciled",
+        "escalated" => "escalated",
+        "decision" => "decision",
+        "cancelled" => "cancelled",
+        "budget_exhausted" => "budget exhausted",
+        "deadline_exhausted" => "deadline exhausted",
+        "circuit_opened" => "circuit opened",
+        other => other,
+    }
+}
+
+/// One line of the timeline.
+struct Row {
+    at: Option<Timestamp>,
+    order: (u8, u64),
+    who: String,
+    what: String,
+    route: String,
+    status: String,
+    disposition: String,
+    reason: String,
+}
+
+fn event_row(e: &AuditEvent, origin: Timestamp) -> Row {
+    let mut reason = Vec::new();
+    if let Some(outcome) = &e.outcome {
+        reason.push(format!("outcome {outcome}"));
+    }
+    if let Some(boundary) = e.boundary.as_deref() {
+        match parse(boundary) {
+            Some(b) => reason.push(format!("not before {}", relative(Some(b), origin))),
+            None if boundary == "unknown" => {}
+            None => reason.push(format!("boundary {boundary}")),
+        }
+    }
+    if let Some(due) = e.due_at.as_deref().and_then(parse) {
+        reason.push(format!("wakes at {}", relative(Some(due), origin)));
+    }
+    if let Some(source) = &e.source {
+        reason.push(source.clone());
+    }
+    if e.kind == "action_requested" || e.kind == "reconciled" {
+        if let Some(key) = &e.idempotency_key {
+            if !matches!(e.method.as_deref(), Some("GET" | "HEAD" | "OPTIONS")) {
+                reason.push(format!("key {key}"));
+            }
+        }
+    }
+    if let Some(decision) = &e.decision {
+        reason.push(format!("decision {decision}"));
+    }
+    let route = match (&e.method, &e.route) {
+        (Some(m), Some(r)) => format!("{m} {r}"),
+        (None, Some(r)) => r.clone(),
+        _ => e
+            .scope
+            .clone()
+            .map(|s| format!("scope {s}"))
+            .unwrap_or_default(),
+    };
+    Row {
+        at: parse(&e.at),
+        order: (0, e.seq),
+        who: e.task.clone().unwrap_or_else(|| "backstop".to_owned()),
+        what: word(&e.kind).to_owned(),
+        route,
+        status: e.status.map(|s| s.to_string()).unwrap_or_default(),
+        disposition: e.disposition.clone().unwrap_or_default(),
+        reason: reason.join("; "),
+    }
+}
+
+fn attempt_row(a: &AttemptRecord) -> Row {
+    let mut reason = Vec::new();
+    if let Some(fault) = &a.fault {
+        reason.push(format!("fault {fault}"));
+    }
+    if let Some(key) = &a.idempotency_key {
+        reason.push(format!("key {key}"));
+    }
+    if a.replayed {
+        reason.push("idempotent replay".to_owned());
+    }
+    let path = match &a.query {
+        Some(q) => format!("{}?{q}", a.path),
+        None => a.path.clone(),
+    };
+    Row {
+        at: parse(&a.at),
+        order: (1, a.seq),
+        who: "  provider".to_owned(),
+        what: "provider saw".to_owned(),
+        route: format!("{} {path}", a.method),
+        status: a
+            .status
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| format!("{:?}", a.outcome).to_lowercase()),
+        disposition: String::new(),
+        reason: reason.join("; "),
+    }
+}
+
+/// The whole report: timeline, summary, escalation, paths and commands.
+pub fn render(report: &Report, colour: bool) -> String {
+    let style = Style { on: colour };
+    let mut out = String::new();
+    let origin = report
+        .events
+        .iter()
+        .filter_map(|e| parse(&e.at))
+        .chain(report.attempts.iter().filter_map(|a| parse(&a.at)))
+        .min()
+        .unwrap_or(Timestamp::UNIX_EPOCH);
+
+    let _ = writeln!(
+        out,
+        "{}",
+        style.bold("backstop demo — the reference scenario (SPEC §13) against a fake provider")
+    );
+    let _ = writeln!(
+        out,
+        "Three agent tasks share one quota scope (fake/account). Every line below comes from\n\
+         backstop's audit log or from the provider's own attempt record.\n"
+    );
+    let _ = writeln!(out, "{}", style.bold("Timeline"));
+    let mut rows: Vec<Row> = report
+        .events
+        .iter()
+        .filter(|e| e.kind != "task_opened")
+        .map(|e| event_row(e, origin))
+        .chain(report.attempts.iter().map(attempt_row))
+        .collect();
+    rows.sort_by(|a, b| a.at.cmp(&b.at).then(a.order.cmp(&b.order)));
+    let _ = writeln!(
+        out,
+        "{:<9} {:<12} {:<17} {:<40} {:<6} {:<12} reason",
+        "time", "task", "event", "route", "status", "disposition"
+    );
+    for row in &rows {
+        let _ = writeln!(
+            out,
+            "{:<9} {:<12} {} {:<40} {:<6} {:<12} {}",
+            relative(row.at, origin),
+            row.who,
+            style.event(&row.what),
+            row.route,
+            row.status,
+            row.disposition,
+            row.reason
+        );
+    }
+
+    summary(report, &style, origin, &mut out);
+    escalation(report, &style, &mut out);
+    where_to_look(report, &style, &mut out);
+    out
+}
+
+fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {
+    let _ = writeln!(out, "\n{}", style.bold("Summary"));
+    let mut tasks: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    for e in &report.events {
+        if let Some(task) = &e.task {
+            let entry = tasks.entry(task.clone()).or_default();
+            match e.kind.as_str() {
+                "action_requested" => entry.0 += 1,
+                "action_sent" => entry.1 += 1,
+                _ => {}
+            }
+        }
+    }
+    let _ = writeln!(
+        out,
+        "{:<12} {:>15} {:>14}  answers the agent got",
+        "task", "logical actions", "attempts sent"
+    );
+    for (task, (actions, sent)) in &tasks {
+        let answers: Vec<String> = report
+            .answers
+            .iter()
+            .filter(|a| &a.task == task)
+            .map(|a| {
+                format!(
+                    "{} → {}{}{}",
+                    a.request,
+                    a.status,
+                    a.outcome
+                        .as_deref()
+                        .map(|o| format!(" {o}"))
+                        .unwrap_or_default(),
+                    a.attempts
+                        .as_deref()
+                        .map(|n| format!(" ({n} attempt{})", if n == "1" { "" } else { "s" }))
+                        .unwrap_or_default()
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{task:<12} {actions:>15} {sent:>14}  {}",
+            answers.join(", ")
+        );
+    }
+    let logical: usize = tasks.values().map(|t| t.0).sum();
+    let sent: usize = tasks.values().map(|t| t.1).sum();
+    let _ = writeln!(out, "{:<12} {logical:>15} {sent:>14}", "total");
+    let seen = report.attempts.len();
+    let mut by_route: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    for a in &report.attempts {
+        let entry = by_route
+            .entry(a.route.clone().unwrap_or_else(|| a.path.clone()))
+            .or_default();
+        entry.0 += 1;
+        if a.status == Some(429) {
+            entry.1 += 1;
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nThe provider saw {seen} attempts for {logical} logical actions (status queries are \
+         attempts of the write they reconcile):"
+    );
+    for (route, (count, throttled)) in &by_route {
+        let _ = writeln!(
+            out,
+            "  {route:<28} {count:>3} attempts ({throttled} answered 429)"
+        );
+    }
+
+    let _ = writeln!(out, "\nWaits and their sources:");
+    let mut requested: BTreeMap<i64, Timestamp> = BTreeMap::new();
+    let mut first_sent: BTreeMap<i64, Timestamp> = BTreeMap::new();
+    let mut last_scope_source: Option<(Timestamp, String)> = None;
+    let mut scope_sources: Vec<(Timestamp, String)> = Vec::new();
+    for e in &report.events {
+        let at = parse(&e.at);
+        if e.kind == "scope_updated" {
+            if let (Some(at), Some(source)) = (at, &e.source) {
+                if e.boundary.is_some() {
+                    scope_sources.push((at, source.clone()));
+                }
+            }
+        }
+        if let (Some(action), Some(at)) = (e.action, at) {
+            match e.kind.as_str() {
+                "action_requested" => {
+                    requested.entry(action).or_insert(at);
+                }
+                "action_sent" => {
+                    first_sent.entry(action).or_insert(at);
+                }
+                _ => {}
+            }
+        }
+    }
+    for e in &report.events {
+        let (Some(action), Some(at)) = (e.action, parse(&e.at)) else {
+            continue;
+        };
+        let task = e.task.clone().unwrap_or_default();
+        let route = e.route.clone().unwrap_or_default();
+        if e.kind == "retry_scheduled" {
+            if let Some(due) = e.due_at.as_deref().and_then(parse) {
+                let source = e
+                    .source
+                    .clone()
+                    .unwrap_or_else(|| "provider Retry-After (HTTP 429)".to_owned());
+                let _ = writeln!(
+                    out,
+                    "  {task:<12} action {action:<3} retry after {} (scheduled at {}) — {source}",
+                    seconds(due.duration_since(at)),
+                    relative(Some(at), origin)
+                );
+            }
+        }
+        if e.kind == "action_sent" && first_sent.get(&action) == Some(&at) {
+            if let Some(start) = requested.get(&action) {
+                let queued = at.duration_since(*start);
+                if queued >= SignedDuration::from_millis(200) {
+                    last_scope_source = scope_sources
+                        .iter()
+                        .rev()
+                        .find(|(when, _)| when <= start)
+                        .cloned()
+                        .or(last_scope_source);
+                    let source = last_scope_source
+                        .as_ref()
+                        .map(|(_, s)| s.clone())
+                        .unwrap_or_else(|| "pacing".to_owned());
+                    let _ = writeln!(
+                        out,
+                        "  {task:<12} action {action:<3} waited {} in the delayed queue before its first send ({route}) — scope boundary from {source}",
+                        seconds(queued)
+                    );
+                }
+            }
+        }
+    }
+    if let Some(cancelled) = &report.cancelled {
+        let _ = writeln!(
+            out,
+            "\nCancelled {}: {} action(s) ended cancelled, {} delayed wake(s) dropped before they fired.",
+            cancelled.task_id,
+            cancelled.actions_cancelled,
+            cancelled.waiting_dropped + cancelled.retries_dropped
+        );
+    }
+}
+
+fn escalation(report: &Report, style: &Style, out: &mut String) {
+    let _ = writeln!(out, "\n{}", style.bold("Open escalation"));
+    if report.escalations.is_empty() {
+        let _ = writeln!(out, "  none");
+        return;
+    }
+    for e in &report.escalations {
+        let case = &e.case_file;
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
+        let _ = writeln!(
+            out,
+            "  escalation {} (action {}): {} — {}",
+            e.id.0,
+            e.action.0,
+            text(&case["reason"]),
+            text(&case["reason_detail"])
+        );
+        let _ = writeln!(
+            out,
+            "  {}, idempotency key {}, reconciliation query {}",
+            text(&case["endpoint"]).trim(),
+            text(&case["idempotency_key"]),
+            text(&case["reconciliation_query"])
+        );
+        let _ = writeln!(out, "  options:");
+        for option in case["options"].as_array().into_iter().flatten() {
+            let confirm = if option["requires_confirmation"].as_bool() == Some(true) {
+                " [needs explicit confirmation]"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                out,
+                "    {:<15} {}{confirm}",
+                text(&option["option"]),
+                text(&option["risk"])
+            );
+        }
+    }
+}
+
+fn where_to_look(report: &Report, style: &Style, out: &mut String) {
+    let db = report.store_path.display();
+    let _ = writeln!(out, "\n{}", style.bold("Where to look"));
+    let _ = writeln!(out, "  directory  {}", report.dir.display());
+    let _ = writeln!(out, "  store      {db}");
+    match &report.audit_path {
+        Ok(path) => {
+            let _ = writeln!(out, "  audit log  {} (NDJSON export)", path.display());
+        }
+        Err(e) => {
+            let _ = writeln!(out, "  audit log  not exported: {e}");
+        }
+    }
+    let _ = writeln!(out, "\n  backstop audit verify --db {db}");
+    let _ = writeln!(out, "  backstop audit export --db {db}");
+    let _ = writeln!(out, "  backstop audit head --db {db}");
+    let _ = writeln!(
+        out,
+        "  backstop diagnose crates/core/tests/fixtures/six_case_audit.ndjson --now 2026-07-26T18:42:00Z"
+    );
+}
