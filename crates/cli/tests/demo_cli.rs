@@ -1,0 +1,173 @@
+//! `backstop demo` as a new user runs it: the binary, a fresh directory, no terminal. The
+//! assertions are on the printed timeline and table — the numbers a reader takes away — and on
+//! the evidence it leaves behind (a store whose audit chain verifies, an NDJSON export).
+
+use std::{
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+fn backstop() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_backstop"))
+}
+
+/// Runs `command` and fails the test if it has not finished after 30 s (the demo's promise),
+/// polling every 100 ms.
+fn run_within_30_seconds(command: &mut Command) -> std::process::Output {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("backstop starts");
+    for _ in 0..300 {
+        if child.try_wait().expect("wait").is_some() {
+            return child.wait_with_output().expect("output");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let output = child.wait_with_output().expect("output");
+    panic!(
+        "backstop demo did not finish within 30 s; stdout so far:\n{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
+
+#[test]
+fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run_dir = dir.path().join("demo");
+    let output = run_within_30_seconds(backstop().args(["demo", "--dir"]).arg(&run_dir));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+
+    // No colour when stdout is not a terminal.
+    assert!(!stdout.contains('\u{1b}'), "ANSI escapes in piped output");
+
+    // The timeline: the 429, the delayed release, the dropped write reconciled, the escalation,
+    // the cancellation — with relative times.
+    assert!(stdout.contains("Timeline"));
+    assert!(stdout.contains("+0.000s"));
+    let line_with = |needles: &[&str]| {
+        stdout
+            .lines()
+            .any(|line| needles.iter().all(|n| line.contains(n)))
+    };
+    assert!(line_with(&[
+        "research-a",
+        "result",
+        "GET /v1/items/{id}",
+        "429",
+        "rate_limited"
+    ]));
+    assert!(line_with(&[
+        "research-a",
+        "retry scheduled",
+        "wakes at +2."
+    ]));
+    assert!(line_with(&[
+        "provider saw",
+        "POST /v1/transfers",
+        "dropped",
+        "store_then_drop"
+    ]));
+    assert!(line_with(&["research-a", "status query", "found"]));
+    assert!(line_with(&[
+        "research-a",
+        "reconciled",
+        "demo-transfer-0001"
+    ]));
+    assert!(line_with(&[
+        "research-b",
+        "budget exhausted",
+        "GET /v1/exports/{id}"
+    ]));
+    assert!(line_with(&[
+        "research-b",
+        "escalated",
+        "POST /v1/transfers"
+    ]));
+    assert!(line_with(&[
+        "research-c",
+        "cancelled",
+        "GET /v1/reports/{id}"
+    ]));
+
+    // The table: logical actions vs attempts the provider saw.
+    assert!(line_with(&[
+        "research-a",
+        " 2 ",
+        " 3 ",
+        "GET /v1/items/42 → 200 (2 attempts)"
+    ]));
+    assert!(line_with(&[
+        "research-c",
+        "GET /v1/reports/2 → 410 cancelled (0 attempts)"
+    ]));
+    assert!(line_with(&["total", " 8 ", " 8"]));
+    assert!(stdout.contains("The provider saw 10 attempts for 8 logical actions"));
+    assert!(line_with(&[
+        "GET /v1/items/{id}",
+        "4 attempts (1 answered 429)"
+    ]));
+    assert!(line_with(&["POST /v1/transfers", "2 attempts"]));
+    assert!(line_with(&[
+        "GET /v1/reports/{id}",
+        "1 attempts (1 answered 429)"
+    ]));
+    assert!(line_with(&["retry after 2.", "Retry-After"]));
+    assert!(line_with(&[
+        "waited 2.",
+        "delayed queue",
+        "HTTP 429 Retry-After"
+    ]));
+
+    // The open escalation and its options.
+    assert!(line_with(&["escalation 1", "side_effect_unknown"]));
+    for option in ["query_status", "retry_same_key", "abort", "send_new"] {
+        assert!(line_with(&[option]), "option {option} missing");
+    }
+    assert!(line_with(&["send_new", "needs explicit confirmation"]));
+
+    // Where the evidence is, and the exact commands to inspect it.
+    let db = run_dir.join("backstop.db");
+    let audit = run_dir.join("audit.ndjson");
+    assert!(stdout.contains(&format!("backstop audit verify --db {}", db.display())));
+    assert!(stdout.contains(&format!("backstop audit export --db {}", db.display())));
+    assert!(stdout.contains("backstop diagnose"));
+    let exported = std::fs::read_to_string(&audit).expect("the audit export exists");
+    assert!(exported.lines().count() > 20);
+    assert!(!exported.contains("demo-provider-key") && !exported.contains("demo-agent-token"));
+
+    // The evidence verifies with the tool the demo points at.
+    let verify = backstop()
+        .args(["audit", "verify", "--db"])
+        .arg(&db)
+        .output()
+        .expect("verify runs");
+    assert_eq!(
+        verify.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&verify.stderr)
+    );
+}
+
+#[test]
+fn demo_refuses_a_directory_that_already_holds_a_store() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("backstop.db"), b"").expect("file");
+    let output = backstop()
+        .args(["demo", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("backstop runs");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("already holds a store"), "{stderr}");
+}
