@@ -1,0 +1,328 @@
+//! Scheduler scale: how much resident memory one delayed action costs when 10^5 or 10^6 of them
+//! are held at once, and how late they are released when they come due in waves.
+//!
+//! Why: a 429 storm or a long `Retry-After` parks every action of a scope in the delayed queue
+//! (SPEC §4.1); a gateway shared by many agent runs must hold very large queues cheaply and still
+//! release each action on time, or retries arrive late (wasted budget) or the process runs out
+//! of memory.
+//!
+//! How (through the scheduler's public API only, with the real tokio runtime and clock):
+//! 1. One scope whose `max_delayed_requests` and `max_concurrent_requests` exceed N, paced at a
+//!    published limit far above the release rate (so the GCRA check runs and never throttles).
+//! 2. N tasks each call [`SchedulerHandle::acquire`] with a `not_before` in the future: the
+//!    scheduler holds them in its delayed queue. Each is what a waiting action of the gateway is:
+//!    one tokio task awaiting its answer, plus the scheduler's entry for it.
+//! 3. Resident memory (`VmRSS` of /proc/self/status) is read before the tasks are spawned and
+//!    again once the scheduler reports all N delayed ([`SchedulerHandle::scopes`]); the
+//!    difference divided by N is the cost of one delayed action (task + queue entry + the
+//!    request's strings).
+//! 4. The actions come due in 10 waves one second apart. `burst`: every action of a wave has
+//!    the same instant (what a shared boundary without jitter would do). `spread`: each wave's
+//!    actions are spread uniformly over its second (what the §4.2 jitter after a boundary does).
+//!    Lateness = the clock when `acquire` returned `Go` minus the action's `not_before`.
+//!
+//! Run: `cargo bench -p backstop-gateway --bench scheduler_scale` (both sizes, both modes); or
+//! `... --bench scheduler_scale -- 100000 spread` for one size and one mode.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use backstop_core::budget::{ActionBudget, ClassBudget};
+use backstop_core::clock::Clock;
+use backstop_core::pacing::Priority;
+use backstop_core::policy::Policy;
+use backstop_gateway::clock::TokioClock;
+use backstop_gateway::metrics::Metrics;
+use backstop_gateway::scheduler::{AcquireRequest, Acquired, SchedulerHandle};
+use jiff::{SignedDuration, Timestamp};
+
+const WAVES: u64 = 10;
+const WAVE_GAP: Duration = Duration::from_secs(1);
+/// Distinct task ids among the actions (a run has many actions).
+const TASKS: u64 = 1_000;
+/// Lateness slot value of an action that never got `Go`.
+const NOT_RELEASED: u32 = u32::MAX;
+
+const POLICY: &str = r#"
+shared_scope:
+  max_delayed_requests: 4000000
+  max_concurrent_requests: 4000000
+providers:
+  bench:
+    base_url: http://127.0.0.1:9
+    scopes:
+      account: { limit: 1000000000, window_seconds: 1, headroom: 0.8 }
+    routes:
+      "GET /v1/items/{id}": { class: read, scopes: [account] }
+"#;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Burst,
+    Spread,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Burst => "burst",
+            Mode::Spread => "spread",
+        }
+    }
+}
+
+/// Resident set size of this process in KiB, from `VmRSS` in /proc/self/status.
+fn rss_kib() -> Result<u64, String> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|e| format!("/proc/self/status: cannot read: {e}"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| "/proc/self/status: no readable VmRSS line".to_owned())
+}
+
+fn at_offset(base: Timestamp, offset: Duration) -> Result<Timestamp, String> {
+    SignedDuration::try_from(offset)
+        .ok()
+        .and_then(|d| base.checked_add(d).ok())
+        .ok_or_else(|| format!("{base} + {offset:?}: out of range"))
+}
+
+/// Percentile (0..=100) of sorted microsecond values, nearest rank.
+fn percentile(sorted: &[u32], p: f64) -> u32 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+struct Report {
+    n: u64,
+    mode: Mode,
+    rss_before_kib: u64,
+    rss_held_kib: u64,
+    enqueue: Duration,
+    released: usize,
+    p50_us: u32,
+    p99_us: u32,
+    max_us: u32,
+    future_bytes: usize,
+}
+
+async fn run(n: u64, mode: Mode) -> Result<Report, String> {
+    let policy = Policy::from_yaml_str(POLICY, "scheduler_scale.yaml")
+        .map_err(|e| format!("bench policy: {e}"))?;
+    let clock = TokioClock::system();
+    let scheduler = SchedulerHandle::spawn(&policy, clock, Arc::new(Metrics::new()), 7);
+    let class = ClassBudget {
+        max_attempts: 4,
+        max_wait: Duration::from_secs(3600),
+    };
+    let lateness: Arc<Vec<AtomicU32>> =
+        Arc::new((0..n).map(|_| AtomicU32::new(NOT_RELEASED)).collect());
+    let scopes = vec!["bench/account".to_owned()];
+
+    // Enough lead for every acquire to be queued before the first wave (≈ 5 µs each, doubled).
+    let lead = Duration::from_secs(2) + Duration::from_micros(10 * n);
+    let start = clock.now();
+    let first_wave = at_offset(start, lead)?;
+    let per_wave = n.div_ceil(WAVES);
+
+    let rss_before_kib = rss_kib()?;
+    let mut tasks = Vec::with_capacity(n as usize);
+    let mut future_bytes = 0;
+    for i in 0..n {
+        let wave = i / per_wave;
+        let within = match mode {
+            Mode::Burst => Duration::ZERO,
+            Mode::Spread => WAVE_GAP.mul_f64((i % per_wave) as f64 / per_wave as f64),
+        };
+        let due = at_offset(first_wave, WAVE_GAP * wave as u32 + within)?;
+        let request = AcquireRequest {
+            task_id: format!("run-{}", i % TASKS),
+            priority: Priority::Normal,
+            scopes: scopes.clone(),
+            budget: ActionBudget::new(class, None),
+            not_before: Some(due),
+            route: "GET /v1/items/{id}".to_owned(),
+        };
+        let scheduler = scheduler.clone();
+        let lateness = lateness.clone();
+        let waiting = async move {
+            if let Acquired::Go { permit, .. } = scheduler.acquire(request).await {
+                let late = clock.now().duration_since(due);
+                let late_us = u32::try_from(late.as_micros().max(0)).unwrap_or(u32::MAX - 1);
+                lateness[i as usize].store(late_us, Ordering::Relaxed);
+                drop(permit);
+            }
+        };
+        future_bytes = std::mem::size_of_val(&waiting);
+        tasks.push(tokio::spawn(waiting));
+    }
+    // Held: the scheduler reports every action in the scope's delayed queue.
+    loop {
+        let delayed: u64 = scheduler
+            .scopes()
+            .iter()
+            .map(|s| u64::from(s.delayed))
+            .sum();
+        if delayed >= n {
+            break;
+        }
+        if clock.now() >= first_wave {
+            return Err(format!(
+                "only {delayed} of {n} actions were queued before the first wave was due; \
+                 raise the lead time"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let enqueue = Duration::try_from(clock.now().duration_since(start)).unwrap_or_default();
+    let rss_held_kib = rss_kib()?;
+
+    for task in tasks {
+        task.await
+            .map_err(|e| format!("an acquiring task failed: {e}"))?;
+    }
+    scheduler.shutdown().await;
+
+    let mut values: Vec<u32> = lateness
+        .iter()
+        .map(|slot| slot.load(Ordering::Relaxed))
+        .filter(|v| *v != NOT_RELEASED)
+        .collect();
+    values.sort_unstable();
+    Ok(Report {
+        n,
+        mode,
+        rss_before_kib,
+        rss_held_kib,
+        enqueue,
+        released: values.len(),
+        p50_us: percentile(&values, 50.0),
+        p99_us: percentile(&values, 99.0),
+        max_us: values.last().copied().unwrap_or(0),
+        future_bytes,
+    })
+}
+
+fn main() {
+    let mut sizes: Vec<u64> = Vec::new();
+    let mut modes: Vec<Mode> = Vec::new();
+    for arg in std::env::args().skip(1) {
+        match arg.as_str() {
+            "burst" => modes.push(Mode::Burst),
+            "spread" => modes.push(Mode::Spread),
+            other => {
+                if let Ok(n) = other.parse::<u64>() {
+                    if n > 0 {
+                        sizes.push(n);
+                    }
+                }
+                // Anything else is a flag of cargo bench (`--bench`): ignored.
+            }
+        }
+    }
+    let child = sizes.len() == 1 && modes.len() == 1;
+    if sizes.is_empty() {
+        sizes = vec![100_000, 1_000_000];
+    }
+    if modes.is_empty() {
+        modes = vec![Mode::Spread, Mode::Burst];
+    }
+    if !child {
+        // One fresh process per measurement: memory freed by an earlier run stays mapped by the
+        // allocator and would hide the next run's growth.
+        print_header();
+        for &n in &sizes {
+            for &mode in &modes {
+                let status = std::env::current_exe().and_then(|exe| {
+                    std::process::Command::new(exe)
+                        .args([n.to_string(), mode.name().to_owned(), "--child".to_owned()])
+                        .status()
+                });
+                match status {
+                    Ok(status) if status.success() => {}
+                    Ok(status) => {
+                        eprintln!("scheduler_scale: {n} actions, {}: {status}", mode.name());
+                        std::process::exit(1);
+                    }
+                    Err(e) => {
+                        eprintln!("scheduler_scale: cannot run a measurement process: {e}");
+                        std::process::exit(2);
+                    }
+                }
+            }
+        }
+        return;
+    }
+    if !std::env::args().any(|a| a == "--child") {
+        print_header();
+    }
+    measure(&sizes, &modes);
+}
+
+fn print_header() {
+    println!(
+        "scheduler_scale: {WAVES} waves {WAVE_GAP:?} apart; lateness = clock at Go − not_before"
+    );
+    println!(
+        "{:>9} {:>7} {:>10} {:>10} {:>12} {:>10} {:>10} {:>10} {:>10}",
+        "actions",
+        "mode",
+        "RSS held",
+        "B/action",
+        "queued in",
+        "released",
+        "p50 late",
+        "p99 late",
+        "max late"
+    );
+}
+
+fn measure(sizes: &[u64], modes: &[Mode]) {
+    for &n in sizes {
+        for &mode in modes {
+            // The gateway runs a multi-thread runtime; two workers match this machine.
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    eprintln!("scheduler_scale: cannot build the runtime: {e}");
+                    std::process::exit(2);
+                }
+            };
+            match runtime.block_on(run(n, mode)) {
+                Ok(r) => {
+                    let held_bytes = r.rss_held_kib.saturating_sub(r.rss_before_kib) * 1024;
+                    println!(
+                        "{:>9} {:>7} {:>7} MiB {:>10} {:>10.2} s {:>10} {:>7.2} ms {:>7.2} ms {:>7.2} ms",
+                        r.n,
+                        r.mode.name(),
+                        r.rss_held_kib / 1024,
+                        held_bytes / r.n,
+                        r.enqueue.as_secs_f64(),
+                        r.released,
+                        f64::from(r.p50_us) / 1000.0,
+                        f64::from(r.p99_us) / 1000.0,
+                        f64::from(r.max_us) / 1000.0,
+                    );
+                    println!(
+                        "{:>9} {:>7} the waiting task's future alone: {} bytes",
+                        "", "", r.future_bytes
+                    );
+                }
+                Err(message) => {
+                    eprintln!("scheduler_scale: {n} actions, {}: {message}", mode.name());
+                    std::process::exit(1);
+                }
+            }
+        }
+    }
+}
