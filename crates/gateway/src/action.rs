@@ -52,6 +52,10 @@ pub struct ActionReceipt {
     pub action_id: i64,
     /// Attempts that left the process for this action.
     pub attempts: u32,
+    /// The idempotency key in effect for a write (the agent's or the one backstop minted),
+    /// answered as `Idempotency-Key` so the agent can resend with the same key; `None` for reads
+    /// and for requests refused before being recorded.
+    pub idempotency_key: Option<String>,
 }
 
 /// The executor's answer.
@@ -75,4 +79,22 @@ pub enum Execution {
         /// One human sentence on why.
         detail: String,
     },
+    /// The agent's idempotency key names an action of its own that is still in flight and could
+    /// not be joined (a layered retry, SPEC §4.3): refused with `409 idempotency_key_in_flight`
+    /// and `x-should-retry: false`. This is not the provider's `conflict`; nothing was sent.
+    InFlight {
+        /// The action in flight.
+        receipt: ActionReceipt,
+    },
+}
+
+impl Execution {
+    /// The receipt of any answer.
+    pub fn receipt(&self) -> &ActionReceipt {
+        match self {
+            Execution::Response { receipt, .. }
+            | Execution::Outcome { receipt, .. }
+            | Execution::InFlight { receipt } => receipt,
+        }
+    }
 }

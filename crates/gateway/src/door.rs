@@ -21,10 +21,16 @@
 //! 6. Prepares the upstream headers: hop-by-hop headers removed (RFC 9110 §7.6.1: `Connection`
 //!    and every header it names, `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`,
 //!    `Upgrade`), `Host` dropped (the client sets the provider's), the agent's `Authorization`
-//!    and every `X-Backstop-*` header removed, the `wait` preference removed from `Prefer`, the
-//!    provider credential injected under the policy's header and scheme. For writes to a
-//!    provider with an `idempotency_header`, the agent's key is kept or one is minted
-//!    (`bk-…`), so every attempt carries the same key (SPEC §6).
+//!    and every `X-Backstop-*` header removed, the `wait` and `respond-async` preferences
+//!    removed from `Prefer`, the provider credential injected under the policy's header and
+//!    scheme. For writes the agent's key is read (under the provider's `idempotency_header`, or
+//!    `Idempotency-Key` when the provider has none); without one the engine mints the key — in
+//!    one place — and sends it on every attempt (SPEC §6). Reads carry no key.
+//!
+//! `Prefer: respond-async` (RFC 7240 §4.1) answers `202 Accepted` with
+//! `Location: /v1/actions/{id}` at once and runs the action in the background (see
+//! [`crate::actions_api`]). `Prefer: wait=N` caps the total waiting of the action; `wait=0`
+//! still sends an attempt that needs no waiting.
 //! 7. Answers with the engine's [`Execution`]: the provider's response (hop-by-hop headers
 //!    removed, the body streamed through unbuffered — SSE arrives as produced), or a problem for
 //!    a gateway-made outcome. Every answer carries `Backstop-Action-Id`, `Backstop-Attempts`
@@ -79,6 +85,10 @@ pub const ATTEMPTS_HEADER: &str = "backstop-attempts";
 pub const TASK_ECHO_HEADER: &str = "backstop-task";
 /// `Backstop-Single-Attempt: body-too-large` when the body was too large to allow retries.
 pub const SINGLE_ATTEMPT_HEADER: &str = "backstop-single-attempt";
+
+/// `Idempotency-Key` (IETF draft-ietf-httpapi-idempotency-key-header): answered on every
+/// response of a write with the key in effect.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// `Prefer` (RFC 7240).
 const PREFER: HeaderName = HeaderName::from_static("prefer");
@@ -240,7 +250,23 @@ fn prefer_wait(headers: &HeaderMap) -> Result<Option<Duration>, Problem> {
     Ok(wait)
 }
 
-/// The `Prefer` header without the `wait` preference (which is backstop's), or `None` when
+/// Whether any `Prefer` header asks for `respond-async` (RFC 7240 §4.1).
+pub fn prefers_respond_async(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(PREFER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| {
+            p.split([';', '='])
+                .next()
+                .unwrap_or("")
+                .trim()
+                .eq_ignore_ascii_case("respond-async")
+        })
+}
+
+/// The `Prefer` header without the `wait` and `respond-async` preferences (which is backstop's), or `None` when
 /// nothing is left to forward.
 fn forwarded_prefer(headers: &HeaderMap) -> Option<HeaderValue> {
     let kept: Vec<&str> = headers
@@ -252,7 +278,7 @@ fn forwarded_prefer(headers: &HeaderMap) -> Option<HeaderValue> {
         .filter(|p| !p.is_empty())
         .filter(|p| {
             let name = p.split([';', '=']).next().unwrap_or("").trim();
-            !name.eq_ignore_ascii_case("wait")
+            !name.eq_ignore_ascii_case("wait") && !name.eq_ignore_ascii_case("respond-async")
         })
         .collect();
     if kept.is_empty() {
@@ -399,23 +425,27 @@ fn upstream_headers(
         headers.insert(credential.name.clone(), credential.value.clone());
     }
     let mut key = None;
-    if let Some(name) = &provider.idempotency_header {
-        if !is_safe(method) {
-            let header_name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-                Problem::bad_request(format!(
-                    "the provider's idempotency header `{name}` is not a valid header name"
-                ))
-            })?;
-            let supplied = single(incoming, header_name.as_str(), name)?;
-            let value = match supplied {
-                Some(v) if !v.is_empty() => v.to_owned(),
-                Some(_) => return Err(Problem::bad_header(name, "an empty idempotency key")),
-                None => mint_id("bk-"),
-            };
-            let header_value = HeaderValue::from_str(&value)
-                .map_err(|_| Problem::bad_header(name, "not a valid header value"))?;
-            headers.insert(header_name, header_value);
-            key = Some(value);
+    if !is_safe(method) {
+        // The agent's key arrives under the provider's idempotency header, or under the IETF
+        // draft's `Idempotency-Key` when the provider has none (backstop's own idempotency).
+        // A missing key is minted by the engine (one place), never here.
+        let name = provider
+            .idempotency_header
+            .as_deref()
+            .unwrap_or(IDEMPOTENCY_KEY);
+        let header_name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+            Problem::bad_request(format!(
+                "the provider's idempotency header `{name}` is not a valid header name"
+            ))
+        })?;
+        match single(incoming, header_name.as_str(), name)? {
+            Some("") => return Err(Problem::bad_header(name, "an empty idempotency key")),
+            Some(v) => key = Some(v.to_owned()),
+            None => {}
+        }
+        if provider.idempotency_header.is_none() {
+            // Not the provider's header: keep it to ourselves.
+            headers.remove(header_name);
         }
     }
     Ok((headers, key))
@@ -425,6 +455,13 @@ fn receipt_headers(response: &mut Response, receipt: &ActionReceipt, task_id: &s
     let headers = response.headers_mut();
     headers.insert(ACTION_ID_HEADER, HeaderValue::from(receipt.action_id));
     headers.insert(ATTEMPTS_HEADER, HeaderValue::from(receipt.attempts));
+    if let Some(key) = receipt
+        .idempotency_key
+        .as_deref()
+        .and_then(|k| HeaderValue::from_str(k).ok())
+    {
+        headers.insert(IDEMPOTENCY_KEY, key);
+    }
     if let Ok(task) = HeaderValue::from_str(task_id) {
         headers.insert(TASK_ECHO_HEADER, task);
     }
@@ -448,8 +485,10 @@ pub fn refusal(problem: Problem) -> Response {
 
 /// The proxy door handler (axum fallback of the router in [`crate::server`]).
 pub async fn proxy(state: std::sync::Arc<AppState>, request: Request<Body>) -> Response {
+    let respond_async = prefers_respond_async(request.headers());
     match prepare(&state, request).await {
         Err(problem) => refusal(problem),
+        Ok(spec) if respond_async => submit_async(&state, spec).await,
         Ok(spec) => execute(&state, spec).await,
     }
 }
@@ -469,25 +508,6 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
         )));
     }
     let (parts, body) = request.into_parts();
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map(|pq| pq.as_str())
-        .unwrap_or("/");
-    let (provider_name, rest) =
-        split_provider(path_and_query).ok_or_else(|| Problem::not_found(parts.uri.path()))?;
-    let policy: &Policy = &state.policy;
-    let provider = policy
-        .providers
-        .get(provider_name)
-        .ok_or_else(|| Problem::unknown_provider(provider_name))?;
-    if state.credentials.unavailable().contains_key(provider_name) {
-        return Err(Problem::credential_unavailable(provider_name));
-    }
-    let backstop = parse_backstop_headers(&parts.headers)?;
-    let route = policy
-        .route(provider_name, parts.method.as_str(), &rest)
-        .map_err(|_| Problem::unknown_provider(provider_name))?;
     if let Some(length) = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -498,13 +518,63 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
             return Err(body_too_large(state.door));
         }
     }
-    let (headers, idempotency_key) = upstream_headers(
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/");
+    let backstop = parse_backstop_headers(&parts.headers)?;
+    let (body, single_attempt) = read_body(body, state.door).await?;
+    build_spec(
+        state,
+        caller.name,
+        parts.method,
+        path_and_query,
         &parts.headers,
-        &parts.method,
+        body,
+        single_attempt,
+        backstop,
+    )
+}
+
+/// Turns one call into an [`ActionSpec`] (shared by the proxy door and `POST /v1/actions`):
+/// `path_and_query` is `/{provider}/{rest}`; `headers` are the agent's (backstop's own and
+/// hop-by-hop headers are removed, the provider credential injected); `body` is the whole
+/// payload, `single_attempt` when it exceeded the retry buffer.
+///
+/// # Errors
+/// A [`Problem`]: 404 for an unknown provider or a path without one, 424 when the provider's
+/// credential is unavailable, 400 for a malformed or empty idempotency key header.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_spec(
+    state: &AppState,
+    agent: String,
+    method: Method,
+    path_and_query: &str,
+    incoming: &HeaderMap,
+    body: Bytes,
+    single_attempt: bool,
+    backstop: BackstopHeaders,
+) -> Result<ActionSpec, Problem> {
+    let (provider_name, rest) = split_provider(path_and_query)
+        .ok_or_else(|| Problem::not_found(path_and_query.split('?').next().unwrap_or("/")))?;
+    let policy: &Policy = &state.policy;
+    let provider = policy
+        .providers
+        .get(provider_name)
+        .ok_or_else(|| Problem::unknown_provider(provider_name))?;
+    if state.credentials.unavailable().contains_key(provider_name) {
+        return Err(Problem::credential_unavailable(provider_name));
+    }
+    let route = policy
+        .route(provider_name, method.as_str(), &rest)
+        .map_err(|_| Problem::unknown_provider(provider_name))?;
+    let (headers, idempotency_key) = upstream_headers(
+        incoming,
+        &method,
         provider,
         state.credentials.get(provider_name),
     )?;
-    let (body, single_attempt) = read_body(body, state.door).await?;
     let task_id = backstop.task_id.unwrap_or_else(|| mint_id("task-"));
     if single_attempt {
         tracing::warn!(
@@ -520,13 +590,13 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
     let url = format!("{}{}", provider.base_url, rest);
     Ok(ActionSpec {
         task_id,
-        agent: caller.name,
+        agent,
         priority: backstop.priority,
         deadline: backstop.deadline,
         max_wait: backstop.max_wait,
         route,
         request: AttemptRequest {
-            method: parts.method,
+            method,
             url,
             headers,
             body,
@@ -538,6 +608,58 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
     })
 }
 
+/// `Prefer: respond-async`: starts the action in the background and answers `202 Accepted`
+/// with `Location: /v1/actions/{id}` and `Preference-Applied: respond-async` (RFC 7240 §3), the
+/// JSON body `{id, task, state: "accepted", location}`. A refusal before the action was recorded
+/// is answered as without the preference.
+pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response {
+    let Some(engine) = state.executor.engine() else {
+        return refusal(Problem::not_supported("`Prefer: respond-async`"));
+    };
+    let task_id = spec.task_id.clone();
+    let single = spec.single_attempt;
+    let agent_key = spec.idempotency_key.clone();
+    let is_write = !is_safe(&spec.request.method);
+    match engine.submit(spec).await {
+        Ok(id) => {
+            let location = format!("/v1/actions/{id}");
+            let body = serde_json::json!({
+                "id": id,
+                "task": task_id,
+                "state": "accepted",
+                "location": location,
+            });
+            let mut response = (StatusCode::ACCEPTED, axum::Json(body)).into_response();
+            let headers = response.headers_mut();
+            if let Ok(value) = HeaderValue::from_str(&location) {
+                headers.insert(header::LOCATION, value);
+            }
+            headers.insert(
+                "preference-applied",
+                HeaderValue::from_static("respond-async"),
+            );
+            let key = match (is_write, agent_key) {
+                (false, _) => None,
+                (true, Some(key)) => Some(key),
+                (true, None) => engine
+                    .action_view(id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|(record, _)| record.idempotency_key),
+            };
+            let receipt = ActionReceipt {
+                action_id: id,
+                attempts: 0,
+                idempotency_key: key,
+            };
+            receipt_headers(&mut response, &receipt, &task_id, single);
+            response
+        }
+        Err(execution) => render(state, execution, &task_id, single),
+    }
+}
+
 async fn execute(state: &AppState, spec: ActionSpec) -> Response {
     let task_id = spec.task_id.clone();
     let single = spec.single_attempt;
@@ -546,20 +668,49 @@ async fn execute(state: &AppState, spec: ActionSpec) -> Response {
     let class = spec.route.class.clone();
     let method = spec.route.method.clone();
     let agent = spec.agent.clone();
-    match state.executor.execute(spec).await {
+    let execution = state.executor.execute(spec).await;
+    let receipt = execution.receipt();
+    match &execution {
+        Execution::Response { response, .. } => tracing::info!(
+            %agent, %provider, %method, route = %template, %class, task = %task_id,
+            action_id = receipt.action_id, attempts = receipt.attempts,
+            status = response.status().as_u16(),
+            "door: provider response passed through"
+        ),
+        Execution::Outcome {
+            outcome, detail, ..
+        } => tracing::info!(
+            %agent, %provider, %method, route = %template, %class, task = %task_id,
+            action_id = receipt.action_id, attempts = receipt.attempts,
+            %outcome, %detail,
+            "door: action ended with a gateway outcome"
+        ),
+        Execution::InFlight { .. } => tracing::info!(
+            %agent, %provider, %method, route = %template, task = %task_id,
+            action_id = receipt.action_id,
+            "door: layered retry refused, the key's action is in flight"
+        ),
+    }
+    render(state, execution, &task_id, single)
+}
+
+/// Renders an [`Execution`] for the agent: the provider's response, a `200` JSON for a
+/// reconciled success, or a problem; every answer with the receipt headers and, for a write,
+/// `Idempotency-Key` (also `idempotency_key` in problem bodies).
+pub(crate) fn render(
+    state: &AppState,
+    execution: Execution,
+    task_id: &str,
+    single: bool,
+) -> Response {
+    match execution {
         Execution::Response {
             receipt,
             mut response,
         } => {
             strip_hop_by_hop(response.headers_mut());
-            tracing::info!(
-                %agent, %provider, %method, route = %template, %class, task = %task_id,
-                action_id = receipt.action_id, attempts = receipt.attempts,
-                status = response.status().as_u16(),
-                "door: provider response passed through"
-            );
             let mut response = response.into_response();
-            receipt_headers(&mut response, &receipt, &task_id, single);
+            receipt_headers(&mut response, &receipt, task_id, single);
             response
         }
         Execution::Outcome {
@@ -568,26 +719,34 @@ async fn execute(state: &AppState, spec: ActionSpec) -> Response {
             context,
             detail,
         } => {
-            tracing::info!(
-                %agent, %provider, %method, route = %template, %class, task = %task_id,
-                action_id = receipt.action_id, attempts = receipt.attempts,
-                %outcome, %detail,
-                "door: action ended with a gateway outcome"
-            );
             let mut response = if outcome == Outcome::Succeeded {
                 let body = serde_json::json!({
                     "outcome": outcome.as_str(),
                     "detail": detail,
                     "context": context,
+                    "action_id": receipt.action_id,
+                    "idempotency_key": receipt.idempotency_key,
                 });
                 (StatusCode::OK, axum::Json(body)).into_response()
             } else {
-                let problem = Problem::from_outcome(outcome, &context, detail, state.clock.now())
-                    .with_extension("action_id", receipt.action_id.into())
-                    .with_extension("task", task_id.clone().into());
+                let mut problem =
+                    Problem::from_outcome(outcome, &context, detail, state.clock.now())
+                        .with_extension("action_id", receipt.action_id.into())
+                        .with_extension("task", task_id.into());
+                if let Some(key) = &receipt.idempotency_key {
+                    problem = problem.with_extension("idempotency_key", key.clone().into());
+                }
                 problem.into_response()
             };
-            receipt_headers(&mut response, &receipt, &task_id, single);
+            receipt_headers(&mut response, &receipt, task_id, single);
+            response
+        }
+        Execution::InFlight { receipt } => {
+            let mut response =
+                Problem::key_in_flight(receipt.action_id, receipt.idempotency_key.as_deref())
+                    .with_extension("task", task_id.into())
+                    .into_response();
+            receipt_headers(&mut response, &receipt, task_id, single);
             response
         }
     }
@@ -730,23 +889,27 @@ mod tests {
         assert!(out.get("host").is_none());
         assert!(out.get("content-length").is_none());
         assert!(out.keys().all(|k| !k.as_str().starts_with("x-backstop-")));
-        assert_eq!(out["prefer"], "respond-async");
+        assert!(
+            out.get("prefer").is_none(),
+            "backstop's preferences stay here"
+        );
         assert_eq!(out["idempotency-key"], "key-1");
         assert_eq!(key.as_deref(), Some("key-1"));
 
-        // A write without a key gets a minted one; a read gets none.
+        // A write without a key: none here, the engine mints it; a read gets none.
         let bare = headers(&[("Authorization", "Bearer agent-token")]);
         let (out, key) = upstream_headers(&bare, &Method::POST, &p, None).unwrap();
-        let key = key.unwrap();
-        assert!(key.starts_with("bk-") && key.len() == 35, "{key}");
-        assert_eq!(out["idempotency-key"], key.as_str());
+        assert_eq!(key, None);
+        assert!(out.get("idempotency-key").is_none());
         assert!(out.get("authorization").is_none());
         let (out, key) = upstream_headers(&bare, &Method::GET, &p, None).unwrap();
         assert_eq!(key, None);
         assert!(out.get("idempotency-key").is_none());
-        // No idempotency header configured: nothing minted.
-        let (_, key) = upstream_headers(&bare, &Method::POST, &provider(None), None).unwrap();
-        assert_eq!(key, None);
+        // No idempotency header configured: the agent's `Idempotency-Key` is backstop's own and
+        // is not forwarded.
+        let (out, key) = upstream_headers(&incoming, &Method::POST, &provider(None), None).unwrap();
+        assert_eq!(key.as_deref(), Some("key-1"));
+        assert!(out.get("idempotency-key").is_none());
     }
 
     #[test]

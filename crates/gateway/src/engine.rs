@@ -82,7 +82,10 @@ use crate::{
 
 pub use crate::scheduler::ScopeView;
 
+mod actions;
 mod writes;
+
+pub use actions::{Completion, DecisionApplied, KeptResponse, KEPT_ACTIONS, KEPT_BODY_LIMIT};
 
 /// Largest part of a non-2xx response body read for classification (64 KiB); the rest streams
 /// on to the agent untouched.
@@ -159,6 +162,8 @@ struct Inner {
     credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
     /// Prepared requests of escalated writes (in memory only), for operator decisions.
     held: Mutex<HashMap<i64, ActionSpec>>,
+    /// Completions of background actions, kept for their agent (bounded, in memory only).
+    kept: Mutex<actions::Kept>,
 }
 
 /// What has been seen of an action so far (for the SPEC §5 context).
@@ -186,6 +191,13 @@ struct Run<'a> {
     reference: Option<String>,
     /// The provider's operation id, once a response carried it.
     operation_id: Mutex<Option<String>>,
+}
+
+impl Run<'_> {
+    /// The idempotency key in effect, as told to the agent: writes only.
+    fn agent_key(&self) -> Option<String> {
+        (!is_safe_method(&self.request.method)).then(|| self.key.clone())
+    }
 }
 
 fn store_outcome(outcome: Outcome) -> backstop_store::Outcome {
@@ -421,6 +433,26 @@ impl Engine {
         metrics: Arc<Metrics>,
         seed: u64,
     ) -> Engine {
+        Engine::with_credentials(policy, store, transport, clock, metrics, seed, Vec::new())
+    }
+
+    /// [`Engine::new`] with the provider credential headers (`(provider, name, value)`) that
+    /// reconciliation lookups carry when no agent request is at hand. They are in place before
+    /// restart recovery runs, so lookups of writes left unfinished by a crash are authenticated.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_credentials(
+        policy: Arc<Policy>,
+        store: Arc<dyn Store>,
+        transport: Arc<dyn Transport>,
+        clock: TokioClock,
+        metrics: Arc<Metrics>,
+        seed: u64,
+        credentials: Vec<(String, http::HeaderName, http::HeaderValue)>,
+    ) -> Engine {
+        let credentials: HashMap<String, (http::HeaderName, http::HeaderValue)> = credentials
+            .into_iter()
+            .map(|(provider, name, value)| (provider, (name, value)))
+            .collect();
         let scheduler = SchedulerHandle::spawn(&policy, clock, metrics.clone(), seed);
         let inner = Arc::new(Inner {
             policy,
@@ -435,8 +467,9 @@ impl Engine {
             breakers: Mutex::new(HashMap::new()),
             flights: Arc::new(Flights::default()),
             shutting_down: AtomicBool::new(false),
-            credentials: Mutex::new(HashMap::new()),
+            credentials: Mutex::new(credentials),
             held: Mutex::new(HashMap::new()),
+            kept: Mutex::new(actions::Kept::default()),
         });
         let restore = inner.clone();
         tokio::spawn(async move {
@@ -518,13 +551,26 @@ impl Engine {
         task_id: &str,
         agent: &str,
     ) -> Result<TaskCancelled, EngineError> {
+        self.cancel_task_as(task_id, Some(agent)).await
+    }
+
+    /// [`Engine::cancel_task`] for `agent`, or for any owner when `agent` is `None` (an
+    /// operator).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownTask`], [`EngineError::NotYourTask`], or a store failure.
+    pub async fn cancel_task_as(
+        &self,
+        task_id: &str,
+        agent: Option<&str>,
+    ) -> Result<TaskCancelled, EngineError> {
         let inner = &self.inner;
         let id = task_id.to_owned();
         let task = inner
             .blocking(move |s| s.task(&id))
             .await?
             .ok_or_else(|| EngineError::UnknownTask(task_id.to_owned()))?;
-        if task.agent != agent {
+        if let Some(agent) = agent.filter(|a| *a != task.agent) {
             return Err(EngineError::NotYourTask {
                 task: task_id.to_owned(),
                 agent: agent.to_owned(),
@@ -648,6 +694,16 @@ impl Engine {
                 outcome,
                 context,
                 detail,
+            },
+            Execution::InFlight { receipt } => Shared::Outcome {
+                context: OutcomeContext {
+                    attempts: receipt.attempts,
+                    next_safe: vec![NextSafe::QueryStatus, NextSafe::Abort],
+                    ..OutcomeContext::default()
+                },
+                receipt,
+                outcome: Outcome::Conflict,
+                detail: "an action with this idempotency key is still in flight".to_owned(),
             },
         };
         for sender in senders {
@@ -965,6 +1021,7 @@ impl Engine {
                     return Execution::Outcome {
                         receipt: ActionReceipt {
                             action_id: run.id.0,
+                            idempotency_key: run.agent_key(),
                             attempts: seen.sent,
                         },
                         outcome: Outcome::Cancelled,
@@ -1139,6 +1196,7 @@ impl Engine {
                         return Execution::Outcome {
                             receipt: ActionReceipt {
                                 action_id: run.id.0,
+                                idempotency_key: run.agent_key(),
                                 attempts: seen.sent,
                             },
                             outcome: Outcome::Succeeded,
@@ -1217,13 +1275,18 @@ impl Engine {
                 return Execution::Response {
                     receipt: ActionReceipt {
                         action_id: run.id.0,
+                        idempotency_key: run.agent_key(),
                         attempts: seen.sent,
                     },
                     response,
                 };
             }
 
-            if !signal.retryable && !resend_same_key {
+            // An uncertain READ changed nothing at the provider: it is retried within the read
+            // class budget like any transient failure, never left `reconciliation_required`.
+            let uncertain_read =
+                signal.disposition == Disposition::Uncertain && is_safe_method(&run.request.method);
+            if !signal.retryable && !resend_same_key && !uncertain_read {
                 guard.armed = false;
                 return self
                     .final_failure(
@@ -1443,6 +1506,7 @@ impl Engine {
             Ok(escalation) => Execution::Outcome {
                 receipt: ActionReceipt {
                     action_id: run.id.0,
+                    idempotency_key: run.agent_key(),
                     attempts: seen.sent,
                 },
                 outcome: Outcome::Escalated,
@@ -1630,6 +1694,7 @@ impl Engine {
                 Execution::Response {
                     receipt: ActionReceipt {
                         action_id: run.id.0,
+                        idempotency_key: run.agent_key(),
                         attempts: seen.sent,
                     },
                     response,
@@ -1793,6 +1858,7 @@ impl Engine {
         Execution::Outcome {
             receipt: ActionReceipt {
                 action_id: run.id.0,
+                idempotency_key: run.agent_key(),
                 attempts,
             },
             outcome,
@@ -1829,6 +1895,7 @@ impl Engine {
         Execution::Outcome {
             receipt: ActionReceipt {
                 action_id: run.id.0,
+                idempotency_key: run.agent_key(),
                 attempts,
             },
             outcome,
@@ -1849,6 +1916,8 @@ impl Engine {
         let receipt = ActionReceipt {
             action_id: id.0,
             attempts,
+            idempotency_key: (!matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS"))
+                .then(|| record.idempotency_key.clone()),
         };
         if record.state == ActionState::Finished {
             if let Some(stored) = record.response {
@@ -1880,17 +1949,7 @@ impl Engine {
             action = id.0,
             "layered retry refused: the action is still in flight"
         );
-        Execution::Outcome {
-            receipt,
-            outcome: Outcome::Conflict,
-            context: OutcomeContext {
-                sent: attempts > 0,
-                attempts,
-                next_safe: vec![NextSafe::QueryStatus, NextSafe::Abort],
-                ..OutcomeContext::default()
-            },
-            detail: "an action with this idempotency key is still in flight".to_owned(),
-        }
+        Execution::InFlight { receipt }
     }
 }
 
@@ -1900,6 +1959,7 @@ fn unrecorded(outcome: Outcome, detail: String) -> Execution {
         receipt: ActionReceipt {
             action_id: 0,
             attempts: 0,
+            idempotency_key: None,
         },
         outcome,
         context: OutcomeContext {

@@ -12,7 +12,7 @@
 //! |---|---|
 //! | `GET /v1/escalations` | `{"escalations": [{id, action, provider, route, reason, opened_at, state}]}`, open ones, oldest first |
 //! | `GET /v1/escalations/{id}` | `{id, action, state, decision, decided_by, case_file}` |
-//! | `POST /v1/escalations/{id}/decision` | body `{option, confirm_second_side_effect?, note?}` → `{id, action, decision, decided_by, decided_at, effect, note}` |
+//! | `POST /v1/escalations/{id}/decision` | body `{option, confirm_second_side_effect?, note?}` → `{id, action, decision, decided_by, decided_at, effect, effect_applied, effect_detail, action_outcome, note}` |
 //! | `POST /v1/escalations/{id}/reveal` | always `404 payload_not_stored` (see below) |
 //!
 //! Errors are RFC 9457 `application/problem+json` bodies with `type`
@@ -72,13 +72,39 @@ impl std::fmt::Debug for EscalationsState {
 }
 
 /// The escalation routes (see the module table), ready to merge into the gateway's router.
+/// Decisions are recorded only; [`acting_router`] also carries them out.
 pub fn router(state: EscalationsState) -> Router {
+    acting_router(state, None)
+}
+
+/// [`router`] whose decisions act through `engine` once recorded: `query_status` runs the
+/// reconciliation lookup now (found → the action ends `succeeded`, reconciled); `abort` ends the
+/// action `cancelled`; `wait` leaves it open. `retry_same_key` and `send_new` are recorded but
+/// answer `effect_applied: false` with the reason (the payload is not kept by the store; the
+/// agent resubmits, with the same `Idempotency-Key` for `retry_same_key`).
+pub fn acting_router(state: EscalationsState, engine: Option<crate::engine::Engine>) -> Router {
+    let state = Acting {
+        base: state,
+        engine,
+    };
     Router::new()
         .route("/v1/escalations", get(list))
         .route("/v1/escalations/{id}", get(show))
         .route("/v1/escalations/{id}/decision", post(decide))
         .route("/v1/escalations/{id}/reveal", post(reveal))
         .with_state(state)
+}
+
+#[derive(Clone)]
+struct Acting {
+    base: EscalationsState,
+    engine: Option<crate::engine::Engine>,
+}
+
+impl axum::extract::FromRef<Acting> for EscalationsState {
+    fn from_ref(acting: &Acting) -> EscalationsState {
+        acting.base.clone()
+    }
 }
 
 /// An RFC 9457 problem made by these routes.
@@ -255,13 +281,14 @@ async fn show(
 }
 
 async fn decide(
-    State(state): State<EscalationsState>,
+    State(acting): State<Acting>,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Json<Value>, ApiProblem> {
-    let who = operator(&state, &headers)?;
-    let e = load(&state, &id).await?;
+    let state = &acting.base;
+    let who = operator(state, &headers)?;
+    let e = load(state, &id).await?;
     if let Some(decision) = &e.decision {
         return Err(ApiProblem::new(
             StatusCode::CONFLICT,
@@ -318,6 +345,14 @@ async fn decide(
         .note
         .as_deref()
         .map(|n| backstop_core::escalation::sanitize_text(n).text);
+    let applied = match &acting.engine {
+        Some(engine) => engine.apply_decision(e.action, &effect).await,
+        None => crate::engine::DecisionApplied {
+            applied: false,
+            detail: "recorded only: this gateway runs no engine".to_owned(),
+            outcome: None,
+        },
+    };
     Ok(Json(json!({
         "id": e.id.0,
         "action": e.action.0,
@@ -325,6 +360,9 @@ async fn decide(
         "decided_by": who,
         "decided_at": at.to_string(),
         "effect": effect,
+        "effect_applied": applied.applied,
+        "effect_detail": applied.detail,
+        "action_outcome": applied.outcome,
         "note": note,
     })))
 }

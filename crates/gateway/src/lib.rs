@@ -34,6 +34,9 @@ pub mod upstream;
 // Operators: escalation case files and decisions.
 pub mod escalations;
 
+// The action API: background actions, long-poll, task cancellation.
+pub mod actions_api;
+
 // Run health: snapshots from receipts, the health routes and the watchdog.
 pub mod health;
 pub mod watchdog;

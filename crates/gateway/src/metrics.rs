@@ -257,8 +257,18 @@ mod tests {
     #[test]
     fn renders_labelled_attempts_and_outcomes() {
         let metrics = Metrics::new();
-        metrics.attempt("billing", "billing/account", "read", Disposition::RateLimited);
-        metrics.attempt("billing", "billing/account", "read", Disposition::RateLimited);
+        metrics.attempt(
+            "billing",
+            "billing/account",
+            "read",
+            Disposition::RateLimited,
+        );
+        metrics.attempt(
+            "billing",
+            "billing/account",
+            "read",
+            Disposition::RateLimited,
+        );
         metrics.outcome("billing", "read", Outcome::Succeeded);
         metrics.add_retry_after_debt("billing/account", 10.0);
         let text = metrics.render();
@@ -266,6 +276,9 @@ mod tests {
             r#"backstop_attempts_total{provider="billing",scope="billing/account",class="read",disposition="rate_limited"} 2"#
         ), "{text}");
         assert!(text.contains(r#"outcome="succeeded"} 1"#), "{text}");
-        assert!(text.contains(r#"backstop_retry_after_debt_seconds_total{scope="billing/account"} 10"#), "{text}");
+        assert!(
+            text.contains(r#"backstop_retry_after_debt_seconds_total{scope="billing/account"} 10"#),
+            "{text}"
+        );
     }
 }

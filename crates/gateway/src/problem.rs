@@ -180,6 +180,60 @@ impl Problem {
         problem
     }
 
+    /// 409 `idempotency_key_in_flight`: the agent's `Idempotency-Key` names one of its actions
+    /// that is still in flight and could not be joined (a layered retry, SPEC §4.3). Nothing was
+    /// sent for this request; `x-should-retry: false` (SDKs retry 409, so the header says no).
+    pub fn key_in_flight(action_id: i64, key: Option<&str>) -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::CONFLICT,
+            "idempotency_key_in_flight",
+            "An action with this Idempotency-Key is in flight",
+            format!(
+                "action {action_id} with this Idempotency-Key is still in flight; nothing was sent for this request; read GET /v1/actions/{action_id} instead of sending again"
+            ),
+        );
+        problem
+            .extensions
+            .insert("action_id".into(), json!(action_id));
+        if let Some(key) = key {
+            problem
+                .extensions
+                .insert("idempotency_key".into(), Value::String(key.to_owned()));
+        }
+        problem
+    }
+
+    /// 404 `action_not_found` / `task_not_found`: no such action or task *for this caller* (an
+    /// agent asking about another agent's work gets the same answer as for a missing one).
+    pub fn not_yours(what: &str, id: &str) -> Problem {
+        Problem::door(
+            StatusCode::NOT_FOUND,
+            &format!("{what}_not_found"),
+            "Not found",
+            format!("no {what} `{id}` for this caller"),
+        )
+    }
+
+    /// 501 `not_supported`: this gateway's executor is not an engine (embedded tests).
+    pub fn not_supported(what: &str) -> Problem {
+        Problem::door(
+            StatusCode::NOT_IMPLEMENTED,
+            "not_supported",
+            "Not supported",
+            format!("{what} needs the engine, which this gateway does not run"),
+        )
+    }
+
+    /// 500 `store_error`: the store could not be read; nothing was sent.
+    pub fn store_error(detail: impl Into<String>) -> Problem {
+        Problem::door(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "store_error",
+            "The store failed",
+            detail,
+        )
+    }
+
     /// 403: the caller is authenticated but may not use this endpoint.
     pub fn forbidden(detail: impl Into<String>) -> Problem {
         Problem::door(StatusCode::FORBIDDEN, "forbidden", "Not allowed", detail)

@@ -44,14 +44,16 @@ use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 use crate::{
     action::{ActionSpec, Execution},
-    auth::Authenticator,
+    auth::{Authenticator, Role},
     clock::TokioClock,
     door::{self, DoorConfig},
+    escalations, health,
     metrics::Metrics,
     problem::Problem,
     secrets::{EnvLookup, ProviderCredentials, SecretError},
     transport::Transport,
     upstream::{Upstream, UpstreamConfig, UpstreamError},
+    watchdog,
 };
 
 /// A boxed, sendable future.
@@ -67,6 +69,12 @@ pub trait Executor: Send + Sync + 'static {
     fn scopes(&self) -> serde_json::Value;
     /// Stops taking new work; accepted actions stay recoverable in the store.
     fn shutdown(&self) -> BoxFuture<()>;
+    /// The engine behind this executor, when it is one: the action API, task cancellation and
+    /// acting escalation decisions need it. Executors that are not an engine answer those
+    /// routes with `501 not_supported`.
+    fn engine(&self) -> Option<crate::engine::Engine> {
+        None
+    }
 }
 
 impl Executor for crate::engine::Engine {
@@ -84,17 +92,22 @@ impl Executor for crate::engine::Engine {
         let engine = self.clone();
         Box::pin(async move { crate::engine::Engine::shutdown(&engine).await })
     }
+
+    fn engine(&self) -> Option<crate::engine::Engine> {
+        Some(self.clone())
+    }
 }
 
 /// The production executor: `engine::Engine` over the given parts (pass to [`start`]).
 pub fn engine(parts: Parts) -> Arc<dyn Executor> {
-    Arc::new(crate::engine::Engine::new(
+    Arc::new(crate::engine::Engine::with_credentials(
         parts.policy,
         parts.store,
         parts.transport,
         parts.clock,
         parts.metrics,
         parts.seed,
+        parts.credentials,
     ))
 }
 
@@ -102,8 +115,8 @@ pub fn engine(parts: Parts) -> Arc<dyn Executor> {
 pub struct AppState {
     /// The validated policy.
     pub policy: Arc<Policy>,
-    /// Agent and operator token digests.
-    pub auth: Authenticator,
+    /// Agent and operator token digests (shared with the escalation and health routes).
+    pub auth: Arc<Authenticator>,
     /// Provider credential headers.
     pub credentials: ProviderCredentials,
     /// The engine.
@@ -145,7 +158,7 @@ impl AppState {
     ) -> AppState {
         AppState {
             policy,
-            auth,
+            auth: Arc::new(auth),
             credentials,
             executor,
             clock,
@@ -264,6 +277,31 @@ pub enum StartError {
     /// The upstream client could not be built.
     #[error("{0}")]
     Upstream(#[from] UpstreamError),
+    /// The policy cannot be served as written (names the policy place and the reason).
+    #[error("{0}")]
+    Policy(String),
+}
+
+/// First path segments that belong to backstop itself: a provider with one of these names
+/// would be shadowed by backstop's own routes (`/v1/…`, `/metrics`), so it is refused at start.
+pub const RESERVED_PROVIDER_NAMES: [&str; 2] = ["v1", "metrics"];
+
+/// Refuses a policy whose provider names collide with backstop's own routes.
+///
+/// # Errors
+/// [`StartError::Policy`] naming `providers.NAME` and the route that would shadow it.
+pub fn check_provider_names(policy: &Policy) -> Result<(), StartError> {
+    for name in policy.providers.keys() {
+        if RESERVED_PROVIDER_NAMES
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(name))
+        {
+            return Err(StartError::Policy(format!(
+                "providers.{name}: the name `{name}` is reserved (the proxy door /{name}/… would be shadowed by backstop's own /{name} routes); rename the provider"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Everything an executor is built from.
@@ -281,6 +319,9 @@ pub struct Parts {
     pub metrics: Arc<Metrics>,
     /// Seed of the engine's jitter.
     pub seed: u64,
+    /// Provider credential headers `(provider, name, value)` for reconciliation lookups made
+    /// without an agent request (restart recovery).
+    pub credentials: Vec<(String, http::HeaderName, HeaderValue)>,
 }
 
 /// A started gateway.
@@ -293,6 +334,7 @@ pub struct Running {
     state: Arc<AppState>,
     trigger: watch::Sender<bool>,
     task: JoinHandle<std::io::Result<()>>,
+    watchdog: JoinHandle<()>,
     grace: Duration,
 }
 
@@ -309,6 +351,7 @@ impl Running {
     /// The server's I/O error, if it failed while running.
     pub async fn shutdown(self) -> std::io::Result<()> {
         let _ = self.trigger.send(true);
+        self.watchdog.abort();
         let mut task = self.task;
         // The engine's shutdown runs before draining; allow it its own grace as well.
         match tokio::time::timeout(self.grace * 2, &mut task).await {
@@ -370,6 +413,7 @@ pub async fn start(
     env: EnvLookup<'_>,
     build: impl FnOnce(Parts) -> Arc<dyn Executor>,
 ) -> Result<Running, StartError> {
+    check_provider_names(&policy)?;
     let auth = Authenticator::resolve(&policy, env)?;
     let credentials = ProviderCredentials::resolve(&policy, env)?;
     let listen = options
@@ -382,6 +426,7 @@ pub async fn start(
         .clone()
         .or_else(|| policy.store.clone())
         .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE));
+    // `localhost:0` and other host names are resolved (every address is tried in turn).
     let listener = TcpListener::bind(listen.as_str())
         .await
         .map_err(|e| StartError::Listen {
@@ -403,13 +448,23 @@ pub async fn start(
     let policy = Arc::new(policy);
     let clock = TokioClock::system();
     let metrics = Arc::new(Metrics::new());
+    let lookup_credentials = policy
+        .providers
+        .keys()
+        .filter_map(|name| {
+            credentials
+                .get(name)
+                .map(|c| (name.clone(), c.name.clone(), c.value.clone()))
+        })
+        .collect();
     let executor = build(Parts {
         policy: policy.clone(),
-        store,
+        store: store.clone(),
         transport,
         clock,
         metrics: metrics.clone(),
         seed: options.seed,
+        credentials: lookup_credentials,
     });
     let state = Arc::new(AppState::new(
         policy.clone(),
@@ -440,7 +495,18 @@ pub async fn start(
         if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
     );
     let (trigger, mut signal) = watch::channel(false);
-    let app = router(state.clone());
+    let app = full_router(state.clone(), store.clone());
+    let health_policy = Arc::new(health::HealthPolicy::from_policy(&policy));
+    let watchdog = watchdog::spawn_watchdog(
+        store,
+        clock,
+        state.metrics.clone(),
+        watchdog::WatchdogConfig {
+            policy: health_policy,
+            escalate: false,
+            ..watchdog::WatchdogConfig::default()
+        },
+    );
     let draining = state.clone();
     let task = tokio::spawn(async move {
         axum::serve(listener, app)
@@ -459,8 +525,39 @@ pub async fn start(
         state,
         trigger,
         task,
+        watchdog,
         grace: options.shutdown_grace,
     })
+}
+
+/// Every route of one listener: [`router`] (the proxy door, scopes, metrics), the escalation
+/// routes (operator tokens; decisions act through the engine), the health routes, the action
+/// API and task cancellation.
+pub fn full_router(state: Arc<AppState>, store: Arc<dyn Store>) -> Router {
+    let auth = state.auth.clone();
+    let operators: Arc<escalations::OperatorLookup> = Arc::new(move |token: &str| {
+        auth.identify(token)
+            .filter(|caller| caller.role == Role::Operator)
+            .map(|caller| caller.name)
+    });
+    let escalations_state = escalations::EscalationsState {
+        store: store.clone(),
+        operators,
+        clock: state.clock,
+    };
+    let auth = state.auth.clone();
+    let health_state = health::HealthState {
+        store,
+        callers: Arc::new(move |token: &str| auth.identify(token)),
+        clock: state.clock,
+        grace: backstop_core::diagnose::DEFAULT_WAKE_GRACE,
+        policy: Arc::new(health::HealthPolicy::from_policy(&state.policy)),
+    };
+    let engine = state.executor.engine();
+    router(state.clone())
+        .merge(escalations::acting_router(escalations_state, engine))
+        .merge(health::router(health_state))
+        .merge(crate::actions_api::router(state))
 }
 
 #[cfg(test)]
@@ -501,6 +598,7 @@ mod tests {
             receipt: ActionReceipt {
                 action_id: 7,
                 attempts: 2,
+                idempotency_key: Some("k-7".into()),
             },
             response: http::Response::builder()
                 .status(200)
@@ -517,6 +615,7 @@ mod tests {
             receipt: ActionReceipt {
                 action_id: 9,
                 attempts: 4,
+                idempotency_key: None,
             },
             outcome: Outcome::BudgetExhausted,
             context: OutcomeContext {
@@ -608,7 +707,9 @@ mod tests {
             spec.payload_digest,
             hex::encode(sha2::Sha256::digest(br#"{"amount":5}"#))
         );
-        assert!(spec.idempotency_key.as_deref().unwrap().starts_with("bk-"));
+        // The engine mints the key (one place); the door passes none.
+        assert_eq!(spec.idempotency_key, None);
+        assert_eq!(parts.headers["idempotency-key"], "k-7");
         assert!(!spec.single_attempt);
     }
 

@@ -40,6 +40,5 @@ pub enum AttemptReply {
 /// connection that turns out dead must surface as a failure, not be retried silently).
 pub trait Transport: Send + Sync + 'static {
     /// Sends `request` once.
-    fn send(&self, request: AttemptRequest)
-        -> Pin<Box<dyn Future<Output = AttemptReply> + Send>>;
+    fn send(&self, request: AttemptRequest) -> Pin<Box<dyn Future<Output = AttemptReply> + Send>>;
 }

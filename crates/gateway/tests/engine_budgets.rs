@@ -22,6 +22,7 @@ fn outcome_of(execution: &Execution) -> (Outcome, backstop_core::outcome::Outcom
         Execution::Response { response, .. } => {
             panic!("expected an outcome, got HTTP {}", response.status())
         }
+        Execution::InFlight { .. } => panic!("expected an outcome, got a key in flight"),
     }
 }
 
@@ -211,7 +212,7 @@ async fn an_uncertain_write_without_lookup_is_resent_only_under_the_same_key() {
     assert_eq!(h.transport.sent().len(), 2);
     let id = match &execution {
         Execution::Response { receipt, .. } => receipt.action_id,
-        Execution::Outcome { .. } => unreachable!("summary was 200"),
+        Execution::Outcome { .. } | Execution::InFlight { .. } => unreachable!("summary was 200"),
     };
     let stored = h.store.action(ActionId(id)).unwrap().unwrap();
     assert!(!stored.idempotency_key.is_empty());

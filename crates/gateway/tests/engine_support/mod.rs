@@ -317,14 +317,15 @@ pub fn summary(execution: &Execution) -> String {
     match execution {
         Execution::Response { response, .. } => response.status().as_u16().to_string(),
         Execution::Outcome { outcome, .. } => outcome.as_str().to_owned(),
+        Execution::InFlight { .. } => "in_flight".to_owned(),
     }
 }
 
 /// The receipt's attempts.
 pub fn attempts(execution: &Execution) -> u32 {
     match execution {
-        Execution::Response { receipt, .. } | Execution::Outcome { receipt, .. } => {
-            receipt.attempts
-        }
+        Execution::Response { receipt, .. }
+        | Execution::Outcome { receipt, .. }
+        | Execution::InFlight { receipt } => receipt.attempts,
     }
 }

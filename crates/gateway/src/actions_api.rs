@@ -1,0 +1,474 @@
+//! The action API (SPEC §11): submit work without holding a connection open, read its state,
+//! long-poll for its end, and cancel a task.
+//!
+//! Why: an agent whose call may wait minutes behind a provider's `Retry-After` should not keep
+//! an HTTP connection (and an SDK timeout that retries on its own) open for it. It submits the
+//! action, gets `202` with a `Location`, and reads the outcome when it is ready.
+//!
+//! | route | who | answer |
+//! |---|---|---|
+//! | `POST /v1/actions` | agent | `202`, `Location: /v1/actions/{id}`, `{id, task, state: "accepted", location}` |
+//! | `GET /v1/actions/{id}[?wait=30s]` | owning agent, operator | `200 {id, task, agent, state, outcome, context, attempts, idempotency_key, response}` |
+//! | `POST /v1/tasks/{id}/cancel` | owning agent, operator | `200 {task_id, actions_cancelled, retries_dropped, waiting_dropped}` |
+//!
+//! `POST /v1/actions` takes JSON `{provider, method, path (with query), headers (object of
+//! strings), body (text) | body_base64, task, priority, deadline (RFC 3339), max_wait_seconds,
+//! idempotency_key, desired_outcome}`; only `provider`, `method` and `path` are required. It
+//! is the same as a proxied call to `/{provider}{path}` with those headers.
+//!
+//! Isolation: an agent sees only its own actions and tasks; another agent's id is answered
+//! exactly like a missing one (`404 action_not_found` / `task_not_found`). Operators see all.
+//! The provider's response of a background action is kept in memory for the owning agent only
+//! (bounded, see [`crate::engine::KEPT_BODY_LIMIT`] and [`crate::engine::KEPT_ACTIONS`]) and
+//! never written to the store or the audit log; an operator reading the action sees the state,
+//! outcome and context but not the body.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    body::Bytes,
+    extract::{Path, Query, RawQuery, State},
+    http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Router,
+};
+use backstop_core::pacing::Priority;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::{
+    auth::{Caller, Role},
+    door::{self, BackstopHeaders},
+    engine::{Completion, Engine, EngineError},
+    problem::Problem,
+    server::AppState,
+};
+
+/// The longest `?wait=` honoured by `GET /v1/actions/{id}` (60 s); longer values are capped.
+pub const MAX_LONG_POLL: Duration = Duration::from_secs(60);
+
+/// The action API routes (see the module table).
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/actions", post(submit))
+        .route("/v1/actions/{id}", get(show))
+        .route("/v1/tasks/{id}/cancel", post(cancel))
+        .with_state(state)
+}
+
+/// The body of `POST /v1/actions`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewActionBody {
+    provider: String,
+    method: String,
+    path: String,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
+    body: Option<String>,
+    body_base64: Option<String>,
+    task: Option<String>,
+    priority: Option<String>,
+    deadline: Option<String>,
+    max_wait_seconds: Option<u64>,
+    idempotency_key: Option<String>,
+    desired_outcome: Option<String>,
+}
+
+fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, Problem> {
+    state
+        .auth
+        .authenticate(headers)
+        .map_err(|e| Problem::unauthorized(e.to_string()))
+}
+
+fn engine(state: &AppState, what: &str) -> Result<Engine, Problem> {
+    state
+        .executor
+        .engine()
+        .ok_or_else(|| Problem::not_supported(what))
+}
+
+async fn submit(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    match submit_inner(&state, &headers, body).await {
+        Ok(response) => response,
+        Err(problem) => door::refusal(problem),
+    }
+}
+
+async fn submit_inner(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, Problem> {
+    if !state.accepting() {
+        return Err(Problem::shutting_down());
+    }
+    let who = caller(state, headers)?;
+    if who.role != Role::Agent {
+        return Err(Problem::forbidden(format!(
+            "`{}` is an operator; actions are submitted with agent tokens",
+            who.name
+        )));
+    }
+    engine(state, "POST /v1/actions")?;
+    let request: NewActionBody = serde_json::from_slice(&body).map_err(|e| {
+        Problem::bad_request(format!(
+            "body: expected {{provider, method, path, headers?, body? | body_base64?, task?, priority?, deadline?, max_wait_seconds?, idempotency_key?, desired_outcome?}}: {e}"
+        ))
+    })?;
+    let method = Method::from_bytes(request.method.trim().to_ascii_uppercase().as_bytes())
+        .map_err(|_| {
+            Problem::bad_request(format!(
+                "method: `{}` is not an HTTP method",
+                request.method
+            ))
+        })?;
+    if !request.path.starts_with('/') {
+        return Err(Problem::bad_request(format!(
+            "path: `{}` must start with `/`",
+            request.path
+        )));
+    }
+    let payload = match (request.body, request.body_base64) {
+        (Some(_), Some(_)) => {
+            return Err(Problem::bad_request(
+                "body, body_base64: give one of them, not both",
+            ))
+        }
+        (Some(text), None) => Bytes::from(text),
+        (None, Some(encoded)) => Bytes::from(
+            decode_base64(&encoded)
+                .map_err(|reason| Problem::bad_request(format!("body_base64: {reason}")))?,
+        ),
+        (None, None) => Bytes::new(),
+    };
+    if payload.len() > state.door.max_body_bytes {
+        return Err(Problem::bad_request(format!(
+            "body: larger than backstop's hard cap of {} bytes; nothing was sent",
+            state.door.max_body_bytes
+        )));
+    }
+    let mut incoming = HeaderMap::new();
+    for (name, value) in &request.headers {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| Problem::bad_request(format!("headers: `{name}` is not a header name")))?;
+        let value = HeaderValue::from_str(value).map_err(|_| {
+            Problem::bad_request(format!("headers.{name}: not a valid header value"))
+        })?;
+        incoming.append(name, value);
+    }
+    if let Some(key) = &request.idempotency_key {
+        let name = state
+            .policy
+            .providers
+            .get(&request.provider)
+            .and_then(|p| p.idempotency_header.clone())
+            .unwrap_or_else(|| door::IDEMPOTENCY_KEY.to_owned());
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(key),
+        ) else {
+            return Err(Problem::bad_request(
+                "idempotency_key: not a valid header value",
+            ));
+        };
+        incoming.insert(name, value);
+    }
+    let priority = match request
+        .priority
+        .as_deref()
+        .map(str::to_ascii_lowercase)
+        .as_deref()
+    {
+        None | Some("normal") => Priority::Normal,
+        Some("interactive") => Priority::Interactive,
+        Some("background") => Priority::Background,
+        Some(other) => {
+            return Err(Problem::bad_request(format!(
+                "priority: `{other}` is not one of interactive, normal, background"
+            )))
+        }
+    };
+    let deadline = request
+        .deadline
+        .as_deref()
+        .map(|d| {
+            d.parse::<jiff::Timestamp>().map_err(|_| {
+                Problem::bad_request(format!(
+                    "deadline: `{d}` is not an RFC 3339 instant like 2026-01-01T12:00:00Z"
+                ))
+            })
+        })
+        .transpose()?;
+    if let Some(task) = &request.task {
+        if task.is_empty()
+            || task.len() > door::MAX_TASK_ID_BYTES
+            || !task.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(Problem::bad_request(format!(
+                "task: a task id must be 1 to {} visible ASCII characters",
+                door::MAX_TASK_ID_BYTES
+            )));
+        }
+    }
+    let single_attempt = payload.len() > state.door.max_buffered_body_bytes;
+    let path_and_query = format!("/{}{}", request.provider, request.path);
+    let mut spec = door::build_spec(
+        state,
+        who.name,
+        method,
+        &path_and_query,
+        &incoming,
+        payload,
+        single_attempt,
+        BackstopHeaders {
+            task_id: request.task,
+            priority,
+            deadline,
+            max_wait: request.max_wait_seconds.map(Duration::from_secs),
+        },
+    )?;
+    spec.desired_outcome = request
+        .desired_outcome
+        .map(|text| backstop_core::escalation::sanitize_text(&text).text);
+    Ok(door::submit_async(state, spec).await)
+}
+
+#[derive(Debug, Deserialize)]
+struct WaitQuery {
+    wait: Option<String>,
+}
+
+/// `30s`, `1m0s`, `500ms` (Go-style) or bare seconds (`30`), capped at [`MAX_LONG_POLL`].
+fn parse_wait(text: &str) -> Result<Duration, Problem> {
+    let text = text.trim();
+    let wait = if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        text.parse::<u64>()
+            .map(Duration::from_secs)
+            .map_err(|_| Problem::bad_request(format!("wait: `{text}` is too large")))?
+    } else {
+        backstop_core::duration::parse_go_duration(text).map_err(|e| {
+            Problem::bad_request(format!(
+                "wait: `{text}` is not a duration like 30s or 500ms: {e}"
+            ))
+        })?
+    };
+    Ok(wait.min(MAX_LONG_POLL))
+}
+
+async fn show(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    Query(query): Query<WaitQuery>,
+    RawQuery(_raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    match show_inner(&state, &id, query, &headers).await {
+        Ok(body) => axum::Json(body).into_response(),
+        Err(problem) => problem.into_response(),
+    }
+}
+
+async fn show_inner(
+    state: &AppState,
+    id: &str,
+    query: WaitQuery,
+    headers: &HeaderMap,
+) -> Result<Value, Problem> {
+    let who = caller(state, headers)?;
+    let engine = engine(state, "GET /v1/actions/{id}")?;
+    let wait = query.wait.as_deref().map(parse_wait).transpose()?;
+    let number: i64 = id
+        .parse()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| Problem::not_yours("action", id))?;
+    let store_error = |e: EngineError| Problem::store_error(e.to_string());
+    let (record, _) = engine
+        .action_view(number)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| Problem::not_yours("action", id))?;
+    let owner = record.agent == who.name && who.role == Role::Agent;
+    if !owner && who.role != Role::Operator {
+        return Err(Problem::not_yours("action", id));
+    }
+    if let Some(wait) = wait {
+        long_poll(&engine, number, wait).await;
+    }
+    let (record, attempts) = engine
+        .action_view(number)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| Problem::not_yours("action", id))?;
+    let completion = engine.completion(number).and_then(|rx| rx.borrow().clone());
+    let finished = record.state == backstop_store::ActionState::Finished;
+    let is_write = !matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
+    let mut body = json!({
+        "id": record.id.0,
+        "task": record.task_id,
+        "agent": record.agent,
+        "provider": record.provider,
+        "method": record.method,
+        "route": record.route,
+        "request_class": record.request_class,
+        "state": if finished { "completed" } else { record.state.as_str() },
+        "outcome": record.outcome.map(|o| o.as_str().to_owned()),
+        "context": record.outcome_context,
+        "attempts": attempts.len(),
+        "idempotency_key": is_write.then_some(record.idempotency_key.clone()),
+        "provider_operation_id": record.provider_operation_id,
+        "response": Value::Null,
+    });
+    if let (true, Some(completion)) = (owner, completion) {
+        body["response"] = match completion.as_ref() {
+            Completion::Response { response, .. } => {
+                let mut kept = json!({
+                    "status": response.status,
+                    "headers": response.headers.iter().map(|(n, v)| json!([n, v])).collect::<Vec<_>>(),
+                    "body_truncated": response.body_truncated,
+                });
+                match std::str::from_utf8(&response.body) {
+                    Ok(text) => kept["body"] = Value::String(text.to_owned()),
+                    Err(_) => kept["body_base64"] = Value::String(encode_base64(&response.body)),
+                }
+                kept
+            }
+            Completion::Outcome { detail, .. } => json!({ "detail": detail }),
+        };
+    }
+    Ok(body)
+}
+
+/// Waits until the action completes or `wait` passes. A background action is awaited on its
+/// completion; any other (a proxied call still running) is re-read from the store every 100 ms.
+async fn long_poll(engine: &Engine, id: i64, wait: Duration) {
+    let deadline = tokio::time::Instant::now() + wait;
+    if let Some(mut rx) = engine.completion(id) {
+        let _ = tokio::time::timeout_at(deadline, rx.wait_for(Option::is_some)).await;
+        return;
+    }
+    while tokio::time::Instant::now() < deadline {
+        match engine.action_view(id).await {
+            Ok(Some((record, _))) if record.state != backstop_store::ActionState::Finished => {}
+            _ => return,
+        }
+        tokio::time::sleep(Duration::from_millis(100).min(wait)).await;
+    }
+}
+
+async fn cancel(
+    State(state): State<Arc<AppState>>,
+    Path(task): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let result = async {
+        let who = caller(&state, &headers)?;
+        let engine = engine(&state, "POST /v1/tasks/{id}/cancel")?;
+        let agent = (who.role == Role::Agent).then_some(who.name.as_str());
+        engine
+            .cancel_task_as(&task, agent)
+            .await
+            .map_err(|e| match e {
+                EngineError::UnknownTask(_) | EngineError::NotYourTask { .. } => {
+                    Problem::not_yours("task", &task)
+                }
+                other => Problem::store_error(other.to_string()),
+            })
+    }
+    .await;
+    match result {
+        Ok(report) => (StatusCode::OK, axum::Json(report)).into_response(),
+        Err(problem) => {
+            let mut response = problem.into_response();
+            response
+                .headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            response
+        }
+    }
+}
+
+const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding (RFC 4648 §4).
+pub fn encode_base64(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Decodes standard base64 (RFC 4648 §4; padding optional, whitespace not allowed).
+///
+/// # Errors
+/// A sentence naming the first offending position.
+pub fn decode_base64(text: &str) -> Result<Vec<u8>, String> {
+    let trimmed = text.trim_end_matches('=');
+    let mut out = Vec::with_capacity(trimmed.len() * 3 / 4);
+    let mut acc: u32 = 0;
+    let mut bits = 0;
+    for (i, c) in trimmed.bytes().enumerate() {
+        let v = ALPHABET
+            .iter()
+            .position(|a| *a == c)
+            .ok_or_else(|| format!("character {} (`{}`) is not base64", i + 1, char::from(c)))?;
+        acc = (acc << 6) | v as u32;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    if trimmed.len() % 4 == 1 {
+        return Err("the length is not a valid base64 length".to_owned());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_round_trips_rfc4648_vectors() {
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(encode_base64(plain.as_bytes()), encoded);
+            assert_eq!(decode_base64(encoded).unwrap(), plain.as_bytes());
+        }
+        assert!(decode_base64("Zm9v!").unwrap_err().contains("character 5"));
+    }
+
+    #[test]
+    fn wait_accepts_durations_and_seconds_and_is_capped() {
+        assert_eq!(parse_wait("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_wait("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_wait("5").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse_wait("10m").unwrap(), MAX_LONG_POLL);
+        assert_eq!(parse_wait("soon").unwrap_err().status, 400);
+    }
+}
