@@ -8,6 +8,7 @@
 #   BENCH_SECONDS [8]       length of each measured wrk run
 #   BENCH_ROUNDS [3]        how many times the alternation direct, nginx, backstop is repeated
 #   BENCH_CONNECTIONS [32]  wrk connections of the saturation runs
+#   BENCH_NO_BUILD [unset]  set to 1 to use the binaries already in target/ as they are
 #
 # What it prints: per path the median over the rounds of requests/s, p50 and p99 latency at
 # saturation, then the ratios backstop/direct and backstop/nginx; then the same three paths at a
@@ -50,11 +51,16 @@ install_missing
 command -v wrk >/dev/null || die "wrk is not installed"
 command -v nginx >/dev/null || die "nginx is not installed"
 
-log "building backstop (release) and the upstream"
-(cd "$ROOT" && cargo build --quiet --release -p backstop --bin backstop)
 BACKSTOP="$ROOT/target/release/backstop"
-UPSTREAM_BIN="$(cd "$ROOT" && cargo build --quiet --profile bench -p backstop-gateway --bench upstream \
-    --message-format=json | sed -n 's/.*"executable":"\([^"]*upstream[^"]*\)".*/\1/p' | tail -n1)"
+if [ "${BENCH_NO_BUILD:-}" = 1 ]; then
+    UPSTREAM_BIN="$(ls -t "$ROOT"/target/release/deps/upstream-* 2>/dev/null | grep -v '\.d$' | head -n1)"
+else
+    log "building backstop (release) and the upstream"
+    (cd "$ROOT" && cargo build --quiet --release -p backstop --bin backstop)
+    UPSTREAM_BIN="$(cd "$ROOT" && cargo build --quiet --profile bench -p backstop-gateway --bench upstream \
+        --message-format=json | sed -n 's/.*"executable":"\([^"]*upstream[^"]*\)".*/\1/p' | tail -n1)"
+fi
+[ -x "$BACKSTOP" ] || die "no backstop binary at $BACKSTOP"
 [ -x "$UPSTREAM_BIN" ] || die "could not find the upstream bench binary"
 
 # --- processes -----------------------------------------------------------------------------
@@ -197,9 +203,10 @@ awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" \
     'BEGIN { printf "throughput ratio backstop/direct = %.3f, backstop/nginx = %.3f (target >= 0.7)\n", b / d, b / n }'
 
 # Half of backstop's saturation rate, offered as C connections that each wait DELAY ms after
-# every answer: rate ≈ C × 1000 / (DELAY + latency). DELAY is whole milliseconds (wrk's timer),
-# so C is chosen for a 10 ms delay and the achieved rate is printed, not assumed.
-DELAY_MS=10
+# every answer: rate ≈ C × 1000 / (DELAY + latency). DELAY is whole milliseconds (wrk's timer);
+# at 50 ms the latency differences between the paths move the rate by a few per cent only. The
+# achieved rate is printed, not assumed.
+DELAY_MS=50
 HALF_RATE="$(awk -v s="$SAT_BACKSTOP" 'BEGIN { printf "%.0f", s / 2 }')"
 HALF_CONNECTIONS="$(awk -v r="$HALF_RATE" -v d="$DELAY_MS" 'BEGIN { c = int(r * (d + 0.3) / 1000 + 0.5); if (c < 1) c = 1; print c }')"
 log "half saturation: target $HALF_RATE req/s as $HALF_CONNECTIONS connections × (${DELAY_MS} ms pause after each answer)"
