@@ -52,11 +52,12 @@ fn rate_limited_429_prints_the_boundary_and_quota() {
     assert_eq!(v["disposition"], "rate_limited");
     assert_eq!(v["retryable"], true);
     let b = &v["boundary"];
+    // The exhausted tokens quota resets after the Retry-After boundary: the later one wins.
     assert_eq!(b["state"], "known");
-    assert_eq!(b["retry_not_before"], "2025-03-01T12:00:10Z");
-    assert_eq!(b["delay_ms"], 10_000);
-    assert_eq!(b["source"], "Retry-After");
-    assert_eq!(b["raw"], "10");
+    assert_eq!(b["retry_not_before"], "2025-03-01T12:06:01Z");
+    assert_eq!(b["delay_ms"], 361_000);
+    assert_eq!(b["source"], "openai quota (tokens) reset");
+    assert!(b["reason"].as_str().unwrap().contains("Retry-After \"10\""));
     assert!(b["clock"].is_null());
     let q = &v["quota"][0];
     assert_eq!(q["dialect"], "openai");
@@ -288,4 +289,28 @@ fn error_code_longer_than_256_chars_is_ignored_with_a_reason() {
     let v = run_with(&"x".repeat(256));
     assert_eq!(v["error_code"], "x".repeat(256));
     assert!(v["error_code_reason"].is_null(), "{v}");
+}
+
+#[test]
+fn anthropic_reset_later_than_retry_after_sets_the_boundary() {
+    let v = json(&[
+        "--status",
+        "429",
+        "--dialect",
+        "anthropic",
+        "-H",
+        "retry-after: 7",
+        "-H",
+        "anthropic-ratelimit-requests-remaining: 0",
+        "-H",
+        "anthropic-ratelimit-requests-reset: 2026-01-01T00:00:20Z",
+        "--now",
+        "2026-01-01T00:00:00Z",
+    ]);
+    let b = &v["boundary"];
+    assert_eq!(b["retry_not_before"], "2026-01-01T00:00:21Z");
+    assert_eq!(b["delay_ms"], 21_000);
+    assert_eq!(b["source"], "anthropic quota (requests) reset");
+    let reason = b["reason"].as_str().unwrap();
+    assert!(reason.contains("7000 ms"), "{reason}");
 }

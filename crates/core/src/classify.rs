@@ -9,9 +9,9 @@
 //! from the error body through a configured JSON pointer (RFC 6901) — only that field is read,
 //! nothing of the body is kept.
 //!
-//! The result, a [`Signal`], also carries the [`Boundary`]: Retry-After first, else the boundary of
-//! an exhausted quota, else a hint from the error body (Google `RetryInfo.retryDelay`,
-//! `resets_in_seconds`), else `unknown`.
+//! The result, a [`Signal`], also carries the [`Boundary`]: the later of Retry-After and the
+//! boundary of an exhausted quota (`remaining: 0` with a reset), else a hint from the error body
+//! (Google `RetryInfo.retryDelay`, `resets_in_seconds`), else `unknown`.
 //!
 //! ```
 //! use backstop_core::classify::{classify, ClassifyRules, Disposition, Observed, ResponseView};
@@ -463,6 +463,47 @@ fn body_boundary(
     None
 }
 
+/// Joins a known Retry-After boundary with a known exhausted-quota boundary: the LATER one wins,
+/// because retrying before either would hit the limit again (SPEC §2.2: never invent a permission
+/// the provider did not give). The winner keeps its own `source`, `raw` and `clock`; its `reason`
+/// records the other boundary, so both are visible.
+fn later_of(retry_after: Boundary, quota: Boundary) -> Boundary {
+    let describe = |b: &Boundary| match b {
+        Boundary::Known {
+            retry_not_before,
+            delay_ms,
+            source,
+            raw,
+            ..
+        } => match raw {
+            Some(raw) => format!("{source} {raw:?} gives {retry_not_before} ({delay_ms} ms)"),
+            None => format!("{source} gives {retry_not_before} ({delay_ms} ms)"),
+        },
+        Boundary::Unknown { .. } => String::new(),
+    };
+    let (ra_at, q_at) = match (retry_after.retry_not_before(), quota.retry_not_before()) {
+        (Some(a), Some(b)) => (a, b),
+        _ => return retry_after,
+    };
+    let (mut winner, note) = if q_at > ra_at {
+        let note = format!(
+            "{}; the exhausted quota's boundary is later and wins",
+            describe(&retry_after)
+        );
+        (quota, note)
+    } else {
+        let note = format!("{} is not later; Retry-After wins", describe(&quota));
+        (retry_after, note)
+    };
+    if let Boundary::Known { reason, .. } = &mut winner {
+        *reason = Some(match reason.take() {
+            Some(r) => format!("{r}; {note}"),
+            None => note,
+        });
+    }
+    winner
+}
+
 /// Classifies one attempt's result (SPEC §2.1–§2.3).
 ///
 /// - `observed`: the response (status, headers, optional body) or the transport error.
@@ -474,7 +515,8 @@ fn body_boundary(
 /// `true` hint may allow a status the table would not retry, but never beyond a class without
 /// retries, an `uncertain` result or a success). `not_sent` is retryable when the class has any
 /// retry status; `uncertain` never is (reconcile first). `quota_exhausted` is retryable only with
-/// a known boundary. The boundary is Retry-After first, then an exhausted quota's reset, then a
+/// a known boundary. The boundary is Retry-After, or an exhausted quota's reset (+ 1 s margin)
+/// when that is later (both are recorded in `reason`), else the exhausted quota's reset, then a
 /// body hint (a Google `retryDelay` is not used for a `…PerDay` quota), else `unknown`. Never panics, whatever the headers or body.
 pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Timestamp) -> Signal {
     let view = match observed {
@@ -546,11 +588,13 @@ pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Tim
     // Boundary: Retry-After, then exhausted quota, then body hint.
     let opts = &rules.retry_after;
     let ra = normalize(headers, received_at, opts);
+    let exhausted = quota_boundary_with(&quota, received_at, opts).filter(Boundary::is_known);
     let boundary = if ra.is_known() {
-        ra
-    } else if let Some(b) =
-        quota_boundary_with(&quota, received_at, opts).filter(Boundary::is_known)
-    {
+        match exhausted {
+            Some(q) => later_of(ra, q),
+            None => ra,
+        }
+    } else if let Some(b) = exhausted {
         b
     } else if let Some(b) =
         body_boundary(&fields, per_day, received_at, opts).filter(Boundary::is_known)

@@ -330,11 +330,11 @@ fn hints_are_ignored_when_policy_says_so() {
 }
 
 #[test]
-fn retry_after_wins_over_the_quota_boundary() {
+fn retry_after_wins_over_an_earlier_quota_boundary() {
     let s = respond(
         429,
         &[
-            ("retry-after", "5"),
+            ("retry-after", "90"),
             ("x-ratelimit-remaining-requests", "0"),
             ("x-ratelimit-reset-requests", "1m0s"),
         ],
@@ -343,10 +343,79 @@ fn retry_after_wins_over_the_quota_boundary() {
     );
     match s.boundary {
         Boundary::Known {
-            source, delay_ms, ..
+            source,
+            delay_ms,
+            reason,
+            ..
         } => {
             assert_eq!(source, "Retry-After");
-            assert_eq!(delay_ms, 5_000);
+            assert_eq!(delay_ms, 90_000);
+            let reason = reason.expect("the quota boundary is recorded");
+            assert!(reason.contains("openai quota (requests) reset"), "{reason}");
+            assert!(reason.contains("61000 ms"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn exhausted_quota_reset_later_than_retry_after_wins() {
+    // A retry at 7 s would hit the exhausted requests quota again: it resets at 20 s (+ 1 s).
+    let s = respond(
+        429,
+        &[
+            ("retry-after", "7"),
+            ("anthropic-ratelimit-requests-remaining", "0"),
+            ("anthropic-ratelimit-requests-reset", "2025-03-01T12:00:20Z"),
+        ],
+        None,
+        &ClassifyRules {
+            dialect: Dialect::Anthropic,
+            ..read()
+        },
+    );
+    match s.boundary {
+        Boundary::Known {
+            retry_not_before,
+            delay_ms,
+            source,
+            reason,
+            ..
+        } => {
+            assert_eq!(retry_not_before, ts("2025-03-01T12:00:21Z"));
+            assert_eq!(delay_ms, 21_000);
+            assert_eq!(source, "anthropic quota (requests) reset");
+            let reason = reason.expect("both boundaries are recorded");
+            assert!(reason.contains("reset + 1 s safety margin"), "{reason}");
+            assert!(reason.contains("Retry-After \"7\""), "{reason}");
+            assert!(reason.contains("7000 ms"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn quota_with_remaining_left_does_not_move_the_retry_after_boundary() {
+    let s = respond(
+        429,
+        &[
+            ("retry-after", "7"),
+            ("anthropic-ratelimit-requests-remaining", "3"),
+            ("anthropic-ratelimit-requests-reset", "2025-03-01T12:00:20Z"),
+        ],
+        None,
+        &read(),
+    );
+    match s.boundary {
+        Boundary::Known {
+            delay_ms,
+            source,
+            reason,
+            ..
+        } => {
+            assert_eq!(delay_ms, 7_000);
+            assert_eq!(source, "Retry-After");
+            assert_eq!(reason, None);
         }
         other => panic!("{other:?}"),
     }
