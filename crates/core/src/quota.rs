@@ -11,7 +11,7 @@
 //! | [`Dialect::Openai`] | `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` | Go-style duration (`6m0s`) |
 //! | [`Dialect::Anthropic`] | `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,remaining,reset}` | RFC 3339 instant |
 //! | [`Dialect::Github`] | `x-ratelimit-{limit,remaining,used,reset,resource}` | epoch seconds (not a delay) |
-//! | [`Dialect::Generic`] | all of the above, each observation records which matched | bare `x-ratelimit-reset`: > 10^12 epoch ms, > 10^9 epoch s, else seconds from now |
+//! | [`Dialect::Generic`] | all of the above, each observation records which matched | bare `x-ratelimit-reset`: > 10^12 epoch ms, > 10^9 epoch s (labelled `github`), else seconds from now (labelled `generic`); `interpretation` says which |
 //!
 //! Absolute reset instants are converted through the response's `Date` header when present
 //! (`received_at + (reset − Date)`), so a skewed server or local clock does not move the reset.
@@ -123,6 +123,10 @@ pub struct QuotaObservation {
     /// Window length (IETF `w`).
     #[serde(rename = "window_seconds", serialize_with = "serialize_window_seconds")]
     pub window: Option<Duration>,
+    /// How an ambiguous reset value was read, when the dialect had to choose (the `generic`
+    /// magnitude rule for a bare `x-ratelimit-reset`), e.g. `x-ratelimit-reset 12 read as a
+    /// delay in seconds (generic: ≤ 10^9)`; `None` when the dialect fixes the meaning.
+    pub interpretation: Option<String>,
 }
 
 fn serialize_window_seconds<S: Serializer>(w: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
@@ -142,6 +146,7 @@ impl QuotaObservation {
             remaining: None,
             reset_at: None,
             window: None,
+            interpretation: None,
         }
     }
 
@@ -433,20 +438,43 @@ fn github(ctx: &Ctx<'_>, generic: bool, out: &mut Vec<QuotaObservation>) {
         let used = ctx.uint("x-ratelimit-used")?;
         Some(o.limit?.saturating_sub(used))
     });
-    o.reset_at = ctx.text("x-ratelimit-reset").and_then(|v| {
+    if let Some(v) = ctx.text("x-ratelimit-reset") {
         if generic {
-            // Reset headers named like GitHub's but meaning seconds-until-reset (Modrinth).
-            let n = parse_uint(v);
-            match n {
-                Some(n) if n > 1_000_000_000_000 => ctx.epoch_millis(n),
-                Some(n) if n > 1_000_000_000 => ctx.epoch_seconds(n),
-                Some(n) => ctx.after(Duration::from_secs(n)),
-                None => parse_seconds(v).and_then(|d| ctx.after(d)),
+            // Reset headers named like GitHub's but meaning seconds-until-reset (Modrinth): only
+            // the epoch-seconds reading is GitHub's; the others are labelled `generic`.
+            let (reset_at, github_like, how) = match parse_uint(v) {
+                Some(n) if n > 1_000_000_000_000 => (
+                    ctx.epoch_millis(n),
+                    false,
+                    "as epoch milliseconds (generic: > 10^12)",
+                ),
+                Some(n) if n > 1_000_000_000 => (
+                    ctx.epoch_seconds(n),
+                    true,
+                    "as epoch seconds (generic: > 10^9)",
+                ),
+                Some(n) => (
+                    ctx.after(Duration::from_secs(n)),
+                    false,
+                    "as a delay in seconds (generic: ≤ 10^9)",
+                ),
+                None => (
+                    parse_seconds(v).and_then(|d| ctx.after(d)),
+                    false,
+                    "as a delay in seconds (generic: not an integer)",
+                ),
+            };
+            if reset_at.is_some() {
+                o.reset_at = reset_at;
+                o.interpretation = Some(format!("x-ratelimit-reset {v} read {how}"));
+                if !github_like {
+                    o.dialect = Dialect::Generic;
+                }
             }
         } else {
-            parse_uint(v).and_then(|n| ctx.epoch_seconds(n))
+            o.reset_at = parse_uint(v).and_then(|n| ctx.epoch_seconds(n));
         }
-    });
+    }
     if o.limit.is_some() || o.remaining.is_some() || o.reset_at.is_some() {
         out.push(o);
     }
@@ -465,7 +493,7 @@ pub fn quota_boundary(obs: &[QuotaObservation], received_at: Timestamp) -> Optio
 /// such reset plus [`RESET_SAFETY_MARGIN`] (1 s); a reset already past (reset + margin ≤
 /// `received_at`) means "now", i.e. `opts.min_delay` from `received_at`, never a huge wait. A
 /// boundary beyond `opts.ceiling` is `Unknown`. `None` when no quota is exhausted. `source` reads
-/// like `openai quota (tokens) reset`.
+/// like `openai quota (tokens) reset`; the reason carries the observation's `interpretation`.
 pub fn quota_boundary_with(
     obs: &[QuotaObservation],
     received_at: Timestamp,
@@ -481,6 +509,10 @@ pub fn quota_boundary_with(
         Some(p) => format!("{} quota ({p}) reset", o.dialect),
         None => format!("{} quota reset", o.dialect),
     };
+    let read_as = o
+        .interpretation
+        .as_ref()
+        .map_or_else(String::new, |i| format!("; {i}"));
     let target = reset.checked_add(margin).unwrap_or(reset);
     let until = received_at.duration_until(target);
     if until.is_negative() || until.is_zero() {
@@ -491,7 +523,9 @@ pub fn quota_boundary_with(
             &source,
             None,
             None,
-            Some("remaining 0 but reset already past; min_delay applied".to_owned()),
+            Some(format!(
+                "remaining 0 but reset already past{read_as}; min_delay applied"
+            )),
         ));
     }
     Some(boundary_after(
@@ -501,6 +535,6 @@ pub fn quota_boundary_with(
         &source,
         None,
         None,
-        Some("remaining 0; reset + 1 s safety margin".to_owned()),
+        Some(format!("remaining 0{read_as}; reset + 1 s safety margin")),
     ))
 }

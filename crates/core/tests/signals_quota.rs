@@ -154,6 +154,51 @@ fn generic_reset_magnitude_decides_epoch_ms_epoch_s_or_delay() {
 }
 
 #[test]
+fn generic_small_reset_is_labelled_generic_and_explained() {
+    let h = headers(&[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "12")]);
+    let obs = parse_quota(&h, Dialect::Generic, ts(NOW));
+    assert_eq!(obs[0].dialect, Dialect::Generic);
+    assert_eq!(
+        obs[0].interpretation.as_deref(),
+        Some("x-ratelimit-reset 12 read as a delay in seconds (generic: ≤ 10^9)")
+    );
+    match quota_boundary(&obs, ts(NOW)).expect("exhausted quota gives a boundary") {
+        Boundary::Known {
+            delay_ms,
+            source,
+            reason,
+            ..
+        } => {
+            assert_eq!(delay_ms, 13_000);
+            assert_eq!(source, "generic quota reset");
+            let reason = reason.unwrap_or_default();
+            assert!(reason.contains("read as a delay in seconds"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Epoch seconds are GitHub's meaning and keep its label; epoch ms are not GitHub's.
+    let h = headers(&[("x-ratelimit-reset", "1740830700")]);
+    let obs = parse_quota(&h, Dialect::Generic, ts(NOW));
+    assert_eq!(obs[0].dialect, Dialect::Github);
+    assert!(obs[0]
+        .interpretation
+        .as_deref()
+        .unwrap_or_default()
+        .contains("epoch seconds"));
+    let h = headers(&[("x-ratelimit-reset", "1740830700500")]);
+    assert_eq!(
+        parse_quota(&h, Dialect::Generic, ts(NOW))[0].dialect,
+        Dialect::Generic
+    );
+    // The github dialect itself fixes the meaning: nothing to explain.
+    let h = headers(&[("x-ratelimit-reset", "1740830700")]);
+    assert_eq!(
+        parse_quota(&h, Dialect::Github, ts(NOW))[0].interpretation,
+        None
+    );
+}
+
+#[test]
 fn generic_tries_every_dialect_and_records_which_matched() {
     let h = headers(&[
         ("ratelimit", "\"default\";r=5;t=10"),
