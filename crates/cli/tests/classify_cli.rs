@@ -314,3 +314,41 @@ fn anthropic_reset_later_than_retry_after_sets_the_boundary() {
     let reason = b["reason"].as_str().unwrap();
     assert!(reason.contains("7000 ms"), "{reason}");
 }
+
+#[test]
+fn generic_small_reset_is_labelled_generic_not_github() {
+    let v = json(&[
+        "--status",
+        "429",
+        "-H",
+        "X-RateLimit-Remaining: 0",
+        "-H",
+        "X-RateLimit-Reset: 12",
+        "--now",
+        NOW,
+    ]);
+    assert_eq!(v["quota"][0]["dialect"], "generic");
+    assert_eq!(
+        v["quota"][0]["interpretation"],
+        "x-ratelimit-reset 12 read as a delay in seconds (generic: ≤ 10^9)"
+    );
+    assert_eq!(v["boundary"]["source"], "generic quota reset");
+    assert_eq!(v["boundary"]["delay_ms"], 13_000);
+    let reason = v["boundary"]["reason"].as_str().unwrap();
+    assert!(reason.contains("read as a delay in seconds"), "{reason}");
+}
+
+#[test]
+fn pretty_prints_the_same_signal_indented() {
+    let args = ["--status", "429", "-H", "Retry-After: 10", "--now", NOW];
+    let one_line = json(&args);
+    let mut pretty_args = args.to_vec();
+    pretty_args.push("--pretty");
+    let out = run(&pretty_args);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.lines().count() > 5, "indented over many lines: {text}");
+    assert!(text.contains("\n  \"boundary\": {"), "{text}");
+    let parsed: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(parsed, one_line);
+}

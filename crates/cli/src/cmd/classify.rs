@@ -1,12 +1,14 @@
 //! `backstop classify --status N [-H 'Name: value']… [--now RFC3339] [--class CLASS]
-//! [--dialect DIALECT] [--body-file F] [--error-pointer /error/code] [--transport-error KIND]`
+//! [--dialect DIALECT] [--body-file F] [--error-pointer /error/code] [--transport-error KIND]
+//! [--pretty]`
 //!
 //! The tool to debug a provider (SPEC §11): give it what came back — a status with headers (and
 //! optionally the error body), or a transport error instead — and it prints the normalized signal
-//! as ONE JSON object: `disposition`, `retryable` (for the request class), `boundary` (`state`,
+//! as ONE JSON object (one line; indented with `--pretty`): `disposition`, `retryable` (for the request class), `boundary` (`state`,
 //! `retry_not_before`, `delay_ms`, `source`, `raw`, `clock`, `reason`, every key present, `null`
 //! when not applicable), `quota` (array of `dialect`, `policy`, `limit`, `remaining`, `reset_at`,
-//! `window_seconds`), `hint`, `error_code` and `error_code_reason` (why no code was read through
+//! `window_seconds`, `interpretation` — how an ambiguous reset was read in the generic dialect),
+//! `hint`, `error_code` and `error_code_reason` (why no code was read through
 //! `--error-pointer`: no body, body is not JSON, nothing at the pointer, not a scalar, longer
 //! than 256 characters; `null` otherwise).
 //!
@@ -82,6 +84,9 @@ pub struct Args {
     /// response-cut.
     #[arg(long, value_name = "KIND")]
     pub transport_error: Option<String>,
+    /// Print the JSON indented over several lines instead of one line.
+    #[arg(long)]
+    pub pretty: bool,
 }
 
 /// The default for `--now`. The command line is the imperative shell: this is the one place in
@@ -192,7 +197,15 @@ fn build(args: Args) -> Result<Value, String> {
 /// Runs `backstop classify`: prints the signal as one JSON object and exits 0, or prints a
 /// one-line error naming the bad argument and exits 2.
 pub fn run(args: Args) -> ExitCode {
+    let pretty = args.pretty;
     match build(args) {
+        Ok(v) if pretty => match serde_json::to_string_pretty(&v) {
+            Ok(text) => output::print("classify", &format!("{text}\n"), ExitCode::SUCCESS),
+            Err(e) => {
+                errln!("backstop classify: cannot encode signal: {e}");
+                ExitCode::from(2)
+            }
+        },
         Ok(v) => output::print("classify", &format!("{v}\n"), ExitCode::SUCCESS),
         Err(e) => {
             errln!("backstop classify: {e}");
