@@ -365,11 +365,20 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         }
     }
     if let Some(cancelled) = &report.cancelled {
+        let cancelled_actions = report
+            .events
+            .iter()
+            .filter(|e| {
+                e.kind == "cancelled" && e.task.as_deref() == Some(cancelled.task_id.as_str())
+            })
+            .filter_map(|e| e.action)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
         let _ = writeln!(
             out,
             "\nCancelled {}: {} action(s) ended cancelled, {} delayed wake(s) dropped before they fired.",
             cancelled.task_id,
-            cancelled.actions_cancelled,
+            cancelled_actions,
             cancelled.waiting_dropped + cancelled.retries_dropped
         );
     }
