@@ -183,12 +183,14 @@ fn null_as_zero<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Er
 pub enum SnapshotError {
     /// The line is not a JSON object of the snapshot shape (malformed JSON, a missing required
     /// field, a wrong type, a timestamp that is not RFC 3339). `path` names the offending field
-    /// when it is known (`.` for the whole line).
-    #[error("{path}: {reason}")]
+    /// when it is known (empty for the whole line, which is then not named). Displayed as
+    /// `path: reason`, or `reason` alone for the whole line.
+    #[error("{}{reason}", if path.is_empty() { String::new() } else { format!("{path}: ") })]
     Malformed {
-        /// The JSON path of the offending field, e.g. `throttled_at`, or `.`.
+        /// The JSON path of the offending field, e.g. `throttled_at`; empty for the whole line.
         path: String,
-        /// What was wrong, from the JSON parser.
+        /// What was wrong, from the JSON parser, with the position as `at column N` of the line
+        /// (no position for a missing field: the parser can only point at the object's end).
         reason: String,
     },
     /// The snapshot parsed but contradicts itself.
@@ -238,15 +240,31 @@ pub fn parse_snapshot(line: &[u8]) -> Result<Snapshot, SnapshotError> {
 /// nothing for naming the offending field.
 fn locate_error(line: &[u8], fallback: serde_json::Error) -> SnapshotError {
     let mut de = serde_json::Deserializer::from_slice(line);
-    match serde_path_to_error::deserialize::<_, Snapshot>(&mut de) {
-        Err(err) => SnapshotError::Malformed {
-            path: err.path().to_string(),
-            reason: err.inner().to_string(),
-        },
-        Ok(_) => SnapshotError::Malformed {
-            path: ".".to_string(),
-            reason: fallback.to_string(),
-        },
+    let (path, err) = match serde_path_to_error::deserialize::<_, Snapshot>(&mut de) {
+        Err(err) => {
+            let path = err.path().to_string();
+            (path, err.into_inner())
+        }
+        Ok(_) => (String::new(), fallback),
+    };
+    SnapshotError::Malformed {
+        // serde_path_to_error names the root `.`: the whole line needs no name.
+        path: if path == "." { String::new() } else { path },
+        reason: json_reason(&err),
+    }
+}
+
+/// The parser's message for one NDJSON line: serde_json says `at line 1 column N` of the line it
+/// was given, which reads like a line of the file; this says `at column N`, and nothing for a
+/// missing field (the parser can only point at the end of the object).
+fn json_reason(err: &serde_json::Error) -> String {
+    let full = err.to_string();
+    let position = format!(" at line {} column {}", err.line(), err.column());
+    let message = full.strip_suffix(&position).unwrap_or(&full);
+    if err.line() == 0 || message.starts_with("missing field") {
+        message.to_owned()
+    } else {
+        format!("{message} at column {}", err.column())
     }
 }
 

@@ -501,3 +501,20 @@ fn every_diagnosis_has_a_distinct_name_and_a_bounded_action() {
         assert!(d.action().text().ends_with('.'));
     }
 }
+
+#[test]
+fn parse_errors_name_no_root_path_and_no_line_of_their_own() {
+    let mut v = base();
+    v.as_object_mut().unwrap().remove("attempts_used");
+    let err = parse_err(&v).to_string();
+    assert_eq!(err, "missing field `attempts_used`");
+    let err = parse_snapshot(b"{\"run_id\": \"a\",}")
+        .unwrap_err()
+        .to_string();
+    assert!(!err.starts_with(".:"), "{err}");
+    assert!(!err.contains("line 1"), "{err}");
+    assert!(err.ends_with("at column 16"), "{err}");
+    let err = parse_err(&with(base(), json!({"scheduled_retry_at": "yesterday"}))).to_string();
+    assert!(err.starts_with("scheduled_retry_at: "), "{err}");
+    assert!(!err.contains("line 1"), "{err}");
+}
