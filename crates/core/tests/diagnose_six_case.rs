@@ -1,8 +1,11 @@
 //! The seed article's six-case audit (SPEC §10): six snapshots, six different diagnoses, a total
 //! retry-after debt of 1,230,000 ms, at now = 2026-07-26T18:42:00Z with a 30 s wake grace.
 
+use std::time::Duration;
+
 use backstop_core::diagnose::{
     diagnose, parse_snapshot, Action, DiagnoseOptions, Diagnosis, DiagnosisReport, Totals,
+    WakeGrace,
 };
 use backstop_core::retry_after::ClockSource;
 use jiff::Timestamp;
@@ -147,6 +150,51 @@ fn six_case_audit_waiting_has_all_four_proofs_and_each_failure_breaks_one() {
             report.proofs.all_hold(),
             report.diagnosis == Diagnosis::WaitingBackpressure,
             "{report:?}"
+        );
+    }
+}
+
+#[test]
+fn a_longer_wake_grace_only_forgives_the_missed_wake() {
+    // The grace only moves the missed-wake check: run-stuck's wake (18:40:30) is 90 s overdue at
+    // 18:42:00, so it is stuck under a grace below 90 s and waiting under a longer one. No grace
+    // changes any other run, and none turns a healthy run into "budget exhausted".
+    for grace_seconds in [
+        0,
+        30,
+        89,
+        90,
+        91,
+        20 * 60,
+        90 * 60,
+        24 * 3600,
+        10_000 * 3600,
+    ] {
+        let opts = DiagnoseOptions {
+            wake_grace: WakeGrace(Duration::from_secs(grace_seconds)),
+            ..DiagnoseOptions::default()
+        };
+        let got: Vec<Diagnosis> = FIXTURE
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| diagnose(&parse_snapshot(l.as_bytes()).unwrap(), now(), &opts).diagnosis)
+            .collect();
+        let stuck = if grace_seconds < 90 {
+            Diagnosis::StuckMissedWake
+        } else {
+            Diagnosis::WaitingBackpressure
+        };
+        assert_eq!(
+            got,
+            vec![
+                Diagnosis::WaitingBackpressure,
+                Diagnosis::EarlyRetryLoop,
+                stuck,
+                Diagnosis::DeadlineExhausted,
+                Diagnosis::RetryBudgetExhausted,
+                Diagnosis::Recovered,
+            ],
+            "grace {grace_seconds} s"
         );
     }
 }
