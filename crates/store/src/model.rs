@@ -128,6 +128,11 @@ vocabulary! {
         Attempted => "attempted",
         /// A retry is scheduled.
         Waiting => "waiting",
+        /// An operator decided to send again with the same idempotency key after an escalation
+        /// (`retry_same_key`): the action waits for its request, held in memory by the gateway or
+        /// resubmitted by the agent under the same key, and then sends as the same logical
+        /// action.
+        Reopened => "reopened",
         /// Ended with an outcome (see [`Outcome`]).
         Finished => "finished",
     }
@@ -290,7 +295,9 @@ pub struct NewAction {
     pub request_class: String,
     /// SHA-256 of the request payload.
     pub payload_digest: PayloadDigest,
-    /// The stable idempotency key (agent-supplied or minted by the gateway).
+    /// The stable idempotency key (agent-supplied or minted by the gateway) of a write. A read
+    /// carries no key: pass an empty string, and nothing is stored (`NULL`) or audited for it;
+    /// such an action is never found again by key.
     pub idempotency_key: String,
     /// A client-generated external reference placed in the payload, for reconciliation lookups.
     pub external_reference: Option<String>,
@@ -326,7 +333,7 @@ pub struct ActionRecord {
     pub request_class: String,
     /// SHA-256 hex of the payload.
     pub payload_digest: String,
-    /// The stable idempotency key.
+    /// The stable idempotency key; empty for a read, which carries none (see [`Self::key`]).
     pub idempotency_key: String,
     /// External reference, if any.
     pub external_reference: Option<String>,
@@ -340,6 +347,13 @@ pub struct ActionRecord {
     pub outcome_context: Option<serde_json::Value>,
     /// Response kept for replay, if any.
     pub response: Option<StoredResponse>,
+}
+
+impl ActionRecord {
+    /// The idempotency key, `None` for an action that carries none (a read).
+    pub fn key(&self) -> Option<&str> {
+        (!self.idempotency_key.is_empty()).then_some(self.idempotency_key.as_str())
+    }
 }
 
 /// Result of [`crate::Store::record_action`].
@@ -434,7 +448,7 @@ pub struct UnfinishedAttempt {
     pub attempt: u32,
     /// The request class of the action.
     pub request_class: String,
-    /// The original idempotency key.
+    /// The original idempotency key; empty for a read, which carries none.
     pub idempotency_key: String,
 }
 
@@ -492,6 +506,10 @@ pub struct EscalationRecord {
     pub decision: Option<String>,
     /// Who decided.
     pub decided_by: Option<String>,
+    /// When it was decided.
+    pub decided_at: Option<Timestamp>,
+    /// The operator's note on the decision, as given (sanitizing is the caller's job).
+    pub note: Option<String>,
 }
 
 /// What [`crate::Store::cancel_task`] changed.

@@ -19,6 +19,15 @@ use crate::model::{
     ScopeUpdate, TaskRecord, UnfinishedAttempt,
 };
 
+/// Audit event kind of [`Store::reopen_for_retry`]: an operator's `retry_same_key` decision
+/// let an escalated write send again under its original key.
+pub const ACTION_REOPENED: &str = "action_reopened";
+
+/// Audit event kind of [`Store::record_access_decision`]: an operator's decision about access to
+/// an escalation's evidence (e.g. `reveal_payload`), recorded apart from decisions on the action
+/// (SPEC §8: approving access and approving an action are separate decisions).
+pub const ACCESS_DECISION: &str = "access_decision";
+
 /// Durable state of backstop. Implementations are `Send + Sync` and safe to call from many
 /// threads; each method is one atomic transaction.
 pub trait Store: Send + Sync {
@@ -162,15 +171,54 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<EscalationId, StoreError>;
 
-    /// Records a human's decision on an open escalation (audits `decision`).
+    /// Records a human's decision on an open escalation with the operator's optional note
+    /// (audits `decision`; the note is kept with the escalation, never audited, since it is
+    /// free text).
     ///
     /// # Errors
-    /// [`StoreError::InvalidTransition`] when it was already decided.
+    /// [`StoreError::NotFound`] for an unknown escalation; [`StoreError::InvalidTransition`]
+    /// when it was already decided.
     fn decide_escalation(
         &self,
         escalation: EscalationId,
         decision: &str,
         decided_by: &str,
+        note: Option<&str>,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// Lets an escalated write send again as the SAME logical action (an operator's
+    /// `retry_same_key`, SPEC §8): the action leaves `escalated` for [`ActionState::Reopened`]
+    /// (outcome cleared), keeps its idempotency key, and its next attempt is marked sent as
+    /// usual. Audits [`ACTION_REOPENED`] with who decided.
+    ///
+    /// [`ActionState::Reopened`]: crate::model::ActionState::Reopened
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action; [`StoreError::InvalidTransition`] unless
+    /// the action ended `escalated` or `reconciliation_required`, carries a key and its task is
+    /// not cancelled; [`StoreError::Invalid`] for an empty `decided_by`.
+    fn reopen_for_retry(
+        &self,
+        action: ActionId,
+        decided_by: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// Audits an operator's access decision about an escalation's evidence as its own event
+    /// ([`ACCESS_DECISION`]): `access` names what was asked (`reveal_payload`), `outcome` what
+    /// came of it (e.g. `refused_not_stored`). The escalation stays as it is: access is never an
+    /// approval of the action (SPEC §8).
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown escalation; [`StoreError::Invalid`] for an empty
+    /// `access`, `decided_by` or `outcome`.
+    fn record_access_decision(
+        &self,
+        escalation: EscalationId,
+        access: &str,
+        decided_by: &str,
+        outcome: &str,
         at: Timestamp,
     ) -> Result<(), StoreError>;
 

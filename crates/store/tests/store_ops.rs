@@ -230,10 +230,10 @@ fn escalations_open_and_are_decided_once() {
     let e = store.open_escalation(a, case.clone(), t(1)).expect("open");
     assert_eq!(store.open_escalations().expect("list").len(), 1);
     store
-        .decide_escalation(e, "query_status", "ops@example", t(2))
+        .decide_escalation(e, "query_status", "ops@example", None, t(2))
         .expect("decide");
     let err = store
-        .decide_escalation(e, "abort", "ops@example", t(3))
+        .decide_escalation(e, "abort", "ops@example", None, t(3))
         .expect_err("twice");
     assert!(err.to_string().contains("already decided"), "{err}");
     let rec = store.escalation(e).expect("read").expect("exists");

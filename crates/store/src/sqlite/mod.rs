@@ -428,10 +428,39 @@ impl Store for SqliteStore {
         escalation: EscalationId,
         decision: &str,
         decided_by: &str,
+        note: Option<&str>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
         let (decision, decided_by) = (decision.to_owned(), decided_by.to_owned());
-        self.submit(move |tx| tx.decide_escalation(escalation, &decision, &decided_by, at))
+        let note = note.map(str::to_owned);
+        self.submit(move |tx| {
+            tx.decide_escalation(escalation, &decision, &decided_by, note.as_deref(), at)
+        })
+    }
+
+    fn reopen_for_retry(
+        &self,
+        action: ActionId,
+        decided_by: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let decided_by = decided_by.to_owned();
+        self.submit(move |tx| tx.reopen_for_retry(action, &decided_by, at))
+    }
+
+    fn record_access_decision(
+        &self,
+        escalation: EscalationId,
+        access: &str,
+        decided_by: &str,
+        outcome: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (access, decided_by, outcome) =
+            (access.to_owned(), decided_by.to_owned(), outcome.to_owned());
+        self.submit(move |tx| {
+            tx.record_access_decision(escalation, &access, &decided_by, &outcome, at)
+        })
     }
 
     fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError> {

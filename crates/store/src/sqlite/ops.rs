@@ -12,6 +12,7 @@ use crate::model::{
     EscalationId, Finish, JobId, NewAction, NewTask, Outcome, RouteTemplate, ScopeRecord,
     ScopeUpdate,
 };
+use crate::store::{ACCESS_DECISION, ACTION_REOPENED};
 
 /// The writer's connection inside an open transaction, plus the chain it appends to.
 pub(crate) struct WriteTx<'a> {
@@ -26,7 +27,7 @@ struct ActionFacts {
     method: String,
     route: String,
     request_class: String,
-    idempotency_key: String,
+    idempotency_key: Option<String>,
     state: ActionState,
     outcome: Option<Outcome>,
     cancelled: bool,
@@ -53,7 +54,7 @@ impl WriteTx<'_> {
                     r.get::<_, String>(2)?,
                     r.get::<_, String>(3)?,
                     r.get::<_, String>(4)?,
-                    r.get::<_, String>(5)?,
+                    r.get::<_, Option<String>>(5)?,
                     r.get::<_, String>(6)?,
                     r.get::<_, Option<String>>(7)?,
                     r.get::<_, bool>(8)?,
@@ -148,15 +149,20 @@ impl WriteTx<'_> {
                 reason: "cancelled; it takes no new actions".into(),
             });
         }
-        let existing = self
-            .conn
-            .prepare_cached(
-                "SELECT id, payload_digest FROM actions WHERE agent = ?1 AND idempotency_key = ?2",
-            )?
-            .query_row(params![task.agent, new.idempotency_key], |r| {
-                Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
-            })
-            .optional()?;
+        // A read carries no key (empty): nothing to find, nothing stored or audited.
+        let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
+        let existing = match key {
+            None => None,
+            Some(key) => self
+                .conn
+                .prepare_cached(
+                    "SELECT id, payload_digest FROM actions WHERE agent = ?1 AND idempotency_key = ?2",
+                )?
+                .query_row(params![task.agent, key], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+                })
+                .optional()?,
+        };
         if let Some((id, digest)) = existing {
             if digest != new.payload_digest.as_str() {
                 return Err(StoreError::KeyReuse {
@@ -185,7 +191,7 @@ impl WriteTx<'_> {
                 new.route.as_str(),
                 new.request_class,
                 new.payload_digest.as_str(),
-                new.idempotency_key,
+                key,
                 new.external_reference,
                 ActionState::Requested.as_str(),
                 ms(at),
@@ -198,7 +204,7 @@ impl WriteTx<'_> {
         e.route = Some(new.route.as_str().to_owned());
         e.method = Some(new.method);
         e.request_class = Some(new.request_class);
-        e.idempotency_key = Some(new.idempotency_key);
+        e.idempotency_key = key.map(str::to_owned);
         e.payload_digest = Some(new.payload_digest.as_str().to_owned());
         self.append(e)?;
         Ok(Admission::New(id))
@@ -246,7 +252,7 @@ impl WriteTx<'_> {
         let mut e = Self::action_event(EventKind::ActionSent, &format_instant(at), action, &f);
         e.attempt = Some(n);
         e.request_class = Some(f.request_class);
-        e.idempotency_key = Some(f.idempotency_key);
+        e.idempotency_key = f.idempotency_key;
         self.append(e)?;
         Ok(n)
     }
@@ -414,7 +420,7 @@ impl WriteTx<'_> {
             .execute(params![action.0, provider_operation_id, ms(at)])?;
         let mut e = Self::action_event(EventKind::Reconciled, &format_instant(at), action, &f);
         e.outcome = Some(Outcome::Succeeded.as_str().to_owned());
-        e.idempotency_key = Some(f.idempotency_key);
+        e.idempotency_key = f.idempotency_key;
         self.append(e)
     }
 
@@ -544,7 +550,7 @@ impl WriteTx<'_> {
             action,
             &f,
         );
-        e.idempotency_key = Some(f.idempotency_key);
+        e.idempotency_key = f.idempotency_key;
         e.status = status;
         e.disposition = Some(verdict.to_owned());
         e.source = Some(lookup.to_owned());
@@ -649,6 +655,7 @@ impl WriteTx<'_> {
         escalation: EscalationId,
         decision: &str,
         decided_by: &str,
+        note: Option<&str>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
         let record =
@@ -664,14 +671,103 @@ impl WriteTx<'_> {
         self.conn
             .prepare_cached(
                 "UPDATE escalations SET state = 'decided', decision = ?2, decided_by = ?3, \
-                 decided_at_ms = ?4 WHERE id = ?1",
+                 decided_at_ms = ?4, note = ?5 WHERE id = ?1",
             )?
-            .execute(params![escalation.0, decision, decided_by, ms(at)])?;
+            .execute(params![escalation.0, decision, decided_by, ms(at), note])?;
         let f = self.facts(record.action)?;
         let mut e = Self::action_event(EventKind::Decision, &format_instant(at), record.action, &f);
         e.escalation = Some(escalation.0);
         e.decision = Some(decision.to_owned());
         e.decided_by = Some(decided_by.to_owned());
+        self.append(e)
+    }
+
+    pub(crate) fn reopen_for_retry(
+        &mut self,
+        action: ActionId,
+        decided_by: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if decided_by.trim().is_empty() {
+            return Err(StoreError::Invalid {
+                field: "decided_by",
+                reason: "must name who decided".into(),
+            });
+        }
+        let f = self.facts(action)?;
+        let refuse = |reason: String| StoreError::InvalidTransition {
+            what: format!("action {action}"),
+            reason,
+        };
+        if f.cancelled {
+            return Err(refuse(format!(
+                "task {:?} is cancelled; it never sends again",
+                f.task
+            )));
+        }
+        if f.idempotency_key.is_none() {
+            return Err(refuse(
+                "it carries no idempotency key, so it cannot be sent again as the same action"
+                    .into(),
+            ));
+        }
+        let escalated = matches!(
+            f.outcome,
+            Some(Outcome::Escalated) | Some(Outcome::ReconciliationRequired)
+        );
+        if f.state != ActionState::Finished || !escalated {
+            return Err(refuse(format!(
+                "only an escalated action may be reopened (state {}, outcome {})",
+                f.state,
+                f.outcome.map_or("none", |o| o.as_str())
+            )));
+        }
+        self.conn
+            .prepare_cached(
+                "UPDATE actions SET state = 'reopened', outcome = NULL, outcome_context = NULL, \
+                 updated_at_ms = ?2 WHERE id = ?1",
+            )?
+            .execute(params![action.0, ms(at)])?;
+        let mut e = Self::action_event(EventKind::ActionRequested, &format_instant(at), action, &f);
+        e.kind = ACTION_REOPENED.to_owned();
+        e.request_class = Some(f.request_class);
+        e.idempotency_key = f.idempotency_key;
+        e.decision = Some("retry_same_key".to_owned());
+        e.decided_by = Some(decided_by.to_owned());
+        self.append(e)
+    }
+
+    pub(crate) fn record_access_decision(
+        &mut self,
+        escalation: EscalationId,
+        access: &str,
+        decided_by: &str,
+        outcome: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        for (field, value) in [
+            ("access", access),
+            ("decided_by", decided_by),
+            ("outcome", outcome),
+        ] {
+            if value.trim().is_empty() {
+                return Err(StoreError::Invalid {
+                    field,
+                    reason: "must not be empty".into(),
+                });
+            }
+        }
+        let record =
+            rows::escalation(self.conn, escalation)?.ok_or_else(|| StoreError::NotFound {
+                what: format!("escalation {}", escalation.0),
+            })?;
+        let f = self.facts(record.action)?;
+        let mut e = Self::action_event(EventKind::Decision, &format_instant(at), record.action, &f);
+        e.kind = ACCESS_DECISION.to_owned();
+        e.escalation = Some(escalation.0);
+        e.decision = Some(access.to_owned());
+        e.decided_by = Some(decided_by.to_owned());
+        e.outcome = Some(outcome.to_owned());
         self.append(e)
     }
 
@@ -704,7 +800,8 @@ impl WriteTx<'_> {
         // recorded, since the provider may have acted.
         let open: Vec<i64> = {
             let mut stmt = self.conn.prepare_cached(
-                "SELECT id FROM actions WHERE task_id = ?1 AND state IN ('requested', 'attempted', 'waiting') ORDER BY id",
+                "SELECT id FROM actions WHERE task_id = ?1 \
+                 AND state IN ('requested', 'attempted', 'waiting', 'reopened') ORDER BY id",
             )?;
             let rows = stmt.query_map(params![task], |r| r.get(0))?;
             rows.collect::<Result<_, _>>()?

@@ -85,7 +85,7 @@ struct RawAction {
     route: String,
     request_class: String,
     payload_digest: String,
-    idempotency_key: String,
+    idempotency_key: Option<String>,
     external_reference: Option<String>,
     provider_operation_id: Option<String>,
     state: String,
@@ -161,7 +161,7 @@ fn decode_action(raw: RawAction) -> Result<ActionRecord, StoreError> {
         route: raw.route,
         request_class: raw.request_class,
         payload_digest: raw.payload_digest,
-        idempotency_key: raw.idempotency_key,
+        idempotency_key: raw.idempotency_key.unwrap_or_default(),
         external_reference: raw.external_reference,
         provider_operation_id: raw.provider_operation_id,
     })
@@ -232,12 +232,13 @@ pub(crate) fn unfinished_attempts(conn: &Connection) -> Result<Vec<UnfinishedAtt
             r.get::<_, i64>(0)?,
             r.get::<_, i64>(1)?,
             r.get::<_, String>(2)?,
-            r.get::<_, String>(3)?,
+            r.get::<_, Option<String>>(3)?,
         ))
     })?;
     let mut out = Vec::new();
     for row in rows {
         let (action, n, request_class, idempotency_key) = row?;
+        let idempotency_key = idempotency_key.unwrap_or_default();
         out.push(UnfinishedAttempt {
             action: ActionId(action),
             attempt: u32::try_from(n).map_err(|_| StoreError::Corrupt {
@@ -311,10 +312,22 @@ pub(crate) fn scope(
     .transpose()
 }
 
-type RawEscalation = (i64, i64, String, String, Option<String>, Option<String>);
+type RawEscalation = (
+    i64,
+    i64,
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+);
+
+const ESCALATION_COLUMNS: &str =
+    "id, action_id, case_file, state, decision, decided_by, decided_at_ms, note";
 
 fn decode_escalation(raw: RawEscalation) -> Result<EscalationRecord, StoreError> {
-    let (id, action, case_file, state, decision, decided_by) = raw;
+    let (id, action, case_file, state, decision, decided_by, decided_at, note) = raw;
     Ok(EscalationRecord {
         id: EscalationId(id),
         action: ActionId(action),
@@ -325,6 +338,8 @@ fn decode_escalation(raw: RawEscalation) -> Result<EscalationRecord, StoreError>
         state: EscalationState::parse(&state).map_err(corrupt("escalations"))?,
         decision,
         decided_by,
+        decided_at: opt_ms("escalations", decided_at)?,
+        note,
     })
 }
 
@@ -336,6 +351,8 @@ fn raw_escalation(r: &Row<'_>) -> rusqlite::Result<RawEscalation> {
         r.get(3)?,
         r.get(4)?,
         r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
     ))
 }
 
@@ -343,9 +360,9 @@ pub(crate) fn escalation(
     conn: &Connection,
     id: EscalationId,
 ) -> Result<Option<EscalationRecord>, StoreError> {
-    conn.prepare_cached(
-        "SELECT id, action_id, case_file, state, decision, decided_by FROM escalations WHERE id = ?1",
-    )?
+    conn.prepare_cached(&format!(
+        "SELECT {ESCALATION_COLUMNS} FROM escalations WHERE id = ?1"
+    ))?
     .query_row(params![id.0], raw_escalation)
     .optional()?
     .map(decode_escalation)
@@ -353,10 +370,9 @@ pub(crate) fn escalation(
 }
 
 pub(crate) fn open_escalations(conn: &Connection) -> Result<Vec<EscalationRecord>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id, action_id, case_file, state, decision, decided_by FROM escalations \
-         WHERE state = 'open' ORDER BY id",
-    )?;
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {ESCALATION_COLUMNS} FROM escalations WHERE state = 'open' ORDER BY id"
+    ))?;
     let rows = stmt.query_map([], raw_escalation)?;
     let mut out = Vec::new();
     for row in rows {

@@ -123,6 +123,47 @@ const MIGRATIONS: &[&str] = &[
         hash            TEXT NOT NULL
     );
     "#,
+    // 1 -> 2: reads carry no idempotency key (the column becomes nullable, unique per agent
+    // where set), escalation decisions keep the operator's note. SQLite cannot drop a NOT NULL
+    // constraint in place, so `actions` is rebuilt (foreign keys are off while migrating and
+    // checked before the commit, see `migrate`).
+    r#"
+    ALTER TABLE escalations ADD COLUMN note TEXT;
+    CREATE TABLE actions_v2 (
+        id                    INTEGER PRIMARY KEY,
+        task_id               TEXT NOT NULL REFERENCES tasks(id),
+        agent                 TEXT NOT NULL,
+        provider              TEXT NOT NULL,
+        method                TEXT NOT NULL,
+        route                 TEXT NOT NULL,
+        request_class         TEXT NOT NULL,
+        payload_digest        TEXT NOT NULL,
+        idempotency_key       TEXT,
+        external_reference    TEXT,
+        provider_operation_id TEXT,
+        state                 TEXT NOT NULL,
+        outcome               TEXT,
+        outcome_context       TEXT,
+        response_status       INTEGER,
+        response_headers      TEXT,
+        response_body         BLOB,
+        created_at_ms         INTEGER NOT NULL,
+        updated_at_ms         INTEGER NOT NULL
+    );
+    INSERT INTO actions_v2 (id, task_id, agent, provider, method, route, request_class,
+        payload_digest, idempotency_key, external_reference, provider_operation_id, state,
+        outcome, outcome_context, response_status, response_headers, response_body,
+        created_at_ms, updated_at_ms)
+    SELECT id, task_id, agent, provider, method, route, request_class, payload_digest,
+        idempotency_key, external_reference, provider_operation_id, state, outcome,
+        outcome_context, response_status, response_headers, response_body, created_at_ms,
+        updated_at_ms FROM actions;
+    DROP TABLE actions;
+    ALTER TABLE actions_v2 RENAME TO actions;
+    CREATE INDEX actions_by_task ON actions(task_id);
+    CREATE UNIQUE INDEX actions_by_agent_key ON actions(agent, idempotency_key)
+        WHERE idempotency_key IS NOT NULL;
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
@@ -187,9 +228,37 @@ pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreErr
         Identity::Empty => 0,
         Identity::Backstop(v) => v,
     };
-    for (version, script) in MIGRATIONS.iter().enumerate().skip(from as usize) {
+    if from as usize >= MIGRATIONS.len() {
+        return Ok(());
+    }
+    // A migration may rebuild a referenced table; foreign keys cannot be switched inside a
+    // transaction, so they are off while migrating and every migration checks them itself.
+    conn.pragma_update(None, "foreign_keys", "OFF")?;
+    let result = run_migrations(conn, from as usize);
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    result.map_err(|e| match e {
+        StoreError::Sqlite(reason) => StoreError::Sqlite(format!(
+            "{}: migrating the schema: {reason}",
+            path.display()
+        )),
+        other => other,
+    })
+}
+
+fn run_migrations(conn: &mut Connection, from: usize) -> Result<(), StoreError> {
+    for (version, script) in MIGRATIONS.iter().enumerate().skip(from) {
         let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
         tx.execute_batch(script)?;
+        let broken: i64 =
+            tx.query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| {
+                r.get(0)
+            })?;
+        if broken > 0 {
+            return Err(StoreError::Sqlite(format!(
+                "migration to version {}: {broken} rows would break a foreign key",
+                version + 1
+            )));
+        }
         tx.pragma_update(None, "application_id", APPLICATION_ID)?;
         tx.pragma_update(None, "user_version", version as i64 + 1)?;
         tx.commit()?;
@@ -271,5 +340,82 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
             application_id: 0,
             expected: APPLICATION_ID,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A version-1 database with one task, one write action (with key), one attempt and one
+    /// escalation, as an older build left it.
+    fn version_1(path: &Path) {
+        let conn = Connection::open(path).expect("create");
+        conn.execute_batch(MIGRATIONS[0]).expect("version 1 schema");
+        conn.pragma_update(None, "application_id", APPLICATION_ID)
+            .expect("id");
+        conn.pragma_update(None, "user_version", 1)
+            .expect("version");
+        conn.execute_batch(
+            "INSERT INTO tasks (id, agent, priority, created_at_ms) VALUES ('t1', 'a', 'normal', 1);
+             INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
+                 payload_digest, idempotency_key, state, outcome, created_at_ms, updated_at_ms)
+             VALUES (7, 't1', 'a', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', 'key-7',
+                 'finished', 'escalated', 1, 2);
+             INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (7, 1, 'finished', 1);
+             INSERT INTO escalations (id, action_id, case_file, state, opened_at_ms)
+             VALUES (3, 7, '{}', 'open', 2);",
+        )
+        .expect("rows");
+    }
+
+    #[test]
+    fn version_1_database_is_upgraded_in_place_keeping_its_rows() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("old.db");
+        version_1(&path);
+        let conn = open_writer(&path, false).expect("migrated");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, SCHEMA_VERSION);
+        let key: Option<String> = conn
+            .query_row(
+                "SELECT idempotency_key FROM actions WHERE id = 7",
+                [],
+                |r| r.get(0),
+            )
+            .expect("action kept");
+        assert_eq!(key.as_deref(), Some("key-7"));
+        let note: Option<String> = conn
+            .query_row("SELECT note FROM escalations WHERE id = 3", [], |r| {
+                r.get(0)
+            })
+            .expect("escalation kept with a note column");
+        assert_eq!(note, None);
+        // Keys are optional now (reads), still unique per agent where set.
+        conn.execute_batch(
+            "INSERT INTO actions (task_id, agent, provider, method, route, request_class,
+                 payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+             VALUES ('t1', 'a', 'p', 'GET', '/v1/x', 'read', 'd', NULL, 'requested', 3, 3),
+                    ('t1', 'a', 'p', 'GET', '/v1/x', 'read', 'd', NULL, 'requested', 3, 3);",
+        )
+        .expect("two reads without a key");
+        let duplicate = conn.execute_batch(
+            "INSERT INTO actions (task_id, agent, provider, method, route, request_class,
+                 payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+             VALUES ('t1', 'a', 'p', 'POST', '/v1/x', 'idempotent_write', 'e', 'key-7',
+                 'requested', 3, 3);",
+        );
+        assert!(duplicate.is_err(), "a write key stays unique per agent");
+        // Foreign keys still hold after the rebuild.
+        let dangling = conn.execute_batch(
+            "INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (999, 1, 'sent', 1);",
+        );
+        assert!(dangling.is_err(), "attempts still reference actions");
+        let fk: i64 = conn
+            .query_row("PRAGMA foreign_keys", [], |r| r.get(0))
+            .expect("pragma");
+        assert_eq!(fk, 1);
     }
 }
