@@ -161,6 +161,12 @@ pub struct Policy {
     pub operators: BTreeMap<String, TokenRef>,
     /// Providers by name (`providers`).
     pub providers: BTreeMap<String, Provider>,
+    /// Settings that are valid but probably unintended, in file order (`message` without a
+    /// `warning:` prefix): a policy without agents (no one can call the gateway), a provider
+    /// without scopes, a PUT/DELETE route of class `idempotent_write` on a provider that
+    /// declares `idempotent_put_delete` but has no `idempotency_header`. A policy without an
+    /// `agents` section is reported at line 1, column 1.
+    pub warnings: Vec<PolicyError>,
 }
 
 /// A request class: budgets and retryable statuses.
@@ -496,9 +502,12 @@ impl Policy {
         let mut ctx = Ctx {
             file: file.to_owned(),
             errors: Vec::new(),
+            warnings: Vec::new(),
         };
-        let policy = validate(raw, &mut ctx);
+        let mut policy = validate(raw, &mut ctx);
         if ctx.errors.is_empty() {
+            ctx.warnings.sort_by_key(|w| (w.line, w.column));
+            policy.warnings = ctx.warnings;
             Ok(policy)
         } else {
             ctx.errors.sort_by_key(|e| (e.line, e.column));
@@ -939,9 +948,20 @@ struct RawReconcile {
 struct Ctx {
     file: String,
     errors: Vec<PolicyError>,
+    warnings: Vec<PolicyError>,
 }
 
 impl Ctx {
+    /// A legal but probably unintended setting: reported, the policy still loads.
+    fn warn(&mut self, line: u64, column: u64, message: impl Into<String>) {
+        self.warnings.push(PolicyError {
+            file: self.file.clone(),
+            line,
+            column,
+            message: message.into(),
+        });
+    }
+
     fn err(&mut self, at: &Location, message: impl Into<String>) {
         self.errors.push(PolicyError {
             file: self.file.clone(),
@@ -1438,6 +1458,13 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
     let retry_quota = validate_retry_quota(raw.retry_quota.as_ref(), ctx);
 
     let agents = validate_principals(raw.agents, "agents", ctx);
+    if agents.is_empty() {
+        ctx.warn(
+            1,
+            1,
+            "agents: none configured, so no agent can call the gateway (add `agents:` with a token_env or token_file per agent)",
+        );
+    }
     let operators = validate_principals(raw.operators, "operators", ctx);
 
     let mut providers = BTreeMap::new();
@@ -1473,6 +1500,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
         agents,
         operators,
         providers,
+        warnings: Vec::new(),
     }
 }
 
@@ -1780,7 +1808,15 @@ fn validate_provider(
     }
 
     let mut scopes = BTreeMap::new();
-    for (scope_key, scope) in p.scopes.map(|m| m.0).unwrap_or_default() {
+    let scope_entries = p.scopes.map(|m| m.0).unwrap_or_default();
+    if scope_entries.is_empty() {
+        ctx.warn(
+            key.referenced.line(),
+            key.referenced.column(),
+            format!("{path}: no scopes, so its calls share no quota record, pacing or concurrency limit (add `scopes:`)"),
+        );
+    }
+    for (scope_key, scope) in scope_entries {
         let scope_path = format!("{path}.scopes.{}", scope_key.value);
         if !is_name(&scope_key.value) {
             ctx.err(
@@ -1878,6 +1914,24 @@ fn validate_provider(
                 default_class(&provider_stub, &method).to_owned()
             }
         };
+        if let Some(c) = r.class.as_ref().filter(|c| c.value == "idempotent_write") {
+            if idempotency_header.is_none() && p.idempotency_header.is_none() {
+                let put_delete = matches!(method.as_str(), "PUT" | "DELETE");
+                let contract = p.idempotent_put_delete.as_ref().is_some_and(|b| b.value);
+                if put_delete && contract {
+                    ctx.warn(
+                        c.referenced.line(),
+                        c.referenced.column(),
+                        format!("{route_path}.class: `idempotent_write` without an `idempotency_header`: retries rely on the provider's idempotent {method} contract (`idempotent_put_delete: true`) alone; no key lets the provider deduplicate them"),
+                    );
+                } else if !matches!(method.as_str(), "GET" | "HEAD" | "OPTIONS") {
+                    ctx.err(
+                        &c.referenced,
+                        format!("{route_path}.class: `idempotent_write` needs the provider to honour an idempotency key (SPEC §3), but providers.{name} has no `idempotency_header`, so retries of this {method} would not be deduplicated{}; set `idempotency_header` or use `uncertain_write`", if put_delete { " (and `idempotent_put_delete` is not true)" } else { "" }),
+                    );
+                }
+            }
+        }
         let route_scopes = match &r.scopes {
             Some(list) => list
                 .value

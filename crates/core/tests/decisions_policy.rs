@@ -98,7 +98,7 @@ providers:
       account: { limit: 100, window_seconds: 60 }
     routes:
       \"GET /v1/orders/{id}\": { class: read }
-      \"POST /v1/orders/{order_id}/refunds\": { class: idempotent_write, scopes: [account] }
+      \"POST /v1/orders/{order_id}/refunds\": { class: uncertain_write, scopes: [account] }
       \"GET /v1/exports\": { class: read, coalesce: true }
 ";
 
@@ -165,7 +165,7 @@ fn configured_routes_match_templates() {
         .expect("known provider");
     assert_eq!(
         (m.class.as_str(), m.template.as_str()),
-        ("idempotent_write", "/v1/orders/{order_id}/refunds")
+        ("uncertain_write", "/v1/orders/{order_id}/refunds")
     );
     assert!(
         policy
@@ -243,7 +243,7 @@ providers:
       account: { limit: 10 }
     routes:
       \"GET /v1/items\": { class: reed, scopes: [account] }
-      \"POST /v1/items\": { class: idempotent_write, scopes: [acount] }
+      \"POST /v1/items\": { class: uncertain_write, scopes: [acount] }
 ";
     let errors = errors(src);
     assert_eq!(errors.len(), 2, "{errors:#?}");
@@ -392,4 +392,79 @@ fn classify_rules_come_from_class_provider_and_backoff() {
     // Without the mapping a 429 is `rate_limited`; the provider says this one is a daily quota.
     assert_eq!(signal.disposition, Disposition::QuotaExhausted);
     assert_eq!(signal.error_code.as_deref(), Some("daily_limit_reached"));
+}
+
+#[test]
+fn idempotent_write_post_without_an_idempotency_header_is_an_error() {
+    let src = "\
+agents:
+  bot: { token_env: BOT_TOKEN }
+providers:
+  a:
+    base_url: https://a.example
+    scopes:
+      account: { limit: 10 }
+    routes:
+      \"POST /v1/items\": { class: idempotent_write }
+      \"PATCH /v1/items/{id}\": { class: idempotent_write }
+      \"PUT /v1/items/{id}\": { class: idempotent_write }
+      \"GET /v1/items\": { class: idempotent_write }
+";
+    let errors = errors(src);
+    let lines: Vec<u64> = errors.iter().map(|e| e.line).collect();
+    assert_eq!(lines, vec![9, 10, 11], "{errors:#?}");
+    assert_eq!(errors[0].column, 34);
+    assert!(errors[0].message.contains("no `idempotency_header`"));
+    assert!(errors[0].message.contains("would not be deduplicated"));
+    assert!(errors[2].message.contains("idempotent_put_delete"));
+    // With the header, the same routes are fine.
+    let with_header = src.replace(
+        "    scopes:",
+        "    idempotency_header: Idempotency-Key\n    scopes:",
+    );
+    let policy = Policy::from_yaml_str(&with_header, "p.yaml").unwrap_or_else(|e| panic!("{e}"));
+    assert!(policy.warnings.is_empty(), "{:?}", policy.warnings);
+}
+
+#[test]
+fn idempotent_put_delete_without_a_header_is_only_a_warning() {
+    let src = "\
+agents:
+  bot: { token_env: BOT_TOKEN }
+providers:
+  a:
+    base_url: https://a.example
+    idempotent_put_delete: true
+    scopes:
+      account: { limit: 10 }
+    routes:
+      \"PUT /v1/items/{id}\": { class: idempotent_write }
+      \"DELETE /v1/items/{id}\": { class: idempotent_write }
+";
+    let policy = Policy::from_yaml_str(src, "p.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let at: Vec<(u64, u64)> = policy.warnings.iter().map(|w| (w.line, w.column)).collect();
+    assert_eq!(at, vec![(10, 38), (11, 41)], "{:#?}", policy.warnings);
+    assert!(policy.warnings[0]
+        .message
+        .contains("idempotent PUT contract"));
+}
+
+#[test]
+fn no_agents_and_a_provider_without_scopes_are_warnings() {
+    let src = "\
+providers:
+  a:
+    base_url: https://a.example
+";
+    let policy = Policy::from_yaml_str(src, "p.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let warnings: Vec<(u64, u64, &str)> = policy
+        .warnings
+        .iter()
+        .map(|w| (w.line, w.column, w.message.as_str()))
+        .collect();
+    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    assert_eq!((warnings[0].0, warnings[0].1), (1, 1));
+    assert!(warnings[0].2.contains("no agent can call the gateway"));
+    assert_eq!((warnings[1].0, warnings[1].1), (2, 3));
+    assert!(warnings[1].2.starts_with("providers.a: no scopes"));
 }
