@@ -104,3 +104,92 @@ fn yaml_alias_error_is_printed_whole_with_one_position() {
     );
     assert_eq!(lines[1], format!("{name}: 1 problem"));
 }
+
+#[test]
+fn summary_counts_are_pluralized_correctly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("one.yaml");
+    std::fs::write(
+        &file,
+        "agents:\n  bot: { token_env: BOT_TOKEN }\noperators:\n  ops: { token_env: OPS_TOKEN }\nproviders:\n  a:\n    base_url: https://a.example\n    scopes:\n      account: { limit: 10 }\n    routes:\n      \"GET /v1/items\": { class: read }\n",
+    )
+    .expect("write");
+    let out = backstop()
+        .args(["policy", "check"])
+        .arg(&file)
+        .output()
+        .expect("run backstop");
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout
+            .contains("ok: 3 request classes, 1 provider, 1 scope, 1 route, 1 agent, 1 operator\n"),
+        "{stdout}"
+    );
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn warnings_print_file_line_column_and_exit_0() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("warn.yaml");
+    std::fs::write(
+        &file,
+        "providers:\n  a:\n    base_url: https://a.example\n    idempotent_put_delete: true\n    routes:\n      \"PUT /v1/items/{id}\": { class: idempotent_write }\n",
+    )
+    .expect("write");
+    let out = backstop()
+        .args(["policy", "check"])
+        .arg(&file)
+        .output()
+        .expect("run backstop");
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let name = file.display();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert!(
+        lines[0].starts_with(&format!("{name}:1:1: warning: agents: none")),
+        "{stderr}"
+    );
+    assert!(
+        lines[1].starts_with(&format!("{name}:2:3: warning: providers.a: no scopes")),
+        "{stderr}"
+    );
+    assert!(
+        lines[2].starts_with(&format!("{name}:6:38: warning: ")),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("0 agents, 0 operators (3 warnings)"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn idempotent_write_post_without_a_key_header_fails_the_check() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("nokey.yaml");
+    std::fs::write(
+        &file,
+        "agents:\n  bot: { token_env: BOT_TOKEN }\nproviders:\n  a:\n    base_url: https://a.example\n    scopes:\n      account: { limit: 10 }\n    routes:\n      \"POST /v1/items\": { class: idempotent_write }\n",
+    )
+    .expect("write");
+    let out = backstop()
+        .args(["policy", "check"])
+        .arg(&file)
+        .output()
+        .expect("run backstop");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("{}:9:34: ", file.display()))
+            && stderr.contains("no `idempotency_header`"),
+        "{stderr}"
+    );
+}

@@ -10,6 +10,9 @@ use crate::cmd::output::{self, errln};
 #[derive(Debug, clap::Subcommand)]
 pub enum PolicyCommand {
     /// Validate a policy file; print a summary, or `FILE:LINE:COL: message` per problem (exit 2).
+    /// Warnings (valid but probably unintended settings: no agents, a provider without scopes,
+    /// an `idempotent_write` PUT/DELETE relying on `idempotent_put_delete` alone) are printed on
+    /// stderr as `FILE:LINE:COL: warning: message`; they do not change the exit status (0).
     Check {
         /// The policy file (YAML).
         file: PathBuf,
@@ -20,7 +23,12 @@ pub enum PolicyCommand {
 pub fn run(command: PolicyCommand) -> ExitCode {
     match command {
         PolicyCommand::Check { file } => match Policy::load(&file) {
-            Ok(policy) => output::print("policy check", &summary(&policy), ExitCode::SUCCESS),
+            Ok(policy) => {
+                for w in &policy.warnings {
+                    errln!("{}:{}:{}: warning: {}", w.file, w.line, w.column, w.message);
+                }
+                output::print("policy check", &summary(&policy), ExitCode::SUCCESS)
+            }
             Err(errors) => {
                 for error in &errors.0 {
                     errln!("{error}");
@@ -37,6 +45,15 @@ pub fn run(command: PolicyCommand) -> ExitCode {
     }
 }
 
+/// `1 provider`, `2 providers`, `1 request class`, `3 request classes`.
+fn count(n: usize, noun: &str) -> String {
+    match n {
+        1 => format!("1 {noun}"),
+        _ if noun.ends_with("ss") => format!("{n} {noun}es"),
+        _ => format!("{n} {noun}s"),
+    }
+}
+
 /// The short summary printed for a valid policy: counts, then one line per class, scope and route.
 fn summary(policy: &Policy) -> String {
     let scopes: Vec<_> = policy.scopes().collect();
@@ -45,15 +62,19 @@ fn summary(policy: &Policy) -> String {
         .values()
         .map(|p| p.routes.len())
         .sum::<usize>();
+    let warnings = match policy.warnings.len() {
+        0 => String::new(),
+        n => format!(" ({})", count(n, "warning")),
+    };
     let mut out = format!(
-        "{}: ok: {} request classes, {} providers, {} scopes, {} routes, {} agents, {} operators\n",
+        "{}: ok: {}, {}, {}, {}, {}, {}{warnings}\n",
         policy.file,
-        policy.request_classes.len(),
-        policy.providers.len(),
-        scopes.len(),
-        routes,
-        policy.agents.len(),
-        policy.operators.len(),
+        count(policy.request_classes.len(), "request class"),
+        count(policy.providers.len(), "provider"),
+        count(scopes.len(), "scope"),
+        count(routes, "route"),
+        count(policy.agents.len(), "agent"),
+        count(policy.operators.len(), "operator"),
     );
     for class in policy.request_classes.values() {
         out.push_str(&format!(
