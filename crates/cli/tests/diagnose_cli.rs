@@ -328,3 +328,138 @@ fn directory_input_fails_before_any_table_header() {
     assert!(o.stdout.is_empty(), "printed {}", stdout(&o));
     assert!(stderr(&o).contains("is a directory"), "{}", stderr(&o));
 }
+
+#[test]
+fn bad_line_errors_name_no_root_path_and_no_json_line_number() {
+    let input = "{\"run_id\":\"r\",\"quota_scope\":\"s\",\"throttled_at\":\"2026-07-26T18:41:00Z\",\"status\":429}\n{\"run_id\": \"r\",}\n";
+    let o = backstop(&["--now", NOW], Some(input.as_bytes()));
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("<stdin>: LINE 1: missing field `attempts_used`\n"),
+        "{err}"
+    );
+    assert!(err.contains("<stdin>: LINE 2: "), "{err}");
+    assert!(!err.contains(".:"), "{err}");
+    assert!(!err.contains("at line"), "{err}");
+}
+
+#[test]
+fn a_longer_grace_never_turns_healthy_runs_into_budget_exhausted() {
+    let f = fixture();
+    for (grace, stuck) in [
+        ("30s", "stuck_missed_wake"),
+        ("20m", "waiting_backpressure"),
+        ("1h30m", "waiting_backpressure"),
+        ("48h", "waiting_backpressure"),
+    ] {
+        let o = backstop(
+            &[
+                f.to_str().unwrap(),
+                "--now",
+                NOW,
+                "--grace",
+                grace,
+                "--format",
+                "ndjson",
+            ],
+            None,
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let got: Vec<String> = stdout(&o)
+            .lines()
+            .take(6)
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).unwrap();
+                v["diagnosis"].as_str().unwrap().to_string()
+            })
+            .collect();
+        let mut want = SIX.map(str::to_string).to_vec();
+        want[2] = stuck.to_string();
+        assert_eq!(got, want, "--grace {grace}");
+    }
+}
+
+#[test]
+fn table_lists_diagnoses_in_check_order_with_per_run_totals() {
+    let f = fixture();
+    let o = backstop(&[f.to_str().unwrap(), "--now", NOW], None);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    let section = out
+        .split("TOTALS BY DIAGNOSIS")
+        .nth(1)
+        .expect("a diagnosis section");
+    let names: Vec<&str> = section
+        .lines()
+        .skip(2)
+        .take_while(|l| !l.trim().is_empty())
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            "recovered",
+            "retry_succeeded_unverified",
+            "retry_budget_exhausted",
+            "deadline_exhausted",
+            "early_retry_loop",
+            "stuck_missed_wake",
+            "no_durable_wake",
+            "uncertain_boundary",
+            "waiting_backpressure",
+        ]
+    );
+    // The longest diagnosis still leaves a gap before the next column.
+    let unverified = section
+        .lines()
+        .find(|l| l.contains("retry_succeeded_unverified"))
+        .unwrap();
+    assert!(
+        unverified.contains("retry_succeeded_unverified  "),
+        "{unverified}"
+    );
+    let runs = out.split("TOTALS BY RUN").nth(1).expect("a run section");
+    assert!(runs.contains("run-stuck"), "{runs}");
+    let stuck = runs.lines().find(|l| l.contains("run-stuck")).unwrap();
+    assert!(stuck.ends_with("stuck_missed_wake=1"), "{stuck}");
+    assert!(stuck.contains(" 90000 "), "{stuck}");
+}
+
+#[test]
+fn long_help_lists_the_snapshot_fields_and_which_are_required() {
+    let o = Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["diagnose", "--help"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    let help = stdout(&o);
+    let required = help
+        .split("required:")
+        .nth(1)
+        .and_then(|s| s.split("optional").next())
+        .expect("a required section");
+    for field in [
+        "run_id",
+        "quota_scope",
+        "throttled_at",
+        "status",
+        "attempts_used",
+        "max_attempts",
+        "wait_budget_ms",
+        "wait_used_ms",
+    ] {
+        assert!(required.contains(field), "{field} in {required}");
+    }
+    for field in [
+        "retry_after_raw",
+        "retry_not_before",
+        "scheduled_retry_at",
+        "outcome_deadline",
+        "completion_estimate_ms",
+        "outcome_receipt",
+    ] {
+        assert!(!required.contains(field), "{field}");
+        assert!(help.contains(field), "{field}");
+    }
+}

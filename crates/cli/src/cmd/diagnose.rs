@@ -14,7 +14,8 @@
 //! are nested as `"proofs": {"limit", "wake", "authority", "outcome"}`, each `true`, `false` or
 //! `null`):
 //! - `table`: one row per snapshot (line, run, scope, diagnosis, action, headroom_ms, debt_ms),
-//!   then totals by scope, by diagnosis and overall;
+//!   then totals by scope, by run, by diagnosis (every diagnosis, in the SPEC §10 check order)
+//!   and overall;
 //! - `json`: `{"snapshots":[…], "totals":{…}}`;
 //! - `ndjson`: one result per input snapshot, then one final `{"totals":{…}}` line.
 //!
@@ -31,7 +32,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use backstop_core::diagnose::{
-    diagnose_owned, parse_snapshot, DiagnoseOptions, DiagnosisReport, Totals, WakeGrace,
+    diagnose_owned, parse_snapshot, DiagnoseOptions, Diagnosis, DiagnosisReport, GroupTotals,
+    Totals, WakeGrace,
 };
 use jiff::{SignedDuration, Timestamp};
 use serde::Serialize;
@@ -55,15 +57,47 @@ pub enum Format {
     Ndjson,
 }
 
+/// The snapshot fields, shown by `backstop diagnose --help` (SPEC §10).
+const SNAPSHOT_FIELDS_HELP: &str = "\
+SNAPSHOT FIELDS (one JSON object per line; times RFC 3339 UTC; unknown fields are ignored):
+  required:
+    run_id                  string, non-empty: the task (run)
+    quota_scope             string, non-empty: e.g. billing-api/account:ops-team
+    throttled_at            time the throttling response was received (not after --now)
+    status                  HTTP status of that response (100-599, usually 429)
+    attempts_used           attempts started so far, the throttled one included
+    max_attempts            attempts the budget authorizes
+    wait_budget_ms          wait budget of the action, milliseconds
+    wait_used_ms            time already waited, milliseconds
+  optional (absent or null):
+    retry_after_raw         the raw Retry-After value (string)
+    date_header             the raw Date header of the same response
+    retry_not_before        the normalized boundary; wins over retry_after_raw
+    scheduled_retry_at      when the durable retry is scheduled (none: no_durable_wake)
+    scheduler_job_id        job id of the durable retry (evidence only)
+    scheduler_heartbeat_at  last scheduler heartbeat (evidence only)
+    retry_started_at        when the retry started
+    retry_finished_at       when its response arrived (needs retry_started_at)
+    retry_status            HTTP status of the retry (needs retry_finished_at)
+    outcome_deadline        when the outcome must be delivered and verified
+    completion_estimate_ms  time needed after the boundary to finish, milliseconds (default 0)
+    outcome_receipt         {\"matches\": true|false}, or null when none exists
+
+DIAGNOSES, in check order (first match wins): recovered, retry_succeeded_unverified,
+retry_budget_exhausted, deadline_exhausted, early_retry_loop, stuck_missed_wake,
+no_durable_wake, uncertain_boundary, waiting_backpressure.";
+
 /// Arguments of `backstop diagnose`.
 #[derive(Debug, clap::Args)]
+#[command(after_long_help = SNAPSHOT_FIELDS_HELP)]
 pub struct Args {
     /// NDJSON snapshot file; `-` or nothing reads standard input.
     pub input: Option<PathBuf>,
     /// The instant to diagnose at (RFC 3339, e.g. 2026-07-26T18:42:00Z). Default: the current time.
     #[arg(long, value_parser = parse_now)]
     pub now: Option<Timestamp>,
-    /// How long past scheduled_retry_at a retry may take to start (e.g. 30s, 1m, 500ms).
+    /// How long past scheduled_retry_at a retry may take to start before the wake counts as
+    /// missed (e.g. 30s, 1m, 500ms, 1h30m). Affects only the missed-wake check.
     #[arg(long, default_value = "30s", value_parser = parse_grace)]
     pub grace: Duration,
     /// Output format.
@@ -190,7 +224,7 @@ fn process(
     match format {
         Format::Table => writeln!(
             out,
-            "{:>6}  {:<20} {:<32} {:<26} {:<27} {:>12} {:>12}",
+            "{:>6}  {:<24} {:<36} {:<DIAGNOSIS_WIDTH$} {:<ACTION_WIDTH$} {:>12} {:>12}",
             "LINE", "RUN", "SCOPE", "DIAGNOSIS", "ACTION", "HEADROOM_MS", "DEBT_MS"
         )?,
         Format::Json => out.write_all(b"{\"snapshots\":[")?,
@@ -330,11 +364,17 @@ fn opt_i64(v: Option<i64>) -> String {
     v.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
 
+/// Width of the diagnosis column: the longest name (`retry_succeeded_unverified`) plus a space.
+const DIAGNOSIS_WIDTH: usize = 27;
+
+/// Width of the action column: the longest id (`stop_and_hand_over_evidence`) plus a space.
+const ACTION_WIDTH: usize = 28;
+
 fn write_table_row(out: &mut impl Write, row: &Row<'_>) -> io::Result<()> {
     let r = row.report;
     writeln!(
         out,
-        "{:>6}  {:<20} {:<32} {:<26} {:<27} {:>12} {:>12}",
+        "{:>6}  {:<24} {:<36} {:<DIAGNOSIS_WIDTH$} {:<ACTION_WIDTH$} {:>12} {:>12}",
         row.line,
         r.run_id,
         r.quota_scope,
@@ -346,15 +386,21 @@ fn write_table_row(out: &mut impl Write, row: &Row<'_>) -> io::Result<()> {
     )
 }
 
-fn write_table_totals(out: &mut impl Write, totals: &Totals) -> io::Result<()> {
+/// One `TOTALS BY SCOPE` / `TOTALS BY RUN` section.
+fn write_group_totals<'a>(
+    out: &mut impl Write,
+    title: &str,
+    key: &str,
+    groups: impl Iterator<Item = (&'a String, &'a GroupTotals)>,
+) -> io::Result<()> {
     writeln!(out)?;
-    writeln!(out, "TOTALS BY SCOPE")?;
+    writeln!(out, "{title}")?;
     writeln!(
         out,
         "  {:<40} {:>9} {:>7} {:>14}  DIAGNOSES",
-        "SCOPE", "SNAPSHOTS", "KNOWN", "DEBT_MS"
+        key, "SNAPSHOTS", "KNOWN", "DEBT_MS"
     )?;
-    for (scope, group) in &totals.by_scope {
+    for (name, group) in groups {
         let diagnoses: Vec<String> = group
             .by_diagnosis
             .iter()
@@ -363,27 +409,37 @@ fn write_table_totals(out: &mut impl Write, totals: &Totals) -> io::Result<()> {
         writeln!(
             out,
             "  {:<40} {:>9} {:>7} {:>14}  {}",
-            scope,
+            name,
             group.snapshots,
             group.known_boundaries,
             group.retry_after_debt_ms,
             diagnoses.join(" ")
         )?;
     }
+    Ok(())
+}
+
+fn write_table_totals(out: &mut impl Write, totals: &Totals) -> io::Result<()> {
+    write_group_totals(out, "TOTALS BY SCOPE", "SCOPE", totals.by_scope.iter())?;
+    write_group_totals(out, "TOTALS BY RUN", "RUN", totals.by_run.iter())?;
     writeln!(out)?;
-    writeln!(out, "TOTALS BY DIAGNOSIS")?;
+    writeln!(out, "TOTALS BY DIAGNOSIS (in check order)")?;
     writeln!(
         out,
-        "  {:<28} {:>9} {:>14}  ACTION",
+        "  {:<DIAGNOSIS_WIDTH$} {:>9} {:>14}  ACTION",
         "DIAGNOSIS", "SNAPSHOTS", "DEBT_MS"
     )?;
-    for (diagnosis, group) in &totals.by_diagnosis {
+    for diagnosis in Diagnosis::ALL {
+        let (snapshots, debt_ms) = totals
+            .by_diagnosis
+            .get(&diagnosis)
+            .map_or((0, 0), |g| (g.snapshots, g.retry_after_debt_ms));
         writeln!(
             out,
-            "  {:<28} {:>9} {:>14}  {}",
+            "  {:<DIAGNOSIS_WIDTH$} {:>9} {:>14}  {}",
             diagnosis.as_str(),
-            group.snapshots,
-            group.retry_after_debt_ms,
+            snapshots,
+            debt_ms,
             diagnosis.action().id()
         )?;
     }
