@@ -85,7 +85,9 @@ pub use crate::scheduler::ScopeView;
 mod actions;
 mod writes;
 
-pub use actions::{Completion, DecisionApplied, KeptResponse, KEPT_ACTIONS, KEPT_BODY_LIMIT};
+pub use actions::{
+    Completion, DecisionApplied, KeptResponse, DECISION_WAIT, KEPT_ACTIONS, KEPT_BODY_LIMIT,
+};
 
 /// Largest part of a non-2xx response body read for classification (64 KiB); the rest streams
 /// on to the agent untouched.
@@ -753,7 +755,11 @@ impl Engine {
             &route.fingerprint_fields,
         );
 
-        // One idempotency key per logical action: the agent's (validated) or minted once.
+        // One idempotency key per logical write: the agent's (validated) or minted once. A read
+        // carries none: nothing is minted, stored or audited for it.
+        let mut request = spec.request.clone();
+        let provider = inner.policy.providers.get(&route.provider);
+        let is_write = !is_safe_method(&request.method);
         let key = match &spec.idempotency_key {
             Some(supplied) => match validate_idempotency_key(supplied) {
                 Ok(key) => key.to_owned(),
@@ -764,11 +770,9 @@ impl Engine {
                     )
                 }
             },
-            None => mint_idempotency_key(inner.random_16()),
+            None if is_write => mint_idempotency_key(inner.random_16()),
+            None => String::new(),
         };
-        let mut request = spec.request.clone();
-        let provider = inner.policy.providers.get(&route.provider);
-        let is_write = !is_safe_method(&request.method);
         let mut reference = None;
         if let (true, Some(rc)) = (is_write, route.reconcile.as_ref()) {
             if let (ReconcileBy::ExternalReference, Some(pointer)) =
@@ -838,14 +842,20 @@ impl Engine {
             route: template,
             request_class: route.class.clone(),
             payload_digest: digest,
-            idempotency_key: key.clone(),
+            idempotency_key: if is_write { key.clone() } else { String::new() },
             external_reference: reference.clone(),
         };
-        let id = match inner
+        let (id, action_guard) = match inner
             .blocking(move |s| s.record_action(new_action, now))
             .await
         {
-            Ok(StoreAdmission::New(id)) => id,
+            Ok(StoreAdmission::New(id)) => {
+                let guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
+                    Role::Leader(guard) => Some(guard),
+                    Role::Follower(_) => None,
+                };
+                (id, guard)
+            }
             Ok(StoreAdmission::Existing(record)) => {
                 if record.agent != spec.agent {
                     return (
@@ -856,20 +866,38 @@ impl Engine {
                         None,
                     );
                 }
-                if let Some(tx) = notify {
-                    let _ = tx.send(record.id.0);
+                // An operator reopened this escalated write for a same-key retry: this request
+                // (held by the gateway, or resubmitted by the agent under the same key) sends it
+                // again as the SAME logical action, unless another one already does.
+                let taken = if record.state == ActionState::Reopened {
+                    match inner.flights.join_or_lead(FlightKey::Action(record.id.0)) {
+                        Role::Leader(guard) => Some(guard),
+                        Role::Follower(_) => None,
+                    }
+                } else {
+                    None
+                };
+                match taken {
+                    Some(guard) => {
+                        tracing::info!(
+                            action = record.id.0,
+                            "reopened write sent again with its original idempotency key"
+                        );
+                        (record.id, Some(guard))
+                    }
+                    None => {
+                        if let Some(tx) = notify {
+                            let _ = tx.send(record.id.0);
+                        }
+                        return (self.existing(*record).await, None);
+                    }
                 }
-                return (self.existing(*record).await, None);
             }
             Err(e) => return (refused_by_store(e), None),
         };
         if let Some(tx) = notify {
             let _ = tx.send(id.0);
         }
-        let action_guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
-            Role::Leader(guard) => Some(guard),
-            Role::Follower(_) => None,
-        };
         let mut guard = ActionGuard {
             inner: inner.clone(),
             id,

@@ -11,25 +11,30 @@
 //! | route | answer |
 //! |---|---|
 //! | `GET /v1/escalations` | `{"escalations": [{id, action, provider, route, reason, opened_at, state}]}`, open ones, oldest first |
-//! | `GET /v1/escalations/{id}` | `{id, action, state, decision, decided_by, case_file}` |
-//! | `POST /v1/escalations/{id}/decision` | body `{option, confirm_second_side_effect?, note?}` → `{id, action, decision, decided_by, decided_at, effect, effect_applied, effect_detail, action_outcome, note}` |
-//! | `POST /v1/escalations/{id}/reveal` | always `404 payload_not_stored` (see below) |
+//! | `GET /v1/escalations/{id}` | `{id, action, state, decision, decided_by, decided_at, note, case_file}` |
+//! | `POST /v1/escalations/{id}/decision` | body `{option, confirm_second_side_effect?, note?}` → `{id, action, decision, decided_by, decided_at, effect, effect_applied, effect_detail, action_outcome, new_action, note}` |
+//! | `POST /v1/escalations/{id}/reveal` | always `404 payload_not_stored`, audited (see below) |
 //!
 //! Errors are RFC 9457 `application/problem+json` bodies with `type`
 //! `urn:backstop:problem:<name>` and `x-should-retry: false`: 401 `unauthorized` (no or unknown
 //! operator token), 404 `escalation_not_found`, 400 `bad_decision` (body is not a decision),
-//! 409 `already_decided`, 422 `decision_refused` (option not offered, unknown, or `send_new`
-//! without `confirm_second_side_effect: true`), 500 `store_error`.
+//! 409 `already_decided`, 409 `request_not_held` (the decision is recorded — for
+//! `retry_same_key` the action is reopened — but the gateway restarted since the escalation and
+//! no longer holds the request: the agent resubmits, with the problem's `idempotency_key` for
+//! `retry_same_key`, with a new key for `send_new`), 422 `decision_refused` (option not offered,
+//! unknown, or `send_new` without `confirm_second_side_effect: true`), 500 `store_error`.
+//!
+//! The note is sanitized (secrets masked) and kept with the decision; `GET` returns it.
 //!
 //! ## Revealing a payload
 //! Revealing a payload is a separate access decision (`reveal_payload`), never an approval of
 //! the action. The store keeps only the payload's SHA-256 digest, never its bytes, so there is
 //! nothing to reveal: the endpoint refuses explicitly with `404 payload_not_stored` and says how
 //! to proceed — ask the agent for its copy and compare its SHA-256 with the case file's
-//! `action.payload_digest`, or configure a payload vault (not built). Each request is logged
-//! with the operator's name (`tracing` target `backstop::escalations`); it is not written to the
-//! hash-chained audit log, because the store has no event for an access decision that does not
-//! close the escalation.
+//! `action.payload_digest`, or configure a payload vault (not built). Each request is audited
+//! as an `access_decision` event ([`Store::record_access_decision`]: `reveal_payload`, the
+//! operator, outcome [`REVEAL_REFUSED_NOT_STORED`]), separately from decisions on the action; the
+//! escalation stays open.
 
 use std::sync::Arc;
 
@@ -77,11 +82,12 @@ pub fn router(state: EscalationsState) -> Router {
     acting_router(state, None)
 }
 
-/// [`router`] whose decisions act through `engine` once recorded: `query_status` runs the
-/// reconciliation lookup now (found → the action ends `succeeded`, reconciled); `abort` ends the
-/// action `cancelled`; `wait` leaves it open. `retry_same_key` and `send_new` are recorded but
-/// answer `effect_applied: false` with the reason (the payload is not kept by the store; the
-/// agent resubmits, with the same `Idempotency-Key` for `retry_same_key`).
+/// [`router`] whose decisions act through `engine` once recorded (see
+/// [`crate::engine::Engine::apply_decision`]): `query_status` runs the reconciliation lookup now
+/// (found → the action ends `succeeded`, reconciled); `abort` ends the action `cancelled`;
+/// `wait` leaves it open; `retry_same_key` reopens the action and sends its held request again
+/// with the SAME key; `send_new` sends it as a new action with a new key. Without a held
+/// request (after a restart) the last two answer `409 request_not_held`.
 pub fn acting_router(state: EscalationsState, engine: Option<crate::engine::Engine>) -> Router {
     let state = Acting {
         base: state,
@@ -114,6 +120,8 @@ struct ApiProblem {
     name: &'static str,
     title: &'static str,
     detail: String,
+    /// Extension members (RFC 9457 §3.2), merged into the body.
+    extensions: serde_json::Map<String, Value>,
 }
 
 impl ApiProblem {
@@ -123,6 +131,7 @@ impl ApiProblem {
             name,
             title,
             detail,
+            extensions: serde_json::Map::new(),
         }
     }
 
@@ -171,12 +180,17 @@ impl ApiProblem {
 
 impl IntoResponse for ApiProblem {
     fn into_response(self) -> Response {
-        let body = json!({
+        let mut body = json!({
             "type": format!("urn:backstop:problem:{}", self.name),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
         });
+        if let Value::Object(members) = &mut body {
+            for (name, value) in self.extensions {
+                members.entry(name).or_insert(value);
+            }
+        }
         let mut response = (self.status, body.to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(
@@ -276,6 +290,8 @@ async fn show(
         "state": e.state.as_str(),
         "decision": e.decision,
         "decided_by": e.decided_by,
+        "decided_at": e.decided_at.map(|t| t.to_string()),
+        "note": e.note,
         "case_file": e.case_file,
     })))
 }
@@ -327,12 +343,19 @@ async fn decide(
         )
     })?;
     let word = effect.option().as_str();
+    let note = decision
+        .note
+        .as_deref()
+        .map(|n| backstop_core::escalation::sanitize_text(n).text);
     // The store keeps milliseconds; answer the instant exactly as recorded.
     let now = state.clock.now();
     let at = jiff::Timestamp::from_millisecond(now.as_millisecond()).unwrap_or(now);
     let store = state.store.clone();
-    let (escalation, decided_by) = (e.id, who.clone());
-    blocking(move || store.decide_escalation(escalation, word, &decided_by, at)).await?;
+    let (escalation, decided_by, kept_note) = (e.id, who.clone(), note.clone());
+    blocking(move || {
+        store.decide_escalation(escalation, word, &decided_by, kept_note.as_deref(), at)
+    })
+    .await?;
     tracing::info!(
         target: "backstop::escalations",
         escalation = e.id.0,
@@ -341,18 +364,35 @@ async fn decide(
         decided_by = %who,
         "escalation decided"
     );
-    let note = decision
-        .note
-        .as_deref()
-        .map(|n| backstop_core::escalation::sanitize_text(n).text);
     let applied = match &acting.engine {
-        Some(engine) => engine.apply_decision(e.action, &effect).await,
+        Some(engine) => engine.apply_decision(e.action, &effect, &who).await,
         None => crate::engine::DecisionApplied {
             applied: false,
             detail: "recorded only: this gateway runs no engine".to_owned(),
             outcome: None,
+            request_not_held: false,
+            new_action: None,
         },
     };
+    if applied.request_not_held {
+        let mut problem = ApiProblem::new(
+            StatusCode::CONFLICT,
+            "request_not_held",
+            "Recorded; the agent must resubmit",
+            applied.detail,
+        );
+        for (name, value) in [
+            ("escalation", json!(e.id.0)),
+            ("action", json!(e.action.0)),
+            ("decision", json!(word)),
+            ("decided_by", json!(who)),
+            ("decision_recorded", json!(true)),
+            ("idempotency_key", case_file_key(&e.case_file, word)),
+        ] {
+            problem.extensions.insert(name.to_owned(), value);
+        }
+        return Err(problem);
+    }
     Ok(Json(json!({
         "id": e.id.0,
         "action": e.action.0,
@@ -363,6 +403,7 @@ async fn decide(
         "effect_applied": applied.applied,
         "effect_detail": applied.detail,
         "action_outcome": applied.outcome,
+        "new_action": applied.new_action,
         "note": note,
     })))
 }
@@ -374,6 +415,19 @@ async fn reveal(
 ) -> Result<Json<Value>, ApiProblem> {
     let who = operator(&state, &headers)?;
     let e = load(&state, &id).await?;
+    // An access decision, audited as its own event, apart from decisions on the action.
+    let (store, escalation, by) = (state.store.clone(), e.id, who.clone());
+    let at = state.clock.now();
+    blocking(move || {
+        store.record_access_decision(
+            escalation,
+            REVEAL_PAYLOAD,
+            &by,
+            REVEAL_REFUSED_NOT_STORED,
+            at,
+        )
+    })
+    .await?;
     tracing::info!(
         target: "backstop::escalations",
         escalation = e.id.0,
@@ -394,6 +448,21 @@ async fn reveal(
              separate access decision and approves nothing."
         ),
     ))
+}
+
+/// The outcome of every `reveal_payload` request, as audited: backstop keeps no payload.
+pub const REVEAL_REFUSED_NOT_STORED: &str = "refused_payload_not_stored";
+
+/// The key the agent must resubmit with: the original one for `retry_same_key`, none (a new
+/// one) for `send_new`.
+fn case_file_key(case_file: &Value, decision: &str) -> Value {
+    match decision {
+        "retry_same_key" => case_file
+            .get("idempotency_key")
+            .cloned()
+            .unwrap_or(Value::Null),
+        _ => Value::Null,
+    }
 }
 
 fn case_str_nested<'a>(case_file: &'a Value, pointer: &str) -> &'a str {

@@ -232,27 +232,52 @@ pub struct DecisionApplied {
     pub detail: String,
     /// The action's outcome afterwards, when it changed.
     pub outcome: Option<String>,
+    /// `retry_same_key` or `send_new` needs the request, and the gateway no longer holds it
+    /// (it restarted since the escalation): the agent must resubmit (answered `409`).
+    pub request_not_held: bool,
+    /// The new action `send_new` created, if any.
+    pub new_action: Option<i64>,
+}
+
+/// How long an operator's `retry_same_key` or `send_new` waits for the resent write's outcome
+/// before answering that it is still running (10 s).
+pub const DECISION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl DecisionApplied {
+    fn not(detail: &str) -> Self {
+        DecisionApplied {
+            applied: false,
+            detail: detail.to_owned(),
+            outcome: None,
+            request_not_held: false,
+            new_action: None,
+        }
+    }
 }
 
 impl Engine {
     /// Carries out an operator's recorded decision on an escalated action (SPEC §8):
     /// `query_status` runs the reconciliation lookup now and records the verdict (found →
     /// `succeeded`, reconciled, audited); `abort` ends the action `cancelled`; `wait`,
-    /// `raise_quota` and `change_plan` leave it as it is. `retry_same_key` and `send_new` are not
-    /// carried out: the payload is never stored, so the agent must resubmit (with the same
-    /// `Idempotency-Key` for `retry_same_key`, with a new one for `send_new`).
+    /// `raise_quota` and `change_plan` leave it as it is.
+    ///
+    /// `retry_same_key` reopens the action in the store ([`backstop_store::Store::reopen_for_retry`],
+    /// audited with `decided_by`) and sends the held request again as the SAME action with the
+    /// SAME key. `send_new` (validated before: the second side effect was confirmed) submits the
+    /// held request as a NEW action with a newly minted key (and a new external reference when
+    /// the route reconciles by one). Both wait up to [`DECISION_WAIT`] for the outcome. The
+    /// request is held in memory only: after a restart both answer `request_not_held`, and the
+    /// agent resubmits — with the same `Idempotency-Key` for `retry_same_key` (the reopened
+    /// action then sends again under it), with a new key for `send_new`.
     pub async fn apply_decision(
         &self,
         action: backstop_store::ActionId,
         effect: &backstop_core::escalation::DecisionEffect,
+        decided_by: &str,
     ) -> DecisionApplied {
         use backstop_core::escalation::DecisionEffect;
         let inner = &self.inner;
-        let not = |detail: &str| DecisionApplied {
-            applied: false,
-            detail: detail.to_owned(),
-            outcome: None,
-        };
+        let not = DecisionApplied::not;
         let record = match inner.blocking(move |s| s.action(action)).await {
             Ok(Some(record)) => record,
             Ok(None) => return not("the escalated action is not in the store"),
@@ -272,25 +297,23 @@ impl Engine {
                         {
                             Ok(()) => DecisionApplied {
                                 applied: true,
-                                detail: match operation_id {
+                                outcome: Some("succeeded".to_owned()),
+                                ..not(&match operation_id {
                                     Some(op) => format!("the provider has this write as `{op}`; the action is succeeded (reconciled)"),
                                     None => "the provider has this write; the action is succeeded (reconciled)".to_owned(),
-                                },
-                                outcome: Some("succeeded".to_owned()),
+                                })
                             },
                             Err(e) => not(&format!("found, but the reconciliation could not be recorded: {e}")),
                         }
                     }
                     backstop_core::reconcile::LookupVerdict::NotFound => DecisionApplied {
                         applied: true,
-                        detail: "the lookup did not find the write; the action stays escalated".to_owned(),
-                        outcome: None,
+                        ..not("the lookup did not find the write; the action stays escalated")
                     },
                     backstop_core::reconcile::LookupVerdict::Inconclusive { reason } => {
                         DecisionApplied {
                             applied: true,
-                            detail: format!("the lookup was inconclusive ({reason}); the action stays escalated"),
-                            outcome: None,
+                            ..not(&format!("the lookup was inconclusive ({reason}); the action stays escalated"))
                         }
                     }
                 }
@@ -317,21 +340,174 @@ impl Engine {
                 {
                     Ok(()) => DecisionApplied {
                         applied: true,
-                        detail: "the action is cancelled; nothing more is sent".to_owned(),
                         outcome: Some("cancelled".to_owned()),
+                        ..not("the action is cancelled; nothing more is sent")
                     },
                     Err(e) => not(&format!("the action could not be ended: {e}")),
                 }
             }
-            DecisionEffect::RetrySameKey { idempotency_key } => not(&format!(
-                "not carried out: backstop does not keep payloads, so it cannot resend; the agent must resubmit the same payload with Idempotency-Key `{idempotency_key}`"
-            )),
-            DecisionEffect::SendNew => not(
-                "not carried out: backstop does not keep payloads; the agent must submit the payload as a new action with a new Idempotency-Key",
-            ),
-            DecisionEffect::Wait { .. } | DecisionEffect::RaiseQuota | DecisionEffect::ChangePlan => {
-                not("the action stays open as decided")
+            DecisionEffect::RetrySameKey { idempotency_key } => {
+                self.retry_same_key(action, idempotency_key, decided_by)
+                    .await
             }
+            DecisionEffect::SendNew => self.send_new(action).await,
+            DecisionEffect::Wait { .. }
+            | DecisionEffect::RaiseQuota
+            | DecisionEffect::ChangePlan => not("the action stays open as decided"),
         }
     }
+}
+
+impl Engine {
+    /// The held request of an escalated write, taken out of memory.
+    fn take_held(&self, action: backstop_store::ActionId) -> Option<ActionSpec> {
+        self.inner
+            .held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(&action.0)
+    }
+
+    /// `retry_same_key`: reopen, then send the held request again under its original key.
+    async fn retry_same_key(
+        &self,
+        action: backstop_store::ActionId,
+        key: &str,
+        decided_by: &str,
+    ) -> DecisionApplied {
+        let inner = &self.inner;
+        let (who, now) = (
+            decided_by.to_owned(),
+            backstop_core::clock::Clock::now(&inner.clock),
+        );
+        if let Err(e) = inner
+            .blocking(move |s| s.reopen_for_retry(action, &who, now))
+            .await
+        {
+            return DecisionApplied::not(&format!("the action could not be reopened: {e}"));
+        }
+        let Some(held) = self.take_held(action) else {
+            return DecisionApplied {
+                request_not_held: true,
+                ..DecisionApplied::not(&format!(
+                    "the decision is recorded and action {} is reopened, but backstop no longer holds its request (the gateway restarted since the escalation; payloads are never stored); the agent must resubmit the same payload with Idempotency-Key `{key}`: that request is sent as this same action, under this same key",
+                    action.0
+                ))
+            };
+        };
+        match self.submit(held).await {
+            Ok(id) => {
+                self.await_decided(
+                    id,
+                    None,
+                    &format!("sent again as the same action {id} with Idempotency-Key `{key}`"),
+                )
+                .await
+            }
+            Err(execution) => DecisionApplied::not(&format!(
+                "the held request could not be sent again: {}",
+                refusal(&execution)
+            )),
+        }
+    }
+
+    /// `send_new`: submit the held request as a new action with a new key (and reference).
+    async fn send_new(&self, action: backstop_store::ActionId) -> DecisionApplied {
+        let Some(mut spec) = self.take_held(action) else {
+            return DecisionApplied {
+                request_not_held: true,
+                ..DecisionApplied::not(&format!(
+                    "the decision is recorded, but backstop no longer holds the request of action {} (the gateway restarted since the escalation; payloads are never stored); the agent must submit the payload as a new action with a new Idempotency-Key",
+                    action.0
+                ))
+            };
+        };
+        let route = &spec.route;
+        if let Some(name) = self
+            .inner
+            .policy
+            .providers
+            .get(&route.provider)
+            .and_then(|p| p.idempotency_header.as_deref())
+        {
+            spec.request.headers.remove(name);
+        }
+        if let Some(pointer) = route
+            .reconcile
+            .as_ref()
+            .filter(|rc| rc.by == backstop_core::policy::ReconcileBy::ExternalReference)
+            .and_then(|rc| rc.external_reference_pointer.as_deref())
+        {
+            match clear_reference(&spec.request.body, pointer) {
+                Ok(body) => spec.request.body = body,
+                Err(reason) => {
+                    return DecisionApplied::not(&format!(
+                        "the held payload's external reference at `{pointer}` could not be replaced: {reason}"
+                    ))
+                }
+            }
+        }
+        spec.idempotency_key = None;
+        match self.submit(spec).await {
+            Ok(id) => {
+                self.await_decided(
+                    id,
+                    Some(id),
+                    &format!("sent as the new action {id} with a new Idempotency-Key; escalated action {} stays escalated", action.0),
+                )
+                .await
+            }
+            Err(execution) => DecisionApplied::not(&format!(
+                "the new action was not accepted: {}",
+                refusal(&execution)
+            )),
+        }
+    }
+
+    /// Waits up to [`DECISION_WAIT`] for action `id` to complete, then reports its outcome.
+    async fn await_decided(&self, id: i64, new_action: Option<i64>, what: &str) -> DecisionApplied {
+        if let Some(mut rx) = self.completion(id) {
+            let _ = tokio::time::timeout(DECISION_WAIT, rx.wait_for(Option::is_some)).await;
+        }
+        let action = backstop_store::ActionId(id);
+        let outcome = match self.inner.blocking(move |s| s.action(action)).await {
+            Ok(Some(record)) => record.outcome.map(|o| o.as_str().to_owned()),
+            _ => None,
+        };
+        let detail = match &outcome {
+            Some(outcome) => format!("{what}; outcome `{outcome}`"),
+            None => format!("{what}; still running (see GET /v1/actions/{id})"),
+        };
+        DecisionApplied {
+            applied: true,
+            detail,
+            outcome,
+            request_not_held: false,
+            new_action,
+        }
+    }
+}
+
+/// One sentence on why a submitted request was refused before being recorded.
+fn refusal(execution: &Execution) -> String {
+    match execution {
+        Execution::Outcome {
+            outcome, detail, ..
+        } => format!("{outcome}: {detail}"),
+        Execution::Response { response, .. } => format!("HTTP {}", response.status()),
+        Execution::InFlight { .. } => "an action with this key is in flight".to_owned(),
+    }
+}
+
+/// The payload with the value at `pointer` (RFC 6901) set to `null`, so that a new external
+/// reference is written there for a new action.
+fn clear_reference(body: &Bytes, pointer: &str) -> Result<Bytes, String> {
+    let mut doc: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| format!("the payload is not JSON: {e}"))?;
+    if let Some(value) = doc.pointer_mut(pointer) {
+        *value = serde_json::Value::Null;
+    }
+    serde_json::to_vec(&doc)
+        .map(Bytes::from)
+        .map_err(|e| format!("the payload could not be written back: {e}"))
 }
