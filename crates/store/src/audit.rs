@@ -461,8 +461,11 @@ pub enum Verdict {
 ///
 /// `seqs` are the `seq` values of all events in source order (a cheap first pass over the
 /// source); they let a gap be told apart from a reordering. `events` yields the same events in
-/// the same order. `expect_head` is a previously exported head hash: the log must contain it,
-/// else its tail was cut.
+/// the same order. `expect_head` is a previously exported head, as printed by `backstop audit
+/// head` (`SEQ HASH`) or the hash alone (see [`parse_expected_head`]): the log must contain that
+/// hash (at that `seq`, when given), else its tail was cut (`truncated`) or events before it
+/// were removed (`missing`) or added (`inserted`). An `expect_head` that does not parse is
+/// never found (`truncated`); callers validate it first with [`parse_expected_head`].
 ///
 /// Rules, checked per event in order: a `seq` that occurs more than once → `inserted`; a `seq`
 /// lower than expected → `reordered`; higher than expected → `reordered` when the expected
@@ -483,8 +486,13 @@ where
 {
     let mut expected: u64 = 1;
     let mut prev = GENESIS_PREV.to_owned();
-    // The genesis value is the head of an empty log, and so is part of every log.
-    let mut head_seen = expect_head.is_none_or(|h| h == GENESIS_PREV);
+    let wanted = expect_head.map(|h| parse_expected_head(h).unwrap_or((None, h.to_owned())));
+    // The genesis value is the head of an empty log (seq 0), and so is part of every log.
+    let mut head_seen = wanted
+        .as_ref()
+        .is_none_or(|(seq, hash)| hash == GENESIS_PREV && seq.is_none_or(|s| s == 0));
+    // The seq at which the expected hash was found when it is not the expected seq.
+    let mut head_elsewhere: Option<u64> = None;
     let mut buf = Vec::with_capacity(320);
     let mut count: u64 = 0;
     for (position, event) in events.into_iter().enumerate() {
@@ -572,13 +580,33 @@ where
                 ),
             }));
         }
-        if !head_seen && expect_head == Some(event.hash.as_str()) {
-            head_seen = true;
+        if let Some((seq, hash)) = wanted.as_ref().filter(|_| !head_seen) {
+            if *hash == event.hash {
+                match seq {
+                    Some(seq) if *seq != event.seq => head_elsewhere = Some(event.seq),
+                    _ => head_seen = true,
+                }
+            }
         }
         prev.clear();
         prev.push_str(&event.hash);
         expected += 1;
         count += 1;
+    }
+    if let (false, Some(found), Some((Some(seq), hash))) = (head_seen, head_elsewhere, &wanted) {
+        let (kind, what) = if found > *seq {
+            (BreakKind::Inserted, "added")
+        } else {
+            (BreakKind::Missing, "removed")
+        };
+        return Ok(Verdict::Broken(ChainBreak {
+            seq: found.min(*seq),
+            kind,
+            detail: format!(
+                "expected head {} is at seq {found}, not seq {seq}: events before it were {what}",
+                short(hash)
+            ),
+        }));
     }
     if !head_seen {
         return Ok(Verdict::Broken(ChainBreak {
@@ -597,6 +625,36 @@ where
         hash: prev,
     });
     Ok(Verdict::Intact { count, head })
+}
+
+/// Reads an expected chain head for `backstop audit verify --expect-head`: either the hash alone
+/// (64 hex digits) or the `SEQ HASH` line `backstop audit head` prints (a decimal `seq`,
+/// whitespace, the hash). Surrounding whitespace is ignored and the hash is lower-cased.
+///
+/// # Errors
+/// A one-line reason when the text is neither form.
+pub fn parse_expected_head(text: &str) -> Result<(Option<u64>, String), String> {
+    let parts: Vec<&str> = text.split_whitespace().collect();
+    let (seq, hash) = match parts.as_slice() {
+        [hash] => (None, *hash),
+        [seq, hash] => {
+            let seq = seq
+                .parse::<u64>()
+                .ok()
+                .filter(|_| seq.bytes().all(|b| b.is_ascii_digit()))
+                .ok_or_else(|| format!("seq {seq:?} is not a decimal number"))?;
+            (Some(seq), *hash)
+        }
+        _ => {
+            return Err(format!(
+                "expected 64 hex digits or `SEQ HASH` as printed by `audit head`, got {text:?}"
+            ))
+        }
+    };
+    if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!("hash: expected 64 hex digits, got {hash:?}"));
+    }
+    Ok((seq, hash.to_ascii_lowercase()))
 }
 
 fn short(hash: &str) -> &str {

@@ -4,8 +4,8 @@
 mod common;
 
 use backstop_store::audit::{
-    format_instant, parse_export, verify_events, write_export, AuditEvent, BreakKind, Chain,
-    Verdict, GENESIS_PREV,
+    format_instant, parse_expected_head, parse_export, verify_events, write_export, AuditEvent,
+    BreakKind, Chain, Verdict, GENESIS_PREV,
 };
 use backstop_store::Store;
 use common::{populated, t};
@@ -325,4 +325,67 @@ fn a_directory_is_not_a_database() {
             .ends_with("is a directory, not a database file"),
         "{err}"
     );
+}
+
+#[test]
+fn expected_head_in_the_seq_hash_form_of_audit_head_checks_the_seq_too() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = populated(dir.path(), 5);
+    let events = export(&store);
+    let sixth = &events[5];
+    assert_eq!(sixth.seq, 6);
+    let line = |seq: u64| format!("{seq} {}", sixth.hash);
+    assert!(matches!(
+        verify_events(&events, Some(&line(6))),
+        Verdict::Intact { count: 11, .. }
+    ));
+    // The printed line of `audit head`, trailing newline and upper case included.
+    let printed = format!("6 {}\n", sixth.hash.to_ascii_uppercase());
+    assert!(matches!(
+        verify_events(&events, Some(&printed)),
+        Verdict::Intact { .. }
+    ));
+    // The hash sits later than anchored: events were added before it.
+    assert_eq!(
+        broken(verify_events(&events, Some(&line(5)))),
+        (5, BreakKind::Inserted)
+    );
+    // Earlier than anchored: events were removed before it.
+    assert_eq!(
+        broken(verify_events(&events, Some(&line(7)))),
+        (6, BreakKind::Missing)
+    );
+    // A cut tail is still truncated.
+    let head = store.audit_head().expect("head").expect("non-empty");
+    let anchored = format!("{} {}", head.seq, head.hash);
+    assert_eq!(
+        broken(verify_events(&events[..8], Some(&anchored))),
+        (9, BreakKind::Truncated)
+    );
+    // The empty log's head `0 000…0` is part of every log.
+    assert!(matches!(
+        verify_events(&events, Some(&format!("0 {GENESIS_PREV}"))),
+        Verdict::Intact { .. }
+    ));
+}
+
+#[test]
+fn expected_head_parses_the_hash_alone_or_seq_and_hash() {
+    let hash = "ab".repeat(32);
+    assert_eq!(parse_expected_head(&hash), Ok((None, hash.clone())));
+    assert_eq!(
+        parse_expected_head(&format!(" 12\t{} \n", hash.to_ascii_uppercase())),
+        Ok((Some(12), hash.clone()))
+    );
+    for bad in [
+        String::new(),
+        "xyz".to_owned(),
+        format!("+3 {hash}"),
+        format!("-1 {hash}"),
+        format!("1 {hash} extra"),
+        format!("1 {}", &hash[..63]),
+    ] {
+        let err = parse_expected_head(&bad).expect_err(&bad);
+        assert!(!err.is_empty());
+    }
 }
