@@ -216,3 +216,43 @@ fn unreadable_inputs_exit_2_with_one_line_naming_the_place() {
     let missing_export = dir.path().join("gone.ndjson");
     expect_2(&["audit", "verify", p(&missing_export)], "gone.ndjson");
 }
+
+#[test]
+fn expect_head_accepts_the_line_audit_head_prints_and_checks_its_seq() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 3);
+    let printed = text(&backstop(&["audit", "head", "--db", p(&db)]).stdout);
+    let verify = backstop(&["audit", "verify", "--db", p(&db), "--expect-head", &printed]);
+    assert_eq!(verify.status.code(), Some(0), "{}", text(&verify.stderr));
+    let (_, hash) = printed.trim().split_once(' ').expect("SEQ HASH");
+    let wrong_seq = format!("6 {hash}");
+    let verify = backstop(&[
+        "audit",
+        "verify",
+        "--db",
+        p(&db),
+        "--expect-head",
+        &wrong_seq,
+    ]);
+    assert_eq!(verify.status.code(), Some(1));
+    let out = text(&verify.stdout);
+    assert!(out.contains("is at seq 7, not seq 6"), "{out}");
+    let bad = backstop(&["audit", "verify", "--db", p(&db), "--expect-head", "x7 abc"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad.stderr).contains("--expect-head"));
+    let help = text(&backstop(&["audit", "verify", "--help"]).stdout);
+    assert!(help.contains("SEQ HASH"), "{help}");
+}
+
+#[test]
+fn audit_head_as_json() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 3);
+    let printed = text(&backstop(&["audit", "head", "--db", p(&db)]).stdout);
+    let (seq, hash) = printed.trim().split_once(' ').expect("SEQ HASH");
+    let json = backstop(&["audit", "head", "--db", p(&db), "--format", "json"]);
+    assert_eq!(json.status.code(), Some(0), "{}", text(&json.stderr));
+    let v: serde_json::Value = serde_json::from_str(&text(&json.stdout)).expect("JSON");
+    assert_eq!(v["seq"].to_string(), seq);
+    assert_eq!(v["hash"], hash);
+}

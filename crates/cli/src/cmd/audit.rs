@@ -9,7 +9,9 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use backstop_store::audit::{parse_export, verify_events, Verdict, GENESIS_PREV};
+use backstop_store::audit::{
+    parse_expected_head, parse_export, verify_events, Verdict, GENESIS_PREV,
+};
 use backstop_store::{AuditReader, StoreError};
 
 use crate::cmd::output::{self, errln, PipeWatch};
@@ -37,12 +39,25 @@ pub enum AuditCommand {
         #[arg(long, default_value_t = 0)]
         since: u64,
     },
-    /// Print the chain head as `SEQ HASH` (an empty log prints `0` and 64 zeros).
+    /// Print the chain head as `SEQ HASH` (an empty log prints `0` and 64 zeros); that line can
+    /// be given to `audit verify --expect-head` as is.
     Head {
         /// The backstop database file.
         #[arg(long)]
         db: PathBuf,
+        /// `text`: `SEQ HASH`; `json`: `{"seq":N,"hash":"…"}`.
+        #[arg(long, value_enum, default_value_t = HeadFormat::Text)]
+        format: HeadFormat,
     },
+}
+
+/// Output format of `backstop audit head`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HeadFormat {
+    /// `SEQ HASH` on one line.
+    Text,
+    /// One JSON object `{"seq":N,"hash":"…"}`.
+    Json,
 }
 
 /// Arguments of `backstop audit verify`.
@@ -54,8 +69,10 @@ pub struct VerifyArgs {
     pub db: Option<PathBuf>,
     /// Verify an NDJSON export file (from `backstop audit export`).
     pub export: Option<PathBuf>,
-    /// A head hash exported earlier: the log must still contain it (detects a cut tail).
-    #[arg(long, value_name = "HASH")]
+    /// A head exported earlier, either the `SEQ HASH` line printed by `audit head` (quote it)
+    /// or the 64-hex-digit hash alone: the log must still contain that hash — at that seq, when
+    /// given — which detects a cut tail (`truncated`) and events removed or added before it.
+    #[arg(long, value_name = "'SEQ HASH' | HASH")]
     pub expect_head: Option<String>,
 }
 
@@ -64,7 +81,7 @@ pub fn run(args: Args) -> ExitCode {
     let (name, result) = match args.command {
         AuditCommand::Verify(v) => ("verify", verify(v)),
         AuditCommand::Export { db, since } => ("export", export(db, since)),
-        AuditCommand::Head { db } => ("head", head(db)),
+        AuditCommand::Head { db, format } => ("head", head(db, format)),
     };
     match result {
         Ok(Printed::Text(text, code)) => output::print(&format!("audit {name}"), &text, code),
@@ -84,16 +101,19 @@ enum Printed {
 }
 
 fn verify(args: VerifyArgs) -> Result<Printed, StoreError> {
-    let expect_head = args.expect_head.as_deref();
-    if let Some(h) = expect_head {
-        if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(StoreError::Invalid {
+    let expect_head = match args.expect_head.as_deref() {
+        Some(h) => {
+            let (seq, hash) = parse_expected_head(h).map_err(|reason| StoreError::Invalid {
                 field: "--expect-head",
-                reason: format!("expected 64 hex digits, got {h:?}"),
-            });
+                reason,
+            })?;
+            Some(match seq {
+                Some(seq) => format!("{seq} {hash}"),
+                None => hash,
+            })
         }
-    }
-    let expect_head = expect_head.map(str::to_ascii_lowercase);
+        None => None,
+    };
     let verdict = match (&args.db, &args.export) {
         (Some(db), _) => AuditReader::open(db)?.verify(expect_head.as_deref())?,
         (None, Some(file)) => {
@@ -146,10 +166,14 @@ fn export(db: PathBuf, since: u64) -> Result<Printed, StoreError> {
     }
 }
 
-fn head(db: PathBuf) -> Result<Printed, StoreError> {
-    let text = match AuditReader::open(&db)?.head()? {
-        Some(h) => format!("{} {}\n", h.seq, h.hash),
-        None => format!("0 {GENESIS_PREV}\n"),
+fn head(db: PathBuf, format: HeadFormat) -> Result<Printed, StoreError> {
+    let (seq, hash) = match AuditReader::open(&db)?.head()? {
+        Some(h) => (h.seq, h.hash),
+        None => (0, GENESIS_PREV.to_owned()),
+    };
+    let text = match format {
+        HeadFormat::Text => format!("{seq} {hash}\n"),
+        HeadFormat::Json => format!("{}\n", serde_json::json!({ "seq": seq, "hash": hash })),
     };
     Ok(Printed::Text(text, ExitCode::SUCCESS))
 }
