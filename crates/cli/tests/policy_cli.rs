@@ -193,3 +193,43 @@ fn idempotent_write_post_without_a_key_header_fails_the_check() {
         "{stderr}"
     );
 }
+
+#[test]
+fn shipped_example_marks_required_keys_and_documents_every_default() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/backstop.yaml");
+    let text = std::fs::read_to_string(example).expect("read the example");
+    let line_of = |key: &str| {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(&format!("{key}:")))
+            .unwrap_or_else(|| panic!("{key} is in the example"))
+    };
+    for key in ["base_url", "secret_env", "by", "lookup"] {
+        assert!(line_of(key).contains("(required)"), "{}", line_of(key));
+    }
+    for (key, default) in [
+        ("store", "default: ./backstop.db"),
+        ("listen", "default: 127.0.0.1:8080"),
+        ("headroom", "default 0.8"),
+        ("reserve_interactive", "default 0.2"),
+        ("coalesce", "default false"),
+        ("honour_hints", "default true"),
+        ("dialect", "default generic"),
+        ("default_scopes", "default: every scope"),
+        ("min_delay_seconds", "default 1"),
+        ("idempotent_put_delete", "default false"),
+        ("window_seconds", "default 60"),
+        ("threshold", "default 3"),
+    ] {
+        assert!(line_of(key).contains(default), "{key}: {}", line_of(key));
+    }
+    let out = backstop()
+        .args(["policy", "check", example])
+        .output()
+        .expect("run backstop");
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        out.stderr.is_empty(),
+        "no warnings: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
