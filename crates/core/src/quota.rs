@@ -246,6 +246,12 @@ pub fn parse_quota(
     dialect: Dialect,
     received_at: Timestamp,
 ) -> Vec<QuotaObservation> {
+    // Skip the readers whose headers the response does not carry at all: most responses carry
+    // one family or none, and a header lookup by name costs far more than one pass over names.
+    let present = Families::of(headers);
+    if !(present.ietf || present.openai || present.anthropic || present.github) {
+        return Vec::new();
+    }
     let ctx = Ctx {
         headers,
         received_at,
@@ -256,19 +262,122 @@ pub fn parse_quota(
     };
     let generic = dialect == Dialect::Generic;
     let mut out = Vec::new();
-    if generic || dialect == Dialect::Ietf {
+    if present.ietf && (generic || dialect == Dialect::Ietf) {
         ietf(&ctx, &mut out);
     }
-    if generic || dialect == Dialect::Openai {
+    if present.openai && (generic || dialect == Dialect::Openai) {
         openai(&ctx, generic, &mut out);
     }
-    if generic || dialect == Dialect::Anthropic {
+    if present.anthropic && (generic || dialect == Dialect::Anthropic) {
         anthropic(&ctx, &mut out);
     }
-    if generic || dialect == Dialect::Github {
+    if present.github && (generic || dialect == Dialect::Github) {
         github(&ctx, generic, &mut out);
     }
     out
+}
+
+/// OpenAI's header names per policy: `x-ratelimit-{limit,remaining,reset}-{policy}`.
+const OPENAI_HEADERS: [(&str, [&str; 3]); 2] = [
+    (
+        "requests",
+        [
+            "x-ratelimit-limit-requests",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+        ],
+    ),
+    (
+        "tokens",
+        [
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+        ],
+    ),
+];
+
+/// Anthropic's header names per policy: `anthropic-ratelimit-{policy}-{limit,remaining,reset}`.
+const ANTHROPIC_HEADERS: [(&str, [&str; 3]); 4] = [
+    (
+        "requests",
+        [
+            "anthropic-ratelimit-requests-limit",
+            "anthropic-ratelimit-requests-remaining",
+            "anthropic-ratelimit-requests-reset",
+        ],
+    ),
+    (
+        "tokens",
+        [
+            "anthropic-ratelimit-tokens-limit",
+            "anthropic-ratelimit-tokens-remaining",
+            "anthropic-ratelimit-tokens-reset",
+        ],
+    ),
+    (
+        "input-tokens",
+        [
+            "anthropic-ratelimit-input-tokens-limit",
+            "anthropic-ratelimit-input-tokens-remaining",
+            "anthropic-ratelimit-input-tokens-reset",
+        ],
+    ),
+    (
+        "output-tokens",
+        [
+            "anthropic-ratelimit-output-tokens-limit",
+            "anthropic-ratelimit-output-tokens-remaining",
+            "anthropic-ratelimit-output-tokens-reset",
+        ],
+    ),
+];
+
+/// GitHub's header names (`x-ratelimit-{limit,remaining,used,reset,resource}`).
+const GITHUB_HEADERS: [&str; 5] = [
+    "x-ratelimit-limit",
+    "x-ratelimit-remaining",
+    "x-ratelimit-used",
+    "x-ratelimit-reset",
+    "x-ratelimit-resource",
+];
+
+/// Which dialects' headers a response carries at all, from one pass over its header names.
+///
+/// A reader whose family is absent cannot find a field, so skipping it changes no result; the
+/// test is exactly the set of names each reader looks up (IETF: every name starting with
+/// `ratelimit`, which covers `ratelimit`, `ratelimit-policy` and the older separate fields).
+#[derive(Debug, Clone, Copy, Default)]
+struct Families {
+    ietf: bool,
+    openai: bool,
+    anthropic: bool,
+    github: bool,
+}
+
+impl Families {
+    fn of(headers: &HeaderMap) -> Self {
+        let mut present = Families::default();
+        for name in headers.keys() {
+            // Header names are stored lowercase.
+            let name = name.as_str();
+            if name.starts_with("ratelimit") {
+                present.ietf = true;
+            } else if name.starts_with("x-ratelimit-") {
+                if OPENAI_HEADERS
+                    .iter()
+                    .any(|(_, names)| names.contains(&name))
+                {
+                    present.openai = true;
+                } else if GITHUB_HEADERS.contains(&name) {
+                    present.github = true;
+                }
+            } else if name.starts_with("anthropic-ratelimit-") {
+                present.anthropic = true;
+            }
+        }
+        present
+    }
 }
 
 fn sf_name(item: &sfv::BareItem) -> Option<String> {
@@ -395,12 +504,12 @@ fn ietf(ctx: &Ctx<'_>, out: &mut Vec<QuotaObservation>) {
 }
 
 fn openai(ctx: &Ctx<'_>, generic: bool, out: &mut Vec<QuotaObservation>) {
-    for policy in ["requests", "tokens"] {
-        let mut o = QuotaObservation::new(Dialect::Openai, Some(policy.to_owned()));
-        o.limit = ctx.uint(&format!("x-ratelimit-limit-{policy}"));
-        o.remaining = ctx.uint(&format!("x-ratelimit-remaining-{policy}"));
+    for (policy, [limit, remaining, reset]) in OPENAI_HEADERS {
+        let mut o = QuotaObservation::new(Dialect::Openai, None);
+        o.limit = ctx.uint(limit);
+        o.remaining = ctx.uint(remaining);
         o.reset_at = ctx
-            .text(&format!("x-ratelimit-reset-{policy}"))
+            .text(reset)
             .and_then(|v| {
                 parse_go_duration(v)
                     .ok()
@@ -408,21 +517,23 @@ fn openai(ctx: &Ctx<'_>, generic: bool, out: &mut Vec<QuotaObservation>) {
             })
             .and_then(|d| ctx.after(d));
         if !o.is_empty() {
+            o.policy = Some(policy.to_owned());
             out.push(o);
         }
     }
 }
 
 fn anthropic(ctx: &Ctx<'_>, out: &mut Vec<QuotaObservation>) {
-    for policy in ["requests", "tokens", "input-tokens", "output-tokens"] {
-        let mut o = QuotaObservation::new(Dialect::Anthropic, Some(policy.to_owned()));
-        o.limit = ctx.uint(&format!("anthropic-ratelimit-{policy}-limit"));
-        o.remaining = ctx.uint(&format!("anthropic-ratelimit-{policy}-remaining"));
+    for (policy, [limit, remaining, reset]) in ANTHROPIC_HEADERS {
+        let mut o = QuotaObservation::new(Dialect::Anthropic, None);
+        o.limit = ctx.uint(limit);
+        o.remaining = ctx.uint(remaining);
         o.reset_at = ctx
-            .text(&format!("anthropic-ratelimit-{policy}-reset"))
+            .text(reset)
             .and_then(|v| v.parse::<Timestamp>().ok())
             .and_then(|t| ctx.absolute(t));
         if !o.is_empty() {
+            o.policy = Some(policy.to_owned());
             out.push(o);
         }
     }
@@ -537,4 +648,106 @@ pub fn quota_boundary_with(
         None,
         Some(format!("remaining 0{read_as}; reset + 1 s safety margin")),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn only(name: &'static str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(name, http::HeaderValue::from_static("1"));
+        headers
+    }
+
+    /// What the test compares of one observation: dialect, policy, limit, remaining.
+    type Seen = (Dialect, Option<String>, Option<u64>, Option<u64>);
+
+    fn flags(f: Families) -> [bool; 4] {
+        [f.ietf, f.openai, f.anthropic, f.github]
+    }
+
+    #[test]
+    fn each_reader_name_marks_exactly_its_family() {
+        let ietf = [
+            "ratelimit",
+            "ratelimit-policy",
+            "ratelimit-limit",
+            "ratelimit-remaining",
+            "ratelimit-reset",
+        ];
+        for name in ietf {
+            assert_eq!(
+                flags(Families::of(&only(name))),
+                [true, false, false, false],
+                "{name}"
+            );
+        }
+        for name in OPENAI_HEADERS.iter().flat_map(|(_, names)| names) {
+            assert_eq!(
+                flags(Families::of(&only(name))),
+                [false, true, false, false],
+                "{name}"
+            );
+        }
+        for name in ANTHROPIC_HEADERS.iter().flat_map(|(_, names)| names) {
+            assert_eq!(
+                flags(Families::of(&only(name))),
+                [false, false, true, false],
+                "{name}"
+            );
+        }
+        for name in GITHUB_HEADERS {
+            assert_eq!(
+                flags(Families::of(&only(name))),
+                [false, false, false, true],
+                "{name}"
+            );
+        }
+        for name in ["retry-after", "date", "x-ratelimit-other", "x-should-retry"] {
+            assert_eq!(flags(Families::of(&only(name))), [false; 4], "{name}");
+        }
+    }
+
+    #[test]
+    fn names_are_those_the_readers_document() {
+        for (policy, [limit, remaining, reset]) in OPENAI_HEADERS {
+            assert_eq!(limit, format!("x-ratelimit-limit-{policy}"));
+            assert_eq!(remaining, format!("x-ratelimit-remaining-{policy}"));
+            assert_eq!(reset, format!("x-ratelimit-reset-{policy}"));
+        }
+        for (policy, [limit, remaining, reset]) in ANTHROPIC_HEADERS {
+            assert_eq!(limit, format!("anthropic-ratelimit-{policy}-limit"));
+            assert_eq!(remaining, format!("anthropic-ratelimit-{policy}-remaining"));
+            assert_eq!(reset, format!("anthropic-ratelimit-{policy}-reset"));
+        }
+    }
+
+    #[test]
+    fn generic_dialect_reads_every_family_of_one_response() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("ratelimit-limit", "100"),
+            ("x-ratelimit-remaining-requests", "7"),
+            ("anthropic-ratelimit-tokens-remaining", "9"),
+            ("x-ratelimit-used", "3"),
+            ("x-ratelimit-limit", "60"),
+        ] {
+            headers.insert(name, http::HeaderValue::from_static(value));
+        }
+        let now: Timestamp = "2026-03-01T12:00:00Z".parse().expect("timestamp");
+        let found: Vec<Seen> = parse_quota(&headers, Dialect::Generic, now)
+            .into_iter()
+            .map(|o| (o.dialect, o.policy, o.limit, o.remaining))
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                (Dialect::Ietf, None, Some(100), None),
+                (Dialect::Openai, Some("requests".into()), None, Some(7)),
+                (Dialect::Anthropic, Some("tokens".into()), None, Some(9)),
+                (Dialect::Github, None, Some(60), Some(57)),
+            ]
+        );
+    }
 }

@@ -410,8 +410,9 @@ fn split_candidates(raw: &str) -> Vec<String> {
     out
 }
 
-/// Picks the largest known boundary; if none is known, the first unknown (or `fallback`).
-fn largest(candidates: Vec<Boundary>, fallback: Boundary) -> Boundary {
+/// Picks the largest known boundary; if none is known, the first unknown (or `fallback()`, only
+/// built when needed: it allocates its reason).
+fn largest(candidates: Vec<Boundary>, fallback: impl FnOnce() -> Boundary) -> Boundary {
     let mut best: Option<Boundary> = None;
     let mut first_unknown: Option<Boundary> = None;
     for c in candidates {
@@ -429,7 +430,7 @@ fn largest(candidates: Vec<Boundary>, fallback: Boundary) -> Boundary {
             }
         }
     }
-    best.or(first_unknown).unwrap_or(fallback)
+    best.or(first_unknown).unwrap_or_else(fallback)
 }
 
 /// Normalizes one raw `Retry-After` value into a [`Boundary`] (RFC 9110 §10.2.3, SPEC §2.2).
@@ -448,6 +449,10 @@ pub fn normalize_value(
     received_at: Timestamp,
     opts: &RetryAfterOptions,
 ) -> Boundary {
+    // One value, as almost every server sends it: nothing to split.
+    if !raw.contains(',') {
+        return normalize_single(raw, date_header, received_at, opts);
+    }
     let candidates = split_candidates(raw);
     if candidates.len() <= 1 {
         return normalize_single(raw, date_header, received_at, opts);
@@ -464,14 +469,13 @@ pub fn normalize_value(
             }
         }
     }
-    largest(
-        results,
+    largest(results, || {
         Boundary::unknown(
             Some(raw),
             "no valid Retry-After value",
             Some(SOURCE_RETRY_AFTER),
-        ),
-    )
+        )
+    })
 }
 
 /// Normalizes one raw `retry-after-ms` value (milliseconds, decimals allowed; joined values →
@@ -511,10 +515,9 @@ fn normalize_ms_value(raw: &str, received_at: Timestamp, opts: &RetryAfterOption
             }
         })
         .collect();
-    largest(
-        results,
-        Boundary::unknown(Some(raw), "no valid retry-after-ms value", src),
-    )
+    largest(results, || {
+        Boundary::unknown(Some(raw), "no valid retry-after-ms value", src)
+    })
 }
 
 fn header_text(v: &http::HeaderValue) -> String {
@@ -543,23 +546,24 @@ pub fn normalize(
         .map(|v| normalize_ms_value(&header_text(v), received_at, opts))
         .collect();
     let ms_present = !ms.is_empty();
-    let ms_best = largest(ms, Boundary::unknown(None, "no retry-after-ms", None));
-    if ms_best.is_known() {
-        return ms_best;
-    }
+    // The best retry-after-ms candidate when the header was sent and none was usable.
+    let ms_best = if ms_present {
+        match largest(ms, || Boundary::unknown(None, "no retry-after-ms", None)) {
+            known if known.is_known() => return known,
+            unusable => Some(unusable),
+        }
+    } else {
+        None
+    };
     let ra: Vec<Boundary> = headers
         .get_all(http::header::RETRY_AFTER)
         .iter()
         .map(|v| normalize_value(&header_text(v), date.as_deref(), received_at, opts))
         .collect();
     if ra.is_empty() {
-        return if ms_present {
-            ms_best
-        } else {
-            Boundary::unknown(None, "no Retry-After", None)
-        };
+        return ms_best.unwrap_or_else(|| Boundary::unknown(None, "no Retry-After", None));
     }
-    let best = largest(ra, Boundary::unknown(None, "no Retry-After", None));
+    let best = largest(ra, || Boundary::unknown(None, "no Retry-After", None));
     match best {
         Boundary::Known {
             retry_not_before,
