@@ -1,0 +1,758 @@
+//! Writes that never duplicate, the last gaps, over loopback sockets: backstop (door + engine +
+//! SQLite store + upstream client) in front of the fake provider. Every count is measured at the
+//! fake provider's own attempt record.
+//!
+//! - agent idempotency keys: join while in flight (one create), 409 for a key unfinished in the
+//!   store but not running (after a restart);
+//! - operator decisions that act: `retry_same_key` sends exactly one more create with the SAME
+//!   key; `send_new` is refused without confirmation (422, nothing sent) and sends exactly one
+//!   new create with a NEW key with it; after a restart both answer `409 request_not_held`, and
+//!   the agent's same-key resubmission is sent as the same action;
+//! - the case file read over HTTP has every SPEC §8 item and no payload or credential.
+
+use std::{path::Path, time::Duration};
+
+use backstop_core::policy::Policy;
+use backstop_fake_api::{
+    AttemptRecord, FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig,
+};
+use backstop_gateway::server::{self, Running, ServeOptions};
+use backstop_store::{ActionId, SqliteStore, Store};
+use serde_json::{json, Value};
+
+const AGENT_TOKEN: &str = "agent-token-canary-7f3a";
+const OPERATOR_TOKEN: &str = "operator-token-canary-91bc";
+const PROVIDER_SECRET: &str = "sk-live-provider-canary-55de";
+/// Appears only inside request payloads: must never reach a case file.
+const PAYLOAD_CANARY: &str = "payload-canary-c0ffee";
+
+fn policy_yaml(base_url: &str) -> String {
+    format!(
+        r#"
+backoff:
+  base_seconds: 1
+  max_seconds: 2
+  boundary_spread_seconds: 0
+agents:
+  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+operators:
+  oncall: {{ token_env: OPS_TOKEN }}
+providers:
+  fake:
+    base_url: {base_url}
+    credential: {{ secret_env: FAKE_API_KEY }}
+    idempotency_header: Idempotency-Key
+    scopes:
+      account: {{ limit: 1000, window_seconds: 60 }}
+    routes:
+      "POST /v1/orders":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/orders?idempotency_key={{key}}"
+          found_pointer: /data/0/id
+          operation_id_pointer: /id
+      "GET /v1/orders": {{ class: read, scopes: [account] }}
+      "POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/transfers?idempotency_key={{key}}"
+          found_pointer: /data/0/id
+          operation_id_pointer: /id
+      "GET /v1/transfers": {{ class: read, scopes: [account] }}
+      "POST /v1/refunds": {{ class: idempotent_write, scopes: [account] }}
+"#
+    )
+}
+
+fn env(name: &str) -> Option<String> {
+    match name {
+        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
+        "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some(PROVIDER_SECRET.to_owned()),
+        _ => None,
+    }
+}
+
+async fn start_gateway(base_url: &str, dir: &Path) -> Running {
+    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "decisions.yaml").expect("policy");
+    let options = ServeOptions {
+        listen: Some("127.0.0.1:0".into()),
+        store: Some(dir.join("backstop.db")),
+        seed: 23,
+        shutdown_grace: Duration::from_secs(2),
+        ..ServeOptions::default()
+    };
+    server::start(policy, options, &env, server::engine)
+        .await
+        .expect("gateway starts")
+}
+
+fn create(collection: &str, prefix: &str) -> Handler {
+    Handler::Create {
+        collection: collection.into(),
+        id_prefix: prefix.into(),
+        reference_field: None,
+        unique_reference: false,
+    }
+}
+
+fn lookup(collection: &str) -> Handler {
+    Handler::Lookup {
+        collection: collection.into(),
+    }
+}
+
+/// The fake provider:
+/// - `POST /v1/orders` stores the first write and drops the connection; its lookup fails with
+///   500 the first time, so the write cannot be decided and is escalated;
+/// - `POST /v1/transfers` stores the first write, holds the connection 1.5 s, then drops it; its
+///   lookup finds it;
+/// - `POST /v1/refunds` answers the first call 503 with `Retry-After: 90`.
+fn fake() -> backstop_fake_api::RunningFake {
+    let config = FakeConfig::default()
+        .with_route(
+            RouteConfig::new("POST /v1/orders", create("orders", "or_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::StoreThenDrop { hold_ms: 0 },
+                )),
+        )
+        .with_route(
+            RouteConfig::new("GET /v1/orders", lookup("orders")).with_fault(FaultRule::on_calls(
+                [1],
+                Fault::Status {
+                    status: 500,
+                    retry_after: None,
+                    body: None,
+                },
+            )),
+        )
+        .with_route(
+            RouteConfig::new("POST /v1/transfers", create("transfers", "tr_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::StoreThenDrop { hold_ms: 1500 },
+                )),
+        )
+        .with_route(RouteConfig::new("GET /v1/transfers", lookup("transfers")))
+        .with_route(
+            RouteConfig::new("POST /v1/refunds", create("refunds", "re_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::Status {
+                        status: 503,
+                        retry_after: Some("90".into()),
+                        body: None,
+                    },
+                )),
+        );
+    FakeApi::start(config, "127.0.0.1:0".parse().expect("addr")).expect("fake provider starts")
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
+fn on_route<'a>(attempts: &'a [AttemptRecord], method: &str, path: &str) -> Vec<&'a AttemptRecord> {
+    attempts
+        .iter()
+        .filter(|a| a.method == method && a.path == path)
+        .collect()
+}
+
+fn action_id(response: &reqwest::Response) -> i64 {
+    response.headers()["backstop-action-id"]
+        .to_str()
+        .expect("text")
+        .parse()
+        .expect("number")
+}
+
+async fn json_of(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let bytes = response.bytes().await.expect("body");
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, body)
+}
+
+/// Sends the escalating order through the proxy door: the provider stores it, drops the
+/// connection, and its lookup fails, so the write is escalated. Returns the action id and key.
+async fn escalated_order(gateway: &Running, key: &str) -> i64 {
+    let response = client()
+        .post(format!("http://{}/fake/v1/orders", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-orders")
+        .header("Idempotency-Key", key)
+        .header("content-type", "application/json")
+        .body(format!(r#"{{"sku":"A-1","note":"{PAYLOAD_CANARY}"}}"#))
+        .send()
+        .await
+        .expect("request");
+    let id = action_id(&response);
+    let (_, body) = json_of(response).await;
+    assert_eq!(body["outcome"], "escalated", "{body}");
+    id
+}
+
+async fn escalation_of(gateway: &Running, action: i64) -> i64 {
+    let (status, list) = json_of(
+        client()
+            .get(format!("http://{}/v1/escalations", gateway.addr))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .expect("list"),
+    )
+    .await;
+    assert_eq!(status, 200, "{list}");
+    list["escalations"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .find(|e| e["action"] == action)
+        .unwrap_or_else(|| panic!("no escalation for action {action}: {list}"))["id"]
+        .as_i64()
+        .expect("id")
+}
+
+async fn decide(gateway: &Running, escalation: i64, body: Value) -> (u16, Value) {
+    json_of(
+        client()
+            .post(format!(
+                "http://{}/v1/escalations/{escalation}/decision",
+                gateway.addr
+            ))
+            .bearer_auth(OPERATOR_TOKEN)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("decision"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_same_key_sends_exactly_one_more_create_with_the_same_key() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let id = escalated_order(&gateway, "order-same-1").await;
+    let escalation = escalation_of(&gateway, id).await;
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 1);
+
+    let (status, answer) = decide(
+        &gateway,
+        escalation,
+        json!({"option": "retry_same_key", "note": "ledger shows nothing; token sk-live-abc123"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["effect_applied"], true, "{answer}");
+    assert_eq!(answer["action_outcome"], "succeeded", "{answer}");
+    assert_eq!(answer["decided_by"], "oncall");
+
+    let attempts = fake.attempts();
+    let creates = on_route(&attempts, "POST", "/v1/orders");
+    assert_eq!(creates.len(), 2, "exactly one more create: {attempts:?}");
+    assert!(
+        creates
+            .iter()
+            .all(|c| c.idempotency_key.as_deref() == Some("order-same-1")),
+        "the SAME key on both: {creates:?}"
+    );
+
+    // The note is kept (sanitized) and returned with the decision.
+    let (status, shown) = json_of(
+        client()
+            .get(format!(
+                "http://{}/v1/escalations/{escalation}",
+                gateway.addr
+            ))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .expect("show"),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(shown["decision"], "retry_same_key");
+    let note = shown["note"].as_str().expect("note kept");
+    assert!(note.starts_with("ledger shows nothing"), "{note}");
+    assert!(!note.contains("sk-live-abc123"), "secrets masked: {note}");
+    assert!(shown["decided_at"].is_string(), "{shown}");
+
+    gateway.shutdown().await.expect("shutdown");
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let record = store.action(ActionId(id)).expect("read").expect("action");
+    assert_eq!(record.outcome.map(|o| o.as_str()), Some("succeeded"));
+    assert_eq!(record.idempotency_key, "order-same-1");
+    let events: Vec<_> = store
+        .audit_events(0, 10_000)
+        .expect("audit")
+        .into_iter()
+        .filter(|e| e.action == Some(id))
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    let reopened = kinds
+        .iter()
+        .position(|k| *k == backstop_store::ACTION_REOPENED)
+        .unwrap_or_else(|| panic!("reopen audited: {kinds:?}"));
+    assert!(kinds[..reopened].contains(&"decision"), "{kinds:?}");
+    assert_eq!(
+        events[reopened].decided_by.as_deref(),
+        Some("oncall"),
+        "who decided"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "action_sent").count(),
+        2,
+        "{kinds:?}"
+    );
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_new_is_refused_without_confirmation_and_sends_one_new_create_with_a_new_key_with_it()
+{
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let id = escalated_order(&gateway, "order-new-1").await;
+    let escalation = escalation_of(&gateway, id).await;
+
+    let (status, problem) = decide(&gateway, escalation, json!({"option": "send_new"})).await;
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["type"], "urn:backstop:problem:decision_refused");
+    let (status, problem) = decide(
+        &gateway,
+        escalation,
+        json!({"option": "send_new", "confirm_second_side_effect": false}),
+    )
+    .await;
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(
+        on_route(&fake.attempts(), "POST", "/v1/orders").len(),
+        1,
+        "nothing sent when refused"
+    );
+
+    let (status, answer) = decide(
+        &gateway,
+        escalation,
+        json!({"option": "send_new", "confirm_second_side_effect": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["effect_applied"], true, "{answer}");
+    assert_eq!(answer["action_outcome"], "succeeded", "{answer}");
+    let new_action = answer["new_action"].as_i64().expect("new action id");
+    assert_ne!(new_action, id);
+
+    let attempts = fake.attempts();
+    let creates = on_route(&attempts, "POST", "/v1/orders");
+    assert_eq!(creates.len(), 2, "exactly one new create: {attempts:?}");
+    let new_key = creates[1].idempotency_key.clone().expect("a key");
+    assert_ne!(new_key, "order-new-1", "a NEW key");
+
+    gateway.shutdown().await.expect("shutdown");
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let old = store.action(ActionId(id)).expect("read").expect("old");
+    assert_eq!(old.outcome.map(|o| o.as_str()), Some("escalated"));
+    let new = store
+        .action(ActionId(new_action))
+        .expect("read")
+        .expect("new");
+    assert_eq!(new.idempotency_key, new_key);
+    assert_eq!(new.outcome.map(|o| o.as_str()), Some("succeeded"));
+    assert_eq!(new.task_id, old.task_id);
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_retry_same_key_is_409_and_the_agents_same_key_resubmission_is_the_same_action(
+) {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let id = escalated_order(&gateway, "order-restart-1").await;
+    gateway.shutdown().await.expect("shutdown");
+
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let escalation = escalation_of(&gateway, id).await;
+    let (status, problem) = decide(&gateway, escalation, json!({"option": "retry_same_key"})).await;
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["type"], "urn:backstop:problem:request_not_held");
+    assert_eq!(problem["decision_recorded"], true);
+    assert_eq!(problem["idempotency_key"], "order-restart-1");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .expect("detail")
+            .contains("resubmit the same payload with Idempotency-Key `order-restart-1`"),
+        "{problem}"
+    );
+    assert_eq!(
+        on_route(&fake.attempts(), "POST", "/v1/orders").len(),
+        1,
+        "nothing sent by the decision"
+    );
+
+    // The agent resubmits the same payload under the same key: sent as the same action.
+    let response = client()
+        .post(format!("http://{}/fake/v1/orders", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-orders")
+        .header("Idempotency-Key", "order-restart-1")
+        .header("content-type", "application/json")
+        .body(format!(r#"{{"sku":"A-1","note":"{PAYLOAD_CANARY}"}}"#))
+        .send()
+        .await
+        .expect("resubmission");
+    assert_eq!(action_id(&response), id, "the SAME logical action");
+    assert_eq!(response.status(), 201);
+    let attempts = fake.attempts();
+    let creates = on_route(&attempts, "POST", "/v1/orders");
+    assert_eq!(creates.len(), 2, "exactly one more create: {attempts:?}");
+    assert_eq!(
+        creates[1].idempotency_key.as_deref(),
+        Some("order-restart-1")
+    );
+
+    // Once done, the same key replays the stored outcome: no third create.
+    let again = client()
+        .post(format!("http://{}/fake/v1/orders", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-orders")
+        .header("Idempotency-Key", "order-restart-1")
+        .header("content-type", "application/json")
+        .body(format!(r#"{{"sku":"A-1","note":"{PAYLOAD_CANARY}"}}"#))
+        .send()
+        .await
+        .expect("replay");
+    assert_eq!(action_id(&again), id);
+    let (_, body) = json_of(again).await;
+    assert_eq!(body["outcome"], "succeeded", "{body}");
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 2);
+
+    gateway.shutdown().await.expect("shutdown");
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let record = store.action(ActionId(id)).expect("read").expect("action");
+    assert_eq!(record.outcome.map(|o| o.as_str()), Some("succeeded"));
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_send_new_is_409_and_nothing_is_sent() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let id = escalated_order(&gateway, "order-restart-2").await;
+    gateway.shutdown().await.expect("shutdown");
+
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let escalation = escalation_of(&gateway, id).await;
+    let (status, problem) = decide(
+        &gateway,
+        escalation,
+        json!({"option": "send_new", "confirm_second_side_effect": true}),
+    )
+    .await;
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["type"], "urn:backstop:problem:request_not_held");
+    assert!(problem["idempotency_key"].is_null(), "{problem}");
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 1);
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_case_file_has_every_spec_item_and_no_payload_or_credential() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let base = format!("http://{}", gateway.addr);
+    // Submitted through the action API, with the desired outcome in words.
+    let (status, accepted) = json_of(
+        client()
+            .post(format!("{base}/v1/actions"))
+            .bearer_auth(AGENT_TOKEN)
+            .header("content-type", "application/json")
+            .body(
+                json!({
+                    "provider": "fake",
+                    "method": "POST",
+                    "path": "/v1/orders",
+                    "task": "run-case",
+                    "idempotency_key": "order-case-1",
+                    "headers": {"content-type": "application/json"},
+                    "body": format!(r#"{{"sku":"C-3","note":"{PAYLOAD_CANARY}"}}"#),
+                    "desired_outcome": "order B-2 placed exactly once"
+                })
+                .to_string(),
+            )
+            .send()
+            .await
+            .expect("submit"),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["id"].as_i64().expect("id");
+    let (_, view) = json_of(
+        client()
+            .get(format!("{base}/v1/actions/{id}?wait=10s"))
+            .bearer_auth(AGENT_TOKEN)
+            .send()
+            .await
+            .expect("poll"),
+    )
+    .await;
+    assert_eq!(view["outcome"], "escalated", "{view}");
+    let escalation = escalation_of(&gateway, id).await;
+    let response = client()
+        .get(format!("{base}/v1/escalations/{escalation}"))
+        .bearer_auth(OPERATOR_TOKEN)
+        .send()
+        .await
+        .expect("show");
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.expect("text");
+    for canary in [
+        PAYLOAD_CANARY,
+        AGENT_TOKEN,
+        OPERATOR_TOKEN,
+        PROVIDER_SECRET,
+        "C-3",
+    ] {
+        assert!(!text.contains(canary), "`{canary}` leaked: {text}");
+    }
+    let shown: Value = serde_json::from_str(&text).expect("json");
+    let case = &shown["case_file"];
+    // SPEC §8, item by item.
+    assert_eq!(
+        case["desired_outcome"], "order B-2 placed exactly once",
+        "{case:#}"
+    );
+    assert_eq!(case["action"]["method"], "POST");
+    assert_eq!(case["action"]["route"], "/v1/orders");
+    assert_eq!(case["action"]["task_id"], "run-case");
+    let digest = case["action"]["payload_digest"].as_str().expect("digest");
+    assert_eq!(
+        digest.len(),
+        64,
+        "the payload only as its SHA-256: {digest}"
+    );
+    assert_eq!(case["provider"], "fake");
+    assert!(case["endpoint"]
+        .as_str()
+        .expect("endpoint")
+        .contains("/v1/orders"));
+    assert_eq!(case["scopes"], json!(["fake/account"]));
+    assert!(!case["fingerprint"]
+        .as_str()
+        .expect("fingerprint")
+        .is_empty());
+    let attempts = case["attempts"].as_array().expect("attempts");
+    assert_eq!(attempts.len(), 1, "{case:#}");
+    let attempt = &attempts[0];
+    assert!(attempt["started_at"].is_string(), "{attempt}");
+    assert!(attempt["finished_at"].is_string(), "{attempt}");
+    assert_eq!(attempt["disposition"], "uncertain");
+    for field in [
+        "status",
+        "retry_after_raw",
+        "retry_not_before",
+        "quota_headers",
+    ] {
+        assert!(
+            attempt.get(field).is_some(),
+            "attempt lacks `{field}`: {attempt}"
+        );
+    }
+    let budget = &case["budget"];
+    assert_eq!(budget["attempts_used"], 1, "{budget}");
+    for field in ["max_attempts", "wait_used_ms", "max_wait_ms"] {
+        assert!(budget[field].is_u64(), "budget lacks `{field}`: {budget}");
+    }
+    assert_eq!(case["idempotency_key"], "order-case-1");
+    assert!(case.get("provider_operation_id").is_some(), "{case:#}");
+    assert_eq!(
+        case["reconciliation_query"],
+        "GET /v1/orders?idempotency_key={key}"
+    );
+    let options = case["options"].as_array().expect("options");
+    let offered: Vec<&str> = options
+        .iter()
+        .map(|o| o["option"].as_str().expect("option"))
+        .collect();
+    for option in ["query_status", "retry_same_key", "abort", "send_new"] {
+        assert!(
+            offered.contains(&option),
+            "`{option}` not offered: {offered:?}"
+        );
+    }
+    for option in options {
+        assert!(
+            !option["risk"].as_str().expect("risk").is_empty(),
+            "{option}"
+        );
+    }
+    let send_new = options
+        .iter()
+        .find(|o| o["option"] == "send_new")
+        .expect("send_new");
+    assert!(
+        send_new["risk"].as_str().expect("risk").contains("second"),
+        "send_new states the second side effect: {send_new}"
+    );
+
+    // Revealing the payload is refused and audited as its own access decision.
+    let (status, problem) = json_of(
+        client()
+            .post(format!("{base}/v1/escalations/{escalation}/reveal"))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .expect("reveal"),
+    )
+    .await;
+    assert_eq!(status, 404, "{problem}");
+    assert_eq!(problem["type"], "urn:backstop:problem:payload_not_stored");
+    gateway.shutdown().await.expect("shutdown");
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let events = store.audit_events(0, 10_000).expect("audit");
+    let access = events
+        .iter()
+        .find(|e| e.kind == backstop_store::ACCESS_DECISION)
+        .expect("the reveal request is audited");
+    assert_eq!(access.escalation, Some(escalation));
+    assert_eq!(access.decision.as_deref(), Some("reveal_payload"));
+    assert_eq!(access.decided_by.as_deref(), Some("oncall"));
+    assert!(
+        !events.iter().any(|e| e.kind == "decision"),
+        "access is not a decision on the action"
+    );
+    assert_eq!(store.open_escalations().expect("open").len(), 1);
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_while_in_flight_joins_the_running_action_with_one_create() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let url = format!("http://{}/fake/v1/transfers", gateway.addr);
+    let send = || {
+        client()
+            .post(&url)
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-join")
+            .header("Idempotency-Key", "transfer-join-1")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":42}"#)
+            .send()
+    };
+    let first = tokio::spawn(send());
+    // The fake holds the first create for 1.5 s after storing it; join while it does.
+    let mut polls = 0;
+    while on_route(&fake.attempts(), "POST", "/v1/transfers").is_empty() {
+        polls += 1;
+        assert!(polls < 500, "the first create never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = send().await.expect("second");
+    let first = first.await.expect("joined task").expect("first");
+    assert_eq!(action_id(&first), action_id(&second), "one logical action");
+    let (_, a) = json_of(first).await;
+    let (_, b) = json_of(second).await;
+    assert_eq!(a["outcome"], "succeeded", "{a}");
+    assert_eq!(
+        b["outcome"], "succeeded",
+        "the join gets the same outcome: {b}"
+    );
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/transfers").len(),
+        1,
+        "one create: {attempts:?}"
+    );
+    assert_eq!(on_route(&attempts, "GET", "/v1/transfers").len(), 1);
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_unfinished_in_the_store_but_not_running_after_a_restart_is_409() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let url = format!("http://{}/fake/v1/refunds", gateway.addr);
+    let send = |prefer: Option<&'static str>| {
+        let mut request = client()
+            .post(&url)
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-refund")
+            .header("Idempotency-Key", "refund-waiting-1")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":3}"#);
+        if let Some(prefer) = prefer {
+            request = request.header("prefer", prefer);
+        }
+        request.send()
+    };
+    // 503 with Retry-After: 90 → a durable retry in 90 s; the gateway then stops.
+    let accepted = send(Some("respond-async")).await.expect("submit");
+    assert_eq!(accepted.status(), 202);
+    let id = action_id(&accepted);
+    let mut polls = 0;
+    loop {
+        let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+        if !store.scheduled_retries().expect("retries").is_empty() {
+            break;
+        }
+        polls += 1;
+        assert!(polls < 500, "no retry was scheduled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gateway.shutdown().await.expect("shutdown");
+
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let url2 = format!("http://{}/fake/v1/refunds", gateway.addr);
+    let response = client()
+        .post(&url2)
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-refund")
+        .header("Idempotency-Key", "refund-waiting-1")
+        .header("content-type", "application/json")
+        .body(r#"{"amount":3}"#)
+        .send()
+        .await
+        .expect("resubmission");
+    assert_eq!(response.status(), 409);
+    assert_eq!(response.headers()["x-should-retry"], "false");
+    let (_, problem) = json_of(response).await;
+    assert_eq!(
+        problem["type"], "urn:backstop:problem:idempotency_key_in_flight",
+        "{problem}"
+    );
+    assert_eq!(problem["action_id"], id);
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/refunds").len(),
+        1,
+        "nothing sent for the refused request: {attempts:?}"
+    );
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
