@@ -20,6 +20,8 @@ use backstop_gateway::{
     upstream::UpstreamConfig,
 };
 
+use crate::cmd::output::errln;
+
 /// Arguments of `backstop serve`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -63,9 +65,9 @@ pub fn run(args: Args) -> ExitCode {
         Ok(policy) => policy,
         Err(errors) => {
             for error in &errors.0 {
-                eprintln!("{error}");
+                errln!("{error}");
             }
-            eprintln!(
+            errln!(
                 "backstop serve: the policy {} is invalid",
                 args.config.display()
             );
@@ -73,14 +75,15 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     if args.retry_body_bytes > args.max_body_bytes {
-        eprintln!(
+        errln!(
             "backstop serve: --retry-body-bytes ({}) must not exceed --max-body-bytes ({})",
-            args.retry_body_bytes, args.max_body_bytes
+            args.retry_body_bytes,
+            args.max_body_bytes
         );
         return ExitCode::from(2);
     }
     if args.attempt_timeout_seconds == 0 {
-        eprintln!("backstop serve: --attempt-timeout-seconds must be at least 1");
+        errln!("backstop serve: --attempt-timeout-seconds must be at least 1");
         return ExitCode::from(2);
     }
     let options = ServeOptions {
@@ -105,7 +108,7 @@ pub fn run(args: Args) -> ExitCode {
     {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("backstop serve: cannot start the async runtime: {e}");
+            errln!("backstop serve: cannot start the async runtime: {e}");
             return ExitCode::from(2);
         }
     };
@@ -113,7 +116,7 @@ pub fn run(args: Args) -> ExitCode {
         let mut running = match server::start(policy, options, &process_env, server::engine).await {
             Ok(running) => running,
             Err(e) => {
-                eprintln!("backstop serve: {e}");
+                errln!("backstop serve: {e}");
                 return ExitCode::from(2);
             }
         };
@@ -121,7 +124,7 @@ pub fn run(args: Args) -> ExitCode {
             () = stop_signal() => {}
             result = running.wait() => {
                 if let Err(e) = result {
-                    eprintln!("backstop serve: the server stopped: {e}");
+                    errln!("backstop serve: the server stopped: {e}");
                 }
                 return ExitCode::from(1);
             }
@@ -133,7 +136,7 @@ pub fn run(args: Args) -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("backstop serve: error while stopping: {e}");
+                errln!("backstop serve: error while stopping: {e}");
                 ExitCode::from(1)
             }
         }
