@@ -756,3 +756,52 @@ async fn a_key_unfinished_in_the_store_but_not_running_after_a_restart_is_409() 
     gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_carry_no_idempotency_key_in_the_store_or_the_audit_log() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let read = || {
+        client()
+            .get(format!(
+                "http://{}/fake/v1/transfers?idempotency_key=none",
+                gateway.addr
+            ))
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-reads")
+            .send()
+    };
+    let first = read().await.expect("first read");
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().get("idempotency-key").is_none());
+    let second = read().await.expect("second read");
+    assert_ne!(
+        action_id(&first),
+        action_id(&second),
+        "each read is its own action"
+    );
+    let ids = [action_id(&first), action_id(&second)];
+    let attempts = fake.attempts();
+    let reads = on_route(&attempts, "GET", "/v1/transfers");
+    assert_eq!(reads.len(), 2, "{attempts:?}");
+    assert!(reads.iter().all(|r| r.idempotency_key.is_none()));
+    gateway.shutdown().await.expect("shutdown");
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    for id in ids {
+        let record = store.action(ActionId(id)).expect("read").expect("action");
+        assert_eq!(record.key(), None, "{record:?}");
+    }
+    let events: Vec<_> = store
+        .audit_events(0, 10_000)
+        .expect("audit")
+        .into_iter()
+        .filter(|e| e.action.is_some_and(|a| ids.contains(&a)))
+        .collect();
+    assert!(!events.is_empty());
+    assert!(
+        events.iter().all(|e| e.idempotency_key.is_none()),
+        "{events:#?}"
+    );
+    fake.shutdown().await;
+}
