@@ -370,11 +370,11 @@ fn status_disposition(status: u16, headers: &HeaderMap, rules: &ClassifyRules) -
         409 => Disposition::Conflict,
         403 => {
             let exhausted = headers
-                .get_all("x-ratelimit-remaining")
+                .get_all(&X_RATELIMIT_REMAINING)
                 .iter()
                 .any(|v| v.to_str().map(|s| s.trim() == "0").unwrap_or(false));
             let has_retry_after = headers.contains_key(http::header::RETRY_AFTER)
-                || headers.contains_key("retry-after-ms");
+                || headers.contains_key(&RETRY_AFTER_MS);
             if exhausted || has_retry_after {
                 Disposition::RateLimited
             } else {
@@ -402,8 +402,15 @@ fn class_allows(disposition: Disposition, status: u16, rules: &ClassifyRules, kn
     }
 }
 
+/// Hint header names, looked up as [`HeaderName`]s (no name parsing per lookup).
+static X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+static STRIPE_SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
+static X_ENVOY_RATELIMITED: HeaderName = HeaderName::from_static("x-envoy-ratelimited");
+static X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+static RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+
 fn read_hint(headers: &HeaderMap) -> Option<(String, String, Option<bool>)> {
-    ["x-should-retry", "stripe-should-retry"]
+    [&X_SHOULD_RETRY, &STRIPE_SHOULD_RETRY]
         .into_iter()
         .find_map(|name| {
             let v = headers.get(name)?;
@@ -413,7 +420,7 @@ fn read_hint(headers: &HeaderMap) -> Option<(String, String, Option<bool>)> {
                 "false" => Some(false),
                 _ => None,
             };
-            Some((name.to_owned(), raw, meaning))
+            Some((name.as_str().to_owned(), raw, meaning))
         })
 }
 
@@ -578,7 +585,7 @@ pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Tim
             disposition = Disposition::QuotaExhausted;
         }
         // 3. Envoy's rate-limit mark, even on 503.
-        if headers.contains_key("x-envoy-ratelimited")
+        if headers.contains_key(&X_ENVOY_RATELIMITED)
             && !matches!(disposition, Disposition::QuotaExhausted)
         {
             disposition = Disposition::RateLimited;

@@ -36,6 +36,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use http::header::{AsHeaderName, HeaderName};
 use http::HeaderMap;
 use jiff::{SignedDuration, Timestamp};
 use serde::{Deserialize, Serialize, Serializer};
@@ -166,7 +167,7 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn text(&self, name: &str) -> Option<&str> {
+    fn text(&self, name: impl AsHeaderName) -> Option<&str> {
         self.headers
             .get(name)
             .and_then(|v| v.to_str().ok())
@@ -174,7 +175,7 @@ impl Ctx<'_> {
             .filter(|s| !s.is_empty())
     }
 
-    fn uint(&self, name: &str) -> Option<u64> {
+    fn uint(&self, name: impl AsHeaderName) -> Option<u64> {
         self.text(name).and_then(parse_uint)
     }
 
@@ -277,69 +278,76 @@ pub fn parse_quota(
     out
 }
 
-/// OpenAI's header names per policy: `x-ratelimit-{limit,remaining,reset}-{policy}`.
-const OPENAI_HEADERS: [(&str, [&str; 3]); 2] = [
+/// OpenAI's header names per policy: `x-ratelimit-{limit,remaining,reset}-{policy}`. Looked up as
+/// [`HeaderName`]s, which skips the name parsing a lookup by `&str` repeats on every call.
+static OPENAI_HEADERS: [(&str, [HeaderName; 3]); 2] = [
     (
         "requests",
         [
-            "x-ratelimit-limit-requests",
-            "x-ratelimit-remaining-requests",
-            "x-ratelimit-reset-requests",
+            HeaderName::from_static("x-ratelimit-limit-requests"),
+            HeaderName::from_static("x-ratelimit-remaining-requests"),
+            HeaderName::from_static("x-ratelimit-reset-requests"),
         ],
     ),
     (
         "tokens",
         [
-            "x-ratelimit-limit-tokens",
-            "x-ratelimit-remaining-tokens",
-            "x-ratelimit-reset-tokens",
+            HeaderName::from_static("x-ratelimit-limit-tokens"),
+            HeaderName::from_static("x-ratelimit-remaining-tokens"),
+            HeaderName::from_static("x-ratelimit-reset-tokens"),
         ],
     ),
 ];
 
 /// Anthropic's header names per policy: `anthropic-ratelimit-{policy}-{limit,remaining,reset}`.
-const ANTHROPIC_HEADERS: [(&str, [&str; 3]); 4] = [
+static ANTHROPIC_HEADERS: [(&str, [HeaderName; 3]); 4] = [
     (
         "requests",
         [
-            "anthropic-ratelimit-requests-limit",
-            "anthropic-ratelimit-requests-remaining",
-            "anthropic-ratelimit-requests-reset",
+            HeaderName::from_static("anthropic-ratelimit-requests-limit"),
+            HeaderName::from_static("anthropic-ratelimit-requests-remaining"),
+            HeaderName::from_static("anthropic-ratelimit-requests-reset"),
         ],
     ),
     (
         "tokens",
         [
-            "anthropic-ratelimit-tokens-limit",
-            "anthropic-ratelimit-tokens-remaining",
-            "anthropic-ratelimit-tokens-reset",
+            HeaderName::from_static("anthropic-ratelimit-tokens-limit"),
+            HeaderName::from_static("anthropic-ratelimit-tokens-remaining"),
+            HeaderName::from_static("anthropic-ratelimit-tokens-reset"),
         ],
     ),
     (
         "input-tokens",
         [
-            "anthropic-ratelimit-input-tokens-limit",
-            "anthropic-ratelimit-input-tokens-remaining",
-            "anthropic-ratelimit-input-tokens-reset",
+            HeaderName::from_static("anthropic-ratelimit-input-tokens-limit"),
+            HeaderName::from_static("anthropic-ratelimit-input-tokens-remaining"),
+            HeaderName::from_static("anthropic-ratelimit-input-tokens-reset"),
         ],
     ),
     (
         "output-tokens",
         [
-            "anthropic-ratelimit-output-tokens-limit",
-            "anthropic-ratelimit-output-tokens-remaining",
-            "anthropic-ratelimit-output-tokens-reset",
+            HeaderName::from_static("anthropic-ratelimit-output-tokens-limit"),
+            HeaderName::from_static("anthropic-ratelimit-output-tokens-remaining"),
+            HeaderName::from_static("anthropic-ratelimit-output-tokens-reset"),
         ],
     ),
 ];
 
+static GITHUB_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+static GITHUB_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+static GITHUB_USED: HeaderName = HeaderName::from_static("x-ratelimit-used");
+static GITHUB_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+static GITHUB_RESOURCE: HeaderName = HeaderName::from_static("x-ratelimit-resource");
+
 /// GitHub's header names (`x-ratelimit-{limit,remaining,used,reset,resource}`).
-const GITHUB_HEADERS: [&str; 5] = [
-    "x-ratelimit-limit",
-    "x-ratelimit-remaining",
-    "x-ratelimit-used",
-    "x-ratelimit-reset",
-    "x-ratelimit-resource",
+static GITHUB_HEADERS: [&HeaderName; 5] = [
+    &GITHUB_LIMIT,
+    &GITHUB_REMAINING,
+    &GITHUB_USED,
+    &GITHUB_RESET,
+    &GITHUB_RESOURCE,
 ];
 
 /// Which dialects' headers a response carries at all, from one pass over its header names.
@@ -358,18 +366,15 @@ struct Families {
 impl Families {
     fn of(headers: &HeaderMap) -> Self {
         let mut present = Families::default();
-        for name in headers.keys() {
+        for key in headers.keys() {
             // Header names are stored lowercase.
-            let name = name.as_str();
+            let name = key.as_str();
             if name.starts_with("ratelimit") {
                 present.ietf = true;
             } else if name.starts_with("x-ratelimit-") {
-                if OPENAI_HEADERS
-                    .iter()
-                    .any(|(_, names)| names.contains(&name))
-                {
+                if OPENAI_HEADERS.iter().any(|(_, names)| names.contains(key)) {
                     present.openai = true;
-                } else if GITHUB_HEADERS.contains(&name) {
+                } else if GITHUB_HEADERS.contains(&key) {
                     present.github = true;
                 }
             } else if name.starts_with("anthropic-ratelimit-") {
@@ -504,7 +509,7 @@ fn ietf(ctx: &Ctx<'_>, out: &mut Vec<QuotaObservation>) {
 }
 
 fn openai(ctx: &Ctx<'_>, generic: bool, out: &mut Vec<QuotaObservation>) {
-    for (policy, [limit, remaining, reset]) in OPENAI_HEADERS {
+    for (policy, [limit, remaining, reset]) in &OPENAI_HEADERS {
         let mut o = QuotaObservation::new(Dialect::Openai, None);
         o.limit = ctx.uint(limit);
         o.remaining = ctx.uint(remaining);
@@ -517,14 +522,14 @@ fn openai(ctx: &Ctx<'_>, generic: bool, out: &mut Vec<QuotaObservation>) {
             })
             .and_then(|d| ctx.after(d));
         if !o.is_empty() {
-            o.policy = Some(policy.to_owned());
+            o.policy = Some(String::from(*policy));
             out.push(o);
         }
     }
 }
 
 fn anthropic(ctx: &Ctx<'_>, out: &mut Vec<QuotaObservation>) {
-    for (policy, [limit, remaining, reset]) in ANTHROPIC_HEADERS {
+    for (policy, [limit, remaining, reset]) in &ANTHROPIC_HEADERS {
         let mut o = QuotaObservation::new(Dialect::Anthropic, None);
         o.limit = ctx.uint(limit);
         o.remaining = ctx.uint(remaining);
@@ -533,7 +538,7 @@ fn anthropic(ctx: &Ctx<'_>, out: &mut Vec<QuotaObservation>) {
             .and_then(|v| v.parse::<Timestamp>().ok())
             .and_then(|t| ctx.absolute(t));
         if !o.is_empty() {
-            o.policy = Some(policy.to_owned());
+            o.policy = Some(String::from(*policy));
             out.push(o);
         }
     }
@@ -542,14 +547,14 @@ fn anthropic(ctx: &Ctx<'_>, out: &mut Vec<QuotaObservation>) {
 fn github(ctx: &Ctx<'_>, generic: bool, out: &mut Vec<QuotaObservation>) {
     let mut o = QuotaObservation::new(
         Dialect::Github,
-        ctx.text("x-ratelimit-resource").map(str::to_owned),
+        ctx.text(&GITHUB_RESOURCE).map(str::to_owned),
     );
-    o.limit = ctx.uint("x-ratelimit-limit");
-    o.remaining = ctx.uint("x-ratelimit-remaining").or_else(|| {
-        let used = ctx.uint("x-ratelimit-used")?;
+    o.limit = ctx.uint(&GITHUB_LIMIT);
+    o.remaining = ctx.uint(&GITHUB_REMAINING).or_else(|| {
+        let used = ctx.uint(&GITHUB_USED)?;
         Some(o.limit?.saturating_sub(used))
     });
-    if let Some(v) = ctx.text("x-ratelimit-reset") {
+    if let Some(v) = ctx.text(&GITHUB_RESET) {
         if generic {
             // Reset headers named like GitHub's but meaning seconds-until-reset (Modrinth): only
             // the epoch-seconds reading is GitHub's; the others are labelled `generic`.
@@ -654,9 +659,9 @@ pub fn quota_boundary_with(
 mod tests {
     use super::*;
 
-    fn only(name: &'static str) -> HeaderMap {
+    fn only(name: &HeaderName) -> HeaderMap {
         let mut headers = HeaderMap::new();
-        headers.insert(name, http::HeaderValue::from_static("1"));
+        headers.insert(name.clone(), http::HeaderValue::from_static("1"));
         headers
     }
 
@@ -676,9 +681,9 @@ mod tests {
             "ratelimit-remaining",
             "ratelimit-reset",
         ];
-        for name in ietf {
+        for name in ietf.map(HeaderName::from_static) {
             assert_eq!(
-                flags(Families::of(&only(name))),
+                flags(Families::of(&only(&name))),
                 [true, false, false, false],
                 "{name}"
             );
@@ -704,22 +709,36 @@ mod tests {
                 "{name}"
             );
         }
-        for name in ["retry-after", "date", "x-ratelimit-other", "x-should-retry"] {
-            assert_eq!(flags(Families::of(&only(name))), [false; 4], "{name}");
+        for name in ["retry-after", "date", "x-ratelimit-other", "x-should-retry"]
+            .map(HeaderName::from_static)
+        {
+            assert_eq!(flags(Families::of(&only(&name))), [false; 4], "{name}");
         }
     }
 
     #[test]
     fn names_are_those_the_readers_document() {
-        for (policy, [limit, remaining, reset]) in OPENAI_HEADERS {
-            assert_eq!(limit, format!("x-ratelimit-limit-{policy}"));
-            assert_eq!(remaining, format!("x-ratelimit-remaining-{policy}"));
-            assert_eq!(reset, format!("x-ratelimit-reset-{policy}"));
+        for (policy, [limit, remaining, reset]) in &OPENAI_HEADERS {
+            assert_eq!(limit.as_str(), format!("x-ratelimit-limit-{policy}"));
+            assert_eq!(
+                remaining.as_str(),
+                format!("x-ratelimit-remaining-{policy}")
+            );
+            assert_eq!(reset.as_str(), format!("x-ratelimit-reset-{policy}"));
         }
-        for (policy, [limit, remaining, reset]) in ANTHROPIC_HEADERS {
-            assert_eq!(limit, format!("anthropic-ratelimit-{policy}-limit"));
-            assert_eq!(remaining, format!("anthropic-ratelimit-{policy}-remaining"));
-            assert_eq!(reset, format!("anthropic-ratelimit-{policy}-reset"));
+        for (policy, [limit, remaining, reset]) in &ANTHROPIC_HEADERS {
+            assert_eq!(
+                limit.as_str(),
+                format!("anthropic-ratelimit-{policy}-limit")
+            );
+            assert_eq!(
+                remaining.as_str(),
+                format!("anthropic-ratelimit-{policy}-remaining")
+            );
+            assert_eq!(
+                reset.as_str(),
+                format!("anthropic-ratelimit-{policy}-reset")
+            );
         }
     }
 

@@ -43,6 +43,9 @@ pub const SOURCE_RETRY_AFTER: &str = "Retry-After";
 /// Name used in [`Boundary`] `source` for OpenAI/Azure's millisecond header.
 pub const SOURCE_RETRY_AFTER_MS: &str = "retry-after-ms";
 
+/// The `retry-after-ms` header as a [`http::HeaderName`] (no name parsing per lookup).
+static RETRY_AFTER_MS_HEADER: http::HeaderName = http::HeaderName::from_static("retry-after-ms");
+
 /// Limits applied while normalizing a Retry-After value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryAfterOptions {
@@ -541,7 +544,7 @@ pub fn normalize(
 ) -> Boundary {
     let date = headers.get(http::header::DATE).map(header_text);
     let ms: Vec<Boundary> = headers
-        .get_all(SOURCE_RETRY_AFTER_MS)
+        .get_all(&RETRY_AFTER_MS_HEADER)
         .iter()
         .map(|v| normalize_ms_value(&header_text(v), received_at, opts))
         .collect();
