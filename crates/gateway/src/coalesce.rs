@@ -8,7 +8,7 @@
 //! How: the first caller for a key becomes the *leader* and runs the action; later callers
 //! subscribe as *followers*. When the leader finishes it removes the key (under the table's lock,
 //! so no follower can subscribe afterwards) and, only if followers are waiting, shares one
-//! [`Shared`] copy of the result. Sharing means buffering: a shared 2xx body is read fully into
+//! `Shared` copy of the result. Sharing means buffering: a shared 2xx body is read fully into
 //! memory (bounded by [`SHARED_BODY_LIMIT`]) and each waiter gets the same status, headers and a
 //! copy of the bytes. Without followers nothing is buffered and 2xx bodies stream as usual. A
 //! leader that disappears (its client disconnected) drops its entry; its followers then start

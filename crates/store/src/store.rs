@@ -40,7 +40,10 @@ pub trait Store: Send + Sync {
 
     /// Records a new logical action with its idempotency key before its first send
     /// (audits `action_requested`). A key the agent already used with the same payload digest
-    /// returns [`Admission::Existing`] and writes nothing (IETF Idempotency-Key draft).
+    /// returns [`Admission::Existing`] and writes nothing (IETF Idempotency-Key draft); the
+    /// caller replays it when finished, joins it while it runs, and sends it again when it is
+    /// [`crate::model::ActionState::Reopened`]. A read passes an empty key: it is stored without
+    /// one and never found again by key.
     ///
     /// # Errors
     /// [`StoreError::KeyReuse`] for the same key with a different payload (answer 422);
