@@ -163,7 +163,6 @@ impl QuotaObservation {
 struct Ctx<'a> {
     headers: &'a HeaderMap,
     received_at: Timestamp,
-    server_date: Option<Timestamp>,
 }
 
 impl Ctx<'_> {
@@ -185,9 +184,17 @@ impl Ctx<'_> {
         self.received_at.checked_add(d).ok()
     }
 
+    /// The server's `Date`, parsed only when an absolute reset needs it.
+    fn server_date(&self) -> Option<Timestamp> {
+        self.headers
+            .get(http::header::DATE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_http_date)
+    }
+
     /// Maps a server-clock instant onto the local timeline using `Date` when present.
     fn absolute(&self, at: Timestamp) -> Option<Timestamp> {
-        match self.server_date {
+        match self.server_date() {
             Some(date) => {
                 let delta = date.duration_until(at);
                 self.received_at.checked_add(delta).ok()
@@ -256,10 +263,6 @@ pub fn parse_quota(
     let ctx = Ctx {
         headers,
         received_at,
-        server_date: headers
-            .get(http::header::DATE)
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_http_date),
     };
     let generic = dialect == Dialect::Generic;
     let mut out = Vec::new();

@@ -415,7 +415,10 @@ fn split_candidates(raw: &str) -> Vec<String> {
 
 /// Picks the largest known boundary; if none is known, the first unknown (or `fallback()`, only
 /// built when needed: it allocates its reason).
-fn largest(candidates: Vec<Boundary>, fallback: impl FnOnce() -> Boundary) -> Boundary {
+fn largest(
+    candidates: impl IntoIterator<Item = Boundary>,
+    fallback: impl FnOnce() -> Boundary,
+) -> Boundary {
     let mut best: Option<Boundary> = None;
     let mut first_unknown: Option<Boundary> = None;
     for c in candidates {
@@ -485,7 +488,7 @@ pub fn normalize_value(
 /// largest valid).
 fn normalize_ms_value(raw: &str, received_at: Timestamp, opts: &RetryAfterOptions) -> Boundary {
     let src = Some(SOURCE_RETRY_AFTER_MS);
-    let results = raw
+    let results: Vec<Boundary> = raw
         .split(',')
         .map(|part| {
             let s = part.trim();
@@ -523,11 +526,10 @@ fn normalize_ms_value(raw: &str, received_at: Timestamp, opts: &RetryAfterOption
     })
 }
 
-fn header_text(v: &http::HeaderValue) -> String {
-    match v.to_str() {
-        Ok(s) => s.to_owned(),
-        Err(_) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
-    }
+/// A header value as text: borrowed when it is valid UTF-8 (every visible-ASCII value is),
+/// read lossily otherwise.
+fn header_text(v: &http::HeaderValue) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(v.as_bytes())
 }
 
 /// Normalizes every `retry-after-ms` and `Retry-After` instance of one response (SPEC §2.2).
@@ -543,29 +545,25 @@ pub fn normalize(
     opts: &RetryAfterOptions,
 ) -> Boundary {
     let date = headers.get(http::header::DATE).map(header_text);
-    let ms: Vec<Boundary> = headers
-        .get_all(&RETRY_AFTER_MS_HEADER)
-        .iter()
-        .map(|v| normalize_ms_value(&header_text(v), received_at, opts))
-        .collect();
-    let ms_present = !ms.is_empty();
+    let mut ms = headers.get_all(&RETRY_AFTER_MS_HEADER).iter().peekable();
+    let ms_present = ms.peek().is_some();
     // The best retry-after-ms candidate when the header was sent and none was usable.
     let ms_best = if ms_present {
-        match largest(ms, || Boundary::unknown(None, "no retry-after-ms", None)) {
+        let candidates = ms.map(|v| normalize_ms_value(&header_text(v), received_at, opts));
+        match largest(candidates, || {
+            Boundary::unknown(None, "no retry-after-ms", None)
+        }) {
             known if known.is_known() => return known,
             unusable => Some(unusable),
         }
     } else {
         None
     };
-    let ra: Vec<Boundary> = headers
-        .get_all(http::header::RETRY_AFTER)
-        .iter()
-        .map(|v| normalize_value(&header_text(v), date.as_deref(), received_at, opts))
-        .collect();
-    if ra.is_empty() {
+    let mut values = headers.get_all(http::header::RETRY_AFTER).iter().peekable();
+    if values.peek().is_none() {
         return ms_best.unwrap_or_else(|| Boundary::unknown(None, "no Retry-After", None));
     }
+    let ra = values.map(|v| normalize_value(&header_text(v), date.as_deref(), received_at, opts));
     let best = largest(ra, || Boundary::unknown(None, "no Retry-After", None));
     match best {
         Boundary::Known {
