@@ -89,6 +89,10 @@ pub use actions::{
     Completion, DecisionApplied, KeptResponse, DECISION_WAIT, KEPT_ACTIONS, KEPT_BODY_LIMIT,
 };
 
+/// Most requests of escalated writes held in memory for operator decisions (`retry_same_key`,
+/// `send_new`); past it, a decision answers `request_not_held` and the agent resubmits.
+pub const HELD_REQUESTS: usize = 1024;
+
 /// Largest part of a non-2xx response body read for classification (64 KiB); the rest streams
 /// on to the agent untouched.
 pub const ERROR_BODY_LIMIT: usize = 64 * 1024;
@@ -1511,11 +1515,21 @@ impl Engine {
         let mut held = run.spec.clone();
         held.request = run.request.clone();
         held.idempotency_key = Some(run.key.clone());
-        inner
-            .held
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(run.id.0, held);
+        {
+            let mut holding = inner
+                .held
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if holding.len() < HELD_REQUESTS {
+                holding.insert(run.id.0, held);
+            } else {
+                tracing::warn!(
+                    action = run.id.0,
+                    held = holding.len(),
+                    "escalated request not held: the bound is reached; a retry_same_key or send_new needs the agent to resubmit"
+                );
+            }
+        }
         let mut next_safe = vec![NextSafe::QueryStatus];
         if inner.honours_key(&run.spec.route.provider) {
             next_safe.push(NextSafe::ResendSameKey);
