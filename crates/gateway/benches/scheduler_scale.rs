@@ -227,6 +227,12 @@ fn main() {
         }
     }
     let child = sizes.len() == 1 && modes.len() == 1;
+    // `cargo bench` passes `--bench`; a test-mode run (`cargo test --all-targets`) does not, and
+    // must not spend a minute and 1.6 GiB here.
+    if sizes.is_empty() && !std::env::args().any(|a| a == "--bench") {
+        println!("scheduler_scale: a benchmark; run it with `cargo bench` or give sizes");
+        return;
+    }
     if sizes.is_empty() {
         sizes = vec![100_000, 1_000_000];
     }
