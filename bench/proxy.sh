@@ -131,7 +131,7 @@ http {
     }
 }
 EOF
-nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' >"$WORK/nginx/logs/stdout.log" 2>&1 &
+nginx -p "$WORK/nginx" -e "$WORK/nginx/logs/error.log" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' >"$WORK/nginx/logs/stdout.log" 2>&1 &
 PIDS+=($!)
 wait_listening "$NGINX_PORT" nginx
 
