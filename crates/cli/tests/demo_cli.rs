@@ -139,7 +139,19 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
     let audit = run_dir.join("audit.ndjson");
     assert!(stdout.contains(&format!("backstop audit verify --db {}", db.display())));
     assert!(stdout.contains(&format!("backstop audit export --db {}", db.display())));
-    assert!(stdout.contains("backstop diagnose"));
+    let policy = run_dir.join("policy.yaml");
+    assert!(stdout.contains(&format!(
+        "backstop snapshots export --db {} --policy {} | backstop diagnose -",
+        db.display(),
+        policy.display()
+    )));
+    // The suggested policy file is really there and valid for `snapshots export --policy`.
+    let checked = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["policy", "check"])
+        .arg(&policy)
+        .output()
+        .expect("run policy check");
+    assert!(checked.status.success(), "{checked:?}");
     let exported = std::fs::read_to_string(&audit).expect("the audit export exists");
     assert!(exported.lines().count() > 20);
     assert!(!exported.contains("demo-provider-key") && !exported.contains("demo-agent-token"));

@@ -44,6 +44,9 @@ pub use render::render;
 const AGENT_TOKEN: &str = "demo-agent-token";
 /// The provider credential backstop adds (the fake only records a digest of it).
 const PROVIDER_KEY: &str = "demo-provider-key";
+/// The demo policy's file name inside the demo directory.
+pub const POLICY_FILE: &str = "policy.yaml";
+
 /// The policy agent name.
 const AGENT: &str = "demo-agent";
 
@@ -241,8 +244,13 @@ type Handles = (Engine, Arc<dyn Store>);
 async fn start(dir: &Path) -> Result<Live, String> {
     let fake = FakeApi::start(fake_config(), ([127, 0, 0, 1], 0).into())
         .map_err(|e| format!("cannot start the fake provider: {e}"))?;
-    let policy = Policy::from_yaml_str(&policy_yaml(&fake.url(), dir), "demo.yaml")
+    let policy_text = policy_yaml(&fake.url(), dir);
+    let policy_path = dir.join(POLICY_FILE);
+    let policy = Policy::from_yaml_str(&policy_text, &policy_path.display().to_string())
         .map_err(|e| format!("the demo policy is invalid: {e}"))?;
+    // Kept beside the store so `snapshots export --policy` can read the same classes and scopes.
+    std::fs::write(&policy_path, &policy_text)
+        .map_err(|e| format!("cannot write {}: {e}", policy_path.display()))?;
     let options = ServeOptions {
         listen: Some("127.0.0.1:0".into()),
         store: Some(dir.join("backstop.db")),

@@ -441,8 +441,10 @@ fn where_to_look(report: &Report, style: &Style, out: &mut String) {
     let _ = writeln!(out, "\n  backstop audit verify --db {db}");
     let _ = writeln!(out, "  backstop audit export --db {db}");
     let _ = writeln!(out, "  backstop audit head --db {db}");
+    let policy = report.dir.join(super::POLICY_FILE);
     let _ = writeln!(
         out,
-        "  backstop diagnose crates/core/tests/fixtures/six_case_audit.ndjson --now 2026-07-26T18:42:00Z"
+        "  backstop snapshots export --db {db} --policy {} | backstop diagnose -",
+        policy.display()
     );
 }
