@@ -1178,6 +1178,40 @@ fn builtin_class(name: &str) -> Option<RequestClass> {
     })
 }
 
+/// First path segments that belong to backstop itself: a provider with one of these names would
+/// be shadowed by backstop's own routes (`/v1/…`, `/metrics`). Compared case-insensitively.
+pub const RESERVED_PROVIDER_NAMES: [&str; 2] = ["v1", "metrics"];
+
+/// Whether `name` can be the first path segment of the proxy door `/{provider}/{path…}`: not
+/// one of [`RESERVED_PROVIDER_NAMES`] (any case), and not the dot segments `.` or `..`, which
+/// RFC 3986 §5.2.4 removes from a path before any route is matched.
+///
+/// # Errors
+/// One sentence saying why the name cannot be served and what to do (rename the provider).
+///
+/// ```
+/// use backstop_core::policy::check_provider_name;
+/// assert!(check_provider_name("billing").is_ok());
+/// assert!(check_provider_name("Metrics").unwrap_err().contains("reserved"));
+/// assert!(check_provider_name("..").unwrap_err().contains("dot segment"));
+/// ```
+pub fn check_provider_name(name: &str) -> Result<(), String> {
+    if let Some(reserved) = RESERVED_PROVIDER_NAMES
+        .iter()
+        .find(|r| r.eq_ignore_ascii_case(name))
+    {
+        return Err(format!(
+            "the name `{name}` is reserved (the proxy door /{name}/… would be shadowed by backstop's own /{reserved} routes); rename the provider"
+        ));
+    }
+    if name == "." || name == ".." {
+        return Err(format!(
+            "`{name}` is a dot segment, which is removed from request paths (RFC 3986 §5.2.4), so no request could reach this provider; rename the provider"
+        ));
+    }
+    Ok(())
+}
+
 fn is_name(s: &str) -> bool {
     !s.is_empty()
         && s.bytes()
@@ -1686,6 +1720,8 @@ fn validate_provider(
             &key.referenced,
             format!("{path}: a provider name uses letters, digits, `_`, `-`, `.` or `:`"),
         );
+    } else if let Err(reason) = check_provider_name(&name) {
+        ctx.err(&key.referenced, format!("{path}: {reason}"));
     }
     let p = raw.value;
     let use_instead = "credential.secret_env or credential.secret_file";
@@ -2501,6 +2537,25 @@ mod tests {
     }
 
     const PROVIDER: &str = "providers:\n  billing:\n    base_url: https://billing.example\n";
+
+    #[test]
+    fn provider_names_shadowed_by_backstop_routes_or_dot_segments_are_refused() {
+        for name in ["v1", "METRICS", "metrics", ".", ".."] {
+            let src = format!("providers:\n  \"{name}\":\n    base_url: https://p.example\n");
+            let errors = problems(&src);
+            assert_eq!(errors.len(), 1, "{name}: {errors:?}");
+            assert!(
+                errors[0].starts_with("2:3: providers."),
+                "{name}: {errors:?}"
+            );
+            assert!(errors[0].contains("rename the provider"), "{errors:?}");
+        }
+        assert!(Policy::from_yaml_str(
+            "providers:\n  v2:\n    base_url: https://p.example\n",
+            "p.yaml"
+        )
+        .is_ok());
+    }
 
     #[test]
     fn secret_env_must_be_a_variable_name_and_is_never_echoed() {
