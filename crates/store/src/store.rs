@@ -8,6 +8,22 @@
 //! (committed and fsync'd), which is what lets the gateway send a write's bytes only after
 //! [`Store::mark_attempt_sent`] returned. Times are passed in by the caller (the store never
 //! reads the clock).
+//!
+//! # Waiting, and not waiting
+//! The `submit_*` operations and [`Store::begin_action`] queue the same operations without
+//! blocking the caller: their [`Completion`] is called once the transaction holding the
+//! operation is durable, or with the error that undid it. An async caller awaits it through a
+//! one-shot channel instead of parking a thread. Operations run and commit in the order they
+//! were queued, so the events of one action keep their order. A write awaits the completion of
+//! [`Store::submit_attempt_sent`] before its bytes leave (SPEC §12). A read need not await
+//! anything: [`Store::record_read`] hands out the action id at once, and its later bookkeeping
+//! may be queued and left to commit with the next group (SPEC §12: reads may be recorded
+//! asynchronously). Every event is still written, in the same transaction as its state change.
+//! **What a crash can lose:** only the read bookkeeping whose group had not committed yet — the
+//! tail of queued read operations, never a write's `action_requested`/`action_sent`, and never
+//! a gap in the chain (an operation and its event commit together or not at all). Reads through
+//! the trait's read methods first wait for every operation queued before them, so a caller
+//! always reads its own writes.
 
 use jiff::Timestamp;
 
@@ -27,6 +43,11 @@ pub const ACTION_REOPENED: &str = "action_reopened";
 /// an escalation's evidence (e.g. `reveal_payload`), recorded apart from decisions on the action
 /// (SPEC §8: approving access and approving an action are separate decisions).
 pub const ACCESS_DECISION: &str = "access_decision";
+
+/// Called once with an operation's result after the transaction holding it committed (or with
+/// the error that undid it). Runs on the store's writer thread: it must only hand the result on
+/// (e.g. send it through a one-shot channel), never block.
+pub type Completion<T> = Box<dyn FnOnce(Result<T, StoreError>) + Send>;
 
 /// Durable state of backstop. Implementations are `Send + Sync` and safe to call from many
 /// threads; each method is one atomic transaction.
@@ -50,6 +71,56 @@ pub trait Store: Send + Sync {
     /// [`StoreError::NotFound`] for an unknown task; [`StoreError::InvalidTransition`] when the
     /// task is cancelled.
     fn record_action(&self, action: NewAction, at: Timestamp) -> Result<Admission, StoreError>;
+
+    /// [`Store::open_task`] then [`Store::record_action`] as ONE operation (one savepoint, one
+    /// share of a group commit), queued without blocking: `done` receives the admission once it
+    /// is durable. A write awaits it before anything else happens to the action.
+    ///
+    /// # Errors (through `done`)
+    /// As [`Store::open_task`] and [`Store::record_action`]; [`StoreError::WriterGone`] when
+    /// the store is closing.
+    fn begin_action(
+        &self,
+        task: NewTask,
+        action: NewAction,
+        at: Timestamp,
+        done: Completion<Admission>,
+    );
+
+    /// Records a read (an action without idempotency key) without waiting for the writer: the
+    /// action id is handed out at once, the task is opened if new and the action recorded
+    /// (`task_opened`, `action_requested`) in one queued operation, and `done` is told when
+    /// that is durable (SPEC §12: reads may be recorded asynchronously). Before queueing, the
+    /// task is looked up in what has committed: a task opened by another agent or cancelled is
+    /// refused at once, as [`Store::record_action`] would. A crash before the group commit
+    /// loses this record and everything queued for the action after it.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] when the action carries an idempotency key (a write must be
+    /// recorded durably with [`Store::begin_action`] or [`Store::record_action`]);
+    /// [`StoreError::InvalidTransition`] for another agent's or a cancelled task; storage
+    /// errors of the lookup. Errors of the queued operation itself go to `done`.
+    fn record_read(
+        &self,
+        task: NewTask,
+        action: NewAction,
+        at: Timestamp,
+        done: Completion<()>,
+    ) -> Result<ActionId, StoreError>;
+
+    /// [`Store::mark_attempt_sent`], queued without blocking: `done` receives the attempt
+    /// number once the `action_sent` event is committed and fsync'd. A write's bytes leave only
+    /// after `done` was called with `Ok`; a read may go without waiting.
+    ///
+    /// # Errors (through `done`)
+    /// As [`Store::mark_attempt_sent`]; [`StoreError::WriterGone`] when the store is closing.
+    fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>);
+
+    /// [`Store::record_result`], queued without blocking; `done` is called once it is durable.
+    ///
+    /// # Errors (through `done`)
+    /// As [`Store::record_result`]; [`StoreError::WriterGone`] when the store is closing.
+    fn submit_result(&self, result: AttemptResult, at: Timestamp, done: Completion<()>);
 
     /// Durably records that attempt *n* (the returned number, 1-based) is about to be sent and
     /// audits `action_sent`. Returns only after commit + fsync: the request's bytes may leave

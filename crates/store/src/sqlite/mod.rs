@@ -10,16 +10,34 @@
 //! after `COMMIT` returned, so when [`Store::mark_attempt_sent`] returns `Ok`, its `action_sent`
 //! event is on disk and the request's bytes may leave.
 //!
-//! Readers use separate connections from a small pool and never wait for the writer (WAL).
-//! Read actions may be recorded off the hot path by the caller (e.g. from a background task);
-//! the store offers one durability level for everything.
+//! Every statement, including `BEGIN`/`SAVEPOINT`/`RELEASE`/`COMMIT`, goes through the
+//! connection's statement cache, so the writer parses SQL once per connection, not per call.
+//!
+//! # Queued operations and what a crash can lose
+//! [`Store::begin_action`], [`Store::submit_attempt_sent`] and [`Store::submit_result`] queue
+//! the operation and return at once; the completion is called on the writer thread after the
+//! commit (so awaiting it gives exactly the durability of the blocking methods — a write awaits
+//! `submit_attempt_sent` before its bytes leave). [`Store::record_read`] also hands out the
+//! action id itself (from a counter the writer shares, started at `MAX(id) + 1` when the store
+//! opens), so a read never waits for the writer or an fsync. One queue, one writer: the
+//! operations of an action run and commit in the order they were queued, and each event
+//! commits with its state change. On a crash (power loss, SIGKILL) what is lost is exactly the
+//! operations queued but not yet in a committed group: for reads that no one awaited, the tail
+//! of their bookkeeping (e.g. an `action_result`, or a whole read from `task_opened` on). The
+//! chain stays intact, since a group commits whole or not at all. Writes lose nothing they
+//! were sent under: their records were awaited. The store assumes it is the only process that
+//! adds actions to the file (the id counter lives in this process).
+//!
+//! Readers use separate connections from a small pool and never wait for the writer (WAL),
+//! except that a read through the [`Store`] first waits for operations queued without being
+//! awaited (one empty group commit), so a caller reads its own writes.
 
 mod ops;
 mod rows;
 mod schema;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -36,16 +54,18 @@ use crate::model::{
     EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, RouteTemplate, ScopeRecord,
     ScopeUpdate, TaskRecord, UnfinishedAttempt,
 };
-use crate::store::Store;
+use crate::store::{Completion, Store};
 use ops::WriteTx;
 
 /// Most operations committed in one transaction.
 pub const MAX_BATCH: usize = 1024;
 
-type Completion = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+/// What the writer calls with the commit's result once the transaction holding an operation
+/// ended.
+type AfterCommit = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 /// An operation for the writer: run it in the open transaction (`Some`), or, when the
 /// transaction could not begin (`None`), only produce its completion.
-type Job = Box<dyn FnOnce(Option<&mut WriteTx<'_>>) -> (bool, Completion) + Send>;
+type Job = Box<dyn FnOnce(Option<&mut WriteTx<'_>>) -> (bool, AfterCommit) + Send>;
 
 /// backstop's state in one SQLite file. See the module docs for durability.
 pub struct SqliteStore {
@@ -60,6 +80,12 @@ pub struct SqliteStore {
 struct Counters {
     transactions: AtomicU64,
     operations: AtomicU64,
+    /// The next free action id: handed out by the writer, or in advance by
+    /// [`Store::record_read`] so a read need not wait for the writer.
+    next_action_id: AtomicI64,
+    /// Operations submitted without their caller waiting that have not committed yet; reads
+    /// through the [`Store`] wait for them first (read your own writes).
+    unawaited: AtomicU64,
 }
 
 /// How the writer grouped operations into commits since the store was opened.
@@ -103,8 +129,14 @@ impl SqliteStore {
         let conn = schema::open_writer(path, create)?;
         let head = rows::audit_head(&conn)?;
         let chain = Chain::after(head.as_ref());
+        let next_id: i64 = conn
+            .prepare_cached("SELECT COALESCE(MAX(id), 0) + 1 FROM actions")?
+            .query_row([], |r| r.get(0))?;
         let (tx, rx) = mpsc::sync_channel::<Job>(4 * MAX_BATCH);
-        let counters = Arc::new(Counters::default());
+        let counters = Arc::new(Counters {
+            next_action_id: AtomicI64::new(next_id),
+            ..Counters::default()
+        });
         let writer_counters = Arc::clone(&counters);
         let writer = std::thread::Builder::new()
             .name("backstop-store-writer".into())
@@ -139,6 +171,24 @@ impl SqliteStore {
         F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         let (reply_tx, reply_rx) = mpsc::sync_channel::<Result<T, StoreError>>(1);
+        self.enqueue(
+            op,
+            Box::new(move |reply| {
+                // The caller may have given up; nobody to tell then.
+                let _ = reply_tx.send(reply);
+            }),
+        );
+        reply_rx.recv().map_err(|_| StoreError::WriterGone)?
+    }
+
+    /// Queues `op` for the next group commit without waiting; `done` is called on the writer
+    /// thread once the transaction holding it is durable (or with the error that undid it).
+    /// Operations run in the order they were queued.
+    fn enqueue<T, F>(&self, op: F, done: Completion<T>)
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
+    {
         let job: Job = Box::new(move |tx: Option<&mut WriteTx<'_>>| {
             let result = match tx {
                 Some(tx) => op(tx),
@@ -146,29 +196,61 @@ impl SqliteStore {
                 None => Err(StoreError::WriterGone),
             };
             let ok = result.is_ok();
-            let done: Completion = Box::new(move |commit: Result<(), StoreError>| {
-                let reply = match (result, commit) {
+            let after: AfterCommit = Box::new(move |commit: Result<(), StoreError>| {
+                done(match (result, commit) {
                     (_, Err(e)) => Err(e),
                     (Err(e), Ok(())) => Err(e),
                     (Ok(v), Ok(())) => Ok(v),
-                };
-                // The caller may have given up; nobody to tell then.
-                let _ = reply_tx.send(reply);
+                })
             });
-            (ok, done)
+            (ok, after)
         });
         let sender = self
             .jobs
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .ok_or(StoreError::WriterGone)?;
-        sender.send(job).map_err(|_| StoreError::WriterGone)?;
-        reply_rx.recv().map_err(|_| StoreError::WriterGone)?
+            .clone();
+        let Some(sender) = sender else {
+            return job(None).1(Err(StoreError::WriterGone));
+        };
+        if let Err(mpsc::SendError(job)) = sender.send(job) {
+            job(None).1(Err(StoreError::WriterGone));
+        }
+    }
+
+    /// Like [`SqliteStore::enqueue`] for a caller that will not wait: counted in
+    /// `unawaited` until its commit, so that reads through the store see it.
+    fn enqueue_unawaited<T, F>(&self, op: F, done: Completion<T>)
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
+    {
+        self.counters.unawaited.fetch_add(1, Ordering::AcqRel);
+        let counters = Arc::clone(&self.counters);
+        self.enqueue(
+            op,
+            Box::new(move |result| {
+                counters.unawaited.fetch_sub(1, Ordering::AcqRel);
+                done(result);
+            }),
+        );
     }
 
     /// Runs `f` on a pooled read connection.
     fn read<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if self.counters.unawaited.load(Ordering::Acquire) > 0 {
+            // Read your own writes: an empty operation commits after everything queued before.
+            self.submit(|_| Ok(()))?;
+        }
+        self.read_now(f)
+    }
+
+    /// Runs `f` on a pooled read connection without waiting for queued operations: it sees
+    /// what has committed.
+    fn read_now<T>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
@@ -216,8 +298,18 @@ impl Drop for SqliteStore {
     }
 }
 
+/// Runs one transaction-control statement through the statement cache, so the writer does not
+/// parse `BEGIN`, `SAVEPOINT`, `RELEASE` and `COMMIT` again for every operation.
+fn control(conn: &Connection, sql: &str) -> Result<(), StoreError> {
+    conn.prepare_cached(sql)?.execute([])?;
+    Ok(())
+}
+
 fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: &Counters) {
+    // Room for every statement the operations and these control statements use.
+    conn.set_prepared_statement_cache_capacity(64);
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = rx.recv() {
         batch.push(first);
         while batch.len() < MAX_BATCH {
@@ -227,9 +319,7 @@ fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: 
             }
         }
         let before = chain.clone();
-        let mut completions: Vec<Completion> = Vec::with_capacity(batch.len());
-        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
-            let e = StoreError::from(e);
+        if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
             for job in batch.drain(..) {
                 let (_, done) = job(None);
                 done(Err(e.clone()));
@@ -237,10 +327,9 @@ fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: 
             continue;
         }
         for job in batch.drain(..) {
-            if let Err(e) = conn.execute_batch("SAVEPOINT op") {
+            if let Err(e) = control(&conn, "SAVEPOINT op") {
                 // Without a savepoint the operation could not be undone alone: do not run it.
                 let (_, done) = job(None);
-                let e = StoreError::from(e);
                 completions.push(Box::new(move |_| done(Err(e))));
                 continue;
             }
@@ -248,15 +337,17 @@ fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: 
             let mut tx = WriteTx {
                 conn: &conn,
                 chain: &mut chain,
+                next_action_id: &counters.next_action_id,
             };
             let (ok, done) = job(Some(&mut tx));
             let released = if ok {
-                conn.execute_batch("RELEASE op").map_err(StoreError::from)
+                control(&conn, "RELEASE op")
             } else {
                 Ok(())
             };
             if !ok || released.is_err() {
-                let _ = conn.execute_batch("ROLLBACK TO op; RELEASE op");
+                let _ = control(&conn, "ROLLBACK TO op");
+                let _ = control(&conn, "RELEASE op");
                 chain = snapshot;
             }
             match released {
@@ -264,9 +355,9 @@ fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: 
                 Err(e) => completions.push(Box::new(move |_| done(Err(e)))),
             }
         }
-        let committed = conn.execute_batch("COMMIT").map_err(StoreError::from);
+        let committed = control(&conn, "COMMIT");
         if committed.is_err() {
-            let _ = conn.execute_batch("ROLLBACK");
+            let _ = control(&conn, "ROLLBACK");
             chain = before;
         } else {
             counters.transactions.fetch_add(1, Ordering::Relaxed);
@@ -274,7 +365,7 @@ fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: 
                 .operations
                 .fetch_add(completions.len() as u64, Ordering::Relaxed);
         }
-        for done in completions {
+        for done in completions.drain(..) {
             done(committed.clone());
         }
     }
@@ -339,6 +430,61 @@ impl Store for SqliteStore {
 
     fn mark_attempt_sent(&self, action: ActionId, at: Timestamp) -> Result<u32, StoreError> {
         self.submit(move |tx| tx.mark_attempt_sent(action, at))
+    }
+
+    fn begin_action(
+        &self,
+        task: NewTask,
+        action: NewAction,
+        at: Timestamp,
+        done: Completion<Admission>,
+    ) {
+        self.enqueue(move |tx| tx.open_and_record(task, action, None, at), done);
+    }
+
+    fn record_read(
+        &self,
+        task: NewTask,
+        action: NewAction,
+        at: Timestamp,
+        done: Completion<()>,
+    ) -> Result<ActionId, StoreError> {
+        if !action.idempotency_key.is_empty() {
+            return Err(StoreError::Invalid {
+                field: "idempotency_key",
+                reason: "an action with an idempotency key is a write; it must be recorded \
+                         durably before it is sent"
+                    .into(),
+            });
+        }
+        if let Some(existing) = self.read_now(|c| rows::task(c, &task.id))? {
+            if existing.agent != task.agent {
+                return Err(StoreError::InvalidTransition {
+                    what: format!("task {:?}", task.id),
+                    reason: format!("already opened by agent {:?}", existing.agent),
+                });
+            }
+            if existing.cancelled_at.is_some() {
+                return Err(StoreError::InvalidTransition {
+                    what: format!("task {:?}", task.id),
+                    reason: "cancelled; it takes no new actions".into(),
+                });
+            }
+        }
+        let id = ActionId(self.counters.next_action_id.fetch_add(1, Ordering::Relaxed));
+        self.enqueue_unawaited(
+            move |tx| tx.open_and_record(task, action, Some(id), at).map(|_| ()),
+            done,
+        );
+        Ok(id)
+    }
+
+    fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>) {
+        self.enqueue_unawaited(move |tx| tx.mark_attempt_sent(action, at), done);
+    }
+
+    fn submit_result(&self, result: AttemptResult, at: Timestamp, done: Completion<()>) {
+        self.enqueue_unawaited(move |tx| tx.record_result(result, at), done);
     }
 
     fn record_result(&self, result: AttemptResult, at: Timestamp) -> Result<(), StoreError> {

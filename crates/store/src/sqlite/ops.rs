@@ -1,6 +1,8 @@
 //! The write operations, each run inside the writer's transaction (one savepoint per
 //! operation, many operations per group commit).
 
+use std::sync::atomic::{AtomicI64, Ordering};
+
 use jiff::Timestamp;
 use rusqlite::{params, Connection, OptionalExtension};
 
@@ -18,6 +20,9 @@ use crate::store::{ACCESS_DECISION, ACTION_REOPENED};
 pub(crate) struct WriteTx<'a> {
     pub(crate) conn: &'a Connection,
     pub(crate) chain: &'a mut Chain,
+    /// The next free action id (shared with callers that record reads without waiting, so an
+    /// id handed out before its operation ran is never taken by another action).
+    pub(crate) next_action_id: &'a AtomicI64,
 }
 
 /// The descriptive fields of an action copied into its events.
@@ -140,6 +145,29 @@ impl WriteTx<'_> {
         new: NewAction,
         at: Timestamp,
     ) -> Result<Admission, StoreError> {
+        self.record_action_as(new, None, at)
+    }
+
+    /// Opens the task (if new) and records the action, in one operation.
+    pub(crate) fn open_and_record(
+        &mut self,
+        task: NewTask,
+        new: NewAction,
+        id: Option<ActionId>,
+        at: Timestamp,
+    ) -> Result<Admission, StoreError> {
+        self.open_task(task, at)?;
+        self.record_action_as(new, id, at)
+    }
+
+    /// Records an action under `id` when one was handed out in advance, else under the next
+    /// free id.
+    fn record_action_as(
+        &mut self,
+        new: NewAction,
+        id: Option<ActionId>,
+        at: Timestamp,
+    ) -> Result<Admission, StoreError> {
         let task = rows::task(self.conn, &new.task_id)?.ok_or_else(|| StoreError::NotFound {
             what: format!("task {:?}", new.task_id),
         })?;
@@ -177,11 +205,15 @@ impl WriteTx<'_> {
                 })?;
             return Ok(Admission::Existing(Box::new(record)));
         }
+        let id = match id {
+            Some(id) => id,
+            None => ActionId(self.next_action_id.fetch_add(1, Ordering::Relaxed)),
+        };
         self.conn
             .prepare_cached(
                 "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
                  payload_digest, idempotency_key, external_reference, state, created_at_ms, \
-                 updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11)",
+                 updated_at_ms, id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12)",
             )?
             .execute(params![
                 new.task_id,
@@ -195,8 +227,8 @@ impl WriteTx<'_> {
                 new.external_reference,
                 ActionState::Requested.as_str(),
                 ms(at),
+                id.0,
             ])?;
-        let id = ActionId(self.conn.last_insert_rowid());
         let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
         e.task = Some(new.task_id);
         e.action = Some(id.0);

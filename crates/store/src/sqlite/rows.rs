@@ -167,11 +167,13 @@ fn decode_action(raw: RawAction) -> Result<ActionRecord, StoreError> {
     })
 }
 
+/// The action lookup by id, built once from [`ACTION_COLUMNS`].
+static SELECT_ACTION: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("SELECT {ACTION_COLUMNS} FROM actions WHERE id = ?1"));
+
 pub(crate) fn action(conn: &Connection, id: ActionId) -> Result<Option<ActionRecord>, StoreError> {
     let raw = conn
-        .prepare_cached(&format!(
-            "SELECT {ACTION_COLUMNS} FROM actions WHERE id = ?1"
-        ))?
+        .prepare_cached(&SELECT_ACTION)?
         .query_row(params![id.0], raw_action)
         .optional()?;
     raw.map(decode_action).transpose()
@@ -504,15 +506,19 @@ pub(crate) fn audit_head(conn: &Connection) -> Result<Option<ChainHead>, StoreEr
     .transpose()
 }
 
-/// Appends one sealed event.
-pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), StoreError> {
-    let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-    conn.prepare_cached(&format!(
+/// The event insert, built once (not per event) from [`EVENT_COLUMNS`].
+static INSERT_EVENT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
         "INSERT INTO audit_events ({EVENT_COLUMNS}) VALUES \
          (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, \
           ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)"
-    ))?
-    .execute(params![
+    )
+});
+
+/// Appends one sealed event.
+pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), StoreError> {
+    let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    conn.prepare_cached(&INSERT_EVENT)?.execute(params![
         to_i64(e.seq),
         e.at,
         e.kind,
