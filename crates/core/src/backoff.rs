@@ -16,8 +16,15 @@
 //! Why stop instead of clamp: if the boundary lies beyond the remaining wait budget or the task
 //! deadline, waiting less would be an early retry and waiting the full time would sleep into
 //! failure. The decision is [`RetryDecision::Stop`] *now*, with `budget_exhausted` or
-//! `deadline_exhausted` and the boundary as `next_safe: wait until T`. Local jitter (no provider
-//! mandate) and the post-boundary spread are trimmed to fit the budget and deadline instead.
+//! `deadline_exhausted` and the boundary as `next_safe: wait until T`.
+//!
+//! The same holds for the local backoff: a short budget (`Prefer: wait=0`, a near deadline) is
+//! never a reason to retry sooner than the jittered delay says — that would turn a 429 with an
+//! unusable Retry-After, or a dropped connection, into a burst of attempts within milliseconds.
+//! If the drawn delay does not fit, the decision is [`RetryDecision::Stop`] now
+//! ([`StopReason::BackoffBeyondBudget`] / [`StopReason::BackoffBeyondDeadline`], with the instant
+//! the backoff would have allowed as `not_before`). The one trim that stays is safe: the
+//! post-boundary spread may be shortened to fit, never below the boundary itself.
 //!
 //! No randomness and no clock inside: the caller passes `now` and a uniform sample `u ∈ [0, 1)`.
 //!
@@ -116,6 +123,23 @@ pub enum StopReason {
     BoundaryBeyondDeadline,
     /// The deadline has already passed.
     DeadlinePassed,
+    /// The local backoff delay (full jitter, no provider boundary behind it) is longer than the
+    /// remaining wait budget.
+    BackoffBeyondBudget,
+    /// The local backoff delay is longer than the time left until the task deadline.
+    BackoffBeyondDeadline,
+}
+
+impl StopReason {
+    /// `true` when the stop is caused by a provider boundary (Retry-After, quota reset) lying
+    /// beyond the remaining wait or deadline: the case SPEC §13 step 5 / §8 escalate
+    /// (`remaining_wait_exceeds_deadline`).
+    pub fn is_provider_boundary(self) -> bool {
+        matches!(
+            self,
+            StopReason::BoundaryBeyondBudget | StopReason::BoundaryBeyondDeadline
+        )
+    }
 }
 
 /// The decision of [`plan_retry`].
@@ -137,7 +161,8 @@ pub enum RetryDecision {
         outcome: Outcome,
         /// Why.
         reason: StopReason,
-        /// The earliest instant a retry would have been allowed (the boundary), if known.
+        /// The earliest instant a retry would have been allowed, if known: the provider's
+        /// boundary, or for a backoff stop the instant the drawn delay would have ended.
         not_before: Option<Timestamp>,
     },
 }
@@ -164,8 +189,11 @@ impl RetryDecision {
 /// 2. boundary beyond the deadline → `Stop(deadline_exhausted, not_before: boundary)`;
 ///    boundary beyond the remaining wait budget → `Stop(budget_exhausted, not_before: boundary)`;
 /// 3. `jitter = u · cap(n)`; with a boundary `b`, `delay = max(jitter, (b − now) + u · spread)`;
-/// 4. the delay is trimmed to `min(wait_budget_remaining, deadline − now)` but never below
-///    `b − now`.
+/// 4. when the jitter draw exceeds `limit = min(wait_budget_remaining, deadline − now)` →
+///    `Stop(budget_exhausted | deadline_exhausted, not_before: now + jitter)`: never an earlier
+///    retry because the budget is short;
+/// 5. when the boundary decides it, only the post-boundary spread is trimmed to fit the budget
+///    and deadline, never below `b − now`.
 pub fn plan_retry(input: &RetryInput, now: Timestamp, u: f64) -> RetryDecision {
     let u = if u.is_nan() { 0.0 } else { u.clamp(0.0, 1.0) };
     let until_deadline = match input.deadline {
@@ -223,8 +251,29 @@ pub fn plan_retry(input: &RetryInput, now: Timestamp, u: f64) -> RetryDecision {
     } else {
         (jitter, DelayCause::Jitter)
     };
-    // Trim local jitter and spread to the budget; the boundary itself fits (checked above).
-    delay = delay.min(limit).max(until_boundary);
+    if delay > limit {
+        if jitter > limit {
+            // The backoff is not shortened to fit: stop now (SPEC §4.2).
+            let by_deadline = until_deadline
+                .is_some_and(|left| left < jitter && left <= input.wait_budget_remaining);
+            let (outcome, reason) = if by_deadline {
+                (
+                    Outcome::DeadlineExhausted,
+                    StopReason::BackoffBeyondDeadline,
+                )
+            } else {
+                (Outcome::BudgetExhausted, StopReason::BackoffBeyondBudget)
+            };
+            return RetryDecision::Stop {
+                outcome,
+                reason,
+                not_before: Some(add(now, jitter)),
+            };
+        }
+        // Only the spread after the boundary is trimmed, never below the boundary (which fits,
+        // checked above) nor below the jitter draw (which fits too).
+        delay = limit.max(until_boundary);
+    }
     RetryDecision::RetryAt {
         at: add(now, delay),
         delay,
@@ -347,6 +396,79 @@ mod tests {
         assert_eq!(delays[0], Duration::from_secs(10));
         assert_eq!(delays[1], Duration::from_secs(11));
         assert!(delays[2] > delays[1] && delays[2] < Duration::from_secs(12));
+    }
+
+    #[test]
+    fn short_wait_stops_instead_of_retrying_before_the_backoff() {
+        // `Prefer: wait=0` against a 429 with an unusable Retry-After: the drawn delay (1 s)
+        // does not fit, so the plan stops now instead of retrying at once.
+        let now = ts("2026-01-01T00:00:00Z");
+        let input = RetryInput {
+            retry_number: 1,
+            backoff: BackoffConfig::default(),
+            boundary: None,
+            wait_budget_remaining: Duration::ZERO,
+            deadline: None,
+        };
+        let decision = plan_retry(&input, now, 0.5);
+        assert_eq!(
+            decision,
+            RetryDecision::Stop {
+                outcome: Outcome::BudgetExhausted,
+                reason: StopReason::BackoffBeyondBudget,
+                not_before: Some(ts("2026-01-01T00:00:01Z")),
+            }
+        );
+        assert_eq!(
+            decision.next_safe()[0],
+            NextSafe::WaitUntil {
+                at: ts("2026-01-01T00:00:01Z")
+            }
+        );
+    }
+
+    #[test]
+    fn near_deadline_stops_instead_of_retrying_before_the_backoff() {
+        let now = ts("2026-01-01T00:00:00Z");
+        let input = RetryInput {
+            retry_number: 2,
+            backoff: BackoffConfig::default(),
+            boundary: None,
+            wait_budget_remaining: Duration::from_secs(90),
+            deadline: Some(ts("2026-01-01T00:00:00.500Z")),
+        };
+        // cap(2) = 4 s, u = 0.5 → 2 s > 0.5 s left.
+        assert!(matches!(
+            plan_retry(&input, now, 0.5),
+            RetryDecision::Stop {
+                outcome: Outcome::DeadlineExhausted,
+                reason: StopReason::BackoffBeyondDeadline,
+                ..
+            }
+        ));
+        // A draw that fits is kept as drawn.
+        let RetryDecision::RetryAt { delay, .. } = plan_retry(&input, now, 0.1) else {
+            panic!("expected a retry");
+        };
+        assert_eq!(delay, Duration::from_millis(400));
+    }
+
+    #[test]
+    fn post_boundary_spread_is_trimmed_to_the_budget_but_not_below_the_boundary() {
+        let now = ts("2026-01-01T00:00:00Z");
+        let input = RetryInput {
+            retry_number: 1,
+            backoff: BackoffConfig::default(),
+            boundary: Some(ts("2026-01-01T00:00:10Z")),
+            wait_budget_remaining: Duration::from_millis(10_300),
+            deadline: None,
+        };
+        // Boundary 10 s + 0.9 · 2 s spread = 11.8 s > 10.3 s: the spread is trimmed.
+        let RetryDecision::RetryAt { delay, cause, .. } = plan_retry(&input, now, 0.9) else {
+            panic!("expected a retry");
+        };
+        assert_eq!(cause, DelayCause::Boundary);
+        assert_eq!(delay, Duration::from_millis(10_300));
     }
 
     #[test]

@@ -123,6 +123,40 @@ pub fn mint_idempotency_key(random: [u8; 16]) -> String {
     )
 }
 
+/// Prefix of every idempotency key backstop sends to a provider ([`upstream_idempotency_key`]).
+pub const UPSTREAM_KEY_PREFIX: &str = "bk-";
+
+/// The idempotency key sent to the provider for the key `key` of agent `agent`:
+/// `bk-` followed by the first 32 hex digits (128 bits) of SHA-256(`agent` ‖ 0x00 ‖ `key`),
+/// 35 ASCII characters in all — shorter than a UUID, so any provider that accepts UUID keys
+/// accepts it (Stripe allows 255, the IETF draft sets no limit).
+///
+/// Why: inside backstop keys are namespaced per agent, but every agent's writes reach the
+/// provider under one shared credential, where keys are one namespace. Sent unchanged, agent
+/// bob reusing agent alice's key would get alice's result replayed. Derived, the two keys differ
+/// at the provider, and the same (agent, key) always gives the same upstream key — after a
+/// restart too, since nothing but the stored agent and key is needed. Minted keys are derived
+/// the same way: a minted key told to the agent may come back as the agent's own key, and must
+/// then name the same upstream key. The agent keeps seeing its own key; reconciliation
+/// lookups and case files use this one, because it is the one the provider knows.
+///
+/// ```
+/// use backstop_core::reconcile::upstream_idempotency_key;
+/// let alice = upstream_idempotency_key("alice", "k1");
+/// assert!(alice.starts_with("bk-") && alice.len() == 35);
+/// assert_eq!(alice, upstream_idempotency_key("alice", "k1"));
+/// assert_ne!(alice, upstream_idempotency_key("bob", "k1"));
+/// ```
+pub fn upstream_idempotency_key(agent: &str, key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(agent.as_bytes());
+    hasher.update([0u8]);
+    hasher.update(key.as_bytes());
+    let digest = hasher.finalize();
+    format!("{UPSTREAM_KEY_PREFIX}{}", hex::encode(&digest[..16]))
+}
+
 /// Checks an agent-supplied `Idempotency-Key` (IETF `draft-ietf-httpapi-idempotency-key-header`):
 /// 1 to [`MAX_IDEMPOTENCY_KEY_LEN`] bytes of printable ASCII (`0x20`–`0x7E`), without leading or
 /// trailing spaces. One surrounding pair of double quotes (the draft's structured-field string

@@ -50,6 +50,7 @@ proptest! {
         match plan_retry(&input, now(), u) {
             RetryDecision::RetryAt { at: when, delay, cause } => {
                 prop_assert!(delay >= until_boundary, "retry before the boundary");
+                prop_assert!(delay >= cap.mul_f64(u), "retry before the drawn backoff");
                 let spread = if boundary_ms.is_some() { cap.min(backoff.boundary_spread) } else { Duration::ZERO };
                 prop_assert!(delay <= until_boundary.max(cap) + spread, "delay {delay:?} above cap");
                 prop_assert!(delay <= input.wait_budget_remaining, "delay beyond the wait budget");
@@ -67,9 +68,18 @@ proptest! {
                 let boundary_too_far = boundary_ms.is_some_and(|b| {
                     b > 0 && (b as u64 > budget_ms || deadline_ms.is_some_and(|d| b > d))
                 });
-                prop_assert!(deadline_passed || boundary_too_far);
+                // The local backoff is never shortened to fit: a draw beyond the room left stops.
+                let jitter = cap.mul_f64(u);
+                let room = match deadline_ms {
+                    Some(d) => Duration::from_millis(d.max(0) as u64).min(input.wait_budget_remaining),
+                    None => input.wait_budget_remaining,
+                };
+                let backoff_too_long = jitter > room;
+                prop_assert!(deadline_passed || boundary_too_far || backoff_too_long);
                 if boundary_too_far && !deadline_passed {
                     prop_assert_eq!(not_before, boundary_ms.map(at));
+                } else if backoff_too_long && !deadline_passed {
+                    prop_assert_eq!(not_before, Some(now() + jitter));
                 }
             }
         }
