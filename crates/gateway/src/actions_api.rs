@@ -77,10 +77,7 @@ struct NewActionBody {
 }
 
 fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, Problem> {
-    state
-        .auth
-        .authenticate(headers)
-        .map_err(|e| Problem::unauthorized(e.to_string()))
+    state.auth.authenticate(headers).map_err(Problem::from)
 }
 
 fn engine(state: &AppState, what: &str) -> Result<Engine, Problem> {

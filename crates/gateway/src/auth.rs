@@ -47,6 +47,9 @@ pub enum AuthError {
     /// No agent or operator has this token.
     #[error("the bearer token matches no agent or operator of the policy")]
     Unknown,
+    /// More than one `Authorization` header: the credentials are ambiguous, so none is used.
+    #[error("the Authorization header is given more than once, so the credentials are ambiguous; send exactly one")]
+    Duplicate,
 }
 
 #[derive(Clone)]
@@ -147,11 +150,10 @@ impl Authenticator {
     /// the scheme is case-insensitive).
     ///
     /// # Errors
-    /// [`AuthError`]: missing header, not a bearer token, or unknown token.
+    /// [`AuthError`]: missing header, more than one header, not a bearer token, or unknown
+    /// token.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthError> {
-        let value = headers
-            .get(header::AUTHORIZATION)
-            .ok_or(AuthError::Missing)?;
+        let value = bearer_header(headers)?;
         let value = value.to_str().map_err(|_| AuthError::NotBearer)?;
         let (scheme, token) = value.split_once(' ').ok_or(AuthError::NotBearer)?;
         if !scheme.eq_ignore_ascii_case("bearer") {
@@ -180,6 +182,19 @@ impl Authenticator {
             role: entry.role,
         })
     }
+}
+
+/// The one `Authorization` header of a request (RFC 9110 §11.6.2 defines a single credential).
+///
+/// # Errors
+/// [`AuthError::Missing`] without one, [`AuthError::Duplicate`] with two or more.
+pub fn bearer_header(headers: &HeaderMap) -> Result<&axum::http::HeaderValue, AuthError> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let value = values.next().ok_or(AuthError::Missing)?;
+    if values.next().is_some() {
+        return Err(AuthError::Duplicate);
+    }
+    Ok(value)
 }
 
 fn decode_digest(place: &str, hex_digest: &str) -> Result<[u8; 32], SecretError> {
@@ -250,6 +265,17 @@ mod tests {
             Err(AuthError::Unknown)
         );
         assert!(!AuthError::Unknown.to_string().contains("secret-token"));
+    }
+
+    #[test]
+    fn two_authorization_headers_are_ambiguous_even_when_one_is_valid() {
+        let auth = Authenticator::default().with_token("a", Role::Agent, "secret-token");
+        let mut two = headers("Bearer secret-token");
+        two.append(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer other"),
+        );
+        assert_eq!(auth.authenticate(&two), Err(AuthError::Duplicate));
     }
 
     #[test]

@@ -104,6 +104,9 @@ pub struct DoorConfig {
     /// Hard cap: larger bodies are refused with 413 (default 32 MiB). Bodies between the two
     /// limits get exactly one attempt.
     pub max_body_bytes: usize,
+    /// The whole request body must arrive within this time of the request head, on every
+    /// route (default 30 s); a slower one is answered `408 request_timeout`, nothing sent.
+    pub body_read_timeout: Duration,
 }
 
 impl Default for DoorConfig {
@@ -111,6 +114,7 @@ impl Default for DoorConfig {
         DoorConfig {
             max_buffered_body_bytes: 1024 * 1024,
             max_body_bytes: 32 * 1024 * 1024,
+            body_read_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -499,7 +503,7 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
     }
     let caller = state.auth.authenticate(request.headers()).map_err(|e| {
         tracing::info!(reason = %e, "door: refused an unauthenticated request");
-        Problem::unauthorized(e.to_string())
+        Problem::from(e)
     })?;
     if caller.role != Role::Agent {
         return Err(Problem::forbidden(format!(
@@ -710,6 +714,9 @@ pub(crate) fn render(
         } => {
             strip_hop_by_hop(response.headers_mut());
             let mut response = response.into_response();
+            response
+                .extensions_mut()
+                .insert(crate::server::ProviderResponse);
             receipt_headers(&mut response, &receipt, task_id, single);
             response
         }
@@ -752,9 +759,17 @@ pub(crate) fn render(
     }
 }
 
+/// A duplicated `Authorization` header is a malformed request (400 `bad_header`), every other
+/// [`AuthError`] a 401.
 impl From<AuthError> for Problem {
     fn from(error: AuthError) -> Problem {
-        Problem::unauthorized(error.to_string())
+        match error {
+            AuthError::Duplicate => Problem::bad_header(
+                "Authorization",
+                "given more than once, so the credentials are ambiguous; send exactly one",
+            ),
+            other => Problem::unauthorized(other.to_string()),
+        }
     }
 }
 
@@ -942,6 +957,7 @@ mod tests {
         let config = DoorConfig {
             max_buffered_body_bytes: 4,
             max_body_bytes: 8,
+            ..DoorConfig::default()
         };
         let (bytes, large) = read_body(Body::from("abcd"), config).await.unwrap();
         assert_eq!((&bytes[..], large), (&b"abcd"[..], false));

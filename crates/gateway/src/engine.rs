@@ -64,8 +64,8 @@ use backstop_core::{
 };
 use backstop_store::{
     ActionId, ActionRecord, ActionState, Admission as StoreAdmission, AttemptResult,
-    Boundary as StoreBoundary, Finish, NewAction, NewTask, PayloadDigest, RouteTemplate,
-    ScopeUpdate, Store, StoreError, StoredResponse,
+    Boundary as StoreBoundary, Completion as StoreCompletion, Finish, NewAction, NewTask,
+    PayloadDigest, RouteTemplate, ScopeUpdate, Store, StoreError, StoredResponse,
 };
 use bytes::{Bytes, BytesMut};
 use jiff::Timestamp;
@@ -399,6 +399,38 @@ impl Inner {
         }
     }
 
+    /// Queues a store operation and awaits its completion (called after its commit is
+    /// durable) through a one-shot channel: no thread is parked while the writer works.
+    async fn queued<T, F>(&self, f: F) -> Result<T, EngineError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&dyn Store, StoreCompletion<T>),
+    {
+        let (tx, rx) = oneshot::channel();
+        f(
+            self.store.as_ref(),
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        );
+        match rx.await {
+            Ok(result) => result.map_err(EngineError::Store),
+            Err(_) => Err(EngineError::Store(StoreError::WriterGone)),
+        }
+    }
+}
+
+/// The completion of a read's store operation that nobody awaits (SPEC §12: reads may be
+/// recorded asynchronously): a failure is logged, since the read has gone on without it.
+fn unawaited<T: Send + 'static>(action: ActionId, what: &'static str) -> StoreCompletion<T> {
+    Box::new(move |result: Result<T, StoreError>| {
+        if let Err(e) = result {
+            tracing::warn!(action = action.0, error = %e, "could not record the read's {what}");
+        }
+    })
+}
+
+impl Inner {
     /// 16 bytes for minting an idempotency key: the engine's generator mixed with the current
     /// instant, so a restarted gateway with the same seed never mints a key again.
     fn random_16(&self) -> [u8; 16] {
@@ -836,9 +868,6 @@ impl Engine {
             priority: store_priority(spec.priority),
             deadline: spec.deadline,
         };
-        if let Err(e) = inner.blocking(move |s| s.open_task(task, now)).await {
-            return (refused_by_store(e), None);
-        }
         let new_action = NewAction {
             task_id: spec.task_id.clone(),
             provider: route.provider.clone(),
@@ -849,10 +878,26 @@ impl Engine {
             idempotency_key: if is_write { key.clone() } else { String::new() },
             external_reference: reference.clone(),
         };
-        let (id, action_guard) = match inner
-            .blocking(move |s| s.record_action(new_action, now))
-            .await
-        {
+        // Task and action in one store operation. A write waits until both are durable; a
+        // read gets its id at once and is recorded with the next group commit (SPEC §12).
+        let admission = if is_write {
+            inner
+                .queued(move |s, done| s.begin_action(task, new_action, now, done))
+                .await
+        } else {
+            let read_id = inner.store.record_read(
+                task,
+                new_action,
+                now,
+                Box::new(|result| {
+                    if let Err(e) = result {
+                        tracing::warn!(error = %e, "could not record a read");
+                    }
+                }),
+            );
+            read_id.map(StoreAdmission::New).map_err(EngineError::Store)
+        };
+        let (id, action_guard) = match admission {
             Ok(StoreAdmission::New(id)) => {
                 let guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
                     Role::Leader(guard) => Some(guard),
@@ -1063,12 +1108,21 @@ impl Engine {
                 }
             };
 
-            // Durable before the bytes leave.
+            // A write's attempt is durable before the bytes leave. A read's is queued behind its
+            // action's earlier records and goes without waiting (SPEC §12); its attempts are
+            // numbered by this loop, the only one that sends a read's action.
             let (id, sent_at) = (run.id, inner.clock.now());
-            let attempt = match inner
-                .blocking(move |s| s.mark_attempt_sent(id, sent_at))
-                .await
-            {
+            let marked = if is_safe_method(&run.request.method) {
+                inner
+                    .store
+                    .submit_attempt_sent(id, sent_at, unawaited(id, "attempt"));
+                Ok(seen.sent + 1)
+            } else {
+                inner
+                    .queued(move |s, done| s.submit_attempt_sent(id, sent_at, done))
+                    .await
+            };
+            let attempt = match marked {
                 Ok(n) => n,
                 Err(e) => {
                     drop(permit);
@@ -1295,8 +1349,13 @@ impl Engine {
                     context: serde_json::to_value(&context).unwrap_or_default(),
                     response: None,
                 });
-                if let Err(e) = inner
-                    .blocking(move |s| s.record_result(result, received_at))
+                if is_safe_method(&run.request.method) {
+                    // A read's result is recorded with the next group commit (SPEC §12).
+                    inner
+                        .store
+                        .submit_result(result, received_at, unawaited(run.id, "result"));
+                } else if let Err(e) = inner
+                    .queued(move |s, done| s.submit_result(result, received_at, done))
                     .await
                 {
                     tracing::warn!(action = run.id.0, error = %e, "could not record the result");

@@ -26,7 +26,9 @@
 //! Problems of the door itself (the request never became an action, nothing was sent):
 //! missing or unknown agent token → 401; a malformed `X-Backstop-*` or `Prefer` header → 400
 //! naming the header; unknown provider → 404; the provider's `secret_file` could not be read at
-//! start → 424 `credential_unavailable`; a body over the hard cap → 413; a request body that cannot be read → 400; the
+//! start → 424 `credential_unavailable`; a body over the hard cap → 413; a request body that cannot be read → 400;
+//! a request body not received within the read timeout → 408 `request_timeout`; a method a
+//! backstop endpoint does not take → 405 `method_not_allowed` (with `Allow`); the
 //! gateway is shutting down → 503 with `Retry-After: 1` and `x-should-retry: true` (nothing was
 //! sent, so a retry is safe by construction).
 //!
@@ -237,6 +239,59 @@ impl Problem {
     /// 403: the caller is authenticated but may not use this endpoint.
     pub fn forbidden(detail: impl Into<String>) -> Problem {
         Problem::door(StatusCode::FORBIDDEN, "forbidden", "Not allowed", detail)
+    }
+
+    /// 405 `method_not_allowed`: backstop's endpoint `path` exists but not for `method` (the
+    /// `Allow` header of the answer lists the methods it takes).
+    pub fn method_not_allowed(method: &str, path: &str) -> Problem {
+        Problem::door(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "Method not allowed",
+            format!("backstop's endpoint `{path}` does not take {method}; see the Allow header"),
+        )
+    }
+
+    /// 408 `request_timeout`: the request body did not arrive within `limit` of the request
+    /// head; nothing was sent. Not retried automatically by backstop; `x-should-retry: false`.
+    pub fn request_timeout(limit: std::time::Duration) -> Problem {
+        Problem::door(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "Request body too slow",
+            format!(
+                "the request body was not received within {} s of the request head; nothing was sent",
+                limit.as_secs_f64()
+            ),
+        )
+    }
+
+    /// The problem for an error answer made without one (an extractor's rejection, a route's
+    /// bare status): `status` kept, `name` from the status (`bad_request`, `not_found`,
+    /// `method_not_allowed`, `request_timeout`, `body_too_large`, `unsupported_media_type`,
+    /// `unprocessable`, otherwise `http_<code>`), `detail` = `text` when it has any, else a
+    /// sentence from the status's reason phrase.
+    pub fn from_status(status: StatusCode, text: &str) -> Problem {
+        let name = match status.as_u16() {
+            400 => "bad_request".to_owned(),
+            404 => "not_found".to_owned(),
+            405 => "method_not_allowed".to_owned(),
+            408 => "request_timeout".to_owned(),
+            413 => "body_too_large".to_owned(),
+            415 => "unsupported_media_type".to_owned(),
+            422 => "unprocessable".to_owned(),
+            code => format!("http_{code}"),
+        };
+        let reason = status.canonical_reason().unwrap_or("Error");
+        let text = text.trim();
+        let detail = if text.is_empty() {
+            format!("{reason} ({})", status.as_u16())
+        } else {
+            text.to_owned()
+        };
+        let mut problem = Problem::door(status, &name, reason, detail);
+        problem.name = name;
+        problem
     }
 
     /// 503: the gateway is shutting down and takes no new work. Nothing was sent, so a retry
@@ -489,6 +544,23 @@ mod tests {
             .as_str()
             .unwrap()
             .starts_with("query the provider"));
+    }
+
+    #[test]
+    fn bare_statuses_become_named_problems() {
+        let p = Problem::from_status(StatusCode::METHOD_NOT_ALLOWED, "");
+        assert_eq!(p.name, "method_not_allowed");
+        assert_eq!(p.detail, "Method Not Allowed (405)");
+        let p = Problem::from_status(StatusCode::BAD_REQUEST, " Invalid URL ");
+        assert_eq!(
+            (p.name.as_str(), p.detail.as_str()),
+            ("bad_request", "Invalid URL")
+        );
+        assert_eq!(
+            Problem::from_status(StatusCode::IM_A_TEAPOT, "").name,
+            "http_418"
+        );
+        assert_eq!(p.body()["sent"], false);
     }
 
     #[test]

@@ -24,23 +24,30 @@ use std::{
     path::PathBuf,
     pin::Pin,
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc,
     },
+    task::{Context, Poll},
     time::Duration,
 };
 
 use axum::{
-    body::Body,
+    body::{Body, Bytes},
     extract::State,
-    http::{header, HeaderValue, Request},
+    http::{header, HeaderValue, Method, Request, Uri},
+    middleware::Next,
     response::{IntoResponse, Response},
     routing::get,
     Router,
 };
 use backstop_core::policy::Policy;
 use backstop_store::Store;
-use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::{watch, Notify},
+    task::{JoinHandle, JoinSet},
+};
 
 use crate::{
     action::{ActionSpec, Execution},
@@ -130,6 +137,10 @@ pub struct AppState {
     /// Whether `/metrics` is served without a token (loopback listener).
     pub metrics_open: bool,
     accepting: AtomicBool,
+    /// Requests whose response has not been dropped yet (a streamed body counts until its end).
+    in_flight: AtomicUsize,
+    /// Woken when `in_flight` drops to zero.
+    idle: Notify,
 }
 
 impl std::fmt::Debug for AppState {
@@ -166,7 +177,15 @@ impl AppState {
             door,
             metrics_open,
             accepting: AtomicBool::new(true),
+            in_flight: AtomicUsize::new(0),
+            idle: Notify::new(),
         }
+    }
+
+    /// Requests being answered now (counted by the edge layer of [`full_router`], until the
+    /// response body ends or is dropped).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
     }
 
     /// Whether new work is accepted.
@@ -200,8 +219,9 @@ async fn scopes(State(state): State<Arc<AppState>>, request: Request<Body>) -> R
     axum::Json(state.executor.scopes()).into_response()
 }
 
-/// The Prometheus text exposition content type.
-pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// The content type of `/metrics`: the exposition is OpenMetrics 1.0 text (`_total` counters,
+/// the closing `# EOF`), served as such.
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 async fn metrics(State(state): State<Arc<AppState>>, request: Request<Body>) -> Response {
     if !state.metrics_open {
@@ -230,9 +250,16 @@ pub struct ServeOptions {
     pub upstream: UpstreamConfig,
     /// Seed of the engine's jitter.
     pub seed: u64,
-    /// Longest time open connections are drained at shutdown (default 10 s).
+    /// The one bound on the whole shutdown: engine stop plus draining (default 10 s).
     pub shutdown_grace: Duration,
+    /// Longest time to receive a request's head (request line and headers) once its first
+    /// byte arrived; a slower connection is closed without an answer (hyper's
+    /// `header_read_timeout`; default [`DEFAULT_READ_TIMEOUT`]).
+    pub header_read_timeout: Duration,
 }
+
+/// The default read timeouts: a request's head, and its whole body, must arrive within 30 s.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Default for ServeOptions {
     fn default() -> Self {
@@ -243,6 +270,7 @@ impl Default for ServeOptions {
             upstream: UpstreamConfig::default(),
             seed: 0,
             shutdown_grace: Duration::from_secs(10),
+            header_read_timeout: DEFAULT_READ_TIMEOUT,
         }
     }
 }
@@ -282,24 +310,20 @@ pub enum StartError {
     Policy(String),
 }
 
-/// First path segments that belong to backstop itself: a provider with one of these names
-/// would be shadowed by backstop's own routes (`/v1/…`, `/metrics`), so it is refused at start.
-pub const RESERVED_PROVIDER_NAMES: [&str; 2] = ["v1", "metrics"];
+/// First path segments that belong to backstop itself (see
+/// [`backstop_core::policy::RESERVED_PROVIDER_NAMES`]).
+pub use backstop_core::policy::RESERVED_PROVIDER_NAMES;
 
-/// Refuses a policy whose provider names collide with backstop's own routes.
+/// Refuses a policy whose provider names collide with backstop's own routes or are dot
+/// segments. The rule lives in one place, [`backstop_core::policy::check_provider_name`], which
+/// policy validation applies too; this re-check covers policies built in code.
 ///
 /// # Errors
-/// [`StartError::Policy`] naming `providers.NAME` and the route that would shadow it.
+/// [`StartError::Policy`] naming `providers.NAME` and the reason.
 pub fn check_provider_names(policy: &Policy) -> Result<(), StartError> {
     for name in policy.providers.keys() {
-        if RESERVED_PROVIDER_NAMES
-            .iter()
-            .any(|r| r.eq_ignore_ascii_case(name))
-        {
-            return Err(StartError::Policy(format!(
-                "providers.{name}: the name `{name}` is reserved (the proxy door /{name}/… would be shadowed by backstop's own /{name} routes); rename the provider"
-            )));
-        }
+        backstop_core::policy::check_provider_name(name)
+            .map_err(|reason| StartError::Policy(format!("providers.{name}: {reason}")))?;
     }
     Ok(())
 }
@@ -344,8 +368,11 @@ impl Running {
         &self.state
     }
 
-    /// Stops the gateway: refuse new work, shut the engine down, drain connections for at most
-    /// the grace period.
+    /// Stops the gateway within the grace period, one bound for the whole shutdown: new
+    /// requests (on new or kept-alive connections) are answered `503 shutting_down` with
+    /// `Connection: close`, the engine stops taking work, and as soon as no response is in
+    /// flight the listener and idle connections are closed. When the grace runs out first, the
+    /// remaining connections (a long SSE stream) are cut.
     ///
     /// # Errors
     /// The server's I/O error, if it failed while running.
@@ -353,14 +380,12 @@ impl Running {
         let _ = self.trigger.send(true);
         self.watchdog.abort();
         let mut task = self.task;
-        // The engine's shutdown runs before draining; allow it its own grace as well.
-        match tokio::time::timeout(self.grace * 2, &mut task).await {
+        // The serving task bounds itself by the grace; the margin only covers a stuck task.
+        match tokio::time::timeout(self.grace + Duration::from_millis(500), &mut task).await {
             Ok(Ok(result)) => result,
             Ok(Err(join)) => Err(std::io::Error::other(join.to_string())),
             Err(_) => {
-                tracing::warn!(
-                    "shutdown: connections still open after the grace period; closing them"
-                );
+                tracing::warn!("shutdown: the server did not stop within the grace; aborting it");
                 task.abort();
                 Ok(())
             }
@@ -494,7 +519,7 @@ pub async fn start(
         store_path.display(),
         if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
     );
-    let (trigger, mut signal) = watch::channel(false);
+    let (trigger, signal) = watch::channel(false);
     let app = full_router(state.clone(), store.clone());
     let health_policy = Arc::new(health::HealthPolicy::from_policy(&policy));
     let watchdog = watchdog::spawn_watchdog(
@@ -507,18 +532,14 @@ pub async fn start(
             ..watchdog::WatchdogConfig::default()
         },
     );
-    let draining = state.clone();
-    let task = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = signal.wait_for(|stop| *stop).await;
-                draining.stop_accepting();
-                tracing::info!("backstop serve: shutting down; new requests get 503");
-                draining.executor.shutdown().await;
-                tracing::info!("backstop serve: engine stopped; draining open connections");
-            })
-            .await
-    });
+    let task = tokio::spawn(serve(
+        listener,
+        app,
+        state.clone(),
+        signal,
+        options.shutdown_grace,
+        options.header_read_timeout,
+    ));
     Ok(Running {
         addr,
         store_path,
@@ -530,9 +551,303 @@ pub async fn start(
     })
 }
 
+/// Accepts connections and serves `app` on each (HTTP/1.1, hyper), until `signal` turns true;
+/// then shuts down within `grace` (see [`Running::shutdown`]).
+async fn serve(
+    listener: TcpListener,
+    app: Router,
+    state: Arc<AppState>,
+    mut signal: watch::Receiver<bool>,
+    grace: Duration,
+    header_read_timeout: Duration,
+) -> std::io::Result<()> {
+    let (close, closing) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = async { signal.wait_for(|stop| *stop).await.is_ok() } => break,
+            accepted = listener.accept() => {
+                accept(&mut connections, accepted, &app, &closing, header_read_timeout).await;
+            }
+            Some(_) = connections.join_next() => {}
+        }
+    }
+    let deadline = tokio::time::Instant::now() + grace;
+    state.stop_accepting();
+    tracing::info!(
+        grace_ms = grace.as_millis() as u64,
+        "backstop serve: shutting down; new requests get 503"
+    );
+    let engine_stop = state.executor.shutdown();
+    tokio::pin!(engine_stop);
+    let mut engine_stopped = false;
+    let mut in_time = true;
+    loop {
+        let idle = state.idle.notified();
+        tokio::pin!(idle);
+        idle.as_mut().enable();
+        if engine_stopped && state.in_flight() == 0 {
+            break;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => {
+                in_time = false;
+                break;
+            }
+            _ = &mut engine_stop, if !engine_stopped => {
+                engine_stopped = true;
+                tracing::info!("backstop serve: engine stopped; draining open responses");
+            }
+            _ = &mut idle => {}
+            // Still listening: a new connection is answered 503 rather than refused.
+            accepted = listener.accept() => {
+                accept(&mut connections, accepted, &app, &closing, header_read_timeout).await;
+            }
+            Some(_) = connections.join_next() => {}
+        }
+    }
+    drop(listener);
+    let _ = close.send(true);
+    if in_time {
+        // Idle keep-alive connections close now; a response being written is finished.
+        while tokio::time::timeout_at(deadline, connections.join_next())
+            .await
+            .is_ok_and(|next| next.is_some())
+        {}
+    }
+    if !connections.is_empty() {
+        tracing::warn!(
+            connections = connections.len(),
+            "shutdown: connections still open after the grace period; closing them"
+        );
+    }
+    connections.abort_all();
+    Ok(())
+}
+
+/// Starts serving one accepted connection (a failed `accept` is logged and, for a lack of
+/// resources, waited out briefly instead of spinning).
+async fn accept(
+    connections: &mut JoinSet<()>,
+    accepted: std::io::Result<(TcpStream, SocketAddr)>,
+    app: &Router,
+    closing: &watch::Receiver<bool>,
+    header_read_timeout: Duration,
+) {
+    let stream = match accepted {
+        Ok((stream, _)) => stream,
+        Err(error) => {
+            tracing::debug!(%error, "backstop serve: accept failed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return;
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let service = hyper_util::service::TowerToHyperService::new(app.clone());
+    let mut closing = closing.clone();
+    connections.spawn(async move {
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(header_read_timeout);
+        let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        tokio::pin!(connection);
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%error, "backstop serve: connection ended with an error");
+                }
+                return;
+            }
+            _ = async { closing.wait_for(|close| *close).await.is_ok() } => {
+                connection.as_mut().graceful_shutdown();
+            }
+        }
+        let _ = connection.await;
+    });
+}
+
+/// Counts one request in flight until dropped (held by the response body).
+struct InFlight(Arc<AppState>);
+
+impl InFlight {
+    fn enter(state: Arc<AppState>) -> InFlight {
+        state.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(state)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// A response body that keeps its request counted in flight until it ends or is dropped.
+struct Counted {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl HttpBody for Counted {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A request body that must be received within a deadline counted from the request head;
+/// past it, the next read fails and `timed_out` is set (the edge layer then answers 408).
+struct Timed {
+    inner: Body,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    timed_out: Arc<AtomicBool>,
+    limit: Duration,
+}
+
+impl HttpBody for Timed {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        if this.deadline.as_mut().poll(cx).is_ready() {
+            this.timed_out.store(true, Ordering::Release);
+            return Poll::Ready(Some(Err(axum::Error::new(format!(
+                "the request body was not received within {} s",
+                this.limit.as_secs_f64()
+            )))));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Marks a response that is the provider's, passed through by the door: the edge layer never
+/// rewrites it, whatever its status and content type.
+#[derive(Debug, Clone, Copy)]
+pub struct ProviderResponse;
+
+/// The edge layer around every route of [`full_router`]:
+/// - while shutting down, every request is answered `503 shutting_down` with
+///   `Connection: close` (nothing sent);
+/// - each request is counted in flight until its response body ends (the drain waits on it);
+/// - the request body must arrive within [`DoorConfig::body_read_timeout`] of the head, else
+///   `408 request_timeout`;
+/// - an error answer that is not already `application/problem+json` (an extractor's
+///   rejection, a bare status) becomes an RFC 9457 problem with the same status, the
+///   rejection's text as `detail` and the `Allow` header kept; provider responses
+///   ([`ProviderResponse`]) pass unchanged.
+async fn edge(State(state): State<Arc<AppState>>, request: Request<Body>, next: Next) -> Response {
+    if !state.accepting() {
+        return closing(Problem::shutting_down().into_response());
+    }
+    let in_flight = InFlight::enter(state.clone());
+    let limit = state.door.body_read_timeout;
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let flag = timed_out.clone();
+    let request = request.map(|inner| {
+        Body::new(Timed {
+            inner,
+            deadline: Box::pin(tokio::time::sleep(limit)),
+            timed_out: flag,
+            limit,
+        })
+    });
+    let response = next.run(request).await;
+    let response = if timed_out.load(Ordering::Acquire) {
+        Problem::request_timeout(limit).into_response()
+    } else {
+        as_problem(response).await
+    };
+    let response = response.map(|inner| {
+        Body::new(Counted {
+            inner,
+            _in_flight: in_flight,
+        })
+    });
+    if state.accepting() {
+        response
+    } else {
+        closing(response)
+    }
+}
+
+fn closing(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// Longest rejection text read into a problem's `detail`.
+const REJECTION_TEXT_LIMIT: usize = 4096;
+
+async fn as_problem(response: Response) -> Response {
+    let status = response.status();
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with(crate::problem::PROBLEM_JSON));
+    if !(status.is_client_error() || status.is_server_error())
+        || is_problem
+        || response.extensions().get::<ProviderResponse>().is_some()
+    {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, REJECTION_TEXT_LIMIT)
+        .await
+        .ok()
+        .and_then(|bytes| String::from_utf8(bytes.to_vec()).ok())
+        .unwrap_or_default();
+    let mut problem = Problem::from_status(status, &text).into_response();
+    for name in [header::ALLOW, header::WWW_AUTHENTICATE] {
+        if let Some(value) = parts.headers.get(&name) {
+            problem.headers_mut().insert(name, value.clone());
+        }
+    }
+    problem
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    Problem::method_not_allowed(method.as_str(), uri.path()).into_response()
+}
+
 /// Every route of one listener: [`router`] (the proxy door, scopes, metrics), the escalation
 /// routes (operator tokens; decisions act through the engine), the health routes, the action
-/// API and task cancellation.
+/// API and task cancellation — under the edge layer (see [`edge`]: 503 while shutting down,
+/// the body read timeout, every error answer an RFC 9457 problem; 405 answers name the method
+/// and carry `Allow`).
 pub fn full_router(state: Arc<AppState>, store: Arc<dyn Store>) -> Router {
     let auth = state.auth.clone();
     let operators: Arc<escalations::OperatorLookup> = Arc::new(move |token: &str| {
@@ -554,10 +869,32 @@ pub fn full_router(state: Arc<AppState>, store: Arc<dyn Store>) -> Router {
         policy: Arc::new(health::HealthPolicy::from_policy(&state.policy)),
     };
     let engine = state.executor.engine();
+    let operators_only = axum::middleware::from_fn_with_state(state.clone(), operators_only);
     router(state.clone())
-        .merge(escalations::acting_router(escalations_state, engine))
+        .merge(escalations::acting_router(escalations_state, engine).route_layer(operators_only))
         .merge(health::router(health_state))
-        .merge(crate::actions_api::router(state))
+        .merge(crate::actions_api::router(state.clone()))
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(state, edge))
+}
+
+/// Before the escalation routes: a duplicated `Authorization` header is a 400, and an agent's
+/// token a 403 (authenticated, but not an operator); the routes themselves answer 401 for
+/// anything else that is not an operator token.
+async fn operators_only(
+    State(state): State<Arc<AppState>>,
+    request: Request<Body>,
+    next: Next,
+) -> Response {
+    match state.auth.authenticate(request.headers()) {
+        Err(error @ crate::auth::AuthError::Duplicate) => Problem::from(error).into_response(),
+        Ok(caller) if caller.role == Role::Agent => Problem::forbidden(format!(
+            "`{}` is an agent; escalations are read and decided with operator tokens",
+            caller.name
+        ))
+        .into_response(),
+        _ => next.run(request).await,
+    }
 }
 
 #[cfg(test)]

@@ -3,8 +3,9 @@
 //! Start-up is all-or-nothing: the policy is validated (errors as `FILE:LINE:COL: message`),
 //! every agent token and provider secret is resolved (a missing one is named), the store is
 //! opened and the address bound (`already in use` is said plainly) before any request is
-//! accepted; any failure exits 2. SIGTERM or Ctrl-C stops taking new work, shuts the engine down
-//! (accepted actions stay recoverable in the store) and drains open connections.
+//! accepted; any failure exits 2. SIGTERM or Ctrl-C stops taking new work (503 shutting_down),
+//! shuts the engine down (accepted actions stay recoverable in the store) and drains open
+//! responses, all within `--shutdown-grace-seconds`.
 //! Logs go to stderr through `tracing` (`RUST_LOG`, default `info`).
 
 use std::{
@@ -49,9 +50,14 @@ pub struct Args {
     /// Most seconds from the start of an attempt to the provider's response head.
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]
     pub attempt_timeout_seconds: u64,
-    /// Most seconds to drain open connections at shutdown.
+    /// Most seconds the whole shutdown takes (engine stop and draining); requests arriving
+    /// meanwhile get 503 shutting_down, and streams still open at the end are cut.
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
+    /// Most seconds to receive a request's head (then the connection is closed), and its whole
+    /// body (then 408 request_timeout, nothing sent).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    pub read_timeout_seconds: u64,
     /// Seed of the retry jitter (default: random).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -86,12 +92,18 @@ pub fn run(args: Args) -> ExitCode {
         errln!("backstop serve: --attempt-timeout-seconds must be at least 1");
         return ExitCode::from(2);
     }
+    if args.read_timeout_seconds == 0 {
+        errln!("backstop serve: --read-timeout-seconds must be at least 1");
+        return ExitCode::from(2);
+    }
+    let read_timeout = Duration::from_secs(args.read_timeout_seconds);
     let options = ServeOptions {
         listen: args.listen,
         store: args.store,
         door: DoorConfig {
             max_buffered_body_bytes: args.retry_body_bytes,
             max_body_bytes: args.max_body_bytes,
+            body_read_timeout: read_timeout,
         },
         upstream: UpstreamConfig {
             attempt_timeout: Duration::from_secs(args.attempt_timeout_seconds),
@@ -101,6 +113,7 @@ pub fn run(args: Args) -> ExitCode {
             .seed
             .unwrap_or_else(|| RandomState::new().hash_one(std::process::id())),
         shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
+        header_read_timeout: read_timeout,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
