@@ -342,6 +342,76 @@ pub fn mint_id(prefix: &str) -> String {
     format!("{prefix}{high:016x}{low:016x}")
 }
 
+/// Normalizes a request path (no query) as RFC 3986 §6.2.2 says, so that spellings of one
+/// resource match one route (and its scopes and pacing): percent-encoded unreserved
+/// characters (`A-Z a-z 0-9 - . _ ~`) are decoded (`%6C` → `l`), other percent-encodings get
+/// upper-case hex digits (`%2f` → `%2F`), and the dot segments `.` and `..` are removed
+/// (§5.2.4, after decoding, so `%2E%2E` is one too). Empty segments (`//`) and a trailing `/`
+/// are kept as written. The result is what is matched and forwarded.
+///
+/// # Errors
+/// A 400 `bad_request` [`Problem`]: a `%` not followed by two hex digits, or a `..` that would
+/// climb above the root (`/v1/../../x`) — such a path names nothing below the gateway.
+pub fn normalize_path(path: &str) -> Result<String, Problem> {
+    let mut segments: Vec<String> = Vec::new();
+    let raw: Vec<&str> = path.strip_prefix('/').unwrap_or(path).split('/').collect();
+    let last = raw.len().saturating_sub(1);
+    for (i, segment) in raw.iter().enumerate() {
+        let segment = percent_normalize(segment).ok_or_else(|| {
+            Problem::bad_request(format!(
+                "path `{}`: a `%` must be followed by two hex digits (RFC 3986 §2.1)",
+                clip(path)
+            ))
+        })?;
+        match segment.as_str() {
+            "." | ".." => {
+                if segment == ".." && segments.pop().is_none() {
+                    return Err(Problem::bad_request(format!(
+                        "path `{}`: `..` climbs above the root; nothing was sent",
+                        clip(path)
+                    )));
+                }
+                // `/a/.` and `/a/b/..` end in a directory: keep the trailing slash.
+                if i == last {
+                    segments.push(String::new());
+                }
+            }
+            _ => segments.push(segment),
+        }
+    }
+    Ok(format!("/{}", segments.join("/")))
+}
+
+/// One segment with unreserved percent-encodings decoded and the others upper-cased; `None`
+/// for a malformed `%`.
+fn percent_normalize(segment: &str) -> Option<String> {
+    if !segment.contains('%') {
+        return Some(segment.to_owned());
+    }
+    let bytes = segment.as_bytes();
+    let mut out = String::with_capacity(segment.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'%' {
+            out.push(char::from(bytes[i]));
+            i += 1;
+            continue;
+        }
+        let hex = segment.get(i + 1..i + 3)?;
+        let byte = u8::from_str_radix(hex, 16).ok()?;
+        if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+        i += 3;
+    }
+    Some(out)
+}
+
 /// Splits `/provider/rest?query` into the provider name and `/rest?query`.
 fn split_provider(path_and_query: &str) -> Option<(&str, String)> {
     let trimmed = path_and_query.strip_prefix('/')?;
@@ -560,9 +630,21 @@ pub(crate) fn build_spec(
     single_attempt: bool,
     backstop: BackstopHeaders,
 ) -> Result<ActionSpec, Problem> {
-    let (provider_name, rest) = split_provider(path_and_query)
-        .ok_or_else(|| Problem::not_found(path_and_query.split('?').next().unwrap_or("/")))?;
+    let (path, query) = match path_and_query.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (path_and_query, None),
+    };
+    let normalized = normalize_path(path)?;
+    let path_and_query = match query {
+        Some(query) => format!("{normalized}?{query}"),
+        None => normalized.clone(),
+    };
+    let (provider_name, rest) =
+        split_provider(&path_and_query).ok_or_else(|| Problem::not_found(&normalized))?;
     let policy: &Policy = &state.policy;
+    if backstop_core::policy::check_provider_name(provider_name).is_err() {
+        return Err(Problem::not_found(&normalized));
+    }
     let provider = policy
         .providers
         .get(provider_name)
@@ -573,6 +655,9 @@ pub(crate) fn build_spec(
     let route = policy
         .route(provider_name, method.as_str(), &rest)
         .map_err(|_| Problem::unknown_provider(provider_name))?;
+    if normalized.contains("%2F") {
+        encoded_slash_keeps_the_route(policy, method.as_str(), &normalized, &route)?;
+    }
     let (headers, idempotency_key) = upstream_headers(
         incoming,
         &method,
@@ -610,6 +695,52 @@ pub(crate) fn build_spec(
         payload_digest,
         desired_outcome: None,
     })
+}
+
+/// An encoded slash (`%2F`) is data inside one segment and is forwarded as written, but only
+/// when reading it as a `/` would not reach another provider or route: some servers decode it
+/// before routing, and the route decides scopes and pacing.
+///
+/// # Errors
+/// A 400 `bad_request` naming the path when the decoded reading matches another provider,
+/// route, class or scopes (or climbs above the root).
+fn encoded_slash_keeps_the_route(
+    policy: &Policy,
+    method: &str,
+    normalized: &str,
+    route: &backstop_core::policy::RouteMatch,
+) -> Result<(), Problem> {
+    let refused = || {
+        Problem::bad_request(format!(
+            "path `{}`: an encoded `/` (%2F) here would match another route if decoded; send the path with plain `/` or without %2F",
+            clip(normalized)
+        ))
+    };
+    let decoded = normalize_path(&normalized.replace("%2F", "/")).map_err(|_| refused())?;
+    let Some((provider, rest)) = split_provider(&decoded) else {
+        return Err(refused());
+    };
+    let Ok(other) = policy.route(provider, method, &rest) else {
+        return Err(refused());
+    };
+    let key = |r: &backstop_core::policy::RouteMatch| {
+        (
+            r.provider.clone(),
+            r.configured,
+            if r.configured {
+                r.template.clone()
+            } else {
+                String::new()
+            },
+            r.class.clone(),
+            r.scopes.clone(),
+        )
+    };
+    if key(&other) == key(route) {
+        Ok(())
+    } else {
+        Err(refused())
+    }
 }
 
 /// `Prefer: respond-async`: starts the action in the background and answers `202 Accepted`
@@ -942,6 +1073,31 @@ mod tests {
             Some(("billing", "/?x=1".to_owned()))
         );
         assert_eq!(split_provider("/"), None);
+    }
+
+    #[test]
+    fn paths_are_normalized_before_matching() {
+        for (given, expected) in [
+            ("/fake/v1/limited", "/fake/v1/limited"),
+            ("/fake/v1/./limited", "/fake/v1/limited"),
+            ("/fake/v1/%6cimited", "/fake/v1/limited"),
+            ("/fake/v1/%6Cimited", "/fake/v1/limited"),
+            ("/fake/v1/x/../limited", "/fake/v1/limited"),
+            ("/fake/v1/x/%2e%2E/limited", "/fake/v1/limited"),
+            ("/fake/v1/a%2fb", "/fake/v1/a%2Fb"),
+            ("/fake/v1/a%20b", "/fake/v1/a%20b"),
+            ("/fake/v1//limited/", "/fake/v1//limited/"),
+            ("/fake/v1/limited/.", "/fake/v1/limited/"),
+            ("/fake/v1/x/..", "/fake/v1/"),
+            ("/%66ake/v1", "/fake/v1"),
+        ] {
+            assert_eq!(normalize_path(given).unwrap(), expected, "{given}");
+        }
+        for bad in ["/fake/../../x", "/..", "/fake/%zz", "/fake/%4", "/fake/%"] {
+            let problem = normalize_path(bad).unwrap_err();
+            assert_eq!(problem.status, StatusCode::BAD_REQUEST, "{bad}");
+            assert!(problem.detail.contains("path `"), "{}", problem.detail);
+        }
     }
 
     #[test]

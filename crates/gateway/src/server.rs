@@ -1141,6 +1141,153 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn odd_path_spellings_match_the_configured_route_and_forward_normalized() {
+        for path in [
+            "/billing/v1/./transfers",
+            "/billing/v1/%74ransfers",
+            "/billing/v1/x/../transfers",
+            "/%62illing/v1/transfers",
+        ] {
+            let (state, executor) = state(ok_answer, true);
+            let request = Request::post(path)
+                .header("authorization", "Bearer agent-token")
+                .body(Body::empty())
+                .unwrap();
+            let (parts, _) = call(state, request).await;
+            assert_eq!(parts.status, 200, "{path}");
+            let seen = executor.seen.lock().unwrap();
+            assert_eq!(seen[0].route.template, "/v1/transfers", "{path}");
+            assert_eq!(seen[0].route.scopes, ["billing/account"], "{path}");
+            assert_eq!(
+                seen[0].request.url, "http://127.0.0.1:9/api/v1/transfers",
+                "{path}"
+            );
+        }
+        // An encoded slash in the provider segment names no provider: 404, nothing sent.
+        let (gateway, executor) = state(ok_answer, true);
+        let request = Request::post("/billing%2Fv1/transfers")
+            .header("authorization", "Bearer agent-token")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(call(gateway, request).await.0.status, 404);
+        assert!(executor.seen.lock().unwrap().is_empty());
+        for path in ["/billing/v1%2Ftransfers", "/billing/../../v1/transfers"] {
+            let (state, executor) = state(ok_answer, true);
+            let request = Request::post(path)
+                .header("authorization", "Bearer agent-token")
+                .body(Body::empty())
+                .unwrap();
+            let (parts, body) = call(state, request).await;
+            assert_eq!(parts.status, 400, "{path}");
+            assert_eq!(json(&body)["type"], "urn:backstop:problem:bad_request");
+            assert!(executor.seen.lock().unwrap().is_empty());
+        }
+        // %2F inside an id segment matches the same route either way: forwarded as written.
+        let (state, executor) = state(ok_answer, true);
+        let request = Request::get("/billing/v1/accounts/a%2fb")
+            .header("authorization", "Bearer agent-token")
+            .body(Body::empty())
+            .unwrap();
+        let (parts, _) = call(state, request).await;
+        assert_eq!(parts.status, 200);
+        assert_eq!(
+            executor.seen.lock().unwrap()[0].request.url,
+            "http://127.0.0.1:9/api/v1/accounts/a%2Fb"
+        );
+    }
+
+    /// The whole router over a fresh store (the store outlives the router through the guard).
+    fn full(state: Arc<AppState>) -> (Router, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = backstop_store::SqliteStore::open(dir.path().join("b.db")).unwrap();
+        (full_router(state, Arc::new(store)), dir)
+    }
+
+    async fn call_full(
+        app: &Router,
+        request: Request<Body>,
+    ) -> (http::response::Parts, serde_json::Value) {
+        let response = app.clone().oneshot(request).await.unwrap();
+        let (parts, body) = response.into_parts();
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(
+            parts.headers["content-type"],
+            crate::problem::PROBLEM_JSON,
+            "{bytes:?}"
+        );
+        (parts, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn every_error_of_the_gateway_is_a_problem() {
+        let (state, _) = state(ok_answer, true);
+        let (app, _dir) = full(state);
+        for (method, path, allow) in [
+            ("GET", "/v1/actions", "POST"),
+            ("DELETE", "/v1/actions/85", "GET,HEAD"),
+            ("PUT", "/v1/escalations", "GET,HEAD"),
+            ("GET", "/v1/escalations/1/decision", "POST"),
+            ("POST", "/metrics", "GET,HEAD"),
+        ] {
+            let request = Request::builder()
+                .method(method)
+                .uri(path)
+                .body(Body::empty())
+                .unwrap();
+            let (parts, body) = call_full(&app, request).await;
+            assert_eq!(parts.status, 405, "{method} {path}");
+            assert_eq!(parts.headers["allow"], allow, "{method} {path}");
+            assert_eq!(body["type"], "urn:backstop:problem:method_not_allowed");
+            assert!(body["detail"].as_str().unwrap().contains(method));
+        }
+        let request = Request::get("/v1/actions/%ff")
+            .header("authorization", "Bearer agent-token")
+            .body(Body::empty())
+            .unwrap();
+        let (parts, body) = call_full(&app, request).await;
+        assert_eq!(parts.status, 400);
+        assert_eq!(body["type"], "urn:backstop:problem:bad_request");
+        assert!(body["detail"].as_str().unwrap().contains("UTF-8"), "{body}");
+        let request = Request::get("/v1/nothing")
+            .header("authorization", "Bearer agent-token")
+            .body(Body::empty())
+            .unwrap();
+        let (parts, body) = call_full(&app, request).await;
+        assert_eq!(parts.status, 404);
+        assert_eq!(body["type"], "urn:backstop:problem:not_found");
+    }
+
+    #[tokio::test]
+    async fn duplicated_authorization_is_ambiguous_and_agents_are_not_operators() {
+        let (state, executor) = state(ok_answer, true);
+        let (app, _dir) = full(state);
+        for path in ["/billing/v1/balance", "/v1/scopes", "/v1/escalations"] {
+            let request = Request::get(path)
+                .header("authorization", "Bearer agent-token")
+                .header("authorization", "Bearer operator-token")
+                .body(Body::empty())
+                .unwrap();
+            let (parts, body) = call_full(&app, request).await;
+            assert_eq!(parts.status, 400, "{path}");
+            assert_eq!(body["header"], "Authorization", "{path}");
+        }
+        assert!(executor.seen.lock().unwrap().is_empty());
+        let request = Request::get("/v1/escalations")
+            .header("authorization", "Bearer agent-token")
+            .body(Body::empty())
+            .unwrap();
+        let (parts, body) = call_full(&app, request).await;
+        assert_eq!(parts.status, 403);
+        assert_eq!(body["type"], "urn:backstop:problem:forbidden");
+        let request = Request::get("/v1/escalations")
+            .header("authorization", "Bearer nobody")
+            .body(Body::empty())
+            .unwrap();
+        let (parts, _) = call_full(&app, request).await;
+        assert_eq!(parts.status, 401);
+    }
+
+    #[tokio::test]
     async fn scopes_and_metrics() {
         let (state, _) = state(ok_answer, true);
         let (parts, body) = call(
