@@ -50,11 +50,26 @@ pub const MAX_LONG_POLL: Duration = Duration::from_secs(60);
 
 /// The action API routes (see the module table).
 pub fn router(state: Arc<AppState>) -> Router {
+    let envelope = submit_body_limit(state.door);
     Router::new()
-        .route("/v1/actions", post(submit))
+        .route(
+            "/v1/actions",
+            post(submit).layer(axum::extract::DefaultBodyLimit::max(envelope)),
+        )
         .route("/v1/actions/{id}", get(show))
         .route("/v1/tasks/{id}/cancel", post(cancel))
         .with_state(state)
+}
+
+/// The largest `POST /v1/actions` body read: room for a payload at the door's hard cap
+/// ([`door::DoorConfig::max_body_bytes`]) in `body_base64` (4/3 of it) plus 64 KiB for the
+/// other members. A larger body is answered `413 body_too_large`; the payload itself is then
+/// held to the hard cap like a proxied body.
+pub fn submit_body_limit(config: door::DoorConfig) -> usize {
+    config
+        .max_body_bytes
+        .saturating_add(config.max_body_bytes / 3 + 3)
+        .saturating_add(64 * 1024)
 }
 
 /// The body of `POST /v1/actions`.
@@ -142,10 +157,7 @@ async fn submit_inner(
         (None, None) => Bytes::new(),
     };
     if payload.len() > state.door.max_body_bytes {
-        return Err(Problem::bad_request(format!(
-            "body: larger than backstop's hard cap of {} bytes; nothing was sent",
-            state.door.max_body_bytes
-        )));
+        return Err(door::body_too_large(state.door));
     }
     let mut incoming = HeaderMap::new();
     for (name, value) in &request.headers {
@@ -192,11 +204,8 @@ async fn submit_inner(
         .deadline
         .as_deref()
         .map(|d| {
-            d.parse::<jiff::Timestamp>().map_err(|_| {
-                Problem::bad_request(format!(
-                    "deadline: `{d}` is not an RFC 3339 instant like 2026-01-01T12:00:00Z"
-                ))
-            })
+            door::parse_instant(d)
+                .map_err(|reason| Problem::bad_request(format!("deadline: {reason}")))
         })
         .transpose()?;
     if let Some(task) = &request.task {
@@ -238,21 +247,54 @@ struct WaitQuery {
     wait: Option<String>,
 }
 
-/// `30s`, `1m0s`, `500ms` (Go-style) or bare seconds (`30`), capped at [`MAX_LONG_POLL`].
+/// `?wait=`: a Go-style duration (`30s`, `1m0s`, `500ms`) or bare seconds (`30`, read as
+/// `30s`), through one parser; any longer wait — however large, even beyond what a duration can
+/// hold — is capped at [`MAX_LONG_POLL`] (60 s).
+///
+/// # Errors
+/// 400 `bad_request` for text that is not such a duration (`soon`, `-1s`, `1x`).
 fn parse_wait(text: &str) -> Result<Duration, Problem> {
     let text = text.trim();
-    let wait = if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
-        text.parse::<u64>()
-            .map(Duration::from_secs)
-            .map_err(|_| Problem::bad_request(format!("wait: `{text}` is too large")))?
+    let spelled = if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        format!("{text}s")
     } else {
-        backstop_core::duration::parse_go_duration(text).map_err(|e| {
-            Problem::bad_request(format!(
-                "wait: `{text}` is not a duration like 30s or 500ms: {e}"
-            ))
-        })?
+        text.to_owned()
     };
-    Ok(wait.min(MAX_LONG_POLL))
+    match backstop_core::duration::parse_go_duration(&spelled) {
+        Ok(wait) => Ok(wait.min(MAX_LONG_POLL)),
+        Err(_) if is_duration_shaped(&spelled) => Ok(MAX_LONG_POLL),
+        Err(e) => Err(Problem::bad_request(format!(
+            "wait: `{}` is not a duration like 30s or 500ms: {e}",
+            text.chars().take(64).collect::<String>()
+        ))),
+    }
+}
+
+/// Whether `text` is well-formed duration text (`<digits>[.<digits>]<unit>` repeated), so that
+/// a parse failure can only mean it is too large.
+fn is_duration_shaped(text: &str) -> bool {
+    let mut rest = text;
+    if rest.is_empty() {
+        return false;
+    }
+    while !rest.is_empty() {
+        let digits = rest
+            .bytes()
+            .take_while(|b| b.is_ascii_digit() || *b == b'.')
+            .count();
+        if digits == 0 || rest[..digits].matches('.').count() > 1 {
+            return false;
+        }
+        rest = &rest[digits..];
+        let Some(unit) = ["ns", "us", "µs", "μs", "ms", "s", "m", "h"]
+            .iter()
+            .find(|u| rest.starts_with(**u))
+        else {
+            return false;
+        };
+        rest = &rest[unit.len()..];
+    }
+    true
 }
 
 async fn show(
@@ -467,5 +509,19 @@ mod tests {
         assert_eq!(parse_wait("5").unwrap(), Duration::from_secs(5));
         assert_eq!(parse_wait("10m").unwrap(), MAX_LONG_POLL);
         assert_eq!(parse_wait("soon").unwrap_err().status, 400);
+        assert_eq!(parse_wait("-1s").unwrap_err().status, 400);
+        assert_eq!(parse_wait("1x").unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn wait_beyond_what_a_duration_holds_is_capped_like_any_long_wait() {
+        for text in [
+            "18446744073709551615",
+            "99999999999999999999999999999",
+            "99999999999s",
+            "99999999999999999999999999999h",
+        ] {
+            assert_eq!(parse_wait(text).unwrap(), MAX_LONG_POLL, "{text}");
+        }
     }
 }

@@ -176,15 +176,8 @@ pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Pr
     };
     let deadline = single(headers, DEADLINE_HEADER, "X-Backstop-Deadline")?
         .map(|value| {
-            value.parse::<Timestamp>().map_err(|_| {
-                Problem::bad_header(
-                    "X-Backstop-Deadline",
-                    format!(
-                        "`{}` is not an RFC 3339 instant like 2026-01-01T12:00:00Z",
-                        clip(value)
-                    ),
-                )
-            })
+            parse_instant(value)
+                .map_err(|reason| Problem::bad_header("X-Backstop-Deadline", reason))
         })
         .transpose()?;
     let max_wait = prefer_wait(headers)?;
@@ -194,6 +187,39 @@ pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Pr
         deadline,
         max_wait,
     })
+}
+
+/// Reads an RFC 3339 instant (`2026-01-01T12:00:00Z`, `…+01:00`). Fractional seconds beyond
+/// nanoseconds (more than 9 digits) are truncated to nanoseconds, the precision backstop keeps.
+/// Instants are representable from `-009999-01-02T01:59:59Z` to `9999-12-30T22:00:00.999999999Z`
+/// (jiff's range); a later one, such as `9999-12-31T23:59:59Z`, is refused saying so.
+///
+/// # Errors
+/// A sentence quoting the value (clipped to 64 characters) and jiff's reason.
+pub fn parse_instant(text: &str) -> Result<Timestamp, String> {
+    let text = text.trim();
+    let truncated = truncate_fraction(text);
+    truncated.parse::<Timestamp>().map_err(|e| {
+        format!(
+            "`{}` is not an RFC 3339 instant like 2026-01-01T12:00:00Z that backstop can represent (up to 9999-12-30T22:00:00Z): {e}",
+            clip(text)
+        )
+    })
+}
+
+/// `…:SS.ffffffffffff…` with the fraction cut to 9 digits; other text unchanged.
+fn truncate_fraction(text: &str) -> std::borrow::Cow<'_, str> {
+    let Some(dot) = text.find('.') else {
+        return text.into();
+    };
+    let digits = text[dot + 1..]
+        .bytes()
+        .take_while(u8::is_ascii_digit)
+        .count();
+    if digits <= 9 {
+        return text.into();
+    }
+    format!("{}{}", &text[..dot + 10], &text[dot + 1 + digits..]).into()
 }
 
 /// One header value as trimmed text; two instances or non-text bytes are errors.
@@ -450,7 +476,7 @@ async fn read_body(body: Body, config: DoorConfig) -> Result<(Bytes, bool), Prob
     Ok((buffer.freeze(), large))
 }
 
-fn body_too_large(config: DoorConfig) -> Problem {
+pub(crate) fn body_too_large(config: DoorConfig) -> Problem {
     let mut problem = Problem::bad_request(format!(
         "the request body is larger than backstop's hard cap of {} bytes; nothing was sent",
         config.max_body_bytes
@@ -979,6 +1005,16 @@ mod tests {
             bad(&[("X-Backstop-Task", &long)]).extensions["header"],
             "X-Backstop-Task"
         );
+    }
+
+    #[test]
+    fn deadlines_accept_what_can_be_represented_and_say_why_not() {
+        let at = parse_instant("2026-01-01T12:00:00.123456789123Z").unwrap();
+        assert_eq!(at, "2026-01-01T12:00:00.123456789Z".parse().unwrap());
+        assert!(parse_instant("9999-12-30T22:00:00Z").is_ok());
+        let error = parse_instant("9999-12-31T23:59:59Z").unwrap_err();
+        assert!(error.contains("9999-12-30T22:00:00Z"), "{error}");
+        assert!(parse_instant("2026-01-01").is_err());
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //!
 //! Errors are RFC 9457 `application/problem+json` bodies with `type`
 //! `urn:backstop:problem:<name>` and `x-should-retry: false`: 401 `unauthorized` (no or unknown
-//! operator token), 404 `escalation_not_found`, 400 `bad_decision` (body is not a decision),
+//! operator token), 403 `forbidden` (an agent's token, under the gateway's router), 400
+//! `bad_header` (two `Authorization` headers), 404 `escalation_not_found`, 400 `bad_decision` (body is not a decision),
 //! 409 `already_decided`, 409 `request_not_held` (the decision is recorded — for
 //! `retry_same_key` the action is reopened — but the gateway restarted since the escalation and
 //! no longer holds the request: the agent resubmits, with the problem's `idempotency_key` for
@@ -96,7 +97,12 @@ pub fn acting_router(state: EscalationsState, engine: Option<crate::engine::Engi
     Router::new()
         .route("/v1/escalations", get(list))
         .route("/v1/escalations/{id}", get(show))
-        .route("/v1/escalations/{id}/decision", post(decide))
+        .route(
+            "/v1/escalations/{id}/decision",
+            post(decide).layer(axum::extract::DefaultBodyLimit::max(
+                MAX_DECISION_BODY_BYTES,
+            )),
+        )
         .route("/v1/escalations/{id}/reveal", post(reveal))
         .with_state(state)
 }
@@ -209,8 +215,8 @@ impl IntoResponse for ApiProblem {
 }
 
 fn operator(state: &EscalationsState, headers: &HeaderMap) -> Result<String, ApiProblem> {
-    let value = headers
-        .get(header::AUTHORIZATION)
+    let value = crate::auth::bearer_header(headers)
+        .ok()
         .and_then(|v| v.to_str().ok())
         .ok_or_else(ApiProblem::unauthorized)?;
     let (scheme, token) = value
@@ -316,13 +322,13 @@ async fn decide(
             ),
         ));
     }
-    let decision: Decision = serde_json::from_slice(&body).map_err(|err| {
+    let decision = parse_decision(&body).map_err(|reason| {
         ApiProblem::new(
             StatusCode::BAD_REQUEST,
             "bad_decision",
             "Not a decision",
             format!(
-                "body: expected {{\"option\": …, \"confirm_second_side_effect\": bool, \"note\": …}}: {err}"
+                "body: expected {{\"option\": …, \"confirm_second_side_effect\": bool, \"note\": …}}: {reason}"
             ),
         )
     })?;
@@ -450,6 +456,32 @@ async fn reveal(
     ))
 }
 
+/// The members a decision body may have.
+pub const DECISION_MEMBERS: [&str; 3] = ["option", "confirm_second_side_effect", "note"];
+
+/// The longest decision body read, in bytes (a decision is an option word and a note).
+pub const MAX_DECISION_BODY_BYTES: usize = 64 * 1024;
+
+/// Reads a decision body strictly: a JSON object whose members are among
+/// [`DECISION_MEMBERS`] (an unknown member is refused, not ignored: a misspelt
+/// `confirm_second_side_effect` must not pass as "not confirmed").
+///
+/// # Errors
+/// A sentence: not JSON, not an object, an unknown member, or a member of the wrong type.
+fn parse_decision(body: &[u8]) -> Result<Decision, String> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON ({e})"))?;
+    let Value::Object(members) = &value else {
+        return Err("a decision is a JSON object".to_owned());
+    };
+    if let Some(unknown) = members
+        .keys()
+        .find(|k| !DECISION_MEMBERS.contains(&k.as_str()))
+    {
+        return Err(format!("unknown member `{unknown}`"));
+    }
+    serde_json::from_value(value).map_err(|e| e.to_string())
+}
+
 /// The outcome of every `reveal_payload` request, as audited: backstop keeps no payload.
 pub const REVEAL_REFUSED_NOT_STORED: &str = "refused_payload_not_stored";
 
@@ -470,4 +502,40 @@ fn case_str_nested<'a>(case_file: &'a Value, pointer: &str) -> &'a str {
         .pointer(pointer)
         .and_then(Value::as_str)
         .unwrap_or("unknown")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decisions_are_objects_with_known_members_only() {
+        let decision = parse_decision(
+            br#"{"option":"send_new","confirm_second_side_effect":true,"note":"ok"}"#,
+        )
+        .unwrap();
+        assert_eq!(decision.option, "send_new");
+        assert!(decision.confirm_second_side_effect);
+        for (body, reason) in [
+            (
+                &br#"{"option":"abort","bogus":1}"#[..],
+                "unknown member `bogus`",
+            ),
+            (
+                br#"{"option":"send_new","confirm_second_side_efect":true}"#,
+                "unknown member",
+            ),
+            (br#"["abort"]"#, "a decision is a JSON object"),
+            (br#""abort""#, "a decision is a JSON object"),
+            (b"abort", "not JSON"),
+            (br#"{"option":1}"#, "invalid type"),
+        ] {
+            let error = parse_decision(body).unwrap_err();
+            assert!(
+                error.contains(reason),
+                "{}: {error}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
 }

@@ -1248,6 +1248,18 @@ mod tests {
         assert_eq!(parts.status, 400);
         assert_eq!(body["type"], "urn:backstop:problem:bad_request");
         assert!(body["detail"].as_str().unwrap().contains("UTF-8"), "{body}");
+        let request = Request::post("/v1/escalations/1/decision")
+            .header("authorization", "Bearer operator-token")
+            .body(Body::from(vec![
+                b' ';
+                escalations::MAX_DECISION_BODY_BYTES + 1
+            ]))
+            .unwrap();
+        let (parts, body) = call_full(&app, request).await;
+        assert_eq!(parts.status, 413);
+        assert_eq!(body["type"], "urn:backstop:problem:body_too_large");
+        // The action API reads bodies up to the door's cap, not axum's default 2 MB.
+        assert!(crate::actions_api::submit_body_limit(DoorConfig::default()) > 32 * 1024 * 1024);
         let request = Request::get("/v1/nothing")
             .header("authorization", "Bearer agent-token")
             .body(Body::empty())
