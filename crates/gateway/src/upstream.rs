@@ -117,11 +117,20 @@ impl Upstream {
     }
 
     async fn send_once(&self, request: AttemptRequest) -> AttemptReply {
+        let empty_content = request.body.is_empty() && defines_content(&request.method);
         let mut builder = http::Request::builder()
             .method(request.method)
             .uri(request.url.as_str());
         if let Some(headers) = builder.headers_mut() {
             *headers = request.headers;
+            if empty_content {
+                // RFC 9110 §8.6: a user agent SHOULD send `Content-Length: 0` for a method that
+                // defines content (POST, PUT, PATCH) when it sends none; hyper omits it.
+                headers.insert(
+                    http::header::CONTENT_LENGTH,
+                    http::HeaderValue::from_static("0"),
+                );
+            }
         }
         let http_request = match builder.body(Full::new(request.body)) {
             Ok(r) => r,
@@ -200,6 +209,15 @@ fn is_tls_error(e: &(dyn StdError + 'static)) -> bool {
     false
 }
 
+/// Methods whose requests define a meaning for enclosed content (RFC 9110 §9.3.3, §9.3.4,
+/// RFC 5789).
+fn defines_content(method: &http::Method) -> bool {
+    matches!(
+        *method,
+        http::Method::POST | http::Method::PUT | http::Method::PATCH
+    )
+}
+
 fn chain<'a>(
     error: &'a (dyn StdError + 'static),
 ) -> impl Iterator<Item = &'a (dyn StdError + 'static)> {
@@ -238,6 +256,47 @@ mod tests {
             AttemptReply::Failed(kind) => kind,
             AttemptReply::Response(r) => panic!("expected a failure, got {}", r.status()),
         }
+    }
+
+    /// The request head an upstream receives for `request`, read raw.
+    async fn head_seen(method: http::Method) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buffer = vec![0u8; 4096];
+            let mut seen = Vec::new();
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buffer).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                seen.extend_from_slice(&buffer[..n]);
+            }
+            socket
+                .write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+                .await
+                .unwrap();
+            String::from_utf8_lossy(&seen).to_ascii_lowercase()
+        });
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let mut attempt = request(format!("http://{addr}/x"));
+        attempt.method = method;
+        let _ = upstream.send(attempt).await;
+        server.await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_empty_post_is_sent_with_content_length_zero() {
+        for method in [http::Method::POST, http::Method::PUT, http::Method::PATCH] {
+            let head = head_seen(method.clone()).await;
+            assert!(
+                head.contains("\r\ncontent-length: 0\r\n"),
+                "{method}: {head}"
+            );
+        }
+        let head = head_seen(http::Method::GET).await;
+        assert!(!head.contains("content-length"), "{head}");
     }
 
     #[tokio::test]
