@@ -584,12 +584,20 @@ pub fn refusal(problem: Problem) -> Response {
 }
 
 /// The proxy door handler (axum fallback of the router in [`crate::server`]).
+///
+/// The door's own time (request in → hand-over to the engine, and the engine's answer →
+/// response head out) is observed as `backstop_gateway_overhead_seconds` for every call that
+/// reaches the engine synchronously; refusals and `respond-async` submissions are not.
 pub async fn proxy(state: std::sync::Arc<AppState>, request: Request<Body>) -> Response {
+    let arrived = tokio::time::Instant::now();
     let respond_async = prefers_respond_async(request.headers());
     match prepare(&state, request).await {
         Err(problem) => refusal(problem),
         Ok(spec) if respond_async => submit_async(&state, spec).await,
-        Ok(spec) => execute(&state, spec).await,
+        Ok(spec) => {
+            let before_engine = arrived.elapsed();
+            execute(&state, spec, before_engine).await
+        }
     }
 }
 
@@ -821,7 +829,7 @@ pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response
     }
 }
 
-async fn execute(state: &AppState, spec: ActionSpec) -> Response {
+async fn execute(state: &AppState, spec: ActionSpec, before_engine: Duration) -> Response {
     let task_id = spec.task_id.clone();
     let single = spec.single_attempt;
     let provider = spec.route.provider.clone();
@@ -830,6 +838,7 @@ async fn execute(state: &AppState, spec: ActionSpec) -> Response {
     let method = spec.route.method.clone();
     let agent = spec.agent.clone();
     let execution = state.executor.execute(spec).await;
+    let answered = tokio::time::Instant::now();
     let receipt = execution.receipt();
     match &execution {
         Execution::Response { response, .. } => tracing::info!(
@@ -852,7 +861,11 @@ async fn execute(state: &AppState, spec: ActionSpec) -> Response {
             "door: layered retry refused, the key's action is in flight"
         ),
     }
-    render(state, execution, &task_id, single)
+    let response = render(state, execution, &task_id, single);
+    state
+        .metrics
+        .observe_overhead((before_engine + answered.elapsed()).as_secs_f64());
+    response
 }
 
 /// Renders an [`Execution`] for the agent: the provider's response, a `200` JSON for a

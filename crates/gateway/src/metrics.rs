@@ -132,7 +132,7 @@ impl Metrics {
         let overhead = Histogram::new(exponential_buckets(0.000_025, 2.0, 14));
         registry.register(
             "gateway_overhead_seconds",
-            "Time spent inside the gateway per attempt, excluding waiting and the upstream call",
+            "Time the proxy door spends per call: request head in to the hand-over to the engine, plus the engine's answer to the response head out (excludes queueing, waiting and the upstream call)",
             overhead.clone(),
         );
         Self {
@@ -232,7 +232,11 @@ impl Metrics {
         self.early_retries.inc();
     }
 
-    /// Observes the gateway's own overhead for one attempt, in seconds.
+    /// Observes the gateway's own overhead for one proxied call, in seconds: the door's time
+    /// from the request head to handing the action to the engine (authentication, header
+    /// parsing, body buffering, route resolution) plus from the engine's answer to the
+    /// response head handed to the agent. Queue wait, `Retry-After` waits, the engine's
+    /// scheduling and the upstream call are not included.
     pub fn observe_overhead(&self, seconds: f64) {
         self.overhead.observe(seconds);
     }

@@ -1050,6 +1050,24 @@ mod tests {
         assert!(!spec.single_attempt);
     }
 
+    #[tokio::test]
+    async fn each_proxied_call_observes_the_gateway_overhead() {
+        let (state, _) = state(ok_answer, true);
+        for _ in 0..2 {
+            let request = Request::get("/billing/v1/balance")
+                .header("authorization", "Bearer agent-token")
+                .body(Body::empty())
+                .unwrap();
+            assert_eq!(call(state.clone(), request).await.0.status, 200);
+        }
+        let text = state.metrics.render();
+        assert!(
+            text.lines()
+                .any(|l| l.ends_with("gateway_overhead_seconds_count 2")),
+            "{text}"
+        );
+    }
+
     use sha2::Digest;
 
     #[tokio::test]
