@@ -164,6 +164,10 @@ struct Inner {
     breakers: Mutex<HashMap<String, TaskBreaker>>,
     flights: Arc<Flights>,
     shutting_down: AtomicBool,
+    /// `true` once restart recovery has listed the attempts left unfinished by the previous
+    /// run: no action records anything before, so an attempt of this run is never mistaken
+    /// for one the restart interrupted.
+    recovery_listed: tokio::sync::watch::Sender<bool>,
     /// Provider credential headers for lookups made without an agent request (after a restart).
     credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
     /// Prepared requests of escalated writes (in memory only), for operator decisions.
@@ -505,12 +509,17 @@ impl Engine {
             breakers: Mutex::new(HashMap::new()),
             flights: Arc::new(Flights::default()),
             shutting_down: AtomicBool::new(false),
+            recovery_listed: tokio::sync::watch::Sender::new(false),
             credentials: Mutex::new(credentials),
             held: Mutex::new(HashMap::new()),
             kept: Mutex::new(actions::Kept::default()),
         });
         let restore = inner.clone();
         tokio::spawn(async move {
+            // The previous run's unfinished attempts, listed before any action of this run
+            // is recorded (see `recovery_listed`).
+            let unfinished = restore.blocking(|s| s.unfinished_attempts()).await;
+            restore.recovery_listed.send_replace(true);
             let scopes: Vec<(String, String)> = restore
                 .policy
                 .providers
@@ -548,7 +557,7 @@ impl Engine {
             }
             // Restart recovery (SPEC §12): writes sent without a result are reconciled with
             // their original key; scheduled retries are re-armed at their due instants.
-            restore.recover_unfinished().await;
+            restore.recover_unfinished(unfinished).await;
             restore.rearm_scheduled().await;
         });
         Engine { inner }
@@ -576,6 +585,10 @@ impl Engine {
     pub async fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
         self.inner.scheduler.shutdown().await;
+        // Reads' records queued without waiting are committed before the gateway stops.
+        if let Err(e) = self.inner.blocking(|s| s.flush()).await {
+            tracing::warn!(error = %e, "could not commit the queued read records at shutdown");
+        }
     }
 
     /// Cancels a task of `agent` (SPEC §4.3): its delayed actions are dropped before they wake,
@@ -656,6 +669,11 @@ impl Engine {
                 Outcome::Cancelled,
                 "the gateway is shutting down and takes no new work".to_owned(),
             );
+        }
+        if !*self.inner.recovery_listed.borrow() {
+            // Only right after start: wait until restart recovery has listed what it owns.
+            let mut listed = self.inner.recovery_listed.subscribe();
+            let _ = listed.wait_for(|listed| *listed).await;
         }
         if spec.route.coalesce && is_safe_method(&spec.request.method) {
             let key = FlightKey::Read(coalesce_key(&spec));

@@ -122,6 +122,14 @@ pub trait Store: Send + Sync {
     /// As [`Store::record_result`]; [`StoreError::WriterGone`] when the store is closing.
     fn submit_result(&self, result: AttemptResult, at: Timestamp, done: Completion<()>);
 
+    /// Waits until every operation queued before this call is committed and fsync'd (the
+    /// read records nobody awaited included). Called when the gateway stops, so a clean stop
+    /// loses nothing.
+    ///
+    /// # Errors
+    /// [`StoreError::WriterGone`] when the store is closed; the commit's storage error.
+    fn flush(&self) -> Result<(), StoreError>;
+
     /// Durably records that attempt *n* (the returned number, 1-based) is about to be sent and
     /// audits `action_sent`. Returns only after commit + fsync: the request's bytes may leave
     /// only after this returns `Ok`.

@@ -399,8 +399,13 @@ impl Inner {
     /// Restart recovery (SPEC §12): every write attempt recorded as sent without a result is
     /// recorded `uncertain` and reconciled with its original key; reads in that state are
     /// recorded `uncertain` and end `budget_exhausted` (nobody waits for them any more).
-    pub(super) async fn recover_unfinished(&self) {
-        let unfinished = match self.blocking(|s| s.unfinished_attempts()).await {
+    ///
+    /// `unfinished` is the list taken at start, before any action of this run was recorded.
+    pub(super) async fn recover_unfinished(
+        &self,
+        unfinished: Result<Vec<backstop_store::UnfinishedAttempt>, super::EngineError>,
+    ) {
+        let unfinished = match unfinished {
             Ok(list) => list,
             Err(e) => {
                 tracing::error!(error = %e, "restart recovery: cannot read unfinished attempts");

@@ -479,6 +479,11 @@ impl Store for SqliteStore {
         Ok(id)
     }
 
+    fn flush(&self) -> Result<(), StoreError> {
+        // An empty operation commits after everything queued before it.
+        self.submit(|_| Ok(()))
+    }
+
     fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>) {
         self.enqueue_unawaited(move |tx| tx.mark_attempt_sent(action, at), done);
     }
