@@ -34,6 +34,8 @@ enum Command {
     FakeApi(cmd::fake_api::Args),
     /// Read escalation case files and record decisions on a running gateway.
     Escalations(cmd::escalations::Args),
+    /// Print the scope records of a running gateway: who may send when, what is in flight.
+    Scopes(cmd::scopes::Args),
     /// Run the reference scenario on loopback and print its timeline: start here.
     Demo(cmd::demo::Args),
     /// Export health snapshots of throttled actions from a gateway database (NDJSON).
@@ -50,6 +52,7 @@ fn main() -> ExitCode {
         Command::Diagnose(args) => cmd::diagnose::run(args),
         Command::FakeApi(args) => cmd::fake_api::run(args),
         Command::Escalations(args) => cmd::escalations::run(args),
+        Command::Scopes(args) => cmd::scopes::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::Snapshots(args) => cmd::snapshots::run(args),
     }

@@ -12,14 +12,11 @@
 //! a problem answer from the gateway with its status, name and detail) on one stderr line.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use crate::cmd::client::{self, Client};
 use crate::cmd::output::{self, errln};
-
-/// Where the gateway is when neither `--url` nor `BACKSTOP_URL` says otherwise.
-pub const DEFAULT_URL: &str = "http://127.0.0.1:8080";
 
 /// Arguments of `backstop escalations`.
 #[derive(Debug, clap::Args)]
@@ -80,16 +77,7 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn execute(args: Args) -> Result<String, String> {
-    let base = args
-        .url
-        .or_else(|| std::env::var("BACKSTOP_URL").ok().filter(|u| !u.is_empty()))
-        .unwrap_or_else(|| DEFAULT_URL.to_owned());
-    let base = base.trim_end_matches('/').to_owned();
-    if !base.starts_with("http://") {
-        return Err(format!(
-            "--url {base}: only http:// URLs are supported (reach a remote gateway through a TLS-terminating proxy or a tunnel)"
-        ));
-    }
+    let base = client::base_url(args.url)?;
     let token = args
         .token
         .or_else(|| {
@@ -98,7 +86,7 @@ fn execute(args: Args) -> Result<String, String> {
                 .filter(|t| !t.is_empty())
         })
         .ok_or("no operator token: set BACKSTOP_OPERATOR_TOKEN (or pass --token)")?;
-    let client = Client { base, token };
+    let client = Client::new(base, token);
     match args.command {
         EscalationsCommand::List => client.get("/v1/escalations").map(|v| table(&v)),
         EscalationsCommand::Show { id } => client
@@ -124,90 +112,8 @@ fn execute(args: Args) -> Result<String, String> {
     }
 }
 
-struct Client {
-    base: String,
-    token: String,
-}
-
-impl Client {
-    fn agent() -> ureq::Agent {
-        ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build()
-            .into()
-    }
-
-    fn get(&self, path: &str) -> Result<Value, String> {
-        let url = format!("{}{path}", self.base);
-        let response = Self::agent()
-            .get(&url)
-            .header("Authorization", &format!("Bearer {}", self.token))
-            .header("Accept", "application/json")
-            .call();
-        self.answer(&url, response)
-    }
-
-    fn post(&self, path: &str, body: &Value) -> Result<Value, String> {
-        let url = format!("{}{path}", self.base);
-        let response = Self::agent()
-            .post(&url)
-            .header("Authorization", &format!("Bearer {}", self.token))
-            .header("Accept", "application/json")
-            .content_type("application/json")
-            .send(body.to_string().as_bytes());
-        self.answer(&url, response)
-    }
-
-    fn answer(
-        &self,
-        url: &str,
-        response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-    ) -> Result<Value, String> {
-        let mut response = response.map_err(|e| match e {
-            ureq::Error::Io(io) => format!("cannot reach the gateway at {}: {io}", self.base),
-            ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => {
-                format!("cannot reach the gateway at {}: {e}", self.base)
-            }
-            ureq::Error::Timeout(_) => {
-                format!("the gateway at {} did not answer in time ({e})", self.base)
-            }
-            other => format!("{url}: {other}"),
-        })?;
-        let status = response.status().as_u16();
-        let text = response
-            .body_mut()
-            .read_to_string()
-            .map_err(|e| format!("{url}: HTTP {status}: cannot read the answer: {e}"))?;
-        let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        if (200..300).contains(&status) {
-            if value.is_null() {
-                return Err(format!("{url}: HTTP {status}: the answer is not JSON"));
-            }
-            return Ok(value);
-        }
-        let name = value["type"]
-            .as_str()
-            .and_then(|t| t.rsplit(':').next())
-            .unwrap_or("error");
-        let detail = value["detail"]
-            .as_str()
-            .or_else(|| value["title"].as_str())
-            .unwrap_or("no problem details in the answer");
-        Err(format!("HTTP {status} {name}: {detail}"))
-    }
-}
-
 fn pretty(value: &Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
-}
-
-fn cell(value: &Value) -> String {
-    match value {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".to_owned(),
-        other => other.to_string(),
-    }
 }
 
 /// The `list` table: a header and one row per open escalation, columns padded to width.
@@ -220,45 +126,17 @@ fn table(value: &Value) -> String {
         ("REASON", "reason"),
         ("OPENED", "opened_at"),
     ];
-    let rows: Vec<Vec<String>> = value["escalations"]
-        .as_array()
-        .map(|rows| {
-            rows.iter()
-                .map(|row| COLUMNS.iter().map(|(_, key)| cell(&row[*key])).collect())
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut widths: Vec<usize> = COLUMNS.iter().map(|(title, _)| title.len()).collect();
-    for row in &rows {
-        for (width, text) in widths.iter_mut().zip(row) {
-            *width = (*width).max(text.chars().count());
-        }
-    }
-    let mut out = String::new();
-    let mut line = |cells: &[String]| {
-        let text: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        out.push_str(text.join("  ").trim_end());
-        out.push('\n');
-    };
-    let titles: Vec<String> = COLUMNS.iter().map(|(t, _)| (*t).to_owned()).collect();
-    line(&titles);
-    for row in &rows {
-        line(row);
-    }
-    out
+    let empty = Vec::new();
+    client::table(&COLUMNS, value["escalations"].as_array().unwrap_or(&empty))
 }
 
 fn decided_line(value: &Value) -> String {
     format!(
         "escalation {}: {} (action {}, decided by {} at {})\n",
-        cell(&value["id"]),
-        cell(&value["decision"]),
-        cell(&value["action"]),
-        cell(&value["decided_by"]),
-        cell(&value["decided_at"]),
+        client::cell(&value["id"]),
+        client::cell(&value["decision"]),
+        client::cell(&value["action"]),
+        client::cell(&value["decided_by"]),
+        client::cell(&value["decided_at"]),
     )
 }

@@ -1,0 +1,161 @@
+//! The small blocking HTTP client of the commands that talk to a running gateway
+//! (`backstop escalations`, `backstop scopes`), and their table printer.
+//!
+//! Plain `http://` only: reach a remote gateway through a TLS-terminating proxy or an SSH tunnel
+//! to its loopback port. Every failure is one sentence for a one-line stderr message: an
+//! unreachable gateway names the URL; a problem answer (RFC 9457) gives its status, name and
+//! detail.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// Where the gateway is when neither `--url` nor `BACKSTOP_URL` says otherwise.
+pub const DEFAULT_URL: &str = "http://127.0.0.1:8080";
+
+/// The gateway's base URL: `--url`, else `BACKSTOP_URL`, else [`DEFAULT_URL`]; trailing `/`
+/// removed.
+///
+/// # Errors
+/// A sentence when the URL is not `http://`.
+pub fn base_url(flag: Option<String>) -> Result<String, String> {
+    let base = flag
+        .or_else(|| std::env::var("BACKSTOP_URL").ok().filter(|u| !u.is_empty()))
+        .unwrap_or_else(|| DEFAULT_URL.to_owned());
+    let base = base.trim_end_matches('/').to_owned();
+    if !base.starts_with("http://") {
+        return Err(format!(
+            "--url {base}: only http:// URLs are supported (reach a remote gateway through a TLS-terminating proxy or a tunnel)"
+        ));
+    }
+    Ok(base)
+}
+
+/// A gateway at `base`, called with a bearer token.
+pub struct Client {
+    base: String,
+    token: String,
+}
+
+impl Client {
+    /// A client of the gateway at `base` (from [`base_url`]) sending `Authorization: Bearer
+    /// token`.
+    pub fn new(base: String, token: String) -> Client {
+        Client { base, token }
+    }
+
+    fn agent() -> ureq::Agent {
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into()
+    }
+
+    /// `GET base+path`, the JSON answer.
+    ///
+    /// # Errors
+    /// A sentence: unreachable gateway, timeout (30 s), non-JSON success, or the problem.
+    pub fn get(&self, path: &str) -> Result<Value, String> {
+        let url = format!("{}{path}", self.base);
+        let response = Self::agent()
+            .get(&url)
+            .header("Authorization", &format!("Bearer {}", self.token))
+            .header("Accept", "application/json")
+            .call();
+        self.answer(&url, response)
+    }
+
+    /// `POST base+path` with a JSON body, the JSON answer.
+    ///
+    /// # Errors
+    /// As [`Client::get`].
+    pub fn post(&self, path: &str, body: &Value) -> Result<Value, String> {
+        let url = format!("{}{path}", self.base);
+        let response = Self::agent()
+            .post(&url)
+            .header("Authorization", &format!("Bearer {}", self.token))
+            .header("Accept", "application/json")
+            .content_type("application/json")
+            .send(body.to_string().as_bytes());
+        self.answer(&url, response)
+    }
+
+    fn answer(
+        &self,
+        url: &str,
+        response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<Value, String> {
+        let mut response = response.map_err(|e| match e {
+            ureq::Error::Io(io) => format!("cannot reach the gateway at {}: {io}", self.base),
+            ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => {
+                format!("cannot reach the gateway at {}: {e}", self.base)
+            }
+            ureq::Error::Timeout(_) => {
+                format!("the gateway at {} did not answer in time ({e})", self.base)
+            }
+            other => format!("{url}: {other}"),
+        })?;
+        let status = response.status().as_u16();
+        let text = response
+            .body_mut()
+            .read_to_string()
+            .map_err(|e| format!("{url}: HTTP {status}: cannot read the answer: {e}"))?;
+        let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        if (200..300).contains(&status) {
+            if value.is_null() {
+                return Err(format!("{url}: HTTP {status}: the answer is not JSON"));
+            }
+            return Ok(value);
+        }
+        let name = value["type"]
+            .as_str()
+            .and_then(|t| t.rsplit(':').next())
+            .unwrap_or("error");
+        let detail = value["detail"]
+            .as_str()
+            .or_else(|| value["title"].as_str())
+            .unwrap_or("no problem details in the answer");
+        Err(format!("HTTP {status} {name}: {detail}"))
+    }
+}
+
+/// One table cell: a string as is, `null` as `-`, anything else as JSON.
+pub fn cell(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// A table with a header of `columns` (title, JSON member) and one row per object of `rows`,
+/// columns padded to width, two spaces apart, no trailing spaces.
+pub fn table(columns: &[(&str, &str)], rows: &[Value]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| columns.iter().map(|(_, key)| cell(&row[*key])).collect())
+        .collect();
+    let mut widths: Vec<usize> = columns.iter().map(|(title, _)| title.len()).collect();
+    for row in &rows {
+        for (width, text) in widths.iter_mut().zip(row) {
+            *width = (*width).max(text.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &[String]| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(text.join("  ").trim_end());
+        out.push('\n');
+    };
+    let titles: Vec<String> = columns.iter().map(|(t, _)| (*t).to_owned()).collect();
+    line(&titles);
+    for row in &rows {
+        line(row);
+    }
+    out
+}
