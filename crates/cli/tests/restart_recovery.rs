@@ -12,6 +12,7 @@ use std::{
     time::Duration,
 };
 
+use backstop_core::reconcile::upstream_idempotency_key;
 use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
 use backstop_store::{SqliteStore, Store};
 
@@ -161,14 +162,16 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
     let creates: Vec<_> = attempts.iter().filter(|a| a.method == "POST").collect();
     let lookups: Vec<_> = attempts.iter().filter(|a| a.method == "GET").collect();
     assert_eq!(creates.len(), 1, "zero duplicate creates: {attempts:?}");
+    // The provider knows the key derived from the agent and its stored key, after a restart too.
+    let upstream = upstream_idempotency_key("restart-agent", &original_key);
     assert_eq!(
         creates[0].idempotency_key.as_deref(),
-        Some(original_key.as_str())
+        Some(upstream.as_str())
     );
     assert_eq!(lookups.len(), 1, "{attempts:?}");
     assert_eq!(
         lookups[0].query.as_deref(),
-        Some(format!("idempotency_key={original_key}").as_str()),
+        Some(format!("idempotency_key={upstream}").as_str()),
         "the lookup uses the original key"
     );
     let store = SqliteStore::open_existing(&db).expect("store");

@@ -294,8 +294,13 @@ pub struct CaseFile {
     pub budget: BudgetConsumed,
     /// Whether the provider honours the idempotency key on this route.
     pub honours_key: bool,
-    /// The action's idempotency key.
+    /// The action's idempotency key, as the agent knows it (the one `retry_same_key` reuses).
     pub idempotency_key: Option<String>,
+    /// The key the provider was sent for it (`reconcile::upstream_idempotency_key` of agent and
+    /// key): the one to search for at the provider. Set by the gateway after
+    /// [`CaseFile::build`]; absent in case files written before keys were derived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_idempotency_key: Option<String>,
     /// The external reference, if any.
     pub external_reference: Option<String>,
     /// The provider's operation id, if known.
@@ -404,6 +409,7 @@ impl CaseFile {
             budget: input.budget,
             honours_key: input.honours_key,
             idempotency_key: input.idempotency_key,
+            upstream_idempotency_key: None,
             external_reference: input.external_reference,
             provider_operation_id: input.provider_operation_id,
             reconciliation_query: input.reconciliation_query,

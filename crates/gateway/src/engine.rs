@@ -59,7 +59,7 @@ use backstop_core::{
     quota::quota_boundary_with,
     reconcile::{
         ensure_external_reference, mint_idempotency_key, operation_id_from_response,
-        validate_idempotency_key,
+        upstream_idempotency_key, validate_idempotency_key,
     },
 };
 use backstop_store::{
@@ -96,15 +96,6 @@ pub const HELD_REQUESTS: usize = 1024;
 /// Largest part of a non-2xx response body read for classification (64 KiB); the rest streams
 /// on to the agent untouched.
 pub const ERROR_BODY_LIMIT: usize = 64 * 1024;
-
-/// Request headers that make two reads different for coalescing (besides method, URL and body).
-const COALESCE_HEADERS: [&str; 5] = [
-    "accept",
-    "accept-encoding",
-    "accept-language",
-    "authorization",
-    "content-type",
-];
 
 /// Errors of the engine's management calls.
 #[derive(Debug, thiserror::Error)]
@@ -195,8 +186,11 @@ struct Run<'a> {
     /// The request every attempt sends: the agent's, with the idempotency key under the
     /// provider's header and the external reference written into the payload when configured.
     request: crate::transport::AttemptRequest,
-    /// The one idempotency key of this logical action.
+    /// The one idempotency key of this logical action, as the agent knows it.
     key: String,
+    /// The key the provider is sent ([`upstream_idempotency_key`] of agent and key); empty for
+    /// a read.
+    upstream_key: String,
     /// The client-generated external reference, if the route reconciles by one.
     reference: Option<String>,
     /// The provider's operation id, once a response carried it.
@@ -250,18 +244,13 @@ fn is_safe_method(method: &http::Method) -> bool {
 }
 
 fn coalesce_key(spec: &ActionSpec) -> String {
-    let mut key = format!("{} {}", spec.request.method, spec.request.url);
-    for name in COALESCE_HEADERS {
-        for value in spec.request.headers.get_all(name) {
-            key.push('\n');
-            key.push_str(name);
-            key.push(':');
-            key.push_str(&String::from_utf8_lossy(value.as_bytes()));
-        }
-    }
-    key.push('\n');
-    key.push_str(&spec.payload_digest);
-    key
+    crate::coalesce::read_key(
+        &spec.agent,
+        &spec.request.method,
+        &spec.request.url,
+        &spec.request.headers,
+        &spec.payload_digest,
+    )
 }
 
 /// A body that yields an already read prefix, then the rest of the original body.
@@ -649,10 +638,11 @@ impl Engine {
     /// Carries out one action to its end (see the module docs). Dropping the future before an
     /// attempt was sent cancels the action (audited `cancelled`, slot and delayed count freed).
     ///
-    /// Coalescing: on a `coalesce: true` route, identical safe reads in flight (same method, URL,
-    /// relevant headers and body digest) share one upstream call; the shared 2xx body is
-    /// buffered (up to [`SHARED_BODY_LIMIT`]) and every caller gets a copy, with the leader's
-    /// receipt.
+    /// Coalescing: on a `coalesce: true` route, identical safe reads of one agent in flight
+    /// (same agent, method, URL, end-to-end headers and body digest; see
+    /// `coalesce::read_key`) share one upstream call; the shared 2xx body is buffered
+    /// (up to [`SHARED_BODY_LIMIT`]) and every caller gets a copy, joined to the leader's action
+    /// (its receipt). Reads of different agents are never shared.
     pub async fn execute(&self, spec: ActionSpec) -> Execution {
         self.execute_notifying(spec, None).await
     }
@@ -827,12 +817,18 @@ impl Engine {
             None if is_write => mint_idempotency_key(inner.random_16()),
             None => String::new(),
         };
+        // Keys are per agent inside backstop, one namespace at the provider: send a derived one.
+        let upstream_key = if is_write {
+            upstream_idempotency_key(&spec.agent, &key)
+        } else {
+            String::new()
+        };
         let mut reference = None;
         if let (true, Some(rc)) = (is_write, route.reconcile.as_ref()) {
             if let (ReconcileBy::ExternalReference, Some(pointer)) =
                 (rc.by, rc.external_reference_pointer.as_deref())
             {
-                match ensure_external_reference(&request.body, pointer, &key) {
+                match ensure_external_reference(&request.body, pointer, &upstream_key) {
                     Ok((body, found)) => {
                         request.body = Bytes::from(body);
                         reference = Some(found);
@@ -847,7 +843,7 @@ impl Engine {
         ) {
             match (
                 http::HeaderName::from_bytes(name.as_bytes()),
-                http::HeaderValue::from_str(&key),
+                http::HeaderValue::from_str(&upstream_key),
             ) {
                 (Ok(name), Ok(value)) => {
                     request.headers.insert(name, value);
@@ -981,6 +977,7 @@ impl Engine {
             rules,
             request,
             key,
+            upstream_key,
             reference,
             operation_id: Mutex::new(None),
         };
@@ -1482,9 +1479,10 @@ impl Engine {
                         inner.scheduler.deposit(&route.scopes, Some(tokens));
                     }
                     let context = self.context(&budget, &seen, boundary, decision.next_safe());
-                    let detail = match boundary {
-                        Some(at) => format!("the provider allows a retry only at {at}: {reason:?}; not sleeping into failure"),
-                        None => format!("no retry: {reason:?}"),
+                    let detail = match (boundary, reason.is_provider_boundary()) {
+                        (Some(at), true) => format!("the provider allows a retry only at {at}: {reason:?}; not sleeping into failure"),
+                        (Some(at), false) => format!("the backoff allows the next retry only at {at}, beyond the remaining wait or deadline ({reason:?}); not retrying early"),
+                        (None, _) => format!("no retry: {reason:?}"),
                     };
                     tracing::info!(
                         task = %spec.task_id,
@@ -1562,6 +1560,7 @@ impl Engine {
             scopes: route.scopes.clone(),
             payload_digest: spec.payload_digest.clone(),
             idempotency_key: run.key.clone(),
+            upstream_key: run.upstream_key.clone(),
             external_reference: run.reference.clone(),
             provider_operation_id: run
                 .operation_id

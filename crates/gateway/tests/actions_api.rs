@@ -3,7 +3,7 @@
 
 use std::{path::Path, time::Duration};
 
-use backstop_core::policy::Policy;
+use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
 use backstop_fake_api::{FakeApi, FakeConfig, Fault, Handler, RouteConfig};
 use backstop_gateway::server::{self, Running, ServeOptions};
 use serde_json::{json, Value};
@@ -122,7 +122,11 @@ async fn respond_async_answers_202_and_the_long_poll_returns_the_response_to_its
     // Exactly one create, carrying the key answered to the agent.
     let creates = provider.attempts();
     assert_eq!(creates.len(), 1);
-    assert_eq!(creates[0].idempotency_key.as_deref(), Some(key.as_str()));
+    // The provider sees the key derived from agent and key (one namespace per agent).
+    assert_eq!(
+        creates[0].idempotency_key.as_deref(),
+        Some(upstream_idempotency_key("agent-a", &key).as_str())
+    );
 
     // Another agent: not found, exactly like a missing action. An operator sees no body.
     let (status, body) = get_json(format!("{base}{location}"), OTHER).await;
@@ -270,4 +274,61 @@ async fn a_provider_named_like_a_backstop_route_is_refused_at_start() {
             .starts_with("providers.v1: the name `v1` is reserved"),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn two_agents_with_the_same_idempotency_key_make_two_creates_and_see_no_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = fake(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        Handler::Create {
+            collection: "transfers".into(),
+            id_prefix: "tr_".into(),
+            reference_field: None,
+            unique_reference: false,
+        },
+    )
+    .with_idempotency()]);
+    let gw = gateway(&provider.url(), dir.path()).await;
+    let send = |token: &'static str, amount: u32| {
+        let url = format!("http://{}/fake/v1/transfers", gw.addr);
+        async move {
+            let r = client()
+                .post(url)
+                .bearer_auth(token)
+                .header("x-backstop-task", format!("run-pay-{amount}"))
+                .header("idempotency-key", "pay-1")
+                .header("content-type", "application/json")
+                .body(format!(r#"{{"amount":{amount}}}"#))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let key = r
+                .headers()
+                .get("idempotency-key")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let body = r.text().await.unwrap();
+            (status, key, body)
+        }
+    };
+    let (status_a, key_a, body_a) = send(AGENT, 5).await;
+    let (status_b, key_b, body_b) = send(OTHER, 7).await;
+    assert_eq!((status_a, status_b), (201, 201), "{body_a} / {body_b}");
+    // Each agent keeps seeing its own key.
+    assert_eq!(
+        (key_a.as_deref(), key_b.as_deref()),
+        (Some("pay-1"), Some("pay-1")),
+        "{body_a} / {body_b}"
+    );
+    let creates = provider.attempts();
+    assert_eq!(creates.len(), 2, "two agents, two creates at the provider");
+    assert_ne!(creates[0].idempotency_key, creates[1].idempotency_key);
+    assert_ne!(body_a, body_b, "bob never gets alice's transfer replayed");
+    assert!(body_b.contains("7"), "{body_b}");
+    // The same agent resending the same key is still one logical action (no third create).
+    let (status_again, _, body_again) = send(AGENT, 5).await;
+    assert!((200..300).contains(&status_again), "{body_again}");
+    assert_eq!(provider.attempts().len(), 2);
+    gw.shutdown().await.unwrap();
 }

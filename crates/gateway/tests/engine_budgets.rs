@@ -267,3 +267,51 @@ async fn the_scope_retry_quota_is_shared_by_every_task_of_the_scope() {
     assert_eq!(attempts(&second), 1);
     assert_eq!(h.transport.sent().len(), 4);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_zero_wait_never_retries_before_the_backoff_on_garbage_retry_after() {
+    // `Prefer: wait=0` against a 429 whose Retry-After is unusable: the backoff's delay does not
+    // fit the wait, so the action stops after one attempt instead of four within milliseconds.
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "soon-ish")], ""); 6],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    spec.max_wait = Some(Duration::ZERO);
+    let execution = h.engine.execute(spec).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "no retry sooner than the backoff"
+    );
+    assert!(
+        matches!(context.next_safe[0], NextSafe::WaitUntil { at } if at > h.t0),
+        "the instant the backoff allows is given: {:?}",
+        context.next_safe
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_short_wait_never_retries_a_dropped_connection_before_the_backoff() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![Step::Fail(backstop_core::classify::TransportError::ResetAfterSend); 6],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    spec.max_wait = Some(Duration::from_millis(1_500));
+    let execution = h.engine.execute(spec).await;
+    let (outcome, _, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    let sent = h.transport.sent();
+    // Every retry waited at least a moment, and all of them within the caller's wait.
+    for pair in sent.windows(2) {
+        let gap = pair[1].at.duration_since(pair[0].at);
+        assert!(gap > SignedDuration::from_millis(1), "retry after {gap:?}");
+    }
+    let total = sent[sent.len() - 1].at.duration_since(sent[0].at);
+    assert!(total <= SignedDuration::from_millis(1_500));
+}

@@ -309,6 +309,50 @@ async fn identical_coalesced_reads_share_one_upstream_call() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn coalesced_reads_are_never_shared_across_agents_or_differing_headers() {
+    let h = Harness::new();
+    h.transport.hold("/v1/rates", SEC);
+    let with = |agent: &str, headers: &[(&'static str, &'static str)]| {
+        let mut spec = h.get("t", "/v1/rates");
+        spec.agent = agent.to_owned();
+        for (name, value) in headers {
+            spec.request
+                .headers
+                .append(*name, http::HeaderValue::from_static(value));
+        }
+        spec
+    };
+    let calls = vec![
+        // alice and bob with identical requests: never one shared call.
+        with("alice", &[("cookie", "session=a")]),
+        with("bob", &[("cookie", "session=a")]),
+        // alice with another tenant, another cookie, a range: each its own call.
+        with("alice", &[("cookie", "session=a"), ("x-tenant", "t2")]),
+        with("alice", &[("cookie", "session=b")]),
+        with("alice", &[("cookie", "session=a"), ("range", "bytes=0-9")]),
+        // alice again, differing only in trace context: joins her first call.
+        with(
+            "alice",
+            &[("cookie", "session=a"), ("traceparent", "00-4bf9-00f0-01")],
+        ),
+    ];
+    let handles: Vec<_> = calls.into_iter().map(|spec| h.spawn(spec)).collect();
+    let mut ids = Vec::new();
+    for handle in handles {
+        let execution = handle.await.unwrap();
+        assert_eq!(summary(&execution), "200");
+        ids.push(execution.receipt().action_id);
+    }
+    assert_eq!(
+        h.transport.sent_to("/v1/rates").len(),
+        5,
+        "one call per agent and header set"
+    );
+    assert_ne!(ids[0], ids[1], "bob never carries alice's action id");
+    assert_eq!(ids[0], ids[5], "alice's trace-only twin joined her call");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_client_disconnecting_before_send_cancels_its_action() {
     let h = Harness::new();
     h.transport.script(

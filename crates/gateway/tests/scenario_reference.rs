@@ -20,7 +20,7 @@ use std::{
     time::Duration,
 };
 
-use backstop_core::policy::Policy;
+use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
 use backstop_fake_api::{
     AttemptRecord, FakeApi, FakeConfig, Fault, Handler, QuotaConfig, RouteConfig, RunningFake,
 };
@@ -418,13 +418,18 @@ async fn a_dropped_write_is_reconciled_by_one_lookup_never_created_twice() {
     let attempts = scenario.fake.attempts();
     let creates = on_route(&attempts, "POST /v1/transfers");
     assert_eq!(creates.len(), 1, "exactly one create: {attempts:#?}");
-    assert_eq!(creates[0].idempotency_key.as_deref(), Some(key));
+    // The provider sees the key derived from the agent and its key.
+    let upstream = upstream_idempotency_key(AGENT, key);
+    assert_eq!(
+        creates[0].idempotency_key.as_deref(),
+        Some(upstream.as_str())
+    );
     assert_eq!(creates[0].fault.as_deref(), Some("store_then_drop"));
     let lookups = on_route(&attempts, "GET /v1/transfers");
     assert_eq!(lookups.len(), 1, "exactly one status query: {attempts:#?}");
     assert_eq!(
         lookups[0].query.as_deref(),
-        Some(format!("idempotency_key={key}").as_str()),
+        Some(format!("idempotency_key={upstream}").as_str()),
         "the lookup asks for the original key"
     );
     assert!(at(lookups[0]) >= at(creates[0]));

@@ -12,7 +12,7 @@
 
 use std::{path::Path, time::Duration};
 
-use backstop_core::policy::Policy;
+use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
 use backstop_fake_api::{
     AttemptRecord, FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig,
 };
@@ -267,9 +267,8 @@ async fn retry_same_key_sends_exactly_one_more_create_with_the_same_key() {
     let creates = on_route(&attempts, "POST", "/v1/orders");
     assert_eq!(creates.len(), 2, "exactly one more create: {attempts:?}");
     assert!(
-        creates
-            .iter()
-            .all(|c| c.idempotency_key.as_deref() == Some("order-same-1")),
+        creates.iter().all(|c| c.idempotency_key.as_deref()
+            == Some(upstream_idempotency_key("test-agent", "order-same-1").as_str())),
         "the SAME key on both: {creates:?}"
     );
 
@@ -374,7 +373,10 @@ async fn send_new_is_refused_without_confirmation_and_sends_one_new_create_with_
         .action(ActionId(new_action))
         .expect("read")
         .expect("new");
-    assert_eq!(new.idempotency_key, new_key);
+    assert_eq!(
+        upstream_idempotency_key("test-agent", &new.idempotency_key),
+        new_key
+    );
     assert_eq!(new.outcome.map(|o| o.as_str()), Some("succeeded"));
     assert_eq!(new.task_id, old.task_id);
     fake.shutdown().await;
@@ -426,8 +428,8 @@ async fn after_a_restart_retry_same_key_is_409_and_the_agents_same_key_resubmiss
     let creates = on_route(&attempts, "POST", "/v1/orders");
     assert_eq!(creates.len(), 2, "exactly one more create: {attempts:?}");
     assert_eq!(
-        creates[1].idempotency_key.as_deref(),
-        Some("order-restart-1")
+        creates[1].idempotency_key,
+        Some(upstream_idempotency_key("test-agent", "order-restart-1"))
     );
 
     // Once done, the same key replays the stored outcome: no third create.

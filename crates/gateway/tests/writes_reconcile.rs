@@ -4,7 +4,7 @@
 
 use std::{path::Path, time::Duration};
 
-use backstop_core::policy::Policy;
+use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
 use backstop_fake_api::{AttemptRecord, FakeApi, FakeConfig, Fault, Handler, RouteConfig};
 use backstop_gateway::server::{self, Running, ServeOptions};
 use backstop_store::{ActionId, SqliteStore, Store};
@@ -195,7 +195,11 @@ async fn stored_then_dropped_write_is_reconciled_by_key_with_one_create_and_one_
     let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
     let action = store.action(ActionId(id)).unwrap().expect("action");
     assert_eq!(action.outcome.map(|o| o.as_str()), Some("succeeded"));
-    assert_eq!(action.idempotency_key, key);
+    // The provider saw (and was asked for) the key derived from the agent and the stored key.
+    assert_eq!(
+        upstream_idempotency_key("test-agent", &action.idempotency_key),
+        key
+    );
     let op = action.provider_operation_id.expect("provider id stored");
     assert!(op.starts_with("tr_"), "{op}");
     let kinds: Vec<String> = store
@@ -358,7 +362,10 @@ async fn agent_keys_replay_refuse_a_changed_payload_with_422_and_reject_a_bad_ke
     let attempts = fake.attempts();
     let refunds = on_route(&attempts, "POST", "/v1/refunds");
     assert_eq!(refunds.len(), 1, "one create for the key: {attempts:?}");
-    assert_eq!(refunds[0].idempotency_key.as_deref(), Some("refund-7"));
+    assert_eq!(
+        refunds[0].idempotency_key,
+        Some(upstream_idempotency_key("test-agent", "refund-7"))
+    );
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }

@@ -29,7 +29,7 @@ use backstop_core::{
     policy::Reconcile,
     reconcile::{
         interpret_lookup, lookup_request, lookup_template, next_step_after_uncertain,
-        operation_id_at, LookupVerdict, UncertainNextStep,
+        operation_id_at, upstream_idempotency_key, LookupVerdict, UncertainNextStep,
     },
 };
 use backstop_store::{
@@ -59,7 +59,10 @@ pub(super) struct WriteFacts {
     pub(super) class: String,
     pub(super) scopes: Vec<String>,
     pub(super) payload_digest: String,
+    /// The idempotency key as the agent knows it (reused by `retry_same_key`).
     pub(super) idempotency_key: String,
+    /// The key the provider knows (derived from agent and key): lookups ask with this one.
+    pub(super) upstream_key: String,
     pub(super) external_reference: Option<String>,
     pub(super) provider_operation_id: Option<String>,
     pub(super) fingerprint: String,
@@ -181,7 +184,7 @@ impl Inner {
         let inconclusive = |reason: String| (LookupVerdict::Inconclusive { reason }, None);
         let filled = match lookup_request(
             rc,
-            Some(&facts.idempotency_key),
+            Some(&facts.upstream_key),
             facts.external_reference.as_deref(),
             facts.provider_operation_id.as_deref(),
         ) {
@@ -347,6 +350,9 @@ impl Inner {
             retry_not_before,
         })
         .map_err(|e| EngineError::Aborted(e.to_string()))?;
+        let mut case = case;
+        case.upstream_idempotency_key =
+            (!facts.upstream_key.is_empty()).then(|| facts.upstream_key.clone());
         let json = case.to_json();
         let escalation = self
             .blocking(move |s| s.open_escalation(id, json, now))
@@ -384,6 +390,11 @@ impl Inner {
             scopes: route.as_ref().map(|r| r.scopes.clone()).unwrap_or_default(),
             payload_digest: record.payload_digest.clone(),
             idempotency_key: record.idempotency_key.clone(),
+            upstream_key: if record.idempotency_key.is_empty() {
+                String::new()
+            } else {
+                upstream_idempotency_key(&record.agent, &record.idempotency_key)
+            },
             external_reference: record.external_reference.clone(),
             provider_operation_id: record.provider_operation_id.clone(),
             fingerprint: format!("{} {}", record.method, record.route),
