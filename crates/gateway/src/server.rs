@@ -11,12 +11,21 @@
 //! - `GET /v1/scopes`: agent or operator tokens; the JSON array of the engine's scope views;
 //! - `GET /metrics`: open when the listener is on a loopback address (a local Prometheus or
 //!   curl needs no token), otherwise an agent or operator token. Content type
-//!   `text/plain; version=0.0.4`.
+//!   [`METRICS_CONTENT_TYPE`] (OpenMetrics 1.0 text).
 //!
-//! Shutdown ([`Running::shutdown`], wired to SIGTERM and Ctrl-C by the CLI): new requests are
-//! answered 503 `shutting_down` at once (nothing sent), the engine's `shutdown` stops taking work
-//! and leaves every accepted action recoverable in the store, then open connections are drained
-//! for at most the grace period (a long SSE stream is cut after it).
+//! Connections are served by hyper (HTTP/1.1) with a header read timeout
+//! ([`ServeOptions::header_read_timeout`]); every route sits under one edge layer (body read
+//! timeout → 408, every error answer an RFC 9457 problem, requests counted in flight). Answers
+//! hyper makes before a request exists (414 for a target over 65,534 bytes, 431 for too many or
+//! too large headers, 400 for bytes that are not HTTP/1.1) have no body; they cannot reach the
+//! router.
+//!
+//! Shutdown ([`Running::shutdown`], wired to SIGTERM and Ctrl-C by the CLI) is bounded by one
+//! grace: new requests, on new or kept-alive connections, are answered 503 `shutting_down` with
+//! `Connection: close` (nothing sent) while the engine's `shutdown` stops taking work and leaves
+//! every accepted action recoverable in the store; once nothing is in flight the listener and
+//! idle connections close; a response still open when the grace ends (a long SSE stream) is
+//! cut.
 
 use std::{
     future::Future,
@@ -1365,6 +1374,19 @@ mod tests {
                 AttemptReply::Failed(backstop_core::classify::TransportError::Connect)
             })
         }
+    }
+
+    #[test]
+    fn serve_refuses_reserved_provider_names_of_a_policy_built_in_code() {
+        let mut policy = Policy::from_yaml_str(POLICY, "p.yaml").unwrap();
+        assert!(check_provider_names(&policy).is_ok());
+        let billing = policy.providers["billing"].clone();
+        policy.providers.insert("Metrics".into(), billing);
+        let err = check_provider_names(&policy).unwrap_err().to_string();
+        assert!(
+            err.starts_with("providers.Metrics: the name `Metrics` is reserved"),
+            "{err}"
+        );
     }
 
     #[tokio::test]
