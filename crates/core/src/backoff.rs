@@ -140,6 +140,33 @@ impl StopReason {
             StopReason::BoundaryBeyondBudget | StopReason::BoundaryBeyondDeadline
         )
     }
+
+    /// One human sentence fragment for problem details and logs (no type names).
+    ///
+    /// ```
+    /// use backstop_core::backoff::StopReason;
+    /// assert_eq!(
+    ///     StopReason::BoundaryBeyondBudget.describe(),
+    ///     "the provider's retry boundary lies beyond the remaining wait budget"
+    /// );
+    /// ```
+    pub fn describe(self) -> &'static str {
+        match self {
+            StopReason::BoundaryBeyondBudget => {
+                "the provider's retry boundary lies beyond the remaining wait budget"
+            }
+            StopReason::BoundaryBeyondDeadline => {
+                "the provider's retry boundary lies beyond the task deadline"
+            }
+            StopReason::DeadlinePassed => "the task deadline has passed",
+            StopReason::BackoffBeyondBudget => {
+                "the backoff delay is longer than the remaining wait budget"
+            }
+            StopReason::BackoffBeyondDeadline => {
+                "the backoff delay is longer than the time left until the task deadline"
+            }
+        }
+    }
 }
 
 /// The decision of [`plan_retry`].

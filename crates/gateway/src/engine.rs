@@ -43,7 +43,10 @@ use std::{
     task::{Context, Poll},
 };
 
-use axum::body::{Body, HttpBody};
+use axum::{
+    body::{Body, HttpBody},
+    response::IntoResponse,
+};
 use backstop_core::{
     backoff::{plan_retry, RetryDecision, RetryInput},
     breaker::{RequestFingerprint, TaskBreaker},
@@ -76,6 +79,7 @@ use crate::{
     clock::TokioClock,
     coalesce::{FlightKey, Flights, LeaderGuard, Role, Shared, SHARED_BODY_LIMIT},
     metrics::Metrics,
+    problem::Problem,
     scheduler::{AcquireRequest, Acquired, RetryTokens, SchedulerHandle, ScopeSignal},
     transport::{AttemptReply, Transport},
 };
@@ -655,9 +659,13 @@ impl Engine {
         notify: Option<oneshot::Sender<i64>>,
     ) -> Execution {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
-            return unrecorded(
-                Outcome::Cancelled,
-                "the gateway is shutting down and takes no new work".to_owned(),
+            return unavailable(
+                ActionReceipt {
+                    action_id: 0,
+                    attempts: 0,
+                    idempotency_key: None,
+                },
+                Problem::shutting_down(),
             );
         }
         if !*self.inner.recovery_listed.borrow() {
@@ -807,12 +815,7 @@ impl Engine {
         let key = match &spec.idempotency_key {
             Some(supplied) => match validate_idempotency_key(supplied) {
                 Ok(key) => key.to_owned(),
-                Err(e) => {
-                    return (
-                        unrecorded(Outcome::Rejected, format!("Idempotency-Key: {e}")),
-                        None,
-                    )
-                }
+                Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
             },
             None if is_write => mint_idempotency_key(inner.random_16()),
             None => String::new(),
@@ -956,7 +959,7 @@ impl Engine {
                     }
                 }
             }
-            Err(e) => return (refused_by_store(e), None),
+            Err(e) => return (self.refused_by_store(e), None),
         };
         if let Some(tx) = notify {
             let _ = tx.send(id.0);
@@ -1110,16 +1113,23 @@ impl Engine {
                 }
                 Acquired::Stopped { .. } => {
                     guard.armed = false;
-                    return Execution::Outcome {
-                        receipt: ActionReceipt {
-                            action_id: run.id.0,
-                            idempotency_key: run.agent_key(),
-                            attempts: seen.sent,
-                        },
-                        outcome: Outcome::Cancelled,
-                        context: self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]),
-                        detail: "the gateway is shutting down; the action stays recorded and can be resumed".to_owned(),
+                    let sent = seen.sent > 0;
+                    let detail = if sent {
+                        "backstop is shutting down while this action waited for its next attempt; an earlier attempt was sent, so the action stays recorded and is reconciled after the restart: check its status before sending it again"
+                    } else {
+                        "backstop is shutting down; nothing was sent for this request, so sending it again is safe"
                     };
+                    tracing::info!(
+                        action = run.id.0,
+                        attempts = seen.sent,
+                        "shutting down: the waiting caller is answered 503"
+                    );
+                    let receipt = ActionReceipt {
+                        action_id: run.id.0,
+                        idempotency_key: run.agent_key(),
+                        attempts: seen.sent,
+                    };
+                    return unavailable(receipt, Problem::shutting_down_during(sent, detail));
                 }
             };
 
@@ -1142,14 +1152,19 @@ impl Engine {
                 Err(e) => {
                     drop(permit);
                     guard.armed = false;
-                    let cancelled =
-                        matches!(e, EngineError::Store(StoreError::InvalidTransition { .. }));
-                    let detail = if cancelled {
-                        format!("the action may not send again: {e}")
-                    } else {
-                        format!(
-                            "the attempt could not be recorded durably, so it was not sent: {e}"
-                        )
+                    if is_store_failure(&e) {
+                        let receipt = ActionReceipt {
+                            action_id: run.id.0,
+                            idempotency_key: run.agent_key(),
+                            attempts: seen.sent,
+                        };
+                        return self.store_unavailable(receipt, seen.sent > 0, &e);
+                    }
+                    let detail = match &e {
+                        EngineError::Store(StoreError::InvalidTransition { reason, .. }) => {
+                            format!("the action may not send again: {reason}")
+                        }
+                        _ => "the action may not send again".to_owned(),
                     };
                     let context = self.context(&budget, &seen, None, vec![NextSafe::Abort]);
                     return self
@@ -1480,15 +1495,15 @@ impl Engine {
                     }
                     let context = self.context(&budget, &seen, boundary, decision.next_safe());
                     let detail = match (boundary, reason.is_provider_boundary()) {
-                        (Some(at), true) => format!("the provider allows a retry only at {at}: {reason:?}; not sleeping into failure"),
-                        (Some(at), false) => format!("the backoff allows the next retry only at {at}, beyond the remaining wait or deadline ({reason:?}); not retrying early"),
-                        (None, _) => format!("no retry: {reason:?}"),
+                        (Some(at), true) => format!("the provider allows a retry only at {at}: {}; not sleeping into failure", reason.describe()),
+                        (Some(at), false) => format!("the backoff allows the next retry only at {at}: {}; not retrying early", reason.describe()),
+                        (None, _) => format!("no retry: {}", reason.describe()),
                     };
                     tracing::info!(
                         task = %spec.task_id,
                         route = %route.template,
                         outcome = %outcome,
-                        reason = ?reason,
+                        reason = reason.describe(),
                         "retry refused by the plan"
                     );
                     return self
@@ -1514,6 +1529,14 @@ impl Engine {
                         if let Some(tokens) = pending.take() {
                             inner.scheduler.deposit(&route.scopes, Some(tokens));
                         }
+                        if is_store_failure(&e) {
+                            let receipt = ActionReceipt {
+                                action_id: run.id.0,
+                                idempotency_key: run.agent_key(),
+                                attempts: seen.sent,
+                            };
+                            return self.store_unavailable(receipt, seen.sent > 0, &e);
+                        }
                         let context =
                             self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]);
                         return self
@@ -1522,7 +1545,7 @@ impl Engine {
                                 &budget,
                                 Outcome::Cancelled,
                                 context,
-                                format!("the retry could not be scheduled: {e}"),
+                                "the retry could not be scheduled: the task was cancelled or the action ended meanwhile".to_owned(),
                                 seen.sent,
                             )
                             .await;
@@ -1635,13 +1658,13 @@ impl Engine {
                 ),
             },
             Err(e) => {
-                tracing::warn!(action = run.id.0, error = %e, "could not open the escalation");
+                tracing::error!(action = run.id.0, error = %e, "could not open the escalation");
                 self.finish(
                     run,
                     budget,
                     Outcome::ReconciliationRequired,
                     context,
-                    format!("the provider may have acted on this write ({reason}); the escalation could not be opened: {e}"),
+                    format!("the provider may have acted on this write ({reason}); the escalation could not be opened, so it must be reconciled before anything is sent again"),
                     seen.sent,
                 )
                 .await
@@ -2022,6 +2045,61 @@ impl Engine {
         }
     }
 
+    /// The store refused to record the action (a cancelled task, a reused key with another
+    /// payload, a task opened by another agent) or failed (nothing was sent either way).
+    fn refused_by_store(&self, e: EngineError) -> Execution {
+        if is_store_failure(&e) {
+            let receipt = ActionReceipt {
+                action_id: 0,
+                attempts: 0,
+                idempotency_key: None,
+            };
+            return self.store_unavailable(receipt, false, &e);
+        }
+        match e {
+            EngineError::Store(StoreError::KeyReuse { .. }) => unrecorded(
+                Outcome::Conflict,
+                "Idempotency-Key: this key was already used with a different payload; use a new key for a different request".to_owned(),
+            ),
+            EngineError::Store(StoreError::InvalidTransition { reason, .. }) => unrecorded(
+                Outcome::Cancelled,
+                format!("the action was not accepted: {reason}"),
+            ),
+            _ => unrecorded(
+                Outcome::Cancelled,
+                "the action was not accepted by the store".to_owned(),
+            ),
+        }
+    }
+
+    /// The store failed: `503 store_unavailable` saying whether an attempt was sent (a retry
+    /// is invited only when nothing was), logged as an ERROR with the store's reason. While
+    /// the gateway stops, a store whose writer is gone answers `503 shutting_down` instead.
+    fn store_unavailable(&self, receipt: ActionReceipt, sent: bool, e: &EngineError) -> Execution {
+        if self.inner.shutting_down.load(Ordering::SeqCst)
+            && matches!(e, EngineError::Store(StoreError::WriterGone))
+        {
+            let detail = if sent {
+                "backstop is shutting down; an earlier attempt was sent, so the action stays recorded: check its status before sending it again"
+            } else {
+                "backstop is shutting down; nothing was sent for this request, so sending it again is safe"
+            };
+            return unavailable(receipt, Problem::shutting_down_during(sent, detail));
+        }
+        tracing::error!(
+            action = receipt.action_id,
+            sent,
+            error = %e,
+            "the store failed: the request is answered 503 store_unavailable"
+        );
+        let detail = if sent {
+            "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again"
+        } else {
+            "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe"
+        };
+        unavailable(receipt, Problem::store_unavailable(sent, detail))
+    }
+
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.
     async fn existing(&self, record: ActionRecord) -> Execution {
         let inner = &self.inner;
@@ -2091,22 +2169,28 @@ fn unrecorded(outcome: Outcome, detail: String) -> Execution {
     }
 }
 
-/// The store refused to record the action: a cancelled task, a reused key with another payload,
-/// a task owned by another agent, or a storage failure (nothing was sent).
-fn refused_by_store(e: EngineError) -> Execution {
-    match &e {
-        EngineError::Store(StoreError::KeyReuse { .. }) => unrecorded(
-            Outcome::Conflict,
-            format!("Idempotency-Key: this key was already used with a different payload: {e}"),
+/// An answer made as a problem response outside the outcome vocabulary (the store failed, the
+/// gateway is stopping): carried as a response with the receipt, rendered as it is.
+fn unavailable(receipt: ActionReceipt, problem: Problem) -> Execution {
+    Execution::Response {
+        receipt,
+        response: problem.into_response(),
+    }
+}
+
+/// Whether an engine error is a failure of the store itself (a damaged file, a full disk, the
+/// writer gone) rather than the store refusing the operation (a cancelled task, a reused key).
+fn is_store_failure(e: &EngineError) -> bool {
+    match e {
+        EngineError::Aborted(_) => true,
+        EngineError::Store(e) => !matches!(
+            e,
+            StoreError::KeyReuse { .. }
+                | StoreError::InvalidTransition { .. }
+                | StoreError::NotFound { .. }
+                | StoreError::Invalid { .. }
         ),
-        EngineError::Store(StoreError::InvalidTransition { .. }) => unrecorded(
-            Outcome::Cancelled,
-            format!("the action was not accepted: {e}"),
-        ),
-        _ => unrecorded(
-            Outcome::Cancelled,
-            format!("the action could not be recorded durably, so nothing was sent: {e}"),
-        ),
+        EngineError::UnknownTask(_) | EngineError::NotYourTask { .. } => false,
     }
 }
 

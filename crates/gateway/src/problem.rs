@@ -308,6 +308,46 @@ impl Problem {
         problem
     }
 
+    /// 503 `store_unavailable`: backstop's store failed (a damaged file, a full disk, the
+    /// writer gone), so the action could not be recorded or carried on. The `sent` member
+    /// says whether any attempt of the action had left: only when nothing was sent is a retry
+    /// safe (`Retry-After: 1`, `x-should-retry: true`); otherwise `x-should-retry: false` and
+    /// the agent must check the action's status (SPEC §5, §12: a write is sent only after it
+    /// is durable).
+    pub fn store_unavailable(sent: bool, detail: impl Into<String>) -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            "backstop's store is unavailable",
+            detail,
+        )
+        .with_extension("sent", Value::Bool(sent));
+        if !sent {
+            problem.retry_after_seconds = Some(1);
+            problem.should_retry = true;
+        }
+        problem
+    }
+
+    /// 503 `shutting_down` for a caller whose action was still waiting when the gateway began
+    /// to stop. With `sent` false nothing left for it, so a retry is safe (`Retry-After: 1`,
+    /// `x-should-retry: true`); with `sent` true an earlier attempt left, the action stays
+    /// recorded for reconciliation after the restart and `x-should-retry` is `false`.
+    pub fn shutting_down_during(sent: bool, detail: impl Into<String>) -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "backstop is shutting down",
+            detail,
+        )
+        .with_extension("sent", Value::Bool(sent));
+        if !sent {
+            problem.retry_after_seconds = Some(1);
+            problem.should_retry = true;
+        }
+        problem
+    }
+
     /// The problem for a gateway-made final outcome (SPEC §5), with the status of the module
     /// table. The context becomes extension members: `outcome`, `sent`, `response_received`,
     /// `attempts`, `total_wait_ms`, `last_status`, `last_signal`, `boundary` (RFC 3339 or null)
@@ -561,6 +601,23 @@ mod tests {
             "http_418"
         );
         assert_eq!(p.body()["sent"], false);
+    }
+
+    #[test]
+    fn store_unavailable_invites_a_retry_only_when_nothing_was_sent() {
+        let unsent = Problem::store_unavailable(false, "nothing was sent").into_response();
+        assert_eq!(unsent.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(unsent.headers()["x-should-retry"], "true");
+        assert_eq!(unsent.headers()[header::RETRY_AFTER], "1");
+        let sent = Problem::store_unavailable(true, "an attempt was sent");
+        assert_eq!(
+            sent.body()["type"],
+            format!("{TYPE_PREFIX}store_unavailable")
+        );
+        assert_eq!(sent.body()["sent"], true);
+        let sent = sent.into_response();
+        assert_eq!(sent.headers()["x-should-retry"], "false");
+        assert!(sent.headers().get(header::RETRY_AFTER).is_none());
     }
 
     #[test]

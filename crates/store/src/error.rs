@@ -43,6 +43,17 @@ pub enum StoreError {
         /// The newest version this build can migrate to.
         supported: i64,
     },
+    /// `PRAGMA quick_check` found the file damaged when the store opened (e.g. "database disk
+    /// image is malformed", a page referenced twice): the gateway must not serve on it.
+    #[error(
+        "{path}: the database is damaged ({reason}); restore it from a backup or move it aside"
+    )]
+    Damaged {
+        /// The offending file.
+        path: PathBuf,
+        /// SQLite's findings.
+        reason: String,
+    },
     /// A SQLite error while reading or writing.
     #[error("sqlite: {0}")]
     Sqlite(String),

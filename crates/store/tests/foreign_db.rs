@@ -97,3 +97,33 @@ fn audit_reader_never_creates_a_file() {
     let reader = AuditReader::open(&path).expect("now a backstop db");
     assert_eq!(reader.head().expect("head"), None);
 }
+
+mod common;
+
+#[test]
+fn a_damaged_database_is_refused_when_the_store_opens() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = common::populated(dir.path(), 300);
+    drop(store);
+    // Closing the last connection checkpointed the WAL into the main file: damage a b-tree
+    // page in its middle (never the header page), as a torn write or bad sector would.
+    let mut bytes = std::fs::read(&path).expect("read");
+    let page_size = 4096;
+    let pages = bytes.len() / page_size;
+    assert!(
+        pages > 4,
+        "the fixture is too small to damage a middle page"
+    );
+    let page = pages / 2;
+    for b in &mut bytes[page * page_size..(page + 1) * page_size] {
+        *b = 0xA5;
+    }
+    std::fs::write(&path, &bytes).expect("write");
+    let err = SqliteStore::open(&path).expect_err("a damaged file must not open");
+    assert!(matches!(err, StoreError::Damaged { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("backstop.db: the database is damaged"),
+        "{text}"
+    );
+}

@@ -241,7 +241,7 @@ impl Inner {
         drop(permit);
         match reply {
             AttemptReply::Failed(e) => {
-                inconclusive(format!("the lookup failed in transport: {e:?}"))
+                inconclusive(format!("the lookup failed in transport ({})", e.as_str()))
             }
             AttemptReply::Response(response) => {
                 let status = response.status().as_u16();

@@ -2,6 +2,8 @@
 //! its (virtual) time, a temp-dir SQLite store, and a small policy written here.
 #![allow(dead_code)]
 
+pub mod failing_store;
+
 use std::{
     collections::{HashMap, VecDeque},
     future::Future,
@@ -222,22 +224,37 @@ impl Harness {
 
     /// A fresh engine over the given policy YAML (call with paused time).
     pub fn with_policy(yaml: &str) -> Harness {
+        Harness::build(yaml, false).0
+    }
+
+    /// A fresh engine over [`POLICY`] whose store fails on demand (call with paused time).
+    pub fn with_failing_store() -> (Harness, Arc<failing_store::FailingStore>) {
+        let (harness, failing) = Harness::build(POLICY, true);
+        (harness, failing.unwrap())
+    }
+
+    fn build(yaml: &str, wrap: bool) -> (Harness, Option<Arc<failing_store::FailingStore>>) {
         let t0: Timestamp = T0.parse().unwrap();
         let clock = TokioClock::anchored_at(t0);
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(SqliteStore::open(dir.path().join("backstop.db")).unwrap());
+        let failing = wrap.then(|| failing_store::FailingStore::new(store.clone()));
+        let engine_store: Arc<dyn Store> = match &failing {
+            Some(f) => f.clone(),
+            None => store.clone(),
+        };
         let policy = Arc::new(Policy::from_yaml_str(yaml, "test.yaml").unwrap());
         let transport = Scripted::new(clock);
         let metrics = Arc::new(Metrics::new());
         let engine = Engine::new(
             policy.clone(),
-            store.clone(),
+            engine_store,
             transport.clone(),
             clock,
             metrics.clone(),
             42,
         );
-        Harness {
+        let harness = Harness {
             engine,
             transport,
             store,
@@ -246,7 +263,8 @@ impl Harness {
             clock,
             t0,
             _dir: dir,
-        }
+        };
+        (harness, failing)
     }
 
     /// An action of `task` for `METHOD path` with `body`.
@@ -305,6 +323,20 @@ pub async fn settle() {
     for _ in 0..50 {
         tokio::task::yield_now().await;
     }
+}
+
+/// Lets spawned work, blocking store calls and the store's writer thread run until `done()`
+/// holds (polled for at most about 5 s of real time). Virtual time does not move meanwhile: the
+/// runtime never parks, so paused time cannot auto-advance. Returns the last `done()`.
+pub async fn until(mut done: impl FnMut() -> bool) -> bool {
+    for _ in 0..5000 {
+        if done() {
+            return true;
+        }
+        tokio::task::yield_now().await;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    done()
 }
 
 /// Advances virtual time by `d`, letting everything due run.

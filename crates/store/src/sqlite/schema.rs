@@ -295,6 +295,7 @@ pub(crate) fn open_writer(path: &Path, create: bool) -> Result<Connection, Store
     // Identify before changing anything, so a foreign file is left untouched.
     identify(&conn, path)?;
     conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    quick_check(&conn, path)?;
     let mode: String = conn
         .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
         .map_err(|e| first_query_error(path, e))?;
@@ -308,6 +309,32 @@ pub(crate) fn open_writer(path: &Path, create: bool) -> Result<Connection, Store
     conn.pragma_update(None, "foreign_keys", "ON")?;
     migrate(&mut conn, path)?;
     Ok(conn)
+}
+
+/// Runs `PRAGMA quick_check` (SQLite's O(N) structural check: pages, records, index
+/// entries; not UNIQUE constraints nor index contents) so that a damaged
+/// file is refused when the store opens, not found out by the first request that touches the
+/// damaged page.
+///
+/// # Errors
+/// [`StoreError::Damaged`] with SQLite's first findings (at most 5 lines) when the check
+/// reports anything but `ok`, or when the check itself cannot run.
+pub(crate) fn quick_check(conn: &Connection, path: &Path) -> Result<(), StoreError> {
+    let damaged = |reason: String| StoreError::Damaged {
+        path: path.to_owned(),
+        reason,
+    };
+    let mut stmt = conn
+        .prepare("PRAGMA quick_check(5)")
+        .map_err(|e| damaged(e.to_string()))?;
+    let findings: Vec<String> = stmt
+        .query_map([], |r| r.get::<_, String>(0))
+        .and_then(|rows| rows.collect::<Result<_, _>>())
+        .map_err(|e| damaged(e.to_string()))?;
+    if findings.len() == 1 && findings[0] == "ok" {
+        return Ok(());
+    }
+    Err(damaged(findings.join("; ")))
 }
 
 /// Opens a read connection on an existing backstop database (never creates a file).
