@@ -141,7 +141,10 @@ pub enum NextSafe {
     },
     /// Ask the provider whether the operation happened (reconciliation lookup).
     QueryStatus,
-    /// Send again with the same idempotency key: the provider deduplicates.
+    /// Send again with the same idempotency key: the provider deduplicates. Serialized as
+    /// `retry_same_key`, the name of the escalation decision option with the same effect (SPEC
+    /// §8); the former name `resend_same_key` is still read.
+    #[serde(rename = "retry_same_key", alias = "resend_same_key")]
     ResendSameKey,
     /// The request itself must change (payload, permissions, route) before it can succeed.
     ChangeRequest,
@@ -194,5 +197,16 @@ mod tests {
         );
         let json = serde_json::to_value(NextSafe::QueryStatus).expect("serialize");
         assert_eq!(json, serde_json::json!({"option": "query_status"}));
+    }
+
+    #[test]
+    fn resend_with_the_same_key_is_named_like_the_decision_option() {
+        let json = serde_json::to_value(NextSafe::ResendSameKey).expect("serialize");
+        assert_eq!(json, serde_json::json!({"option": "retry_same_key"}));
+        for name in ["retry_same_key", "resend_same_key"] {
+            let back: NextSafe =
+                serde_json::from_value(serde_json::json!({ "option": name })).expect("read");
+            assert_eq!(back, NextSafe::ResendSameKey);
+        }
     }
 }

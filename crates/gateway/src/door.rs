@@ -357,6 +357,68 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// Most bytes of a completed write's response body kept in the store for idempotent replay to
+/// the same agent (1 MiB). A longer body is kept cut at this length and the replay says so in
+/// [`REPLAY_TRUNCATED_HEADER`].
+pub const REPLAY_BODY_LIMIT: usize = 1024 * 1024;
+
+/// Header on a replayed write whose stored body is not the whole original body: its value is
+/// the number of body bytes kept (`0` for an event stream, whose body is never kept).
+pub const REPLAY_TRUNCATED_HEADER: &str = "backstop-replay-body-truncated";
+
+/// Header on every replayed write (IETF Idempotency-Key draft practice): `Idempotent-Replayed:
+/// true` — nothing was sent, this is the provider's stored response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// Whether a response is a Server-Sent Events stream (`text/event-stream`), whose body is
+/// passed through unbuffered and never kept for replay.
+pub fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+        })
+}
+
+/// The provider's final response to a completed write, as kept for replay: the status, the
+/// end-to-end headers (hop-by-hop headers of RFC 9110 §7.6.1, `Set-Cookie`, `Content-Length`
+/// and header values that are not visible ASCII are left out), and at most
+/// [`REPLAY_BODY_LIMIT`] bytes of `body`. `complete` says whether `body` is the whole body;
+/// when it is not (or `body` is longer than the limit), [`REPLAY_TRUNCATED_HEADER`] is added
+/// with the number of bytes kept.
+pub fn replay_record(
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &[u8],
+    complete: bool,
+) -> backstop_store::StoredResponse {
+    let mut kept = headers.clone();
+    strip_hop_by_hop(&mut kept);
+    kept.remove(header::SET_COOKIE);
+    kept.remove(header::CONTENT_LENGTH);
+    let cut = body.len().min(REPLAY_BODY_LIMIT);
+    let truncated = !complete || cut < body.len();
+    let mut pairs: Vec<(String, String)> = kept
+        .iter()
+        .filter_map(|(n, v)| {
+            v.to_str()
+                .ok()
+                .map(|v| (n.as_str().to_owned(), v.to_owned()))
+        })
+        .collect();
+    if truncated {
+        pairs.push((REPLAY_TRUNCATED_HEADER.to_owned(), cut.to_string()));
+    }
+    backstop_store::StoredResponse {
+        status: status.as_u16(),
+        headers: pairs,
+        body: body[..cut].to_vec(),
+    }
+}
+
 /// Process-unique, unpredictable ids (`task-…`, `bk-…`): 128 bits from the standard library's
 /// randomly keyed hasher over a process-wide counter.
 pub fn mint_id(prefix: &str) -> String {

@@ -1323,6 +1323,29 @@ impl Engine {
                             },
                         };
                     }
+                    // The lookup is a read of the provider's state, not a resend: it never
+                    // spends the write's attempts. A resend does; when the class has none left
+                    // (an `uncertain_write` allows one), a human decides instead.
+                    writes::UncertainEnd::RetrySameKey if budget.attempts_remaining() == 0 => {
+                        guard.armed = false;
+                        if let Some(tokens) = pending.take() {
+                            inner.scheduler.deposit(&route.scopes, Some(tokens));
+                        }
+                        if let Err(e) = inner
+                            .blocking(move |s| s.record_result(result, received_at))
+                            .await
+                        {
+                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                        }
+                        guard.in_flight = None;
+                        let reason = format!(
+                            "the provider honours the idempotency key, but the `{}` class allows no further attempt, so resending under the same key is an operator's decision",
+                            route.class
+                        );
+                        return self
+                            .escalate_uncertain(run, &budget, &seen, &facts, &reason)
+                            .await;
+                    }
                     writes::UncertainEnd::RetrySameKey => resend_same_key = true,
                     writes::UncertainEnd::Escalate { reason } => {
                         guard.armed = false;
@@ -1351,21 +1374,52 @@ impl Engine {
                         "internal: a success without a response".to_owned(),
                     );
                 };
-                // The provider's operation id of a write, read from a bounded prefix of the body.
-                if let (false, Some(rc)) = (
-                    is_safe_method(&run.request.method),
-                    route.reconcile.as_ref(),
-                ) {
-                    if rc.operation_id_pointer.is_some() {
+                // A write's final response is kept for idempotent replay (bounded, never
+                // audited), and its operation id is read from the same bounded prefix. An
+                // event stream is never buffered: only its status and headers are kept.
+                let mut replay_record = None;
+                if !is_safe_method(&run.request.method) {
+                    let rc = route.reconcile.as_ref();
+                    let stream = crate::door::is_event_stream(response.headers());
+                    let wants_id = rc.is_some_and(|rc| rc.operation_id_pointer.is_some());
+                    if stream && !wants_id {
+                        replay_record = Some(crate::door::replay_record(
+                            response.status(),
+                            response.headers(),
+                            &[],
+                            false,
+                        ));
+                    } else {
+                        let limit = if stream {
+                            ERROR_BODY_LIMIT
+                        } else {
+                            crate::door::REPLAY_BODY_LIMIT
+                        };
                         let (parts, body) = response.into_parts();
-                        match read_bounded(body, ERROR_BODY_LIMIT).await {
+                        match read_bounded(body, limit).await {
                             Ok((bytes, body)) => {
-                                result.provider_operation_id =
-                                    operation_id_from_response(rc, &bytes);
+                                if let Some(rc) = rc {
+                                    result.provider_operation_id =
+                                        operation_id_from_response(rc, &bytes);
+                                }
+                                let complete = !stream && bytes.len() <= limit;
+                                let kept = if stream { &[][..] } else { &bytes[..] };
+                                replay_record = Some(crate::door::replay_record(
+                                    parts.status,
+                                    &parts.headers,
+                                    kept,
+                                    complete,
+                                ));
                                 response = http::Response::from_parts(parts, body);
                             }
                             Err(e) => {
-                                tracing::warn!(action = run.id.0, error = %e, "the write's response body was cut while reading its operation id");
+                                tracing::warn!(action = run.id.0, error = %e, "the write's response body was cut while it was read");
+                                replay_record = Some(crate::door::replay_record(
+                                    parts.status,
+                                    &parts.headers,
+                                    &[],
+                                    false,
+                                ));
                                 response = http::Response::from_parts(parts, Body::empty());
                             }
                         }
@@ -1377,7 +1431,7 @@ impl Engine {
                 result.finish = Some(Finish {
                     outcome: backstop_store::Outcome::Succeeded,
                     context: serde_json::to_value(&context).unwrap_or_default(),
-                    response: None,
+                    response: replay_record,
                 });
                 if is_safe_method(&run.request.method) {
                     // A read's result is recorded with the next group commit (SPEC §12).
@@ -2194,8 +2248,12 @@ fn is_store_failure(e: &EngineError) -> bool {
     }
 }
 
+/// The stored final response of a completed write, answered again to the same agent with
+/// `Idempotent-Replayed: true` (nothing is sent).
 fn replay(receipt: ActionReceipt, stored: StoredResponse) -> Execution {
-    let mut builder = http::Response::builder().status(stored.status);
+    let mut builder = http::Response::builder()
+        .status(stored.status)
+        .header(crate::door::REPLAYED_HEADER, "true");
     for (name, value) in &stored.headers {
         builder = builder.header(name, value);
     }

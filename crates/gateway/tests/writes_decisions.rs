@@ -444,8 +444,10 @@ async fn after_a_restart_retry_same_key_is_409_and_the_agents_same_key_resubmiss
         .await
         .expect("replay");
     assert_eq!(action_id(&again), id);
-    let (_, body) = json_of(again).await;
-    assert_eq!(body["outcome"], "succeeded", "{body}");
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    let (status, body) = json_of(again).await;
+    assert_eq!(status, 201, "the provider's stored response: {body}");
+    assert_eq!(body["sku"], "A-1", "{body}");
     assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 2);
 
     gateway.shutdown().await.expect("shutdown");

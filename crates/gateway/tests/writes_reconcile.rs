@@ -330,9 +330,12 @@ async fn agent_keys_replay_refuse_a_changed_payload_with_422_and_reject_a_bad_ke
     // Same key, same payload, after completion: replayed, nothing sent.
     let again = send("refund-7".into(), r#"{"amount":7}"#).await.unwrap();
     assert_eq!(action_id(&again), id);
-    assert_eq!(again.status(), 200);
-    let body: serde_json::Value = serde_json::from_slice(&again.bytes().await.unwrap()).unwrap();
-    assert_eq!(body["outcome"], "succeeded", "{body}");
+    assert_eq!(
+        again.status(),
+        201,
+        "the provider's stored response is replayed"
+    );
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
 
     // Same key, another payload: 422, nothing sent.
     let changed = send("refund-7".into(), r#"{"amount":8}"#).await.unwrap();

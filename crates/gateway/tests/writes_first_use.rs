@@ -1,0 +1,252 @@
+//! Write answers as a first-time user of `backstop serve` meets them, end to end over loopback:
+//! the replay of a completed write is the provider's own response, an uncertain write of a
+//! single-attempt class is reconciled or escalated (never `budget_exhausted`), and a reconciled
+//! write names the provider's id in structured members. Counts are measured at the fake provider.
+
+use std::{path::Path, time::Duration};
+
+use backstop_core::policy::Policy;
+use backstop_fake_api::{
+    AttemptRecord, FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig,
+};
+use backstop_gateway::server::{self, Running, ServeOptions};
+
+const AGENT_TOKEN: &str = "agent-token-first-use";
+const PROVIDER_SECRET: &str = "sk-live-provider-secret-first-use";
+
+fn policy_yaml(base_url: &str) -> String {
+    format!(
+        r#"
+backoff:
+  base_seconds: 1
+  max_seconds: 2
+  boundary_spread_seconds: 0
+agents:
+  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+providers:
+  fake:
+    base_url: {base_url}
+    credential: {{ secret_env: FAKE_API_KEY }}
+    idempotency_header: Idempotency-Key
+    scopes:
+      account: {{ limit: 1000, window_seconds: 60 }}
+    routes:
+      "POST /v1/refunds": {{ class: idempotent_write, scopes: [account] }}
+      "POST /v1/messages":
+        class: uncertain_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/messages?idempotency_key={{key}}"
+          found_pointer: /data/0/id
+      "GET /v1/messages": {{ class: read, scopes: [account] }}
+      "POST /v1/notes": {{ class: uncertain_write, scopes: [account] }}
+"#
+    )
+}
+
+fn env(name: &str) -> Option<String> {
+    match name {
+        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some(PROVIDER_SECRET.to_owned()),
+        _ => None,
+    }
+}
+
+async fn start_gateway(base_url: &str, dir: &Path) -> Running {
+    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "first-use.yaml").expect("policy");
+    let options = ServeOptions {
+        listen: Some("127.0.0.1:0".into()),
+        store: Some(dir.join("backstop.db")),
+        seed: 5,
+        shutdown_grace: Duration::from_secs(2),
+        ..ServeOptions::default()
+    };
+    server::start(policy, options, &env, server::engine)
+        .await
+        .expect("gateway starts")
+}
+
+fn create(collection: &str, prefix: &str) -> Handler {
+    Handler::Create {
+        collection: collection.into(),
+        id_prefix: prefix.into(),
+        reference_field: None,
+        unique_reference: false,
+    }
+}
+
+fn fake() -> backstop_fake_api::RunningFake {
+    let drop_first = || FaultRule::on_calls([1], Fault::StoreThenDrop { hold_ms: 0 });
+    let config = FakeConfig::default()
+        .with_route(
+            RouteConfig::new("POST /v1/refunds", create("refunds", "re_")).with_idempotency(),
+        )
+        .with_route(
+            RouteConfig::new("POST /v1/messages", create("messages", "msg_"))
+                .with_idempotency()
+                .with_fault(drop_first()),
+        )
+        .with_route(RouteConfig::new(
+            "GET /v1/messages",
+            Handler::Lookup {
+                collection: "messages".into(),
+            },
+        ))
+        .with_route(
+            RouteConfig::new("POST /v1/notes", create("notes", "no_"))
+                .with_idempotency()
+                .with_fault(drop_first()),
+        );
+    FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake provider starts")
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
+fn on_route<'a>(attempts: &'a [AttemptRecord], method: &str, path: &str) -> Vec<&'a AttemptRecord> {
+    attempts
+        .iter()
+        .filter(|a| a.method == method && a.path == path)
+        .collect()
+}
+
+fn header<'a>(response: &'a reqwest::Response, name: &str) -> Option<&'a str> {
+    response.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_write_answers_the_providers_stored_response() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let url = format!("http://{}/fake/v1/refunds", gateway.addr);
+    let send = || {
+        client()
+            .post(&url)
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-replay")
+            .header("Idempotency-Key", "refund-42")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":42}"#)
+            .send()
+    };
+
+    let first = send().await.unwrap();
+    assert_eq!(first.status(), 201);
+    let first_id = header(&first, "backstop-action-id").map(str::to_owned);
+    let first_type = header(&first, "content-type").map(str::to_owned);
+    assert_eq!(header(&first, "idempotent-replayed"), None);
+    let first_body = first.bytes().await.unwrap();
+
+    let again = send().await.unwrap();
+    assert_eq!(again.status(), 201, "the provider's status is replayed");
+    assert_eq!(header(&again, "idempotent-replayed"), Some("true"));
+    assert_eq!(
+        header(&again, "backstop-action-id").map(str::to_owned),
+        first_id
+    );
+    assert_eq!(header(&again, "idempotency-key"), Some("refund-42"));
+    assert_eq!(
+        header(&again, "content-type").map(str::to_owned),
+        first_type
+    );
+    assert_eq!(header(&again, "backstop-replay-body-truncated"), None);
+    let again_body = again.bytes().await.unwrap();
+    assert_eq!(
+        again_body, first_body,
+        "the provider's body is replayed byte for byte"
+    );
+
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/refunds").len(),
+        1,
+        "nothing is sent for the replay: {attempts:?}"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_single_attempt_write_with_a_lookup_is_reconciled_with_structured_members() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let response = client()
+        .post(format!("http://{}/fake/v1/messages", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("Idempotency-Key", "msg-1")
+        .header("content-type", "application/json")
+        .body(r#"{"text":"hi"}"#)
+        .send()
+        .await
+        .expect("request");
+    let status = response.status();
+    let body: serde_json::Value =
+        serde_json::from_slice(&response.bytes().await.unwrap()).expect("json");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["outcome"], "succeeded", "{body}");
+    assert_eq!(body["reconciled"], true, "{body}");
+    assert_eq!(body["idempotency_key"], "msg-1", "{body}");
+    let op = body["provider_operation_id"]
+        .as_str()
+        .expect("the provider's id");
+    assert!(op.starts_with("msg_"), "{body}");
+
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/messages").len(),
+        1,
+        "{attempts:?}"
+    );
+    assert_eq!(
+        on_route(&attempts, "GET", "/v1/messages").len(),
+        1,
+        "{attempts:?}"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_single_attempt_write_without_a_lookup_is_escalated_not_budget_exhausted() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let response = client()
+        .post(format!("http://{}/fake/v1/notes", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("content-type", "application/json")
+        .body(r#"{"text":"hi"}"#)
+        .send()
+        .await
+        .expect("request");
+    let status = response.status();
+    let body: serde_json::Value =
+        serde_json::from_slice(&response.bytes().await.unwrap()).expect("json");
+    assert_eq!(status, 424, "{body}");
+    assert_eq!(body["outcome"], "escalated", "{body}");
+    let options: Vec<&str> = body["next_safe"]
+        .as_array()
+        .expect("next_safe")
+        .iter()
+        .filter_map(|o| o["option"].as_str())
+        .collect();
+    assert!(options.contains(&"retry_same_key"), "{body}");
+
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/notes").len(),
+        1,
+        "never resent automatically: {attempts:?}"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
