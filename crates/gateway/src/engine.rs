@@ -89,6 +89,8 @@ pub use crate::scheduler::ScopeView;
 mod actions;
 mod writes;
 
+pub use writes::RESTARTED_BEFORE_RETRY;
+
 pub use actions::{
     Completion, DecisionApplied, KeptResponse, DECISION_WAIT, KEPT_ACTIONS, KEPT_BODY_LIMIT,
 };

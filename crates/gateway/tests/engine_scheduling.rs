@@ -313,7 +313,10 @@ async fn coalesced_reads_are_never_shared_across_agents_or_differing_headers() {
     let h = Harness::new();
     h.transport.hold("/v1/rates", SEC);
     let with = |agent: &str, headers: &[(&'static str, &'static str)]| {
-        let mut spec = h.get("t", "/v1/rates");
+        // Each agent its own task: task ids are not namespaced per agent yet, so bob naming
+        // alice's task would be refused once her `task_opened` committed (a race, not the
+        // coalescing under test).
+        let mut spec = h.get(&format!("t-{agent}"), "/v1/rates");
         spec.agent = agent.to_owned();
         for (name, value) in headers {
             spec.request

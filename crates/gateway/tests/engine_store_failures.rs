@@ -176,3 +176,52 @@ async fn a_write_waiting_for_its_retry_at_stop_stays_recorded_and_is_not_invited
         "the retry stays in the store for after the restart"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gone() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(503, &[("retry-after", "20")], "")],
+    );
+    let running = h.spawn(write(&h, "t", "k-r"));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    h.engine.shutdown().await;
+    let action = running.await.unwrap().receipt().action_id;
+    // The next run over the same store re-arms the retry; nobody waits for it any more.
+    let restarted = backstop_gateway::engine::Engine::new(
+        h.policy.clone(),
+        h.store.clone(),
+        h.transport.clone(),
+        h.clock,
+        h.metrics.clone(),
+        7,
+    );
+    advance(Duration::from_secs(30)).await;
+    let stored = || {
+        h.store
+            .action(backstop_store::ActionId(action))
+            .unwrap()
+            .unwrap()
+    };
+    assert!(
+        until(|| stored().outcome.is_some()).await,
+        "the re-armed retry ended the action"
+    );
+    let record = stored();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(
+        context["detail"],
+        backstop_gateway::engine::RESTARTED_BEFORE_RETRY
+    );
+    assert_eq!(context["attempts"], 1);
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "nothing was sent for the gone caller"
+    );
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    restarted.shutdown().await;
+}

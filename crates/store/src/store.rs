@@ -174,7 +174,9 @@ pub trait Store: Send + Sync {
     ) -> Result<(), StoreError>;
 
     /// Schedules a retry of an action at `due_at` (a scheduler receipt; audits
-    /// `retry_scheduled`). Returns the job id.
+    /// `retry_scheduled`). Returns the job id. An action has at most one waiting job: one not
+    /// taken yet is superseded (marked claimed by `superseded`), and the next attempt of the
+    /// action ([`Store::mark_attempt_sent`]) takes the waiting job (claimed by `attempt`).
     ///
     /// # Errors
     /// [`StoreError::InvalidTransition`] when the action ended or its task is cancelled.

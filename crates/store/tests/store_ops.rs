@@ -434,3 +434,50 @@ fn a_watchdog_finding_is_audited_with_its_job_and_changes_no_state() {
         Verdict::Intact { .. }
     ));
 }
+
+#[test]
+fn an_action_has_at_most_one_waiting_retry() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let a = record(&store, "task-1", "k-r", b"r");
+    // The live loop: attempt 1, retry planned, attempt 2 woken by its own timer, retry again.
+    store.mark_attempt_sent(a, t(1)).expect("sent 1");
+    store
+        .record_result(unavailable(a, 1), t(2))
+        .expect("result 1");
+    store.schedule_retry(a, t(1_000), t(3)).expect("schedule 1");
+    store.mark_attempt_sent(a, t(1_000)).expect("sent 2");
+    assert!(
+        store.scheduled_retries().expect("list").is_empty(),
+        "the attempt took its retry job: nothing is left to re-arm after a restart"
+    );
+    store
+        .record_result(unavailable(a, 2), t(1_001))
+        .expect("result 2");
+    let second = store
+        .schedule_retry(a, t(3_000), t(1_002))
+        .expect("schedule 2");
+    let waiting = store.scheduled_retries().expect("list");
+    assert_eq!(waiting.len(), 1, "{waiting:?}");
+    assert_eq!(waiting[0].job, second);
+    // Planning again supersedes the job not taken yet.
+    let third = store
+        .schedule_retry(a, t(4_000), t(1_003))
+        .expect("schedule 3");
+    let waiting = store.scheduled_retries().expect("list");
+    assert_eq!(waiting.len(), 1, "{waiting:?}");
+    assert_eq!(waiting[0].job, third);
+}
+
+fn unavailable(action: backstop_store::ActionId, attempt: u32) -> AttemptResult {
+    AttemptResult {
+        action,
+        attempt,
+        status: Some(503),
+        disposition: Disposition::Unavailable,
+        boundary: None,
+        source: None,
+        provider_operation_id: None,
+        finish: None,
+    }
+}

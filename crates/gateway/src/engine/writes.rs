@@ -44,6 +44,10 @@ use crate::{
     transport::{AttemptReply, AttemptRequest},
 };
 
+/// The reason a re-armed retry is closed after a restart (its action ends `cancelled`).
+pub const RESTARTED_BEFORE_RETRY: &str =
+    "the gateway restarted before the retry; the caller's request is gone — resubmit";
+
 /// The longest a reconciliation lookup may wait for its scopes (pacing, `next_allowed_at`).
 pub(super) const LOOKUP_MAX_WAIT: Duration = Duration::from_secs(60);
 
@@ -537,10 +541,10 @@ impl Inner {
     }
 
     /// Re-arms every scheduled retry found in the store (SPEC §12): each wakes at its due
-    /// instant, is claimed by its job id (audited `retry_started`) and, because the request's
-    /// payload is not kept across a restart, ends `budget_exhausted` with `next_safe` saying
-    /// that the agent may resubmit (with the same key for writes). A retry of a cancelled task or
-    /// a finished action is not claimed.
+    /// instant, is claimed by its job id (audited `retry_started`) and, because the caller's
+    /// request (and its payload) did not survive the restart, ends `cancelled` with the reason
+    /// [`RESTARTED_BEFORE_RETRY`] in its context: the budget was not used up, the caller went
+    /// away. A retry of a cancelled task or a finished action is not claimed.
     pub(super) async fn rearm_scheduled(self: &std::sync::Arc<Self>) {
         let due = match self.blocking(|s| s.scheduled_retries()).await {
             Ok(due) => due,
@@ -572,13 +576,22 @@ impl Inner {
                     }
                 };
                 let id = claimed.action;
+                let attempts = inner
+                    .blocking(move |s| s.attempts(id))
+                    .await
+                    .map_or(0, |a| a.len());
+                tracing::info!(
+                    action = id.0,
+                    job = job.0,
+                    "restart recovery: the re-armed retry's caller is gone; the action is cancelled"
+                );
                 let finish = super::Finish {
-                    outcome: backstop_store::Outcome::BudgetExhausted,
+                    outcome: backstop_store::Outcome::Cancelled,
                     context: serde_json::json!({
-                        "sent": true,
-                        "attempts": 0,
-                        "next_safe": [{"option": "resend_same_key"}, {"option": "abort"}],
-                        "detail": "the retry woke after a restart, but the request's payload is not kept across a restart; resubmit it (with the same Idempotency-Key for a write)"
+                        "sent": attempts > 0,
+                        "attempts": attempts,
+                        "next_safe": [{"option": "abort"}],
+                        "detail": RESTARTED_BEFORE_RETRY,
                     }),
                     response: None,
                 };

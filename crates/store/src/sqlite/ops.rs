@@ -279,6 +279,14 @@ impl WriteTx<'_> {
                 "INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (?1, ?2, 'sent', ?3)",
             )?
             .execute(params![action.0, n, ms(at)])?;
+        // The attempt takes the action's waiting retry job, if any (the live engine's own
+        // timer woke it): the job is done and is not re-armed after a restart.
+        self.conn
+            .prepare_cached(
+                "UPDATE scheduled_retries SET claimed_at_ms = ?2, claimed_by = 'attempt' \
+                 WHERE action_id = ?1 AND claimed_at_ms IS NULL",
+            )?
+            .execute(params![action.0, ms(at)])?;
         self.set_state(action, ActionState::InFlight, at)?;
         let n = u32::try_from(n).map_err(|_| refuse(format!("attempt number {n} out of range")))?;
         let mut e = Self::action_event(EventKind::ActionSent, &format_instant(at), action, &f);
@@ -473,6 +481,14 @@ impl WriteTx<'_> {
                 },
             });
         }
+        // At most one waiting retry per action (a unique index says so too): a new plan
+        // supersedes a job not taken yet.
+        self.conn
+            .prepare_cached(
+                "UPDATE scheduled_retries SET claimed_at_ms = ?2, claimed_by = 'superseded' \
+                 WHERE action_id = ?1 AND claimed_at_ms IS NULL",
+            )?
+            .execute(params![action.0, ms(at)])?;
         self.conn
             .prepare_cached("INSERT INTO scheduled_retries (action_id, due_at_ms) VALUES (?1, ?2)")?
             .execute(params![action.0, ms(due_at)])?;

@@ -164,6 +164,18 @@ const MIGRATIONS: &[&str] = &[
     CREATE UNIQUE INDEX actions_by_agent_key ON actions(agent, idempotency_key)
         WHERE idempotency_key IS NOT NULL;
     "#,
+    // 2 -> 3: at most one scheduled retry per action is waiting. Earlier versions left the
+    // job of a retry that was sent unclaimed, so an action could show two; every waiting job
+    // but the newest of each action is marked taken (`superseded`, at its due instant) before
+    // the constraint is added.
+    r#"
+    UPDATE scheduled_retries SET claimed_at_ms = due_at_ms, claimed_by = 'superseded'
+     WHERE claimed_at_ms IS NULL
+       AND job_id NOT IN (SELECT MAX(job_id) FROM scheduled_retries
+                           WHERE claimed_at_ms IS NULL GROUP BY action_id);
+    CREATE UNIQUE INDEX one_waiting_retry_per_action ON scheduled_retries(action_id)
+        WHERE claimed_at_ms IS NULL;
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
