@@ -8,7 +8,7 @@
 //! | route | who | answer |
 //! |---|---|---|
 //! | `POST /v1/actions` | agent | `202`, `Location: /v1/actions/{id}`, `{id, task, state: "accepted", location}` |
-//! | `GET /v1/actions/{id}[?wait=30s]` | owning agent, operator | `200 {id, task, agent, state, outcome, context, attempts, idempotency_key, response}` |
+//! | `GET /v1/actions/{id}[?wait=30s]` | owning agent, operator | `200` [`action_view`] plus `response` (a kept provider response) or `detail` (a gateway-made outcome); `Backstop-Action-Id`, `Backstop-Attempts` |
 //! | `POST /v1/tasks/{id}/cancel` | owning agent, operator | `200 {task_id, actions_cancelled, retries_dropped, waiting_dropped}` |
 //!
 //! `POST /v1/actions` takes JSON `{provider, method, path (with query), headers (object of
@@ -126,33 +126,33 @@ async fn submit_inner(
     }
     engine(state, "POST /v1/actions")?;
     let request: NewActionBody = serde_json::from_slice(&body).map_err(|e| {
-        Problem::bad_request(format!(
+        api_bad_request(format!(
             "body: expected {{provider, method, path, headers?, body? | body_base64?, task?, priority?, deadline?, max_wait_seconds?, idempotency_key?, desired_outcome?}}: {e}"
         ))
     })?;
     let method = Method::from_bytes(request.method.trim().to_ascii_uppercase().as_bytes())
         .map_err(|_| {
-            Problem::bad_request(format!(
+            api_bad_request(format!(
                 "method: `{}` is not an HTTP method",
                 request.method
             ))
         })?;
     if !request.path.starts_with('/') {
-        return Err(Problem::bad_request(format!(
+        return Err(api_bad_request(format!(
             "path: `{}` must start with `/`",
             request.path
         )));
     }
     let payload = match (request.body, request.body_base64) {
         (Some(_), Some(_)) => {
-            return Err(Problem::bad_request(
+            return Err(api_bad_request(
                 "body, body_base64: give one of them, not both",
             ))
         }
         (Some(text), None) => Bytes::from(text),
         (None, Some(encoded)) => Bytes::from(
             decode_base64(&encoded)
-                .map_err(|reason| Problem::bad_request(format!("body_base64: {reason}")))?,
+                .map_err(|reason| api_bad_request(format!("body_base64: {reason}")))?,
         ),
         (None, None) => Bytes::new(),
     };
@@ -162,10 +162,9 @@ async fn submit_inner(
     let mut incoming = HeaderMap::new();
     for (name, value) in &request.headers {
         let name = HeaderName::from_bytes(name.as_bytes())
-            .map_err(|_| Problem::bad_request(format!("headers: `{name}` is not a header name")))?;
-        let value = HeaderValue::from_str(value).map_err(|_| {
-            Problem::bad_request(format!("headers.{name}: not a valid header value"))
-        })?;
+            .map_err(|_| api_bad_request(format!("headers: `{name}` is not a header name")))?;
+        let value = HeaderValue::from_str(value)
+            .map_err(|_| api_bad_request(format!("headers.{name}: not a valid header value")))?;
         incoming.append(name, value);
     }
     if let Some(key) = &request.idempotency_key {
@@ -179,9 +178,7 @@ async fn submit_inner(
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_str(key),
         ) else {
-            return Err(Problem::bad_request(
-                "idempotency_key: not a valid header value",
-            ));
+            return Err(api_bad_request("idempotency_key: not a valid header value"));
         };
         incoming.insert(name, value);
     }
@@ -195,7 +192,7 @@ async fn submit_inner(
         Some("interactive") => Priority::Interactive,
         Some("background") => Priority::Background,
         Some(other) => {
-            return Err(Problem::bad_request(format!(
+            return Err(api_bad_request(format!(
                 "priority: `{other}` is not one of interactive, normal, background"
             )))
         }
@@ -204,8 +201,7 @@ async fn submit_inner(
         .deadline
         .as_deref()
         .map(|d| {
-            door::parse_instant(d)
-                .map_err(|reason| Problem::bad_request(format!("deadline: {reason}")))
+            door::parse_instant(d).map_err(|reason| api_bad_request(format!("deadline: {reason}")))
         })
         .transpose()?;
     if let Some(task) = &request.task {
@@ -213,7 +209,7 @@ async fn submit_inner(
             || task.len() > door::MAX_TASK_ID_BYTES
             || !task.bytes().all(|b| b.is_ascii_graphic())
         {
-            return Err(Problem::bad_request(format!(
+            return Err(api_bad_request(format!(
                 "task: a task id must be 1 to {} visible ASCII characters",
                 door::MAX_TASK_ID_BYTES
             )));
@@ -242,6 +238,14 @@ async fn submit_inner(
     Ok(door::submit_async(state, spec).await)
 }
 
+/// 400 `bad_request` of the action API: the JSON request, a query parameter or an id is
+/// malformed. Titled for the action API (nothing is forwarded from here), with `sent: false`.
+fn api_bad_request(detail: impl Into<String>) -> Problem {
+    let mut problem = Problem::bad_request(detail);
+    problem.title = "The action API request is malformed".to_owned();
+    problem
+}
+
 #[derive(Debug, Deserialize)]
 struct WaitQuery {
     wait: Option<String>,
@@ -263,7 +267,7 @@ fn parse_wait(text: &str) -> Result<Duration, Problem> {
     match backstop_core::duration::parse_go_duration(&spelled) {
         Ok(wait) => Ok(wait.min(MAX_LONG_POLL)),
         Err(_) if is_duration_shaped(&spelled) => Ok(MAX_LONG_POLL),
-        Err(e) => Err(Problem::bad_request(format!(
+        Err(e) => Err(api_bad_request(format!(
             "wait: `{}` is not a duration like 30s or 500ms: {e}",
             text.chars().take(64).collect::<String>()
         ))),
@@ -305,7 +309,21 @@ async fn show(
     headers: HeaderMap,
 ) -> Response {
     match show_inner(&state, &id, query, &headers).await {
-        Ok(body) => axum::Json(body).into_response(),
+        Ok(body) => {
+            let (id, attempts) = (body["id"].as_i64(), body["attempts"].as_u64());
+            let mut response = axum::Json(body).into_response();
+            for (name, value) in [
+                ("backstop-action-id", id.map(|v| v.to_string())),
+                ("backstop-attempts", attempts.map(|v| v.to_string())),
+            ] {
+                if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
+                    response
+                        .headers_mut()
+                        .insert(HeaderName::from_static(name), value);
+                }
+            }
+            response
+        }
         Err(problem) => problem.into_response(),
     }
 }
@@ -343,27 +361,15 @@ async fn show_inner(
         .map_err(store_error)?
         .ok_or_else(|| Problem::not_yours("action", id))?;
     let completion = engine.completion(number).and_then(|rx| rx.borrow().clone());
-    let finished = record.state == backstop_store::ActionState::Finished;
-    let is_write = !matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
-    let mut body = json!({
-        "id": record.id.0,
-        "task": record.task_id,
-        "agent": record.agent,
-        "provider": record.provider,
-        "method": record.method,
-        "route": record.route,
-        "request_class": record.request_class,
-        "state": if finished { "completed" } else { record.state.as_str() },
-        "outcome": record.outcome.map(|o| o.as_str().to_owned()),
-        "context": record.outcome_context,
-        "attempts": attempts.len(),
-        "idempotency_key": is_write.then_some(record.idempotency_key.clone()),
-        "provider_operation_id": record.provider_operation_id,
-        "response": Value::Null,
-    });
-    if let (true, Some(completion)) = (owner, completion) {
-        body["response"] = match completion.as_ref() {
-            Completion::Response { response, .. } => {
+    let honours_key = state
+        .policy
+        .providers
+        .get(&record.provider)
+        .is_some_and(|p| p.idempotency_header.is_some());
+    let mut body = action_view(&record, &attempts, honours_key);
+    if let Some(completion) = completion {
+        match completion.as_ref() {
+            Completion::Response { response, .. } if owner => {
                 let mut kept = json!({
                     "status": response.status,
                     "headers": response.headers.iter().map(|(n, v)| json!([n, v])).collect::<Vec<_>>(),
@@ -373,12 +379,113 @@ async fn show_inner(
                     Ok(text) => kept["body"] = Value::String(text.to_owned()),
                     Err(_) => kept["body_base64"] = Value::String(encode_base64(&response.body)),
                 }
-                kept
+                body["response"] = kept;
             }
-            Completion::Outcome { detail, .. } => json!({ "detail": detail }),
-        };
+            Completion::Response { .. } => {}
+            Completion::Outcome { detail, .. } => body["detail"] = Value::String(detail.clone()),
+        }
     }
     Ok(body)
+}
+
+/// The uniform view of a stored action (`GET /v1/actions/{id}`), without the kept response:
+/// `{id, task, agent, provider, method, route, request_class, state, outcome, context,
+/// attempts, idempotency_key, provider_operation_id}` plus `reconciled: true` for a write found
+/// at the provider and `escalation_id` for an escalated one.
+///
+/// `state` is `completed` once the action has ended, else the stored state (`pending`,
+/// `sent`, …). `context` is always the SPEC §5 context (`sent`, `response_received`,
+/// `attempts`, `total_wait_ms`, `last_status`, `last_signal`, `boundary`, `next_safe`) once
+/// the action has ended, `null` before. Where the store kept a marker instead of a context (a
+/// reconciled, escalated or task-cancelled action), the context is derived from the stored
+/// attempts: waits are the gaps between one attempt's result and the next attempt's send, and
+/// `next_safe` is what is safe from that outcome (an escalation: `query_status`,
+/// `retry_same_key` when `honours_key`, `abort`).
+pub fn action_view(
+    record: &backstop_store::ActionRecord,
+    attempts: &[backstop_store::AttemptRecord],
+    honours_key: bool,
+) -> Value {
+    let finished = record.state == backstop_store::ActionState::Finished;
+    let is_write = !matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
+    let outcome = record.outcome.map(|o| o.as_str());
+    let stored = record.outcome_context.clone().unwrap_or(Value::Null);
+    let escalation_id = stored.get("escalation").and_then(Value::as_i64);
+    let last_uncertain = attempts
+        .last()
+        .and_then(|a| a.disposition)
+        .is_some_and(|d| d.as_str() == "uncertain");
+    let reconciled = outcome == Some("succeeded")
+        && (stored.get("reconciled") == Some(&Value::Bool(true)) || (is_write && last_uncertain));
+    let context = if !finished {
+        Value::Null
+    } else if stored.get("sent").is_some() && stored.get("next_safe").is_some() {
+        let mut context = stored.clone();
+        if let Some(map) = context.as_object_mut() {
+            map.remove("reconciled");
+            map.remove("detail");
+        }
+        context
+    } else {
+        let next_safe: Vec<Value> = match outcome {
+            Some("succeeded") => Vec::new(),
+            Some("escalated") => {
+                let mut options = vec![json!({"option": "query_status"})];
+                if honours_key {
+                    options.push(json!({"option": "retry_same_key"}));
+                }
+                options.push(json!({"option": "abort"}));
+                options
+            }
+            _ => vec![json!({"option": "abort"})],
+        };
+        derived_context(attempts, next_safe)
+    };
+    let mut body = json!({
+        "id": record.id.0,
+        "task": record.task_id,
+        "agent": record.agent,
+        "provider": record.provider,
+        "method": record.method,
+        "route": record.route,
+        "request_class": record.request_class,
+        "state": if finished { "completed" } else { record.state.as_str() },
+        "outcome": outcome,
+        "context": context,
+        "attempts": attempts.len(),
+        "idempotency_key": is_write.then_some(record.idempotency_key.clone()),
+        "provider_operation_id": record.provider_operation_id,
+    });
+    if reconciled {
+        body["reconciled"] = Value::Bool(true);
+    }
+    if let Some(escalation) = escalation_id {
+        body["escalation_id"] = json!(escalation);
+    }
+    body
+}
+
+/// A SPEC §5 context rebuilt from the stored attempts.
+fn derived_context(attempts: &[backstop_store::AttemptRecord], next_safe: Vec<Value>) -> Value {
+    let total_wait_ms: i64 = attempts
+        .windows(2)
+        .filter_map(|pair| {
+            let previous = pair[0].finished_at?;
+            let waited = pair[1].started_at.duration_since(previous).as_millis();
+            i64::try_from(waited).ok().map(|ms| ms.max(0))
+        })
+        .sum();
+    let last = attempts.last();
+    json!({
+        "sent": !attempts.is_empty(),
+        "response_received": attempts.iter().any(|a| a.status.is_some()),
+        "attempts": attempts.len(),
+        "total_wait_ms": total_wait_ms,
+        "last_status": last.and_then(|a| a.status),
+        "last_signal": last.and_then(|a| a.disposition).map(|d| d.as_str()),
+        "boundary": Value::Null,
+        "next_safe": next_safe,
+    })
 }
 
 /// Waits until the action completes or `wait` passes. A background action is awaited on its

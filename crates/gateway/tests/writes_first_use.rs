@@ -250,3 +250,100 @@ async fn dropped_single_attempt_write_without_a_lookup_is_escalated_not_budget_e
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+async fn action_view(
+    gateway: &Running,
+    id: &str,
+    query: &str,
+) -> (reqwest::StatusCode, Option<String>, serde_json::Value) {
+    let response = client()
+        .get(format!("http://{}/v1/actions/{id}{query}", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .send()
+        .await
+        .expect("GET /v1/actions/{id}");
+    let status = response.status();
+    let action_id = header(&response, "backstop-action-id").map(str::to_owned);
+    let body = serde_json::from_slice(&response.bytes().await.unwrap()).expect("json");
+    (status, action_id, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn action_views_of_reconciled_and_escalated_writes_share_one_shape() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let post = |path: &'static str| {
+        client()
+            .post(format!("http://{}/fake{path}", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("content-type", "application/json")
+            .body(r#"{"text":"hi"}"#)
+            .send()
+    };
+    let reconciled = post("/v1/messages").await.unwrap();
+    let reconciled_id = header(&reconciled, "backstop-action-id")
+        .unwrap()
+        .to_owned();
+    let escalated = post("/v1/notes").await.unwrap();
+    let escalated_id = header(&escalated, "backstop-action-id").unwrap().to_owned();
+
+    let (status, header_id, view) = action_view(&gateway, &reconciled_id, "").await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(header_id.as_deref(), Some(reconciled_id.as_str()));
+    assert_eq!(view["state"], "completed", "{view}");
+    assert_eq!(view["outcome"], "succeeded", "{view}");
+    assert_eq!(view["reconciled"], true, "{view}");
+    assert!(
+        view["provider_operation_id"]
+            .as_str()
+            .is_some_and(|op| op.starts_with("msg_")),
+        "{view}"
+    );
+    assert_eq!(view["context"]["sent"], true, "{view}");
+    assert_eq!(view["context"]["response_received"], false, "{view}");
+    assert_eq!(view["context"]["attempts"], 1, "{view}");
+    assert_eq!(
+        view["context"]["next_safe"],
+        serde_json::json!([]),
+        "{view}"
+    );
+    assert!(view["context"].get("reconciled").is_none(), "{view}");
+    assert!(
+        view.get("response").is_none(),
+        "no provider response exists: {view}"
+    );
+
+    let (status, header_id, view) = action_view(&gateway, &escalated_id, "").await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(header_id.as_deref(), Some(escalated_id.as_str()));
+    assert_eq!(view["state"], "completed", "{view}");
+    assert_eq!(view["outcome"], "escalated", "{view}");
+    assert!(
+        view["escalation_id"].as_i64().is_some_and(|e| e > 0),
+        "{view}"
+    );
+    assert_eq!(view["context"]["sent"], true, "{view}");
+    assert_eq!(view["context"]["last_signal"], "uncertain", "{view}");
+    assert_eq!(
+        view["context"]["next_safe"],
+        serde_json::json!([{"option": "query_status"}, {"option": "retry_same_key"}, {"option": "abort"}]),
+        "{view}"
+    );
+    assert!(view["context"].get("escalation").is_none(), "{view}");
+    assert!(view.get("response").is_none(), "{view}");
+
+    let (status, _, problem) = action_view(&gateway, &escalated_id, "?wait=abc").await;
+    assert_eq!(status, 400, "{problem}");
+    assert_eq!(
+        problem["title"], "The action API request is malformed",
+        "{problem}"
+    );
+    assert!(
+        problem["detail"].as_str().unwrap().contains("wait"),
+        "{problem}"
+    );
+
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
