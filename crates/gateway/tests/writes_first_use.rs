@@ -347,3 +347,43 @@ async fn action_views_of_reconciled_and_escalated_writes_share_one_shape() {
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_reused_with_another_body_gets_its_own_problem_naming_no_action() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let send = |body: &'static str| {
+        client()
+            .post(format!("http://{}/fake/v1/refunds", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("Idempotency-Key", "refund-reused")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    assert_eq!(send(r#"{"amount":1}"#).await.unwrap().status(), 201);
+    let changed = send(r#"{"amount":2}"#).await.unwrap();
+    assert_eq!(changed.status(), 422);
+    let problem: serde_json::Value =
+        serde_json::from_slice(&changed.bytes().await.unwrap()).unwrap();
+    assert_eq!(
+        problem["type"], "urn:backstop:problem:idempotency_key_reused",
+        "{problem}"
+    );
+    assert_eq!(
+        problem["title"],
+        "This Idempotency-Key was already used with a different request body"
+    );
+    assert_eq!(problem["sent"], false, "{problem}");
+    assert!(problem.get("action_id").is_none(), "{problem}");
+    assert!(problem.get("outcome").is_none(), "{problem}");
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/refunds").len(),
+        1,
+        "{attempts:?}"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}

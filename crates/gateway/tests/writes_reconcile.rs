@@ -346,7 +346,7 @@ async fn agent_keys_replay_refuse_a_changed_payload_with_422_and_reject_a_bad_ke
         problem["detail"]
             .as_str()
             .unwrap()
-            .contains("different payload"),
+            .contains("different request body"),
         "{problem}"
     );
 
