@@ -12,7 +12,7 @@
 //! |---|---|
 //! | `GET /v1/escalations` | `{"escalations": [{id, action, provider, route, reason, opened_at, state}]}`, open ones, oldest first |
 //! | `GET /v1/escalations/{id}` | `{id, action, state, decision, decided_by, decided_at, note, case_file}` |
-//! | `POST /v1/escalations/{id}/decision` | body `{option, confirm_second_side_effect?, note?}` → `{id, action, decision, decided_by, decided_at, effect, effect_applied, effect_detail, action_outcome, new_action, note}` |
+//! | `POST /v1/escalations/{id}/decision` | body `{option, confirm_second_side_effect?, note?}` → `{id, action, decision, decided_by, decided_at, effect, effect_applied, effect_detail, action_outcome, new_action, lookup, escalation_state, note}` |
 //! | `POST /v1/escalations/{id}/reveal` | always `404 payload_not_stored`, audited (see below) |
 //!
 //! Errors are RFC 9457 `application/problem+json` bodies with `type`
@@ -26,6 +26,16 @@
 //! unknown, or `send_new` without `confirm_second_side_effect: true`), 500 `store_error`.
 //!
 //! The note is sanitized (secrets masked) and kept with the decision; `GET` returns it.
+//!
+//! ## `query_status` closes only when the write is found
+//! `query_status` asks the provider before anything is recorded. When the lookup finds the
+//! write, the action ends `succeeded` (reconciled) and the escalation is decided
+//! (`query_status`, audited `decision`). When it answers `not_found` or is `inconclusive` (e.g.
+//! the lookup itself got a 503), nothing is decided: the query is audited as its own
+//! [`STATUS_QUERY`](backstop_store::STATUS_QUERY) event (who, when, the verdict), the action stays `escalated`, and the
+//! escalation stays open and listed so that a later decision (`abort`, `retry_same_key`, another
+//! `query_status` …) is accepted. The answer's `lookup` says what the lookup returned
+//! (`{verdict, reason, provider_operation_id}`) and `escalation_state` says `open` or `decided`.
 //!
 //! ## Revealing a payload
 //! Revealing a payload is a separate access decision (`reveal_payload`), never an approval of
@@ -48,7 +58,9 @@ use axum::{
     Json, Router,
 };
 use backstop_core::clock::Clock;
-use backstop_core::escalation::{validate_decision, CaseFile, Decision, REVEAL_PAYLOAD};
+use backstop_core::escalation::{
+    validate_decision, CaseFile, Decision, DecisionEffect, REVEAL_PAYLOAD,
+};
 use backstop_store::{EscalationId, EscalationRecord, Store, StoreError};
 use serde_json::{json, Value};
 
@@ -356,6 +368,9 @@ async fn decide(
     // The store keeps milliseconds; answer the instant exactly as recorded.
     let now = state.clock.now();
     let at = jiff::Timestamp::from_millisecond(now.as_millisecond()).unwrap_or(now);
+    if matches!(effect, DecisionEffect::QueryStatus) {
+        return query_status(&acting, &e, &who, &effect, note, at).await;
+    }
     let store = state.store.clone();
     let (escalation, decided_by, kept_note) = (e.id, who.clone(), note.clone());
     blocking(move || {
@@ -372,13 +387,7 @@ async fn decide(
     );
     let applied = match &acting.engine {
         Some(engine) => engine.apply_decision(e.action, &effect, &who).await,
-        None => crate::engine::DecisionApplied {
-            applied: false,
-            detail: "recorded only: this gateway runs no engine".to_owned(),
-            outcome: None,
-            request_not_held: false,
-            new_action: None,
-        },
+        None => recorded_only(),
     };
     if applied.request_not_held {
         let mut problem = ApiProblem::new(
@@ -410,6 +419,88 @@ async fn decide(
         "effect_detail": applied.detail,
         "action_outcome": applied.outcome,
         "new_action": applied.new_action,
+        "lookup": applied.lookup,
+        "escalation_state": "decided",
+        "note": note,
+    })))
+}
+
+fn recorded_only() -> crate::engine::DecisionApplied {
+    crate::engine::DecisionApplied {
+        applied: false,
+        detail: "recorded only: this gateway runs no engine".to_owned(),
+        outcome: None,
+        request_not_held: false,
+        new_action: None,
+        lookup: None,
+    }
+}
+
+/// `query_status`: ask the provider first, then record. Only a `found` lookup (the action is
+/// then `succeeded`, reconciled) closes the escalation with the `decision`; `not_found`,
+/// `inconclusive` (or no engine to ask: `not_run`) are audited as a [`STATUS_QUERY`](backstop_store::STATUS_QUERY) event and the
+/// escalation stays open, listed, for a later decision.
+async fn query_status(
+    acting: &Acting,
+    e: &EscalationRecord,
+    who: &str,
+    effect: &DecisionEffect,
+    note: Option<String>,
+    at: jiff::Timestamp,
+) -> Result<Json<Value>, ApiProblem> {
+    let state = &acting.base;
+    let applied = match &acting.engine {
+        Some(engine) => engine.apply_decision(e.action, effect, who).await,
+        None => crate::engine::DecisionApplied {
+            lookup: Some(crate::engine::LookupAnswer {
+                verdict: "not_run".to_owned(),
+                reason: Some("this gateway runs no engine to ask the provider".to_owned()),
+                provider_operation_id: None,
+            }),
+            ..recorded_only()
+        },
+    };
+    let found = applied.applied && applied.lookup.as_ref().is_some_and(|l| l.is_found());
+    let store = state.store.clone();
+    let (escalation, by) = (e.id, who.to_owned());
+    let escalation_state = if found {
+        let kept_note = note.clone();
+        blocking(move || {
+            store.decide_escalation(escalation, "query_status", &by, kept_note.as_deref(), at)
+        })
+        .await?;
+        "decided"
+    } else {
+        let verdict = applied
+            .lookup
+            .as_ref()
+            .map_or("not_run", |l| l.verdict.as_str())
+            .to_owned();
+        blocking(move || store.record_status_query(escalation, &by, &verdict, at)).await?;
+        "open"
+    };
+    tracing::info!(
+        target: "backstop::escalations",
+        escalation = e.id.0,
+        action = e.action.0,
+        decided_by = %who,
+        verdict = applied.lookup.as_ref().map_or("not_run", |l| l.verdict.as_str()),
+        escalation_state,
+        "status queried"
+    );
+    Ok(Json(json!({
+        "id": e.id.0,
+        "action": e.action.0,
+        "decision": "query_status",
+        "decided_by": who,
+        "decided_at": at.to_string(),
+        "effect": effect,
+        "effect_applied": found,
+        "effect_detail": applied.detail,
+        "action_outcome": applied.outcome,
+        "new_action": null,
+        "lookup": applied.lookup,
+        "escalation_state": escalation_state,
         "note": note,
     })))
 }

@@ -77,7 +77,7 @@ impl Metrics {
         let attempts = Family::<AttemptLabels, Counter>::default();
         registry.register(
             "attempts",
-            "Attempts that left the process, by provider, scope, request class and disposition",
+            "Attempts that left the process, by provider, scope, request class and disposition. An attempt is counted once for each scope of its route: sum within one scope label, never across scopes",
             attempts.clone(),
         );
         let outcomes = Family::<OutcomeLabels, Counter>::default();
@@ -276,6 +276,10 @@ mod tests {
         metrics.outcome("billing", "read", Outcome::Succeeded);
         metrics.add_retry_after_debt("billing/account", 10.0);
         let text = metrics.render();
+        assert!(
+            text.contains("counted once for each scope of its route"),
+            "the help text warns against summing across scopes: {text}"
+        );
         assert!(text.contains(
             r#"backstop_attempts_total{provider="billing",scope="billing/account",class="read",disposition="rate_limited"} 2"#
         ), "{text}");

@@ -99,9 +99,25 @@ impl Executor for crate::engine::Engine {
         Box::pin(async move { crate::engine::Engine::execute(&engine, spec).await })
     }
 
+    /// Each scope record with `name`: the full scope name `provider/scope`
+    /// (`billing-api/account`), as metrics and `backstop diagnose` spell it.
     fn scopes(&self) -> serde_json::Value {
-        serde_json::to_value(crate::engine::Engine::scopes(self))
-            .unwrap_or_else(|_| serde_json::Value::Array(Vec::new()))
+        let mut records = serde_json::to_value(crate::engine::Engine::scopes(self))
+            .unwrap_or_else(|_| serde_json::Value::Array(Vec::new()));
+        if let Some(list) = records.as_array_mut() {
+            for record in list {
+                let name = match (record.get("provider"), record.get("scope")) {
+                    (Some(serde_json::Value::String(p)), Some(serde_json::Value::String(s))) => {
+                        format!("{p}/{s}")
+                    }
+                    _ => continue,
+                };
+                if let Some(map) = record.as_object_mut() {
+                    map.insert("name".into(), serde_json::Value::String(name));
+                }
+            }
+        }
+        records
     }
 
     fn shutdown(&self) -> BoxFuture<()> {

@@ -387,3 +387,37 @@ async fn a_key_reused_with_another_body_gets_its_own_problem_naming_no_action() 
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scope_records_carry_the_full_scope_name() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let created = client()
+        .post(format!("http://{}/fake/v1/refunds", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":3}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let scopes = client()
+        .get(format!("http://{}/v1/scopes", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let scopes: serde_json::Value =
+        serde_json::from_slice(&scopes.bytes().await.unwrap()).expect("json");
+    let account = scopes
+        .as_array()
+        .expect("array")
+        .iter()
+        .find(|s| s["scope"] == "account")
+        .expect("the account scope");
+    assert_eq!(account["provider"], "fake", "{account}");
+    assert_eq!(account["name"], "fake/account", "{account}");
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
