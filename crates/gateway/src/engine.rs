@@ -92,7 +92,8 @@ mod writes;
 pub use writes::RESTARTED_BEFORE_RETRY;
 
 pub use actions::{
-    Completion, DecisionApplied, KeptResponse, DECISION_WAIT, KEPT_ACTIONS, KEPT_BODY_LIMIT,
+    Completion, DecisionApplied, KeptResponse, LookupAnswer, DECISION_WAIT, KEPT_ACTIONS,
+    KEPT_BODY_LIMIT,
 };
 
 /// Most requests of escalated writes held in memory for operator decisions (`retry_same_key`,

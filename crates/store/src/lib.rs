@@ -23,4 +23,4 @@ pub mod store;
 pub use error::StoreError;
 pub use model::*;
 pub use sqlite::{AuditReader, SqliteStore, WriterStats};
-pub use store::{Completion, Store, ACCESS_DECISION, ACTION_REOPENED};
+pub use store::{Completion, Store, ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};

@@ -44,6 +44,11 @@ pub const ACTION_REOPENED: &str = "action_reopened";
 /// (SPEC §8: approving access and approving an action are separate decisions).
 pub const ACCESS_DECISION: &str = "access_decision";
 
+/// Audit event kind of [`Store::record_status_query`]: an operator asked the provider about an
+/// escalated write (`query_status`) and the lookup did not find it. The escalation stays open:
+/// a query is evidence, not the closing `decision` (SPEC §8).
+pub const STATUS_QUERY: &str = "status_query";
+
 /// Called once with an operation's result after the transaction holding it committed (or with
 /// the error that undid it). Runs on the store's writer thread: it must only hand the result on
 /// (e.g. send it through a one-shot channel), never block.
@@ -303,6 +308,23 @@ pub trait Store: Send + Sync {
         access: &str,
         decided_by: &str,
         outcome: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// Audits an operator's `query_status` on an open escalation whose lookup did not find the
+    /// write ([`STATUS_QUERY`]: the escalation, who asked, when, and the lookup's verdict —
+    /// `not_found`, `inconclusive`, or `not_run` when no engine could ask). The escalation stays
+    /// open and undecided, so the operator may still decide (e.g. `abort`, `retry_same_key`).
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown escalation; [`StoreError::InvalidTransition`]
+    /// when it was already decided; [`StoreError::Invalid`] for an empty `decided_by` or
+    /// `verdict`.
+    fn record_status_query(
+        &self,
+        escalation: EscalationId,
+        decided_by: &str,
+        verdict: &str,
         at: Timestamp,
     ) -> Result<(), StoreError>;
 

@@ -6,7 +6,7 @@ mod common;
 
 use backstop_store::{
     ActionState, Admission, AttemptResult, Disposition, Outcome, SqliteStore, Store, StoreError,
-    ACCESS_DECISION, ACTION_REOPENED,
+    ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY,
 };
 use common::{new_action, open_task, record, t};
 
@@ -181,6 +181,47 @@ fn an_access_decision_is_its_own_event_and_leaves_the_escalation_open() {
             t(6)
         ),
         Err(StoreError::NotFound { .. })
+    ));
+}
+
+#[test]
+fn a_status_query_is_its_own_event_and_leaves_the_escalation_open_for_a_decision() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let (a, e) = escalated(&store, "key-query");
+    store
+        .record_status_query(e, "carol", "inconclusive", t(5))
+        .expect("audited");
+    let rec = store.escalation(e).expect("read").expect("exists");
+    assert_eq!(
+        rec.decision, None,
+        "a query that found nothing decides nothing"
+    );
+    assert_eq!(store.open_escalations().expect("open").len(), 1);
+    let events = store.audit_events(0, 1000).expect("audit");
+    let query = events
+        .iter()
+        .find(|e| e.kind == STATUS_QUERY)
+        .expect("query audited");
+    assert_eq!(query.escalation, Some(e.0));
+    assert_eq!(query.action, Some(a.0));
+    assert_eq!(query.decided_by.as_deref(), Some("carol"));
+    assert_eq!(query.disposition.as_deref(), Some("inconclusive"));
+    assert!(!events.iter().any(|e| e.kind == "decision"));
+    // A later decision is still accepted; a query after it is refused.
+    store
+        .decide_escalation(e, "abort", "carol", None, t(6))
+        .expect("decided after the query");
+    assert!(matches!(
+        store.record_status_query(e, "carol", "not_found", t(7)),
+        Err(StoreError::InvalidTransition { .. })
+    ));
+    assert!(matches!(
+        store.record_status_query(e, " ", "not_found", t(7)),
+        Err(StoreError::Invalid {
+            field: "decided_by",
+            ..
+        })
     ));
 }
 

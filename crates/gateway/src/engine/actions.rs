@@ -237,6 +237,34 @@ pub struct DecisionApplied {
     pub request_not_held: bool,
     /// The new action `send_new` created, if any.
     pub new_action: Option<i64>,
+    /// What the provider's lookup answered to a `query_status`, `None` for other decisions.
+    pub lookup: Option<LookupAnswer>,
+}
+
+/// What a `query_status` lookup answered (SPEC §6 reconciliation, asked by an operator).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LookupAnswer {
+    /// `found`, `not_found` or `inconclusive` (or `not_run` when no engine could ask).
+    pub verdict: String,
+    /// Why the lookup was inconclusive (e.g. the provider answered 503), in words.
+    pub reason: Option<String>,
+    /// The provider's operation id when found and named.
+    pub provider_operation_id: Option<String>,
+}
+
+impl LookupAnswer {
+    fn found(provider_operation_id: Option<String>) -> Self {
+        LookupAnswer {
+            verdict: "found".to_owned(),
+            reason: None,
+            provider_operation_id,
+        }
+    }
+
+    /// Whether the lookup found the write (only then does a `query_status` close its escalation).
+    pub fn is_found(&self) -> bool {
+        self.verdict == "found"
+    }
 }
 
 /// How long an operator's `retry_same_key` or `send_new` waits for the resent write's outcome
@@ -251,14 +279,17 @@ impl DecisionApplied {
             outcome: None,
             request_not_held: false,
             new_action: None,
+            lookup: None,
         }
     }
 }
 
 impl Engine {
-    /// Carries out an operator's recorded decision on an escalated action (SPEC §8):
-    /// `query_status` runs the reconciliation lookup now and records the verdict (found →
-    /// `succeeded`, reconciled, audited); `abort` ends the action `cancelled`; `wait`,
+    /// Carries out an operator's decision on an escalated action (SPEC §8):
+    /// `query_status` runs the reconciliation lookup now (audited as `reconciliation_lookup`) and
+    /// answers what it returned in [`DecisionApplied::lookup`]; only `found` changes the action
+    /// (`succeeded`, reconciled, audited) — `not_found` and `inconclusive` leave it escalated, and
+    /// the caller keeps the escalation open (see [`crate::escalations`]); `abort` ends the action `cancelled`; `wait`,
     /// `raise_quota` and `change_plan` leave it as it is.
     ///
     /// `retry_same_key` reopens the action in the store ([`backstop_store::Store::reopen_for_retry`],
@@ -291,6 +322,7 @@ impl Engine {
                     backstop_core::reconcile::LookupVerdict::Found { operation_id } => {
                         let now = backstop_core::clock::Clock::now(&inner.clock);
                         let op = operation_id.clone();
+                        let lookup = LookupAnswer::found(operation_id.clone());
                         match inner
                             .blocking(move |s| s.record_reconciled(action, op, now))
                             .await
@@ -298,22 +330,34 @@ impl Engine {
                             Ok(()) => DecisionApplied {
                                 applied: true,
                                 outcome: Some("succeeded".to_owned()),
+                                lookup: Some(lookup),
                                 ..not(&match operation_id {
                                     Some(op) => format!("the provider has this write as `{op}`; the action is succeeded (reconciled)"),
                                     None => "the provider has this write; the action is succeeded (reconciled)".to_owned(),
                                 })
                             },
-                            Err(e) => not(&format!("found, but the reconciliation could not be recorded: {e}")),
+                            Err(e) => DecisionApplied {
+                                lookup: Some(lookup),
+                                ..not(&format!("found, but the reconciliation could not be recorded: {e}; the escalation stays open"))
+                            },
                         }
                     }
                     backstop_core::reconcile::LookupVerdict::NotFound => DecisionApplied {
-                        applied: true,
-                        ..not("the lookup did not find the write; the action stays escalated")
+                        lookup: Some(LookupAnswer {
+                            verdict: "not_found".to_owned(),
+                            reason: None,
+                            provider_operation_id: None,
+                        }),
+                        ..not("the lookup did not find the write; the action stays escalated and the escalation stays open")
                     },
                     backstop_core::reconcile::LookupVerdict::Inconclusive { reason } => {
                         DecisionApplied {
-                            applied: true,
-                            ..not(&format!("the lookup was inconclusive ({reason}); the action stays escalated"))
+                            lookup: Some(LookupAnswer {
+                                verdict: "inconclusive".to_owned(),
+                                reason: Some(reason.clone()),
+                                provider_operation_id: None,
+                            }),
+                            ..not(&format!("the lookup was inconclusive ({reason}); the action stays escalated and the escalation stays open"))
                         }
                     }
                 }
@@ -484,6 +528,7 @@ impl Engine {
             outcome,
             request_not_held: false,
             new_action,
+            lookup: None,
         }
     }
 }

@@ -207,6 +207,19 @@ impl Store for FailingStore {
         self.inner
             .record_access_decision(escalation, access, decided_by, outcome, at)
     }
+    fn record_status_query(
+        &self,
+        escalation: EscalationId,
+        decided_by: &str,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner
+            .record_status_query(escalation, decided_by, verdict, at)
+    }
     fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError> {
         self.inner.cancel_task(task, at)
     }

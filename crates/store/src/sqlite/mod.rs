@@ -614,6 +614,17 @@ impl Store for SqliteStore {
         })
     }
 
+    fn record_status_query(
+        &self,
+        escalation: EscalationId,
+        decided_by: &str,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (decided_by, verdict) = (decided_by.to_owned(), verdict.to_owned());
+        self.submit(move |tx| tx.record_status_query(escalation, &decided_by, &verdict, at))
+    }
+
     fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError> {
         let task = task.to_owned();
         self.submit(move |tx| tx.cancel_task(&task, at))

@@ -14,7 +14,7 @@ use crate::model::{
     EscalationId, Finish, JobId, NewAction, NewTask, Outcome, RouteTemplate, ScopeRecord,
     ScopeUpdate,
 };
-use crate::store::{ACCESS_DECISION, ACTION_REOPENED};
+use crate::store::{ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
 
 /// The writer's connection inside an open transaction, plus the chain it appends to.
 pub(crate) struct WriteTx<'a> {
@@ -816,6 +816,41 @@ impl WriteTx<'_> {
         e.decision = Some(access.to_owned());
         e.decided_by = Some(decided_by.to_owned());
         e.outcome = Some(outcome.to_owned());
+        self.append(e)
+    }
+
+    pub(crate) fn record_status_query(
+        &mut self,
+        escalation: EscalationId,
+        decided_by: &str,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        for (field, value) in [("decided_by", decided_by), ("verdict", verdict)] {
+            if value.trim().is_empty() {
+                return Err(StoreError::Invalid {
+                    field,
+                    reason: "must not be empty".into(),
+                });
+            }
+        }
+        let record =
+            rows::escalation(self.conn, escalation)?.ok_or_else(|| StoreError::NotFound {
+                what: format!("escalation {}", escalation.0),
+            })?;
+        if record.decision.is_some() {
+            return Err(StoreError::InvalidTransition {
+                what: format!("escalation {}", escalation.0),
+                reason: "already decided".into(),
+            });
+        }
+        let f = self.facts(record.action)?;
+        let mut e = Self::action_event(EventKind::Decision, &format_instant(at), record.action, &f);
+        e.kind = STATUS_QUERY.to_owned();
+        e.escalation = Some(escalation.0);
+        e.decision = Some("query_status".to_owned());
+        e.decided_by = Some(decided_by.to_owned());
+        e.disposition = Some(verdict.to_owned());
         self.append(e)
     }
 
