@@ -1563,11 +1563,25 @@ impl Engine {
                         reason = reason.describe(),
                         "retry refused by the plan"
                     );
-                    return self
+                    let escalate = reason.is_provider_boundary() && route.class != "read";
+                    let reason_detail = detail.clone();
+                    let mut execution = self
                         .finish_with_result(
                             run, &budget, result, outcome, context, detail, seen.sent,
                         )
                         .await;
+                    // SPEC §13 step 5 / §8: a write whose provider boundary lies beyond its
+                    // remaining wait or deadline is also handed to a human; a read only ends.
+                    if escalate {
+                        self.escalate_stopped_write(
+                            run.id,
+                            &reason_detail,
+                            boundary,
+                            &mut execution,
+                        )
+                        .await;
+                    }
+                    return execution;
                 }
                 RetryDecision::RetryAt { at, delay, cause } => {
                     if let Err(e) = inner

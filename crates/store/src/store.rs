@@ -260,6 +260,22 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<EscalationId, StoreError>;
 
+    /// Opens an escalation beside an outcome the action already ended with (SPEC §8 / §13 step 5:
+    /// a provider boundary beyond the remaining wait or deadline ends a write
+    /// `budget_exhausted`/`deadline_exhausted` AND hands it to a human). The action keeps its
+    /// outcome and context; the escalation is stored open with the sanitized case file and
+    /// audited as `escalated` naming the escalation and the action's outcome.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action; [`StoreError::InvalidTransition`] when the
+    /// action has not ended yet.
+    fn open_escalation_beside_outcome(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError>;
+
     /// Records a human's decision on an open escalation with the operator's optional note
     /// (audits `decision`; the note is kept with the escalation, never audited, since it is
     /// free text).

@@ -226,6 +226,55 @@ fn a_status_query_is_its_own_event_and_leaves_the_escalation_open_for_a_decision
 }
 
 #[test]
+fn an_escalation_beside_an_outcome_keeps_the_outcome_and_needs_one() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let a = record(&store, "task-1", "key-beside", b"{\"amount\":2}");
+    let refused = store
+        .open_escalation_beside_outcome(a, serde_json::json!({"reason": "x"}), t(2))
+        .expect_err("not ended yet");
+    assert!(
+        matches!(refused, StoreError::InvalidTransition { .. }),
+        "{refused}"
+    );
+    store
+        .finish_action(
+            a,
+            backstop_store::Finish {
+                outcome: Outcome::BudgetExhausted,
+                context: serde_json::json!({"sent": true}),
+                response: None,
+            },
+            t(3),
+        )
+        .expect("ended");
+    let e = store
+        .open_escalation_beside_outcome(
+            a,
+            serde_json::json!({"reason": "remaining_wait_exceeds_deadline"}),
+            t(4),
+        )
+        .expect("opened");
+    let record = store.action(a).expect("read").expect("action");
+    assert_eq!(
+        record.outcome,
+        Some(Outcome::BudgetExhausted),
+        "the outcome stands"
+    );
+    let open = store.open_escalations().expect("open");
+    assert_eq!(open.len(), 1);
+    assert_eq!((open[0].id, open[0].action), (e, a));
+    let escalated = store
+        .audit_events(0, 1000)
+        .expect("audit")
+        .into_iter()
+        .find(|ev| ev.kind == "escalated")
+        .expect("audited");
+    assert_eq!(escalated.escalation, Some(e.0));
+    assert_eq!(escalated.outcome.as_deref(), Some("budget_exhausted"));
+}
+
+#[test]
 fn reads_carry_no_key_in_the_store_or_the_audit_log() {
     let (_dir, store) = store();
     open_task(&store, "task-1");

@@ -362,6 +362,30 @@ impl Engine {
                     }
                 }
             }
+            DecisionEffect::Abort
+                if record.outcome.is_some_and(|o| {
+                    !matches!(
+                        o,
+                        backstop_store::Outcome::Escalated
+                            | backstop_store::Outcome::ReconciliationRequired
+                    )
+                }) =>
+            {
+                // An escalation opened beside an outcome (a provider boundary beyond the
+                // budget): the action already ended and nothing more is sent.
+                inner
+                    .held
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .remove(&action.0);
+                DecisionApplied {
+                    applied: true,
+                    ..not(&format!(
+                        "the action already ended `{}`; nothing more is sent",
+                        record.outcome.map_or("unknown", |o| o.as_str())
+                    ))
+                }
+            }
             DecisionEffect::Abort => {
                 inner
                     .held
@@ -555,4 +579,136 @@ fn clear_reference(body: &Bytes, pointer: &str) -> Result<Bytes, String> {
     serde_json::to_vec(&doc)
         .map(Bytes::from)
         .map_err(|e| format!("the payload could not be written back: {e}"))
+}
+
+impl Inner {
+    /// Opens an escalation for a write that already ended with an outcome (SPEC §8, §13 step 5):
+    /// a provider boundary beyond the remaining wait or deadline (`remaining_wait_exceeds_deadline`)
+    /// hands the write to a human with the boundary as `retry_not_before`, while the action keeps
+    /// its `budget_exhausted`/`deadline_exhausted` outcome. The case file is built from the stored
+    /// action and attempts (sanitized by [`backstop_core::escalation::CaseFile::build`]); the
+    /// options are those the core offers for the reason (`wait`, `change_plan`, `abort`).
+    ///
+    /// # Errors
+    /// The action is not in the store, the case file could not be built, or the store failed.
+    pub(super) async fn escalate_beside_outcome(
+        &self,
+        action: backstop_store::ActionId,
+        reason: backstop_core::escalation::EscalationReason,
+        detail: &str,
+        retry_not_before: Option<jiff::Timestamp>,
+    ) -> Result<backstop_store::EscalationId, EngineError> {
+        use backstop_core::escalation::{
+            BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput,
+        };
+        let record = self
+            .blocking(move |s| s.action(action))
+            .await?
+            .ok_or_else(|| {
+                EngineError::Aborted(format!("action {} is not in the store", action.0))
+            })?;
+        let facts = self.facts_of(&record, backstop_core::pacing::Priority::Interactive);
+        let stored = self.blocking(move |s| s.attempts(action)).await?;
+        let attempts: Vec<CaseAttempt> = stored
+            .iter()
+            .map(|a| CaseAttempt {
+                n: a.n,
+                started_at: a.started_at,
+                finished_at: a.finished_at,
+                status: a.status,
+                disposition: a.disposition.map(|d| d.as_str().to_owned()),
+                retry_after_raw: None,
+                retry_not_before: None,
+                quota_headers: Vec::new(),
+            })
+            .collect();
+        let now = backstop_core::clock::Clock::now(&self.clock);
+        let mut case = CaseFile::build(CaseInput {
+            opened_at: now,
+            reason,
+            reason_detail: detail.to_owned(),
+            desired_outcome: facts.desired_outcome.clone(),
+            action: CaseAction {
+                task_id: facts.task_id.clone(),
+                method: facts.method.clone(),
+                route: facts.route.clone(),
+                request_class: facts.class.clone(),
+                payload_digest: facts.payload_digest.clone(),
+            },
+            provider: facts.provider.clone(),
+            scopes: facts.scopes.clone(),
+            fingerprint: facts.fingerprint.clone(),
+            budget: BudgetConsumed {
+                attempts_used: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
+                max_attempts: facts.max_attempts,
+                wait_used_ms: facts.wait_used_ms,
+                max_wait_ms: u64::try_from(facts.max_wait.as_millis()).unwrap_or(u64::MAX),
+                deadline: facts.deadline,
+            },
+            attempts,
+            honours_key: self.honours_key(&facts.provider),
+            idempotency_key: (!facts.idempotency_key.is_empty())
+                .then(|| facts.idempotency_key.clone()),
+            external_reference: facts.external_reference.clone(),
+            provider_operation_id: facts.provider_operation_id.clone(),
+            reconciliation_query: facts
+                .reconcile
+                .as_ref()
+                .map(backstop_core::reconcile::lookup_template),
+            retry_not_before,
+        })
+        .map_err(|e| EngineError::Aborted(e.to_string()))?;
+        case.upstream_idempotency_key =
+            (!facts.upstream_key.is_empty()).then(|| facts.upstream_key.clone());
+        let json = case.to_json();
+        let escalation = self
+            .blocking(move |s| s.open_escalation_beside_outcome(action, json, now))
+            .await?;
+        tracing::warn!(
+            action = action.0,
+            escalation = escalation.0,
+            task = %facts.task_id,
+            reason = reason.as_str(),
+            "escalated beside the outcome: a human must decide"
+        );
+        Ok(escalation)
+    }
+}
+
+impl Engine {
+    /// After a write ended `budget_exhausted`/`deadline_exhausted` because the provider's
+    /// boundary lies beyond its remaining wait or deadline: opens a
+    /// `remaining_wait_exceeds_deadline` escalation beside the outcome (with the boundary as
+    /// `retry_not_before`) and names it in the outcome's detail. A failure to open it is logged
+    /// and said in the detail; the outcome stands either way.
+    pub(super) async fn escalate_stopped_write(
+        &self,
+        action: backstop_store::ActionId,
+        detail: &str,
+        boundary: Option<jiff::Timestamp>,
+        execution: &mut Execution,
+    ) {
+        let opened = self
+            .inner
+            .escalate_beside_outcome(
+                action,
+                backstop_core::escalation::EscalationReason::RemainingWaitExceedsDeadline,
+                detail,
+                boundary,
+            )
+            .await;
+        let note = match opened {
+            Ok(escalation) => format!(
+                "; escalation {} is open for an operator (remaining_wait_exceeds_deadline)",
+                escalation.0
+            ),
+            Err(e) => {
+                tracing::warn!(action = action.0, error = %e, "could not open the escalation");
+                format!("; the escalation could not be opened: {e}")
+            }
+        };
+        if let Execution::Outcome { detail, .. } = execution {
+            detail.push_str(&note);
+        }
+    }
 }

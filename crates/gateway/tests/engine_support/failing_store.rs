@@ -177,6 +177,18 @@ impl Store for FailingStore {
     ) -> Result<EscalationId, StoreError> {
         self.inner.open_escalation(action, case_file, at)
     }
+    fn open_escalation_beside_outcome(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner
+            .open_escalation_beside_outcome(action, case_file, at)
+    }
     fn decide_escalation(
         &self,
         escalation: EscalationId,

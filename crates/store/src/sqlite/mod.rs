@@ -574,6 +574,15 @@ impl Store for SqliteStore {
         self.submit(move |tx| tx.open_escalation(action, case_file, at))
     }
 
+    fn open_escalation_beside_outcome(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        self.submit(move |tx| tx.open_escalation_beside_outcome(action, case_file, at))
+    }
+
     fn decide_escalation(
         &self,
         escalation: EscalationId,

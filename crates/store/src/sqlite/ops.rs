@@ -698,6 +698,38 @@ impl WriteTx<'_> {
         Ok(id)
     }
 
+    pub(crate) fn open_escalation_beside_outcome(
+        &mut self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        let f = self.facts(action)?;
+        let Some(outcome) = f.outcome.filter(|_| f.state == ActionState::Finished) else {
+            return Err(StoreError::InvalidTransition {
+                what: format!("action {action}"),
+                reason: "it has not ended; an escalation beside an outcome needs the outcome"
+                    .into(),
+            });
+        };
+        let case_text = serde_json::to_string(&case_file).map_err(|e| StoreError::Invalid {
+            field: "case_file",
+            reason: e.to_string(),
+        })?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO escalations (action_id, case_file, state, opened_at_ms) \
+                 VALUES (?1, ?2, 'open', ?3)",
+            )?
+            .execute(params![action.0, case_text, ms(at)])?;
+        let id = EscalationId(self.conn.last_insert_rowid());
+        let mut e = Self::action_event(EventKind::Escalated, &format_instant(at), action, &f);
+        e.escalation = Some(id.0);
+        e.outcome = Some(outcome.as_str().to_owned());
+        self.append(e)?;
+        Ok(id)
+    }
+
     pub(crate) fn decide_escalation(
         &mut self,
         escalation: EscalationId,

@@ -1,0 +1,277 @@
+//! A provider boundary beyond the remaining wait (SPEC §13 step 5, §8), over loopback sockets and
+//! measured at the fake provider: a write answered `429 Retry-After` far beyond its wait budget
+//! ends `budget_exhausted` AND opens a `remaining_wait_exceeds_deadline` escalation carrying the
+//! boundary, with zero further attempts; a read under the same answer only ends.
+
+use std::{path::Path, time::Duration};
+
+use backstop_core::policy::Policy;
+use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
+use backstop_gateway::server::{self, Running, ServeOptions};
+use backstop_store::{ActionId, SqliteStore, Store};
+use serde_json::{json, Value};
+
+const AGENT_TOKEN: &str = "agent-token-boundary-5e6f";
+const OPERATOR_TOKEN: &str = "operator-token-boundary-7a8b";
+
+fn policy_yaml(base_url: &str) -> String {
+    format!(
+        r#"
+backoff:
+  base_seconds: 1
+  max_seconds: 2
+  boundary_spread_seconds: 0
+request_classes:
+  read: {{ max_attempts: 4, max_wait_seconds: 30, retry_statuses: [429, 503] }}
+  idempotent_write: {{ max_attempts: 3, max_wait_seconds: 30, retry_statuses: [429, 503] }}
+agents:
+  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+operators:
+  oncall: {{ token_env: OPS_TOKEN }}
+providers:
+  fake:
+    base_url: {base_url}
+    credential: {{ secret_env: FAKE_API_KEY }}
+    idempotency_header: Idempotency-Key
+    scopes:
+      account: {{ limit: 1000, window_seconds: 60 }}
+    routes:
+      "POST /v1/orders": {{ class: idempotent_write, scopes: [account] }}
+      "GET /v1/orders": {{ class: read, scopes: [account] }}
+"#
+    )
+}
+
+fn env(name: &str) -> Option<String> {
+    match name {
+        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
+        "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some("sk-fake-boundary".to_owned()),
+        _ => None,
+    }
+}
+
+async fn start_gateway(base_url: &str, dir: &Path) -> Running {
+    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "boundary.yaml").expect("policy");
+    let options = ServeOptions {
+        listen: Some("127.0.0.1:0".into()),
+        store: Some(dir.join("backstop.db")),
+        seed: 31,
+        shutdown_grace: Duration::from_secs(2),
+        ..ServeOptions::default()
+    };
+    server::start(policy, options, &env, server::engine)
+        .await
+        .expect("gateway starts")
+}
+
+/// Both routes answer their first call `429 Retry-After: 600` (ten minutes; the budget is 30 s).
+fn fake() -> backstop_fake_api::RunningFake {
+    let throttled = || {
+        FaultRule::on_calls(
+            [1],
+            Fault::Status {
+                status: 429,
+                retry_after: Some("600".into()),
+                body: None,
+            },
+        )
+    };
+    let config = FakeConfig::default()
+        .with_route(
+            RouteConfig::new(
+                "POST /v1/orders",
+                Handler::Create {
+                    collection: "orders".into(),
+                    id_prefix: "or_".into(),
+                    reference_field: None,
+                    unique_reference: false,
+                },
+            )
+            .with_idempotency()
+            .with_fault(throttled()),
+        )
+        .with_route(
+            RouteConfig::new(
+                "GET /v1/orders",
+                Handler::Lookup {
+                    collection: "orders".into(),
+                },
+            )
+            .with_fault(throttled()),
+        );
+    FakeApi::start(config, "127.0.0.1:0".parse().expect("addr")).expect("fake provider starts")
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
+async fn json_of(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let bytes = response.bytes().await.expect("body");
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, body)
+}
+
+async fn open_escalations(gateway: &Running) -> Vec<Value> {
+    let (status, list) = json_of(
+        client()
+            .get(format!("http://{}/v1/escalations", gateway.addr))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .expect("list"),
+    )
+    .await;
+    assert_eq!(status, 200, "{list}");
+    list["escalations"].as_array().expect("array").clone()
+}
+
+async fn decide(gateway: &Running, escalation: i64, option: &str) -> (u16, Value) {
+    json_of(
+        client()
+            .post(format!(
+                "http://{}/v1/escalations/{escalation}/decision",
+                gateway.addr
+            ))
+            .bearer_auth(OPERATOR_TOKEN)
+            .header("content-type", "application/json")
+            .body(json!({ "option": option }).to_string())
+            .send()
+            .await
+            .expect("decision"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_throttled_beyond_its_wait_budget_ends_budget_exhausted_and_is_escalated() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let response = client()
+        .post(format!("http://{}/fake/v1/orders", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-boundary")
+        .header("Idempotency-Key", "order-boundary-1")
+        .header("content-type", "application/json")
+        .body(r#"{"sku":"A-1"}"#)
+        .send()
+        .await
+        .expect("request");
+    let action: i64 = response.headers()["backstop-action-id"]
+        .to_str()
+        .expect("text")
+        .parse()
+        .expect("number");
+    let (_, body) = json_of(response).await;
+    assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+
+    let open = open_escalations(&gateway).await;
+    let row = open
+        .iter()
+        .find(|e| e["action"] == action)
+        .unwrap_or_else(|| panic!("an open escalation for the write: {open:?}"));
+    assert_eq!(row["reason"], "remaining_wait_exceeds_deadline", "{row}");
+    let escalation = row["id"].as_i64().expect("id");
+    let (status, shown) = json_of(
+        client()
+            .get(format!(
+                "http://{}/v1/escalations/{escalation}",
+                gateway.addr
+            ))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .expect("show"),
+    )
+    .await;
+    assert_eq!(status, 200, "{shown}");
+    let case = &shown["case_file"];
+    assert!(
+        case["retry_not_before"].is_string(),
+        "the boundary is in the case file: {case}"
+    );
+    let options: Vec<&str> = case["options"]
+        .as_array()
+        .expect("options")
+        .iter()
+        .filter_map(|o| o["option"].as_str())
+        .collect();
+    for expected in ["wait", "change_plan", "abort"] {
+        assert!(
+            options.contains(&expected),
+            "{expected} offered: {options:?}"
+        );
+    }
+    assert!(!options.contains(&"send_new"), "{options:?}");
+
+    // Zero further attempts: the provider saw exactly one create.
+    let posts = fake
+        .attempts()
+        .iter()
+        .filter(|a| a.method == "POST")
+        .count();
+    assert_eq!(posts, 1, "no attempt after the refused plan");
+
+    // The operator may abort: the action keeps its outcome and nothing is sent.
+    let (status, answer) = decide(&gateway, escalation, "abort").await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["effect_applied"], true, "{answer}");
+    assert!(open_escalations(&gateway).await.is_empty());
+
+    gateway.shutdown().await.expect("shutdown");
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let record = store
+        .action(ActionId(action))
+        .expect("read")
+        .expect("action");
+    assert_eq!(record.outcome.map(|o| o.as_str()), Some("budget_exhausted"));
+    assert_eq!(
+        fake.attempts()
+            .iter()
+            .filter(|a| a.method == "POST")
+            .count(),
+        1
+    );
+    let kinds: Vec<String> = store
+        .audit_events(0, 10_000)
+        .expect("audit")
+        .into_iter()
+        .filter(|e| e.action == Some(action))
+        .map(|e| e.kind)
+        .collect();
+    assert!(kinds.iter().any(|k| k == "escalated"), "{kinds:?}");
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_throttled_beyond_its_wait_budget_only_ends_budget_exhausted() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let response = client()
+        .get(format!("http://{}/fake/v1/orders", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-boundary-read")
+        .send()
+        .await
+        .expect("request");
+    let (_, body) = json_of(response).await;
+    assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+    assert!(
+        open_escalations(&gateway).await.is_empty(),
+        "reads are not escalated"
+    );
+    assert_eq!(
+        fake.attempts().iter().filter(|a| a.method == "GET").count(),
+        1
+    );
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
