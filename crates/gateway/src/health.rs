@@ -29,6 +29,16 @@
 //! | `outcome_deadline` | the task's deadline ([`backstop_store::Store::task`]) |
 //! | `outcome_receipt` | `{"matches": true}` only when the action finished `succeeded` (a 2xx the gateway recorded, or a reconciliation); otherwise `null` |
 //!
+//! ## Finished actions
+//! A `cancelled` action is not waiting: it gets no snapshot, so it appears neither in exports nor
+//! in `/v1/health`'s unhealthy runs. A finished `budget_exhausted` action has no authorized
+//! attempt left (the gateway ended it, e.g. because the provider's boundary lay beyond the
+//! action's effective wait, which may be a `Prefer: wait` cap the log does not record): its
+//! `max_attempts` is the attempts it used, so the authority proof fails and it diagnoses
+//! `retry_budget_exhausted` rather than `no_durable_wake`. An `escalated` action keeps the
+//! snapshot its receipts give (its escalation is the operator's signal; the diagnosis says what the
+//! receipts show about the wait).
+//!
 //! A *throttling* attempt is one whose disposition is `rate_limited` or `quota_exhausted`, or
 //! `unavailable` with a known boundary or a scheduled retry after it. One snapshot per throttled
 //! action: the latest throttle, unless an earlier throttle of the same action was answered by an
@@ -561,6 +571,10 @@ fn ms_between(from: Timestamp, to: Timestamp) -> u64 {
 /// module docs). Pure: nothing is read, `ctx.now` is given. `None` when the action was never
 /// throttled (or its throttling answer carried no status).
 pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option<Snapshot> {
+    // A cancelled action is not waiting for anything: no snapshot (module docs).
+    if trail.outcome.as_deref() == Some("cancelled") {
+        return None;
+    }
     let k = trail.chosen_throttle()?;
     let throttle = trail.is_throttle(k)?;
     let status = throttle.status?;
@@ -630,7 +644,13 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
         retry_finished_at: retry_finished_at.filter(|_| retry_started_at.is_some()),
         retry_status: retry_status.filter(|_| retry_started_at.is_some()),
         attempts_used,
-        max_attempts: limits.max_attempts,
+        // A finished `budget_exhausted` action has no authorized attempt left: the gateway
+        // ended it, so its authority is the attempts it used (module docs).
+        max_attempts: if trail.outcome.as_deref() == Some("budget_exhausted") {
+            attempts_used.min(limits.max_attempts)
+        } else {
+            limits.max_attempts
+        },
         wait_budget_ms: limits.max_wait_ms,
         wait_used_ms,
         outcome_deadline: ctx.deadline,

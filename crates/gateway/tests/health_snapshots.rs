@@ -161,6 +161,48 @@ fn diagnosis(s: &Snapshot, now_ms: i64) -> Diagnosis {
     diagnose(s, at(now_ms), &DiagnoseOptions::default()).diagnosis
 }
 
+fn ended(store: &SqliteStore, id: ActionId, outcome: Outcome, ms: i64) {
+    store
+        .finish_action(
+            id,
+            Finish {
+                outcome,
+                context: serde_json::json!({"sent": true}),
+                response: None,
+            },
+            at(ms),
+        )
+        .expect("ended");
+}
+
+#[test]
+fn a_finished_budget_exhausted_action_is_retry_budget_exhausted_not_a_missing_wake() {
+    let (_dir, store) = store();
+    let id = action(&store, "run-be", "agent-a", "k-be");
+    // A boundary 20 s out: within the class wait, beyond the action's (unrecorded) cap.
+    throttled(&store, id, 0, 200, Some(20_200));
+    ended(&store, id, Outcome::BudgetExhausted, 200);
+    let s = snapshot(&store, id, 5_000).expect("throttled");
+    assert_eq!(
+        s.max_attempts, s.attempts_used,
+        "no authorized attempt left"
+    );
+    assert_eq!(diagnosis(&s, 5_000), Diagnosis::RetryBudgetExhausted);
+}
+
+#[test]
+fn a_cancelled_action_has_no_snapshot() {
+    let (_dir, store) = store();
+    let id = action(&store, "run-c", "agent-a", "k-c");
+    throttled(&store, id, 0, 200, Some(10_200));
+    store.schedule_retry(id, at(10_700), at(200)).expect("job");
+    store.cancel_task("run-c", at(1_000)).expect("cancel");
+    assert!(
+        snapshot(&store, id, 5_000).is_none(),
+        "a cancelled action is not waiting"
+    );
+}
+
 #[test]
 fn a_429_with_retry_after_and_a_scheduled_retry_is_waiting_backpressure() {
     let (_dir, store) = store();
