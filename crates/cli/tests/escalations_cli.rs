@@ -199,10 +199,14 @@ fn list_show_decide_round_trip() {
     let stderr = text(&out.stderr);
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(
-        stderr.starts_with("backstop escalations decide: HTTP 422 decision_refused: "),
+        stderr.starts_with("backstop escalations decide: `send_new` sends the write again"),
         "{stderr}"
     );
     assert!(stderr.contains("second side effect"), "{stderr}");
+    assert!(
+        stderr.contains("add --confirm-second-side-effect to confirm"),
+        "the refusal names the flag: {stderr}"
+    );
     let record = g
         .store
         .escalation(g.escalation)
@@ -306,6 +310,68 @@ fn a_wrong_or_missing_token_is_one_line_and_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(
         text(&out.stderr).contains("HTTP 404 escalation_not_found"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn options_are_checked_before_anything_is_sent() {
+    // No gateway listens here: a refusal that names the option proves nothing was sent.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "1",
+        "--option",
+        "bogus",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr).lines().collect::<Vec<_>>(),
+        ["backstop escalations decide: unknown option `bogus` (one of: query_status, retry_same_key, abort, send_new, wait, raise_quota, change_plan); nothing was sent"]
+    );
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "1",
+        "--option",
+        "send_new",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("--confirm-second-side-effect") && !stderr.contains("cannot reach"),
+        "{stderr}"
+    );
+    // A known option goes to the gateway (here: unreachable, and said so).
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "1",
+        "--option",
+        "abort",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("cannot reach the gateway"),
         "{}",
         text(&out.stderr)
     );

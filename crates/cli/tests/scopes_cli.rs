@@ -30,7 +30,8 @@ impl Executor for Records {
     fn scopes(&self) -> serde_json::Value {
         json!([
             {
-                "provider": "billing-api", "scope": "account", "request_class": null,
+                "provider": "billing-api", "scope": "account", "name": "billing-api/account",
+                "request_class": null,
                 "next_allowed_at": "2026-01-01T00:00:10Z", "remaining": 0,
                 "reset_after_seconds": 10, "source": "HTTP 429 Retry-After",
                 "in_flight": 1, "delayed": 2
@@ -97,7 +98,8 @@ fn backstop(args: &[&str], env: &[(&str, &str)]) -> Output {
     command
         .args(args)
         .env_remove("BACKSTOP_URL")
-        .env_remove("BACKSTOP_TOKEN");
+        .env_remove("BACKSTOP_TOKEN")
+        .env_remove("BACKSTOP_OPERATOR_TOKEN");
     for (name, value) in env {
         command.env(name, value);
     }
@@ -122,7 +124,6 @@ fn table_has_one_row_per_scope_record() {
     assert_eq!(
         lines[0],
         [
-            "PROVIDER",
             "SCOPE",
             "NEXT_ALLOWED_AT",
             "REMAINING",
@@ -135,8 +136,7 @@ fn table_has_one_row_per_scope_record() {
     assert_eq!(
         lines[1],
         [
-            "billing-api",
-            "account",
+            "billing-api/account",
             "2026-01-01T00:00:10Z",
             "0",
             "10",
@@ -147,7 +147,8 @@ fn table_has_one_row_per_scope_record() {
             "2"
         ]
     );
-    assert_eq!(lines[2], ["search", "global", "-", "-", "-", "-", "0", "0"]);
+    // A record without `name` (an older gateway) shows `provider/scope`.
+    assert_eq!(lines[2], ["search/global", "-", "-", "-", "-", "0", "0"]);
 }
 
 #[test]
@@ -165,12 +166,43 @@ fn json_format_and_environment_variables() {
 }
 
 #[test]
+fn operator_token_variable_is_used_when_backstop_token_is_unset() {
+    let g = gateway();
+    let out = backstop(
+        &["scopes", "--url", &g.url, "--format", "json"],
+        &[("BACKSTOP_OPERATOR_TOKEN", OPERATOR)],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(value[0]["name"], "billing-api/account");
+    // BACKSTOP_TOKEN comes first: a wrong one is used even when the operator variable is right.
+    let out = backstop(
+        &["scopes", "--url", &g.url],
+        &[
+            ("BACKSTOP_TOKEN", "wrong"),
+            ("BACKSTOP_OPERATOR_TOKEN", OPERATOR),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("HTTP 401 unauthorized"));
+    // An empty BACKSTOP_TOKEN counts as unset.
+    let out = backstop(
+        &["scopes", "--url", &g.url],
+        &[
+            ("BACKSTOP_TOKEN", ""),
+            ("BACKSTOP_OPERATOR_TOKEN", OPERATOR),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
 fn errors_are_one_line_and_exit_2() {
     let g = gateway();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["scopes", "--url", &g.url],
-            "no token: set BACKSTOP_TOKEN",
+            "no token: set BACKSTOP_TOKEN (an agent or operator token) or BACKSTOP_OPERATOR_TOKEN",
         ),
         (
             vec!["scopes", "--url", &g.url, "--token", "wrong"],

@@ -6,6 +6,10 @@
 //! the process list). Plain `http://` only: reach a remote gateway through a TLS-terminating
 //! proxy or an SSH tunnel to its loopback port.
 //!
+//! `decide` checks the option before anything is sent: an unknown option is refused naming the
+//! known ones, and `send_new` without `--confirm-second-side-effect` is refused naming that flag
+//! (the gateway would refuse it too, SPEC §8).
+//!
 //! Output: `list` prints a table (id, action, provider, route, reason, opened); `show` the
 //! escalation with its case file as pretty JSON; `decide` one line with the recorded decision.
 //! Exit codes: 0 success; 2 anything else (unreachable gateway naming the URL, missing token,
@@ -13,6 +17,7 @@
 
 use std::process::ExitCode;
 
+use backstop_core::escalation::DecisionOption;
 use serde_json::{json, Value};
 
 use crate::cmd::client::{self, Client};
@@ -77,6 +82,14 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn execute(args: Args) -> Result<String, String> {
+    if let EscalationsCommand::Decide {
+        option,
+        confirm_second_side_effect,
+        ..
+    } = &args.command
+    {
+        check_option(option, *confirm_second_side_effect)?;
+    }
     let base = client::base_url(args.url)?;
     let token = args
         .token
@@ -109,6 +122,29 @@ fn execute(args: Args) -> Result<String, String> {
                 .post(&format!("/v1/escalations/{id}/decision"), &body)
                 .map(|v| decided_line(&v))
         }
+    }
+}
+
+/// Checks a `decide` option before any request: a known wire name, and `send_new` only with
+/// its confirmation.
+///
+/// # Errors
+/// A sentence naming the unknown option and the known ones, or naming the
+/// `--confirm-second-side-effect` flag that `send_new` needs.
+fn check_option(option: &str, confirm_second_side_effect: bool) -> Result<(), String> {
+    match DecisionOption::parse(option) {
+        None => {
+            let known: Vec<&str> = DecisionOption::ALL.iter().map(|o| o.as_str()).collect();
+            Err(format!(
+                "unknown option `{option}` (one of: {}); nothing was sent",
+                known.join(", ")
+            ))
+        }
+        Some(DecisionOption::SendNew) if !confirm_second_side_effect => Err(
+            "`send_new` sends the write again as a new operation and may create a second side effect (a second payment, message or deployment): add --confirm-second-side-effect to confirm; nothing was sent"
+                .to_owned(),
+        ),
+        Some(_) => Ok(()),
     }
 }
 

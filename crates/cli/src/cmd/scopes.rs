@@ -1,14 +1,15 @@
 //! `backstop scopes`: the scope records of a running gateway (SPEC §11, `GET /v1/scopes`).
 //!
 //! Why: when agents stall, the first question is which quota scope holds them and until when.
-//! Each row is one scope record as the scheduler last published it: `next_allowed_at` (no
+//! Each row is one scope record as the scheduler last published it: the scope's full `name`
+//! (`provider/scope`, as `/metrics` and `backstop diagnose` spell it), `next_allowed_at` (no
 //! attempt of the scope leaves before it), the provider's `remaining` requests and
 //! `reset_after_seconds`, the `source` of the last signal, and the attempts `in_flight` and
 //! actions `delayed` in the scope.
 //!
 //! The gateway is reached at `--url` (default `http://127.0.0.1:8080`, or `BACKSTOP_URL`) with an
-//! agent or operator token from `--token` or, preferably, `BACKSTOP_TOKEN` (a flag is visible in
-//! the process list). Output: a table, or the JSON array with `--format json`. Exit codes: 0
+//! agent or operator token from `--token`, else `BACKSTOP_TOKEN`, else `BACKSTOP_OPERATOR_TOKEN`
+//! (the variables are preferable: a flag is visible in the process list). Output: a table, or the JSON array with `--format json`. Exit codes: 0
 //! success; 2 anything else, on one stderr line.
 
 use std::process::ExitCode;
@@ -33,7 +34,8 @@ pub struct Args {
     /// The gateway's base URL (default http://127.0.0.1:8080, or the BACKSTOP_URL variable).
     #[arg(long)]
     pub url: Option<String>,
-    /// Agent or operator token (default: the BACKSTOP_TOKEN variable, which is preferable).
+    /// Agent or operator token. Default: the BACKSTOP_TOKEN variable, else (when it is unset or
+    /// empty) BACKSTOP_OPERATOR_TOKEN; the variables are preferable to the flag.
     #[arg(long)]
     pub token: Option<String>,
     /// Output format.
@@ -41,10 +43,10 @@ pub struct Args {
     pub format: Format,
 }
 
-/// The table's columns: title and member of a scope record.
-const COLUMNS: [(&str, &str); 8] = [
-    ("PROVIDER", "provider"),
-    ("SCOPE", "scope"),
+/// The table's columns: title and member of a scope record (`name` is the full scope name
+/// `provider/scope`).
+const COLUMNS: [(&str, &str); 7] = [
+    ("SCOPE", "name"),
     ("NEXT_ALLOWED_AT", "next_allowed_at"),
     ("REMAINING", "remaining"),
     ("RESET_AFTER_S", "reset_after_seconds"),
@@ -66,14 +68,9 @@ pub fn run(args: Args) -> ExitCode {
 
 fn execute(args: Args) -> Result<String, String> {
     let base = client::base_url(args.url)?;
-    let token = args
-        .token
-        .or_else(|| {
-            std::env::var("BACKSTOP_TOKEN")
-                .ok()
-                .filter(|t| !t.is_empty())
-        })
-        .ok_or("no token: set BACKSTOP_TOKEN to an agent or operator token (or pass --token)")?;
+    let token = args.token.or_else(token_from_env).ok_or(
+        "no token: set BACKSTOP_TOKEN (an agent or operator token) or BACKSTOP_OPERATOR_TOKEN, or pass --token",
+    )?;
     let value = Client::new(base, token).get("/v1/scopes")?;
     let Value::Array(records) = &value else {
         return Err("GET /v1/scopes: the answer is not a JSON array of scope records".to_owned());
@@ -83,6 +80,34 @@ fn execute(args: Args) -> Result<String, String> {
             "{}\n",
             serde_json::to_string_pretty(&value).unwrap_or_else(|_| value.to_string())
         ),
-        Format::Table => client::table(&COLUMNS, records),
+        Format::Table => {
+            let rows: Vec<Value> = records.iter().map(with_name).collect();
+            client::table(&COLUMNS, &rows)
+        }
     })
+}
+
+/// The token from the environment: `BACKSTOP_TOKEN`, else `BACKSTOP_OPERATOR_TOKEN` (empty values
+/// count as unset).
+fn token_from_env() -> Option<String> {
+    ["BACKSTOP_TOKEN", "BACKSTOP_OPERATOR_TOKEN"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok().filter(|t| !t.is_empty()))
+}
+
+/// A scope record with its full `name`: the gateway's own, else `provider/scope` built from the
+/// two members (a gateway from before the member existed).
+fn with_name(record: &Value) -> Value {
+    let mut record = record.clone();
+    if record["name"].is_null() {
+        if let (Some(provider), Some(scope)) =
+            (record["provider"].as_str(), record["scope"].as_str())
+        {
+            let name = format!("{provider}/{scope}");
+            if let Value::Object(members) = &mut record {
+                members.insert("name".to_owned(), Value::String(name));
+            }
+        }
+    }
+    record
 }
