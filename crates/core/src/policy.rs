@@ -2188,7 +2188,12 @@ fn validate_scope(
     }
 }
 
-/// Parses `"METHOD /path/{param}"`.
+/// The methods a route key may name (RFC 9110 §9.3 and RFC 5789 `PATCH`). Any other token —
+/// an extension method such as `FETCH`, or `TRACE`/`CONNECT` — is refused: its class could only be
+/// guessed.
+pub const ROUTE_METHODS: [&str; 7] = ["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"];
+
+/// Parses `"METHOD /path/{param}"`; the method must be one of [`ROUTE_METHODS`].
 fn parse_route_key(
     key: &S<String>,
     path: &str,
@@ -2203,14 +2208,17 @@ fn parse_route_key(
         return None;
     };
     let template = template.trim();
-    if method.is_empty()
-        || !method.bytes().all(|b| b.is_ascii_uppercase())
-        || http::Method::from_bytes(method.as_bytes()).is_err()
-    {
-        ctx.err(
-            &key.referenced,
-            format!("{path}: `{method}` is not an upper-case HTTP method"),
-        );
+    if !ROUTE_METHODS.contains(&method) {
+        let upper = method.to_ascii_uppercase();
+        let message = if ROUTE_METHODS.contains(&upper.as_str()) {
+            format!("{path}: `{method}` is not an upper-case HTTP method: write `{upper}`")
+        } else {
+            format!(
+                "{path}: `{method}` is not a method backstop routes (one of: {})",
+                ROUTE_METHODS.join(", ")
+            )
+        };
+        ctx.err(&key.referenced, message);
         return None;
     }
     match parse_template(template) {

@@ -224,13 +224,49 @@ providers:
 ";
     let errors = errors(src);
     let lines: Vec<u64> = errors.iter().map(|e| e.line).collect();
-    // FETCH is a valid extension token; every other key is malformed.
-    assert_eq!(lines, vec![5, 7, 8, 9, 10, 11], "{errors:#?}");
+    // Every key is malformed (FETCH is an extension token backstop does not route).
+    assert_eq!(lines, vec![5, 6, 7, 8, 9, 10, 11], "{errors:#?}");
     assert!(errors.iter().all(|e| e.column == 7));
     assert!(errors[0].message.contains("must start with `/`"));
-    assert!(errors[1].message.contains("upper-case HTTP method"));
-    assert!(errors[2].message.contains("braces"));
-    assert!(errors[3].message.contains("twice"));
+    assert!(errors[1]
+        .message
+        .contains("`FETCH` is not a method backstop routes"));
+    assert!(errors[2]
+        .message
+        .contains("upper-case HTTP method: write `GET`"));
+    assert!(errors[3].message.contains("braces"));
+    assert!(errors[4].message.contains("twice"));
+}
+
+#[test]
+fn route_methods_are_the_seven_backstop_routes() {
+    let src = "\
+providers:
+  a:
+    base_url: https://a.example
+    routes:
+      \"FOO /v1/items\": { class: read }
+      \"TRACE /v1/items\": { class: read }
+      \"CONNECT /v1/items\": { class: read }
+";
+    let errors = errors(src);
+    let places: Vec<(u64, u64)> = errors.iter().map(|e| (e.line, e.column)).collect();
+    assert_eq!(places, vec![(5, 7), (6, 7), (7, 7)], "{errors:#?}");
+    assert_eq!(
+        errors[0].message,
+        "providers.a.routes.\"FOO /v1/items\": `FOO` is not a method backstop routes (one of: GET, HEAD, OPTIONS, POST, PUT, PATCH, DELETE)"
+    );
+    let mut routes = String::new();
+    for method in ["GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"] {
+        routes.push_str(&format!(
+            "      \"{method} /v1/items\": {{ class: uncertain_write }}\n"
+        ));
+    }
+    let src = format!("providers:\n  a:\n    base_url: https://a.example\n    routes:\n{routes}");
+    assert!(
+        Policy::from_yaml_str(&src, "p.yaml").is_ok(),
+        "the seven methods are accepted"
+    );
 }
 
 #[test]
