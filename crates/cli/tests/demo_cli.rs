@@ -85,18 +85,35 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
     assert!(line_with(&[
         "research-b",
         "budget exhausted",
-        "GET /v1/exports/{id}"
+        "GET /v1/exports/{id} (/v1/exports/9)"
+    ]));
+    // The outcome line says why, from the answer's detail.
+    assert!(line_with(&[
+        "budget exhausted",
+        "outcome budget_exhausted: ",
+        "wait budget"
     ]));
     assert!(line_with(&[
         "research-b",
         "escalated",
         "POST /v1/transfers"
     ]));
-    assert!(line_with(&[
-        "research-c",
-        "cancelled",
-        "GET /v1/reports/{id}"
-    ]));
+    // The concrete path stands beside the template: two reads of one route stay apart.
+    for path in ["(/v1/reports/1)", "(/v1/reports/2)"] {
+        assert!(line_with(&[
+            "research-c",
+            "cancelled",
+            "GET /v1/reports/{id} ",
+            path,
+            "outcome cancelled: "
+        ]));
+    }
+    // A path equal to its template is not repeated.
+    assert!(!stdout.contains("POST /v1/transfers (/v1/transfers)"));
+    assert!(
+        !stdout.contains("SPEC"),
+        "the output cites the specification"
+    );
 
     // The table: logical actions vs attempts the provider saw.
     assert!(line_with(&[
@@ -109,8 +126,17 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         "research-c",
         "GET /v1/reports/2 → 410 cancelled (0 attempts)"
     ]));
-    assert!(line_with(&["total", " 8 ", " 8"]));
-    assert!(stdout.contains("The provider saw 10 attempts for 8 logical actions"));
+    // logical actions, requests sent, status queries, attempts: the attempts add up to what the
+    // provider saw.
+    let total: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.starts_with("total"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    assert_eq!(total, ["total", "8", "8", "2", "10"], "{stdout}");
+    assert!(stdout.contains(
+        "The provider saw 10 attempts (= 8 requests + 2 status queries above) for 8 logical actions"
+    ));
     assert!(line_with(&[
         "GET /v1/items/{id}",
         "4 attempts (1 answered 429)"

@@ -86,6 +86,10 @@ pub struct Answer {
     pub outcome: Option<String>,
     /// `Backstop-Attempts` of the answer.
     pub attempts: Option<String>,
+    /// `Backstop-Action-Id` of the answer (absent or 0 when refused before an action existed).
+    pub action: Option<i64>,
+    /// The problem's `detail` (why the gateway ended the action), when it made the answer.
+    pub detail: Option<String>,
 }
 
 fn policy_yaml(base_url: &str, dir: &Path) -> String {
@@ -331,28 +335,51 @@ async fn call(
         match result {
             Ok(mut response) => {
                 let status = response.status().as_u16();
-                let attempts = response
-                    .headers()
-                    .get("backstop-attempts")
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned);
+                let header = |name: &str| {
+                    response
+                        .headers()
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned)
+                };
+                let attempts = header("backstop-attempts");
+                let action = header("backstop-action-id")
+                    .and_then(|id| id.parse::<i64>().ok())
+                    .filter(|id| *id > 0);
                 let text = response.body_mut().read_to_string().unwrap_or_default();
-                let outcome = serde_json::from_str::<serde_json::Value>(&text)
-                    .ok()
-                    .and_then(|v| v["outcome"].as_str().map(str::to_owned));
-                (status, outcome, attempts)
+                let problem = serde_json::from_str::<serde_json::Value>(&text).ok();
+                let member = |name: &str| {
+                    problem
+                        .as_ref()
+                        .and_then(|v| v[name].as_str().map(str::to_owned))
+                };
+                (
+                    status,
+                    member("outcome"),
+                    attempts,
+                    action,
+                    member("detail"),
+                )
             }
-            Err(e) => (0, Some(format!("transport error: {e}")), None),
+            Err(e) => (0, Some(format!("transport error: {e}")), None, None, None),
         }
     })
     .await
-    .unwrap_or((0, Some("the agent call panicked".to_owned()), None));
+    .unwrap_or((
+        0,
+        Some("the agent call panicked".to_owned()),
+        None,
+        None,
+        None,
+    ));
     Answer {
         task: task.to_owned(),
         request,
         status: outcome.0,
         outcome: outcome.1,
         attempts: outcome.2,
+        action: outcome.3,
+        detail: outcome.4,
     }
 }
 

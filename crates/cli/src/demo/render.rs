@@ -89,10 +89,41 @@ struct Row {
     reason: String,
 }
 
-fn event_row(e: &AuditEvent, origin: Timestamp) -> Row {
+/// What the agents' answers tell about each action: the concrete path it was called with and,
+/// for an answer the gateway made itself, the problem's `detail` (why the action ended).
+#[derive(Default)]
+struct Known {
+    paths: BTreeMap<i64, String>,
+    details: BTreeMap<i64, String>,
+}
+
+impl Known {
+    fn of(report: &Report) -> Known {
+        let mut known = Known::default();
+        for answer in &report.answers {
+            let Some(action) = answer.action else {
+                continue;
+            };
+            if let Some((_, path)) = answer.request.split_once(' ') {
+                known.paths.insert(action, path.to_owned());
+            }
+            if let Some(detail) = &answer.detail {
+                known.details.insert(action, detail.clone());
+            }
+        }
+        known
+    }
+}
+
+fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known) -> Row {
     let mut reason = Vec::new();
     if let Some(outcome) = &e.outcome {
-        reason.push(format!("outcome {outcome}"));
+        match e.action.and_then(|a| known.details.get(&a)) {
+            Some(detail) if outcome != "succeeded" => {
+                reason.push(format!("outcome {outcome}: {detail}"));
+            }
+            _ => reason.push(format!("outcome {outcome}")),
+        }
     }
     if let Some(boundary) = e.boundary.as_deref() {
         match parse(boundary) {
@@ -117,9 +148,14 @@ fn event_row(e: &AuditEvent, origin: Timestamp) -> Row {
     if let Some(decision) = &e.decision {
         reason.push(format!("decision {decision}"));
     }
-    let route = match (&e.method, &e.route) {
-        (Some(m), Some(r)) => format!("{m} {r}"),
-        (None, Some(r)) => r.clone(),
+    let concrete = e
+        .action
+        .and_then(|a| known.paths.get(&a))
+        .filter(|path| Some(path.as_str()) != e.route.as_deref());
+    let route = match (&e.method, &e.route, concrete) {
+        (Some(m), Some(r), Some(path)) => format!("{m} {r} ({path})"),
+        (Some(m), Some(r), None) => format!("{m} {r}"),
+        (None, Some(r), _) => r.clone(),
         _ => e
             .scope
             .clone()
@@ -183,7 +219,7 @@ pub fn render(report: &Report, colour: bool) -> String {
     let _ = writeln!(
         out,
         "{}",
-        style.bold("backstop demo — the reference scenario (SPEC §13) against a fake provider")
+        style.bold("backstop demo — the reference scenario against a fake provider")
     );
     let _ = writeln!(
         out,
@@ -191,11 +227,12 @@ pub fn render(report: &Report, colour: bool) -> String {
          backstop's audit log or from the provider's own attempt record.\n"
     );
     let _ = writeln!(out, "{}", style.bold("Timeline"));
+    let known = Known::of(report);
     let mut rows: Vec<Row> = report
         .events
         .iter()
         .filter(|e| e.kind != "task_opened")
-        .map(|e| event_row(e, origin))
+        .map(|e| event_row(e, origin, &known))
         .chain(report.attempts.iter().map(attempt_row))
         .collect();
     rows.sort_by(|a, b| a.at.cmp(&b.at).then(a.order.cmp(&b.order)));
@@ -226,23 +263,26 @@ pub fn render(report: &Report, colour: bool) -> String {
 
 fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {
     let _ = writeln!(out, "\n{}", style.bold("Summary"));
-    let mut tasks: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    // Per task: logical actions, requests sent, status queries (reconciliation lookups). A status
+    // query is an attempt of the write it reconciles, so attempts = requests + status queries.
+    let mut tasks: BTreeMap<String, [usize; 3]> = BTreeMap::new();
     for e in &report.events {
         if let Some(task) = &e.task {
             let entry = tasks.entry(task.clone()).or_default();
             match e.kind.as_str() {
-                "action_requested" => entry.0 += 1,
-                "action_sent" => entry.1 += 1,
+                "action_requested" => entry[0] += 1,
+                "action_sent" => entry[1] += 1,
+                "reconciliation_lookup" => entry[2] += 1,
                 _ => {}
             }
         }
     }
     let _ = writeln!(
         out,
-        "{:<12} {:>15} {:>14}  answers the agent got",
-        "task", "logical actions", "attempts sent"
+        "{:<12} {:>15} {:>13} {:>14} {:>8}  answers the agent got",
+        "task", "logical actions", "requests sent", "status queries", "attempts"
     );
-    for (task, (actions, sent)) in &tasks {
+    for (task, [actions, sent, queries]) in &tasks {
         let answers: Vec<String> = report
             .answers
             .iter()
@@ -265,13 +305,24 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             .collect();
         let _ = writeln!(
             out,
-            "{task:<12} {actions:>15} {sent:>14}  {}",
+            "{task:<12} {actions:>15} {sent:>13} {queries:>14} {:>8}  {}",
+            sent + queries,
             answers.join(", ")
         );
     }
-    let logical: usize = tasks.values().map(|t| t.0).sum();
-    let sent: usize = tasks.values().map(|t| t.1).sum();
-    let _ = writeln!(out, "{:<12} {logical:>15} {sent:>14}", "total");
+    let logical: usize = tasks.values().map(|t| t[0]).sum();
+    let sent: usize = tasks.values().map(|t| t[1]).sum();
+    let queries: usize = tasks.values().map(|t| t[2]).sum();
+    let attempts = sent + queries;
+    let _ = writeln!(
+        out,
+        "{:<12} {logical:>15} {sent:>13} {queries:>14} {attempts:>8}",
+        "total"
+    );
+    let _ = writeln!(
+        out,
+        "(a status query asks the provider whether a write happened; it is an attempt of the write it reconciles)"
+    );
     let seen = report.attempts.len();
     let mut by_route: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     for a in &report.attempts {
@@ -283,10 +334,14 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             entry.1 += 1;
         }
     }
+    let agreement = if seen == attempts {
+        format!("= {sent} requests + {queries} status queries above")
+    } else {
+        format!("backstop recorded {attempts}: {sent} requests + {queries} status queries")
+    };
     let _ = writeln!(
         out,
-        "\nThe provider saw {seen} attempts for {logical} logical actions (status queries are \
-         attempts of the write they reconcile):"
+        "\nThe provider saw {seen} attempts ({agreement}) for {logical} logical actions:"
     );
     for (route, (count, throttled)) in &by_route {
         let _ = writeln!(
