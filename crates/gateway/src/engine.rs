@@ -2064,19 +2064,7 @@ impl Engine {
             // A cancelled task's actions were already ended by the store.
             tracing::debug!(action = id.0, error = %e, "action not finished again");
         }
-        inner
-            .metrics
-            .outcome(&run.spec.route.provider, &run.spec.route.class, outcome);
-        Execution::Outcome {
-            receipt: ActionReceipt {
-                action_id: run.id.0,
-                idempotency_key: run.agent_key(),
-                attempts,
-            },
-            outcome,
-            context,
-            detail,
-        }
+        self.ended(run, outcome, context, detail, attempts)
     }
 
     /// Ends the action with a gateway-made outcome together with the last attempt's result.
@@ -2101,7 +2089,20 @@ impl Engine {
         if let Err(e) = inner.blocking(move |s| s.record_result(result, at)).await {
             tracing::warn!(action = run.id.0, error = %e, "could not record the result");
         }
-        inner
+        self.ended(run, outcome, context, detail, attempts)
+    }
+
+    /// Counts a gateway-made outcome in the metrics and returns it with the action's receipt
+    /// (the store was already told, by [`Self::finish`] or [`Self::finish_with_result`]).
+    fn ended(
+        &self,
+        run: &Run<'_>,
+        outcome: Outcome,
+        context: OutcomeContext,
+        detail: String,
+        attempts: u32,
+    ) -> Execution {
+        self.inner
             .metrics
             .outcome(&run.spec.route.provider, &run.spec.route.class, outcome);
         Execution::Outcome {

@@ -598,9 +598,6 @@ impl Inner {
         detail: &str,
         retry_not_before: Option<jiff::Timestamp>,
     ) -> Result<backstop_store::EscalationId, EngineError> {
-        use backstop_core::escalation::{
-            BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput,
-        };
         let record = self
             .blocking(move |s| s.action(action))
             .await?
@@ -608,58 +605,12 @@ impl Inner {
                 EngineError::Aborted(format!("action {} is not in the store", action.0))
             })?;
         let facts = self.facts_of(&record, backstop_core::pacing::Priority::Interactive);
-        let stored = self.blocking(move |s| s.attempts(action)).await?;
-        let attempts: Vec<CaseAttempt> = stored
-            .iter()
-            .map(|a| CaseAttempt {
-                n: a.n,
-                started_at: a.started_at,
-                finished_at: a.finished_at,
-                status: a.status,
-                disposition: a.disposition.map(|d| d.as_str().to_owned()),
-                retry_after_raw: None,
-                retry_not_before: None,
-                quota_headers: Vec::new(),
-            })
-            .collect();
-        let now = backstop_core::clock::Clock::now(&self.clock);
-        let mut case = CaseFile::build(CaseInput {
-            opened_at: now,
-            reason,
-            reason_detail: detail.to_owned(),
-            desired_outcome: facts.desired_outcome.clone(),
-            action: CaseAction {
-                task_id: facts.task_id.clone(),
-                method: facts.method.clone(),
-                route: facts.route.clone(),
-                request_class: facts.class.clone(),
-                payload_digest: facts.payload_digest.clone(),
-            },
-            provider: facts.provider.clone(),
-            scopes: facts.scopes.clone(),
-            fingerprint: facts.fingerprint.clone(),
-            budget: BudgetConsumed {
-                attempts_used: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
-                max_attempts: facts.max_attempts,
-                wait_used_ms: facts.wait_used_ms,
-                max_wait_ms: u64::try_from(facts.max_wait.as_millis()).unwrap_or(u64::MAX),
-                deadline: facts.deadline,
-            },
-            attempts,
-            honours_key: self.honours_key(&facts.provider),
-            idempotency_key: (!facts.idempotency_key.is_empty())
-                .then(|| facts.idempotency_key.clone()),
-            external_reference: facts.external_reference.clone(),
-            provider_operation_id: facts.provider_operation_id.clone(),
-            reconciliation_query: facts
-                .reconcile
-                .as_ref()
-                .map(backstop_core::reconcile::lookup_template),
-            retry_not_before,
-        })
-        .map_err(|e| EngineError::Aborted(e.to_string()))?;
-        case.upstream_idempotency_key =
-            (!facts.upstream_key.is_empty()).then(|| facts.upstream_key.clone());
+        let idempotency_key =
+            (!facts.idempotency_key.is_empty()).then(|| facts.idempotency_key.clone());
+        let case = self
+            .case_file(&facts, reason, detail, retry_not_before, idempotency_key)
+            .await?;
+        let now = case.opened_at;
         let json = case.to_json();
         let escalation = self
             .blocking(move |s| s.open_escalation_beside_outcome(action, json, now))

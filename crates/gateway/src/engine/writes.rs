@@ -308,6 +308,45 @@ impl Inner {
         retry_not_before: Option<jiff::Timestamp>,
     ) -> Result<EscalationId, EngineError> {
         let id = facts.action;
+        let idempotency_key = Some(facts.idempotency_key.clone());
+        let case = self
+            .case_file(facts, reason, detail, retry_not_before, idempotency_key)
+            .await?;
+        let now = case.opened_at;
+        let json = case.to_json();
+        let escalation = self
+            .blocking(move |s| s.open_escalation(id, json, now))
+            .await?;
+        self.metrics.outcome(
+            &facts.provider,
+            &facts.class,
+            backstop_core::outcome::Outcome::Escalated,
+        );
+        tracing::warn!(
+            action = id.0,
+            escalation = escalation.0,
+            task = %facts.task_id,
+            reason = %detail,
+            "escalated: a human must decide"
+        );
+        Ok(escalation)
+    }
+
+    /// Builds the sanitized case file of a write (SPEC §8) from its facts and its stored
+    /// attempts, opened now (read from the clock after the attempts); `idempotency_key` is the
+    /// agent key the case file names, and the upstream key (when one was sent) is set beside it.
+    ///
+    /// # Errors
+    /// The store failed to read the attempts, or the case file could not be built.
+    pub(super) async fn case_file(
+        &self,
+        facts: &WriteFacts,
+        reason: EscalationReason,
+        detail: &str,
+        retry_not_before: Option<jiff::Timestamp>,
+        idempotency_key: Option<String>,
+    ) -> Result<CaseFile, EngineError> {
+        let id = facts.action;
         let stored = self.blocking(move |s| s.attempts(id)).await?;
         let attempts: Vec<CaseAttempt> = stored
             .iter()
@@ -323,7 +362,7 @@ impl Inner {
             })
             .collect();
         let now = self.clock.now();
-        let case = CaseFile::build(CaseInput {
+        let mut case = CaseFile::build(CaseInput {
             opened_at: now,
             reason,
             reason_detail: detail.to_owned(),
@@ -347,33 +386,16 @@ impl Inner {
             },
             attempts,
             honours_key: self.honours_key(&facts.provider),
-            idempotency_key: Some(facts.idempotency_key.clone()),
+            idempotency_key,
             external_reference: facts.external_reference.clone(),
             provider_operation_id: facts.provider_operation_id.clone(),
             reconciliation_query: facts.reconcile.as_ref().map(lookup_template),
             retry_not_before,
         })
         .map_err(|e| EngineError::Aborted(e.to_string()))?;
-        let mut case = case;
         case.upstream_idempotency_key =
             (!facts.upstream_key.is_empty()).then(|| facts.upstream_key.clone());
-        let json = case.to_json();
-        let escalation = self
-            .blocking(move |s| s.open_escalation(id, json, now))
-            .await?;
-        self.metrics.outcome(
-            &facts.provider,
-            &facts.class,
-            backstop_core::outcome::Outcome::Escalated,
-        );
-        tracing::warn!(
-            action = id.0,
-            escalation = escalation.0,
-            task = %facts.task_id,
-            reason = %detail,
-            "escalated: a human must decide"
-        );
-        Ok(escalation)
+        Ok(case)
     }
 
     /// The facts of a stored action (after a restart or for an operator decision).

@@ -658,14 +658,15 @@ impl WriteTx<'_> {
         Ok(record)
     }
 
-    pub(crate) fn open_escalation(
+    /// Inserts an open escalation row for `action` with its case file (stored as JSON text),
+    /// opened at `at`; returns its id. Nothing else about the action changes here.
+    fn insert_escalation(
         &mut self,
         action: ActionId,
-        case_file: serde_json::Value,
+        case_file: &serde_json::Value,
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
-        let f = self.facts(action)?;
-        let case_text = serde_json::to_string(&case_file).map_err(|e| StoreError::Invalid {
+        let case_text = serde_json::to_string(case_file).map_err(|e| StoreError::Invalid {
             field: "case_file",
             reason: e.to_string(),
         })?;
@@ -676,6 +677,17 @@ impl WriteTx<'_> {
             )?
             .execute(params![action.0, case_text, ms(at)])?;
         let id = EscalationId(self.conn.last_insert_rowid());
+        Ok(id)
+    }
+
+    pub(crate) fn open_escalation(
+        &mut self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        let f = self.facts(action)?;
+        let id = self.insert_escalation(action, &case_file, at)?;
         self.conn
             .prepare_cached(
                 "UPDATE actions SET state = 'finished', outcome = 'escalated', \
@@ -712,17 +724,7 @@ impl WriteTx<'_> {
                     .into(),
             });
         };
-        let case_text = serde_json::to_string(&case_file).map_err(|e| StoreError::Invalid {
-            field: "case_file",
-            reason: e.to_string(),
-        })?;
-        self.conn
-            .prepare_cached(
-                "INSERT INTO escalations (action_id, case_file, state, opened_at_ms) \
-                 VALUES (?1, ?2, 'open', ?3)",
-            )?
-            .execute(params![action.0, case_text, ms(at)])?;
-        let id = EscalationId(self.conn.last_insert_rowid());
+        let id = self.insert_escalation(action, &case_file, at)?;
         let mut e = Self::action_event(EventKind::Escalated, &format_instant(at), action, &f);
         e.escalation = Some(id.0);
         e.outcome = Some(outcome.as_str().to_owned());
