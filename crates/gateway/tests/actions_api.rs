@@ -1,40 +1,33 @@
 //! The action API, `Prefer: respond-async`, task cancellation over HTTP and agent isolation,
 //! end to end over real sockets; attempts are counted at the fake provider.
 
+mod support;
+
 use std::{path::Path, time::Duration};
 
 use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
-use backstop_fake_api::{FakeApi, FakeConfig, Fault, Handler, RouteConfig};
-use backstop_gateway::server::{self, Running, ServeOptions};
+use backstop_fake_api::{Fault, Handler, RouteConfig};
+use backstop_gateway::server::{Running, ServeOptions};
 use serde_json::{json, Value};
+use support::{client, fake_with as fake};
 
 const AGENT: &str = "agent-token-a1";
 const OTHER: &str = "agent-token-b2";
 const OPERATOR: &str = "operator-token-c3";
 
 fn policy_yaml(base_url: &str) -> String {
-    format!(
-        r#"
-backoff:
-  base_seconds: 1
-  max_seconds: 2
-  boundary_spread_seconds: 0
-agents:
-  agent-a: {{ token_env: AGENT_A }}
-  agent-b: {{ token_env: AGENT_B }}
+    support::policy_yaml(
+        base_url,
+        r#"agents:
+  agent-a: { token_env: AGENT_A }
+  agent-b: { token_env: AGENT_B }
 operators:
-  oncall: {{ token_env: OPERATOR }}
-providers:
-  fake:
-    base_url: {base_url}
-    credential: {{ secret_env: FAKE_API_KEY }}
-    idempotency_header: Idempotency-Key
-    scopes:
-      account: {{ limit: 1000, window_seconds: 60 }}
-    routes:
-      "GET /v1/items/{{id}}": {{ class: read, scopes: [account] }}
-      "POST /v1/transfers": {{ class: idempotent_write, scopes: [account] }}
-"#
+  oncall: { token_env: OPERATOR }
+"#,
+        r#"    routes:
+      "GET /v1/items/{id}": { class: read, scopes: [account] }
+      "POST /v1/transfers": { class: idempotent_write, scopes: [account] }
+"#,
     )
 }
 
@@ -49,29 +42,12 @@ fn env(name: &str) -> Option<String> {
 }
 
 async fn gateway(base_url: &str, dir: &Path) -> Running {
-    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "a.yaml").expect("policy");
     let options = ServeOptions {
-        listen: Some("127.0.0.1:0".into()),
         store: Some(dir.join("b.db")),
-        seed: 3,
         shutdown_grace: Duration::from_secs(1),
-        ..ServeOptions::default()
+        ..support::serve_options(dir, 3)
     };
-    server::start(policy, options, &env, server::engine)
-        .await
-        .expect("gateway starts")
-}
-
-fn fake(routes: Vec<RouteConfig>) -> backstop_fake_api::RunningFake {
-    let mut config = FakeConfig::default();
-    for route in routes {
-        config = config.with_route(route);
-    }
-    FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
+    support::start_gateway(&policy_yaml(base_url), "a.yaml", &env, options).await
 }
 
 async fn get_json(url: String, token: &str) -> (u16, Value) {

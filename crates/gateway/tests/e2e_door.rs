@@ -2,6 +2,8 @@
 //! SQLite store + upstream client) and the controllable fake provider run as separate
 //! listeners, and every assertion about attempts is measured at the provider's own record.
 
+mod support;
+
 use std::{
     io::Write,
     path::Path,
@@ -9,11 +11,11 @@ use std::{
     time::Duration,
 };
 
-use backstop_core::policy::Policy;
-use backstop_fake_api::{AttemptRecord, FakeApi, FakeConfig, Fault, Handler, RouteConfig};
-use backstop_gateway::server::{self, Running, ServeOptions};
+use backstop_fake_api::{AttemptRecord, Fault, Handler, RouteConfig};
+use backstop_gateway::server::Running;
 use backstop_store::Store;
 use sha2::{Digest, Sha256};
+use support::{client, fake_with as fake};
 
 const AGENT_TOKEN: &str = "agent-token-7f3a9c";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-42b1";
@@ -61,27 +63,17 @@ fn captured_logs() -> String {
 // Harness
 
 fn policy_yaml(base_url: &str) -> String {
-    format!(
-        r#"
-backoff:
-  base_seconds: 1
-  max_seconds: 2
-  boundary_spread_seconds: 0
-agents:
-  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
-providers:
-  fake:
-    base_url: {base_url}
-    credential: {{ secret_env: FAKE_API_KEY }}
-    idempotency_header: Idempotency-Key
-    scopes:
-      account: {{ limit: 1000, window_seconds: 60 }}
-    default_scopes: [fake/account]
+    support::policy_yaml(
+        base_url,
+        r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
+"#,
+        r#"    default_scopes: [fake/account]
     routes:
-      "GET /v1/items/{{id}}": {{ class: read, scopes: [account] }}
-      "POST /v1/transfers": {{ class: idempotent_write, scopes: [account] }}
-      "GET /v1/stream": {{ class: read, scopes: [account] }}
-"#
+      "GET /v1/items/{id}": { class: read, scopes: [account] }
+      "POST /v1/transfers": { class: idempotent_write, scopes: [account] }
+      "GET /v1/stream": { class: read, scopes: [account] }
+"#,
     )
 }
 
@@ -95,32 +87,8 @@ fn env(name: &str) -> Option<String> {
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
     logs();
-    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "e2e.yaml").expect("policy");
-    let options = ServeOptions {
-        listen: Some("127.0.0.1:0".into()),
-        store: Some(dir.join("backstop.db")),
-        seed: 7,
-        shutdown_grace: Duration::from_secs(2),
-        ..ServeOptions::default()
-    };
-    server::start(policy, options, &env, server::engine)
-        .await
-        .expect("gateway starts")
-}
-
-fn fake(routes: Vec<RouteConfig>) -> backstop_fake_api::RunningFake {
-    let mut config = FakeConfig::default();
-    for route in routes {
-        config = config.with_route(route);
-    }
-    FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake provider starts")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client")
+    let options = support::serve_options(dir, 7);
+    support::start_gateway(&policy_yaml(base_url), "e2e.yaml", &env, options).await
 }
 
 fn at(record: &AttemptRecord) -> jiff::Timestamp {

@@ -3,42 +3,34 @@
 //! ends `budget_exhausted` AND opens a `remaining_wait_exceeds_deadline` escalation carrying the
 //! boundary, with zero further attempts; a read under the same answer only ends.
 
-use std::{path::Path, time::Duration};
+mod support;
 
-use backstop_core::policy::Policy;
-use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
-use backstop_gateway::server::{self, Running, ServeOptions};
+use std::path::Path;
+
+use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
+use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
 use serde_json::{json, Value};
+use support::{client, create, json_of, lookup};
 
 const AGENT_TOKEN: &str = "agent-token-boundary-5e6f";
 const OPERATOR_TOKEN: &str = "operator-token-boundary-7a8b";
 
 fn policy_yaml(base_url: &str) -> String {
-    format!(
-        r#"
-backoff:
-  base_seconds: 1
-  max_seconds: 2
-  boundary_spread_seconds: 0
-request_classes:
-  read: {{ max_attempts: 4, max_wait_seconds: 30, retry_statuses: [429, 503] }}
-  idempotent_write: {{ max_attempts: 3, max_wait_seconds: 30, retry_statuses: [429, 503] }}
+    support::policy_yaml(
+        base_url,
+        r#"request_classes:
+  read: { max_attempts: 4, max_wait_seconds: 30, retry_statuses: [429, 503] }
+  idempotent_write: { max_attempts: 3, max_wait_seconds: 30, retry_statuses: [429, 503] }
 agents:
-  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+  test-agent: { token_env: TEST_AGENT_TOKEN }
 operators:
-  oncall: {{ token_env: OPS_TOKEN }}
-providers:
-  fake:
-    base_url: {base_url}
-    credential: {{ secret_env: FAKE_API_KEY }}
-    idempotency_header: Idempotency-Key
-    scopes:
-      account: {{ limit: 1000, window_seconds: 60 }}
-    routes:
-      "POST /v1/orders": {{ class: idempotent_write, scopes: [account] }}
-      "GET /v1/orders": {{ class: read, scopes: [account] }}
-"#
+  oncall: { token_env: OPS_TOKEN }
+"#,
+        r#"    routes:
+      "POST /v1/orders": { class: idempotent_write, scopes: [account] }
+      "GET /v1/orders": { class: read, scopes: [account] }
+"#,
     )
 }
 
@@ -52,17 +44,8 @@ fn env(name: &str) -> Option<String> {
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
-    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "boundary.yaml").expect("policy");
-    let options = ServeOptions {
-        listen: Some("127.0.0.1:0".into()),
-        store: Some(dir.join("backstop.db")),
-        seed: 31,
-        shutdown_grace: Duration::from_secs(2),
-        ..ServeOptions::default()
-    };
-    server::start(policy, options, &env, server::engine)
-        .await
-        .expect("gateway starts")
+    let options = support::serve_options(dir, 31);
+    support::start_gateway(&policy_yaml(base_url), "boundary.yaml", &env, options).await
 }
 
 /// Both routes answer their first call `429 Retry-After: 600` (ten minutes; the budget is 30 s).
@@ -79,72 +62,24 @@ fn fake() -> backstop_fake_api::RunningFake {
     };
     let config = FakeConfig::default()
         .with_route(
-            RouteConfig::new(
-                "POST /v1/orders",
-                Handler::Create {
-                    collection: "orders".into(),
-                    id_prefix: "or_".into(),
-                    reference_field: None,
-                    unique_reference: false,
-                },
-            )
-            .with_idempotency()
-            .with_fault(throttled()),
+            RouteConfig::new("POST /v1/orders", create("orders", "or_"))
+                .with_idempotency()
+                .with_fault(throttled()),
         )
-        .with_route(
-            RouteConfig::new(
-                "GET /v1/orders",
-                Handler::Lookup {
-                    collection: "orders".into(),
-                },
-            )
-            .with_fault(throttled()),
-        );
-    FakeApi::start(config, "127.0.0.1:0".parse().expect("addr")).expect("fake provider starts")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client")
-}
-
-async fn json_of(response: reqwest::Response) -> (u16, Value) {
-    let status = response.status().as_u16();
-    let bytes = response.bytes().await.expect("body");
-    let body = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
-    (status, body)
+        .with_route(RouteConfig::new("GET /v1/orders", lookup("orders")).with_fault(throttled()));
+    support::start_fake(config)
 }
 
 async fn open_escalations(gateway: &Running) -> Vec<Value> {
-    let (status, list) = json_of(
-        client()
-            .get(format!("http://{}/v1/escalations", gateway.addr))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("list"),
-    )
-    .await;
-    assert_eq!(status, 200, "{list}");
-    list["escalations"].as_array().expect("array").clone()
+    support::open_escalations(gateway, OPERATOR_TOKEN).await
 }
 
 async fn decide(gateway: &Running, escalation: i64, option: &str) -> (u16, Value) {
-    json_of(
-        client()
-            .post(format!(
-                "http://{}/v1/escalations/{escalation}/decision",
-                gateway.addr
-            ))
-            .bearer_auth(OPERATOR_TOKEN)
-            .header("content-type", "application/json")
-            .body(json!({ "option": option }).to_string())
-            .send()
-            .await
-            .expect("decision"),
+    support::decide(
+        gateway,
+        OPERATOR_TOKEN,
+        escalation,
+        json!({ "option": option }),
     )
     .await
 }

@@ -2,46 +2,38 @@
 //! that cannot answer (503) leaves the escalation open and listed, is audited as its own
 //! `status_query` event, and a later `abort` is still accepted.
 
-use std::{path::Path, time::Duration};
+mod support;
 
-use backstop_core::policy::Policy;
-use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
-use backstop_gateway::server::{self, Running, ServeOptions};
+use std::path::Path;
+
+use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
+use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store, STATUS_QUERY};
 use serde_json::{json, Value};
+use support::{client, create, json_of, lookup};
 
 const AGENT_TOKEN: &str = "agent-token-query-1a2b";
 const OPERATOR_TOKEN: &str = "operator-token-query-3c4d";
 
 fn policy_yaml(base_url: &str) -> String {
-    format!(
-        r#"
-backoff:
-  base_seconds: 1
-  max_seconds: 2
-  boundary_spread_seconds: 0
-agents:
-  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+    support::policy_yaml(
+        base_url,
+        r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
 operators:
-  oncall: {{ token_env: OPS_TOKEN }}
-providers:
-  fake:
-    base_url: {base_url}
-    credential: {{ secret_env: FAKE_API_KEY }}
-    idempotency_header: Idempotency-Key
-    scopes:
-      account: {{ limit: 1000, window_seconds: 60 }}
-    routes:
+  oncall: { token_env: OPS_TOKEN }
+"#,
+        r#"    routes:
       "POST /v1/orders":
         class: idempotent_write
         scopes: [account]
         reconcile:
           by: idempotency_key
-          lookup: "GET /v1/orders?idempotency_key={{key}}"
+          lookup: "GET /v1/orders?idempotency_key={key}"
           found_pointer: /data/0/id
           operation_id_pointer: /id
-      "GET /v1/orders": {{ class: read, scopes: [account] }}
-"#
+      "GET /v1/orders": { class: read, scopes: [account] }
+"#,
     )
 }
 
@@ -55,17 +47,8 @@ fn env(name: &str) -> Option<String> {
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
-    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "query.yaml").expect("policy");
-    let options = ServeOptions {
-        listen: Some("127.0.0.1:0".into()),
-        store: Some(dir.join("backstop.db")),
-        seed: 29,
-        shutdown_grace: Duration::from_secs(2),
-        ..ServeOptions::default()
-    };
-    server::start(policy, options, &env, server::engine)
-        .await
-        .expect("gateway starts")
+    let options = support::serve_options(dir, 29);
+    support::start_gateway(&policy_yaml(base_url), "query.yaml", &env, options).await
 }
 
 /// The create stores the order and drops the connection; the lookup answers 503 on its first
@@ -73,29 +56,15 @@ async fn start_gateway(base_url: &str, dir: &Path) -> Running {
 fn fake(failing_lookups: u64) -> backstop_fake_api::RunningFake {
     let config = FakeConfig::default()
         .with_route(
-            RouteConfig::new(
-                "POST /v1/orders",
-                Handler::Create {
-                    collection: "orders".into(),
-                    id_prefix: "or_".into(),
-                    reference_field: None,
-                    unique_reference: false,
-                },
-            )
-            .with_idempotency()
-            .with_fault(FaultRule::on_calls(
-                [1],
-                Fault::StoreThenDrop { hold_ms: 0 },
-            )),
+            RouteConfig::new("POST /v1/orders", create("orders", "or_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::StoreThenDrop { hold_ms: 0 },
+                )),
         )
         .with_route(
-            RouteConfig::new(
-                "GET /v1/orders",
-                Handler::Lookup {
-                    collection: "orders".into(),
-                },
-            )
-            .with_fault(FaultRule::on_calls(
+            RouteConfig::new("GET /v1/orders", lookup("orders")).with_fault(FaultRule::on_calls(
                 1..=failing_lookups,
                 Fault::Status {
                     status: 503,
@@ -104,22 +73,7 @@ fn fake(failing_lookups: u64) -> backstop_fake_api::RunningFake {
                 },
             )),
         );
-    FakeApi::start(config, "127.0.0.1:0".parse().expect("addr")).expect("fake provider starts")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client")
-}
-
-async fn json_of(response: reqwest::Response) -> (u16, Value) {
-    let status = response.status().as_u16();
-    let bytes = response.bytes().await.expect("body");
-    let body = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
-    (status, body)
+    support::start_fake(config)
 }
 
 async fn escalated_order(gateway: &Running, key: &str) -> i64 {
@@ -144,32 +98,15 @@ async fn escalated_order(gateway: &Running, key: &str) -> i64 {
 }
 
 async fn open_escalations(gateway: &Running) -> Vec<Value> {
-    let (status, list) = json_of(
-        client()
-            .get(format!("http://{}/v1/escalations", gateway.addr))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("list"),
-    )
-    .await;
-    assert_eq!(status, 200, "{list}");
-    list["escalations"].as_array().expect("array").clone()
+    support::open_escalations(gateway, OPERATOR_TOKEN).await
 }
 
 async fn decide(gateway: &Running, escalation: i64, option: &str) -> (u16, Value) {
-    json_of(
-        client()
-            .post(format!(
-                "http://{}/v1/escalations/{escalation}/decision",
-                gateway.addr
-            ))
-            .bearer_auth(OPERATOR_TOKEN)
-            .header("content-type", "application/json")
-            .body(json!({ "option": option }).to_string())
-            .send()
-            .await
-            .expect("decision"),
+    support::decide(
+        gateway,
+        OPERATOR_TOKEN,
+        escalation,
+        json!({ "option": option }),
     )
     .await
 }

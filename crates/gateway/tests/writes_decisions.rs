@@ -10,15 +10,16 @@
 //!   the agent's same-key resubmission is sent as the same action;
 //! - the case file read over HTTP has every SPEC §8 item and no payload or credential.
 
+mod support;
+
 use std::{path::Path, time::Duration};
 
-use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
-use backstop_fake_api::{
-    AttemptRecord, FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig,
-};
-use backstop_gateway::server::{self, Running, ServeOptions};
+use backstop_core::reconcile::upstream_idempotency_key;
+use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
+use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
 use serde_json::{json, Value};
+use support::{action_id, client, create, json_of, lookup, on_route};
 
 const AGENT_TOKEN: &str = "agent-token-canary-7f3a";
 const OPERATOR_TOKEN: &str = "operator-token-canary-91bc";
@@ -27,44 +28,34 @@ const PROVIDER_SECRET: &str = "sk-live-provider-canary-55de";
 const PAYLOAD_CANARY: &str = "payload-canary-c0ffee";
 
 fn policy_yaml(base_url: &str) -> String {
-    format!(
-        r#"
-backoff:
-  base_seconds: 1
-  max_seconds: 2
-  boundary_spread_seconds: 0
-agents:
-  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+    support::policy_yaml(
+        base_url,
+        r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
 operators:
-  oncall: {{ token_env: OPS_TOKEN }}
-providers:
-  fake:
-    base_url: {base_url}
-    credential: {{ secret_env: FAKE_API_KEY }}
-    idempotency_header: Idempotency-Key
-    scopes:
-      account: {{ limit: 1000, window_seconds: 60 }}
-    routes:
+  oncall: { token_env: OPS_TOKEN }
+"#,
+        r#"    routes:
       "POST /v1/orders":
         class: idempotent_write
         scopes: [account]
         reconcile:
           by: idempotency_key
-          lookup: "GET /v1/orders?idempotency_key={{key}}"
+          lookup: "GET /v1/orders?idempotency_key={key}"
           found_pointer: /data/0/id
           operation_id_pointer: /id
-      "GET /v1/orders": {{ class: read, scopes: [account] }}
+      "GET /v1/orders": { class: read, scopes: [account] }
       "POST /v1/transfers":
         class: idempotent_write
         scopes: [account]
         reconcile:
           by: idempotency_key
-          lookup: "GET /v1/transfers?idempotency_key={{key}}"
+          lookup: "GET /v1/transfers?idempotency_key={key}"
           found_pointer: /data/0/id
           operation_id_pointer: /id
-      "GET /v1/transfers": {{ class: read, scopes: [account] }}
-      "POST /v1/refunds": {{ class: idempotent_write, scopes: [account] }}
-"#
+      "GET /v1/transfers": { class: read, scopes: [account] }
+      "POST /v1/refunds": { class: idempotent_write, scopes: [account] }
+"#,
     )
 }
 
@@ -78,32 +69,8 @@ fn env(name: &str) -> Option<String> {
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
-    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "decisions.yaml").expect("policy");
-    let options = ServeOptions {
-        listen: Some("127.0.0.1:0".into()),
-        store: Some(dir.join("backstop.db")),
-        seed: 23,
-        shutdown_grace: Duration::from_secs(2),
-        ..ServeOptions::default()
-    };
-    server::start(policy, options, &env, server::engine)
-        .await
-        .expect("gateway starts")
-}
-
-fn create(collection: &str, prefix: &str) -> Handler {
-    Handler::Create {
-        collection: collection.into(),
-        id_prefix: prefix.into(),
-        reference_field: None,
-        unique_reference: false,
-    }
-}
-
-fn lookup(collection: &str) -> Handler {
-    Handler::Lookup {
-        collection: collection.into(),
-    }
+    let options = support::serve_options(dir, 23);
+    support::start_gateway(&policy_yaml(base_url), "decisions.yaml", &env, options).await
 }
 
 /// The fake provider:
@@ -153,37 +120,7 @@ fn fake() -> backstop_fake_api::RunningFake {
                     },
                 )),
         );
-    FakeApi::start(config, "127.0.0.1:0".parse().expect("addr")).expect("fake provider starts")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client")
-}
-
-fn on_route<'a>(attempts: &'a [AttemptRecord], method: &str, path: &str) -> Vec<&'a AttemptRecord> {
-    attempts
-        .iter()
-        .filter(|a| a.method == method && a.path == path)
-        .collect()
-}
-
-fn action_id(response: &reqwest::Response) -> i64 {
-    response.headers()["backstop-action-id"]
-        .to_str()
-        .expect("text")
-        .parse()
-        .expect("number")
-}
-
-async fn json_of(response: reqwest::Response) -> (u16, Value) {
-    let status = response.status().as_u16();
-    let bytes = response.bytes().await.expect("body");
-    let body = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
-    (status, body)
+    support::start_fake(config)
 }
 
 /// Sends the escalating order through the proxy door: the provider stores it, drops the
@@ -206,41 +143,16 @@ async fn escalated_order(gateway: &Running, key: &str) -> i64 {
 }
 
 async fn escalation_of(gateway: &Running, action: i64) -> i64 {
-    let (status, list) = json_of(
-        client()
-            .get(format!("http://{}/v1/escalations", gateway.addr))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("list"),
-    )
-    .await;
-    assert_eq!(status, 200, "{list}");
-    list["escalations"]
-        .as_array()
-        .expect("array")
-        .iter()
+    let open = support::open_escalations(gateway, OPERATOR_TOKEN).await;
+    open.iter()
         .find(|e| e["action"] == action)
-        .unwrap_or_else(|| panic!("no escalation for action {action}: {list}"))["id"]
+        .unwrap_or_else(|| panic!("no escalation for action {action}: {open:?}"))["id"]
         .as_i64()
         .expect("id")
 }
 
 async fn decide(gateway: &Running, escalation: i64, body: Value) -> (u16, Value) {
-    json_of(
-        client()
-            .post(format!(
-                "http://{}/v1/escalations/{escalation}/decision",
-                gateway.addr
-            ))
-            .bearer_auth(OPERATOR_TOKEN)
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await
-            .expect("decision"),
-    )
-    .await
+    support::decide(gateway, OPERATOR_TOKEN, escalation, body).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,45 +3,35 @@
 //! single-attempt class is reconciled or escalated (never `budget_exhausted`), and a reconciled
 //! write names the provider's id in structured members. Counts are measured at the fake provider.
 
-use std::{path::Path, time::Duration};
+mod support;
 
-use backstop_core::policy::Policy;
-use backstop_fake_api::{
-    AttemptRecord, FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig,
-};
-use backstop_gateway::server::{self, Running, ServeOptions};
+use std::path::Path;
+
+use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
+use backstop_gateway::server::Running;
+use support::{client, create, on_route};
 
 const AGENT_TOKEN: &str = "agent-token-first-use";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-first-use";
 
 fn policy_yaml(base_url: &str) -> String {
-    format!(
-        r#"
-backoff:
-  base_seconds: 1
-  max_seconds: 2
-  boundary_spread_seconds: 0
-agents:
-  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
-providers:
-  fake:
-    base_url: {base_url}
-    credential: {{ secret_env: FAKE_API_KEY }}
-    idempotency_header: Idempotency-Key
-    scopes:
-      account: {{ limit: 1000, window_seconds: 60 }}
-    routes:
-      "POST /v1/refunds": {{ class: idempotent_write, scopes: [account] }}
+    support::policy_yaml(
+        base_url,
+        r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
+"#,
+        r#"    routes:
+      "POST /v1/refunds": { class: idempotent_write, scopes: [account] }
       "POST /v1/messages":
         class: uncertain_write
         scopes: [account]
         reconcile:
           by: idempotency_key
-          lookup: "GET /v1/messages?idempotency_key={{key}}"
+          lookup: "GET /v1/messages?idempotency_key={key}"
           found_pointer: /data/0/id
-      "GET /v1/messages": {{ class: read, scopes: [account] }}
-      "POST /v1/notes": {{ class: uncertain_write, scopes: [account] }}
-"#
+      "GET /v1/messages": { class: read, scopes: [account] }
+      "POST /v1/notes": { class: uncertain_write, scopes: [account] }
+"#,
     )
 }
 
@@ -54,26 +44,8 @@ fn env(name: &str) -> Option<String> {
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
-    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "first-use.yaml").expect("policy");
-    let options = ServeOptions {
-        listen: Some("127.0.0.1:0".into()),
-        store: Some(dir.join("backstop.db")),
-        seed: 5,
-        shutdown_grace: Duration::from_secs(2),
-        ..ServeOptions::default()
-    };
-    server::start(policy, options, &env, server::engine)
-        .await
-        .expect("gateway starts")
-}
-
-fn create(collection: &str, prefix: &str) -> Handler {
-    Handler::Create {
-        collection: collection.into(),
-        id_prefix: prefix.into(),
-        reference_field: None,
-        unique_reference: false,
-    }
+    let options = support::serve_options(dir, 5);
+    support::start_gateway(&policy_yaml(base_url), "first-use.yaml", &env, options).await
 }
 
 fn fake() -> backstop_fake_api::RunningFake {
@@ -89,30 +61,14 @@ fn fake() -> backstop_fake_api::RunningFake {
         )
         .with_route(RouteConfig::new(
             "GET /v1/messages",
-            Handler::Lookup {
-                collection: "messages".into(),
-            },
+            support::lookup("messages"),
         ))
         .with_route(
             RouteConfig::new("POST /v1/notes", create("notes", "no_"))
                 .with_idempotency()
                 .with_fault(drop_first()),
         );
-    FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake provider starts")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client")
-}
-
-fn on_route<'a>(attempts: &'a [AttemptRecord], method: &str, path: &str) -> Vec<&'a AttemptRecord> {
-    attempts
-        .iter()
-        .filter(|a| a.method == method && a.path == path)
-        .collect()
+    support::start_fake(config)
 }
 
 fn header<'a>(response: &'a reqwest::Response, name: &str) -> Option<&'a str> {

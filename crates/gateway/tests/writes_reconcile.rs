@@ -2,35 +2,29 @@
 //! store + upstream client) in front of the fake provider, which commits a write and then drops
 //! the connection. Every count is measured at the fake provider's own attempt record.
 
-use std::{path::Path, time::Duration};
+mod support;
 
-use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
-use backstop_fake_api::{AttemptRecord, FakeApi, FakeConfig, Fault, Handler, RouteConfig};
-use backstop_gateway::server::{self, Running, ServeOptions};
+use std::path::Path;
+
+use backstop_core::reconcile::upstream_idempotency_key;
+use backstop_fake_api::{FakeConfig, Fault, Handler, RouteConfig};
+use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
+use support::{action_id, client, lookup, on_route};
 
 const AGENT_TOKEN: &str = "agent-token-writes-1";
 const OTHER_TOKEN: &str = "agent-token-writes-2";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-writes";
 
 fn policy_yaml(base_url: &str) -> String {
-    format!(
-        r#"
-backoff:
-  base_seconds: 1
-  max_seconds: 2
-  boundary_spread_seconds: 0
-agents:
-  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
-  other-agent: {{ token_env: OTHER_AGENT_TOKEN }}
-providers:
-  fake:
-    base_url: {base_url}
-    credential: {{ secret_env: FAKE_API_KEY }}
-    idempotency_header: Idempotency-Key
-    scopes:
-      account: {{ limit: 1000, window_seconds: 60 }}
-    routes:
+    support::policy_yaml(
+        base_url,
+        r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
+  other-agent: { token_env: OTHER_AGENT_TOKEN }
+"#,
+        &format!(
+            r#"    routes:
       "POST /v1/transfers":
         class: idempotent_write
         scopes: [account]
@@ -55,6 +49,7 @@ providers:
     routes:
       "POST /v1/messages": {{ class: uncertain_write }}
 "#
+        ),
     )
 }
 
@@ -68,17 +63,8 @@ fn env(name: &str) -> Option<String> {
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
-    let policy = Policy::from_yaml_str(&policy_yaml(base_url), "writes.yaml").expect("policy");
-    let options = ServeOptions {
-        listen: Some("127.0.0.1:0".into()),
-        store: Some(dir.join("backstop.db")),
-        seed: 11,
-        shutdown_grace: Duration::from_secs(2),
-        ..ServeOptions::default()
-    };
-    server::start(policy, options, &env, server::engine)
-        .await
-        .expect("gateway starts")
+    let options = support::serve_options(dir, 11);
+    support::start_gateway(&policy_yaml(base_url), "writes.yaml", &env, options).await
 }
 
 fn create(collection: &str, prefix: &str, reference_field: Option<&str>) -> Handler {
@@ -100,12 +86,7 @@ fn fake() -> backstop_fake_api::RunningFake {
                 .with_idempotency()
                 .with_fault(drop_first()),
         )
-        .with_route(RouteConfig::new(
-            "GET /v1/transfers",
-            Handler::Lookup {
-                collection: "transfers".into(),
-            },
-        ))
+        .with_route(RouteConfig::new("GET /v1/transfers", lookup("transfers")))
         .with_route(
             RouteConfig::new(
                 "POST /v1/payouts",
@@ -113,12 +94,7 @@ fn fake() -> backstop_fake_api::RunningFake {
             )
             .with_fault(drop_first()),
         )
-        .with_route(RouteConfig::new(
-            "GET /v1/payouts",
-            Handler::Lookup {
-                collection: "payouts".into(),
-            },
-        ))
+        .with_route(RouteConfig::new("GET /v1/payouts", lookup("payouts")))
         .with_route(
             RouteConfig::new("POST /v1/refunds", create("refunds", "re_", None)).with_idempotency(),
         )
@@ -126,29 +102,7 @@ fn fake() -> backstop_fake_api::RunningFake {
             RouteConfig::new("POST /v1/messages", create("messages", "msg_", None))
                 .with_fault(drop_first()),
         );
-    FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake provider starts")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client")
-}
-
-fn on_route<'a>(attempts: &'a [AttemptRecord], method: &str, path: &str) -> Vec<&'a AttemptRecord> {
-    attempts
-        .iter()
-        .filter(|a| a.method == method && a.path == path)
-        .collect()
-}
-
-fn action_id(response: &reqwest::Response) -> i64 {
-    response.headers()["backstop-action-id"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap()
+    support::start_fake(config)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

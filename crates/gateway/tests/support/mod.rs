@@ -1,0 +1,163 @@
+//! Test support for the end-to-end gateway tests: backstop started by `server::start` on a
+//! loopback port with a temp-dir SQLite store, in front of the controllable fake provider on
+//! another loopback port, and the HTTP helpers the tests share.
+#![allow(dead_code)]
+
+use std::{path::Path, time::Duration};
+
+use backstop_core::policy::Policy;
+use backstop_fake_api::{AttemptRecord, FakeApi, FakeConfig, Handler, RouteConfig, RunningFake};
+use backstop_gateway::server::{self, Running, ServeOptions};
+use serde_json::Value;
+
+/// A policy for one provider `fake` at `base_url`: backoff from 1 s to at most 2 s with no
+/// boundary spread, then `top` (top-level YAML such as `agents:`, `operators:` and
+/// `request_classes:`, each line ending in a newline), then the provider `fake` with the
+/// `FAKE_API_KEY` credential, the `Idempotency-Key` header and an `account` scope of 1000
+/// requests per 60 s, followed by `fake_rest` (its `routes:` and anything after, indented as
+/// under `fake`).
+pub fn policy_yaml(base_url: &str, top: &str, fake_rest: &str) -> String {
+    format!(
+        r#"
+backoff:
+  base_seconds: 1
+  max_seconds: 2
+  boundary_spread_seconds: 0
+{top}providers:
+  fake:
+    base_url: {base_url}
+    credential: {{ secret_env: FAKE_API_KEY }}
+    idempotency_header: Idempotency-Key
+    scopes:
+      account: {{ limit: 1000, window_seconds: 60 }}
+{fake_rest}"#
+    )
+}
+
+/// Serve options on `127.0.0.1:0` with the store at `dir/backstop.db`, the given jitter `seed`
+/// and a 2 s shutdown grace.
+pub fn serve_options(dir: &Path, seed: u64) -> ServeOptions {
+    ServeOptions {
+        listen: Some("127.0.0.1:0".into()),
+        store: Some(dir.join("backstop.db")),
+        seed,
+        shutdown_grace: Duration::from_secs(2),
+        ..ServeOptions::default()
+    }
+}
+
+/// Starts backstop with the policy `yaml` (named `file_name` in errors), the secrets of `env`
+/// and `options`; panics when the policy or the start fails.
+pub async fn start_gateway(
+    yaml: &str,
+    file_name: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    options: ServeOptions,
+) -> Running {
+    let policy = Policy::from_yaml_str(yaml, file_name).expect("policy");
+    server::start(policy, options, env, server::engine)
+        .await
+        .expect("gateway starts")
+}
+
+/// Starts the fake provider on a loopback port with `config`.
+pub fn start_fake(config: FakeConfig) -> RunningFake {
+    FakeApi::start(config, "127.0.0.1:0".parse().expect("addr")).expect("fake provider starts")
+}
+
+/// Starts the fake provider on a loopback port with these routes.
+pub fn fake_with(routes: Vec<RouteConfig>) -> RunningFake {
+    let mut config = FakeConfig::default();
+    for route in routes {
+        config = config.with_route(route);
+    }
+    start_fake(config)
+}
+
+/// A handler that creates objects in `collection` with ids starting `prefix` (no reference).
+pub fn create(collection: &str, prefix: &str) -> Handler {
+    Handler::Create {
+        collection: collection.into(),
+        id_prefix: prefix.into(),
+        reference_field: None,
+        unique_reference: false,
+    }
+}
+
+/// A handler that looks objects of `collection` up by their query parameters.
+pub fn lookup(collection: &str) -> Handler {
+    Handler::Lookup {
+        collection: collection.into(),
+    }
+}
+
+/// An HTTP client that ignores proxy settings (every test talks to loopback).
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
+/// The attempts the fake provider saw on `method path`.
+pub fn on_route<'a>(
+    attempts: &'a [AttemptRecord],
+    method: &str,
+    path: &str,
+) -> Vec<&'a AttemptRecord> {
+    attempts
+        .iter()
+        .filter(|a| a.method == method && a.path == path)
+        .collect()
+}
+
+/// The `backstop-action-id` header of a response, as a number.
+pub fn action_id(response: &reqwest::Response) -> i64 {
+    response.headers()["backstop-action-id"]
+        .to_str()
+        .expect("text")
+        .parse()
+        .expect("number")
+}
+
+/// The status and JSON body of a response (a body that is not JSON becomes a JSON string).
+pub async fn json_of(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let bytes = response.bytes().await.expect("body");
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, body)
+}
+
+/// The open escalations listed by `GET /v1/escalations` for the operator `token`.
+pub async fn open_escalations(gateway: &Running, token: &str) -> Vec<Value> {
+    let (status, list) = json_of(
+        client()
+            .get(format!("http://{}/v1/escalations", gateway.addr))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("list"),
+    )
+    .await;
+    assert_eq!(status, 200, "{list}");
+    list["escalations"].as_array().expect("array").clone()
+}
+
+/// Posts the decision `body` on `escalation` for the operator `token`; the status and body.
+pub async fn decide(gateway: &Running, token: &str, escalation: i64, body: Value) -> (u16, Value) {
+    json_of(
+        client()
+            .post(format!(
+                "http://{}/v1/escalations/{escalation}/decision",
+                gateway.addr
+            ))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("decision"),
+    )
+    .await
+}
