@@ -489,12 +489,17 @@ pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
             }
             _ => String::new(),
         };
-        offer(
-            DecisionOption::Wait,
+        let risk = if case.reason == EscalationReason::RemainingWaitExceedsDeadline {
+            // This escalation is opened beside an outcome that already ended the action, so
+            // backstop holds nothing: waiting means the agent resubmits after the boundary.
             format!(
-                "Hold the action {until}, then send it; nothing is sent before then.{deadline}"
-            ),
-        )
+                "The action has ended and backstop sends nothing more. Resubmit it with the same \
+                 Idempotency-Key {until}; anything sent earlier meets the same limit.{deadline}"
+            )
+        } else {
+            format!("Hold the action {until}, then send it; nothing is sent before then.{deadline}")
+        };
+        offer(DecisionOption::Wait, risk)
     };
     let abort = || {
         let risk = if case.reason == EscalationReason::SideEffectUnknown {

@@ -284,6 +284,22 @@ fn options_follow_the_reason() {
     let case = CaseFile::build(raw).unwrap();
     let wait = case.offered(DecisionOption::Wait).unwrap();
     assert!(wait.risk.contains("2026-01-02T00:00:00Z"), "{}", wait.risk);
+    // The action already ended beside this escalation: waiting means resubmitting, never a
+    // promise that backstop will send it later.
+    assert!(
+        wait.risk.contains("backstop sends nothing more") && wait.risk.contains("Resubmit"),
+        "{}",
+        wait.risk
+    );
+    let quota = CaseFile::build(input(EscalationReason::SharedQuotaExhausted)).unwrap();
+    assert!(
+        quota
+            .offered(DecisionOption::Wait)
+            .unwrap()
+            .risk
+            .starts_with("Hold the action"),
+        "other reasons keep the hold-then-send wording"
+    );
     assert!(
         wait.risk
             .contains("deadline 2026-01-01T00:05:00Z will be missed"),
