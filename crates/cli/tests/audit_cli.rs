@@ -30,6 +30,7 @@ fn make_db(dir: &Path, actions: usize) -> PathBuf {
     for i in 0..actions {
         let action = NewAction {
             task_id: "task-1".into(),
+            agent: "agent-a".into(),
             provider: "billing-api".into(),
             method: "POST".into(),
             route: RouteTemplate::try_new("/v1/transfers").expect("template"),

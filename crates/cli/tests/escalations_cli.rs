@@ -47,6 +47,7 @@ fn open_escalation(store: &SqliteStore) -> EscalationId {
         .record_action(
             NewAction {
                 task_id: "run-1".into(),
+                agent: "agent-a".into(),
                 provider: "billing-api".into(),
                 method: "POST".into(),
                 route: RouteTemplate::try_new("/v1/transfers").expect("route"),

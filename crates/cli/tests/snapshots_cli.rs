@@ -37,6 +37,7 @@ fn throttled_run(store: &SqliteStore, run: &str, boundary_ms: i64, due_ms: i64) 
         .record_action(
             NewAction {
                 task_id: run.into(),
+                agent: "agent-a".into(),
                 provider: "llm".into(),
                 method: "POST".into(),
                 route: RouteTemplate::try_new("/v1/chat/completions").unwrap(),

@@ -143,6 +143,7 @@ async fn run(n: u64, mode: Mode) -> Result<Report, String> {
         let due = at_offset(first_wave, WAVE_GAP * wave as u32 + within)?;
         let request = AcquireRequest {
             task_id: format!("run-{}", i % TASKS),
+            agent: "bench-agent".to_owned(),
             priority: Priority::Normal,
             scopes: scopes.clone(),
             budget: ActionBudget::new(class, None),

@@ -518,9 +518,7 @@ async fn cancel(
             .cancel_task_as(&task, agent)
             .await
             .map_err(|e| match e {
-                EngineError::UnknownTask(_) | EngineError::NotYourTask { .. } => {
-                    Problem::not_yours("task", &task)
-                }
+                EngineError::UnknownTask(_) => Problem::not_yours("task", &task),
                 other => Problem::store_error(other.to_string()),
             })
     }

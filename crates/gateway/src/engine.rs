@@ -107,17 +107,10 @@ pub const ERROR_BODY_LIMIT: usize = 64 * 1024;
 /// Errors of the engine's management calls.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// No task with this id is stored.
+    /// The caller has no task with this id (task ids are namespaced per agent, so another
+    /// agent's task with the same id is not the caller's and is not mentioned).
     #[error("task {0:?} not found")]
     UnknownTask(String),
-    /// The task belongs to another agent (answer as not found at the edge).
-    #[error("task {task:?} does not belong to agent {agent:?}")]
-    NotYourTask {
-        /// The task id.
-        task: String,
-        /// The agent that asked.
-        agent: String,
-    },
     /// The store failed.
     #[error("store: {0}")]
     Store(#[from] StoreError),
@@ -159,7 +152,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     scheduler: SchedulerHandle,
     rng: Mutex<crate::scheduler::SplitMix64>,
-    breakers: Mutex<HashMap<String, TaskBreaker>>,
+    /// Circuit breakers per task, keyed `(agent, task id)`.
+    breakers: Mutex<HashMap<(String, String), TaskBreaker>>,
     flights: Arc<Flights>,
     shutting_down: AtomicBool,
     /// `true` once restart recovery has listed the attempts left unfinished by the previous
@@ -587,12 +581,14 @@ impl Engine {
         }
     }
 
-    /// Cancels a task of `agent` (SPEC §4.3): its delayed actions are dropped before they wake,
-    /// their slots and delayed counts freed, every unfinished action ends `cancelled` (audited)
-    /// and no action of the task sends again.
+    /// Cancels the task `task_id` of `agent` (SPEC §4.3): its delayed actions are dropped
+    /// before they wake, their slots and delayed counts freed, every unfinished action ends
+    /// `cancelled` (audited) and no action of the task sends again. Task ids are namespaced per
+    /// agent: another agent's task with the same id is neither touched nor revealed.
     ///
     /// # Errors
-    /// [`EngineError::UnknownTask`], [`EngineError::NotYourTask`], or a store failure.
+    /// [`EngineError::UnknownTask`] when `agent` has no such task (whether or not another agent
+    /// has), or a store failure.
     pub async fn cancel_task(
         &self,
         task_id: &str,
@@ -601,11 +597,12 @@ impl Engine {
         self.cancel_task_as(task_id, Some(agent)).await
     }
 
-    /// [`Engine::cancel_task`] for `agent`, or for any owner when `agent` is `None` (an
-    /// operator).
+    /// [`Engine::cancel_task`] for `agent`, or, when `agent` is `None` (an operator, who may
+    /// see all), for EVERY agent's task with this id; the counts of the answer are then summed
+    /// over those tasks.
     ///
     /// # Errors
-    /// [`EngineError::UnknownTask`], [`EngineError::NotYourTask`], or a store failure.
+    /// [`EngineError::UnknownTask`] when no task matches, or a store failure.
     pub async fn cancel_task_as(
         &self,
         task_id: &str,
@@ -613,33 +610,52 @@ impl Engine {
     ) -> Result<TaskCancelled, EngineError> {
         let inner = &self.inner;
         let id = task_id.to_owned();
-        let task = inner
-            .blocking(move |s| s.task(&id))
-            .await?
-            .ok_or_else(|| EngineError::UnknownTask(task_id.to_owned()))?;
-        if let Some(agent) = agent.filter(|a| *a != task.agent) {
-            return Err(EngineError::NotYourTask {
-                task: task_id.to_owned(),
-                agent: agent.to_owned(),
-            });
+        let owners: Vec<String> = match agent {
+            Some(agent) => {
+                let agent = agent.to_owned();
+                inner
+                    .blocking(move |s| s.task(&agent, &id))
+                    .await?
+                    .into_iter()
+                    .map(|t| t.agent)
+                    .collect()
+            }
+            None => inner
+                .blocking(move |s| s.tasks_of_every_agent(&id))
+                .await?
+                .into_iter()
+                .map(|t| t.agent)
+                .collect(),
+        };
+        if owners.is_empty() {
+            return Err(EngineError::UnknownTask(task_id.to_owned()));
         }
-        let waiting_dropped = inner.scheduler.cancel_task(task_id).await;
-        let id = task_id.to_owned();
-        let now = inner.clock.now();
-        let report = inner.blocking(move |s| s.cancel_task(&id, now)).await?;
-        tracing::info!(
-            task = %task_id,
-            actions = report.actions_cancelled,
-            retries = report.retries_dropped,
-            waiting = waiting_dropped,
-            "task cancelled"
-        );
-        Ok(TaskCancelled {
+        let mut total = TaskCancelled {
             task_id: task_id.to_owned(),
-            actions_cancelled: report.actions_cancelled,
-            retries_dropped: report.retries_dropped,
-            waiting_dropped,
-        })
+            actions_cancelled: 0,
+            retries_dropped: 0,
+            waiting_dropped: 0,
+        };
+        for owner in owners {
+            let waiting_dropped = inner.scheduler.cancel_task(&owner, task_id).await;
+            let (agent, id) = (owner.clone(), task_id.to_owned());
+            let now = inner.clock.now();
+            let report = inner
+                .blocking(move |s| s.cancel_task(&agent, &id, now))
+                .await?;
+            tracing::info!(
+                task = %task_id,
+                agent = %owner,
+                actions = report.actions_cancelled,
+                retries = report.retries_dropped,
+                waiting = waiting_dropped,
+                "task cancelled"
+            );
+            total.actions_cancelled += report.actions_cancelled;
+            total.retries_dropped += report.retries_dropped;
+            total.waiting_dropped += waiting_dropped;
+        }
+        Ok(total)
     }
 
     /// Carries out one action to its end (see the module docs). Dropping the future before an
@@ -890,6 +906,7 @@ impl Engine {
         };
         let new_action = NewAction {
             task_id: spec.task_id.clone(),
+            agent: spec.agent.clone(),
             provider: route.provider.clone(),
             method: route.method.clone(),
             route: template,
@@ -995,7 +1012,7 @@ impl Engine {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             breakers
-                .get(&spec.task_id)
+                .get(&(spec.agent.clone(), spec.task_id.clone()))
                 .and_then(|b| b.check(&run.fingerprint).err())
         };
         if let Some(open) = open {
@@ -1072,6 +1089,7 @@ impl Engine {
                 .scheduler
                 .acquire(AcquireRequest {
                     task_id: spec.task_id.clone(),
+                    agent: spec.agent.clone(),
                     priority: spec.priority,
                     scopes: route.scopes.clone(),
                     budget,
@@ -1646,6 +1664,7 @@ impl Engine {
         writes::WriteFacts {
             action: run.id,
             task_id: spec.task_id.clone(),
+            agent: spec.agent.clone(),
             priority: spec.priority,
             provider: route.provider.clone(),
             method: route.method.clone(),
@@ -1973,7 +1992,8 @@ impl Engine {
             .breakers
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(breaker) = breakers.get_mut(&run.spec.task_id) {
+        if let Some(breaker) = breakers.get_mut(&(run.spec.agent.clone(), run.spec.task_id.clone()))
+        {
             breaker.record_success(&run.fingerprint);
         }
     }
@@ -1986,7 +2006,7 @@ impl Engine {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             let breaker = breakers
-                .entry(run.spec.task_id.clone())
+                .entry((run.spec.agent.clone(), run.spec.task_id.clone()))
                 .or_insert_with(|| TaskBreaker::new(inner.policy.breaker.threshold));
             let was_open = breaker.check(&run.fingerprint).is_err();
             let now_open = breaker.record_failure(&run.fingerprint, code, status);
@@ -2262,7 +2282,7 @@ fn is_store_failure(e: &EngineError) -> bool {
                 | StoreError::NotFound { .. }
                 | StoreError::Invalid { .. }
         ),
-        EngineError::UnknownTask(_) | EngineError::NotYourTask { .. } => false,
+        EngineError::UnknownTask(_) => false,
     }
 }
 

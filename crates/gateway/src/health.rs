@@ -842,8 +842,22 @@ fn caller(state: &HealthState, headers: &HeaderMap) -> Result<Caller, HealthProb
     (state.callers)(token.trim()).ok_or_else(unauthorized)
 }
 
-fn visible(caller: &Caller, task: &TaskRecord) -> bool {
-    caller.role == Role::Operator || task.agent == caller.name
+/// The task `id` as `caller` may see it. Task ids are namespaced per agent: an agent gets its
+/// own task or nothing (another agent's task with the same id is not revealed); an operator,
+/// who may see all, gets every agent's task with the id, of which the one with the earliest
+/// deadline stands for the run (its snapshots then warn soonest).
+fn visible_task(
+    store: &dyn Store,
+    caller: &Caller,
+    id: &str,
+) -> Result<Option<TaskRecord>, StoreError> {
+    if caller.role == Role::Operator {
+        let tasks = store.tasks_of_every_agent(id)?;
+        return Ok(tasks
+            .into_iter()
+            .min_by_key(|t| (t.deadline.is_none(), t.deadline)));
+    }
+    store.task(&caller.name, id)
 }
 
 /// Reads the whole log and the tasks of every throttled run; keeps the runs `caller` may see.
@@ -859,10 +873,8 @@ fn gather(
         if only_task.is_some_and(|t| t != trail.task) || tasks.contains_key(&trail.task) {
             continue;
         }
-        if let Some(task) = store.task(&trail.task)? {
-            if visible(caller, &task) {
-                tasks.insert(trail.task.clone(), task);
-            }
+        if let Some(task) = visible_task(store, caller, &trail.task)? {
+            tasks.insert(trail.task.clone(), task);
         }
     }
     Ok((evidence, tasks))
@@ -900,16 +912,11 @@ async fn one_run(
 ) -> Result<Json<RunHealth>, HealthProblem> {
     let caller = caller(&state, &headers)?;
     let store = state.store.clone();
-    let (task, visible_task) = {
+    let task = {
         let (task_id, caller) = (task_id.clone(), caller.clone());
-        blocking(move || {
-            let task = store.task(&task_id)?;
-            let ok = task.as_ref().is_some_and(|t| visible(&caller, t));
-            Ok((task, ok))
-        })
-        .await?
+        blocking(move || Ok(visible_task(store.as_ref(), &caller, &task_id)?)).await?
     };
-    let Some(task) = task.filter(|_| visible_task) else {
+    let Some(task) = task else {
         return Err(problem(
             StatusCode::NOT_FOUND,
             "run_not_found",

@@ -111,6 +111,9 @@ impl SplitMix64 {
 pub struct AcquireRequest {
     /// The task the action belongs to (cancellation is per task).
     pub task_id: String,
+    /// The agent whose task it is: task ids are namespaced per agent, so a task is
+    /// `(agent, task_id)`.
+    pub agent: String,
     /// The task's priority.
     pub priority: Priority,
     /// Full scope names (`provider/scope`) the request falls under.
@@ -263,6 +266,7 @@ enum Msg {
         tokens: Option<RetryTokens>,
     },
     CancelTask {
+        agent: String,
         task_id: String,
         reply: oneshot::Sender<u64>,
     },
@@ -438,9 +442,10 @@ impl SchedulerHandle {
     /// Marks a task cancelled: its delayed actions are answered `cancelled` before they wake and
     /// their delayed counts are freed; it never gets a permit again. Returns how many waiting
     /// actions were dropped.
-    pub async fn cancel_task(&self, task_id: &str) -> u64 {
+    pub async fn cancel_task(&self, agent: &str, task_id: &str) -> u64 {
         let (reply, answer) = oneshot::channel();
         let sent = self.tx.send(Msg::CancelTask {
+            agent: agent.to_owned(),
             task_id: task_id.to_owned(),
             reply,
         });
@@ -476,6 +481,7 @@ struct ScopeEntry {
 
 struct Waiter {
     task_id: String,
+    agent: String,
     priority: Priority,
     scopes: Vec<String>,
     budget: ActionBudget,
@@ -500,7 +506,8 @@ struct State {
     heap: BinaryHeap<HeapKey>,
     ready: Vec<u64>,
     slot_waiters: HashSet<u64>,
-    cancelled_tasks: HashSet<String>,
+    /// Cancelled tasks as `(agent, task id)`.
+    cancelled_tasks: HashSet<(String, String)>,
     rng: SplitMix64,
     clock: TokioClock,
     metrics: Arc<Metrics>,
@@ -660,12 +667,17 @@ impl State {
                     }
                 }
             },
-            Msg::CancelTask { task_id, reply } => {
-                self.cancelled_tasks.insert(task_id.clone());
+            Msg::CancelTask {
+                agent,
+                task_id,
+                reply,
+            } => {
+                self.cancelled_tasks
+                    .insert((agent.clone(), task_id.clone()));
                 let tickets: Vec<u64> = self
                     .waiters
                     .iter()
-                    .filter(|(_, w)| w.task_id == task_id)
+                    .filter(|(_, w)| w.agent == agent && w.task_id == task_id)
                     .map(|(t, _)| *t)
                     .collect();
                 let mut dropped = 0;
@@ -762,6 +774,7 @@ impl State {
         let planned = request.not_before.is_some_and(|at| at > now);
         let mut waiter = Waiter {
             task_id: request.task_id,
+            agent: request.agent,
             priority: request.priority,
             scopes: request.scopes,
             budget: request.budget,
@@ -923,7 +936,9 @@ impl State {
                 return;
             }
         }
-        let cancelled = self.cancelled_tasks.contains(&waiter.task_id);
+        let cancelled = self
+            .cancelled_tasks
+            .contains(&(waiter.agent.clone(), waiter.task_id.clone()));
         let admission = {
             let mut refs: Vec<&mut ScopeState> = self
                 .scopes

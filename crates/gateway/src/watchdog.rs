@@ -146,7 +146,14 @@ impl Watchdog {
             let deadline = match self.deadlines.get(&trail.task) {
                 Some(deadline) => *deadline,
                 None => {
-                    let deadline = self.store.task(&trail.task)?.and_then(|t| t.deadline);
+                    // The audit trail names the task id only; every agent's task with this
+                    // id is considered, and the earliest deadline wins (warn soonest).
+                    let deadline = self
+                        .store
+                        .tasks_of_every_agent(&trail.task)?
+                        .into_iter()
+                        .filter_map(|t| t.deadline)
+                        .min();
                     self.deadlines.insert(trail.task.clone(), deadline);
                     deadline
                 }

@@ -53,6 +53,7 @@ fn fixture() -> Fixture {
         .record_action(
             NewAction {
                 task_id: "run-1".into(),
+                agent: "agent-a".into(),
                 provider: "billing-api".into(),
                 method: "POST".into(),
                 route: RouteTemplate::try_new("/v1/transfers").expect("route"),

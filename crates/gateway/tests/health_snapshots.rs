@@ -56,6 +56,7 @@ fn action(store: &SqliteStore, task: &str, agent: &str, key: &str) -> ActionId {
         .record_action(
             NewAction {
                 task_id: task.into(),
+                agent: agent.into(),
                 provider: "llm".into(),
                 method: "POST".into(),
                 route: RouteTemplate::try_new("/v1/chat/completions").expect("route"),
@@ -144,7 +145,11 @@ fn snapshot(store: &SqliteStore, id: ActionId, now_ms: i64) -> Option<Snapshot> 
     let mut evidence = Evidence::new();
     evidence.catch_up(store).expect("fold");
     let trail = evidence.trail(id.0).expect("trail");
-    let task = store.task(&trail.task).expect("task").expect("task row");
+    let agent = store.action(id).expect("action").expect("action row").agent;
+    let task = store
+        .task(&agent, &trail.task)
+        .expect("task")
+        .expect("task row");
     let policy = HealthPolicy::spec_defaults();
     derive_snapshot(
         trail,
@@ -196,7 +201,9 @@ fn a_cancelled_action_has_no_snapshot() {
     let id = action(&store, "run-c", "agent-a", "k-c");
     throttled(&store, id, 0, 200, Some(10_200));
     store.schedule_retry(id, at(10_700), at(200)).expect("job");
-    store.cancel_task("run-c", at(1_000)).expect("cancel");
+    store
+        .cancel_task("agent-a", "run-c", at(1_000))
+        .expect("cancel");
     assert!(
         snapshot(&store, id, 5_000).is_none(),
         "a cancelled action is not waiting"

@@ -46,6 +46,7 @@ fn throttled_action(store: &SqliteStore) -> ActionId {
         .record_action(
             NewAction {
                 task_id: "run-1".into(),
+                agent: "agent-a".into(),
                 provider: "llm".into(),
                 method: "POST".into(),
                 route: RouteTemplate::try_new("/v1/chat/completions").expect("route"),

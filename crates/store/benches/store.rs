@@ -29,6 +29,7 @@ fn write_action(store: &SqliteStore, route: &RouteTemplate) {
     let key = format!("bench-{k}");
     let action = NewAction {
         task_id: "bench".into(),
+        agent: "bench-agent".into(),
         provider: "billing-api".into(),
         method: "POST".into(),
         route: route.clone(),

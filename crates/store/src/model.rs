@@ -283,8 +283,10 @@ pub struct TaskRecord {
 /// A new logical action to record, with its idempotency key, before its first send (SPEC §6).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewAction {
-    /// The task the action belongs to (must have been opened).
+    /// The task the action belongs to (must have been opened by `agent`).
     pub task_id: String,
+    /// The agent whose task it is (task ids are namespaced per agent).
+    pub agent: String,
     /// Provider name from the policy (e.g. `billing-api`).
     pub provider: String,
     /// HTTP method, upper case.

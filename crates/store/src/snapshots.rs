@@ -61,18 +61,19 @@ impl RunRecordsReader {
         parse_export(&self.place, &text)
     }
 
-    /// Reads a task.
+    /// Reads the task `id` of `agent` (task ids are namespaced per agent).
     ///
     /// # Errors
     /// Storage errors; [`StoreError::Corrupt`] for a stored priority or instant that cannot be
     /// read back.
-    pub fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+    pub fn task(&self, agent: &str, id: &str) -> Result<Option<TaskRecord>, StoreError> {
         let row = self
             .conn
             .prepare_cached(
-                "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks WHERE id = ?1",
+                "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks \
+                 WHERE agent = ?1 AND id = ?2",
             )?
-            .query_row(params![id], |r| {
+            .query_row(params![agent, id], |r| {
                 Ok((
                     r.get::<_, String>(0)?,
                     r.get::<_, String>(1)?,
@@ -82,6 +83,46 @@ impl RunRecordsReader {
                 ))
             })
             .optional()?;
+        row.map(|row| self.record(row)).transpose()
+    }
+
+    /// Reads every agent's task with this id, ordered by agent: the operator's view this
+    /// offline reader serves (task ids are namespaced per agent, so there may be several).
+    ///
+    /// # Errors
+    /// As [`RunRecordsReader::task`].
+    pub fn tasks_of_every_agent(&self, id: &str) -> Result<Vec<TaskRecord>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks \
+             WHERE id = ?1 ORDER BY agent",
+        )?;
+        let rows = stmt.query_map(params![id], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, Option<i64>>(3)?,
+                r.get::<_, Option<i64>>(4)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.push(self.record(row?)?);
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn record(
+        &self,
+        (id, agent, priority, deadline, cancelled): (
+            String,
+            String,
+            String,
+            Option<i64>,
+            Option<i64>,
+        ),
+    ) -> Result<TaskRecord, StoreError> {
         let corrupt = |reason: String| StoreError::Corrupt {
             table: "tasks",
             reason,
@@ -93,17 +134,14 @@ impl RunRecordsReader {
             })
             .transpose()
         };
-        row.map(|(id, agent, priority, deadline, cancelled)| {
-            Ok(TaskRecord {
-                priority: Priority::parse(&priority)
-                    .map_err(|e| corrupt(format!("task {id:?}: {e}")))?,
-                deadline: instant(deadline)?,
-                cancelled_at: instant(cancelled)?,
-                id,
-                agent,
-            })
+        Ok(TaskRecord {
+            priority: Priority::parse(&priority)
+                .map_err(|e| corrupt(format!("task {id:?}: {e}")))?,
+            deadline: instant(deadline)?,
+            cancelled_at: instant(cancelled)?,
+            id,
+            agent,
         })
-        .transpose()
     }
 }
 
@@ -137,10 +175,18 @@ mod tests {
                 .expect("task");
         }
         let reader = RunRecordsReader::open(&path).expect("reader");
-        let task = reader.task("run-1").expect("read").expect("task");
+        let task = reader
+            .task("agent-a", "run-1")
+            .expect("read")
+            .expect("task");
         assert_eq!(task.deadline, Some(deadline));
         assert_eq!(task.priority, Priority::Interactive);
-        assert_eq!(reader.task("nope").expect("read"), None);
+        assert_eq!(reader.task("agent-b", "run-1").expect("read"), None);
+        assert_eq!(reader.task("agent-a", "nope").expect("read"), None);
+        assert_eq!(
+            reader.tasks_of_every_agent("run-1").expect("read"),
+            vec![task]
+        );
         let events = reader.audit_events().expect("events");
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].kind, "task_opened");

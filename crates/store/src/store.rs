@@ -57,11 +57,12 @@ pub type Completion<T> = Box<dyn FnOnce(Result<T, StoreError>) + Send>;
 /// Durable state of backstop. Implementations are `Send + Sync` and safe to call from many
 /// threads; each method is one atomic transaction.
 pub trait Store: Send + Sync {
-    /// Opens a task if it does not exist yet (audits `task_opened` once). Opening an existing
-    /// task is a no-op.
+    /// Opens the task `(task.agent, task.id)` if it does not exist yet (audits `task_opened`
+    /// once). Opening an existing task is a no-op. Task ids are namespaced per agent: another
+    /// agent's task with the same id is a different task and is neither consulted nor touched.
     ///
     /// # Errors
-    /// [`StoreError::InvalidTransition`] when the id exists with another agent.
+    /// Storage errors only.
     fn open_task(&self, task: NewTask, at: Timestamp) -> Result<(), StoreError>;
 
     /// Records a new logical action with its idempotency key before its first send
@@ -73,8 +74,8 @@ pub trait Store: Send + Sync {
     ///
     /// # Errors
     /// [`StoreError::KeyReuse`] for the same key with a different payload (answer 422);
-    /// [`StoreError::NotFound`] for an unknown task; [`StoreError::InvalidTransition`] when the
-    /// task is cancelled.
+    /// [`StoreError::NotFound`] when `action.agent` has no task `action.task_id`;
+    /// [`StoreError::InvalidTransition`] when the task is cancelled.
     fn record_action(&self, action: NewAction, at: Timestamp) -> Result<Admission, StoreError>;
 
     /// [`Store::open_task`] then [`Store::record_action`] as ONE operation (one savepoint, one
@@ -82,7 +83,8 @@ pub trait Store: Send + Sync {
     /// is durable. A write awaits it before anything else happens to the action.
     ///
     /// # Errors (through `done`)
-    /// As [`Store::open_task`] and [`Store::record_action`]; [`StoreError::WriterGone`] when
+    /// As [`Store::open_task`] and [`Store::record_action`]; [`StoreError::Invalid`] when
+    /// `action` names another task or agent than `task`; [`StoreError::WriterGone`] when
     /// the store is closing.
     fn begin_action(
         &self,
@@ -96,14 +98,15 @@ pub trait Store: Send + Sync {
     /// action id is handed out at once, the task is opened if new and the action recorded
     /// (`task_opened`, `action_requested`) in one queued operation, and `done` is told when
     /// that is durable (SPEC §12: reads may be recorded asynchronously). Before queueing, the
-    /// task is looked up in what has committed: a task opened by another agent or cancelled is
-    /// refused at once, as [`Store::record_action`] would. A crash before the group commit
+    /// task (of the same agent: task ids are namespaced per agent) is looked up in what has
+    /// committed: a cancelled task is refused at once, as [`Store::record_action`] would. A crash before the group commit
     /// loses this record and everything queued for the action after it.
     ///
     /// # Errors
     /// [`StoreError::Invalid`] when the action carries an idempotency key (a write must be
     /// recorded durably with [`Store::begin_action`] or [`Store::record_action`]);
-    /// [`StoreError::InvalidTransition`] for another agent's or a cancelled task; storage
+    /// [`StoreError::Invalid`] when `action` names another task or agent than `task`;
+    /// [`StoreError::InvalidTransition`] for a cancelled task; storage
     /// errors of the lookup. Errors of the queued operation itself go to `done`.
     fn record_read(
         &self,
@@ -344,13 +347,19 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<(), StoreError>;
 
-    /// Cancels a task: drops its unclaimed scheduled retries before they wake and ends every
+    /// Cancels the task `task` of `agent` (another agent's task with the same id is left
+    /// untouched): drops its unclaimed scheduled retries before they wake and ends every
     /// unfinished action with `cancelled` (audits `cancelled` for the task and each action).
     /// Cancelling twice changes nothing the second time.
     ///
     /// # Errors
-    /// [`StoreError::NotFound`] for an unknown task.
-    fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError>;
+    /// [`StoreError::NotFound`] when `agent` has no task `task`.
+    fn cancel_task(
+        &self,
+        agent: &str,
+        task: &str,
+        at: Timestamp,
+    ) -> Result<CancelReport, StoreError>;
 
     /// Audits that the circuit breaker opened a path (method + route template) for a task.
     ///
@@ -382,11 +391,19 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<(), StoreError>;
 
-    /// Reads a task.
+    /// Reads the task `id` of `agent`. Task ids are namespaced per agent: another agent's task
+    /// with the same id is never returned.
     ///
     /// # Errors
     /// Storage errors only.
-    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError>;
+    fn task(&self, agent: &str, id: &str) -> Result<Option<TaskRecord>, StoreError>;
+
+    /// Reads every agent's task with this id, ordered by agent: an operator's lookup, which
+    /// may see all agents. Never use it to answer an agent.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn tasks_of_every_agent(&self, id: &str) -> Result<Vec<TaskRecord>, StoreError>;
 
     /// Reads an action (with its stored response, if any).
     ///

@@ -49,6 +49,7 @@ fn no_credential_or_request_body_in_db_bytes_or_export() {
     for i in 0..20 {
         let action = NewAction {
             task_id: "task-1".into(),
+            agent: "agent-a".into(),
             provider: "billing-api".into(),
             method: "POST".into(),
             route: RouteTemplate::try_new("/v1/transfers/{id}/reverse").expect("template"),

@@ -132,7 +132,9 @@ fn only_escalated_actions_of_live_tasks_can_be_reopened() {
             ..
         })
     ));
-    store.cancel_task("task-1", t(6)).expect("cancel");
+    store
+        .cancel_task("agent-a", "task-1", t(6))
+        .expect("cancel");
     let err = store
         .reopen_for_retry(a, "alice", t(7))
         .expect_err("cancelled task");

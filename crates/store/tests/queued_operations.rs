@@ -24,8 +24,13 @@ fn task(id: &str, agent: &str) -> NewTask {
 }
 
 fn read_action(task: &str) -> NewAction {
+    read_action_of(task, "agent-a")
+}
+
+fn read_action_of(task: &str, agent: &str) -> NewAction {
     NewAction {
         task_id: task.into(),
+        agent: agent.into(),
         provider: "billing-api".into(),
         method: "GET".into(),
         route: RouteTemplate::try_new("/v1/balance").expect("template"),
@@ -165,11 +170,13 @@ fn a_read_with_an_idempotency_key_is_refused_as_a_write() {
 }
 
 #[test]
-fn a_read_for_a_cancelled_or_foreign_task_is_refused_before_it_is_queued() {
+fn a_read_for_a_cancelled_or_mismatched_task_is_refused_before_it_is_queued() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
     open_task(&store, "task-1");
-    store.cancel_task("task-1", t(1)).expect("cancel");
+    store
+        .cancel_task("agent-a", "task-1", t(1))
+        .expect("cancel");
     let (done, _rx) = completion();
     let err = store
         .record_read(task("task-1", "agent-a"), read_action("task-1"), t(2), done)
@@ -181,11 +188,47 @@ fn a_read_for_a_cancelled_or_foreign_task_is_refused_before_it_is_queued() {
     let (done, _rx) = completion();
     let err = store
         .record_read(task("task-1", "agent-b"), read_action("task-1"), t(2), done)
-        .expect_err("another agent's task");
+        .expect_err("the action names another agent than the task");
     assert!(
-        matches!(&err, StoreError::InvalidTransition { reason, .. } if reason.contains("agent-a")),
+        matches!(
+            &err,
+            StoreError::Invalid {
+                field: "task_id",
+                ..
+            }
+        ),
         "{err}"
     );
+}
+
+#[test]
+fn a_read_under_another_agents_task_id_opens_its_own_task() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
+    open_task(&store, "task-1");
+    store
+        .cancel_task("agent-a", "task-1", t(1))
+        .expect("cancel");
+    let (done, rx) = completion();
+    store
+        .record_read(
+            task("task-1", "agent-b"),
+            read_action_of("task-1", "agent-b"),
+            t(2),
+            done,
+        )
+        .expect("agent-b's own task-1 is not agent-a's cancelled one");
+    rx.recv().expect("reply").expect("recorded");
+    let b = store
+        .task("agent-b", "task-1")
+        .expect("read")
+        .expect("task");
+    assert_eq!(b.cancelled_at, None);
+    let a = store
+        .task("agent-a", "task-1")
+        .expect("read")
+        .expect("task");
+    assert!(a.cancelled_at.is_some());
 }
 
 #[test]

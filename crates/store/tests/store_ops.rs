@@ -168,11 +168,15 @@ fn due_retries_are_claimed_once_and_cancelled_tasks_never_wake() {
         .expect("again")
         .is_empty());
 
-    let report = store.cancel_task("task-1", t(1_600)).expect("cancel");
+    let report = store
+        .cancel_task("agent-a", "task-1", t(1_600))
+        .expect("cancel");
     assert_eq!(report.retries_dropped, 1); // c's retry; a's was already claimed
     assert_eq!(report.actions_cancelled, 2);
     assert_eq!(
-        store.cancel_task("task-1", t(1_700)).expect("twice"),
+        store
+            .cancel_task("agent-a", "task-1", t(1_700))
+            .expect("twice"),
         Default::default()
     );
     let due = store.claim_due(t(10_000), 10, "w1").expect("claim");
@@ -186,7 +190,7 @@ fn due_retries_are_claimed_once_and_cancelled_tasks_never_wake() {
         Some(Outcome::Cancelled)
     );
     assert!(store
-        .task("task-1")
+        .task("agent-a", "task-1")
         .expect("task")
         .expect("t")
         .cancelled_at

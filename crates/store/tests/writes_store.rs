@@ -46,7 +46,9 @@ fn a_cancelled_task_has_nothing_to_claim_or_re_arm() {
     open_task(&store, "task-1");
     let a = record(&store, "task-1", "key-a", b"a");
     let job = store.schedule_retry(a, t(1_000), t(1)).expect("schedule");
-    store.cancel_task("task-1", t(2)).expect("cancel");
+    store
+        .cancel_task("agent-a", "task-1", t(2))
+        .expect("cancel");
     assert_eq!(store.claim_job(job, t(1_000), "w1").expect("claim"), None);
     assert!(store.scheduled_retries().expect("scheduled").is_empty());
 }

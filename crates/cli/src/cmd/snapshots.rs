@@ -120,9 +120,11 @@ fn export(args: ExportArgs) -> ExitCode {
         }
         let deadline = match deadlines.get(&trail.task) {
             Some(deadline) => *deadline,
-            None => match reader.task(&trail.task) {
-                Ok(task) => {
-                    let deadline = task.and_then(|t| t.deadline);
+            // The audit trail names the task id only; this offline operator view considers
+            // every agent's task with the id, and the earliest deadline wins (warn soonest).
+            None => match reader.tasks_of_every_agent(&trail.task) {
+                Ok(tasks) => {
+                    let deadline = tasks.into_iter().filter_map(|t| t.deadline).min();
                     deadlines.insert(trail.task.clone(), deadline);
                     deadline
                 }

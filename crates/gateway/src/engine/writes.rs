@@ -56,6 +56,8 @@ pub(super) const LOOKUP_MAX_WAIT: Duration = Duration::from_secs(60);
 pub(super) struct WriteFacts {
     pub(super) action: ActionId,
     pub(super) task_id: String,
+    /// The agent whose task it is (task ids are namespaced per agent).
+    pub(super) agent: String,
     pub(super) priority: Priority,
     pub(super) provider: String,
     pub(super) method: String,
@@ -225,6 +227,7 @@ impl Inner {
             .scheduler
             .acquire(AcquireRequest {
                 task_id: facts.task_id.clone(),
+                agent: facts.agent.clone(),
                 priority: facts.priority,
                 scopes: facts.scopes.clone(),
                 budget,
@@ -408,6 +411,7 @@ impl Inner {
         WriteFacts {
             action: record.id,
             task_id: record.task_id.clone(),
+            agent: record.agent.clone(),
             priority,
             provider: record.provider.clone(),
             method: record.method.clone(),
@@ -459,8 +463,8 @@ impl Inner {
                     continue;
                 }
             };
-            let task_id = record.task_id.clone();
-            let priority = match self.blocking(move |s| s.task(&task_id)).await {
+            let (agent, task_id) = (record.agent.clone(), record.task_id.clone());
+            let priority = match self.blocking(move |s| s.task(&agent, &task_id)).await {
                 Ok(Some(task)) => match task.priority {
                     backstop_store::Priority::Interactive => Priority::Interactive,
                     backstop_store::Priority::Normal => Priority::Normal,

@@ -232,8 +232,13 @@ impl Store for FailingStore {
         self.inner
             .record_status_query(escalation, decided_by, verdict, at)
     }
-    fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError> {
-        self.inner.cancel_task(task, at)
+    fn cancel_task(
+        &self,
+        agent: &str,
+        task: &str,
+        at: Timestamp,
+    ) -> Result<CancelReport, StoreError> {
+        self.inner.cancel_task(agent, task, at)
     }
     fn record_circuit_opened(
         &self,
@@ -257,8 +262,11 @@ impl Store for FailingStore {
         self.inner
             .record_watchdog_finding(action, finding, job, due_at, at)
     }
-    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
-        self.inner.task(id)
+    fn task(&self, agent: &str, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        self.inner.task(agent, id)
+    }
+    fn tasks_of_every_agent(&self, id: &str) -> Result<Vec<TaskRecord>, StoreError> {
+        self.inner.tasks_of_every_agent(id)
     }
     fn action(&self, id: ActionId) -> Result<Option<ActionRecord>, StoreError> {
         self.inner.action(id)

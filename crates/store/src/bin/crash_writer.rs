@@ -55,6 +55,7 @@ fn run(db: &str, threads: u32, round: u32) -> Result<(), backstop_store::StoreEr
                     let key = format!("r{round}-w{w}-{i}");
                     let action = NewAction {
                         task_id: task.clone(),
+                        agent: "crash-agent".into(),
                         provider: "billing-api".into(),
                         method: "POST".into(),
                         route: route.clone(),

@@ -457,13 +457,17 @@ impl Store for SqliteStore {
                     .into(),
             });
         }
-        if let Some(existing) = self.read_now(|c| rows::task(c, &task.id))? {
-            if existing.agent != task.agent {
-                return Err(StoreError::InvalidTransition {
-                    what: format!("task {:?}", task.id),
-                    reason: format!("already opened by agent {:?}", existing.agent),
-                });
-            }
+        if task.agent != action.agent || task.id != action.task_id {
+            return Err(StoreError::Invalid {
+                field: "task_id",
+                reason: format!(
+                    "the action names task {:?} of agent {:?}, not the task {:?} of agent {:?} \
+                     being opened",
+                    action.task_id, action.agent, task.id, task.agent
+                ),
+            });
+        }
+        if let Some(existing) = self.read_now(|c| rows::task(c, &task.agent, &task.id))? {
             if existing.cancelled_at.is_some() {
                 return Err(StoreError::InvalidTransition {
                     what: format!("task {:?}", task.id),
@@ -634,9 +638,14 @@ impl Store for SqliteStore {
         self.submit(move |tx| tx.record_status_query(escalation, &decided_by, &verdict, at))
     }
 
-    fn cancel_task(&self, task: &str, at: Timestamp) -> Result<CancelReport, StoreError> {
-        let task = task.to_owned();
-        self.submit(move |tx| tx.cancel_task(&task, at))
+    fn cancel_task(
+        &self,
+        agent: &str,
+        task: &str,
+        at: Timestamp,
+    ) -> Result<CancelReport, StoreError> {
+        let (agent, task) = (agent.to_owned(), task.to_owned());
+        self.submit(move |tx| tx.cancel_task(&agent, &task, at))
     }
 
     fn record_circuit_opened(
@@ -668,8 +677,12 @@ impl Store for SqliteStore {
         self.submit(move |tx| tx.record_watchdog_finding(action, &finding, job, due_at, at))
     }
 
-    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
-        self.read(|c| rows::task(c, id))
+    fn task(&self, agent: &str, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        self.read(|c| rows::task(c, agent, id))
+    }
+
+    fn tasks_of_every_agent(&self, id: &str) -> Result<Vec<TaskRecord>, StoreError> {
+        self.read(|c| rows::tasks_with_id(c, id))
     }
 
     fn action(&self, id: ActionId) -> Result<Option<ActionRecord>, StoreError> {

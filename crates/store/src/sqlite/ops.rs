@@ -50,7 +50,7 @@ impl WriteTx<'_> {
             .prepare_cached(
                 "SELECT a.task_id, a.provider, a.method, a.route, a.request_class, \
                  a.idempotency_key, a.state, a.outcome, t.cancelled_at_ms IS NOT NULL \
-                 FROM actions a JOIN tasks t ON t.id = a.task_id WHERE a.id = ?1",
+                 FROM actions a JOIN tasks t ON t.agent = a.agent AND t.id = a.task_id WHERE a.id = ?1",
             )?
             .query_row(params![action.0], |r| {
                 Ok((
@@ -114,14 +114,8 @@ impl WriteTx<'_> {
     }
 
     pub(crate) fn open_task(&mut self, task: NewTask, at: Timestamp) -> Result<(), StoreError> {
-        if let Some(existing) = rows::task(self.conn, &task.id)? {
-            if existing.agent == task.agent {
-                return Ok(());
-            }
-            return Err(StoreError::InvalidTransition {
-                what: format!("task {:?}", task.id),
-                reason: format!("already opened by agent {:?}", existing.agent),
-            });
+        if rows::task(self.conn, &task.agent, &task.id)?.is_some() {
+            return Ok(());
         }
         self.conn
             .prepare_cached(
@@ -156,6 +150,16 @@ impl WriteTx<'_> {
         id: Option<ActionId>,
         at: Timestamp,
     ) -> Result<Admission, StoreError> {
+        if task.agent != new.agent || task.id != new.task_id {
+            return Err(StoreError::Invalid {
+                field: "task_id",
+                reason: format!(
+                    "the action names task {:?} of agent {:?}, not the task {:?} of agent {:?} \
+                     being opened",
+                    new.task_id, new.agent, task.id, task.agent
+                ),
+            });
+        }
         self.open_task(task, at)?;
         self.record_action_as(new, id, at)
     }
@@ -168,8 +172,10 @@ impl WriteTx<'_> {
         id: Option<ActionId>,
         at: Timestamp,
     ) -> Result<Admission, StoreError> {
-        let task = rows::task(self.conn, &new.task_id)?.ok_or_else(|| StoreError::NotFound {
-            what: format!("task {:?}", new.task_id),
+        let task = rows::task(self.conn, &new.agent, &new.task_id)?.ok_or_else(|| {
+            StoreError::NotFound {
+                what: format!("task {:?}", new.task_id),
+            }
         })?;
         if task.cancelled_at.is_some() {
             return Err(StoreError::InvalidTransition {
@@ -511,7 +517,7 @@ impl WriteTx<'_> {
         let due: Vec<(i64, i64, i64)> = {
             let mut stmt = self.conn.prepare_cached(
                 "SELECT r.job_id, r.action_id, r.due_at_ms FROM scheduled_retries r \
-                 JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.id = a.task_id \
+                 JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.agent = a.agent AND t.id = a.task_id \
                  WHERE r.claimed_at_ms IS NULL AND r.due_at_ms <= ?1 \
                  AND t.cancelled_at_ms IS NULL AND a.state != 'finished' \
                  ORDER BY r.due_at_ms, r.job_id LIMIT ?2",
@@ -555,7 +561,7 @@ impl WriteTx<'_> {
             .conn
             .prepare_cached(
                 "SELECT r.action_id, r.due_at_ms FROM scheduled_retries r \
-                 JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.id = a.task_id \
+                 JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.agent = a.agent AND t.id = a.task_id \
                  WHERE r.job_id = ?1 AND r.claimed_at_ms IS NULL \
                  AND t.cancelled_at_ms IS NULL AND a.state != 'finished'",
             )?
@@ -890,25 +896,26 @@ impl WriteTx<'_> {
 
     pub(crate) fn cancel_task(
         &mut self,
+        agent: &str,
         task: &str,
         at: Timestamp,
     ) -> Result<CancelReport, StoreError> {
-        let record = rows::task(self.conn, task)?.ok_or_else(|| StoreError::NotFound {
+        let record = rows::task(self.conn, agent, task)?.ok_or_else(|| StoreError::NotFound {
             what: format!("task {task:?}"),
         })?;
         if record.cancelled_at.is_some() {
             return Ok(CancelReport::default());
         }
         self.conn
-            .prepare_cached("UPDATE tasks SET cancelled_at_ms = ?2 WHERE id = ?1")?
-            .execute(params![task, ms(at)])?;
+            .prepare_cached("UPDATE tasks SET cancelled_at_ms = ?3 WHERE agent = ?1 AND id = ?2")?
+            .execute(params![agent, task, ms(at)])?;
         let retries_dropped = self
             .conn
             .prepare_cached(
                 "DELETE FROM scheduled_retries WHERE claimed_at_ms IS NULL AND action_id IN \
-                 (SELECT id FROM actions WHERE task_id = ?1)",
+                 (SELECT id FROM actions WHERE agent = ?1 AND task_id = ?2)",
             )?
-            .execute(params![task])? as u64;
+            .execute(params![agent, task])? as u64;
         let at_text = format_instant(at);
         let mut e = AuditEvent::new(EventKind::Cancelled.as_str(), &at_text);
         e.task = Some(task.to_owned());
@@ -917,10 +924,10 @@ impl WriteTx<'_> {
         // recorded, since the provider may have acted.
         let open: Vec<i64> = {
             let mut stmt = self.conn.prepare_cached(
-                "SELECT id FROM actions WHERE task_id = ?1 \
+                "SELECT id FROM actions WHERE agent = ?1 AND task_id = ?2 \
                  AND state IN ('requested', 'attempted', 'waiting', 'reopened') ORDER BY id",
             )?;
-            let rows = stmt.query_map(params![task], |r| r.get(0))?;
+            let rows = stmt.query_map(params![agent, task], |r| r.get(0))?;
             rows.collect::<Result<_, _>>()?
         };
         for id in &open {

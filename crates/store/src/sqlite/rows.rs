@@ -45,31 +45,52 @@ fn u64_of(table: &'static str, v: Option<i64>) -> Result<Option<u64>, StoreError
     .transpose()
 }
 
-pub(crate) fn task(conn: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+/// The task `id` of `agent` (tasks are namespaced per agent).
+pub(crate) fn task(
+    conn: &Connection,
+    agent: &str,
+    id: &str,
+) -> Result<Option<TaskRecord>, StoreError> {
     let row = conn
         .prepare_cached(
-            "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks WHERE id = ?1",
+            "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks \
+             WHERE agent = ?1 AND id = ?2",
         )?
-        .query_row(params![id], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, Option<i64>>(3)?,
-                r.get::<_, Option<i64>>(4)?,
-            ))
-        })
+        .query_row(params![agent, id], task_row)
         .optional()?;
-    row.map(|(id, agent, priority, deadline, cancelled)| {
-        Ok(TaskRecord {
-            id,
-            agent,
-            priority: Priority::parse(&priority).map_err(corrupt("tasks"))?,
-            deadline: opt_ms("tasks", deadline)?,
-            cancelled_at: opt_ms("tasks", cancelled)?,
-        })
+    row.map(task_record).transpose()
+}
+
+/// Every agent's task with this id, ordered by agent (an operator's view).
+pub(crate) fn tasks_with_id(conn: &Connection, id: &str) -> Result<Vec<TaskRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks \
+         WHERE id = ?1 ORDER BY agent",
+    )?;
+    let rows = stmt.query_map(params![id], task_row)?;
+    let mut out = Vec::new();
+    for row in rows {
+        out.push(task_record(row?)?);
+    }
+    Ok(out)
+}
+
+type TaskRow = (String, String, String, Option<i64>, Option<i64>);
+
+fn task_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TaskRow> {
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+}
+
+fn task_record(
+    (id, agent, priority, deadline, cancelled): TaskRow,
+) -> Result<TaskRecord, StoreError> {
+    Ok(TaskRecord {
+        id,
+        agent,
+        priority: Priority::parse(&priority).map_err(corrupt("tasks"))?,
+        deadline: opt_ms("tasks", deadline)?,
+        cancelled_at: opt_ms("tasks", cancelled)?,
     })
-    .transpose()
 }
 
 const ACTION_COLUMNS: &str = "id, task_id, agent, provider, method, route, request_class, \
@@ -257,7 +278,7 @@ pub(crate) fn unfinished_attempts(conn: &Connection) -> Result<Vec<UnfinishedAtt
 pub(crate) fn scheduled_retries(conn: &Connection) -> Result<Vec<DueRetry>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT r.job_id, r.action_id, r.due_at_ms FROM scheduled_retries r \
-         JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.id = a.task_id \
+         JOIN actions a ON a.id = r.action_id JOIN tasks t ON t.agent = a.agent AND t.id = a.task_id \
          WHERE r.claimed_at_ms IS NULL AND t.cancelled_at_ms IS NULL AND a.state != 'finished' \
          ORDER BY r.due_at_ms, r.job_id",
     )?;

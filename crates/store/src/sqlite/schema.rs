@@ -176,6 +176,60 @@ const MIGRATIONS: &[&str] = &[
     CREATE UNIQUE INDEX one_waiting_retry_per_action ON scheduled_retries(action_id)
         WHERE claimed_at_ms IS NULL;
     "#,
+    // 3 -> 4: task ids are namespaced per agent. A task is keyed by (agent, id), so two agents
+    // may use the same id independently; an action refers to its task by (agent, task_id).
+    // Both tables are rebuilt (SQLite cannot change a primary key in place); every existing
+    // task keeps its one agent, and every action already carries its task's agent.
+    r#"
+    CREATE TABLE tasks_v4 (
+        agent           TEXT NOT NULL,
+        id              TEXT NOT NULL,
+        priority        TEXT NOT NULL,
+        deadline_ms     INTEGER,
+        cancelled_at_ms INTEGER,
+        created_at_ms   INTEGER NOT NULL,
+        PRIMARY KEY (agent, id)
+    );
+    INSERT INTO tasks_v4 (agent, id, priority, deadline_ms, cancelled_at_ms, created_at_ms)
+    SELECT agent, id, priority, deadline_ms, cancelled_at_ms, created_at_ms FROM tasks;
+    CREATE TABLE actions_v4 (
+        id                    INTEGER PRIMARY KEY,
+        task_id               TEXT NOT NULL,
+        agent                 TEXT NOT NULL,
+        provider              TEXT NOT NULL,
+        method                TEXT NOT NULL,
+        route                 TEXT NOT NULL,
+        request_class         TEXT NOT NULL,
+        payload_digest        TEXT NOT NULL,
+        idempotency_key       TEXT,
+        external_reference    TEXT,
+        provider_operation_id TEXT,
+        state                 TEXT NOT NULL,
+        outcome               TEXT,
+        outcome_context       TEXT,
+        response_status       INTEGER,
+        response_headers      TEXT,
+        response_body         BLOB,
+        created_at_ms         INTEGER NOT NULL,
+        updated_at_ms         INTEGER NOT NULL,
+        FOREIGN KEY (agent, task_id) REFERENCES tasks(agent, id)
+    );
+    INSERT INTO actions_v4 (id, task_id, agent, provider, method, route, request_class,
+        payload_digest, idempotency_key, external_reference, provider_operation_id, state,
+        outcome, outcome_context, response_status, response_headers, response_body,
+        created_at_ms, updated_at_ms)
+    SELECT id, task_id, agent, provider, method, route, request_class, payload_digest,
+        idempotency_key, external_reference, provider_operation_id, state, outcome,
+        outcome_context, response_status, response_headers, response_body, created_at_ms,
+        updated_at_ms FROM actions;
+    DROP TABLE actions;
+    DROP TABLE tasks;
+    ALTER TABLE tasks_v4 RENAME TO tasks;
+    ALTER TABLE actions_v4 RENAME TO actions;
+    CREATE INDEX actions_by_task ON actions(agent, task_id);
+    CREATE UNIQUE INDEX actions_by_agent_key ON actions(agent, idempotency_key)
+        WHERE idempotency_key IS NOT NULL;
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
@@ -456,5 +510,80 @@ mod tests {
             .query_row("PRAGMA foreign_keys", [], |r| r.get(0))
             .expect("pragma");
         assert_eq!(fk, 1);
+    }
+
+    /// A version-3 database (tasks keyed by id alone) with one task of agent `alice`, one
+    /// action and one waiting retry, as the previous build left it.
+    fn version_3(path: &Path) {
+        let mut conn = Connection::open(path).expect("create");
+        conn.pragma_update(None, "foreign_keys", "OFF")
+            .expect("fk off");
+        run_migrations_to(&mut conn, 3);
+        conn.execute_batch(
+            "INSERT INTO tasks (id, agent, priority, deadline_ms, created_at_ms)
+                 VALUES ('shared-1', 'alice', 'interactive', 99, 1);
+             INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
+                 payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+             VALUES (5, 'shared-1', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd',
+                 'key-5', 'waiting', 1, 2);
+             INSERT INTO scheduled_retries (job_id, action_id, due_at_ms) VALUES (1, 5, 10);",
+        )
+        .expect("rows");
+    }
+
+    fn run_migrations_to(conn: &mut Connection, version: usize) {
+        for (i, script) in MIGRATIONS.iter().enumerate().take(version) {
+            conn.execute_batch(script).expect("older schema");
+            conn.pragma_update(None, "user_version", i as i64 + 1)
+                .expect("version");
+        }
+        conn.pragma_update(None, "application_id", APPLICATION_ID)
+            .expect("id");
+    }
+
+    #[test]
+    fn version_3_database_is_upgraded_in_place_to_tasks_keyed_by_agent_and_id() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v3.db");
+        version_3(&path);
+        let conn = open_writer(&path, false).expect("migrated");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, SCHEMA_VERSION);
+        let task = crate::sqlite::rows::task(&conn, "alice", "shared-1")
+            .expect("read")
+            .expect("alice's task kept");
+        assert_eq!(task.agent, "alice");
+        assert_eq!(task.priority, crate::model::Priority::Interactive);
+        assert_eq!(task.deadline.map(|d| d.as_millisecond()), Some(99));
+        let action: (String, String) = conn
+            .query_row("SELECT task_id, agent FROM actions WHERE id = 5", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .expect("action kept");
+        assert_eq!(action, ("shared-1".to_owned(), "alice".to_owned()));
+        let retries: i64 = conn
+            .query_row("SELECT count(*) FROM scheduled_retries", [], |r| r.get(0))
+            .expect("retries");
+        assert_eq!(retries, 1);
+        // Another agent may now open the same task id ...
+        conn.execute_batch(
+            "INSERT INTO tasks (id, agent, priority, created_at_ms)
+                 VALUES ('shared-1', 'bob', 'normal', 3);",
+        )
+        .expect("bob's task with the same id");
+        // ... but an action must name a task of its own agent.
+        let orphan = conn.execute_batch(
+            "INSERT INTO actions (task_id, agent, provider, method, route, request_class,
+                 payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+             VALUES ('shared-1', 'carol', 'p', 'GET', '/v1/x', 'read', 'd', NULL,
+                 'requested', 3, 3);",
+        );
+        assert!(orphan.is_err(), "actions reference tasks by (agent, id)");
+        let dangling = conn.execute_batch(
+            "INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (999, 1, 'sent', 1);",
+        );
+        assert!(dangling.is_err(), "attempts still reference actions");
     }
 }

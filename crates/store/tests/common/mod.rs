@@ -29,6 +29,7 @@ pub fn open_task(store: &SqliteStore, id: &str) {
 pub fn new_action(task: &str, key: &str, payload: &[u8]) -> NewAction {
     NewAction {
         task_id: task.into(),
+        agent: "agent-a".into(),
         provider: "billing-api".into(),
         method: "POST".into(),
         route: RouteTemplate::try_new("/v1/transfers").expect("template"),
