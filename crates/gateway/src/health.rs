@@ -75,7 +75,7 @@ use backstop_core::diagnose::{
 };
 use backstop_core::policy::Policy;
 use backstop_store::audit::AuditEvent;
-use backstop_store::{Store, StoreError, TaskRecord};
+use backstop_store::{ActionId, Store, StoreError, TaskRecord};
 use jiff::Timestamp;
 use serde::Serialize;
 use serde_json::json;
@@ -861,23 +861,43 @@ fn visible_task(
 }
 
 /// Reads the whole log and the tasks of every throttled run; keeps the runs `caller` may see.
+/// What `caller` may see: the evidence, the visible tasks by id, and the visible action ids.
+///
+/// Audit events name the task id but not its agent, and task ids are namespaced per agent, so
+/// two agents' tasks with the same id share trails in the evidence. An agent therefore sees only
+/// the trails of actions recorded as its own (looked up in the store); an operator sees all.
 fn gather(
     store: &dyn Store,
     only_task: Option<&str>,
     caller: &Caller,
-) -> Result<(Evidence, BTreeMap<String, TaskRecord>), HealthError> {
+) -> Result<(Evidence, BTreeMap<String, TaskRecord>, BTreeSet<i64>), HealthError> {
     let mut evidence = Evidence::new();
     evidence.catch_up(store)?;
     let mut tasks = BTreeMap::new();
+    let mut visible = BTreeSet::new();
     for trail in evidence.trails() {
-        if only_task.is_some_and(|t| t != trail.task) || tasks.contains_key(&trail.task) {
+        if only_task.is_some_and(|t| t != trail.task) {
             continue;
         }
-        if let Some(task) = visible_task(store, caller, &trail.task)? {
-            tasks.insert(trail.task.clone(), task);
+        if !tasks.contains_key(&trail.task) {
+            match visible_task(store, caller, &trail.task)? {
+                Some(task) => {
+                    tasks.insert(trail.task.clone(), task);
+                }
+                None => continue,
+            }
+        }
+        let own = match caller.role {
+            Role::Operator => true,
+            Role::Agent => store
+                .action(ActionId(trail.action))?
+                .is_some_and(|record| record.agent == caller.name),
+        };
+        if own {
+            visible.insert(trail.action);
         }
     }
-    Ok((evidence, tasks))
+    Ok((evidence, tasks, visible))
 }
 
 async fn blocking<T: Send + 'static>(
@@ -925,14 +945,17 @@ async fn one_run(
     };
     let store = state.store.clone();
     let only = task.id.clone();
-    let (evidence, _) = blocking(move || gather(store.as_ref(), Some(&only), &caller)).await?;
+    let (evidence, _, visible) =
+        blocking(move || gather(store.as_ref(), Some(&only), &caller)).await?;
     let ctx = SnapshotContext {
         deadline: task.deadline,
         policy: &state.policy,
         heartbeat_at: evidence.heartbeat_at(),
         now: state.clock.now(),
     };
-    let trails = evidence.trails().filter(|t| t.task == task.id);
+    let trails = evidence
+        .trails()
+        .filter(|t| t.task == task.id && visible.contains(&t.action));
     Ok(Json(run_health(&task.id, trails, &ctx, &options(&state))))
 }
 
@@ -942,7 +965,8 @@ async fn all_runs(
 ) -> Result<Json<GatewayHealth>, HealthProblem> {
     let caller = caller(&state, &headers)?;
     let store = state.store.clone();
-    let (evidence, tasks) = blocking(move || gather(store.as_ref(), None, &caller)).await?;
+    let (evidence, tasks, visible) =
+        blocking(move || gather(store.as_ref(), None, &caller)).await?;
     let now = state.clock.now();
     let opts = options(&state);
     let mut runs = Vec::new();
@@ -956,7 +980,9 @@ async fn all_runs(
         };
         let health = run_health(
             &task.id,
-            evidence.trails().filter(|t| t.task == task.id),
+            evidence
+                .trails()
+                .filter(|t| t.task == task.id && visible.contains(&t.action)),
             &ctx,
             &opts,
         );

@@ -181,6 +181,39 @@ async fn two_agents_share_a_task_id_independently_and_cancel_only_their_own() {
     assert_eq!(status, 404, "{text}");
     to_bob.push(text);
 
+    // Run health is per agent too: alice's throttled read is in her `shared-1`, never in bob's.
+    let health_of = |token: &'static str| {
+        let base = base.clone();
+        async move {
+            let r = client()
+                .get(format!("{base}/v1/runs/shared-1/health"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .expect("run health");
+            json_of(r).await
+        }
+    };
+    let action_ids = |body: &Value| -> Vec<i64> {
+        body["actions"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|x| x["action_id"].as_i64()).collect())
+            .unwrap_or_default()
+    };
+    let (status, alice_health) = health_of(ALICE).await;
+    assert_eq!(status, 200, "{alice_health}");
+    assert!(
+        action_ids(&alice_health).contains(&alice_action),
+        "alice's throttled read is in her run health: {alice_health}"
+    );
+    let (status, bob_health) = health_of(BOB).await;
+    assert_eq!(status, 200, "{bob_health}");
+    assert!(
+        !action_ids(&bob_health).contains(&alice_action),
+        "bob's run health shows none of alice's actions: {bob_health}"
+    );
+    to_bob.push(bob_health.to_string());
+
     for text in &to_bob {
         assert!(
             !text.to_ascii_lowercase().contains("alice"),
