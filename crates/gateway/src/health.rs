@@ -866,11 +866,14 @@ fn visible_task(
 /// Audit events name the task id but not its agent, and task ids are namespaced per agent, so
 /// two agents' tasks with the same id share trails in the evidence. An agent therefore sees only
 /// the trails of actions recorded as its own (looked up in the store); an operator sees all.
+/// The evidence, the visible tasks by id, and the visible action ids.
+type Visible = (Evidence, BTreeMap<String, TaskRecord>, BTreeSet<i64>);
+
 fn gather(
     store: &dyn Store,
     only_task: Option<&str>,
     caller: &Caller,
-) -> Result<(Evidence, BTreeMap<String, TaskRecord>, BTreeSet<i64>), HealthError> {
+) -> Result<Visible, HealthError> {
     let mut evidence = Evidence::new();
     evidence.catch_up(store)?;
     let mut tasks = BTreeMap::new();
