@@ -44,6 +44,17 @@ pub(crate) enum Action {
     },
 }
 
+impl Action {
+    /// The headers of an answer (`Reply` or `Stream`); `None` for `Drop`, which sends none.
+    fn headers_mut(&mut self) -> Option<&mut HeaderMap> {
+        match self {
+            Action::Reply(reply) => Some(&mut reply.headers),
+            Action::Stream { headers, .. } => Some(headers),
+            Action::Drop { .. } => None,
+        }
+    }
+}
+
 /// Identifies an attempt record across a possible reset.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ticket {
@@ -197,28 +208,10 @@ pub(crate) fn decide(
         index: state.attempts.len(),
     };
     state.attempts.push(record);
-    let action = decide_inner(compiled, state, request, now, ticket.index);
-    let action = match action {
-        Action::Reply(mut reply) => {
-            stamp_date(&mut reply.headers, now);
-            Action::Reply(reply)
-        }
-        Action::Stream {
-            mut headers,
-            events,
-            interval,
-            stream_id,
-        } => {
-            stamp_date(&mut headers, now);
-            Action::Stream {
-                headers,
-                events,
-                interval,
-                stream_id,
-            }
-        }
-        drop @ Action::Drop { .. } => drop,
-    };
+    let mut action = decide_inner(compiled, state, request, now, ticket.index);
+    if let Some(headers) = action.headers_mut() {
+        stamp_date(headers, now);
+    }
     let finished = match &action {
         Action::Reply(reply) => state.finish(
             ticket,
@@ -380,7 +373,7 @@ fn decide_inner(
         Some(Fault::Pass) | None => None,
     };
 
-    let action = match action {
+    let mut action = match action {
         Some(action) => action,
         None => serve(
             compiled, state, request, body, route, &params, now, index, &scope,
@@ -393,38 +386,16 @@ fn decide_inner(
         };
     }
     // Quota headers on every answer of a route with a quota (from its first quota).
-    let with_quota_headers = |headers: &mut HeaderMap, state: &mut ProviderState| {
-        if let Some(&q) = route.quotas.first() {
-            let config = &compiled.quotas[q];
-            let counter = state
-                .quotas
-                .entry((q, scope(&config.scope)))
-                .or_insert_with(|| QuotaState::new(config, now.mono));
-            let snap = counter.snapshot(config, now.mono);
-            quota::write_headers(headers, config, &snap, now.wall);
-        }
-    };
-    match action {
-        Action::Reply(mut reply) => {
-            with_quota_headers(&mut reply.headers, state);
-            Action::Reply(reply)
-        }
-        Action::Stream {
-            mut headers,
-            events,
-            interval,
-            stream_id,
-        } => {
-            with_quota_headers(&mut headers, state);
-            Action::Stream {
-                headers,
-                events,
-                interval,
-                stream_id,
-            }
-        }
-        other => other,
+    if let (Some(headers), Some(&q)) = (action.headers_mut(), route.quotas.first()) {
+        let config = &compiled.quotas[q];
+        let counter = state
+            .quotas
+            .entry((q, scope(&config.scope)))
+            .or_insert_with(|| QuotaState::new(config, now.mono));
+        let snap = counter.snapshot(config, now.mono);
+        quota::write_headers(headers, config, &snap, now.wall);
     }
+    action
 }
 
 /// The normal path: quota, idempotency, handler.
