@@ -457,16 +457,7 @@ impl Store for SqliteStore {
                     .into(),
             });
         }
-        if task.agent != action.agent || task.id != action.task_id {
-            return Err(StoreError::Invalid {
-                field: "task_id",
-                reason: format!(
-                    "the action names task {:?} of agent {:?}, not the task {:?} of agent {:?} \
-                     being opened",
-                    action.task_id, action.agent, task.id, task.agent
-                ),
-            });
-        }
+        ops::check_names_task(&task, &action)?;
         if let Some(existing) = self.read_now(|c| rows::task(c, &task.agent, &task.id))? {
             if existing.cancelled_at.is_some() {
                 return Err(StoreError::InvalidTransition {

@@ -38,6 +38,21 @@ struct ActionFacts {
     cancelled: bool,
 }
 
+/// Checks that `action` belongs to `task`, the task opened with it (same agent, same id).
+pub(crate) fn check_names_task(task: &NewTask, action: &NewAction) -> Result<(), StoreError> {
+    if task.agent != action.agent || task.id != action.task_id {
+        return Err(StoreError::Invalid {
+            field: "task_id",
+            reason: format!(
+                "the action names task {:?} of agent {:?}, not the task {:?} of agent {:?} \
+                 being opened",
+                action.task_id, action.agent, task.id, task.agent
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl WriteTx<'_> {
     fn append(&mut self, mut event: AuditEvent) -> Result<(), StoreError> {
         self.chain.seal(&mut event);
@@ -150,16 +165,7 @@ impl WriteTx<'_> {
         id: Option<ActionId>,
         at: Timestamp,
     ) -> Result<Admission, StoreError> {
-        if task.agent != new.agent || task.id != new.task_id {
-            return Err(StoreError::Invalid {
-                field: "task_id",
-                reason: format!(
-                    "the action names task {:?} of agent {:?}, not the task {:?} of agent {:?} \
-                     being opened",
-                    new.task_id, new.agent, task.id, task.agent
-                ),
-            });
-        }
+        check_names_task(&task, &new)?;
         self.open_task(task, at)?;
         self.record_action_as(new, id, at)
     }
