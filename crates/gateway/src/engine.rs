@@ -1347,28 +1347,18 @@ impl Engine {
                     // The lookup is a read of the provider's state, not a resend: it never
                     // spends the write's attempts. A resend does; when the class has none left
                     // (an `uncertain_write` allows one), a human decides instead.
-                    writes::UncertainEnd::RetrySameKey if budget.attempts_remaining() == 0 => {
-                        guard.armed = false;
-                        if let Some(tokens) = pending.take() {
-                            inner.scheduler.deposit(&route.scopes, Some(tokens));
-                        }
-                        if let Err(e) = inner
-                            .blocking(move |s| s.record_result(result, received_at))
-                            .await
-                        {
-                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
-                        }
-                        guard.in_flight = None;
-                        let reason = format!(
-                            "the provider honours the idempotency key, but the `{}` class allows no further attempt, so resending under the same key is an operator's decision",
-                            route.class
-                        );
-                        return self
-                            .escalate_uncertain(run, &budget, &seen, &facts, &reason)
-                            .await;
+                    writes::UncertainEnd::RetrySameKey if budget.attempts_remaining() > 0 => {
+                        resend_same_key = true;
                     }
-                    writes::UncertainEnd::RetrySameKey => resend_same_key = true,
-                    writes::UncertainEnd::Escalate { reason } => {
+                    end => {
+                        let reason = match end {
+                            writes::UncertainEnd::Escalate { reason } => reason,
+                            // `RetrySameKey` with no attempt left (`Found` returned above).
+                            _ => format!(
+                                "the provider honours the idempotency key, but the `{}` class allows no further attempt, so resending under the same key is an operator's decision",
+                                route.class
+                            ),
+                        };
                         guard.armed = false;
                         if let Some(tokens) = pending.take() {
                             inner.scheduler.deposit(&route.scopes, Some(tokens));
