@@ -31,6 +31,7 @@ use backstop_core::quota::Dialect;
 use jiff::Timestamp;
 use serde_json::Value;
 
+use crate::cmd::clock::current_time;
 use crate::cmd::output::{self, errln};
 
 /// Request class whose retry statuses decide `retryable` (SPEC §3 defaults).
@@ -87,13 +88,6 @@ pub struct Args {
     /// Print the JSON indented over several lines instead of one line.
     #[arg(long)]
     pub pretty: bool,
-}
-
-/// The default for `--now`. The command line is the imperative shell: this is the one place in
-/// `classify` that reads the real clock; the core gets `now` passed in.
-#[allow(clippy::disallowed_methods)]
-fn current_time() -> Timestamp {
-    Timestamp::now()
 }
 
 /// Parses one `-H 'Name: value'` line into the map.

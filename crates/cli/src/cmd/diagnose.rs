@@ -38,6 +38,7 @@ use backstop_core::diagnose::{
 use jiff::{SignedDuration, Timestamp};
 use serde::Serialize;
 
+use crate::cmd::clock::{current_time, parse_now};
 use crate::cmd::output::{self, errln};
 
 /// Lines longer than this (1 MiB) are reported as bad and skipped, so memory stays bounded.
@@ -105,11 +106,6 @@ pub struct Args {
     pub format: Format,
 }
 
-fn parse_now(s: &str) -> Result<Timestamp, String> {
-    s.parse::<Timestamp>()
-        .map_err(|e| format!("not an RFC 3339 instant with offset ({e})"))
-}
-
 /// Parses `30s`, `1m`, `500ms`, `1m30s` or ISO 8601 (`PT30S`) through jiff's duration parser.
 fn parse_grace(s: &str) -> Result<Duration, String> {
     let signed: SignedDuration = s
@@ -117,13 +113,6 @@ fn parse_grace(s: &str) -> Result<Duration, String> {
         .parse()
         .map_err(|e| format!("not a duration like 30s, 1m or 500ms ({e})"))?;
     Duration::try_from(signed).map_err(|_| "the wake grace must not be negative".to_string())
-}
-
-/// The default for `--now`. The command line is the imperative shell: this is the one place in
-/// `diagnose` that reads the real clock; the core gets `now` passed in.
-#[allow(clippy::disallowed_methods)]
-fn current_time() -> Timestamp {
-    Timestamp::now()
 }
 
 /// One result as printed: the input line number beside the report.

@@ -3,6 +3,7 @@
 pub mod audit;
 pub mod classify;
 pub mod client;
+pub mod clock;
 pub mod demo;
 pub mod diagnose;
 pub mod escalations;

@@ -27,6 +27,7 @@ use backstop_gateway::health::{derive_snapshot, Evidence, HealthPolicy, Snapshot
 use backstop_store::snapshots::RunRecordsReader;
 use jiff::Timestamp;
 
+use crate::cmd::clock::{current_time, parse_now};
 use crate::cmd::output::errln;
 
 /// Arguments of `backstop snapshots`.
@@ -56,17 +57,6 @@ struct ExportArgs {
     /// Policy file for class ceilings and route scopes (default: the SPEC §3 classes).
     #[arg(long)]
     policy: Option<PathBuf>,
-}
-
-fn parse_now(s: &str) -> Result<Timestamp, String> {
-    s.parse::<Timestamp>()
-        .map_err(|e| format!("not an RFC 3339 instant with offset ({e})"))
-}
-
-/// The default for `--now`: the one clock read of this command (the derivation is given `now`).
-#[allow(clippy::disallowed_methods)]
-fn current_time() -> Timestamp {
-    Timestamp::now()
 }
 
 /// Runs `backstop snapshots …`.
