@@ -11,8 +11,8 @@ use crate::audit::{format_instant, AuditEvent, Chain, EventKind};
 use crate::error::StoreError;
 use crate::model::{
     ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport, DueRetry,
-    EscalationId, Finish, JobId, NewAction, NewTask, Outcome, RouteTemplate, ScopeRecord,
-    ScopeUpdate,
+    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome, RouteTemplate,
+    ScopeRecord, ScopeUpdate,
 };
 use crate::store::{ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
 
@@ -53,7 +53,39 @@ pub(crate) fn check_names_task(task: &NewTask, action: &NewAction) -> Result<(),
     Ok(())
 }
 
+/// Checks that each `(field, value)` holds more than whitespace; the first that does not is
+/// [`StoreError::Invalid`] naming that field.
+fn require_text(fields: &[(&'static str, &str)]) -> Result<(), StoreError> {
+    match fields.iter().find(|(_, value)| value.trim().is_empty()) {
+        Some(&(field, _)) => Err(StoreError::Invalid {
+            field,
+            reason: "must not be empty".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
 impl WriteTx<'_> {
+    /// The stored escalation `id`; [`StoreError::NotFound`] when there is none.
+    fn stored_escalation(&self, id: EscalationId) -> Result<EscalationRecord, StoreError> {
+        rows::escalation(self.conn, id)?.ok_or_else(|| StoreError::NotFound {
+            what: format!("escalation {}", id.0),
+        })
+    }
+
+    /// The stored escalation `id` while it awaits a decision; [`StoreError::InvalidTransition`]
+    /// once decided.
+    fn undecided_escalation(&self, id: EscalationId) -> Result<EscalationRecord, StoreError> {
+        let record = self.stored_escalation(id)?;
+        if record.decision.is_some() {
+            return Err(StoreError::InvalidTransition {
+                what: format!("escalation {}", id.0),
+                reason: "already decided".into(),
+            });
+        }
+        Ok(record)
+    }
+
     fn append(&mut self, mut event: AuditEvent) -> Result<(), StoreError> {
         self.chain.seal(&mut event);
         rows::insert_event(self.conn, &event)
@@ -752,16 +784,7 @@ impl WriteTx<'_> {
         note: Option<&str>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        let record =
-            rows::escalation(self.conn, escalation)?.ok_or_else(|| StoreError::NotFound {
-                what: format!("escalation {}", escalation.0),
-            })?;
-        if record.decision.is_some() {
-            return Err(StoreError::InvalidTransition {
-                what: format!("escalation {}", escalation.0),
-                reason: "already decided".into(),
-            });
-        }
+        let record = self.undecided_escalation(escalation)?;
         self.conn
             .prepare_cached(
                 "UPDATE escalations SET state = 'decided', decision = ?2, decided_by = ?3, \
@@ -839,22 +862,12 @@ impl WriteTx<'_> {
         outcome: &str,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        for (field, value) in [
+        require_text(&[
             ("access", access),
             ("decided_by", decided_by),
             ("outcome", outcome),
-        ] {
-            if value.trim().is_empty() {
-                return Err(StoreError::Invalid {
-                    field,
-                    reason: "must not be empty".into(),
-                });
-            }
-        }
-        let record =
-            rows::escalation(self.conn, escalation)?.ok_or_else(|| StoreError::NotFound {
-                what: format!("escalation {}", escalation.0),
-            })?;
+        ])?;
+        let record = self.stored_escalation(escalation)?;
         let f = self.facts(record.action)?;
         let mut e = Self::action_event(EventKind::Decision, &format_instant(at), record.action, &f);
         e.kind = ACCESS_DECISION.to_owned();
@@ -872,24 +885,8 @@ impl WriteTx<'_> {
         verdict: &str,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        for (field, value) in [("decided_by", decided_by), ("verdict", verdict)] {
-            if value.trim().is_empty() {
-                return Err(StoreError::Invalid {
-                    field,
-                    reason: "must not be empty".into(),
-                });
-            }
-        }
-        let record =
-            rows::escalation(self.conn, escalation)?.ok_or_else(|| StoreError::NotFound {
-                what: format!("escalation {}", escalation.0),
-            })?;
-        if record.decision.is_some() {
-            return Err(StoreError::InvalidTransition {
-                what: format!("escalation {}", escalation.0),
-                reason: "already decided".into(),
-            });
-        }
+        require_text(&[("decided_by", decided_by), ("verdict", verdict)])?;
+        let record = self.undecided_escalation(escalation)?;
         let f = self.facts(record.action)?;
         let mut e = Self::action_event(EventKind::Decision, &format_instant(at), record.action, &f);
         e.kind = STATUS_QUERY.to_owned();
@@ -977,12 +974,7 @@ impl WriteTx<'_> {
         due_at: Option<Timestamp>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        if finding.trim().is_empty() {
-            return Err(StoreError::Invalid {
-                field: "finding",
-                reason: "must not be empty".into(),
-            });
-        }
+        require_text(&[("finding", finding)])?;
         let f = self.facts(action)?;
         let mut e = Self::action_event(EventKind::WatchdogFinding, &format_instant(at), action, &f);
         e.source = Some(finding.to_owned());
