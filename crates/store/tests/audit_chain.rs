@@ -207,40 +207,33 @@ fn editing_the_database_is_found_by_verify() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (store, path) = populated(dir.path(), 4);
     drop(store);
-    let conn = rusqlite_conn(&path);
-    conn.execute(
+    let reader = tamper(
+        &path,
         "UPDATE audit_events SET route = '/v1/refunds' WHERE seq = 3",
-        [],
-    )
-    .expect("tamper");
-    drop(conn);
-    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    );
     assert_eq!(
         broken(reader.verify(None).expect("verify")),
         (3, BreakKind::Altered)
     );
-    let conn = rusqlite_conn(&path);
-    conn.execute("DELETE FROM audit_events WHERE seq = 6", [])
-        .expect("delete");
-    drop(conn);
-    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    let reader = tamper(&path, "DELETE FROM audit_events WHERE seq = 6");
     assert_eq!(
         broken(reader.verify(None).expect("verify")),
         (3, BreakKind::Altered)
     );
-    let conn = rusqlite_conn(&path);
-    conn.execute("DELETE FROM audit_events WHERE seq = 3", [])
-        .expect("delete");
-    drop(conn);
-    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    let reader = tamper(&path, "DELETE FROM audit_events WHERE seq = 3");
     assert_eq!(
         broken(reader.verify(None).expect("verify")),
         (3, BreakKind::Missing)
     );
 }
 
-fn rusqlite_conn(path: &std::path::Path) -> rusqlite::Connection {
-    rusqlite::Connection::open(path).expect("open raw")
+/// Runs `sql` on the closed database at `path` behind the store's back, then opens a reader.
+fn tamper(path: &std::path::Path, sql: &str) -> backstop_store::AuditReader {
+    rusqlite::Connection::open(path)
+        .expect("open raw")
+        .execute(sql, [])
+        .expect("tamper");
+    backstop_store::AuditReader::open(path).expect("reader")
 }
 
 #[test]
@@ -248,15 +241,11 @@ fn undecodable_column_is_an_altered_event_named_by_seq() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (store, path) = populated(dir.path(), 4);
     drop(store);
-    let conn = rusqlite_conn(&path);
     // A status that does not fit the u16 column type, and a text where a number belongs.
-    conn.execute(
+    let reader = tamper(
+        &path,
         "UPDATE audit_events SET status = 99999999999 WHERE seq = 7",
-        [],
-    )
-    .expect("tamper");
-    drop(conn);
-    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    );
     let verdict = reader
         .verify(None)
         .expect("verify reports a break, not an error");
@@ -265,11 +254,10 @@ fn undecodable_column_is_an_altered_event_named_by_seq() {
     let err = reader.export(0, &mut out).expect_err("export stops");
     assert!(err.to_string().contains("seq 7"), "{err}");
 
-    let conn = rusqlite_conn(&path);
-    conn.execute("UPDATE audit_events SET status = 'oops' WHERE seq = 5", [])
-        .expect("tamper");
-    drop(conn);
-    let reader = backstop_store::AuditReader::open(&path).expect("reader");
+    let reader = tamper(
+        &path,
+        "UPDATE audit_events SET status = 'oops' WHERE seq = 5",
+    );
     assert_eq!(
         broken(reader.verify(None).expect("verify")),
         (5, BreakKind::Altered)
