@@ -315,18 +315,13 @@ impl Problem {
     /// the agent must check the action's status (SPEC §5, §12: a write is sent only after it
     /// is durable).
     pub fn store_unavailable(sent: bool, detail: impl Into<String>) -> Problem {
-        let mut problem = Problem::door(
+        Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,
             "store_unavailable",
             "backstop's store is unavailable",
             detail,
         )
-        .with_extension("sent", Value::Bool(sent));
-        if !sent {
-            problem.retry_after_seconds = Some(1);
-            problem.should_retry = true;
-        }
-        problem
+        .with_sent(sent)
     }
 
     /// 503 `shutting_down` for a caller whose action was still waiting when the gateway began
@@ -334,13 +329,19 @@ impl Problem {
     /// `x-should-retry: true`); with `sent` true an earlier attempt left, the action stays
     /// recorded for reconciliation after the restart and `x-should-retry` is `false`.
     pub fn shutting_down_during(sent: bool, detail: impl Into<String>) -> Problem {
-        let mut problem = Problem::door(
+        Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,
             "shutting_down",
             "backstop is shutting down",
             detail,
         )
-        .with_extension("sent", Value::Bool(sent));
+        .with_sent(sent)
+    }
+
+    /// Adds the `sent` member; when nothing was sent a retry is safe, so it also sets
+    /// `Retry-After: 1` and `x-should-retry: true`.
+    fn with_sent(self, sent: bool) -> Problem {
+        let mut problem = self.with_extension("sent", Value::Bool(sent));
         if !sent {
             problem.retry_after_seconds = Some(1);
             problem.should_retry = true;
