@@ -1,9 +1,24 @@
 //! `backstop policy check` as a process: exit codes and output (SPEC §3, §11).
 
-use std::process::Command;
+use std::path::PathBuf;
+use std::process::{Command, Output};
 
 fn backstop() -> Command {
     Command::new(env!("CARGO_BIN_EXE_backstop"))
+}
+
+/// Writes `yaml` to `name` in a fresh directory and runs `backstop policy check` on it; the
+/// directory lives as long as the returned guard.
+fn check(name: &str, yaml: &str) -> (tempfile::TempDir, PathBuf, Output) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join(name);
+    std::fs::write(&file, yaml).expect("write");
+    let out = backstop()
+        .args(["policy", "check"])
+        .arg(&file)
+        .output()
+        .expect("run backstop");
+    (dir, file, out)
 }
 
 #[test]
@@ -31,18 +46,7 @@ fn shipped_example_passes_with_a_summary() {
 
 #[test]
 fn broken_file_exits_2_with_file_line_column() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("broken.yaml");
-    std::fs::write(
-        &file,
-        "breaker:\n  threshold: 0\nproviders:\n  a:\n    base_url: https://a.example\n    credential: { secret: sk-live-123 }\n",
-    )
-    .expect("write");
-    let out = backstop()
-        .args(["policy", "check"])
-        .arg(&file)
-        .output()
-        .expect("run backstop");
+    let (_dir, file, out) = check("broken.yaml", "breaker:\n  threshold: 0\nproviders:\n  a:\n    base_url: https://a.example\n    credential: { secret: sk-live-123 }\n");
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     let name = file.display().to_string();
@@ -64,14 +68,7 @@ fn broken_file_exits_2_with_file_line_column() {
 
 #[test]
 fn syntax_error_exits_2() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("syntax.yaml");
-    std::fs::write(&file, "request_classes: [\n").expect("write");
-    let out = backstop()
-        .args(["policy", "check"])
-        .arg(&file)
-        .output()
-        .expect("run backstop");
+    let (_dir, file, out) = check("syntax.yaml", "request_classes: [\n");
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -82,14 +79,10 @@ fn syntax_error_exits_2() {
 
 #[test]
 fn yaml_alias_error_is_printed_whole_with_one_position() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("alias.yaml");
-    std::fs::write(&file, "backoff: &b\n  base_seconds: 1\nbreaker: *b\n").expect("write");
-    let out = backstop()
-        .args(["policy", "check"])
-        .arg(&file)
-        .output()
-        .expect("run backstop");
+    let (_dir, file, out) = check(
+        "alias.yaml",
+        "backoff: &b\n  base_seconds: 1\nbreaker: *b\n",
+    );
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     let name = file.display().to_string();
@@ -107,18 +100,7 @@ fn yaml_alias_error_is_printed_whole_with_one_position() {
 
 #[test]
 fn summary_counts_are_pluralized_correctly() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("one.yaml");
-    std::fs::write(
-        &file,
-        "agents:\n  bot: { token_env: BOT_TOKEN }\noperators:\n  ops: { token_env: OPS_TOKEN }\nproviders:\n  a:\n    base_url: https://a.example\n    scopes:\n      account: { limit: 10 }\n    routes:\n      \"GET /v1/items\": { class: read }\n",
-    )
-    .expect("write");
-    let out = backstop()
-        .args(["policy", "check"])
-        .arg(&file)
-        .output()
-        .expect("run backstop");
+    let (_dir, _file, out) = check("one.yaml", "agents:\n  bot: { token_env: BOT_TOKEN }\noperators:\n  ops: { token_env: OPS_TOKEN }\nproviders:\n  a:\n    base_url: https://a.example\n    scopes:\n      account: { limit: 10 }\n    routes:\n      \"GET /v1/items\": { class: read }\n");
     assert_eq!(out.status.code(), Some(0));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -135,18 +117,7 @@ fn summary_counts_are_pluralized_correctly() {
 
 #[test]
 fn warnings_print_file_line_column_and_exit_0() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("warn.yaml");
-    std::fs::write(
-        &file,
-        "providers:\n  a:\n    base_url: https://a.example\n    idempotent_put_delete: true\n    routes:\n      \"PUT /v1/items/{id}\": { class: idempotent_write }\n",
-    )
-    .expect("write");
-    let out = backstop()
-        .args(["policy", "check"])
-        .arg(&file)
-        .output()
-        .expect("run backstop");
+    let (_dir, file, out) = check("warn.yaml", "providers:\n  a:\n    base_url: https://a.example\n    idempotent_put_delete: true\n    routes:\n      \"PUT /v1/items/{id}\": { class: idempotent_write }\n");
     assert_eq!(out.status.code(), Some(0));
     let stderr = String::from_utf8_lossy(&out.stderr);
     let name = file.display();
@@ -173,18 +144,7 @@ fn warnings_print_file_line_column_and_exit_0() {
 
 #[test]
 fn idempotent_write_post_without_a_key_header_fails_the_check() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("nokey.yaml");
-    std::fs::write(
-        &file,
-        "agents:\n  bot: { token_env: BOT_TOKEN }\nproviders:\n  a:\n    base_url: https://a.example\n    scopes:\n      account: { limit: 10 }\n    routes:\n      \"POST /v1/items\": { class: idempotent_write }\n",
-    )
-    .expect("write");
-    let out = backstop()
-        .args(["policy", "check"])
-        .arg(&file)
-        .output()
-        .expect("run backstop");
+    let (_dir, file, out) = check("nokey.yaml", "agents:\n  bot: { token_env: BOT_TOKEN }\nproviders:\n  a:\n    base_url: https://a.example\n    scopes:\n      account: { limit: 10 }\n    routes:\n      \"POST /v1/items\": { class: idempotent_write }\n");
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
