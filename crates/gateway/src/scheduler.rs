@@ -225,25 +225,11 @@ pub enum ScopeSignal {
 }
 
 #[derive(Debug)]
-enum Reply {
-    Go {
-        permit: Permit,
-        budget: ActionBudget,
-    },
-    Refused {
-        outcome: Outcome,
-        detail: String,
-        budget: ActionBudget,
-        boundary: Option<Timestamp>,
-    },
-}
-
-#[derive(Debug)]
 enum Msg {
     Acquire {
         ticket: u64,
         request: AcquireRequest,
-        reply: oneshot::Sender<Reply>,
+        reply: oneshot::Sender<Acquired>,
     },
     Abandon {
         ticket: u64,
@@ -374,21 +360,8 @@ impl SchedulerHandle {
         };
         let answer = answer.await;
         guard.armed = false;
-        match answer {
-            Ok(Reply::Go { permit, budget }) => Acquired::Go { permit, budget },
-            Ok(Reply::Refused {
-                outcome,
-                detail,
-                budget,
-                boundary,
-            }) => Acquired::Refused {
-                outcome,
-                detail,
-                budget,
-                boundary,
-            },
-            Err(_) => Acquired::Stopped { budget },
-        }
+        // The scheduler answers only `Go` or `Refused`; a dropped sender means it stopped.
+        answer.unwrap_or(Acquired::Stopped { budget })
     }
 
     /// Applies a provider signal to every scope in `scopes` and returns once the scheduler's
@@ -494,7 +467,7 @@ struct Waiter {
     wake: Option<Timestamp>,
     delayed: bool,
     route: String,
-    reply: oneshot::Sender<Reply>,
+    reply: oneshot::Sender<Acquired>,
 }
 
 /// Heap key: earliest wake first, then higher priority, then arrival.
@@ -764,7 +737,7 @@ impl State {
         Ok(RetryTokens(taken))
     }
 
-    fn enqueue(&mut self, ticket: u64, request: AcquireRequest, reply: oneshot::Sender<Reply>) {
+    fn enqueue(&mut self, ticket: u64, request: AcquireRequest, reply: oneshot::Sender<Acquired>) {
         for name in &request.scopes {
             self.ensure_scope(name);
         }
@@ -871,7 +844,7 @@ impl State {
             detail = %detail,
             "action refused by the scheduler"
         );
-        let _ = waiter.reply.send(Reply::Refused {
+        let _ = waiter.reply.send(Acquired::Refused {
             outcome,
             detail,
             budget: waiter.budget,
@@ -971,7 +944,7 @@ impl State {
                     tx: self.tx.clone(),
                 };
                 // If the client is gone the permit drops here and returns the slots.
-                let _ = waiter.reply.send(Reply::Go {
+                let _ = waiter.reply.send(Acquired::Go {
                     permit,
                     budget: waiter.budget,
                 });
