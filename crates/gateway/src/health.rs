@@ -935,21 +935,24 @@ async fn one_run(
 ) -> Result<Json<RunHealth>, HealthProblem> {
     let caller = caller(&state, &headers)?;
     let store = state.store.clone();
-    let task = {
-        let (task_id, caller) = (task_id.clone(), caller.clone());
-        blocking(move || Ok(visible_task(store.as_ref(), &caller, &task_id)?)).await?
+    let found = {
+        let task_id = task_id.clone();
+        blocking(move || {
+            let Some(task) = visible_task(store.as_ref(), &caller, &task_id)? else {
+                return Ok(None);
+            };
+            let seen = gather(store.as_ref(), Some(&task.id), &caller)?;
+            Ok(Some((task, seen)))
+        })
+        .await?
     };
-    let Some(task) = task else {
+    let Some((task, (evidence, _, visible))) = found else {
         return Err(problem(
             StatusCode::NOT_FOUND,
             "run_not_found",
             format!("run `{task_id}` does not exist or is not yours"),
         ));
     };
-    let store = state.store.clone();
-    let only = task.id.clone();
-    let (evidence, _, visible) =
-        blocking(move || gather(store.as_ref(), Some(&only), &caller)).await?;
     let ctx = SnapshotContext {
         deadline: task.deadline,
         policy: &state.policy,
