@@ -42,7 +42,9 @@ use jiff::{SignedDuration, Timestamp};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::duration::parse_go_duration;
-use crate::retry_after::{boundary_after, parse_http_date, Boundary, RetryAfterOptions};
+use crate::retry_after::{
+    boundary_after, parse_decimal, parse_http_date, Boundary, RetryAfterOptions,
+};
 
 /// Safety margin added to a reset instant when `remaining` is 0: retrying at the reset second
 /// itself tends to hit the limit again.
@@ -223,24 +225,12 @@ fn parse_uint(s: &str) -> Option<u64> {
     s.parse().ok()
 }
 
-/// Unsigned decimal seconds, possibly fractional (`"1.5"`), as a duration.
+/// Unsigned decimal seconds, possibly fractional (`"1.5"`), as a duration; surrounding whitespace
+/// is ignored. The same reading as Retry-After delay-seconds
+/// ([`crate::retry_after`]'s `parse_decimal`): a fraction finer than a nanosecond rounds up, so a
+/// reset is never read earlier than the provider stated.
 fn parse_seconds(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    let (int, frac) = s.split_once('.').unwrap_or((s, ""));
-    if int.is_empty() || !int.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    if !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let secs: u64 = int.parse().ok()?;
-    let mut nanos: u32 = 0;
-    let mut scale: u32 = 100_000_000;
-    for b in frac.bytes().take(9) {
-        nanos += u32::from(b - b'0') * scale;
-        scale /= 10;
-    }
-    Some(Duration::new(secs, nanos))
+    parse_decimal(s.trim(), 1_000_000_000).ok().flatten()
 }
 
 /// Parses the quota headers of one response in `dialect` (SPEC §2.3).
@@ -661,6 +651,35 @@ pub fn quota_boundary_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fractional_reset_seconds_round_up_past_nine_digits() {
+        let at: Timestamp = "2025-03-01T12:00:00Z".parse().expect("valid instant");
+        for (value, expected) in [
+            ("1.5", Duration::new(1, 500_000_000)),
+            ("1.000000001", Duration::new(1, 1)),
+            // A tenth digit is finer than a nanosecond: never read as earlier than stated.
+            ("1.0000000001", Duration::new(1, 1)),
+            (" 1.0000000000000000000001 ", Duration::new(1, 1)),
+            ("1.0000000000", Duration::new(1, 0)),
+        ] {
+            assert_eq!(parse_seconds(value), Some(expected), "{value:?}");
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                HeaderName::from_static("x-ratelimit-reset"),
+                http::HeaderValue::from_str(value).expect("header value"),
+            );
+            let obs = parse_quota(&headers, Dialect::Generic, at);
+            let expected_at = at
+                .checked_add(SignedDuration::try_from(expected).expect("small"))
+                .expect("in range");
+            assert_eq!(obs.len(), 1, "{value:?}");
+            assert_eq!(obs[0].reset_at, Some(expected_at), "{value:?}");
+        }
+        for value in ["", "1.", ".5", "-1", "1e3", "1.5s"] {
+            assert_eq!(parse_seconds(value), None, "{value:?}");
+        }
+    }
 
     fn only(name: &HeaderName) -> HeaderMap {
         let mut headers = HeaderMap::new();

@@ -204,11 +204,21 @@ pub fn boundary_after(
     }
 }
 
-/// Parses an unsigned decimal number of `unit_ns`-nanosecond units (`"1.5"` with 10^9 → 1.5 s).
+/// Parses an unsigned decimal number of `unit_ns`-nanosecond units (`"1.5"` with 10^9 → 1.5 s,
+/// `"250"` with 10^6 → 250 ms), as used by Retry-After delay-seconds (RFC 9110 §10.2.3, which
+/// allows only integers; fractions are tolerated), `retry-after-ms` and quota reset delays.
 ///
 /// Accepts only ASCII digits with an optional single `.` followed by at least one digit; no sign,
-/// no exponent, no prefix. `Ok(None)` means "not this form"; `Err` means the number is too large.
-fn parse_decimal(s: &str, unit_ns: u128) -> Result<Option<Duration>, ()> {
+/// no exponent, no prefix, no surrounding whitespace. A fraction finer than one nanosecond is
+/// rounded UP to the next nanosecond, however many digits it has (`"1.0000000001"` seconds →
+/// 1 s + 1 ns): a wait is never shorter than the provider stated. `unit_ns` must divide
+/// 10^18 (a power of ten up to 10^9: seconds, milliseconds, microseconds).
+///
+/// `Ok(None)` means "not this form"; `Err` means the number does not fit in a [`Duration`].
+pub(crate) fn parse_decimal(s: &str, unit_ns: u128) -> Result<Option<Duration>, ()> {
+    /// Fraction digits read exactly; any non-zero digit past them only rounds up.
+    const EXACT_DIGITS: usize = 18;
+    debug_assert!(unit_ns > 0 && 10u128.pow(18) % unit_ns == 0);
     let (int, frac) = match s.split_once('.') {
         Some((i, f)) => (i, Some(f)),
         None => (s, None),
@@ -230,14 +240,22 @@ fn parse_decimal(s: &str, unit_ns: u128) -> Result<Option<Duration>, ()> {
     }
     let mut ns = whole.checked_mul(unit_ns).ok_or(())?;
     if let Some(f) = frac {
+        let (exact, rest) = f.split_at(f.len().min(EXACT_DIGITS));
         let mut num: u128 = 0;
         let mut scale: u128 = 1;
-        for b in f.bytes().take(18) {
+        for b in exact.bytes() {
             num = num * 10 + u128::from(b - b'0');
             scale *= 10;
         }
-        // Round the fraction up so the wait is never shorter than stated.
-        let part = (num * unit_ns).div_ceil(scale);
+        let scaled = num * unit_ns;
+        // Round the fraction up so the wait is never shorter than stated. Digits past the exact
+        // ones make the value strictly larger: that rounds up too when the exact part lands on a
+        // whole nanosecond (otherwise the division already rounded up, and since `unit_ns`
+        // divides 10^18 the remainder leaves room for them below the next nanosecond).
+        let mut part = scaled.div_ceil(scale);
+        if scaled % scale == 0 && rest.bytes().any(|b| b != b'0') {
+            part += 1;
+        }
         ns = ns.checked_add(part).ok_or(())?;
     }
     let secs = u64::try_from(ns / 1_000_000_000).map_err(|_| ())?;
@@ -605,5 +623,45 @@ mod tests {
             Ok(Some(Duration::from_nanos(100_000)))
         );
         assert_eq!(parse_decimal("1e3", 1_000_000_000), Ok(None));
+    }
+
+    #[test]
+    fn decimal_fraction_finer_than_a_nanosecond_rounds_up_at_any_length() {
+        const S: u128 = 1_000_000_000;
+        const MS: u128 = 1_000_000;
+        let secs = |s: &str| parse_decimal(s, S).expect("fits").expect("decimal");
+        // Exactly nine digits: exact.
+        assert_eq!(secs("1.000000001"), Duration::new(1, 1));
+        assert_eq!(secs("1.5"), Duration::new(1, 500_000_000));
+        // Ten and more digits: the sub-nanosecond rest is rounded up, never dropped.
+        assert_eq!(secs("1.0000000001"), Duration::new(1, 1));
+        assert_eq!(secs("1.0000000009"), Duration::new(1, 1));
+        assert_eq!(secs("1.9999999991"), Duration::new(2, 0));
+        assert_eq!(secs("1.0000000000"), Duration::new(1, 0));
+        // Past the eighteen exactly read digits, a non-zero digit still rounds up.
+        assert_eq!(secs("1.0000000000000000001"), Duration::new(1, 1));
+        assert_eq!(
+            secs("1.000000000000000000000000000000"),
+            Duration::new(1, 0)
+        );
+        assert_eq!(
+            secs("0.123456789000000000000000000001"),
+            Duration::new(0, 123_456_790)
+        );
+        // Milliseconds: below a nanosecond is the seventh fraction digit.
+        let ms = |s: &str| parse_decimal(s, MS).expect("fits").expect("decimal");
+        assert_eq!(ms("1.000001"), Duration::new(0, 1_000_001));
+        assert_eq!(ms("1.0000001"), Duration::new(0, 1_000_001));
+        assert_eq!(ms("1.0000000000000000000001"), Duration::new(0, 1_000_001));
+        assert_eq!(ms("1.0000000000000000000000"), Duration::new(0, 1_000_000));
+        // Not the form, and too large.
+        for s in ["", ".5", "1.", "1.2.3", "-1", "+1", " 1", "1 "] {
+            assert_eq!(parse_decimal(s, S), Ok(None), "{s:?}");
+        }
+        assert_eq!(
+            parse_decimal("340282366920938463463374607431768211456", S),
+            Err(())
+        );
+        assert_eq!(parse_decimal("18446744073709551616", S), Err(()));
     }
 }
