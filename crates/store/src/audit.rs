@@ -9,7 +9,8 @@
 //! # What an event can hold
 //! [`AuditEvent`] has fields for ids, provider, scope, route *template*, method, request class,
 //! idempotency key, payload *digest*, status and signal (disposition, boundary, source), outcome,
-//! scheduler job and due time, scope numbers, and escalation decisions. It has no field for
+//! scheduler job and due time, scope numbers, escalation decisions, and an attempt's signal
+//! headers (Retry-After, `Date` and quota headers only, names and raw values). It has no field for
 //! credentials, prompts, request or response bodies, or concrete paths: they cannot be audited by
 //! mistake because there is nowhere to put them.
 //!
@@ -22,6 +23,9 @@
 //! - integers are plain decimal (no sign for non-negative values, no exponent, no leading zeros);
 //! - strings escape only `"` and `\` (as `\"`, `\\`) and U+0000–U+001F (as `\b`, `\f`, `\n`,
 //!   `\r`, `\t`, or `\u00XX` with lowercase hex); all other characters are written as UTF-8.
+//! - `signal_headers` (the only non-scalar member) is an array of two-string arrays
+//!   `[["retry-after","7"],["date","…"]]`, in recorded order, strings as above; it is omitted
+//!   when there are none, so events written before it existed encode (and verify) unchanged.
 //!
 //! `hash` = lowercase hex of SHA-256 (FIPS 180-4) over those bytes. Because `prev` is a member,
 //! the hash covers `prev` and the event. The first event has `seq` 1 and `prev` = 64 zeros
@@ -212,6 +216,11 @@ pub struct AuditEvent {
     /// Who decided.
     #[serde(default)]
     pub decided_by: Option<String>,
+    /// `action_result`: the response's signal headers as `(lower-case name, raw value)` pairs
+    /// (Retry-After, `retry-after-ms`, `Date`, quota headers; never anything else). `None` when
+    /// none were kept (a plain success, a transport fault, an event from before schema 5).
+    #[serde(default)]
+    pub signal_headers: Option<Vec<(String, String)>>,
     /// Hash of the previous event (64 zeros for the first).
     pub prev: String,
     /// SHA-256 hex of the canonical encoding.
@@ -224,6 +233,26 @@ fn put_str(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<&str>)
         // serde_json writes RFC 8259 strings with the minimal escaping documented above.
         let _ = serde_json::to_writer(&mut *out, v);
     }
+}
+
+/// An array of `[name, value]` string pairs; omitted when `None` or empty.
+fn put_pairs(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<&[(String, String)]>) {
+    let Some(pairs) = value.filter(|p| !p.is_empty()) else {
+        return;
+    };
+    put_key(out, first, name);
+    out.push(b'[');
+    for (i, (k, v)) in pairs.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.push(b'[');
+        let _ = serde_json::to_writer(&mut *out, k);
+        out.push(b',');
+        let _ = serde_json::to_writer(&mut *out, v);
+        out.push(b']');
+    }
+    out.push(b']');
 }
 
 fn put_int<T: itoa_like::Int>(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<T>) {
@@ -302,6 +331,7 @@ impl AuditEvent {
         put_str(out, f, "route", self.route.as_deref());
         put_str(out, f, "scope", self.scope.as_deref());
         put_int(out, f, "seq", Some(self.seq));
+        put_pairs(out, f, "signal_headers", self.signal_headers.as_deref());
         put_str(out, f, "source", self.source.as_deref());
         put_int(out, f, "status", self.status);
         put_str(out, f, "task", self.task.as_deref());

@@ -385,6 +385,12 @@ pub struct AttemptRecord {
     pub started_at: Timestamp,
     /// When its result was recorded.
     pub finished_at: Option<Timestamp>,
+    /// The boundary its response normalized to, when one was recorded (schema version 5 on;
+    /// `None` for attempts recorded before, and for attempts without a result).
+    pub boundary: Option<Boundary>,
+    /// The signal headers kept from its response (see [`AttemptResult::signal_headers`]); empty
+    /// for a plain success and for attempts recorded before schema version 5.
+    pub signal_headers: Vec<(String, String)>,
 }
 
 /// The provider's boundary (`retry_not_before`): an instant, or `unknown` (SPEC §1).
@@ -425,6 +431,12 @@ pub struct AttemptResult {
     pub source: Option<String>,
     /// The provider's operation id, if returned.
     pub provider_operation_id: Option<String>,
+    /// The response's signal headers as `(lower-case name, raw value)` pairs, in the order
+    /// received: `Retry-After`, `retry-after-ms`, `Date` and quota headers, bounded in count and
+    /// length by the caller (`backstop_core::signal_headers`). Not secret: stored with the
+    /// attempt and carried by its `action_result` event. Leave it empty for a plain success
+    /// (2xx without a Retry-After), so the hot path of 200s stores nothing more.
+    pub signal_headers: Vec<(String, String)>,
     /// End the action in the same transaction.
     pub finish: Option<Finish>,
 }

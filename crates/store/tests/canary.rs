@@ -72,6 +72,7 @@ fn no_credential_or_request_body_in_db_bytes_or_export() {
                     boundary: None,
                     source: None,
                     provider_operation_id: Some(format!("op-{i}")),
+                    signal_headers: Vec::new(),
                     finish: Some(Finish {
                         outcome: Outcome::Succeeded,
                         context: serde_json::json!({"attempts": 1, "sent": true}),

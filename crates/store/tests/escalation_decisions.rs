@@ -33,6 +33,7 @@ fn escalated(
                 boundary: None,
                 source: None,
                 provider_operation_id: None,
+                signal_headers: Vec::new(),
                 finish: None,
             },
             t(3),

@@ -91,6 +91,7 @@ fn a_read_recorded_without_waiting_keeps_its_events_in_order_and_the_chain_intac
             boundary: None,
             source: None,
             provider_operation_id: None,
+            signal_headers: Vec::new(),
             finish: Some(Finish {
                 outcome: Outcome::Succeeded,
                 context: serde_json::json!({}),

@@ -71,6 +71,7 @@ fn attempts_are_numbered_and_never_two_in_flight() {
                 boundary: Some(Boundary::At(t(10_000))),
                 source: Some("HTTP 429 Retry-After".into()),
                 provider_operation_id: None,
+                signal_headers: Vec::new(),
                 finish: None,
             },
             t(20),
@@ -113,6 +114,7 @@ fn a_result_can_finish_the_action_and_keep_the_response_for_replay() {
                 boundary: None,
                 source: None,
                 provider_operation_id: Some("tr_1".into()),
+                signal_headers: Vec::new(),
                 finish: Some(Finish {
                     outcome: Outcome::Succeeded,
                     context: serde_json::json!({"attempts": 1}),
@@ -482,6 +484,7 @@ fn unavailable(action: backstop_store::ActionId, attempt: u32) -> AttemptResult 
         boundary: None,
         source: None,
         provider_operation_id: None,
+        signal_headers: Vec::new(),
         finish: None,
     }
 }

@@ -379,17 +379,34 @@ impl WriteTx<'_> {
                 })
             }
         }
+        let boundary = result.boundary.map(|b| match b {
+            Boundary::Unknown => "unknown".to_owned(),
+            Boundary::At(t) => format_instant(t),
+        });
+        let headers = if result.signal_headers.is_empty() {
+            None
+        } else {
+            Some(serde_json::to_string(&result.signal_headers).map_err(|e| {
+                StoreError::Invalid {
+                    field: "signal_headers",
+                    reason: e.to_string(),
+                }
+            })?)
+        };
         self.conn
             .prepare_cached(
                 "UPDATE attempts SET state = 'finished', status = ?3, disposition = ?4, \
-                 finished_at_ms = ?5 WHERE action_id = ?1 AND n = ?2",
+                 finished_at_ms = ?5, boundary = ?6, signal_headers = ?7 \
+                 WHERE action_id = ?1 AND n = ?2",
             )?
             .execute(params![
                 action.0,
                 result.attempt,
                 result.status,
                 result.disposition.as_str(),
-                ms(at)
+                ms(at),
+                boundary,
+                headers
             ])?;
         self.conn
             .prepare_cached(
@@ -403,11 +420,9 @@ impl WriteTx<'_> {
         e.attempt = Some(result.attempt);
         e.status = result.status;
         e.disposition = Some(result.disposition.as_str().to_owned());
-        e.boundary = result.boundary.map(|b| match b {
-            Boundary::Unknown => "unknown".to_owned(),
-            Boundary::At(t) => format_instant(t),
-        });
+        e.boundary = boundary;
         e.source = result.source;
+        e.signal_headers = (!result.signal_headers.is_empty()).then_some(result.signal_headers);
         self.append(e)?;
         if let Some(finish) = result.finish {
             self.finish_action(action, finish, at)?;

@@ -6,9 +6,9 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use crate::audit::{AuditEvent, ChainHead};
 use crate::error::StoreError;
 use crate::model::{
-    ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Disposition, DueRetry,
-    EscalationId, EscalationRecord, EscalationState, JobId, Outcome, Priority, ScopeRecord,
-    StoredResponse, TaskRecord, UnfinishedAttempt,
+    ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Boundary, Disposition,
+    DueRetry, EscalationId, EscalationRecord, EscalationState, JobId, Outcome, Priority,
+    ScopeRecord, StoredResponse, TaskRecord, UnfinishedAttempt,
 };
 
 /// Milliseconds since the Unix epoch, as stored.
@@ -205,26 +205,51 @@ pub(crate) fn attempts(
     action: ActionId,
 ) -> Result<Vec<AttemptRecord>, StoreError> {
     let mut stmt = conn.prepare_cached(
-        "SELECT n, state, status, disposition, started_at_ms, finished_at_ms \
-         FROM attempts WHERE action_id = ?1 ORDER BY n",
+        "SELECT n, state, status, disposition, started_at_ms, finished_at_ms, boundary, \
+         signal_headers FROM attempts WHERE action_id = ?1 ORDER BY n",
     )?;
     let rows = stmt.query_map(params![action.0], |r| {
         Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, String>(1)?,
-            r.get::<_, Option<i64>>(2)?,
-            r.get::<_, Option<String>>(3)?,
-            r.get::<_, i64>(4)?,
-            r.get::<_, Option<i64>>(5)?,
+            (
+                r.get::<_, i64>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<i64>>(2)?,
+                r.get::<_, Option<String>>(3)?,
+            ),
+            (
+                r.get::<_, i64>(4)?,
+                r.get::<_, Option<i64>>(5)?,
+                r.get::<_, Option<String>>(6)?,
+                r.get::<_, Option<String>>(7)?,
+            ),
         ))
     })?;
     let mut out = Vec::new();
     for row in rows {
-        let (n, state, status, disposition, started, finished) = row?;
+        let ((n, state, status, disposition), (started, finished, boundary, headers)) = row?;
         let bad = |reason: String| StoreError::Corrupt {
             table: "attempts",
             reason,
         };
+        let boundary = match boundary.as_deref() {
+            None => None,
+            Some("unknown") => Some(Boundary::Unknown),
+            Some(text) => Some(Boundary::At(text.parse().map_err(|e| {
+                bad(format!(
+                    "attempt {n} of action {action}: boundary {text:?}: {e}"
+                ))
+            })?)),
+        };
+        let signal_headers = headers
+            .as_deref()
+            .map(serde_json::from_str::<Vec<(String, String)>>)
+            .transpose()
+            .map_err(|e| {
+                bad(format!(
+                    "attempt {n} of action {action}: signal_headers: {e}"
+                ))
+            })?
+            .unwrap_or_default();
         out.push(AttemptRecord {
             action,
             n: u32::try_from(n).map_err(|_| bad(format!("attempt number {n}")))?,
@@ -239,6 +264,8 @@ pub(crate) fn attempts(
                 .map_err(corrupt("attempts"))?,
             started_at: from_ms("attempts", started)?,
             finished_at: opt_ms("attempts", finished)?,
+            boundary,
+            signal_headers,
         });
     }
     Ok(out)
@@ -406,7 +433,8 @@ pub(crate) fn open_escalations(conn: &Connection) -> Result<Vec<EscalationRecord
 
 const EVENT_COLUMNS: &str = "seq, at, kind, task, action, attempt, escalation, provider, scope, \
      route, method, request_class, idempotency_key, payload_digest, status, disposition, boundary, \
-     source, outcome, job, due_at, remaining, limit_, decision, decided_by, prev, hash";
+     source, outcome, job, due_at, remaining, limit_, decision, decided_by, prev, hash, \
+     signal_headers";
 
 fn event_row(r: &Row<'_>) -> rusqlite::Result<AuditEvent> {
     let seq: i64 = r.get(0)?;
@@ -442,6 +470,16 @@ fn event_row(r: &Row<'_>) -> rusqlite::Result<AuditEvent> {
         decided_by: r.get(24)?,
         prev: r.get(25)?,
         hash: r.get(26)?,
+        signal_headers: match r.get::<_, Option<String>>(27)? {
+            None => None,
+            Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(
+                    27,
+                    rusqlite::types::Type::Text,
+                    Box::new(e),
+                )
+            })?),
+        },
     })
 }
 
@@ -532,13 +570,22 @@ static INSERT_EVENT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "INSERT INTO audit_events ({EVENT_COLUMNS}) VALUES \
          (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, \
-          ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)"
+          ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28)"
     )
 });
 
 /// Appends one sealed event.
 pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), StoreError> {
     let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    let headers = match e.signal_headers.as_deref() {
+        None | Some([]) => None,
+        Some(pairs) => Some(
+            serde_json::to_string(pairs).map_err(|err| StoreError::Invalid {
+                field: "signal_headers",
+                reason: err.to_string(),
+            })?,
+        ),
+    };
     conn.prepare_cached(&INSERT_EVENT)?.execute(params![
         to_i64(e.seq),
         e.at,
@@ -567,6 +614,7 @@ pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), Stor
         e.decided_by,
         e.prev,
         e.hash,
+        headers,
     ])?;
     Ok(())
 }

@@ -230,6 +230,16 @@ const MIGRATIONS: &[&str] = &[
     CREATE UNIQUE INDEX actions_by_agent_key ON actions(agent, idempotency_key)
         WHERE idempotency_key IS NOT NULL;
     "#,
+    // 4 -> 5: an attempt keeps what its response said, not only what it meant: the boundary it
+    // normalized to (`unknown` or an RFC 3339 instant, as audited) and its signal headers
+    // (Retry-After, Date, quota headers) as a JSON array of `[name, value]` pairs, NULL when
+    // none were kept. The `action_result` event carries the same pairs. Older attempts and
+    // events keep NULL: nothing is invented for them.
+    r#"
+    ALTER TABLE attempts ADD COLUMN boundary TEXT;
+    ALTER TABLE attempts ADD COLUMN signal_headers TEXT;
+    ALTER TABLE audit_events ADD COLUMN signal_headers TEXT;
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
@@ -585,5 +595,87 @@ mod tests {
             "INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (999, 1, 'sent', 1);",
         );
         assert!(dangling.is_err(), "attempts still reference actions");
+    }
+
+    /// A version-4 database with one finished attempt (no boundary or headers columns) and one
+    /// sealed `action_result` event, as the previous build left it.
+    fn version_4(path: &Path) -> crate::audit::AuditEvent {
+        let mut conn = Connection::open(path).expect("create");
+        conn.pragma_update(None, "foreign_keys", "OFF")
+            .expect("fk off");
+        run_migrations_to(&mut conn, 4);
+        let mut event = crate::audit::AuditEvent::new("action_result", "2026-01-01T00:00:01.000Z");
+        event.action = Some(5);
+        event.attempt = Some(1);
+        event.status = Some(429);
+        event.boundary = Some("2026-01-01T00:00:08.000Z".to_owned());
+        crate::audit::Chain::genesis().seal(&mut event);
+        conn.execute_batch(
+            "INSERT INTO tasks (agent, id, priority, created_at_ms) VALUES ('alice', 't', 'normal', 1);
+             INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
+                 payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+             VALUES (5, 't', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', 'key-5',
+                 'attempted', 1, 2);
+             INSERT INTO attempts (action_id, n, state, status, disposition, started_at_ms,
+                 finished_at_ms) VALUES (5, 1, 'finished', 429, 'rate_limited', 1, 1000);",
+        )
+        .expect("rows");
+        conn.execute(
+            "INSERT INTO audit_events (seq, at, kind, action, attempt, status, boundary, prev, hash)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            rusqlite::params![
+                1,
+                event.at,
+                event.kind,
+                event.action,
+                event.attempt,
+                event.status,
+                event.boundary,
+                event.prev,
+                event.hash
+            ],
+        )
+        .expect("event");
+        event
+    }
+
+    #[test]
+    fn version_4_database_is_upgraded_keeping_attempts_and_a_verifiable_chain() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v4.db");
+        let old_event = version_4(&path);
+        let conn = open_writer(&path, false).expect("migrated");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, SCHEMA_VERSION);
+        let attempts =
+            crate::sqlite::rows::attempts(&conn, crate::model::ActionId(5)).expect("attempts read");
+        assert_eq!(attempts.len(), 1);
+        assert_eq!(attempts[0].status, Some(429));
+        assert_eq!(
+            attempts[0].boundary, None,
+            "nothing is invented for an old attempt"
+        );
+        assert!(attempts[0].signal_headers.is_empty());
+        let events = crate::sqlite::rows::audit_events(&conn, 0, 10).expect("events read");
+        assert_eq!(events, vec![old_event]);
+        assert_eq!(events[0].signal_headers, None);
+        assert!(matches!(
+            crate::audit::verify_events(&events, None),
+            crate::audit::Verdict::Intact { count: 1, .. }
+        ));
+        // The new columns take values.
+        conn.execute_batch(
+            "UPDATE attempts SET boundary = 'unknown', signal_headers = '[[\"retry-after\",\"x\"]]';",
+        )
+        .expect("new columns");
+        let attempts =
+            crate::sqlite::rows::attempts(&conn, crate::model::ActionId(5)).expect("attempts read");
+        assert_eq!(attempts[0].boundary, Some(crate::model::Boundary::Unknown));
+        assert_eq!(
+            attempts[0].signal_headers,
+            vec![("retry-after".to_owned(), "x".to_owned())]
+        );
     }
 }
