@@ -443,11 +443,12 @@ fn route_path(segments: &[Segment]) -> String {
         .join("/")
 }
 
+/// Decodes one path segment (RFC 3986 §2.1): `%XX` becomes its byte, everything else — `+`, `&`,
+/// `=` included — is kept as written; bytes that are not UTF-8 after decoding become U+FFFD.
 fn percent_decode(part: &str) -> String {
-    form_urlencoded::parse(format!("v={}", part.replace('+', "%2B")).as_bytes())
-        .next()
-        .map(|(_, v)| v.into_owned())
-        .unwrap_or_default()
+    percent_encoding::percent_decode_str(part)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 #[cfg(test)]
@@ -481,6 +482,30 @@ mod tests {
             compiled.match_route(&Method::GET, "/v1/items/1/x"),
             RouteMatch::NotFound
         ));
+    }
+
+    #[test]
+    fn params_keep_reserved_characters_and_decode_escapes() {
+        let compiled = Compiled::new(&config_with("GET /v1/items/{id}")).expect("valid");
+        for (path, expected) in [
+            ("/v1/items/a&b", "a&b"),
+            ("/v1/items/a=b&c=d", "a=b&c=d"),
+            ("/v1/items/a+b", "a+b"),
+            ("/v1/items/a%26b%2Fc", "a&b/c"),
+            ("/v1/items/%E2%82%AC", "\u{20ac}"),
+            ("/v1/items/100%", "100%"),
+        ] {
+            match compiled.match_route(&Method::GET, path) {
+                RouteMatch::Found { params, .. } => {
+                    assert_eq!(
+                        params.get("id").map(String::as_str),
+                        Some(expected),
+                        "{path}"
+                    );
+                }
+                _ => panic!("{path}: expected a match"),
+            }
+        }
     }
 
     #[test]
