@@ -218,7 +218,7 @@ pub fn boundary_after(
 pub(crate) fn parse_decimal(s: &str, unit_ns: u128) -> Result<Option<Duration>, ()> {
     /// Fraction digits read exactly; any non-zero digit past them only rounds up.
     const EXACT_DIGITS: usize = 18;
-    debug_assert!(unit_ns > 0 && 10u128.pow(18) % unit_ns == 0);
+    debug_assert!(unit_ns > 0 && 10u128.pow(18).is_multiple_of(unit_ns));
     let (int, frac) = match s.split_once('.') {
         Some((i, f)) => (i, Some(f)),
         None => (s, None),
@@ -253,7 +253,7 @@ pub(crate) fn parse_decimal(s: &str, unit_ns: u128) -> Result<Option<Duration>, 
         // whole nanosecond (otherwise the division already rounded up, and since `unit_ns`
         // divides 10^18 the remainder leaves room for them below the next nanosecond).
         let mut part = scaled.div_ceil(scale);
-        if scaled % scale == 0 && rest.bytes().any(|b| b != b'0') {
+        if scaled.is_multiple_of(scale) && rest.bytes().any(|b| b != b'0') {
             part += 1;
         }
         ns = ns.checked_add(part).ok_or(())?;
