@@ -116,6 +116,24 @@ fn class_decides_retryable() {
 }
 
 #[test]
+fn class_retry_statuses_are_cores_builtin_classes() {
+    for class in backstop_core::policy::BUILTIN_CLASSES {
+        let statuses = backstop_core::policy::builtin_class(class)
+            .expect("a built-in class")
+            .retry_statuses;
+        for status in [400, 408, 418, 500, 501, 502, 503, 504] {
+            let text = status.to_string();
+            let v = json(&["--status", &text, "--class", class, "--now", NOW]);
+            assert_eq!(
+                v["retryable"],
+                statuses.contains(&status),
+                "class {class}, status {status}: {v}"
+            );
+        }
+    }
+}
+
+#[test]
 fn transport_errors_split_not_sent_from_uncertain() {
     let v = json(&[
         "--transport-error",

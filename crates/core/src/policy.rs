@@ -1163,7 +1163,25 @@ fn yaml_message(e: &serde_saphyr::Error) -> String {
     e.render_with_options(options)
 }
 
-fn builtin_class(name: &str) -> Option<RequestClass> {
+/// The built-in request class `name` with its SPEC §3 defaults, or `None` for a name that is not
+/// one of [`BUILTIN_CLASSES`]:
+///
+/// | class | `max_attempts` | `max_wait` | `retry_statuses` |
+/// |---|---|---|---|
+/// | `read` | 4 | 90 s | 408, 429, 500, 502, 503, 504 |
+/// | `idempotent_write` | 3 | 120 s | 408, 429, 502, 503, 504 |
+/// | `uncertain_write` | 1 | 0 s | none |
+///
+/// A policy file may override these fields per class; [`Policy`] holds the resulting classes.
+///
+/// ```
+/// use backstop_core::policy::builtin_class;
+/// let read = builtin_class("read").unwrap();
+/// assert_eq!(read.retry_statuses, [408, 429, 500, 502, 503, 504]);
+/// assert!(builtin_class("uncertain_write").unwrap().retry_statuses.is_empty());
+/// assert!(builtin_class("bulk").is_none());
+/// ```
+pub fn builtin_class(name: &str) -> Option<RequestClass> {
     let (max_attempts, max_wait_seconds, retry_statuses): (u32, u64, &[u16]) = match name {
         "read" => (4, 90, &[408, 429, 500, 502, 503, 504]),
         "idempotent_write" => (3, 120, &[408, 429, 502, 503, 504]),

@@ -26,7 +26,7 @@ use backstop_core::classify::{
     classify, ClassifyRules, HeaderMap, HeaderName, HeaderValue, Observed, ResponseView,
     TransportError,
 };
-use backstop_core::policy::is_json_pointer;
+use backstop_core::policy::{builtin_class, is_json_pointer};
 use backstop_core::quota::Dialect;
 use jiff::Timestamp;
 use serde_json::Value;
@@ -47,13 +47,20 @@ pub enum Class {
 }
 
 impl Class {
-    /// The SPEC §3 default `retry_statuses` of the class.
-    pub fn retry_statuses(self) -> Vec<u16> {
+    /// The class name, as in the policy (`read`, `idempotent_write`, `uncertain_write`).
+    pub fn name(self) -> &'static str {
         match self {
-            Class::Read => vec![408, 429, 500, 502, 503, 504],
-            Class::IdempotentWrite => vec![408, 429, 502, 503, 504],
-            Class::UncertainWrite => vec![],
+            Class::Read => "read",
+            Class::IdempotentWrite => "idempotent_write",
+            Class::UncertainWrite => "uncertain_write",
         }
+    }
+
+    /// The SPEC §3 default `retry_statuses` of the class, from core's built-in classes.
+    pub fn retry_statuses(self) -> Vec<u16> {
+        builtin_class(self.name())
+            .map(|class| class.retry_statuses)
+            .unwrap_or_default()
     }
 }
 
