@@ -77,6 +77,7 @@ fn throttled_run(store: &SqliteStore, run: &str, boundary_ms: i64, due_ms: i64) 
                 boundary: Some(Boundary::At(at(boundary_ms))),
                 source: Some("Retry-After".into()),
                 provider_operation_id: None,
+                signal_headers: Vec::new(),
                 finish: None,
             },
             at(0),

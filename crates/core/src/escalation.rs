@@ -204,11 +204,13 @@ pub struct CaseAttempt {
     pub status: Option<u16>,
     /// Disposition (SPEC §2.1), e.g. `uncertain`, `rate_limited`.
     pub disposition: Option<String>,
-    /// The raw `Retry-After` (or `retry-after-ms`) value, if any.
+    /// The raw `Retry-After` value, if any (several instances joined with `, `); a
+    /// `retry-after-ms` (milliseconds) is listed among `quota_headers` under its own name.
     pub retry_after_raw: Option<String>,
-    /// The boundary it normalized to (`retry_not_before`), if usable.
+    /// The boundary the attempt's response normalized to (`retry_not_before`), if usable.
     pub retry_not_before: Option<Timestamp>,
-    /// Retry-After and quota headers observed on the response (other headers are dropped).
+    /// Retry-After, `Date` and quota headers observed on the response, raw, in the order
+    /// received (other headers are dropped).
     pub quota_headers: Vec<ObservedHeader>,
 }
 

@@ -64,6 +64,7 @@ use backstop_core::{
         ensure_external_reference, mint_idempotency_key, operation_id_from_response,
         upstream_idempotency_key, validate_idempotency_key,
     },
+    signal_headers::{carries_retry_after, select_signal_headers},
 };
 use backstop_store::{
     ActionId, ActionRecord, ActionState, Admission as StoreAdmission, AttemptResult,
@@ -361,6 +362,7 @@ impl Drop for ActionGuard {
                         boundary: None,
                         source: Some("client disconnected during the attempt".to_owned()),
                         provider_operation_id: None,
+                        signal_headers: Vec::new(),
                         finish: Some(finish),
                     };
                     inner.blocking(move |s| s.record_result(result, now)).await
@@ -1206,8 +1208,9 @@ impl Engine {
             drop(permit);
             let received_at = inner.clock.now();
 
-            // Classify (never read a 2xx body).
-            let (signal, response) = match reply {
+            // Classify (never read a 2xx body). The response's signal headers are kept as
+            // evidence unless it is a plain success (a 2xx without a Retry-After).
+            let (signal, response, signal_headers) = match reply {
                 AttemptReply::Response(response) if response.status().is_success() => {
                     let signal = classify(
                         &Observed::Response(ResponseView {
@@ -1218,10 +1221,16 @@ impl Engine {
                         &run.rules,
                         received_at,
                     );
-                    (signal, Some(response))
+                    let kept = if carries_retry_after(response.headers()) {
+                        select_signal_headers(response.headers())
+                    } else {
+                        Vec::new()
+                    };
+                    (signal, Some(response), kept)
                 }
                 AttemptReply::Response(response) => {
                     let (parts, body) = response.into_parts();
+                    let kept = select_signal_headers(&parts.headers);
                     match read_bounded(body, ERROR_BODY_LIMIT).await {
                         Ok((bytes, body)) => {
                             let signal = classify(
@@ -1233,7 +1242,7 @@ impl Engine {
                                 &run.rules,
                                 received_at,
                             );
-                            (signal, Some(http::Response::from_parts(parts, body)))
+                            (signal, Some(http::Response::from_parts(parts, body)), kept)
                         }
                         Err(_) => (
                             classify(
@@ -1242,12 +1251,14 @@ impl Engine {
                                 received_at,
                             ),
                             None,
+                            kept,
                         ),
                     }
                 }
                 AttemptReply::Failed(e) => (
                     classify(&Observed::Transport(e), &run.rules, received_at),
                     None,
+                    Vec::new(),
                 ),
             };
             let status = response.as_ref().map(|r| r.status().as_u16());
@@ -1287,6 +1298,7 @@ impl Engine {
                 boundary: store_boundary,
                 source,
                 provider_operation_id: None,
+                signal_headers,
                 finish: None,
             };
 

@@ -18,7 +18,7 @@
 //! | `quota_scope` | the `scope_updated` event the gateway wrote for the same provider at the same instant just before the throttling `action_result` (SPEC §4.1: the scope record is updated first); else the policy route's first scope ([`HealthPolicy`]); else the provider's name |
 //! | `throttled_at`, `status` | the throttling attempt's `action_result` (`at`, `status`) |
 //! | `retry_not_before` | that result's `boundary` (the normalized Retry-After); `unknown` → absent |
-//! | `retry_after_raw`, `date_header` | not recorded (the audit log keeps the normalized boundary only): always `null` |
+//! | `retry_after_raw`, `date_header` | that result's `signal_headers`: the raw `Retry-After` (several instances joined with `, `) and the raw `Date`; `null` when the response carried none (or the event predates schema 5) |
 //! | `scheduled_retry_at`, `scheduler_job_id` | the last `retry_scheduled` (`due_at`, `job`) after that result and before the next attempt |
 //! | `scheduler_heartbeat_at` | the latest `action_sent` or `retry_started` of *any* action in the log: the last instant the executor demonstrably moved work (engine-independent, read from the store) |
 //! | `retry_started_at` | the next attempt's `action_sent`; else a `retry_started` claim of the scheduled job |
@@ -74,6 +74,7 @@ use backstop_core::diagnose::{
     WakeGrace,
 };
 use backstop_core::policy::Policy;
+use backstop_core::signal_headers::{date_raw, retry_after_raw};
 use backstop_store::audit::AuditEvent;
 use backstop_store::{ActionId, Store, StoreError, TaskRecord};
 use jiff::Timestamp;
@@ -232,6 +233,9 @@ pub struct TrailResult {
     pub boundary: Option<Option<Timestamp>>,
     /// The scope the gateway updated for this result (the `scope_updated` evidence), if any.
     pub scope: Option<String>,
+    /// The response's signal headers as audited (`Retry-After`, `Date`, quota headers); empty
+    /// when none were kept.
+    pub signal_headers: Vec<(String, String)>,
 }
 
 /// One attempt as audited.
@@ -489,6 +493,7 @@ impl Evidence {
                         disposition: e.disposition.clone().unwrap_or_default(),
                         boundary,
                         scope,
+                        signal_headers: e.signal_headers.clone().unwrap_or_default(),
                     });
                 }
             }
@@ -634,8 +639,8 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
         quota_scope: scope,
         throttled_at,
         status,
-        retry_after_raw: None,
-        date_header: None,
+        retry_after_raw: retry_after_raw(&throttle.signal_headers),
+        date_header: date_raw(&throttle.signal_headers),
         retry_not_before: boundary.filter(|b| *b >= throttled_at),
         scheduled_retry_at: wake.and_then(|w| w.due_at),
         scheduler_job_id: wake.and_then(|w| w.job).map(|j| j.to_string()),

@@ -31,8 +31,9 @@ use std::time::Duration;
 use backstop_core::clock::Clock;
 use backstop_core::diagnose::{diagnose, DiagnoseOptions, Diagnosis, Snapshot, WakeGrace};
 use backstop_core::escalation::{
-    BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput, EscalationReason,
+    BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput, EscalationReason, ObservedHeader,
 };
+use backstop_core::signal_headers::retry_after_raw;
 use backstop_store::{ActionId, EscalationId, JobId, Store};
 use jiff::{SignedDuration, Timestamp};
 use tokio::task::JoinHandle;
@@ -315,9 +316,20 @@ fn case_input(
             finished_at: a.result.as_ref().map(|r| r.at),
             status: a.result.as_ref().and_then(|r| r.status),
             disposition: a.result.as_ref().map(|r| r.disposition.clone()),
-            retry_after_raw: None,
+            retry_after_raw: a
+                .result
+                .as_ref()
+                .and_then(|r| retry_after_raw(&r.signal_headers)),
             retry_not_before: a.result.as_ref().and_then(|r| r.boundary.flatten()),
-            quota_headers: Vec::new(),
+            quota_headers: a
+                .result
+                .iter()
+                .flat_map(|r| &r.signal_headers)
+                .map(|(name, value)| ObservedHeader {
+                    name: name.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
         })
         .collect();
     CaseInput {

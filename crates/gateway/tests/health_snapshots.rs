@@ -74,8 +74,17 @@ fn action(store: &SqliteStore, task: &str, agent: &str, key: &str) -> ActionId {
     }
 }
 
+/// The `Date` header a provider stamps on a response sent at `ms` (IMF-fixdate, whole seconds).
+fn date_header(ms: i64) -> String {
+    let at = at(ms);
+    let floored = Timestamp::from_second(at.as_second()).expect("second");
+    floored.strftime("%a, %d %b %Y %H:%M:%S GMT").to_string()
+}
+
 /// Attempt `n` sent at `sent_ms`, answered 429 at `result_ms` with a boundary `boundary_ms`
-/// (`None` = unknown), the scope record updated first, as the executor does.
+/// (`None` = unknown), the scope record updated first, as the executor does. A known boundary
+/// came from `Retry-After: <whole seconds>` with the response's `Date`; both are kept as the
+/// attempt's signal headers.
 fn throttled(
     store: &SqliteStore,
     id: ActionId,
@@ -110,6 +119,15 @@ fn throttled(
                 boundary: Some(boundary_ms.map_or(Boundary::Unknown, |b| Boundary::At(at(b)))),
                 source: boundary_ms.map(|_| "Retry-After".to_owned()),
                 provider_operation_id: None,
+                signal_headers: boundary_ms.map_or_else(Vec::new, |b| {
+                    vec![
+                        (
+                            "retry-after".to_owned(),
+                            ((b - result_ms) / 1_000).to_string(),
+                        ),
+                        ("date".to_owned(), date_header(result_ms)),
+                    ]
+                }),
                 finish: None,
             },
             at(result_ms),
@@ -129,6 +147,7 @@ fn succeeded(store: &SqliteStore, id: ActionId, n: u32, ms: i64, finish: bool) {
                 boundary: Some(Boundary::Unknown),
                 source: None,
                 provider_operation_id: None,
+                signal_headers: Vec::new(),
                 finish: finish.then(|| Finish {
                     outcome: Outcome::Succeeded,
                     context: serde_json::json!({}),
@@ -225,8 +244,17 @@ fn a_429_with_retry_after_and_a_scheduled_retry_is_waiting_backpressure() {
     );
     assert_eq!(s.throttled_at, at(200));
     assert_eq!(s.status, 429);
-    assert_eq!(s.retry_after_raw, None, "the raw value is not recorded");
+    assert_eq!(s.retry_after_raw.as_deref(), Some("10"), "the raw value");
+    assert_eq!(s.date_header, Some(date_header(200)));
     assert_eq!(s.retry_not_before, Some(at(10_200)));
+    // `backstop diagnose` without the recorded boundary computes the same one from the raw
+    // values.
+    let from_raw = Snapshot {
+        retry_not_before: None,
+        ..s.clone()
+    }
+    .boundary(&DiagnoseOptions::default().retry_after);
+    assert_eq!(from_raw.retry_not_before(), Some(at(10_200)));
     assert_eq!(s.scheduled_retry_at, Some(at(10_700)));
     assert_eq!(s.scheduler_job_id, Some(job.0.to_string()));
     assert_eq!(s.scheduler_heartbeat_at, Some(at(0)), "the last send");

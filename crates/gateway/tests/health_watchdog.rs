@@ -86,6 +86,7 @@ fn throttled_action(store: &SqliteStore) -> ActionId {
                 boundary: Some(Boundary::At(at(10_000))),
                 source: Some("Retry-After".into()),
                 provider_operation_id: None,
+                signal_headers: Vec::new(),
                 finish: None,
             },
             at(0),
@@ -250,6 +251,7 @@ async fn a_healthy_wait_and_a_recovered_retry_raise_nothing() {
                 boundary: None,
                 source: None,
                 provider_operation_id: None,
+                signal_headers: Vec::new(),
                 finish: Some(backstop_store::Finish {
                     outcome: backstop_store::Outcome::Succeeded,
                     context: serde_json::json!({}),

@@ -24,6 +24,7 @@ use std::time::Duration;
 use backstop_core::{
     budget::{ActionBudget, ClassBudget},
     clock::Clock,
+    escalation::ObservedHeader,
     escalation::{BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput, EscalationReason},
     pacing::Priority,
     policy::Reconcile,
@@ -31,6 +32,7 @@ use backstop_core::{
         interpret_lookup, lookup_request, lookup_template, next_step_after_uncertain,
         operation_id_at, upstream_idempotency_key, LookupVerdict, UncertainNextStep,
     },
+    signal_headers::retry_after_raw,
 };
 use backstop_store::{
     ActionId, ActionRecord, AttemptResult, Disposition as StoreDisposition, EscalationId,
@@ -95,6 +97,18 @@ pub(super) enum UncertainEnd {
         /// Why.
         reason: String,
     },
+}
+
+/// Kept signal headers as a case file lists them (names and raw values; the case file builder
+/// drops anything that is not a Retry-After, `Date` or quota header and sanitizes the values).
+fn observed_headers(pairs: &[(String, String)]) -> Vec<ObservedHeader> {
+    pairs
+        .iter()
+        .map(|(name, value)| ObservedHeader {
+            name: name.clone(),
+            value: value.clone(),
+        })
+        .collect()
 }
 
 /// The verdict's one-word name, as audited.
@@ -359,9 +373,12 @@ impl Inner {
                 finished_at: a.finished_at,
                 status: a.status,
                 disposition: a.disposition.map(|d| d.as_str().to_owned()),
-                retry_after_raw: None,
-                retry_not_before: None,
-                quota_headers: Vec::new(),
+                retry_after_raw: retry_after_raw(&a.signal_headers),
+                retry_not_before: match a.boundary {
+                    Some(backstop_store::Boundary::At(at)) => Some(at),
+                    _ => None,
+                },
+                quota_headers: observed_headers(&a.signal_headers),
             })
             .collect();
         let now = self.clock.now();
@@ -503,6 +520,7 @@ impl Inner {
                 boundary: None,
                 source: Some("the gateway restarted before the result was recorded".to_owned()),
                 provider_operation_id: None,
+                signal_headers: Vec::new(),
                 finish,
             };
             if let Err(e) = self.blocking(move |s| s.record_result(result, now)).await {
