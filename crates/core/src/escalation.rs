@@ -311,6 +311,12 @@ pub struct CaseFile {
     pub reconciliation_query: Option<String>,
     /// The provider's boundary or quota reset, if known.
     pub retry_not_before: Option<Timestamp>,
+    /// The outcome the action already ended with when the escalation was opened beside it
+    /// (e.g. `quota_exhausted`): backstop holds nothing for it, so the options speak of
+    /// resubmitting, never of sending it later. Set with [`CaseFile::beside_outcome`]; absent
+    /// when the escalation itself ends the action (`escalated`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_with: Option<String>,
     /// The options, each with its real risk.
     pub options: Vec<OfferedOption>,
     /// Where something credential-like was removed (`desired_outcome`, `attempts[0].quota_headers`),
@@ -416,6 +422,7 @@ impl CaseFile {
             provider_operation_id: input.provider_operation_id,
             reconciliation_query: input.reconciliation_query,
             retry_not_before: input.retry_not_before,
+            ended_with: None,
             options: Vec::new(),
             redactions: Vec::new(),
         };
@@ -450,6 +457,21 @@ impl CaseFile {
         CaseFile::deserialize(value)
     }
 
+    /// Marks the case file as opened beside an outcome the action already ended with (its
+    /// snake_case word, e.g. `quota_exhausted`) and words the options for that: backstop holds
+    /// nothing, so `wait` and `raise_quota` mean resubmitting, and `abort` leaves the outcome as
+    /// it is. `remaining_wait_exceeds_deadline` is always worded so.
+    pub fn beside_outcome(mut self, outcome: &str) -> CaseFile {
+        self.ended_with = Some(sanitize_text(outcome).text);
+        self.options = offered_options(&self);
+        self
+    }
+
+    /// Whether the action ended before (beside) this escalation: backstop holds nothing for it.
+    fn action_ended(&self) -> bool {
+        self.ended_with.is_some() || self.reason == EscalationReason::RemainingWaitExceedsDeadline
+    }
+
     /// The offered option for `option`, if it was offered.
     pub fn offered(&self, option: DecisionOption) -> Option<&OfferedOption> {
         self.options.iter().find(|o| o.option == option)
@@ -474,6 +496,10 @@ fn is_quota_header(name: &str) -> bool {
 /// - `remaining_wait_exceeds_deadline`: `wait`, `change_plan`, `abort`.
 /// - `shared_quota_exhausted`: `wait`, `raise_quota`, `change_plan`, `abort`.
 /// - `account_configuration`: `raise_quota`, `change_plan`, `wait`, `abort`.
+///
+/// When the action already ended beside the escalation (`remaining_wait_exceeds_deadline`, or
+/// [`CaseFile::beside_outcome`]), `wait` and `raise_quota` say that backstop holds nothing and
+/// the agent resubmits, and `abort` that the action keeps its outcome.
 pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
     let offer = |option: DecisionOption, risk: String| OfferedOption {
         option,
@@ -491,12 +517,17 @@ pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
             }
             _ => String::new(),
         };
-        let risk = if case.reason == EscalationReason::RemainingWaitExceedsDeadline {
+        let risk = if case.action_ended() {
             // This escalation is opened beside an outcome that already ended the action, so
             // backstop holds nothing: waiting means the agent resubmits after the boundary.
+            let resubmit = if case.idempotency_key.is_some() {
+                "Resubmit it with the same Idempotency-Key"
+            } else {
+                "Resubmit it"
+            };
             format!(
-                "The action has ended and backstop sends nothing more. Resubmit it with the same \
-                 Idempotency-Key {until}; anything sent earlier meets the same limit.{deadline}"
+                "The action has ended and backstop sends nothing more. {resubmit} {until}; \
+                 anything sent earlier meets the same limit.{deadline}"
             )
         } else {
             format!("Hold the action {until}, then send it; nothing is sent before then.{deadline}")
@@ -507,6 +538,9 @@ pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
         let risk = if case.reason == EscalationReason::SideEffectUnknown {
             "Stop here and send nothing more. If the first write did happen, it stays done and \
              nobody is told automatically: check with the provider."
+        } else if case.action_ended() {
+            "Close this escalation and send nothing more. The action keeps the outcome it ended \
+             with; the work is not done."
         } else {
             "Stop here and send nothing more. The agent gets the outcome `escalated` with this \
              decision; the work is not done."
@@ -514,13 +548,17 @@ pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
         offer(DecisionOption::Abort, risk.to_owned())
     };
     let raise_quota = || {
-        offer(
-            DecisionOption::RaiseQuota,
+        let risk = if case.action_ended() {
+            "Raise the provider quota or plan for the scope at the provider first (may cost \
+             money; backstop does not change it). The action has ended and backstop sends \
+             nothing more: resubmit it once the quota is raised. Until then every request in the \
+             scope meets the same exhausted quota."
+        } else {
             "Raise the provider quota or plan for the scope first (may cost money). Until it is \
              raised, every task in the scope stays delayed; the action is sent once the quota \
              allows it."
-                .to_owned(),
-        )
+        };
+        offer(DecisionOption::RaiseQuota, risk.to_owned())
     };
     let change_plan = || {
         offer(
@@ -958,4 +996,65 @@ pub fn validate_decision(
         DecisionOption::RaiseQuota => DecisionEffect::RaiseQuota,
         DecisionOption::ChangePlan => DecisionEffect::ChangePlan,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quota_case(key: Option<&str>) -> CaseFile {
+        CaseFile::build(CaseInput {
+            opened_at: "2026-01-01T00:00:00Z".parse().expect("instant"),
+            reason: EscalationReason::SharedQuotaExhausted,
+            reason_detail: "insufficient_quota".into(),
+            action: CaseAction {
+                task_id: "run-1".into(),
+                method: "GET".into(),
+                route: "/v1/orders".into(),
+                request_class: "read".into(),
+                payload_digest: "0".repeat(64),
+            },
+            provider: "llm".into(),
+            idempotency_key: key.map(str::to_owned),
+            retry_not_before: Some("2026-01-02T00:00:00Z".parse().expect("instant")),
+            ..CaseInput::default()
+        })
+        .expect("case file")
+    }
+
+    #[test]
+    fn an_escalation_beside_an_ended_action_never_promises_a_later_send() {
+        let held = quota_case(None);
+        assert_eq!(held.ended_with, None);
+        let risk = |case: &CaseFile, option| case.offered(option).expect("offered").risk.clone();
+        assert!(risk(&held, DecisionOption::Wait).starts_with("Hold the action"));
+
+        let ended = quota_case(None).beside_outcome("quota_exhausted");
+        assert_eq!(ended.ended_with.as_deref(), Some("quota_exhausted"));
+        let words: Vec<&str> = ended.options.iter().map(|o| o.option.as_str()).collect();
+        assert_eq!(words, ["wait", "raise_quota", "change_plan", "abort"]);
+        let wait = risk(&ended, DecisionOption::Wait);
+        assert!(wait.contains("backstop sends nothing more"), "{wait}");
+        assert!(
+            wait.contains("Resubmit it until 2026-01-02T00:00:00Z"),
+            "{wait}"
+        );
+        assert!(
+            !wait.contains("Idempotency-Key"),
+            "a read has no key: {wait}"
+        );
+        let raise = risk(&ended, DecisionOption::RaiseQuota);
+        assert!(
+            raise.contains("resubmit it once the quota is raised"),
+            "{raise}"
+        );
+        assert!(!raise.contains("the action is sent"), "{raise}");
+        let abort = risk(&ended, DecisionOption::Abort);
+        assert!(abort.contains("keeps the outcome"), "{abort}");
+
+        let write = quota_case(Some("k-1")).beside_outcome("quota_exhausted");
+        assert!(risk(&write, DecisionOption::Wait).contains("same Idempotency-Key"));
+        // Stored and read back with the mark.
+        assert_eq!(CaseFile::from_json(&write.to_json()).expect("reads"), write);
+    }
 }

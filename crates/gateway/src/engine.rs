@@ -88,6 +88,7 @@ use crate::{
 pub use crate::scheduler::ScopeView;
 
 mod actions;
+mod quota_escalations;
 mod writes;
 
 pub use writes::RESTARTED_BEFORE_RETRY;
@@ -167,6 +168,9 @@ struct Inner {
     held: Mutex<HashMap<i64, ActionSpec>>,
     /// Completions of background actions, kept for their agent (bounded, in memory only).
     kept: Mutex<actions::Kept>,
+    /// Held while a `shared_quota_exhausted` escalation is looked for and opened, so that
+    /// several actions meeting the same exhausted quota at once open one per scope.
+    quota_escalations: tokio::sync::Mutex<()>,
 }
 
 /// What has been seen of an action so far (for the SPEC §5 context).
@@ -505,6 +509,7 @@ impl Engine {
             credentials: Mutex::new(credentials),
             held: Mutex::new(HashMap::new()),
             kept: Mutex::new(actions::Kept::default()),
+            quota_escalations: tokio::sync::Mutex::new(()),
         });
         let restore = inner.clone();
         tokio::spawn(async move {
@@ -1956,16 +1961,25 @@ impl Engine {
                 let boundary = seen.boundary;
                 let context = self.context(budget, seen, boundary, wait_then_abort(boundary));
                 let detail = "the provider's quota is exhausted until its reset".to_owned();
-                self.finish_with_result(
-                    run,
-                    budget,
-                    result,
-                    Outcome::QuotaExhausted,
-                    context,
-                    detail,
-                    seen.sent,
-                )
-                .await
+                let mut execution = self
+                    .finish_with_result(
+                        run,
+                        budget,
+                        result,
+                        Outcome::QuotaExhausted,
+                        context,
+                        detail,
+                        seen.sent,
+                    )
+                    .await;
+                // SPEC §8: the shared quota itself is exhausted; a human decides, once per scope.
+                let why = match &signal.error_code {
+                    Some(code) => format!("the provider answered `{code}`"),
+                    None => "the provider said the quota is exhausted".to_owned(),
+                };
+                self.escalate_exhausted_quota(run.id, &why, boundary, &mut execution)
+                    .await;
+                execution
             }
             (disposition, _) => {
                 let boundary = seen.boundary;

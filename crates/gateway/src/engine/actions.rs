@@ -421,7 +421,22 @@ impl Engine {
             DecisionEffect::SendNew => self.send_new(action).await,
             DecisionEffect::Wait { .. }
             | DecisionEffect::RaiseQuota
-            | DecisionEffect::ChangePlan => not("the action stays open as decided"),
+            | DecisionEffect::ChangePlan => match record.outcome {
+                // An escalation opened beside an outcome: nothing is held to send later.
+                Some(outcome)
+                    if !matches!(
+                        outcome,
+                        backstop_store::Outcome::Escalated
+                            | backstop_store::Outcome::ReconciliationRequired
+                    ) =>
+                {
+                    not(&format!(
+                        "the action already ended `{}`; backstop sends nothing more for it: the agent resubmits when the decision allows",
+                        outcome.as_str()
+                    ))
+                }
+                _ => not("the action stays open as decided"),
+            },
         }
     }
 }
@@ -607,9 +622,11 @@ impl Inner {
         let facts = self.facts_of(&record, backstop_core::pacing::Priority::Interactive);
         let idempotency_key =
             (!facts.idempotency_key.is_empty()).then(|| facts.idempotency_key.clone());
+        let ended = record.outcome.map_or("ended", |o| o.as_str());
         let case = self
             .case_file(&facts, reason, detail, retry_not_before, idempotency_key)
-            .await?;
+            .await?
+            .beside_outcome(ended);
         let now = case.opened_at;
         let json = case.to_json();
         let escalation = self
