@@ -9,9 +9,11 @@
 //! How (through the scheduler's public API only, with the real tokio runtime and clock):
 //! 1. One scope whose `max_delayed_requests` and `max_concurrent_requests` exceed N, paced at a
 //!    published limit far above the release rate (so the GCRA check runs and never throttles).
-//! 2. N tasks each call [`SchedulerHandle::acquire`] with a `not_before` in the future: the
-//!    scheduler holds them in its delayed queue. Each is what a waiting action of the gateway is:
-//!    one tokio task awaiting its answer, plus the scheduler's entry for it.
+//! 2. N tasks each build an [`AcquireRequest`] and call [`SchedulerHandle::acquire`] with a
+//!    `not_before` in the future, as the engine does: the scheduler holds them in its delayed
+//!    queue. Each is what a waiting action of the gateway is: one tokio task awaiting its
+//!    answer, plus the scheduler's entry for it. The sizes of the task's future and of
+//!    `acquire`'s future are printed (`std::mem::size_of_val`).
 //! 3. Resident memory (`VmRSS` of /proc/self/status) is read before the tasks are spawned and
 //!    again once the scheduler reports all N delayed ([`SchedulerHandle::scopes`]); the
 //!    difference divided by N is the cost of one delayed action (task + queue entry + the
@@ -19,7 +21,9 @@
 //! 4. The actions come due in 10 waves one second apart. `burst`: every action of a wave has
 //!    the same instant (what a shared boundary without jitter would do). `spread`: each wave's
 //!    actions are spread uniformly over its second (what the §4.2 jitter after a boundary does).
-//!    Lateness = the clock when `acquire` returned `Go` minus the action's `not_before`.
+//!    Lateness = the clock when `acquire` returned `Go` minus the action's `not_before`. The
+//!    scheduler's own part is [`Permit::granted_at`](backstop_gateway::scheduler::Permit::granted_at) (its clock as it sent `Go`) minus
+//!    `not_before`; the rest is the runtime waking the waiting task and running it.
 //!
 //! Run: `cargo bench -p backstop-gateway --bench scheduler_scale` (both sizes, both modes); or
 //! `... --bench scheduler_scale -- 100000 spread` for one size and one mode.
@@ -43,6 +47,13 @@ const WAVE_GAP: Duration = Duration::from_secs(1);
 const TASKS: u64 = 1_000;
 /// Lateness slot value of an action that never got `Go`.
 const NOT_RELEASED: u32 = u32::MAX;
+/// The budget class of every action: a wait far longer than the run.
+const CLASS: ClassBudget = ClassBudget {
+    max_attempts: 4,
+    max_wait: Duration::from_secs(3600),
+};
+/// The one scope every action falls under.
+const SCOPE: &str = "bench/account";
 
 const POLICY: &str = r#"
 shared_scope:
@@ -99,6 +110,46 @@ fn percentile(sorted: &[u32], p: f64) -> u32 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
+/// Microseconds from `due` to `at` (0 when early), saturated below [`NOT_RELEASED`].
+fn micros_since(due: Timestamp, at: Timestamp) -> u32 {
+    let late = at.duration_since(due);
+    u32::try_from(late.as_micros().max(0)).unwrap_or(NOT_RELEASED - 1)
+}
+
+/// A request with nothing to wait for, for measuring the size of `acquire`'s future; the
+/// scheduler admits it at once.
+fn probe_request() -> AcquireRequest {
+    AcquireRequest {
+        task_id: "probe".to_owned(),
+        agent: "bench-agent".to_owned(),
+        priority: Priority::Normal,
+        scopes: vec![SCOPE.to_owned()],
+        budget: ActionBudget::new(CLASS, None),
+        not_before: None,
+        route: "GET /v1/items/{id}".to_owned(),
+    }
+}
+
+/// Sorted microsecond values of the slots that were set.
+fn sorted_values(slots: &[AtomicU32]) -> Vec<u32> {
+    let mut values: Vec<u32> = slots
+        .iter()
+        .map(|slot| slot.load(Ordering::Relaxed))
+        .filter(|v| *v != NOT_RELEASED)
+        .collect();
+    values.sort_unstable();
+    values
+}
+
+/// What the waiting tasks write down, shared by all of them.
+struct Record {
+    clock: TokioClock,
+    /// Per action: µs from `not_before` to the task seeing `Go`.
+    lateness: Vec<AtomicU32>,
+    /// Per action: µs from `not_before` to `Permit::granted_at`.
+    granted: Vec<AtomicU32>,
+}
+
 struct Report {
     n: u64,
     mode: Mode,
@@ -109,7 +160,10 @@ struct Report {
     p50_us: u32,
     p99_us: u32,
     max_us: u32,
+    /// The scheduler's part: `Permit::granted_at` − `not_before`, p50 / p99 / max.
+    granted_us: [u32; 3],
     future_bytes: usize,
+    acquire_bytes: usize,
 }
 
 async fn run(n: u64, mode: Mode) -> Result<Report, String> {
@@ -117,13 +171,12 @@ async fn run(n: u64, mode: Mode) -> Result<Report, String> {
         .map_err(|e| format!("bench policy: {e}"))?;
     let clock = TokioClock::system();
     let scheduler = SchedulerHandle::spawn(&policy, clock, Arc::new(Metrics::new()), 7);
-    let class = ClassBudget {
-        max_attempts: 4,
-        max_wait: Duration::from_secs(3600),
-    };
-    let lateness: Arc<Vec<AtomicU32>> =
-        Arc::new((0..n).map(|_| AtomicU32::new(NOT_RELEASED)).collect());
-    let scopes = vec!["bench/account".to_owned()];
+    let record = Arc::new(Record {
+        clock,
+        lateness: (0..n).map(|_| AtomicU32::new(NOT_RELEASED)).collect(),
+        granted: (0..n).map(|_| AtomicU32::new(NOT_RELEASED)).collect(),
+    });
+    let acquire_bytes = std::mem::size_of_val(&scheduler.acquire(probe_request()));
 
     // Enough lead for every acquire to be queued before the first wave (≈ 5 µs each, doubled).
     let lead = Duration::from_secs(2) + Duration::from_micros(10 * n);
@@ -141,22 +194,26 @@ async fn run(n: u64, mode: Mode) -> Result<Report, String> {
             Mode::Spread => WAVE_GAP.mul_f64((i % per_wave) as f64 / per_wave as f64),
         };
         let due = at_offset(first_wave, WAVE_GAP * wave as u32 + within)?;
-        let request = AcquireRequest {
-            task_id: format!("run-{}", i % TASKS),
-            agent: "bench-agent".to_owned(),
-            priority: Priority::Normal,
-            scopes: scopes.clone(),
-            budget: ActionBudget::new(class, None),
-            not_before: Some(due),
-            route: "GET /v1/items/{id}".to_owned(),
-        };
         let scheduler = scheduler.clone();
-        let lateness = lateness.clone();
+        let record = record.clone();
+        let index = usize::try_from(i).map_err(|e| format!("action {i}: {e}"))?;
+        // As the engine does: the request is built where `acquire` is called, so the task's
+        // future keeps only what `acquire` returns, not a copy of the request.
         let waiting = async move {
+            let request = AcquireRequest {
+                task_id: format!("run-{}", index as u64 % TASKS),
+                agent: "bench-agent".to_owned(),
+                priority: Priority::Normal,
+                scopes: vec![SCOPE.to_owned()],
+                budget: ActionBudget::new(CLASS, None),
+                not_before: Some(due),
+                route: "GET /v1/items/{id}".to_owned(),
+            };
             if let Acquired::Go { permit, .. } = scheduler.acquire(request).await {
-                let late = clock.now().duration_since(due);
-                let late_us = u32::try_from(late.as_micros().max(0)).unwrap_or(u32::MAX - 1);
-                lateness[i as usize].store(late_us, Ordering::Relaxed);
+                let now = record.clock.now();
+                record.lateness[index].store(micros_since(due, now), Ordering::Relaxed);
+                record.granted[index]
+                    .store(micros_since(due, permit.granted_at()), Ordering::Relaxed);
                 drop(permit);
             }
         };
@@ -190,12 +247,8 @@ async fn run(n: u64, mode: Mode) -> Result<Report, String> {
     }
     scheduler.shutdown().await;
 
-    let mut values: Vec<u32> = lateness
-        .iter()
-        .map(|slot| slot.load(Ordering::Relaxed))
-        .filter(|v| *v != NOT_RELEASED)
-        .collect();
-    values.sort_unstable();
+    let values = sorted_values(&record.lateness);
+    let granted = sorted_values(&record.granted);
     Ok(Report {
         n,
         mode,
@@ -206,7 +259,13 @@ async fn run(n: u64, mode: Mode) -> Result<Report, String> {
         p50_us: percentile(&values, 50.0),
         p99_us: percentile(&values, 99.0),
         max_us: values.last().copied().unwrap_or(0),
+        granted_us: [
+            percentile(&granted, 50.0),
+            percentile(&granted, 99.0),
+            granted.last().copied().unwrap_or(0),
+        ],
         future_bytes,
+        acquire_bytes,
     })
 }
 
@@ -321,8 +380,17 @@ fn measure(sizes: &[u64], modes: &[Mode]) {
                         f64::from(r.max_us) / 1000.0,
                     );
                     println!(
-                        "{:>9} {:>7} the waiting task's future alone: {} bytes",
-                        "", "", r.future_bytes
+                        "{:>9} {:>7} granted by the scheduler (Permit::granted_at − not_before): \
+                         p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+                        "",
+                        "",
+                        f64::from(r.granted_us[0]) / 1000.0,
+                        f64::from(r.granted_us[1]) / 1000.0,
+                        f64::from(r.granted_us[2]) / 1000.0,
+                    );
+                    println!(
+                        "{:>9} {:>7} the waiting task's future: {} bytes, of which acquire's: {} bytes",
+                        "", "", r.future_bytes, r.acquire_bytes
                     );
                 }
                 Err(message) => {

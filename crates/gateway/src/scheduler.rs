@@ -12,10 +12,18 @@
 //! deadline, every scope's `next_allowed_at`, pacing (headroom × published rate, interactive
 //! reserve), concurrency slots — and answers with a [`Permit`] (the slots come back when the
 //! permit drops), a refusal with its outcome, or nothing yet: the action then waits in the
-//! delayed queue, a [`BinaryHeap`] keyed by wake instant and priority, counted against each
-//! scope's `max_delayed_requests` (past it: `scope_saturated` at once). The task sleeps with one
-//! `sleep_until` for the earliest wake; an action waiting for a concurrency slot has no instant
-//! and is woken when a slot is released. Nothing busy-loops and no worker is held while waiting.
+//! delayed queue, counted against each scope's `max_delayed_requests` (past it:
+//! `scope_saturated` at once). The task sleeps with one `sleep_until` for the earliest wake; an
+//! action waiting for a concurrency slot has no instant and is woken when a slot is released.
+//! Nothing busy-loops and no worker is held while waiting.
+//!
+//! Held cheaply, released in batches: a 429 storm parks whole scopes, so the delayed queue must
+//! hold 10^6 actions and release a wave of them that comes due at one instant without walking
+//! the queue per action. Each waiting action is one compact entry in a slab (task, agent and
+//! route names interned and shared, scopes as table indices); the wake queue is one ordered map
+//! keyed by (wake instant, priority, arrival) pointing at slab slots, so everything due is taken
+//! off its front in one pass, ordered by priority then arrival, and answered without moving the
+//! entry. A ticket index finds an entry when its client goes away.
 //!
 //! Order among waiting actions: `interactive` > `normal` > `background`, then arrival order.
 //! Actions held back by a scope's `next_allowed_at` wake at that boundary plus a jitter drawn
@@ -32,8 +40,8 @@
 //! here, first-try successes deposit the refund.
 
 use std::{
-    cmp::Reverse,
-    collections::{BTreeMap, BinaryHeap, HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
+    future::Future,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc, Mutex,
@@ -43,7 +51,9 @@ use std::{
 
 use backstop_core::{
     backoff::BackoffConfig,
-    budget::{ActionBudget, Deposit, RetryCause, RetryQuota, RetryQuotaConfig, RetryToken},
+    budget::{
+        ActionBudget, ClassBudget, Deposit, RetryCause, RetryQuota, RetryQuotaConfig, RetryToken,
+    },
     clock::Clock,
     outcome::Outcome,
     pacing::{
@@ -149,9 +159,9 @@ pub enum Acquired {
         /// The latest future `next_allowed_at` of the action's scopes, when one held it back.
         boundary: Option<Timestamp>,
     },
-    /// The scheduler has stopped (shutdown): nothing was charged, the action stays as stored.
+    /// The scheduler has stopped (shutdown): no attempt was charged, the action stays as stored.
     Stopped {
-        /// The budget as it was.
+        /// The budget as it was, with the time waited in the delayed queue charged.
         budget: ActionBudget,
     },
 }
@@ -159,8 +169,18 @@ pub enum Acquired {
 /// Concurrency slots of one admitted attempt; dropping it returns them to their scopes.
 #[derive(Debug)]
 pub struct Permit {
-    scopes: Vec<String>,
+    scopes: ScopeIds,
+    granted_at: Timestamp,
     tx: mpsc::UnboundedSender<Msg>,
+}
+
+impl Permit {
+    /// When the scheduler admitted the attempt: its clock as it sent `Go`. The gap between this
+    /// and the moment the action sees the answer is the runtime's wake-up of the waiting task,
+    /// not waiting in the delayed queue.
+    pub fn granted_at(&self) -> Timestamp {
+        self.granted_at
+    }
 }
 
 impl Drop for Permit {
@@ -168,6 +188,32 @@ impl Drop for Permit {
         let scopes = std::mem::take(&mut self.scopes);
         // A stopped scheduler has no slots to return.
         let _ = self.tx.send(Msg::Release { scopes });
+    }
+}
+
+/// Index of a scope in the scheduler's table.
+type ScopeId = u32;
+
+/// The scopes of one action as indices into the scheduler's table, distinct and in name order
+/// (the order the dispatch check sees them in). One scope, the common case, needs no allocation.
+#[derive(Debug, Clone)]
+enum ScopeIds {
+    One(ScopeId),
+    Many(Box<[ScopeId]>),
+}
+
+impl Default for ScopeIds {
+    fn default() -> Self {
+        ScopeIds::Many(Box::default())
+    }
+}
+
+impl ScopeIds {
+    fn as_slice(&self) -> &[ScopeId] {
+        match self {
+            ScopeIds::One(id) => std::slice::from_ref(id),
+            ScopeIds::Many(ids) => ids,
+        }
     }
 }
 
@@ -224,18 +270,33 @@ pub enum ScopeSignal {
     },
 }
 
+/// An `acquire` on its way to the scheduler. Dropped unread (the scheduler stopped), it answers
+/// [`Acquired::Stopped`] itself, so every `acquire` gets an answer.
+#[derive(Debug)]
+struct PendingAcquire {
+    ticket: u64,
+    request: AcquireRequest,
+    reply: Option<oneshot::Sender<Acquired>>,
+}
+
+impl Drop for PendingAcquire {
+    fn drop(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(Acquired::Stopped {
+                budget: self.request.budget,
+            });
+        }
+    }
+}
+
 #[derive(Debug)]
 enum Msg {
-    Acquire {
-        ticket: u64,
-        request: AcquireRequest,
-        reply: oneshot::Sender<Acquired>,
-    },
+    Acquire(PendingAcquire),
     Abandon {
         ticket: u64,
     },
     Release {
-        scopes: Vec<String>,
+        scopes: ScopeIds,
     },
     Signal {
         scopes: Vec<String>,
@@ -269,11 +330,29 @@ pub struct SchedulerHandle {
     next_ticket: Arc<AtomicU64>,
 }
 
+/// A budget with nothing left: zero attempts, no wait.
+fn spent_budget() -> ActionBudget {
+    ActionBudget::new(
+        ClassBudget {
+            max_attempts: 0,
+            max_wait: Duration::ZERO,
+        },
+        None,
+    )
+}
+
 /// Sends `Abandon` if an `acquire` future is dropped before its answer arrived.
 struct AbandonGuard {
     ticket: u64,
     tx: mpsc::UnboundedSender<Msg>,
     armed: bool,
+}
+
+impl AbandonGuard {
+    /// The answer arrived: nothing to abandon.
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
 }
 
 impl Drop for AbandonGuard {
@@ -290,30 +369,20 @@ impl SchedulerHandle {
     /// Spawns the scheduler task with one record (and pacer, when the scope publishes a limit)
     /// per policy scope. Must be called inside a tokio runtime. `seed` seeds the jitter draws.
     pub fn spawn(policy: &Policy, clock: TokioClock, metrics: Arc<Metrics>, seed: u64) -> Self {
-        let mut scopes = BTreeMap::new();
-        for (provider_name, provider) in &policy.providers {
-            for scope in provider.scopes.values() {
-                scopes.insert(
-                    scope.name.clone(),
-                    ScopeEntry {
-                        provider: provider_name.clone(),
-                        state: ScopeState {
-                            record: scope.record(),
-                            pacer: scope.pacer_config().map(Pacer::new),
-                        },
-                        quota: RetryQuota::new(policy.retry_quota),
-                    },
-                );
-            }
-        }
         let (tx, rx) = mpsc::unbounded_channel();
         let views = Arc::new(Mutex::new(Arc::new(Vec::new())));
         let mut state = State {
-            scopes,
-            waiters: HashMap::new(),
-            heap: BinaryHeap::new(),
+            scopes: Vec::new(),
+            scope_ids: BTreeMap::new(),
+            names: HashSet::new(),
+            sweep_names_at: MIN_NAMES_SWEEP,
+            slots: Vec::new(),
+            free: Vec::new(),
+            tickets: HashMap::new(),
+            timers: BTreeMap::new(),
             ready: Vec::new(),
-            slot_waiters: HashSet::new(),
+            slot_waiters: Vec::new(),
+            batch: Vec::new(),
             cancelled_tasks: HashSet::new(),
             rng: SplitMix64::new(seed),
             clock,
@@ -326,6 +395,17 @@ impl SchedulerHandle {
             views: views.clone(),
             next_seq: 0,
         };
+        for (provider_name, provider) in &policy.providers {
+            for scope in provider.scopes.values() {
+                state.add_scope(
+                    provider_name.clone(),
+                    ScopeState {
+                        record: scope.record(),
+                        pacer: scope.pacer_config().map(Pacer::new),
+                    },
+                );
+            }
+        }
         state.publish();
         tokio::spawn(state.run(rx));
         SchedulerHandle {
@@ -335,33 +415,42 @@ impl SchedulerHandle {
         }
     }
 
-    /// Asks for permission to send one attempt (SPEC §4.1). Resolves when the action may go, is
-    /// refused, or the scheduler stopped. Dropping the future while it waits takes the action
+    /// Asks for permission to send one attempt (SPEC §4.1). The request is handed to the
+    /// scheduler when `acquire` is called; the returned future resolves when the action may go,
+    /// is refused, or the scheduler stopped. Dropping the future while it waits takes the action
     /// out of the delayed queue and frees its delayed count (client disconnect).
-    pub async fn acquire(&self, request: AcquireRequest) -> Acquired {
-        let budget = request.budget;
+    ///
+    /// The future holds only the answer's receiving end and the budget (for
+    /// [`Acquired::Stopped`]), not the request: a task parked on it stays small while the
+    /// scheduler holds the action.
+    pub fn acquire(
+        &self,
+        request: AcquireRequest,
+    ) -> impl Future<Output = Acquired> + Send + 'static {
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
-        if self
-            .tx
-            .send(Msg::Acquire {
-                ticket,
-                request,
-                reply,
-            })
-            .is_err()
-        {
-            return Acquired::Stopped { budget };
-        }
+        let pending = PendingAcquire {
+            ticket,
+            request,
+            reply: Some(reply),
+        };
+        // Refused, the message comes back and answers `Stopped` as it drops.
+        let sent = self.tx.send(Msg::Acquire(pending)).is_ok();
         let mut guard = AbandonGuard {
             ticket,
             tx: self.tx.clone(),
-            armed: true,
+            armed: sent,
         };
-        let answer = answer.await;
-        guard.armed = false;
-        // The scheduler answers only `Go` or `Refused`; a dropped sender means it stopped.
-        answer.unwrap_or(Acquired::Stopped { budget })
+        async move {
+            let answer = answer.await;
+            guard.disarm();
+            // Every reply sender answers before it drops (`PendingAcquire` and `Waiter` answer
+            // `Stopped` when the scheduler goes away), so a dropped sender without an answer does
+            // not happen; were it to, the action is stopped with no budget left to spend.
+            answer.unwrap_or(Acquired::Stopped {
+                budget: spent_budget(),
+            })
+        }
     }
 
     /// Applies a provider signal to every scope in `scopes` and returns once the scheduler's
@@ -452,35 +541,88 @@ struct ScopeEntry {
     quota: RetryQuota,
 }
 
+/// One waiting action, held in a slab slot until it is answered.
 struct Waiter {
-    task_id: String,
-    agent: String,
-    priority: Priority,
-    scopes: Vec<String>,
+    /// The handle's ticket (the key of `State::tickets`).
+    ticket: u64,
+    /// Arrival order; unique for the scheduler's lifetime.
+    seq: u64,
+    task_id: Arc<str>,
+    agent: Arc<str>,
+    route: Arc<str>,
+    scopes: ScopeIds,
     budget: ActionBudget,
     /// Waited time up to here is charged.
     since: Timestamp,
+    /// The wake instant while the action sits in the wake queue.
+    wake: Option<Timestamp>,
+    /// Taken when the answer is sent; a waiter dropped unanswered answers `Stopped`.
+    reply: Option<oneshot::Sender<Acquired>>,
+    priority: Priority,
     /// Not examined yet since it arrived ready (the gap until the first look is processing,
     /// not waiting: a class with `max_wait_seconds: 0` must still get its first attempt).
     fresh: bool,
-    seq: u64,
-    wake: Option<Timestamp>,
+    /// Counted in its scopes' delayed queues.
     delayed: bool,
-    route: String,
-    reply: oneshot::Sender<Acquired>,
+    /// Listed in `State::ready` for the next pump.
+    queued: bool,
 }
 
-/// Heap key: earliest wake first, then higher priority, then arrival.
-type HeapKey = Reverse<(Timestamp, Reverse<Priority>, u64, u64)>;
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(Acquired::Stopped {
+                budget: self.budget,
+            });
+        }
+    }
+}
+
+impl Waiter {
+    /// Examination order: higher priority first, then arrival.
+    fn order(&self) -> u64 {
+        order_key(self.priority, self.seq)
+    }
+}
+
+/// Packs priority (highest first) and arrival into one ascending key; `seq` stays below 2^62.
+fn order_key(priority: Priority, seq: u64) -> u64 {
+    let rank: u64 = match priority {
+        Priority::Interactive => 0,
+        Priority::Normal => 1,
+        Priority::Background => 2,
+    };
+    (rank << 62) | (seq & ((1 << 62) - 1))
+}
+
+/// Interned names are swept (those no waiter holds any more are dropped) when the table grows
+/// past twice its size after the last sweep, and never below this.
+const MIN_NAMES_SWEEP: usize = 1024;
 
 struct State {
-    scopes: BTreeMap<String, ScopeEntry>,
-    waiters: HashMap<u64, Waiter>,
-    heap: BinaryHeap<HeapKey>,
-    ready: Vec<u64>,
-    slot_waiters: HashSet<u64>,
+    /// Scope table; a [`ScopeId`] indexes it.
+    scopes: Vec<ScopeEntry>,
+    /// Scope names to ids, in name order (the order views are published in).
+    scope_ids: BTreeMap<String, ScopeId>,
+    /// Interned task ids, agents and routes shared by the waiters that name them.
+    names: HashSet<Arc<str>>,
+    sweep_names_at: usize,
+    /// The slab of waiting actions.
+    slots: Vec<Option<Waiter>>,
+    /// Vacant slab slots.
+    free: Vec<u32>,
+    /// Ticket to slab slot, for `Abandon`.
+    tickets: HashMap<u64, u32>,
+    /// The wake queue: (wake, order) to slab slot; every entry is live.
+    timers: BTreeMap<(Timestamp, u64), u32>,
+    /// Slots to examine in the next pump (entries whose waiter is not `queued` are stale).
+    ready: Vec<u32>,
+    /// Slots waiting for a concurrency slot (stale entries are skipped when drained).
+    slot_waiters: Vec<u32>,
+    /// Reused buffer of one pump: (order, slot).
+    batch: Vec<(u64, u32)>,
     /// Cancelled tasks as `(agent, task id)`.
-    cancelled_tasks: HashSet<(String, String)>,
+    cancelled_tasks: HashSet<(Arc<str>, Arc<str>)>,
     rng: SplitMix64,
     clock: TokioClock,
     metrics: Arc<Metrics>,
@@ -504,10 +646,55 @@ fn add(ts: Timestamp, d: Duration) -> Timestamp {
         .unwrap_or(Timestamp::MAX)
 }
 
+/// Counts the waiter in every scope's delayed queue.
+///
+/// # Errors
+/// The `scope_saturated` detail when a scope's `max_delayed_requests` is reached; nothing stays
+/// counted then.
+fn try_delay(scopes: &mut [ScopeEntry], waiter: &mut Waiter) -> Result<(), String> {
+    if waiter.delayed {
+        return Ok(());
+    }
+    let ids = waiter.scopes.as_slice();
+    for (counted, &id) in ids.iter().enumerate() {
+        if let Err(full) = scopes[id as usize].state.record.try_delay() {
+            for &done in &ids[..counted] {
+                scopes[done as usize].state.record.undelay();
+            }
+            tracing::info!(
+                task = %waiter.task_id,
+                route = %waiter.route,
+                scope = %scopes[id as usize].state.record.name,
+                "refused: the scope's delayed queue is full (scope_saturated)"
+            );
+            return Err(full.to_string());
+        }
+    }
+    waiter.delayed = true;
+    Ok(())
+}
+
+fn undelay(scopes: &mut [ScopeEntry], waiter: &Waiter) {
+    if waiter.delayed {
+        for &id in waiter.scopes.as_slice() {
+            scopes[id as usize].state.record.undelay();
+        }
+    }
+}
+
+/// The latest future `next_allowed_at` among `ids`.
+fn latest_boundary(scopes: &[ScopeEntry], ids: &ScopeIds, now: Timestamp) -> Option<Timestamp> {
+    ids.as_slice()
+        .iter()
+        .filter_map(|&id| scopes[id as usize].state.record.next_allowed_at)
+        .filter(|at| *at > now)
+        .max()
+}
+
 impl State {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Msg>) {
         loop {
-            let wake = self.heap.peek().map(|Reverse((at, ..))| *at);
+            let wake = self.timers.first_key_value().map(|((at, _), _)| *at);
             let msg = match wake {
                 Some(at) => {
                     let sleep = tokio::time::sleep_until(self.clock.instant_at(at));
@@ -543,29 +730,34 @@ impl State {
     /// Handles one message; `true` to stop.
     fn handle(&mut self, msg: Msg) -> bool {
         match msg {
-            Msg::Acquire {
-                ticket,
-                request,
-                reply,
-            } => self.enqueue(ticket, request, reply),
+            Msg::Acquire(pending) => self.enqueue(pending),
             Msg::Abandon { ticket } => {
-                if let Some(waiter) = self.remove_waiter(ticket) {
-                    tracing::info!(
-                        task = %waiter.task_id,
-                        route = %waiter.route,
-                        "waiting action abandoned by its client before it was sent"
-                    );
-                    self.undelay(&waiter);
+                if let Some(slot) = self.tickets.get(&ticket).copied() {
+                    if let Some(waiter) = self.remove(slot) {
+                        tracing::info!(
+                            task = %waiter.task_id,
+                            route = %waiter.route,
+                            "waiting action abandoned by its client before it was sent"
+                        );
+                        undelay(&mut self.scopes, &waiter);
+                    }
                 }
             }
             Msg::Release { scopes } => {
-                for name in &scopes {
-                    if let Some(entry) = self.scopes.get_mut(name) {
+                for &id in scopes.as_slice() {
+                    if let Some(entry) = self.scopes.get_mut(id as usize) {
                         entry.state.record.release();
                     }
                 }
                 // Actions waiting for a slot are reconsidered in the next pump.
-                self.ready.extend(self.slot_waiters.iter().copied());
+                for slot in std::mem::take(&mut self.slot_waiters) {
+                    if let Some(Some(waiter)) = self.slots.get_mut(slot as usize) {
+                        if waiter.wake.is_none() && !waiter.queued {
+                            waiter.queued = true;
+                            self.ready.push(slot);
+                        }
+                    }
+                }
             }
             Msg::Signal {
                 scopes,
@@ -573,43 +765,41 @@ impl State {
                 done,
             } => {
                 for name in &scopes {
-                    self.ensure_scope(name);
-                    if let Some(entry) = self.scopes.get_mut(name) {
-                        let record = &mut entry.state.record;
-                        match &signal {
-                            ScopeSignal::RateLimited { boundary, source } => {
-                                record.observe_429(*boundary, source.clone());
-                                tracing::info!(
-                                    scope = %name,
-                                    source = %source,
-                                    boundary = %boundary,
-                                    "scope record updated: every action of the scope waits for the boundary"
-                                );
+                    let id = self.ensure_scope(name);
+                    let record = &mut self.scopes[id as usize].state.record;
+                    match &signal {
+                        ScopeSignal::RateLimited { boundary, source } => {
+                            record.observe_429(*boundary, source.clone());
+                            tracing::info!(
+                                scope = %name,
+                                source = %source,
+                                boundary = %boundary,
+                                "scope record updated: every action of the scope waits for the boundary"
+                            );
+                        }
+                        ScopeSignal::Quota {
+                            remaining,
+                            limit,
+                            reset_at,
+                            source,
+                        } => {
+                            record.observe_quota(*remaining, *limit, *reset_at, source.clone());
+                            tracing::debug!(scope = %name, source = %source, remaining = ?remaining, "quota observed");
+                        }
+                        ScopeSignal::Restore {
+                            next_allowed_at,
+                            remaining,
+                            limit,
+                            reset_at,
+                            source,
+                        } => {
+                            if let Some(at) = next_allowed_at {
+                                record.observe_429(*at, source.clone());
                             }
-                            ScopeSignal::Quota {
-                                remaining,
-                                limit,
-                                reset_at,
-                                source,
-                            } => {
-                                record.observe_quota(*remaining, *limit, *reset_at, source.clone());
-                                tracing::debug!(scope = %name, source = %source, remaining = ?remaining, "quota observed");
-                            }
-                            ScopeSignal::Restore {
-                                next_allowed_at,
-                                remaining,
-                                limit,
-                                reset_at,
-                                source,
-                            } => {
-                                if let Some(at) = next_allowed_at {
-                                    record.observe_429(*at, source.clone());
-                                }
-                                record.remaining = remaining.or(record.remaining);
-                                record.limit = limit.or(record.limit);
-                                record.reset_at = reset_at.or(record.reset_at);
-                                record.source = Some(source.clone());
-                            }
+                            record.remaining = remaining.or(record.remaining);
+                            record.limit = limit.or(record.limit);
+                            record.reset_at = reset_at.or(record.reset_at);
+                            record.source = Some(source.clone());
                         }
                     }
                 }
@@ -627,15 +817,19 @@ impl State {
             Msg::Deposit { scopes, tokens } => match tokens {
                 None => {
                     for name in &scopes {
-                        if let Some(entry) = self.scopes.get_mut(name) {
-                            entry.quota.deposit(Deposit::FirstTrySucceeded);
+                        if let Some(&id) = self.scope_ids.get(name) {
+                            self.scopes[id as usize]
+                                .quota
+                                .deposit(Deposit::FirstTrySucceeded);
                         }
                     }
                 }
                 Some(RetryTokens(tokens)) => {
                     for (name, token) in tokens {
-                        if let Some(entry) = self.scopes.get_mut(&name) {
-                            entry.quota.deposit(Deposit::RetrySucceeded(token));
+                        if let Some(&id) = self.scope_ids.get(&name) {
+                            self.scopes[id as usize]
+                                .quota
+                                .deposit(Deposit::RetrySucceeded(token));
                         }
                     }
                 }
@@ -645,17 +839,24 @@ impl State {
                 task_id,
                 reply,
             } => {
-                self.cancelled_tasks
-                    .insert((agent.clone(), task_id.clone()));
-                let tickets: Vec<u64> = self
-                    .waiters
+                let agent = self.intern(agent);
+                let task = self.intern(task_id);
+                self.cancelled_tasks.insert((agent.clone(), task.clone()));
+                let slots: Vec<u32> = self
+                    .slots
                     .iter()
-                    .filter(|(_, w)| w.agent == agent && w.task_id == task_id)
-                    .map(|(t, _)| *t)
+                    .enumerate()
+                    .filter_map(|(slot, w)| {
+                        w.as_ref()
+                            .filter(|w| {
+                                Arc::ptr_eq(&w.agent, &agent) && Arc::ptr_eq(&w.task_id, &task)
+                            })
+                            .map(|_| slot as u32)
+                    })
                     .collect();
                 let mut dropped = 0;
-                for ticket in tickets {
-                    if let Some(waiter) = self.remove_waiter(ticket) {
+                for slot in slots {
+                    if let Some(waiter) = self.remove(slot) {
                         dropped += 1;
                         self.refuse(
                             waiter,
@@ -665,12 +866,12 @@ impl State {
                         );
                     }
                 }
-                tracing::info!(task = %task_id, dropped, "task cancelled: delayed actions dropped");
+                tracing::info!(task = %task, dropped, "task cancelled: delayed actions dropped");
                 let _ = reply.send(dropped);
             }
             Msg::Shutdown { done } => {
                 tracing::info!(
-                    waiting = self.waiters.len(),
+                    waiting = self.tickets.len(),
                     "scheduler stopping; waiting actions stay recoverable in the store"
                 );
                 let _ = done.send(());
@@ -680,25 +881,69 @@ impl State {
         false
     }
 
-    fn ensure_scope(&mut self, name: &str) {
-        if !self.scopes.contains_key(name) {
-            let provider = name.split_once('/').map_or(name, |(p, _)| p).to_owned();
-            self.scopes.insert(
-                name.to_owned(),
-                ScopeEntry {
-                    provider,
-                    state: ScopeState {
-                        record: ScopeRecord::new(
-                            name,
-                            self.default_max_concurrent,
-                            self.default_max_delayed,
-                        ),
-                        pacer: None,
-                    },
-                    quota: RetryQuota::new(self.retry_quota),
-                },
-            );
+    /// Adds a scope to the table (or replaces the state of one with the same name).
+    fn add_scope(&mut self, provider: String, state: ScopeState) -> ScopeId {
+        let entry = ScopeEntry {
+            provider,
+            state,
+            quota: RetryQuota::new(self.retry_quota),
+        };
+        if let Some(&id) = self.scope_ids.get(&entry.state.record.name) {
+            self.scopes[id as usize] = entry;
+            return id;
         }
+        let id = ScopeId::try_from(self.scopes.len()).unwrap_or(ScopeId::MAX);
+        self.scope_ids.insert(entry.state.record.name.clone(), id);
+        self.scopes.push(entry);
+        id
+    }
+
+    /// The id of scope `name`, created with the shared-scope limits when it is not known.
+    fn ensure_scope(&mut self, name: &str) -> ScopeId {
+        if let Some(&id) = self.scope_ids.get(name) {
+            return id;
+        }
+        let provider = name.split_once('/').map_or(name, |(p, _)| p).to_owned();
+        let state = ScopeState {
+            record: ScopeRecord::new(name, self.default_max_concurrent, self.default_max_delayed),
+            pacer: None,
+        };
+        self.add_scope(provider, state)
+    }
+
+    /// The distinct scopes of `names` in name order.
+    fn scope_set(&mut self, names: &[String]) -> ScopeIds {
+        if let [name] = names {
+            return ScopeIds::One(self.ensure_scope(name));
+        }
+        let mut ids: Vec<ScopeId> = names.iter().map(|name| self.ensure_scope(name)).collect();
+        let scopes = &self.scopes;
+        ids.sort_by(|a, b| {
+            scopes[*a as usize]
+                .state
+                .record
+                .name
+                .cmp(&scopes[*b as usize].state.record.name)
+        });
+        ids.dedup();
+        match ids.as_slice() {
+            [id] => ScopeIds::One(*id),
+            _ => ScopeIds::Many(ids.into_boxed_slice()),
+        }
+    }
+
+    /// The shared copy of `name`; names no waiter holds any more are dropped now and then.
+    fn intern(&mut self, name: String) -> Arc<str> {
+        if let Some(shared) = self.names.get(name.as_str()) {
+            return shared.clone();
+        }
+        if self.names.len() >= self.sweep_names_at {
+            self.names.retain(|shared| Arc::strong_count(shared) > 1);
+            self.sweep_names_at = (self.names.len() * 2).max(MIN_NAMES_SWEEP);
+        }
+        let shared: Arc<str> = Arc::from(name);
+        self.names.insert(shared.clone());
+        shared
     }
 
     fn withdraw(
@@ -706,18 +951,17 @@ impl State {
         scopes: &[String],
         cause: RetryCause,
     ) -> Result<RetryTokens, RetryQuotaRefused> {
-        let mut taken = Vec::new();
+        let mut taken: Vec<(String, RetryToken)> = Vec::new();
         for name in scopes {
-            self.ensure_scope(name);
-            let Some(entry) = self.scopes.get_mut(name) else {
-                continue;
-            };
-            match entry.quota.withdraw(cause) {
+            let id = self.ensure_scope(name);
+            match self.scopes[id as usize].quota.withdraw(cause) {
                 Ok(token) => taken.push((name.clone(), token)),
                 Err(empty) => {
                     for (name, token) in taken {
-                        if let Some(entry) = self.scopes.get_mut(&name) {
-                            entry.quota.deposit(Deposit::RetrySucceeded(token));
+                        if let Some(&id) = self.scope_ids.get(&name) {
+                            self.scopes[id as usize]
+                                .quota
+                                .deposit(Deposit::RetrySucceeded(token));
                         }
                     }
                     tracing::info!(
@@ -737,104 +981,91 @@ impl State {
         Ok(RetryTokens(taken))
     }
 
-    fn enqueue(&mut self, ticket: u64, request: AcquireRequest, reply: oneshot::Sender<Acquired>) {
-        for name in &request.scopes {
-            self.ensure_scope(name);
-        }
+    fn enqueue(&mut self, mut pending: PendingAcquire) {
+        let Some(reply) = pending.reply.take() else {
+            return;
+        };
+        let ticket = pending.ticket;
+        let request = &mut pending.request;
+        let scopes = self.scope_set(&request.scopes);
+        let task_id = self.intern(std::mem::take(&mut request.task_id));
+        let agent = self.intern(std::mem::take(&mut request.agent));
+        let route = self.intern(std::mem::take(&mut request.route));
         let now = self.clock.now();
         let seq = self.next_seq;
         self.next_seq += 1;
-        let planned = request.not_before.is_some_and(|at| at > now);
+        let planned = request.not_before.filter(|at| *at > now);
         let mut waiter = Waiter {
-            task_id: request.task_id,
-            agent: request.agent,
-            priority: request.priority,
-            scopes: request.scopes,
+            ticket,
+            seq,
+            task_id,
+            agent,
+            route,
+            scopes,
             budget: request.budget,
             since: now,
-            fresh: !planned,
-            seq,
-            wake: None,
+            wake: planned,
+            reply: Some(reply),
+            priority: request.priority,
+            fresh: planned.is_none(),
             delayed: false,
-            route: request.route,
-            reply,
+            queued: planned.is_none(),
         };
-        match request.not_before.filter(|at| *at > now) {
+        match planned {
             Some(at) => {
                 // A planned retry: it waits in the delayed queue until its instant.
-                if let Err(detail) = self.delay(&mut waiter) {
+                if let Err(detail) = try_delay(&mut self.scopes, &mut waiter) {
                     self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
                     return;
                 }
-                waiter.wake = Some(at);
-                self.heap
-                    .push(Reverse((at, Reverse(waiter.priority), seq, ticket)));
-                self.waiters.insert(ticket, waiter);
+                let order = waiter.order();
+                let slot = self.insert(waiter);
+                self.timers.insert((at, order), slot);
             }
             None => {
-                self.waiters.insert(ticket, waiter);
-                self.ready.push(ticket);
+                let slot = self.insert(waiter);
+                self.ready.push(slot);
             }
         }
     }
 
-    fn remove_waiter(&mut self, ticket: u64) -> Option<Waiter> {
-        self.slot_waiters.remove(&ticket);
-        self.waiters.remove(&ticket)
+    /// Puts a waiter into a vacant slab slot and indexes its ticket.
+    fn insert(&mut self, waiter: Waiter) -> u32 {
+        let ticket = waiter.ticket;
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(waiter);
+                slot
+            }
+            None => {
+                let slot = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+                self.slots.push(Some(waiter));
+                slot
+            }
+        };
+        self.tickets.insert(ticket, slot);
+        slot
     }
 
-    /// Counts the waiter in every scope's delayed queue.
-    ///
-    /// # Errors
-    /// The `scope_saturated` detail when a scope's `max_delayed_requests` is reached; nothing
-    /// stays counted then.
-    fn delay(&mut self, waiter: &mut Waiter) -> Result<(), String> {
-        if waiter.delayed {
-            return Ok(());
+    /// Takes a waiter out of the slab, its ticket index and the wake queue.
+    fn remove(&mut self, slot: u32) -> Option<Waiter> {
+        let waiter = self.slots.get_mut(slot as usize)?.take()?;
+        self.free.push(slot);
+        self.tickets.remove(&waiter.ticket);
+        if let Some(at) = waiter.wake {
+            self.timers.remove(&(at, waiter.order()));
         }
-        let mut counted: Vec<&str> = Vec::new();
-        for name in &waiter.scopes {
-            let Some(entry) = self.scopes.get_mut(name) else {
-                continue;
-            };
-            if let Err(full) = entry.state.record.try_delay() {
-                for done in counted {
-                    if let Some(entry) = self.scopes.get_mut(done) {
-                        entry.state.record.undelay();
-                    }
-                }
-                tracing::info!(
-                    task = %waiter.task_id,
-                    route = %waiter.route,
-                    scope = %name,
-                    "refused: the scope's delayed queue is full (scope_saturated)"
-                );
-                return Err(full.to_string());
-            }
-            counted.push(name);
-        }
-        waiter.delayed = true;
-        Ok(())
-    }
-
-    fn undelay(&mut self, waiter: &Waiter) {
-        if waiter.delayed {
-            for name in &waiter.scopes {
-                if let Some(entry) = self.scopes.get_mut(name) {
-                    entry.state.record.undelay();
-                }
-            }
-        }
+        Some(waiter)
     }
 
     fn refuse(
         &mut self,
-        waiter: Waiter,
+        mut waiter: Waiter,
         outcome: Outcome,
         detail: String,
         boundary: Option<Timestamp>,
     ) {
-        self.undelay(&waiter);
+        undelay(&mut self.scopes, &waiter);
         tracing::info!(
             task = %waiter.task_id,
             route = %waiter.route,
@@ -844,56 +1075,59 @@ impl State {
             detail = %detail,
             "action refused by the scheduler"
         );
-        let _ = waiter.reply.send(Acquired::Refused {
-            outcome,
-            detail,
-            budget: waiter.budget,
-            boundary,
-        });
+        if let Some(reply) = waiter.reply.take() {
+            let _ = reply.send(Acquired::Refused {
+                outcome,
+                detail,
+                budget: waiter.budget,
+                boundary,
+            });
+        }
     }
 
-    /// Wakes due waiters and re-examines every ready one, highest priority first.
+    /// Takes every due waiter off the front of the wake queue and re-examines them with every
+    /// ready one, highest priority first, then arrival.
     fn pump(&mut self) {
         let now = self.clock.now();
-        while let Some(Reverse((at, _, _, ticket))) = self.heap.peek().copied() {
-            if at > now {
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear();
+        while let Some(entry) = self.timers.first_entry() {
+            if entry.key().0 > now {
                 break;
             }
-            self.heap.pop();
-            if let Some(waiter) = self.waiters.get_mut(&ticket) {
-                if waiter.wake == Some(at) {
-                    waiter.wake = None;
-                    self.ready.push(ticket);
+            let ((_, order), slot) = entry.remove_entry();
+            if let Some(Some(waiter)) = self.slots.get_mut(slot as usize) {
+                waiter.wake = None;
+                batch.push((order, slot));
+            }
+        }
+        for slot in self.ready.drain(..) {
+            if let Some(Some(waiter)) = self.slots.get_mut(slot as usize) {
+                if std::mem::take(&mut waiter.queued) {
+                    batch.push((waiter.order(), slot));
                 }
             }
         }
-        if self.ready.is_empty() {
-            return;
+        if !batch.is_empty() {
+            // Already in order when one instant released them all (pdqsort sees the run).
+            batch.sort_unstable();
+            for &(_, slot) in &batch {
+                self.examine(slot, now);
+            }
         }
-        let mut ready: Vec<(Reverse<Priority>, u64, u64)> = std::mem::take(&mut self.ready)
-            .into_iter()
-            .collect::<HashSet<u64>>()
-            .into_iter()
-            .filter_map(|t| {
-                self.waiters
-                    .get(&t)
-                    .filter(|w| w.wake.is_none())
-                    .map(|w| (Reverse(w.priority), w.seq, t))
-            })
-            .collect();
-        ready.sort_unstable();
-        for (_, _, ticket) in ready {
-            self.examine(ticket, now);
-        }
+        self.batch = batch;
     }
 
-    /// Runs the dispatch check for one waiter at `now`.
-    fn examine(&mut self, ticket: u64, now: Timestamp) {
-        let Some(mut waiter) = self.remove_waiter(ticket) else {
+    /// Runs the dispatch check for the waiter in `slot` at `now`. It stays in its slot while it
+    /// keeps waiting and leaves the slab when it is answered.
+    fn examine(&mut self, slot: u32, now: Timestamp) {
+        let Some(Some(waiter)) = self.slots.get_mut(slot as usize) else {
             return;
         };
-        if waiter.reply.is_closed() {
-            self.undelay(&waiter);
+        if waiter.reply.as_ref().is_none_or(oneshot::Sender::is_closed) {
+            if let Some(waiter) = self.remove(slot) {
+                undelay(&mut self.scopes, &waiter);
+            }
             return;
         }
         let waited = if std::mem::take(&mut waiter.fresh) {
@@ -904,34 +1138,50 @@ impl State {
         waiter.since = now;
         if !waited.is_zero() {
             if let Err(refusal) = waiter.budget.withdraw_wait(waited) {
-                let boundary = self.latest_boundary(&waiter.scopes, now);
-                self.refuse(waiter, refusal.outcome(), refusal.to_string(), boundary);
+                let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
+                if let Some(waiter) = self.remove(slot) {
+                    self.refuse(waiter, refusal.outcome(), refusal.to_string(), boundary);
+                }
                 return;
             }
         }
-        let cancelled = self
-            .cancelled_tasks
-            .contains(&(waiter.agent.clone(), waiter.task_id.clone()));
-        let admission = {
-            let mut refs: Vec<&mut ScopeState> = self
-                .scopes
-                .iter_mut()
-                .filter(|(name, _)| waiter.scopes.contains(name))
-                .map(|(_, entry)| &mut entry.state)
-                .collect();
-            admit(
-                AdmitRequest {
-                    cancelled,
-                    priority: waiter.priority,
-                },
-                &mut waiter.budget,
-                &mut refs,
-                now,
-            )
+        let cancelled = !self.cancelled_tasks.is_empty()
+            && self
+                .cancelled_tasks
+                .contains(&(waiter.agent.clone(), waiter.task_id.clone()));
+        let request = AdmitRequest {
+            cancelled,
+            priority: waiter.priority,
+        };
+        let admission = match &waiter.scopes {
+            ScopeIds::One(id) => {
+                let mut state = &mut self.scopes[*id as usize].state;
+                admit(
+                    request,
+                    &mut waiter.budget,
+                    std::slice::from_mut(&mut state),
+                    now,
+                )
+            }
+            ScopeIds::Many(ids) => {
+                // Distinct indices: each entry is borrowed once; then in name order.
+                let mut refs: Vec<&mut ScopeState> = self
+                    .scopes
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(id, _)| ids.iter().any(|want| *want as usize == *id))
+                    .map(|(_, entry)| &mut entry.state)
+                    .collect();
+                refs.sort_by(|a, b| a.record.name.cmp(&b.record.name));
+                admit(request, &mut waiter.budget, &mut refs, now)
+            }
         };
         match admission {
             Admission::Go => {
-                self.undelay(&waiter);
+                let Some(mut waiter) = self.remove(slot) else {
+                    return;
+                };
+                undelay(&mut self.scopes, &waiter);
                 tracing::debug!(
                     task = %waiter.task_id,
                     route = %waiter.route,
@@ -940,22 +1190,29 @@ impl State {
                     "dispatch: attempt admitted"
                 );
                 let permit = Permit {
-                    scopes: waiter.scopes.clone(),
+                    scopes: std::mem::take(&mut waiter.scopes),
+                    granted_at: self.clock.now(),
                     tx: self.tx.clone(),
                 };
                 // If the client is gone the permit drops here and returns the slots.
-                let _ = waiter.reply.send(Acquired::Go {
-                    permit,
-                    budget: waiter.budget,
-                });
+                if let Some(reply) = waiter.reply.take() {
+                    let _ = reply.send(Acquired::Go {
+                        permit,
+                        budget: waiter.budget,
+                    });
+                }
             }
             Admission::WaitUntil { at, reason } => {
-                if let Err(detail) = self.delay(&mut waiter) {
-                    self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
+                if let Err(detail) = try_delay(&mut self.scopes, waiter) {
+                    if let Some(waiter) = self.remove(slot) {
+                        self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
+                    }
                     return;
                 }
                 let wake = match &reason {
-                    WaitReason::NextAllowedAt { .. } => self.jittered(at, &waiter, now),
+                    WaitReason::NextAllowedAt { .. } => {
+                        jittered(&mut self.rng, &self.backoff, at, &waiter.budget, now)
+                    }
                     WaitReason::Pacing { .. } => at,
                 };
                 match &reason {
@@ -978,17 +1235,13 @@ impl State {
                     ),
                 }
                 waiter.wake = Some(wake);
-                self.heap.push(Reverse((
-                    wake,
-                    Reverse(waiter.priority),
-                    waiter.seq,
-                    ticket,
-                )));
-                self.waiters.insert(ticket, waiter);
+                self.timers.insert((wake, waiter.order()), slot);
             }
             Admission::WaitForSlot { scope } => {
-                if let Err(detail) = self.delay(&mut waiter) {
-                    self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
+                if let Err(detail) = try_delay(&mut self.scopes, waiter) {
+                    if let Some(waiter) = self.remove(slot) {
+                        self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
+                    }
                     return;
                 }
                 tracing::debug!(
@@ -997,44 +1250,24 @@ impl State {
                     scope = %scope,
                     "waiting for a concurrency slot"
                 );
-                self.slot_waiters.insert(ticket);
-                self.waiters.insert(ticket, waiter);
+                self.slot_waiters.push(slot);
             }
             Admission::Refuse { outcome, detail } => {
-                let boundary = self.latest_boundary(&waiter.scopes, now);
-                self.refuse(waiter, outcome, detail, boundary);
+                let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
+                if let Some(waiter) = self.remove(slot) {
+                    self.refuse(waiter, outcome, detail, boundary);
+                }
             }
         }
-    }
-
-    /// The boundary plus a jitter of up to `min(cap(1), boundary_spread)`, trimmed to the
-    /// deadline and the wait budget (never below the boundary).
-    fn jittered(&mut self, at: Timestamp, waiter: &Waiter, now: Timestamp) -> Timestamp {
-        let spread = self.backoff.cap(1).min(self.backoff.boundary_spread);
-        let mut extra = spread.mul_f64(self.rng.unit());
-        let until = positive(at.duration_since(now));
-        extra = extra.min(waiter.budget.wait_remaining().saturating_sub(until));
-        if let Some(deadline) = waiter.budget.deadline() {
-            extra = extra.min(positive(deadline.duration_since(at)));
-        }
-        add(at, extra)
-    }
-
-    fn latest_boundary(&self, scopes: &[String], now: Timestamp) -> Option<Timestamp> {
-        scopes
-            .iter()
-            .filter_map(|name| self.scopes.get(name))
-            .filter_map(|entry| entry.state.record.next_allowed_at)
-            .filter(|at| *at > now)
-            .max()
     }
 
     fn publish(&mut self) {
         let now = self.clock.now();
         let views: Vec<ScopeView> = self
-            .scopes
+            .scope_ids
             .iter()
-            .map(|(name, entry)| {
+            .map(|(name, &id)| {
+                let entry = &self.scopes[id as usize];
                 let record = &entry.state.record;
                 let prefix = format!("{}/", entry.provider);
                 ScopeView {
@@ -1053,11 +1286,11 @@ impl State {
                 }
             })
             .collect();
-        for (name, entry) in &self.scopes {
+        for (name, &id) in &self.scope_ids {
+            let record = &self.scopes[id as usize].state.record;
+            self.metrics.set_delayed(name, i64::from(record.delayed));
             self.metrics
-                .set_delayed(name, i64::from(entry.state.record.delayed));
-            self.metrics
-                .set_in_flight(name, i64::from(entry.state.record.in_flight));
+                .set_in_flight(name, i64::from(record.in_flight));
         }
         let mut slot = self
             .views
@@ -1065,6 +1298,25 @@ impl State {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         *slot = Arc::new(views);
     }
+}
+
+/// The boundary plus a jitter of up to `min(cap(1), boundary_spread)`, trimmed to the deadline
+/// and the wait budget (never below the boundary).
+fn jittered(
+    rng: &mut SplitMix64,
+    backoff: &BackoffConfig,
+    at: Timestamp,
+    budget: &ActionBudget,
+    now: Timestamp,
+) -> Timestamp {
+    let spread = backoff.cap(1).min(backoff.boundary_spread);
+    let mut extra = spread.mul_f64(rng.unit());
+    let until = positive(at.duration_since(now));
+    extra = extra.min(budget.wait_remaining().saturating_sub(until));
+    if let Some(deadline) = budget.deadline() {
+        extra = extra.min(positive(deadline.duration_since(at)));
+    }
+    add(at, extra)
 }
 
 #[cfg(test)]
