@@ -57,6 +57,19 @@ fn bench_diagnose(c: &mut Criterion) {
             black_box(debt)
         })
     });
+    let reports: Vec<_> = input
+        .iter()
+        .map(|line| diagnose_owned(parse_snapshot(line.as_bytes()).unwrap(), now, &opts))
+        .collect();
+    group.bench_function("totals_only_10k_reports", |b| {
+        b.iter(|| {
+            let mut totals = Totals::default();
+            for report in &reports {
+                totals.add(black_box(report));
+            }
+            black_box(totals.retry_after_debt_ms)
+        })
+    });
     group.finish();
 }
 

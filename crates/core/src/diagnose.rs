@@ -91,7 +91,7 @@
 //! before it, `retry_status` without `retry_finished_at`, and an explicit `retry_not_before` earlier
 //! than `throttled_at`. Unknown fields are ignored.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::time::Duration;
 
@@ -228,7 +228,13 @@ impl Snapshot {
 /// the offending field is named when it can be); [`SnapshotError::Invalid`] for the consistency
 /// rules listed in the module docs.
 pub fn parse_snapshot(line: &[u8]) -> Result<Snapshot, SnapshotError> {
-    let snapshot: Snapshot = match serde_json::from_slice(line) {
+    // One UTF-8 check of the whole line lets the parser skip checking each string on its own; a
+    // line that is not UTF-8 goes through the byte parser, which names where it breaks.
+    let parsed = match std::str::from_utf8(line) {
+        Ok(text) => serde_json::from_str(text),
+        Err(_) => serde_json::from_slice(line),
+    };
+    let snapshot: Snapshot = match parsed {
         Ok(snapshot) => snapshot,
         Err(err) => return Err(locate_error(line, err)),
     };
@@ -858,6 +864,77 @@ pub struct DiagnosisTotals {
     pub retry_after_debt_ms: u64,
 }
 
+/// Group totals by name: per run or per quota scope.
+///
+/// Kept in a hash map while reports are added (one lookup per report; a name already present costs
+/// no allocation) and read in name order (byte order of the UTF-8 names): [`GroupMap::iter`],
+/// [`GroupMap::values`] and serialization sort the names at that point, so the output never
+/// depends on the order reports were added in. Serialized as a map `{name: GroupTotals}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupMap(HashMap<Box<str>, GroupTotals>);
+
+impl GroupMap {
+    /// The number of distinct names.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// `true` when no report was added.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The totals of one name, if any report had it.
+    pub fn get(&self, name: &str) -> Option<&GroupTotals> {
+        self.0.get(name)
+    }
+
+    /// Every name with its totals, in name order (sorted on each call: `O(n log n)`).
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &GroupTotals)> + '_ {
+        let mut entries: Vec<(&str, &GroupTotals)> = self
+            .0
+            .iter()
+            .map(|(name, group)| (&**name, group))
+            .collect();
+        entries.sort_unstable_by_key(|(name, _)| *name);
+        entries.into_iter()
+    }
+
+    /// Every group's totals, in name order.
+    pub fn values(&self) -> impl Iterator<Item = &GroupTotals> + '_ {
+        self.iter().map(|(_, group)| group)
+    }
+
+    /// The totals of `name`, created empty when missing (the name is copied only then).
+    fn entry(&mut self, name: &str) -> &mut GroupTotals {
+        if !self.0.contains_key(name) {
+            self.0.insert(name.into(), GroupTotals::default());
+        }
+        self.0
+            .get_mut(name)
+            .expect("the name was inserted just above when missing")
+    }
+}
+
+impl std::ops::Index<&str> for GroupMap {
+    type Output = GroupTotals;
+
+    /// The totals of `name`.
+    ///
+    /// # Panics
+    /// When no report had that name (use [`GroupMap::get`] to ask).
+    fn index(&self, name: &str) -> &GroupTotals {
+        self.get(name)
+            .unwrap_or_else(|| panic!("no totals for {name:?}"))
+    }
+}
+
+impl Serialize for GroupMap {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.iter())
+    }
+}
+
 /// Totals over many reports: overall, by scope, by diagnosis and by run — never one number without
 /// its breakdown (SPEC §10). Memory grows with distinct runs and scopes, not with snapshots.
 ///
@@ -873,20 +950,11 @@ pub struct Totals {
     /// Sum of `retry_after_debt_ms` over all known boundaries (saturating).
     pub retry_after_debt_ms: u64,
     /// Per quota scope.
-    pub by_scope: BTreeMap<String, GroupTotals>,
+    pub by_scope: GroupMap,
     /// Per diagnosis.
     pub by_diagnosis: BTreeMap<Diagnosis, DiagnosisTotals>,
     /// Per run.
-    pub by_run: BTreeMap<String, GroupTotals>,
-}
-
-fn group_entry<'a>(map: &'a mut BTreeMap<String, GroupTotals>, key: &str) -> &'a mut GroupTotals {
-    // Look up by &str first so a known key costs no allocation.
-    if !map.contains_key(key) {
-        map.insert(key.to_string(), GroupTotals::default());
-    }
-    map.get_mut(key)
-        .expect("the key was inserted just above when missing")
+    pub by_run: GroupMap,
 }
 
 impl GroupTotals {
@@ -914,8 +982,8 @@ impl Totals {
         by_diagnosis.retry_after_debt_ms = by_diagnosis
             .retry_after_debt_ms
             .saturating_add(debt.unwrap_or(0));
-        group_entry(&mut self.by_scope, &report.quota_scope).add(report);
-        group_entry(&mut self.by_run, &report.run_id).add(report);
+        self.by_scope.entry(&report.quota_scope).add(report);
+        self.by_run.entry(&report.run_id).add(report);
     }
 }
 
@@ -926,5 +994,78 @@ impl<'a> FromIterator<&'a DiagnosisReport> for Totals {
             totals.add(report);
         }
         totals
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINE: &str = r#"{"run_id":"run-1","quota_scope":"s","throttled_at":"2026-07-26T18:41:30Z","status":429,"retry_after_raw":"60","attempts_used":1,"max_attempts":4,"wait_budget_ms":120000,"wait_used_ms":0}"#;
+
+    #[test]
+    fn a_line_that_is_not_utf8_names_the_field_and_column() {
+        let mut line = LINE.as_bytes().to_vec();
+        // `run-1` → `run\xff1`.
+        let at = LINE.find("run-1").expect("in the line") + 3;
+        line[at] = 0xff;
+        match parse_snapshot(&line) {
+            Err(SnapshotError::Malformed { path, reason }) => {
+                assert_eq!(path, "run_id");
+                assert!(reason.contains("column"), "{reason}");
+            }
+            other => panic!("expected a malformed line, got {other:?}"),
+        }
+        assert!(parse_snapshot(LINE.as_bytes()).is_ok());
+    }
+
+    fn report(run: &str, scope: &str) -> DiagnosisReport {
+        let line = LINE
+            .replace("\"run-1\"", &format!("{run:?}"))
+            .replace("\"s\"", &format!("{scope:?}"));
+        let now = "2026-07-26T18:42:00Z".parse().expect("valid instant");
+        diagnose_owned(
+            parse_snapshot(line.as_bytes()).expect("valid line"),
+            now,
+            &DiagnoseOptions::default(),
+        )
+    }
+
+    #[test]
+    fn group_maps_read_and_serialize_in_name_order_whatever_the_adding_order() {
+        let names = ["b", "a", "Z", "é", "a-2", "a", "10", "9", "b"];
+        let reports: Vec<DiagnosisReport> = names
+            .iter()
+            .zip(names.iter().rev())
+            .map(|(run, scope)| report(run, scope))
+            .collect();
+        let forward: Totals = reports.iter().collect();
+        let backward: Totals = reports.iter().rev().collect();
+        assert_eq!(forward, backward);
+        let json = serde_json::to_string(&forward).expect("serializes");
+        assert_eq!(json, serde_json::to_string(&backward).expect("serializes"));
+        // Byte order of the names, as a sorted map of strings gives.
+        let sorted = ["10", "9", "Z", "a", "a-2", "b", "é"];
+        let runs: Vec<&str> = forward.by_run.iter().map(|(name, _)| name).collect();
+        assert_eq!(runs, sorted);
+        let scopes: Vec<&str> = forward.by_scope.iter().map(|(name, _)| name).collect();
+        assert_eq!(scopes, sorted);
+        // The same bytes as a sorted map of the same entries.
+        for groups in [&forward.by_run, &forward.by_scope] {
+            let reference: BTreeMap<String, GroupTotals> = groups
+                .iter()
+                .map(|(name, group)| (name.to_owned(), group.clone()))
+                .collect();
+            assert_eq!(
+                serde_json::to_string(groups).expect("serializes"),
+                serde_json::to_string(&reference).expect("serializes")
+            );
+        }
+        for (name, count) in [("a", 2), ("b", 2), ("é", 1), ("10", 1)] {
+            assert_eq!(forward.by_run[name].snapshots, count, "{name}");
+            assert_eq!(forward.by_scope[name].snapshots, count, "{name}");
+        }
+        assert_eq!(forward.by_run.values().map(|g| g.snapshots).sum::<u64>(), 9);
+        assert!(forward.by_run.get("absent").is_none());
     }
 }

@@ -380,7 +380,7 @@ fn write_group_totals<'a>(
     out: &mut impl Write,
     title: &str,
     key: &str,
-    groups: impl Iterator<Item = (&'a String, &'a GroupTotals)>,
+    groups: impl Iterator<Item = (&'a str, &'a GroupTotals)>,
 ) -> io::Result<()> {
     writeln!(out)?;
     writeln!(out, "{title}")?;
