@@ -91,6 +91,7 @@ mod actions;
 mod quota_escalations;
 mod writes;
 
+pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
 pub use writes::RESTARTED_BEFORE_RETRY;
 
 pub use actions::{
@@ -171,6 +172,8 @@ struct Inner {
     /// Held while a `shared_quota_exhausted` escalation is looked for and opened, so that
     /// several actions meeting the same exhausted quota at once open one per scope.
     quota_escalations: tokio::sync::Mutex<()>,
+    /// Runs of `rate_limited` answers per scope (in memory only), for `account_configuration`.
+    limit_streaks: Mutex<quota_escalations::LimitStreaks>,
 }
 
 /// What has been seen of an action so far (for the SPEC §5 context).
@@ -510,6 +513,7 @@ impl Engine {
             held: Mutex::new(HashMap::new()),
             kept: Mutex::new(actions::Kept::default()),
             quota_escalations: tokio::sync::Mutex::new(()),
+            limit_streaks: Mutex::new(quota_escalations::LimitStreaks::default()),
         });
         let restore = inner.clone();
         tokio::spawn(async move {
@@ -1283,6 +1287,14 @@ impl Engine {
                     .metrics
                     .attempt(&route.provider, scope, &route.class, signal.disposition);
             }
+            inner
+                .limit_streaks
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .note(
+                    &quota_escalations::streak_keys(&route.provider, &route.scopes),
+                    signal.disposition,
+                );
 
             // Scope records first: quota headers, then a rate limit's boundary.
             self.update_scopes(run, &signal, status, received_at).await;
@@ -2125,7 +2137,28 @@ impl Engine {
         if let Err(e) = inner.blocking(move |s| s.record_result(result, at)).await {
             tracing::warn!(action = run.id.0, error = %e, "could not record the result");
         }
-        self.ended(run, outcome, context, detail, attempts)
+        let boundary = context.boundary;
+        let mut execution = self.ended(run, outcome, context, detail, attempts);
+        // SPEC §8: repeated limits in the scope, and this action still did not fit.
+        if matches!(
+            outcome,
+            Outcome::BudgetExhausted | Outcome::DeadlineExhausted
+        ) {
+            let route = &run.spec.route;
+            let streak = inner
+                .limit_streaks
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .longest(&quota_escalations::streak_keys(
+                    &route.provider,
+                    &route.scopes,
+                ));
+            if streak >= quota_escalations::ACCOUNT_CONFIGURATION_STREAK {
+                self.escalate_repeated_limits(run.id, streak, boundary, &mut execution)
+                    .await;
+            }
+        }
+        execution
     }
 
     /// Counts a gateway-made outcome in the metrics and returns it with the action's receipt

@@ -162,7 +162,10 @@ async fn tasks_meeting_an_exhausted_quota_open_one_escalation_per_scope() {
     assert_eq!(case["reason"], "shared_quota_exhausted");
     assert_eq!(case["scopes"], json!(["fake/account"]));
     assert_eq!(case["ended_with"], "quota_exhausted");
-    assert!(case["retry_not_before"].is_null(), "no reset was given: {case}");
+    assert!(
+        case["retry_not_before"].is_null(),
+        "no reset was given: {case}"
+    );
     assert!(
         case["reason_detail"]
             .as_str()
@@ -195,7 +198,9 @@ async fn tasks_meeting_an_exhausted_quota_open_one_escalation_per_scope() {
         .iter()
         .find(|e| e["case_file"]["scopes"] == json!(["fake/reads"]))
         .expect("the reads scope's escalation");
-    let detail = items["case_file"]["reason_detail"].as_str().expect("detail");
+    let detail = items["case_file"]["reason_detail"]
+        .as_str()
+        .expect("detail");
     assert!(detail.contains("carries no payload"), "{detail}");
     assert!(items["case_file"]["idempotency_key"].is_null());
 
@@ -234,5 +239,101 @@ async fn tasks_meeting_an_exhausted_quota_open_one_escalation_per_scope() {
         .filter(|e| e.kind == "escalated" && e.outcome.as_deref() == Some("quota_exhausted"))
         .count();
     assert_eq!(escalated, 3, "each escalation audited beside its outcome");
+    fake.shutdown().await;
+}
+
+/// Every create answers `429 Retry-After: 1`: a plain rate limit, never a success.
+fn always_limited() -> RunningFake {
+    let limited = FaultRule::with_probability(
+        1.0,
+        Fault::Status {
+            status: 429,
+            retry_after: Some("1".into()),
+            body: None,
+        },
+    );
+    support::start_fake(
+        FakeConfig::default().with_route(
+            RouteConfig::new("POST /v1/orders", create("orders", "or_"))
+                .with_idempotency()
+                .with_fault(limited),
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_limits_in_a_scope_open_one_account_configuration_escalation() {
+    let fake = always_limited();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let streak = backstop_gateway::engine::ACCOUNT_CONFIGURATION_STREAK as usize;
+
+    let account_escalations = |open: Vec<Value>| -> Vec<Value> {
+        open.into_iter()
+            .filter(|e| e["reason"] == "account_configuration")
+            .collect()
+    };
+    // Each write is limited on all 3 attempts of its class and ends budget_exhausted. Until the
+    // scope has seen the streak, none is escalated for the account.
+    let mut sent = 0;
+    let mut writes = 0;
+    while sent < streak {
+        let body = write(
+            &gateway,
+            &format!("run-l{writes}"),
+            &format!("order-l{writes}"),
+        )
+        .await;
+        assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+        writes += 1;
+        sent += 3;
+        let open = account_escalations(support::open_escalations(&gateway, OPERATOR_TOKEN).await);
+        if sent < streak {
+            assert!(
+                open.is_empty(),
+                "{sent} limits are not yet a streak: {open:?}"
+            );
+        } else {
+            assert_eq!(open.len(), 1, "{open:?}");
+        }
+    }
+    // One more write meeting the same limits opens no second escalation for the scope.
+    let body = write(&gateway, "run-l-more", "order-l-more").await;
+    assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+    let open = account_escalations(support::open_escalations(&gateway, OPERATOR_TOKEN).await);
+    assert_eq!(open.len(), 1, "{open:?}");
+    assert_eq!(
+        support::on_route(&fake.attempts(), "POST", "/v1/orders").len(),
+        3 * (writes + 1),
+        "three sends per write, nothing more"
+    );
+    let id = open[0]["id"].as_i64().expect("id");
+    let (_, shown) = json_of(
+        client()
+            .get(format!("http://{}/v1/escalations/{id}", gateway.addr))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .expect("show"),
+    )
+    .await;
+    let case = &shown["case_file"];
+    assert_eq!(case["scopes"], json!(["fake/account"]));
+    assert_eq!(case["ended_with"], "budget_exhausted");
+    let options: Vec<&str> = case["options"]
+        .as_array()
+        .expect("options")
+        .iter()
+        .filter_map(|o| o["option"].as_str())
+        .collect();
+    assert_eq!(options, ["raise_quota", "change_plan", "wait", "abort"]);
+    assert!(
+        case["reason_detail"]
+            .as_str()
+            .expect("detail")
+            .contains("rate_limited answers in a row"),
+        "{case}"
+    );
+    gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;
 }

@@ -15,7 +15,20 @@
 //! holds nothing and sends nothing more, the agent resubmits. A read is escalated the same way;
 //! its case file names it by method, route template and the digest of its empty payload, and its
 //! reason says it carries no payload. Nothing is sent for any of this: no probe, no retry.
+//!
+//! # Repeated limits: `account_configuration`
+//! SPEC §8 also escalates when "repeated limits point to account configuration". The rule here:
+//! [`ACCOUNT_CONFIGURATION_STREAK`] (5) `rate_limited` answers in a row in a scope, over all its
+//! tasks, with no success between them (other answers neither count nor break the run), and then
+//! an action of the scope ends `budget_exhausted` or `deadline_exhausted` after its own attempt.
+//! Backoff and Retry-After were honoured and the work still did not fit, so the plan or tier the
+//! account runs under is the likely cause, not a passing burst. That action opens one
+//! `account_configuration` escalation beside its outcome; none more opens for the scope while it
+//! is open. The run is counted in memory (a restart starts it again from zero).
 
+use std::collections::HashMap;
+
+use backstop_core::classify::Disposition;
 use backstop_core::escalation::{CaseFile, EscalationReason};
 use backstop_store::{ActionId, EscalationId};
 use jiff::Timestamp;
@@ -23,7 +36,58 @@ use jiff::Timestamp;
 use super::{Engine, EngineError, Inner};
 use crate::action::Execution;
 
-/// What [`Inner::escalate_quota_once`] did.
+/// `rate_limited` answers in a row in a scope, with no success between them, after which an
+/// action of the scope that ends `budget_exhausted` or `deadline_exhausted` opens an
+/// `account_configuration` escalation (see the module docs).
+pub const ACCOUNT_CONFIGURATION_STREAK: u32 = 5;
+
+/// Runs of `rate_limited` answers per scope (key: the full scope name, or the provider's name
+/// for a route without scopes).
+#[derive(Debug, Default)]
+pub(super) struct LimitStreaks {
+    runs: HashMap<String, u32>,
+}
+
+impl LimitStreaks {
+    /// Counts one answer in `keys`: `rate_limited` lengthens each run, `success` ends it, any
+    /// other disposition leaves it.
+    pub(super) fn note(&mut self, keys: &[String], disposition: Disposition) {
+        match disposition {
+            Disposition::RateLimited => {
+                for key in keys {
+                    let run = self.runs.entry(key.clone()).or_insert(0);
+                    *run = run.saturating_add(1);
+                }
+            }
+            Disposition::Success => {
+                for key in keys {
+                    self.runs.remove(key);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The longest current run among `keys`.
+    pub(super) fn longest(&self, keys: &[String]) -> u32 {
+        keys.iter()
+            .filter_map(|k| self.runs.get(k))
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// The keys a route's answers are counted under: its scopes, or its provider without scopes.
+pub(super) fn streak_keys(provider: &str, scopes: &[String]) -> Vec<String> {
+    if scopes.is_empty() {
+        vec![provider.to_owned()]
+    } else {
+        scopes.to_vec()
+    }
+}
+
+/// What [`Inner::escalate_scope_once`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum QuotaEscalation {
     /// A new `shared_quota_exhausted` escalation was opened.
@@ -32,28 +96,37 @@ pub(super) enum QuotaEscalation {
     AlreadyOpen(EscalationId),
 }
 
-/// Whether an open case file covers `scopes` of `provider` at `now`: same reason, a shared scope
-/// (or, for routes without scopes, the same provider with none), and its reset not yet passed.
-fn covers(case: &CaseFile, provider: &str, scopes: &[String], now: Timestamp) -> bool {
+/// Whether an open case file covers `scopes` of `provider` at `now` for `reason`: same reason,
+/// a shared scope (or, for routes without scopes, the same provider with none), and — for an
+/// exhausted quota — its reset not yet passed.
+fn covers(
+    case: &CaseFile,
+    reason: EscalationReason,
+    provider: &str,
+    scopes: &[String],
+    now: Timestamp,
+) -> bool {
     let same_scope = if scopes.is_empty() {
         case.scopes.is_empty() && case.provider == provider
     } else {
         case.scopes.iter().any(|s| scopes.contains(s))
     };
-    case.reason == EscalationReason::SharedQuotaExhausted
-        && same_scope
-        && case.retry_not_before.is_none_or(|reset| reset > now)
+    let in_window = reason != EscalationReason::SharedQuotaExhausted
+        || case.retry_not_before.is_none_or(|reset| reset > now);
+    case.reason == reason && same_scope && in_window
 }
 
 impl Inner {
-    /// Opens a `shared_quota_exhausted` escalation beside the `quota_exhausted` outcome of
-    /// `action`, unless one for the same scope is open and its window has not passed.
+    /// Opens a `reason` escalation beside the outcome `action` ended with, unless one for the
+    /// same scope is open (and, for an exhausted quota, its window has not passed). `why` says
+    /// what the provider answered; `reset` is the boundary the `wait` option waits for.
     ///
     /// # Errors
     /// The action is not in the store, the case file could not be built, or the store failed.
-    pub(super) async fn escalate_quota_once(
+    pub(super) async fn escalate_scope_once(
         &self,
         action: ActionId,
+        reason: EscalationReason,
         why: &str,
         reset: Option<Timestamp>,
     ) -> Result<QuotaEscalation, EngineError> {
@@ -70,7 +143,7 @@ impl Inner {
         let open = self.blocking(|s| s.open_escalations()).await?;
         if let Some(existing) = open.iter().find(|e| {
             CaseFile::from_json(&e.case_file)
-                .is_ok_and(|case| covers(&case, &facts.provider, &facts.scopes, now))
+                .is_ok_and(|case| covers(&case, reason, &facts.provider, &facts.scopes, now))
         }) {
             return Ok(QuotaEscalation::AlreadyOpen(existing.id));
         }
@@ -79,30 +152,28 @@ impl Inner {
             Some(at) => format!("until its reset at {at}"),
             None => "and the provider gave no reset instant".to_owned(),
         };
-        let detail = format!(
-            "the shared quota of {} is exhausted ({why}) {reset_words}; every request in the \
-             scope meets it until the quota is raised, the plan changes or the reset comes{}",
-            if facts.scopes.is_empty() {
-                format!("provider `{}`", facts.provider)
-            } else {
-                format!("scope {}", facts.scopes.join(", "))
-            },
-            if read {
-                "; this action is a read: it carries no payload and no idempotency key"
-            } else {
-                ""
-            }
-        );
+        let scope_words = if facts.scopes.is_empty() {
+            format!("provider `{}`", facts.provider)
+        } else {
+            format!("scope {}", facts.scopes.join(", "))
+        };
+        let read_words = if read {
+            "; this action is a read: it carries no payload and no idempotency key"
+        } else {
+            ""
+        };
+        let detail = match reason {
+            EscalationReason::SharedQuotaExhausted => format!(
+                "the shared quota of {scope_words} is exhausted ({why}) {reset_words}; every \
+                 request in the scope meets it until the quota is raised, the plan changes or \
+                 the reset comes{read_words}"
+            ),
+            _ => format!("{scope_words}: {why}{read_words}"),
+        };
         let idempotency_key = record.key().map(str::to_owned);
         let ended = record.outcome.map_or("ended", |o| o.as_str());
         let case = self
-            .case_file(
-                &facts,
-                EscalationReason::SharedQuotaExhausted,
-                &detail,
-                reset,
-                idempotency_key,
-            )
+            .case_file(&facts, reason, &detail, reset, idempotency_key)
             .await?
             .beside_outcome(ended);
         let at = case.opened_at;
@@ -115,7 +186,8 @@ impl Inner {
             escalation = escalation.0,
             provider = %facts.provider,
             scopes = %facts.scopes.join(","),
-            "escalated: the shared quota is exhausted; a human must decide"
+            reason = reason.as_str(),
+            "escalated for the scope: a human must decide"
         );
         Ok(QuotaEscalation::Opened(escalation))
     }
@@ -133,23 +205,63 @@ impl Engine {
         reset: Option<Timestamp>,
         execution: &mut Execution,
     ) {
-        let note = match self.inner.escalate_quota_once(action, why, reset).await {
-            Ok(QuotaEscalation::Opened(id)) => format!(
-                "; escalation {} is open for an operator (shared_quota_exhausted)",
-                id.0
-            ),
-            Ok(QuotaEscalation::AlreadyOpen(id)) => format!(
-                "; escalation {} for this scope's exhausted quota is already open for an operator",
-                id.0
-            ),
-            Err(e) => {
-                tracing::warn!(action = action.0, error = %e, "could not open the escalation");
-                format!("; the escalation could not be opened: {e}")
-            }
-        };
-        if let Execution::Outcome { detail, .. } = execution {
-            detail.push_str(&note);
+        let reason = EscalationReason::SharedQuotaExhausted;
+        let opened = self
+            .inner
+            .escalate_scope_once(action, reason, why, reset)
+            .await;
+        note_escalation(action, reason, opened, execution);
+    }
+
+    /// After an action of a scope with [`ACCOUNT_CONFIGURATION_STREAK`] or more `rate_limited`
+    /// answers in a row ended `budget_exhausted`/`deadline_exhausted`: opens (or finds open) the
+    /// scope's `account_configuration` escalation and names it in the outcome's detail.
+    pub(super) async fn escalate_repeated_limits(
+        &self,
+        action: ActionId,
+        streak: u32,
+        boundary: Option<Timestamp>,
+        execution: &mut Execution,
+    ) {
+        let reason = EscalationReason::AccountConfiguration;
+        let why = format!(
+            "{streak} rate_limited answers in a row with no success between them, and this \
+             action still ran out of budget although backoff and Retry-After were honoured: \
+             repeated limits point to the account's plan, tier or configured limit"
+        );
+        let opened = self
+            .inner
+            .escalate_scope_once(action, reason, &why, boundary)
+            .await;
+        note_escalation(action, reason, opened, execution);
+    }
+}
+
+/// Names the escalation (opened, already open, or why not) in the outcome's detail.
+fn note_escalation(
+    action: ActionId,
+    reason: EscalationReason,
+    opened: Result<QuotaEscalation, EngineError>,
+    execution: &mut Execution,
+) {
+    let note = match opened {
+        Ok(QuotaEscalation::Opened(id)) => format!(
+            "; escalation {} is open for an operator ({})",
+            id.0,
+            reason.as_str()
+        ),
+        Ok(QuotaEscalation::AlreadyOpen(id)) => format!(
+            "; escalation {} for this scope ({}) is already open for an operator",
+            id.0,
+            reason.as_str()
+        ),
+        Err(e) => {
+            tracing::warn!(action = action.0, error = %e, "could not open the escalation");
+            format!("; the escalation could not be opened: {e}")
         }
+    };
+    if let Execution::Outcome { detail, .. } = execution {
+        detail.push_str(&note);
     }
 }
 
@@ -157,6 +269,8 @@ impl Engine {
 mod tests {
     use super::*;
     use backstop_core::escalation::{CaseAction, CaseInput};
+
+    const Q: EscalationReason = EscalationReason::SharedQuotaExhausted;
 
     fn case(reason: EscalationReason, scopes: &[&str], reset: Option<&str>) -> CaseFile {
         CaseFile::build(CaseInput {
@@ -186,20 +300,20 @@ mod tests {
             &["llm/project:a", "llm/org"],
             Some("2026-01-01T01:00:00Z"),
         );
-        assert!(covers(&open, "llm", &scopes, now));
+        assert!(covers(&open, Q, "llm", &scopes, now));
         let unknown_reset = case(
             EscalationReason::SharedQuotaExhausted,
             &["llm/project:a"],
             None,
         );
-        assert!(covers(&unknown_reset, "llm", &scopes, now));
+        assert!(covers(&unknown_reset, Q, "llm", &scopes, now));
         let passed = case(
             EscalationReason::SharedQuotaExhausted,
             &["llm/project:a"],
             Some("2026-01-01T00:09:59Z"),
         );
         assert!(
-            !covers(&passed, "llm", &scopes, now),
+            !covers(&passed, Q, "llm", &scopes, now),
             "its window has passed"
         );
         let other_scope = case(
@@ -207,15 +321,49 @@ mod tests {
             &["llm/project:b"],
             None,
         );
-        assert!(!covers(&other_scope, "llm", &scopes, now));
+        assert!(!covers(&other_scope, Q, "llm", &scopes, now));
         let other_reason = case(
             EscalationReason::RemainingWaitExceedsDeadline,
             &["llm/project:a"],
             None,
         );
-        assert!(!covers(&other_reason, "llm", &scopes, now));
+        assert!(!covers(&other_reason, Q, "llm", &scopes, now));
         let unscoped = case(EscalationReason::SharedQuotaExhausted, &[], None);
-        assert!(covers(&unscoped, "llm", &[], now));
-        assert!(!covers(&unscoped, "other", &[], now));
+        assert!(covers(&unscoped, Q, "llm", &[], now));
+        assert!(!covers(&unscoped, Q, "other", &[], now));
+    }
+
+    #[test]
+    fn an_account_configuration_escalation_covers_its_scope_while_open_whatever_its_boundary() {
+        let now: Timestamp = "2026-01-01T00:10:00Z".parse().expect("instant");
+        let a = EscalationReason::AccountConfiguration;
+        let passed = case(a, &["llm/project:a"], Some("2026-01-01T00:00:01Z"));
+        let scopes = vec!["llm/project:a".to_owned()];
+        assert!(covers(&passed, a, "llm", &scopes, now));
+        assert!(!covers(&passed, Q, "llm", &scopes, now), "another reason");
+    }
+
+    #[test]
+    fn a_streak_counts_limits_in_a_row_and_ends_at_a_success() {
+        let a = vec!["llm/a".to_owned()];
+        let both = vec!["llm/a".to_owned(), "llm/b".to_owned()];
+        let mut streaks = LimitStreaks::default();
+        for _ in 0..3 {
+            streaks.note(&a, Disposition::RateLimited);
+        }
+        streaks.note(&both, Disposition::Transient);
+        streaks.note(&both, Disposition::RateLimited);
+        assert_eq!(
+            streaks.longest(&a),
+            4,
+            "a transient answer neither counts nor breaks it"
+        );
+        assert_eq!(streaks.longest(&["llm/b".to_owned()]), 1);
+        assert_eq!(streaks.longest(&both), 4);
+        streaks.note(&a, Disposition::Success);
+        assert_eq!(streaks.longest(&a), 0);
+        assert_eq!(streaks.longest(&both), 1);
+        assert_eq!(streak_keys("llm", &[]), vec!["llm".to_owned()]);
+        assert_eq!(streak_keys("llm", &both), both);
     }
 }
