@@ -91,7 +91,7 @@
 //! before it, `retry_status` without `retry_finished_at`, and an explicit `retry_not_before` earlier
 //! than `throttled_at`. Unknown fields are ignored.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
@@ -871,7 +871,7 @@ pub struct DiagnosisTotals {
 /// [`GroupMap::values`] and serialization sort the names at that point, so the output never
 /// depends on the order reports were added in. Serialized as a map `{name: GroupTotals}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GroupMap(HashMap<Box<str>, GroupTotals>);
+pub struct GroupMap(hashbrown::HashMap<String, GroupTotals>);
 
 impl GroupMap {
     /// The number of distinct names.
@@ -894,7 +894,7 @@ impl GroupMap {
         let mut entries: Vec<(&str, &GroupTotals)> = self
             .0
             .iter()
-            .map(|(name, group)| (&**name, group))
+            .map(|(name, group)| (name.as_str(), group))
             .collect();
         entries.sort_unstable_by_key(|(name, _)| *name);
         entries.into_iter()
@@ -905,14 +905,10 @@ impl GroupMap {
         self.iter().map(|(_, group)| group)
     }
 
-    /// The totals of `name`, created empty when missing (the name is copied only then).
+    /// The totals of `name`, created empty when missing: one hash and lookup either way, and the
+    /// name is copied only when it is new.
     fn entry(&mut self, name: &str) -> &mut GroupTotals {
-        if !self.0.contains_key(name) {
-            self.0.insert(name.into(), GroupTotals::default());
-        }
-        self.0
-            .get_mut(name)
-            .expect("the name was inserted just above when missing")
+        self.0.entry_ref(name).or_default()
     }
 }
 
