@@ -40,7 +40,7 @@
 //! here, first-try successes deposit the refund.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, HashSet},
     future::Future,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -270,19 +270,42 @@ pub enum ScopeSignal {
     },
 }
 
+/// The scheduler's answer as it travels back: [`Acquired`] without the permit's sender (the
+/// waiting side owns one already and moves it into the [`Permit`]), the refusal boxed (rare).
+#[derive(Debug)]
+enum Answer {
+    Go {
+        scopes: ScopeIds,
+        granted_at: Timestamp,
+        budget: ActionBudget,
+    },
+    Refused(Box<Refusal>),
+    Stopped {
+        budget: ActionBudget,
+    },
+}
+
+#[derive(Debug)]
+struct Refusal {
+    outcome: Outcome,
+    detail: String,
+    budget: ActionBudget,
+    boundary: Option<Timestamp>,
+}
+
 /// An `acquire` on its way to the scheduler. Dropped unread (the scheduler stopped), it answers
 /// [`Acquired::Stopped`] itself, so every `acquire` gets an answer.
 #[derive(Debug)]
 struct PendingAcquire {
     ticket: u64,
     request: AcquireRequest,
-    reply: Option<oneshot::Sender<Acquired>>,
+    reply: Option<oneshot::Sender<Answer>>,
 }
 
 impl Drop for PendingAcquire {
     fn drop(&mut self) {
         if let Some(reply) = self.reply.take() {
-            let _ = reply.send(Acquired::Stopped {
+            let _ = reply.send(Answer::Stopped {
                 budget: self.request.budget,
             });
         }
@@ -342,9 +365,10 @@ fn spent_budget() -> ActionBudget {
 }
 
 /// Sends `Abandon` if an `acquire` future is dropped before its answer arrived.
+/// Its sender moves into the [`Permit`] once the answer is `Go`.
 struct AbandonGuard {
     ticket: u64,
-    tx: mpsc::UnboundedSender<Msg>,
+    tx: Option<mpsc::UnboundedSender<Msg>>,
     armed: bool,
 }
 
@@ -357,8 +381,8 @@ impl AbandonGuard {
 
 impl Drop for AbandonGuard {
     fn drop(&mut self) {
-        if self.armed {
-            let _ = self.tx.send(Msg::Abandon {
+        if let (true, Some(tx)) = (self.armed, &self.tx) {
+            let _ = tx.send(Msg::Abandon {
                 ticket: self.ticket,
             });
         }
@@ -374,11 +398,10 @@ impl SchedulerHandle {
         let mut state = State {
             scopes: Vec::new(),
             scope_ids: BTreeMap::new(),
-            names: HashSet::new(),
-            sweep_names_at: MIN_NAMES_SWEEP,
-            slots: Vec::new(),
-            free: Vec::new(),
-            tickets: HashMap::new(),
+            tasks: Interner::default(),
+            routes: Interner::default(),
+            slots: Slab::default(),
+            tickets: BTreeMap::new(),
             timers: BTreeMap::new(),
             ready: Vec::new(),
             slot_waiters: Vec::new(),
@@ -393,7 +416,6 @@ impl SchedulerHandle {
             retry_quota: policy.retry_quota,
             tx: tx.clone(),
             views: views.clone(),
-            next_seq: 0,
         };
         for (provider_name, provider) in &policy.providers {
             for scope in provider.scopes.values() {
@@ -438,18 +460,43 @@ impl SchedulerHandle {
         let sent = self.tx.send(Msg::Acquire(pending)).is_ok();
         let mut guard = AbandonGuard {
             ticket,
-            tx: self.tx.clone(),
+            tx: Some(self.tx.clone()),
             armed: sent,
         };
         async move {
             let answer = answer.await;
             guard.disarm();
-            // Every reply sender answers before it drops (`PendingAcquire` and `Waiter` answer
-            // `Stopped` when the scheduler goes away), so a dropped sender without an answer does
-            // not happen; were it to, the action is stopped with no budget left to spend.
-            answer.unwrap_or(Acquired::Stopped {
-                budget: spent_budget(),
-            })
+            match answer {
+                Ok(Answer::Go {
+                    scopes,
+                    granted_at,
+                    budget,
+                }) => match guard.tx.take() {
+                    Some(tx) => Acquired::Go {
+                        permit: Permit {
+                            scopes,
+                            granted_at,
+                            tx,
+                        },
+                        budget,
+                    },
+                    // Taken only here, once.
+                    None => Acquired::Stopped { budget },
+                },
+                Ok(Answer::Refused(refusal)) => Acquired::Refused {
+                    outcome: refusal.outcome,
+                    detail: refusal.detail,
+                    budget: refusal.budget,
+                    boundary: refusal.boundary,
+                },
+                Ok(Answer::Stopped { budget }) => Acquired::Stopped { budget },
+                // Every reply sender answers before it drops (`PendingAcquire` and `Waiter`
+                // answer `Stopped` when the scheduler goes away), so this does not happen; were
+                // it to, the action is stopped with no budget left to spend.
+                Err(_) => Acquired::Stopped {
+                    budget: spent_budget(),
+                },
+            }
         }
     }
 
@@ -539,25 +586,26 @@ struct ScopeEntry {
     provider: String,
     state: ScopeState,
     quota: RetryQuota,
+    /// `(delayed, in_flight)` as last set on the gauges.
+    published: Option<(u32, u32)>,
 }
 
 /// One waiting action, held in a slab slot until it is answered.
 struct Waiter {
-    /// The handle's ticket (the key of `State::tickets`).
+    /// The handle's ticket: the key of `State::tickets`, and the arrival order (tickets are
+    /// handed out in the order actions call `acquire`).
     ticket: u64,
-    /// Arrival order; unique for the scheduler's lifetime.
-    seq: u64,
-    task_id: Arc<str>,
-    agent: Arc<str>,
+    /// `(agent, task id)`, shared by the task's waiting actions.
+    task: Arc<TaskKey>,
     route: Arc<str>,
     scopes: ScopeIds,
     budget: ActionBudget,
     /// Waited time up to here is charged.
     since: Timestamp,
-    /// The wake instant while the action sits in the wake queue.
-    wake: Option<Timestamp>,
+    /// The wake instant, while `timed`.
+    wake: Timestamp,
     /// Taken when the answer is sent; a waiter dropped unanswered answers `Stopped`.
-    reply: Option<oneshot::Sender<Acquired>>,
+    reply: Option<oneshot::Sender<Answer>>,
     priority: Priority,
     /// Not examined yet since it arrived ready (the gap until the first look is processing,
     /// not waiting: a class with `max_wait_seconds: 0` must still get its first attempt).
@@ -566,12 +614,17 @@ struct Waiter {
     delayed: bool,
     /// Listed in `State::ready` for the next pump.
     queued: bool,
+    /// In the wake queue under `(wake, order)`.
+    timed: bool,
 }
+
+/// A task: `(agent, task id)`.
+type TaskKey = (String, String);
 
 impl Drop for Waiter {
     fn drop(&mut self) {
         if let Some(reply) = self.reply.take() {
-            let _ = reply.send(Acquired::Stopped {
+            let _ = reply.send(Answer::Stopped {
                 budget: self.budget,
             });
         }
@@ -581,7 +634,7 @@ impl Drop for Waiter {
 impl Waiter {
     /// Examination order: higher priority first, then arrival.
     fn order(&self) -> u64 {
-        order_key(self.priority, self.seq)
+        order_key(self.priority, self.ticket)
     }
 }
 
@@ -599,20 +652,133 @@ fn order_key(priority: Priority, seq: u64) -> u64 {
 /// past twice its size after the last sweep, and never below this.
 const MIN_NAMES_SWEEP: usize = 1024;
 
+/// Shared copies of names held by waiting actions (many actions name one task and one route).
+struct Interner<T: ?Sized> {
+    set: HashSet<Arc<T>>,
+    sweep_at: usize,
+}
+
+impl<T: ?Sized> Default for Interner<T> {
+    fn default() -> Self {
+        Interner {
+            set: HashSet::new(),
+            sweep_at: MIN_NAMES_SWEEP,
+        }
+    }
+}
+
+impl<T: ?Sized + Eq + std::hash::Hash> Interner<T> {
+    fn get(&self, key: &T) -> Option<Arc<T>> {
+        self.set.get(key).cloned()
+    }
+
+    /// Adds a copy not held yet; first drops the copies no one else holds when the table has
+    /// doubled since the last sweep (so the sweeps cost O(1) per insert).
+    fn insert(&mut self, shared: Arc<T>) -> Arc<T> {
+        if self.set.len() >= self.sweep_at {
+            self.set.retain(|held| Arc::strong_count(held) > 1);
+            self.sweep_at = (self.set.len() * 2).max(MIN_NAMES_SWEEP);
+        }
+        self.set.insert(shared.clone());
+        shared
+    }
+}
+
+/// Waiters per slab chunk: the slab grows by whole chunks, never by copying.
+const SLAB_CHUNK: usize = 1024;
+
+/// Waiting actions by slot number; vacant slots are reused first.
+#[derive(Default)]
+struct Slab {
+    chunks: Vec<Vec<Option<Waiter>>>,
+    free: Vec<u32>,
+}
+
+impl Slab {
+    fn get_mut(&mut self, slot: u32) -> Option<&mut Waiter> {
+        let slot = slot as usize;
+        self.chunks
+            .get_mut(slot / SLAB_CHUNK)?
+            .get_mut(slot % SLAB_CHUNK)?
+            .as_mut()
+    }
+
+    fn insert(&mut self, waiter: Waiter) -> u32 {
+        if let Some(slot) = self.free.pop() {
+            let index = slot as usize;
+            if let Some(entry) = self
+                .chunks
+                .get_mut(index / SLAB_CHUNK)
+                .and_then(|chunk| chunk.get_mut(index % SLAB_CHUNK))
+            {
+                *entry = Some(waiter);
+                return slot;
+            }
+        }
+        let full = self.chunks.len() * SLAB_CHUNK;
+        let slot = match self.chunks.last_mut() {
+            Some(chunk) if chunk.len() < SLAB_CHUNK => {
+                let slot = full - SLAB_CHUNK + chunk.len();
+                chunk.push(Some(waiter));
+                slot
+            }
+            _ => {
+                let mut chunk = Vec::with_capacity(SLAB_CHUNK);
+                chunk.push(Some(waiter));
+                self.chunks.push(chunk);
+                full
+            }
+        };
+        u32::try_from(slot).unwrap_or(u32::MAX)
+    }
+
+    fn take(&mut self, slot: u32) -> Option<Waiter> {
+        let index = slot as usize;
+        let waiter = self
+            .chunks
+            .get_mut(index / SLAB_CHUNK)?
+            .get_mut(index % SLAB_CHUNK)?
+            .take()?;
+        self.free.push(slot);
+        Some(waiter)
+    }
+
+    /// Drops the waiter in `slot` where it lies.
+    fn vacate(&mut self, slot: u32) {
+        let index = slot as usize;
+        if let Some(entry) = self
+            .chunks
+            .get_mut(index / SLAB_CHUNK)
+            .and_then(|chunk| chunk.get_mut(index % SLAB_CHUNK))
+        {
+            if entry.take().is_some() {
+                self.free.push(slot);
+            }
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u32, &Waiter)> {
+        self.chunks
+            .iter()
+            .flatten()
+            .enumerate()
+            .filter_map(|(slot, w)| w.as_ref().map(|w| (slot as u32, w)))
+    }
+}
+
 struct State {
     /// Scope table; a [`ScopeId`] indexes it.
     scopes: Vec<ScopeEntry>,
     /// Scope names to ids, in name order (the order views are published in).
     scope_ids: BTreeMap<String, ScopeId>,
-    /// Interned task ids, agents and routes shared by the waiters that name them.
-    names: HashSet<Arc<str>>,
-    sweep_names_at: usize,
-    /// The slab of waiting actions.
-    slots: Vec<Option<Waiter>>,
-    /// Vacant slab slots.
-    free: Vec<u32>,
-    /// Ticket to slab slot, for `Abandon`.
-    tickets: HashMap<u64, u32>,
+    /// Tasks and routes, shared by the waiters that name them.
+    tasks: Interner<TaskKey>,
+    routes: Interner<str>,
+    /// The waiting actions.
+    slots: Slab,
+    /// Ticket to slab slot, for `Abandon`. Ordered: tickets arrive and mostly leave in order,
+    /// so inserts and removals touch the same few nodes.
+    tickets: BTreeMap<u64, u32>,
     /// The wake queue: (wake, order) to slab slot; every entry is live.
     timers: BTreeMap<(Timestamp, u64), u32>,
     /// Slots to examine in the next pump (entries whose waiter is not `queued` are stale).
@@ -621,8 +787,8 @@ struct State {
     slot_waiters: Vec<u32>,
     /// Reused buffer of one pump: (order, slot).
     batch: Vec<(u64, u32)>,
-    /// Cancelled tasks as `(agent, task id)`.
-    cancelled_tasks: HashSet<(Arc<str>, Arc<str>)>,
+    /// Cancelled tasks.
+    cancelled_tasks: HashSet<Arc<TaskKey>>,
     rng: SplitMix64,
     clock: TokioClock,
     metrics: Arc<Metrics>,
@@ -632,7 +798,6 @@ struct State {
     retry_quota: RetryQuotaConfig,
     tx: mpsc::UnboundedSender<Msg>,
     views: Arc<Mutex<Arc<Vec<ScopeView>>>>,
-    next_seq: u64,
 }
 
 fn positive(d: SignedDuration) -> Duration {
@@ -662,7 +827,7 @@ fn try_delay(scopes: &mut [ScopeEntry], waiter: &mut Waiter) -> Result<(), Strin
                 scopes[done as usize].state.record.undelay();
             }
             tracing::info!(
-                task = %waiter.task_id,
+                task = %waiter.task.1,
                 route = %waiter.route,
                 scope = %scopes[id as usize].state.record.name,
                 "refused: the scope's delayed queue is full (scope_saturated)"
@@ -735,7 +900,7 @@ impl State {
                 if let Some(slot) = self.tickets.get(&ticket).copied() {
                     if let Some(waiter) = self.remove(slot) {
                         tracing::info!(
-                            task = %waiter.task_id,
+                            task = %waiter.task.1,
                             route = %waiter.route,
                             "waiting action abandoned by its client before it was sent"
                         );
@@ -751,8 +916,8 @@ impl State {
                 }
                 // Actions waiting for a slot are reconsidered in the next pump.
                 for slot in std::mem::take(&mut self.slot_waiters) {
-                    if let Some(Some(waiter)) = self.slots.get_mut(slot as usize) {
-                        if waiter.wake.is_none() && !waiter.queued {
+                    if let Some(waiter) = self.slots.get_mut(slot) {
+                        if !waiter.timed && !waiter.queued {
                             waiter.queued = true;
                             self.ready.push(slot);
                         }
@@ -839,20 +1004,14 @@ impl State {
                 task_id,
                 reply,
             } => {
-                let agent = self.intern(agent);
-                let task = self.intern(task_id);
-                self.cancelled_tasks.insert((agent.clone(), task.clone()));
+                let key: TaskKey = (agent, task_id);
+                let task = self.tasks.get(&key).unwrap_or_else(|| Arc::new(key));
+                self.cancelled_tasks.insert(task.clone());
                 let slots: Vec<u32> = self
                     .slots
                     .iter()
-                    .enumerate()
-                    .filter_map(|(slot, w)| {
-                        w.as_ref()
-                            .filter(|w| {
-                                Arc::ptr_eq(&w.agent, &agent) && Arc::ptr_eq(&w.task_id, &task)
-                            })
-                            .map(|_| slot as u32)
-                    })
+                    .filter(|(_, w)| Arc::ptr_eq(&w.task, &task))
+                    .map(|(slot, _)| slot)
                     .collect();
                 let mut dropped = 0;
                 for slot in slots {
@@ -866,7 +1025,7 @@ impl State {
                         );
                     }
                 }
-                tracing::info!(task = %task, dropped, "task cancelled: delayed actions dropped");
+                tracing::info!(task = %task.1, dropped, "task cancelled: delayed actions dropped");
                 let _ = reply.send(dropped);
             }
             Msg::Shutdown { done } => {
@@ -887,6 +1046,7 @@ impl State {
             provider,
             state,
             quota: RetryQuota::new(self.retry_quota),
+            published: None,
         };
         if let Some(&id) = self.scope_ids.get(&entry.state.record.name) {
             self.scopes[id as usize] = entry;
@@ -932,20 +1092,6 @@ impl State {
         }
     }
 
-    /// The shared copy of `name`; names no waiter holds any more are dropped now and then.
-    fn intern(&mut self, name: String) -> Arc<str> {
-        if let Some(shared) = self.names.get(name.as_str()) {
-            return shared.clone();
-        }
-        if self.names.len() >= self.sweep_names_at {
-            self.names.retain(|shared| Arc::strong_count(shared) > 1);
-            self.sweep_names_at = (self.names.len() * 2).max(MIN_NAMES_SWEEP);
-        }
-        let shared: Arc<str> = Arc::from(name);
-        self.names.insert(shared.clone());
-        shared
-    }
-
     fn withdraw(
         &mut self,
         scopes: &[String],
@@ -988,28 +1134,36 @@ impl State {
         let ticket = pending.ticket;
         let request = &mut pending.request;
         let scopes = self.scope_set(&request.scopes);
-        let task_id = self.intern(std::mem::take(&mut request.task_id));
-        let agent = self.intern(std::mem::take(&mut request.agent));
-        let route = self.intern(std::mem::take(&mut request.route));
+        let key: TaskKey = (
+            std::mem::take(&mut request.agent),
+            std::mem::take(&mut request.task_id),
+        );
+        let task = match self.tasks.get(&key) {
+            Some(task) => task,
+            None => self.tasks.insert(Arc::new(key)),
+        };
+        let route = match self.routes.get(&request.route) {
+            Some(route) => route,
+            None => self
+                .routes
+                .insert(Arc::from(std::mem::take(&mut request.route))),
+        };
         let now = self.clock.now();
-        let seq = self.next_seq;
-        self.next_seq += 1;
         let planned = request.not_before.filter(|at| *at > now);
         let mut waiter = Waiter {
             ticket,
-            seq,
-            task_id,
-            agent,
+            task,
             route,
             scopes,
             budget: request.budget,
             since: now,
-            wake: planned,
+            wake: planned.unwrap_or(now),
             reply: Some(reply),
             priority: request.priority,
             fresh: planned.is_none(),
             delayed: false,
             queued: planned.is_none(),
+            timed: planned.is_some(),
         };
         match planned {
             Some(at) => {
@@ -1029,31 +1183,34 @@ impl State {
         }
     }
 
-    /// Puts a waiter into a vacant slab slot and indexes its ticket.
+    /// Puts a waiter into the slab and indexes its ticket.
     fn insert(&mut self, waiter: Waiter) -> u32 {
         let ticket = waiter.ticket;
-        let slot = match self.free.pop() {
-            Some(slot) => {
-                self.slots[slot as usize] = Some(waiter);
-                slot
-            }
-            None => {
-                let slot = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
-                self.slots.push(Some(waiter));
-                slot
-            }
-        };
+        let slot = self.slots.insert(waiter);
         self.tickets.insert(ticket, slot);
         slot
     }
 
+    /// Drops a waiter in its slot and takes it out of the ticket index and the wake queue.
+    fn discard(&mut self, slot: u32) {
+        let Some(waiter) = self.slots.get_mut(slot) else {
+            return;
+        };
+        let ticket = waiter.ticket;
+        let timer = waiter.timed.then(|| (waiter.wake, waiter.order()));
+        self.slots.vacate(slot);
+        self.tickets.remove(&ticket);
+        if let Some(key) = timer {
+            self.timers.remove(&key);
+        }
+    }
+
     /// Takes a waiter out of the slab, its ticket index and the wake queue.
     fn remove(&mut self, slot: u32) -> Option<Waiter> {
-        let waiter = self.slots.get_mut(slot as usize)?.take()?;
-        self.free.push(slot);
+        let waiter = self.slots.take(slot)?;
         self.tickets.remove(&waiter.ticket);
-        if let Some(at) = waiter.wake {
-            self.timers.remove(&(at, waiter.order()));
+        if waiter.timed {
+            self.timers.remove(&(waiter.wake, waiter.order()));
         }
         Some(waiter)
     }
@@ -1067,7 +1224,7 @@ impl State {
     ) {
         undelay(&mut self.scopes, &waiter);
         tracing::info!(
-            task = %waiter.task_id,
+            task = %waiter.task.1,
             route = %waiter.route,
             outcome = %outcome,
             attempts_left = waiter.budget.attempts_remaining(),
@@ -1076,12 +1233,12 @@ impl State {
             "action refused by the scheduler"
         );
         if let Some(reply) = waiter.reply.take() {
-            let _ = reply.send(Acquired::Refused {
+            let _ = reply.send(Answer::Refused(Box::new(Refusal {
                 outcome,
                 detail,
                 budget: waiter.budget,
                 boundary,
-            });
+            })));
         }
     }
 
@@ -1096,13 +1253,13 @@ impl State {
                 break;
             }
             let ((_, order), slot) = entry.remove_entry();
-            if let Some(Some(waiter)) = self.slots.get_mut(slot as usize) {
-                waiter.wake = None;
+            if let Some(waiter) = self.slots.get_mut(slot) {
+                waiter.timed = false;
                 batch.push((order, slot));
             }
         }
         for slot in self.ready.drain(..) {
-            if let Some(Some(waiter)) = self.slots.get_mut(slot as usize) {
+            if let Some(waiter) = self.slots.get_mut(slot) {
                 if std::mem::take(&mut waiter.queued) {
                     batch.push((waiter.order(), slot));
                 }
@@ -1121,7 +1278,7 @@ impl State {
     /// Runs the dispatch check for the waiter in `slot` at `now`. It stays in its slot while it
     /// keeps waiting and leaves the slab when it is answered.
     fn examine(&mut self, slot: u32, now: Timestamp) {
-        let Some(Some(waiter)) = self.slots.get_mut(slot as usize) else {
+        let Some(waiter) = self.slots.get_mut(slot) else {
             return;
         };
         if waiter.reply.as_ref().is_none_or(oneshot::Sender::is_closed) {
@@ -1145,10 +1302,8 @@ impl State {
                 return;
             }
         }
-        let cancelled = !self.cancelled_tasks.is_empty()
-            && self
-                .cancelled_tasks
-                .contains(&(waiter.agent.clone(), waiter.task_id.clone()));
+        let cancelled =
+            !self.cancelled_tasks.is_empty() && self.cancelled_tasks.contains(&waiter.task);
         let request = AdmitRequest {
             cancelled,
             priority: waiter.priority,
@@ -1178,28 +1333,27 @@ impl State {
         };
         match admission {
             Admission::Go => {
-                let Some(mut waiter) = self.remove(slot) else {
-                    return;
-                };
-                undelay(&mut self.scopes, &waiter);
+                undelay(&mut self.scopes, waiter);
                 tracing::debug!(
-                    task = %waiter.task_id,
+                    task = %waiter.task.1,
                     route = %waiter.route,
                     priority = ?waiter.priority,
                     attempt = waiter.budget.attempts_used(),
                     "dispatch: attempt admitted"
                 );
-                let permit = Permit {
+                let reply = waiter.reply.take();
+                let answer = Answer::Go {
                     scopes: std::mem::take(&mut waiter.scopes),
                     granted_at: self.clock.now(),
-                    tx: self.tx.clone(),
+                    budget: waiter.budget,
                 };
-                // If the client is gone the permit drops here and returns the slots.
-                if let Some(reply) = waiter.reply.take() {
-                    let _ = reply.send(Acquired::Go {
-                        permit,
-                        budget: waiter.budget,
-                    });
+                // Dropped where it lies: the answer took what it needs.
+                self.discard(slot);
+                if let Some(reply) = reply {
+                    // The client is gone: its slots come back as a dropped permit's would.
+                    if let Err(Answer::Go { scopes, .. }) = reply.send(answer) {
+                        let _ = self.tx.send(Msg::Release { scopes });
+                    }
                 }
             }
             Admission::WaitUntil { at, reason } => {
@@ -1217,7 +1371,7 @@ impl State {
                 };
                 match &reason {
                     WaitReason::NextAllowedAt { scope, source } => tracing::info!(
-                        task = %waiter.task_id,
+                        task = %waiter.task.1,
                         route = %waiter.route,
                         scope = %scope,
                         source = source.as_deref().unwrap_or("unknown"),
@@ -1227,14 +1381,15 @@ impl State {
                         "waiting: the scope's next_allowed_at is in the future"
                     ),
                     WaitReason::Pacing { scope } => tracing::info!(
-                        task = %waiter.task_id,
+                        task = %waiter.task.1,
                         route = %waiter.route,
                         scope = %scope,
                         wake = %wake,
                         "waiting: local pacing of the scope"
                     ),
                 }
-                waiter.wake = Some(wake);
+                waiter.wake = wake;
+                waiter.timed = true;
                 self.timers.insert((wake, waiter.order()), slot);
             }
             Admission::WaitForSlot { scope } => {
@@ -1245,7 +1400,7 @@ impl State {
                     return;
                 }
                 tracing::debug!(
-                    task = %waiter.task_id,
+                    task = %waiter.task.1,
                     route = %waiter.route,
                     scope = %scope,
                     "waiting for a concurrency slot"
@@ -1261,43 +1416,80 @@ impl State {
         }
     }
 
+    /// Publishes the scope views and gauges. Cheap when little changed, as after most
+    /// messages: gauges are set only when their count moved, and the views are updated in place
+    /// (readers copy them out under the lock and keep no reference), rebuilt only when a scope
+    /// was added.
     fn publish(&mut self) {
         let now = self.clock.now();
-        let views: Vec<ScopeView> = self
-            .scope_ids
-            .iter()
-            .map(|(name, &id)| {
-                let entry = &self.scopes[id as usize];
-                let record = &entry.state.record;
-                let prefix = format!("{}/", entry.provider);
-                ScopeView {
-                    provider: entry.provider.clone(),
-                    scope: name.strip_prefix(&prefix).unwrap_or(name).to_owned(),
-                    request_class: None,
-                    next_allowed_at: record.next_allowed_at,
-                    remaining: record.remaining,
-                    reset_after_seconds: record.reset_at.filter(|r| *r > now).map(|r| {
-                        let d = positive(r.duration_since(now));
-                        d.as_secs() + u64::from(d.subsec_nanos() > 0)
-                    }),
-                    source: record.source.clone(),
-                    in_flight: record.in_flight,
-                    delayed: record.delayed,
-                }
-            })
-            .collect();
         for (name, &id) in &self.scope_ids {
-            let record = &self.scopes[id as usize].state.record;
-            self.metrics.set_delayed(name, i64::from(record.delayed));
-            self.metrics
-                .set_in_flight(name, i64::from(record.in_flight));
+            let entry = &mut self.scopes[id as usize];
+            let record = &entry.state.record;
+            let counts = (record.delayed, record.in_flight);
+            if entry.published != Some(counts) {
+                if entry
+                    .published
+                    .is_none_or(|(delayed, _)| delayed != counts.0)
+                {
+                    self.metrics.set_delayed(name, i64::from(counts.0));
+                }
+                if entry
+                    .published
+                    .is_none_or(|(_, in_flight)| in_flight != counts.1)
+                {
+                    self.metrics.set_in_flight(name, i64::from(counts.1));
+                }
+                entry.published = Some(counts);
+            }
         }
         let mut slot = self
             .views
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        *slot = Arc::new(views);
+        let views = Arc::make_mut(&mut slot);
+        if views.len() != self.scope_ids.len() {
+            *views = self
+                .scope_ids
+                .iter()
+                .map(|(name, &id)| {
+                    let entry = &self.scopes[id as usize];
+                    let prefix = format!("{}/", entry.provider);
+                    let mut view = ScopeView {
+                        provider: entry.provider.clone(),
+                        scope: name.strip_prefix(&prefix).unwrap_or(name).to_owned(),
+                        request_class: None,
+                        next_allowed_at: None,
+                        remaining: None,
+                        reset_after_seconds: None,
+                        source: None,
+                        in_flight: 0,
+                        delayed: 0,
+                    };
+                    refresh(&mut view, &entry.state.record, now);
+                    view
+                })
+                .collect();
+        } else {
+            for (view, &id) in views.iter_mut().zip(self.scope_ids.values()) {
+                refresh(view, &self.scopes[id as usize].state.record, now);
+            }
+        }
     }
+}
+
+/// Copies a record's live fields into its view.
+fn refresh(view: &mut ScopeView, record: &ScopeRecord, now: Timestamp) {
+    view.next_allowed_at = record.next_allowed_at;
+    view.remaining = record.remaining;
+    view.reset_after_seconds = record.reset_at.filter(|r| *r > now).map(|r| {
+        let d = positive(r.duration_since(now));
+        d.as_secs() + u64::from(d.subsec_nanos() > 0)
+    });
+    if view.source != record.source {
+        view.source.clone_from(&record.source);
+    }
+    view.in_flight = record.in_flight;
+    view.delayed = record.delayed;
 }
 
 /// The boundary plus a jitter of up to `min(cap(1), boundary_spread)`, trimmed to the deadline
