@@ -22,10 +22,15 @@
 //!    the same instant (what a shared boundary without jitter would do). `spread`: each wave's
 //!    actions are spread uniformly over its second (what the §4.2 jitter after a boundary does).
 //!    Lateness = the clock when `acquire` returned `Go` minus the action's `not_before`. The
-//!    scheduler's own part is [`Permit::granted_at`](backstop_gateway::scheduler::Permit::granted_at) (its clock as it sent `Go`) minus
-//!    `not_before`; the rest is the runtime waking the waiting task and running it.
+//!    scheduler's own part ("granted") is
+//!    [`Permit::granted_at`](backstop_gateway::scheduler::Permit::granted_at) (its clock as it
+//!    sent `Go`) minus `not_before`; the rest is the runtime waking the waiting task.
+//! 5. `wake`, the runtime's floor without the scheduler: the same N tasks in the same burst
+//!    waves, each awaiting a plain `tokio::sync::oneshot`; one task per wave sleeps until the
+//!    wave's instant and sends to each in turn ("granted" = its clock at each send). Its memory
+//!    per action is the task plus the channel (and 8 B of the bench's sender list).
 //!
-//! Run: `cargo bench -p backstop-gateway --bench scheduler_scale` (both sizes, both modes); or
+//! Run: `cargo bench -p backstop-gateway --bench scheduler_scale` (both sizes, all modes); or
 //! `... --bench scheduler_scale -- 100000 spread` for one size and one mode.
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -40,6 +45,7 @@ use backstop_gateway::clock::TokioClock;
 use backstop_gateway::metrics::Metrics;
 use backstop_gateway::scheduler::{AcquireRequest, Acquired, SchedulerHandle};
 use jiff::{SignedDuration, Timestamp};
+use tokio::sync::oneshot;
 
 const WAVES: u64 = 10;
 const WAVE_GAP: Duration = Duration::from_secs(1);
@@ -72,6 +78,7 @@ providers:
 enum Mode {
     Burst,
     Spread,
+    Wake,
 }
 
 impl Mode {
@@ -79,6 +86,7 @@ impl Mode {
         match self {
             Mode::Burst => "burst",
             Mode::Spread => "spread",
+            Mode::Wake => "wake",
         }
     }
 }
@@ -166,6 +174,87 @@ struct Report {
     acquire_bytes: usize,
 }
 
+/// The runtime's floor: N tasks each awaiting a plain oneshot, released in burst waves by one
+/// sending task per wave, with no scheduler in between.
+async fn run_wake(n: u64) -> Result<Report, String> {
+    let clock = TokioClock::system();
+    let record = Arc::new(Record {
+        clock,
+        lateness: (0..n).map(|_| AtomicU32::new(NOT_RELEASED)).collect(),
+        granted: (0..n).map(|_| AtomicU32::new(NOT_RELEASED)).collect(),
+    });
+    let lead = Duration::from_secs(2) + Duration::from_micros(10 * n);
+    let start = clock.now();
+    let first_wave = at_offset(start, lead)?;
+    let per_wave = n.div_ceil(WAVES);
+    let wave_due = |wave: u64| at_offset(first_wave, WAVE_GAP * wave as u32);
+
+    let rss_before_kib = rss_kib()?;
+    let mut tasks = Vec::with_capacity(n as usize);
+    let mut senders: Vec<Vec<oneshot::Sender<Timestamp>>> = (0..WAVES)
+        .map(|_| Vec::with_capacity(per_wave as usize))
+        .collect();
+    let mut future_bytes = 0;
+    for i in 0..n {
+        let wave = i / per_wave;
+        let due = wave_due(wave)?;
+        let (tx, rx) = oneshot::channel::<Timestamp>();
+        if let Some(wave) = senders.get_mut(wave as usize) {
+            wave.push(tx);
+        }
+        let record = record.clone();
+        let index = usize::try_from(i).map_err(|e| format!("action {i}: {e}"))?;
+        let waiting = async move {
+            if let Ok(sent_at) = rx.await {
+                let now = record.clock.now();
+                record.lateness[index].store(micros_since(due, now), Ordering::Relaxed);
+                record.granted[index].store(micros_since(due, sent_at), Ordering::Relaxed);
+            }
+        };
+        future_bytes = std::mem::size_of_val(&waiting);
+        tasks.push(tokio::spawn(waiting));
+    }
+    // Held: the tasks and channels are allocated by now; let every task reach its await.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let enqueue = Duration::try_from(clock.now().duration_since(start)).unwrap_or_default();
+    let rss_held_kib = rss_kib()?;
+
+    let mut releasers = Vec::new();
+    for (wave, txs) in senders.into_iter().enumerate() {
+        let due = wave_due(wave as u64)?;
+        releasers.push(tokio::spawn(async move {
+            tokio::time::sleep_until(clock.instant_at(due)).await;
+            for tx in txs {
+                let _ = tx.send(clock.now());
+            }
+        }));
+    }
+    for task in releasers.into_iter().chain(tasks) {
+        task.await
+            .map_err(|e| format!("a waiting task failed: {e}"))?;
+    }
+    let values = sorted_values(&record.lateness);
+    let granted = sorted_values(&record.granted);
+    Ok(Report {
+        n,
+        mode: Mode::Wake,
+        rss_before_kib,
+        rss_held_kib,
+        enqueue,
+        released: values.len(),
+        p50_us: percentile(&values, 50.0),
+        p99_us: percentile(&values, 99.0),
+        max_us: values.last().copied().unwrap_or(0),
+        granted_us: [
+            percentile(&granted, 50.0),
+            percentile(&granted, 99.0),
+            granted.last().copied().unwrap_or(0),
+        ],
+        future_bytes,
+        acquire_bytes: 0,
+    })
+}
+
 async fn run(n: u64, mode: Mode) -> Result<Report, String> {
     let policy = Policy::from_yaml_str(POLICY, "scheduler_scale.yaml")
         .map_err(|e| format!("bench policy: {e}"))?;
@@ -190,7 +279,7 @@ async fn run(n: u64, mode: Mode) -> Result<Report, String> {
     for i in 0..n {
         let wave = i / per_wave;
         let within = match mode {
-            Mode::Burst => Duration::ZERO,
+            Mode::Burst | Mode::Wake => Duration::ZERO,
             Mode::Spread => WAVE_GAP.mul_f64((i % per_wave) as f64 / per_wave as f64),
         };
         let due = at_offset(first_wave, WAVE_GAP * wave as u32 + within)?;
@@ -276,6 +365,7 @@ fn main() {
         match arg.as_str() {
             "burst" => modes.push(Mode::Burst),
             "spread" => modes.push(Mode::Spread),
+            "wake" => modes.push(Mode::Wake),
             other => {
                 if let Ok(n) = other.parse::<u64>() {
                     if n > 0 {
@@ -297,7 +387,7 @@ fn main() {
         sizes = vec![100_000, 1_000_000];
     }
     if modes.is_empty() {
-        modes = vec![Mode::Spread, Mode::Burst];
+        modes = vec![Mode::Spread, Mode::Burst, Mode::Wake];
     }
     if !child {
         // One fresh process per measurement: memory freed by an earlier run stays mapped by the
@@ -364,7 +454,11 @@ fn measure(sizes: &[u64], modes: &[Mode]) {
                     std::process::exit(2);
                 }
             };
-            match runtime.block_on(run(n, mode)) {
+            let report = match mode {
+                Mode::Wake => runtime.block_on(run_wake(n)),
+                _ => runtime.block_on(run(n, mode)),
+            };
+            match report {
                 Ok(r) => {
                     let held_bytes = r.rss_held_kib.saturating_sub(r.rss_before_kib) * 1024;
                     println!(
@@ -379,9 +473,12 @@ fn measure(sizes: &[u64], modes: &[Mode]) {
                         f64::from(r.p99_us) / 1000.0,
                         f64::from(r.max_us) / 1000.0,
                     );
+                    let granted_by = match r.mode {
+                        Mode::Wake => "sent by the releasing task (its clock − due)",
+                        _ => "granted by the scheduler (Permit::granted_at − not_before)",
+                    };
                     println!(
-                        "{:>9} {:>7} granted by the scheduler (Permit::granted_at − not_before): \
-                         p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+                        "{:>9} {:>7} {granted_by}: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
                         "",
                         "",
                         f64::from(r.granted_us[0]) / 1000.0,
