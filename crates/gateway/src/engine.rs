@@ -689,7 +689,7 @@ impl Engine {
         notify: Option<oneshot::Sender<i64>>,
     ) -> Execution {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
-            return unavailable(
+            return problem_answer(
                 ActionReceipt {
                     action_id: 0,
                     attempts: 0,
@@ -990,7 +990,7 @@ impl Engine {
                     }
                 }
             }
-            Err(e) => return (self.refused_by_store(e), None),
+            Err(e) => return (self.refused_by_store(e, &spec.task_id), None),
         };
         if let Some(tx) = notify {
             let _ = tx.send(id.0);
@@ -1161,7 +1161,7 @@ impl Engine {
                         idempotency_key: run.agent_key(),
                         attempts: seen.sent,
                     };
-                    return unavailable(receipt, Problem::shutting_down_during(sent, detail));
+                    return problem_answer(receipt, Problem::shutting_down_during(sent, detail));
                 }
             };
 
@@ -2186,9 +2186,10 @@ impl Engine {
         }
     }
 
-    /// The store refused to record the action (a cancelled task, a reused key with another
-    /// payload, a task opened by another agent) or failed (nothing was sent either way).
-    fn refused_by_store(&self, e: EngineError) -> Execution {
+    /// The store refused to record the action (a cancelled task, a key reused for another
+    /// request, a task opened by another agent) or failed (nothing was sent either way). A
+    /// reused key is answered `422 idempotency_key_reused` saying what differs.
+    fn refused_by_store(&self, e: EngineError, task_id: &str) -> Execution {
         if is_store_failure(&e) {
             let receipt = ActionReceipt {
                 action_id: 0,
@@ -2198,10 +2199,17 @@ impl Engine {
             return self.store_unavailable(receipt, false, &e);
         }
         match e {
-            EngineError::Store(StoreError::KeyReuse { .. }) => unrecorded(
-                Outcome::Conflict,
-                "Idempotency-Key: this key was already used with a different payload; use a new key for a different request".to_owned(),
-            ),
+            EngineError::Store(StoreError::KeyReuse { differs, bound, .. }) => {
+                let receipt = ActionReceipt {
+                    action_id: 0,
+                    attempts: 0,
+                    idempotency_key: None,
+                };
+                let problem =
+                    Problem::key_reused(&differs, (&bound.provider, &bound.method, &bound.route))
+                        .with_extension("task", task_id.into());
+                problem_answer(receipt, problem)
+            }
             EngineError::Store(StoreError::InvalidTransition { reason, .. }) => unrecorded(
                 Outcome::Cancelled,
                 format!("the action was not accepted: {reason}"),
@@ -2225,7 +2233,7 @@ impl Engine {
             } else {
                 "backstop is shutting down; nothing was sent for this request, so sending it again is safe"
             };
-            return unavailable(receipt, Problem::shutting_down_during(sent, detail));
+            return problem_answer(receipt, Problem::shutting_down_during(sent, detail));
         }
         tracing::error!(
             action = receipt.action_id,
@@ -2238,7 +2246,7 @@ impl Engine {
         } else {
             "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe"
         };
-        unavailable(receipt, Problem::store_unavailable(sent, detail))
+        problem_answer(receipt, Problem::store_unavailable(sent, detail))
     }
 
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.
@@ -2311,8 +2319,9 @@ fn unrecorded(outcome: Outcome, detail: String) -> Execution {
 }
 
 /// An answer made as a problem response outside the outcome vocabulary (the store failed, the
-/// gateway is stopping): carried as a response with the receipt, rendered as it is.
-fn unavailable(receipt: ActionReceipt, problem: Problem) -> Execution {
+/// gateway is stopping, a key reused for another request): carried as a response with the
+/// receipt, rendered as it is.
+fn problem_answer(receipt: ActionReceipt, problem: Problem) -> Execution {
     Execution::Response {
         receipt,
         response: problem.into_response(),

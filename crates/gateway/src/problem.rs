@@ -205,6 +205,39 @@ impl Problem {
         problem
     }
 
+    /// 422 `idempotency_key_reused`: the agent already used this `Idempotency-Key` for another
+    /// request (IETF Idempotency-Key draft §2.7; SPEC §6: a key binds one provider, method,
+    /// route template and payload). `differs` names what differs, in the order `provider`,
+    /// `method`, `route`, `payload`; `bound` is the `(provider, method, route template)` the key
+    /// is bound to. Members: `differs` (array), `bound_to` `{provider, method, route}`, `sent:
+    /// false`; no action id is named. Nothing was sent; `x-should-retry: false`.
+    pub fn key_reused(differs: &[&str], bound: (&str, &str, &str)) -> Problem {
+        let (provider, method, route) = bound;
+        let (title, what) = match differs {
+            ["payload"] => (
+                "This Idempotency-Key was already used with a different request body",
+                "a different request body".to_owned(),
+            ),
+            _ => (
+                "This Idempotency-Key was already used for a different request",
+                format!("a different request ({} differs)", differs.join(", ")),
+            ),
+        };
+        Problem::door(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency_key_reused",
+            title,
+            format!(
+                "this Idempotency-Key was already used with {what}: it is bound to {method} {route} at provider `{provider}`; nothing was sent; send a different request under a new key, or the original request under this key"
+            ),
+        )
+        .with_extension("differs", json!(differs))
+        .with_extension(
+            "bound_to",
+            json!({"provider": provider, "method": method, "route": route}),
+        )
+    }
+
     /// 404 `action_not_found` / `task_not_found`: no such action or task *for this caller* (an
     /// agent asking about another agent's work gets the same answer as for a missing one).
     pub fn not_yours(what: &str, id: &str) -> Problem {

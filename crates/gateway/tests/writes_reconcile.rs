@@ -43,11 +43,13 @@ fn policy_yaml(base_url: &str) -> String {
           found_pointer: /data/0/id
       "GET /v1/transfers": {{ class: read, scopes: [account] }}
       "POST /v1/refunds": {{ class: idempotent_write, scopes: [account] }}
+      "PUT /v1/refunds": {{ class: idempotent_write, scopes: [account] }}
       "GET /v1/payouts": {{ class: read, scopes: [account] }}
   nokeys:
     base_url: {base_url}
     routes:
       "POST /v1/messages": {{ class: uncertain_write }}
+      "POST /v1/refunds": {{ class: uncertain_write }}
 "#
         ),
     )
@@ -280,6 +282,7 @@ async fn agent_keys_replay_refuse_a_changed_payload_with_422_and_reject_a_bad_ke
     let first = send("refund-7".into(), r#"{"amount":7}"#).await.unwrap();
     assert_eq!(first.status(), 201);
     let id = action_id(&first);
+    let first_body = first.bytes().await.unwrap();
 
     // Same key, same payload, after completion: replayed, nothing sent.
     let again = send("refund-7".into(), r#"{"amount":7}"#).await.unwrap();
@@ -290,6 +293,11 @@ async fn agent_keys_replay_refuse_a_changed_payload_with_422_and_reject_a_bad_ke
         "the provider's stored response is replayed"
     );
     assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        again.bytes().await.unwrap(),
+        first_body,
+        "the replay is the original response body"
+    );
 
     // Same key, another payload: 422, nothing sent.
     let changed = send("refund-7".into(), r#"{"amount":8}"#).await.unwrap();
@@ -323,6 +331,86 @@ async fn agent_keys_replay_refuse_a_changed_payload_with_422_and_reject_a_bad_ke
         refunds[0].idempotency_key,
         Some(upstream_idempotency_key("test-agent", "refund-7"))
     );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+/// A key binds one request: the same key and body on another route, method or provider is
+/// another request, refused with 422 naming what differs, and nothing is sent for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_reused_on_another_route_method_or_provider_is_422_and_sends_nothing() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let send = |method: reqwest::Method, path: &str| {
+        client()
+            .request(method, format!("http://{}{path}", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-key-binds")
+            .header("Idempotency-Key", "xr-1")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":31}"#)
+            .send()
+    };
+
+    let first = send(reqwest::Method::POST, "/fake/v1/refunds")
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 201);
+    let id = action_id(&first);
+    let first_body = first.bytes().await.unwrap();
+
+    for (method, path, differs) in [
+        (reqwest::Method::POST, "/fake/v1/transfers", "route"),
+        (reqwest::Method::PUT, "/fake/v1/refunds", "method"),
+        (reqwest::Method::POST, "/nokeys/v1/refunds", "provider"),
+    ] {
+        let reused = send(method.clone(), path).await.unwrap();
+        assert_eq!(reused.status(), 422, "{method} {path}");
+        assert!(
+            reused.headers().get("idempotent-replayed").is_none(),
+            "{method} {path} is not a replay"
+        );
+        assert_eq!(reused.headers()["x-should-retry"], "false");
+        let problem: serde_json::Value =
+            serde_json::from_slice(&reused.bytes().await.unwrap()).unwrap();
+        assert_eq!(
+            problem["type"], "urn:backstop:problem:idempotency_key_reused",
+            "{problem}"
+        );
+        assert_eq!(
+            problem["differs"],
+            serde_json::json!([differs]),
+            "{problem}"
+        );
+        assert_eq!(
+            problem["bound_to"],
+            serde_json::json!({"provider": "fake", "method": "POST", "route": "/v1/refunds"}),
+            "{problem}"
+        );
+        assert_eq!(problem["sent"], false, "{problem}");
+        assert!(
+            problem["detail"].as_str().unwrap().contains(differs),
+            "{problem}"
+        );
+    }
+
+    // The original request under its key is still the original action, replayed as it was.
+    let again = send(reqwest::Method::POST, "/fake/v1/refunds")
+        .await
+        .unwrap();
+    assert_eq!(action_id(&again), id);
+    assert_eq!(again.status(), 201);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.bytes().await.unwrap(), first_body);
+
+    let attempts = fake.attempts();
+    assert_eq!(
+        attempts.len(),
+        1,
+        "only the original request reached the provider: {attempts:?}"
+    );
+    assert_eq!(on_route(&attempts, "POST", "/v1/refunds").len(), 1);
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }

@@ -63,9 +63,10 @@ pub enum StoreError {
         /// Which record, e.g. `action 17`.
         what: String,
     },
-    /// The same idempotency key was reused with a different payload
-    /// (IETF Idempotency-Key draft: answer 422 to the agent).
-    #[error("idempotency key {key:?} of agent {agent:?} is already bound to action {existing} with a different payload digest")]
+    /// The same idempotency key was reused for a different request: another provider, method,
+    /// route template or payload than the one it is bound to (IETF Idempotency-Key draft and
+    /// SPEC §6: a key binds one request; answer 422 to the agent).
+    #[error("idempotency key {key:?} of agent {agent:?} is already bound to action {existing} ({} {} at provider {:?}) with a different {}", bound.method, bound.route, bound.provider, differs.join(", "))]
     KeyReuse {
         /// The agent that sent the key.
         agent: String,
@@ -73,6 +74,11 @@ pub enum StoreError {
         key: String,
         /// The action the key already belongs to.
         existing: i64,
+        /// What differs from the bound request, in this order when several do: `provider`,
+        /// `method`, `route`, `payload`. Never empty.
+        differs: Vec<&'static str>,
+        /// The request the key is bound to (no payload: only its identity).
+        bound: Box<BoundRequest>,
     },
     /// The operation is not allowed in the record's current state (e.g. sending a finished or
     /// cancelled action, deciding an escalation twice).
@@ -135,4 +141,16 @@ impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
         StoreError::Sqlite(e.to_string())
     }
+}
+
+/// The identity of the request an idempotency key is bound to, named by
+/// [`StoreError::KeyReuse`]: provider, method and route template (never the payload).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoundRequest {
+    /// Provider name from the policy.
+    pub provider: String,
+    /// HTTP method, upper case.
+    pub method: String,
+    /// Route template.
+    pub route: String,
 }

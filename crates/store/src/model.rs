@@ -363,8 +363,9 @@ impl ActionRecord {
 pub enum Admission {
     /// A new action was recorded (and `action_requested` audited).
     New(ActionId),
-    /// The agent already used this key with the same payload: here is that action (replay it,
-    /// or join it while it is in flight). Nothing was written.
+    /// The agent already used this key for the same request (provider, method, route template
+    /// and payload): here is that action (replay it, or join it while it is in flight). Nothing
+    /// was written.
     Existing(Box<ActionRecord>),
 }
 

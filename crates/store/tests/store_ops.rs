@@ -51,6 +51,63 @@ fn same_key_same_payload_is_the_existing_action_and_different_payload_is_refused
 }
 
 #[test]
+fn a_key_binds_provider_method_and_route_too_not_only_the_payload() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let id = record(&store, "task-1", "xr-1", br#"{"amount":31}"#);
+    let same_body = || new_action("task-1", "xr-1", br#"{"amount":31}"#);
+    let refused = |action, at| match store.record_action(action, t(at)) {
+        Err(StoreError::KeyReuse {
+            existing,
+            differs,
+            bound,
+            ..
+        }) => {
+            assert_eq!(existing, id.0);
+            assert_eq!(
+                (
+                    bound.provider.as_str(),
+                    bound.method.as_str(),
+                    bound.route.as_str()
+                ),
+                ("billing-api", "POST", "/v1/transfers"),
+                "the bound request is named"
+            );
+            differs
+        }
+        other => panic!("expected KeyReuse, got {other:?}"),
+    };
+
+    let mut other_route = same_body();
+    other_route.route = RouteTemplate::try_new("/v1/refunds").expect("template");
+    assert_eq!(refused(other_route, 2), ["route"]);
+
+    let mut other_method = same_body();
+    other_method.method = "PUT".into();
+    assert_eq!(refused(other_method, 3), ["method"]);
+
+    let mut other_provider = same_body();
+    other_provider.provider = "payments-api".into();
+    assert_eq!(refused(other_provider, 4), ["provider"]);
+
+    let mut everything = new_action("task-1", "xr-1", br#"{"amount":32}"#);
+    everything.provider = "payments-api".into();
+    everything.method = "PUT".into();
+    everything.route = RouteTemplate::try_new("/v1/refunds").expect("template");
+    assert_eq!(
+        refused(everything, 5),
+        ["provider", "method", "route", "payload"]
+    );
+
+    // The very same request is still the existing action, and nothing else was recorded.
+    match store.record_action(same_body(), t(6)).expect("replay") {
+        Admission::Existing(a) => assert_eq!(a.id, id),
+        Admission::New(other) => panic!("a second action {other} for the same key"),
+    }
+    assert_eq!(kinds(&store), ["task_opened", "action_requested"]);
+}
+
+#[test]
 fn attempts_are_numbered_and_never_two_in_flight() {
     let (_dir, store) = store();
     open_task(&store, "task-1");

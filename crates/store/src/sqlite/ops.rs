@@ -8,7 +8,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::rows::{self, ms};
 use crate::audit::{format_instant, AuditEvent, Chain, EventKind};
-use crate::error::StoreError;
+use crate::error::{BoundRequest, StoreError};
 use crate::model::{
     ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport, DueRetry,
     EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome, RouteTemplate,
@@ -228,19 +228,41 @@ impl WriteTx<'_> {
             Some(key) => self
                 .conn
                 .prepare_cached(
-                    "SELECT id, payload_digest FROM actions WHERE agent = ?1 AND idempotency_key = ?2",
+                    "SELECT id, provider, method, route, payload_digest FROM actions \
+                     WHERE agent = ?1 AND idempotency_key = ?2",
                 )?
                 .query_row(params![task.agent, key], |r| {
-                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        BoundRequest {
+                            provider: r.get(1)?,
+                            method: r.get(2)?,
+                            route: r.get(3)?,
+                        },
+                        r.get::<_, String>(4)?,
+                    ))
                 })
                 .optional()?,
         };
-        if let Some((id, digest)) = existing {
-            if digest != new.payload_digest.as_str() {
+        if let Some((id, bound, digest)) = existing {
+            // A key binds one request (SPEC §6): the same provider, method, route template and
+            // payload; anything else under it is another request.
+            let differs: Vec<&'static str> = [
+                ("provider", bound.provider != new.provider),
+                ("method", bound.method != new.method),
+                ("route", bound.route != new.route.as_str()),
+                ("payload", digest != new.payload_digest.as_str()),
+            ]
+            .into_iter()
+            .filter_map(|(what, differs)| differs.then_some(what))
+            .collect();
+            if !differs.is_empty() {
                 return Err(StoreError::KeyReuse {
                     agent: task.agent,
                     key: new.idempotency_key,
                     existing: id,
+                    differs,
+                    bound: Box::new(bound),
                 });
             }
             let record =
