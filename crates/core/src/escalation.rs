@@ -680,14 +680,27 @@ const SECRET_ASSIGNMENTS: [&str; 10] = [
 /// - words starting with a provider key prefix (`sk-`, `sk_`, `rk_`, `whsec_`, `ghp_`,
 ///   `github_pat_`, `glpat-`, `xoxb-`, `AIza`, …), AWS access key ids (`AKIA`/`ASIA` + 16),
 ///   and JWTs (`eyJ…` with two dots);
-/// - the value of `password=`, `secret:`, `token=`, `api_key=` and similar assignments.
+/// - the value assigned to a secret-ish name (`password`, `passwd`, `secret`, `token`,
+///   `api_key`, `apikey`, `api-key`, `access_key`, `client_secret`, `authorization`, also as
+///   the end of a longer name such as `access_token`), in every usual spelling: `key=value`,
+///   `key: value`, `key = value`, `"key": "value"` and `{"key":"value"}`. A quoted value is
+///   redacted up to its closing quote, word by word.
 ///
-/// Idempotency keys, UUIDs and route templates are left alone.
+/// Idempotency keys, UUIDs and route templates are left alone. Sanitizing is idempotent: text
+/// that was already sanitized comes back unchanged (`Bearer [redacted]` stays as it is) and with
+/// `redacted: false`.
+///
+/// ```
+/// use backstop_core::escalation::sanitize_text;
+/// let once = sanitize_text(r#"api_key: abcd1234efgh, {"password": "two words"}"#);
+/// assert_eq!(once.text, r#"api_key: [redacted], {"password": "[redacted] [redacted]"}"#);
+/// let twice = sanitize_text(&once.text);
+/// assert_eq!((twice.text.as_str(), twice.redacted), (once.text.as_str(), false));
+/// ```
 pub fn sanitize_text(text: &str) -> Sanitized {
     let mut out = String::with_capacity(text.len());
     let mut redacted = false;
-    let mut redact_next = false;
-    let mut basic_next = false;
+    let mut state = Pending::Nothing;
     let mut rest = text;
     while !rest.is_empty() {
         let ws_end = rest
@@ -701,47 +714,138 @@ pub fn sanitize_text(text: &str) -> Sanitized {
         let word_end = rest.find(char::is_whitespace).unwrap_or(rest.len());
         let word = &rest[..word_end];
         rest = &rest[word_end..];
-        // The word without surrounding quotes, brackets and separators; base64 padding, dots
-        // and slashes stay (they belong to tokens).
-        let core = word.trim_matches(|c: char| {
-            !c.is_ascii_alphanumeric() && !matches!(c, '-' | '_' | '=' | '+' | '/' | '.' | '~')
-        });
-        let lower = core.to_ascii_lowercase();
-        if lower == "bearer" || lower == "authorization" {
-            // `Bearer xyz`, `Authorization: xyz`, `Authorization: Bearer xyz`.
-            redact_next = true;
-            basic_next = false;
-            out.push_str(word);
-            continue;
-        }
-        if lower == "basic" {
-            basic_next = true;
-            out.push_str(word);
-            continue;
-        }
-        if (redact_next || (basic_next && looks_like_basic_credentials(core))) && !core.is_empty() {
-            redact_next = false;
-            basic_next = false;
-            redacted = true;
-            out.push_str(&replace_core(word, core));
-            continue;
-        }
-        basic_next = false;
-        if let Some(replaced) = redact_assignment(word) {
-            redacted = true;
-            out.push_str(&replaced);
-            continue;
-        }
-        if looks_like_secret(core) {
-            redacted = true;
-            out.push_str(&replace_core(word, core));
-            continue;
-        }
-        out.push_str(word);
+        let (clean, next) = sanitize_word(word, state);
+        redacted |= clean != word;
+        out.push_str(&clean);
+        state = next;
     }
     Sanitized {
         text: out,
         redacted,
+    }
+}
+
+/// What the previous word asks of the next one in [`sanitize_text`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pending {
+    /// Nothing.
+    Nothing,
+    /// A token follows (`Bearer`, `Authorization:`).
+    Token,
+    /// Base64 credentials may follow (`Basic`).
+    Basic,
+    /// A secret-ish name was given bare (`api_key`): `=`/`:` may follow.
+    Separator,
+    /// A value follows (`api_key:`, `"password":`, `token =`).
+    Value,
+    /// Inside a quoted value, closed by this quote character.
+    Quoted(char),
+}
+
+/// One word of [`sanitize_text`] given what the previous word asked; returns the word to write
+/// and what it asks of the next one.
+fn sanitize_word(word: &str, state: Pending) -> (String, Pending) {
+    // The word without surrounding quotes, brackets and separators; base64 padding, dots and
+    // slashes stay (they belong to tokens).
+    let core = word.trim_matches(|c: char| {
+        !c.is_ascii_alphanumeric() && !matches!(c, '-' | '_' | '=' | '+' | '/' | '.' | '~')
+    });
+    match state {
+        Pending::Quoted(quote) => return quoted_rest(word, quote),
+        Pending::Value => return redact_value(word),
+        Pending::Separator => {
+            if word == "=" || word == ":" {
+                return (word.to_owned(), Pending::Value);
+            }
+            if let Some(value) = word.strip_prefix(['=', ':']) {
+                let (clean, next) = redact_value(value);
+                return (format!("{}{clean}", &word[..1]), next);
+            }
+        }
+        Pending::Token | Pending::Basic if word.contains(REDACTED) => {
+            // Already redacted by an earlier pass.
+            return (word.to_owned(), Pending::Nothing);
+        }
+        Pending::Token if core.is_empty() || core.eq_ignore_ascii_case("bearer") => {
+            // `Authorization: Bearer xyz`: the token is still to come.
+            return (word.to_owned(), Pending::Token);
+        }
+        Pending::Token => {
+            return (replace_core(word, core), Pending::Nothing);
+        }
+        Pending::Basic if looks_like_basic_credentials(core) => {
+            return (replace_core(word, core), Pending::Nothing);
+        }
+        Pending::Nothing | Pending::Basic => {}
+    }
+    let lower = core.to_ascii_lowercase();
+    if lower == "bearer" || lower == "authorization" {
+        // `Bearer xyz`, `Authorization: xyz`, `Authorization: Bearer xyz`.
+        return (word.to_owned(), Pending::Token);
+    }
+    if lower == "basic" {
+        return (word.to_owned(), Pending::Basic);
+    }
+    if let Some(assigned) = redact_assignment(word) {
+        return assigned;
+    }
+    if is_secret_name(word) {
+        return (word.to_owned(), Pending::Separator);
+    }
+    if looks_like_secret(core) {
+        return (replace_core(word, core), Pending::Nothing);
+    }
+    (word.to_owned(), Pending::Nothing)
+}
+
+/// Whether `name` (lower case) is a secret-ish name or ends in one after `_`/`-`/`.`
+/// (`access_token`, `x-api-key`).
+fn names_a_secret(name: &str) -> bool {
+    SECRET_ASSIGNMENTS.iter().any(|secret| {
+        name.strip_suffix(secret).is_some_and(|head| {
+            head.is_empty() || head.ends_with(|c: char| !c.is_ascii_alphanumeric())
+        })
+    })
+}
+
+/// A bare secret-ish name, possibly quoted (`api_key`, `"password"`), with nothing after it.
+fn is_secret_name(word: &str) -> bool {
+    let name = word.trim_matches(|c: char| matches!(c, '"' | '\'' | '{' | ',' | '('));
+    !name.is_empty() && names_a_secret(&name.to_ascii_lowercase())
+}
+
+/// The characters that end an unquoted value.
+const VALUE_END: [char; 7] = [',', ';', '&', ')', '}', ']', '"'];
+
+/// Redacts the value at the start of `word` (after a secret-ish name and its separator):
+/// quoted (`"abc",`) up to the closing quote, which may lie in a later word; unquoted up to
+/// [`VALUE_END`]. An empty `word` leaves the value to the next word.
+fn redact_value(word: &str) -> (String, Pending) {
+    if word.is_empty() {
+        return (String::new(), Pending::Value);
+    }
+    if let Some(quote) = word.chars().next().filter(|c| matches!(c, '"' | '\'')) {
+        let (clean, next) = quoted_rest(&word[1..], quote);
+        return (format!("{quote}{clean}"), next);
+    }
+    if word.starts_with(REDACTED) {
+        return (word.to_owned(), Pending::Nothing);
+    }
+    let end = word.find(VALUE_END).unwrap_or(word.len());
+    if end == 0 {
+        return (word.to_owned(), Pending::Nothing);
+    }
+    (format!("{REDACTED}{}", &word[end..]), Pending::Nothing)
+}
+
+/// The part of a quoted value in `word` up to the closing `quote` becomes [`REDACTED`] (what
+/// follows the quote is kept); without a closing quote the value goes on in the next word.
+fn quoted_rest(word: &str, quote: char) -> (String, Pending) {
+    match word.find(quote) {
+        Some(0) => (word.to_owned(), Pending::Nothing),
+        Some(end) => (format!("{REDACTED}{}", &word[end..]), Pending::Nothing),
+        None if word.is_empty() => (String::new(), Pending::Quoted(quote)),
+        None => (REDACTED.to_owned(), Pending::Quoted(quote)),
     }
 }
 
@@ -761,28 +865,26 @@ fn replace_core(word: &str, core: &str) -> String {
     word.replacen(core, REDACTED, 1)
 }
 
-fn redact_assignment(word: &str) -> Option<String> {
+/// A secret-ish name and its separator inside one word (`password=hunter2`, `api_key:`,
+/// `{"token":"abc"}`): the word with the value redacted, and what the next word is (the value,
+/// when the word ends at the separator; the rest of a quoted value).
+fn redact_assignment(word: &str) -> Option<(String, Pending)> {
     let lower = word.to_ascii_lowercase();
-    for name in SECRET_ASSIGNMENTS {
-        for sep in ['=', ':'] {
-            let needle = format!("{name}{sep}");
-            if let Some(pos) = lower.find(&needle) {
-                let start = pos + needle.len();
-                let boundary = pos == 0 || !lower.as_bytes()[pos - 1].is_ascii_alphanumeric();
-                if boundary && start < word.len() {
-                    let value = &word[start..];
-                    let value = value.trim_end_matches([',', ';', '&', ')', '"', '\'']);
-                    if !value.is_empty() && value != REDACTED {
-                        return Some(format!(
-                            "{}{}{}",
-                            &word[..start],
-                            REDACTED,
-                            &word[start + value.len()..]
-                        ));
-                    }
-                }
-            }
+    for (sep_at, _) in lower.match_indices(['=', ':']) {
+        // The name before the separator, without a closing quote.
+        let name_end = if lower[..sep_at].ends_with(['"', '\'']) {
+            sep_at - 1
+        } else {
+            sep_at
+        };
+        let name_start = lower[..name_end]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
+            .map_or(0, |i| i + 1);
+        if !names_a_secret(&lower[name_start..name_end]) || name_start == name_end {
+            continue;
         }
+        let (clean, next) = redact_value(&word[sep_at + 1..]);
+        return Some((format!("{}{clean}", &word[..=sep_at]), next));
     }
     None
 }
@@ -1020,6 +1122,70 @@ mod tests {
             ..CaseInput::default()
         })
         .expect("case file")
+    }
+
+    #[test]
+    fn sanitizing_twice_changes_nothing_more() {
+        for text in [
+            "Bearer tok-a1",
+            "Authorization: Bearer tok-a1",
+            "authorization: tok-a1 and Basic dXNlcjpwYXNz",
+            "key sk-live-abc123def456ghi789 and password=hunter2",
+            r#"{"api_key":"abcd1234efgh","note":"x"}"#,
+            r#""password": "correct horse battery staple","#,
+            "api_key: abcd1234efgh",
+        ] {
+            let once = sanitize_text(text);
+            assert!(once.redacted, "{text}");
+            let twice = sanitize_text(&once.text);
+            assert_eq!(twice.text, once.text, "{text}");
+            assert!(!twice.redacted, "{text} -> {}", twice.text);
+        }
+        assert_eq!(sanitize_text("Bearer tok-a1").text, "Bearer [redacted]");
+        assert_eq!(
+            sanitize_text("Authorization: Bearer tok-a1").text,
+            "Authorization: Bearer [redacted]"
+        );
+    }
+
+    #[test]
+    fn every_usual_spelling_of_a_secret_assignment_is_redacted() {
+        for (text, expected) in [
+            ("api_key: abcd1234efgh", "api_key: [redacted]"),
+            ("api_key=abcd1234efgh", "api_key=[redacted]"),
+            ("api_key = abcd1234efgh", "api_key = [redacted]"),
+            ("API_KEY:abcd1234efgh", "API_KEY:[redacted]"),
+            (r#""api_key": "abcd1234efgh""#, r#""api_key": "[redacted]""#),
+            (
+                r#"{"api_key":"abcd1234efgh"}"#,
+                r#"{"api_key":"[redacted]"}"#,
+            ),
+            ("password: hunter2, then", "password: [redacted], then"),
+            ("token = 'abc def' ok", "token = '[redacted] [redacted]' ok"),
+            ("access_token: abc", "access_token: [redacted]"),
+            ("x-api-key: abc", "x-api-key: [redacted]"),
+            ("client_secret=abc;x=1", "client_secret=[redacted];x=1"),
+            (
+                "https://h/?a=1&apikey=abc",
+                "https://h/?a=1&apikey=[redacted]",
+            ),
+            ("secret : abc", "secret : [redacted]"),
+        ] {
+            let clean = sanitize_text(text);
+            assert_eq!(clean.text, expected, "{text}");
+            assert!(clean.redacted, "{text}");
+        }
+        for text in [
+            "the secret is out",
+            "tokens: 5 left",
+            "monkey: banana",
+            "at 2026-01-01T00:00:00Z",
+            "task_id: 42",
+        ] {
+            let clean = sanitize_text(text);
+            assert_eq!(clean.text, text);
+            assert!(!clean.redacted, "{text}");
+        }
     }
 
     #[test]
