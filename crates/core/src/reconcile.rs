@@ -160,11 +160,20 @@ pub fn upstream_idempotency_key(agent: &str, key: &str) -> String {
 /// Checks an agent-supplied `Idempotency-Key` (IETF `draft-ietf-httpapi-idempotency-key-header`):
 /// 1 to [`MAX_IDEMPOTENCY_KEY_LEN`] bytes of printable ASCII (`0x20`–`0x7E`), without leading or
 /// trailing spaces. One surrounding pair of double quotes (the draft's structured-field string
-/// form, `"abc"`) is removed. Returns the key as it will be stored and sent.
+/// form, `"abc"`) is removed; a key still quoted after that (`""abc""`) is refused, so that
+/// checking a checked key again returns it unchanged (the door checks it, and so does the
+/// engine). Returns the key as it will be stored and sent.
 ///
 /// # Errors
 /// [`ReconcileError::InvalidIdempotencyKey`] naming the rule that failed; the key is not echoed
 /// (an agent may have pasted a secret into it).
+///
+/// ```
+/// use backstop_core::reconcile::validate_idempotency_key;
+/// assert_eq!(validate_idempotency_key("\"order-7\""), Ok("order-7"));
+/// let tab = validate_idempotency_key("order\t7").unwrap_err().to_string();
+/// assert_eq!(tab, "Idempotency-Key: byte 6 is not printable ASCII (0x20-0x7E)");
+/// ```
 pub fn validate_idempotency_key(key: &str) -> Result<&str, ReconcileError> {
     let bad = |reason: String| Err(ReconcileError::InvalidIdempotencyKey { reason });
     let key = key
@@ -173,6 +182,9 @@ pub fn validate_idempotency_key(key: &str) -> Result<&str, ReconcileError> {
         .unwrap_or(key);
     if key.is_empty() {
         return bad("must not be empty".to_owned());
+    }
+    if key.len() >= 2 && key.starts_with('"') && key.ends_with('"') {
+        return bad("quoted twice; send the key bare or in one pair of double quotes".to_owned());
     }
     if key.len() > MAX_IDEMPOTENCY_KEY_LEN {
         return bad(format!(
@@ -526,5 +538,24 @@ pub fn placeholder_for(by: ReconcileBy) -> &'static str {
         ReconcileBy::IdempotencyKey => "{key}",
         ReconcileBy::ExternalReference => "{ref}",
         ReconcileBy::OperationId => "{operation_id}",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checking_a_checked_key_returns_it_unchanged() {
+        for raw in ["order-7", "\"order-7\"", "a \"quoted\" word", "\"", "x\""] {
+            let Ok(once) = validate_idempotency_key(raw) else {
+                continue;
+            };
+            assert_eq!(validate_idempotency_key(once), Ok(once), "{raw}");
+        }
+        let twice = validate_idempotency_key("\"\"order-7\"\"").unwrap_err();
+        assert!(twice.to_string().contains("quoted twice"), "{twice}");
+        let empty = validate_idempotency_key("\"\"").unwrap_err();
+        assert!(empty.to_string().contains("must not be empty"), "{empty}");
     }
 }
