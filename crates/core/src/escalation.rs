@@ -914,13 +914,15 @@ fn looks_like_secret(core: &str) -> bool {
     core.starts_with("eyJ") && core.matches('.').count() >= 2
 }
 
-/// Sanitizes every string in a JSON value (keys are kept), appending the JSON path of each
-/// redacted string to `redactions`.
+/// Sanitizes every string in a JSON value (keys are kept), appending to `redactions` the JSON
+/// path of each string that holds a redaction: one made now, or one made before (the text
+/// already holds [`REDACTED`], e.g. a `desired_outcome` sanitized when it was received). So a
+/// case file built from sanitized inputs still says where something was removed.
 pub fn sanitize_value(value: &mut Value, path: &str, redactions: &mut Vec<String>) {
     match value {
         Value::String(s) => {
             let clean = sanitize_text(s);
-            if clean.redacted {
+            if clean.redacted || clean.text.contains(REDACTED) {
                 *s = clean.text;
                 redactions.push(if path.is_empty() {
                     "$".to_owned()
@@ -1146,6 +1148,32 @@ mod tests {
             sanitize_text("Authorization: Bearer tok-a1").text,
             "Authorization: Bearer [redacted]"
         );
+    }
+
+    #[test]
+    fn a_case_file_built_from_sanitized_text_still_lists_the_redaction() {
+        let received = sanitize_text("pay invoice 7 with key sk-live-abc123def456ghi789");
+        assert!(received.redacted);
+        let mut input = CaseInput {
+            opened_at: "2026-01-01T00:00:00Z".parse().expect("instant"),
+            desired_outcome: Some(received.text.clone()),
+            action: CaseAction {
+                method: "POST".into(),
+                route: "/v1/transfers".into(),
+                payload_digest: "0".repeat(64),
+                ..CaseAction::default()
+            },
+            provider: "billing".into(),
+            ..CaseInput::default()
+        };
+        let case = CaseFile::build(input.clone()).expect("case file");
+        assert_eq!(case.redactions, ["desired_outcome"]);
+        assert_eq!(case.desired_outcome, Some(received.text));
+        input.desired_outcome = Some("pay invoice 7".into());
+        assert!(CaseFile::build(input)
+            .expect("case file")
+            .redactions
+            .is_empty());
     }
 
     #[test]
