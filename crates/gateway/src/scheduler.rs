@@ -1526,4 +1526,172 @@ mod tests {
         }
         assert_ne!(SplitMix64::new(8).unit(), SplitMix64::new(7).unit());
     }
+
+    const POLICY: &str = r#"
+shared_scope:
+  max_delayed_requests: 100
+  max_concurrent_requests: 100
+providers:
+  billing:
+    base_url: http://127.0.0.1:9
+    scopes:
+      account: {}
+    routes:
+      "GET /v1/items/{id}": { class: read, scopes: [account] }
+"#;
+
+    fn class() -> ClassBudget {
+        ClassBudget {
+            max_attempts: 3,
+            max_wait: Duration::from_secs(600),
+        }
+    }
+
+    fn request(task: &str, not_before: Option<Timestamp>) -> AcquireRequest {
+        AcquireRequest {
+            task_id: task.to_owned(),
+            agent: "agent-a".to_owned(),
+            priority: Priority::Normal,
+            scopes: vec!["billing/account".to_owned()],
+            budget: ActionBudget::new(class(), None),
+            not_before,
+            route: "GET /v1/items/{id}".to_owned(),
+        }
+    }
+
+    fn spawn() -> (SchedulerHandle, TokioClock) {
+        let policy = Policy::from_yaml_str(POLICY, "test.yaml").expect("the test policy parses");
+        let clock = TokioClock::anchored_at("2026-01-01T00:00:00Z".parse().expect("a timestamp"));
+        let handle = SchedulerHandle::spawn(&policy, clock, Arc::new(Metrics::new()), 1);
+        (handle, clock)
+    }
+
+    fn delayed(handle: &SchedulerHandle) -> u32 {
+        handle.scopes().iter().map(|view| view.delayed).sum()
+    }
+
+    #[test]
+    fn order_puts_higher_priority_first_then_earlier_tickets() {
+        let interactive = order_key(Priority::Interactive, 9);
+        let normal_early = order_key(Priority::Normal, 1);
+        let normal_late = order_key(Priority::Normal, 2);
+        let background = order_key(Priority::Background, 0);
+        assert!(interactive < normal_early);
+        assert!(normal_early < normal_late);
+        assert!(normal_late < background);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delayed_actions_are_answered_stopped_with_their_budget_at_shutdown() {
+        let (handle, clock) = spawn();
+        let later = add(clock.now(), Duration::from_secs(60));
+        let waiting: Vec<_> = (0..3)
+            .map(|i| tokio::spawn(handle.acquire(request(&format!("task-{i}"), Some(later)))))
+            .collect();
+        while delayed(&handle) < 3 {
+            tokio::task::yield_now().await;
+        }
+        handle.shutdown().await;
+        for task in waiting {
+            match task.await.expect("the waiting task completes") {
+                Acquired::Stopped { budget } => {
+                    assert_eq!(budget.attempts_used(), 0);
+                    assert_eq!(budget.attempts_remaining(), 3);
+                }
+                other => panic!("expected Stopped, got {other:?}"),
+            }
+        }
+        // Asked after the stop: answered at once, nothing charged.
+        match handle.acquire(request("task-late", None)).await {
+            Acquired::Stopped { budget } => assert_eq!(budget.attempts_used(), 0),
+            other => panic!("expected Stopped, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wave_due_at_one_instant_goes_by_priority_then_arrival_and_frees_its_places() {
+        let (handle, clock) = spawn();
+        let due = add(clock.now(), Duration::from_secs(5));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiting = Vec::new();
+        for i in 0..50usize {
+            let mut asked = request(&format!("task-{}", i % 7), Some(due));
+            if i % 5 == 0 {
+                asked.priority = Priority::Interactive;
+            }
+            let acquiring = handle.acquire(asked);
+            let order = order.clone();
+            waiting.push(tokio::spawn(async move {
+                if let Acquired::Go { permit, .. } = acquiring.await {
+                    let mut order = order.lock().unwrap_or_else(|p| p.into_inner());
+                    order.push((i, permit.granted_at()));
+                }
+            }));
+        }
+        while delayed(&handle) < 50 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::advance(Duration::from_secs(5)).await;
+        for task in waiting {
+            task.await.expect("the waiting task completes");
+        }
+        let order = order.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        assert!(order.iter().all(|(_, granted)| *granted >= due));
+        // One thread: the woken tasks run in the order the scheduler answered them.
+        let released: Vec<usize> = order.iter().map(|(i, _)| *i).collect();
+        let expected: Vec<usize> = (0..50)
+            .filter(|i| i % 5 == 0)
+            .chain((0..50).filter(|i| i % 5 != 0))
+            .collect();
+        assert_eq!(released, expected);
+        // Every permit dropped: slots and delayed places are all back.
+        for _ in 0..100 {
+            if handle.scopes().iter().all(|v| v.in_flight == 0) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let views = handle.scopes();
+        assert!(
+            views.iter().all(|v| v.in_flight == 0 && v.delayed == 0),
+            "{views:?}"
+        );
+    }
+
+    #[test]
+    fn slab_reuses_vacated_slots_and_grows_by_chunks() {
+        let mut slab = Slab::default();
+        let (reply, _answer) = oneshot::channel();
+        let waiter = |ticket: u64, reply: oneshot::Sender<Answer>| Waiter {
+            ticket,
+            task: Arc::new(("agent".to_owned(), "task".to_owned())),
+            route: Arc::from("GET /"),
+            scopes: ScopeIds::One(0),
+            budget: ActionBudget::new(class(), None),
+            since: Timestamp::UNIX_EPOCH,
+            wake: Timestamp::UNIX_EPOCH,
+            reply: Some(reply),
+            priority: Priority::Normal,
+            fresh: true,
+            delayed: false,
+            queued: false,
+            timed: false,
+        };
+        let mut slots = vec![slab.insert(waiter(0, reply))];
+        for ticket in 1..(SLAB_CHUNK as u64 + 1) {
+            let (reply, _) = oneshot::channel();
+            slots.push(slab.insert(waiter(ticket, reply)));
+        }
+        assert_eq!(slab.chunks.len(), 2);
+        assert_eq!(slots, (0..=SLAB_CHUNK as u32).collect::<Vec<_>>());
+        assert_eq!(slab.take(7).map(|w| w.ticket), Some(7));
+        assert!(slab.take(7).is_none());
+        slab.vacate(9);
+        assert!(slab.get_mut(9).is_none());
+        let (reply, _) = oneshot::channel();
+        let reused = slab.insert(waiter(100, reply));
+        assert!(reused == 7 || reused == 9);
+        assert_eq!(slab.get_mut(reused).map(|w| w.ticket), Some(100));
+        assert_eq!(slab.iter().count(), SLAB_CHUNK);
+    }
 }
