@@ -56,6 +56,7 @@ use backstop_core::{
     outcome::Outcome,
     pacing::Priority,
     policy::{Policy, Provider},
+    reconcile::{validate_idempotency_key, ReconcileError},
 };
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
@@ -245,6 +246,11 @@ fn clip(value: &str) -> String {
     value.chars().take(64).collect()
 }
 
+/// The largest `Prefer: wait=N` read, in seconds (`u64::MAX`). Any wait longer than a route's
+/// class budget (`max_wait_seconds`) behaves as that budget; a larger number is refused as too
+/// large, naming this maximum.
+pub const MAX_PREFER_WAIT_SECONDS: u64 = u64::MAX;
+
 /// The `wait` preference of all `Prefer` headers (RFC 7240 §2: comma-separated preferences,
 /// `token [= value]` with optional `;` parameters; names are case-insensitive).
 fn prefer_wait(headers: &HeaderMap) -> Result<Option<Duration>, Problem> {
@@ -262,15 +268,25 @@ fn prefer_wait(headers: &HeaderMap) -> Result<Option<Duration>, Problem> {
             if !name.eq_ignore_ascii_case("wait") {
                 continue;
             }
-            let seconds = value
-                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or_else(|| {
-                    Problem::bad_header(
+            let seconds = match value {
+                Some(v) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
+                    v.parse::<u64>().map_err(|_| {
+                        Problem::bad_header(
+                            "Prefer",
+                            format!(
+                                "`wait={}` is too large: at most {MAX_PREFER_WAIT_SECONDS} seconds (a wait beyond the route's own wait budget changes nothing)",
+                                clip(v)
+                            ),
+                        )
+                    })?
+                }
+                _ => {
+                    return Err(Problem::bad_header(
                         "Prefer",
                         "`wait` must be a whole number of seconds, like `wait=30` (RFC 7240 §4.3)",
-                    )
-                })?;
+                    ))
+                }
+            };
             if wait.is_some() {
                 return Err(Problem::bad_header("Prefer", "`wait` given more than once"));
             }
@@ -594,16 +610,16 @@ fn upstream_headers(
         let name = provider
             .idempotency_header
             .as_deref()
-            .unwrap_or(IDEMPOTENCY_KEY);
+            .unwrap_or("Idempotency-Key");
         let header_name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
             Problem::bad_request(format!(
                 "the provider's idempotency header `{name}` is not a valid header name"
             ))
         })?;
-        match single(incoming, header_name.as_str(), name)? {
-            Some("") => return Err(Problem::bad_header(name, "an empty idempotency key")),
-            Some(v) => key = Some(v.to_owned()),
-            None => {}
+        // Checked here, before any action exists, so a bad key is the agent's malformed
+        // header (400 `bad_header`), never a recorded action refused later.
+        if let Some(value) = single(incoming, header_name.as_str(), name)? {
+            key = Some(checked_idempotency_key(name, value)?.to_owned());
         }
         if provider.idempotency_header.is_none() {
             // Not the provider's header: keep it to ourselves.
@@ -611,6 +627,23 @@ fn upstream_headers(
         }
     }
     Ok((headers, key))
+}
+
+/// An agent's idempotency key given under the header `header`, checked by
+/// [`validate_idempotency_key`] (IETF Idempotency-Key draft: 1 to
+/// [`MAX_IDEMPOTENCY_KEY_LEN`](backstop_core::reconcile::MAX_IDEMPOTENCY_KEY_LEN) bytes of
+/// printable ASCII; one pair of surrounding double quotes removed). Returns the key as it will be
+/// stored and sent.
+///
+/// # Errors
+/// 400 `bad_header` naming `header` and the rule the key breaks (the key itself is not echoed).
+pub fn checked_idempotency_key<'a>(header: &str, value: &'a str) -> Result<&'a str, Problem> {
+    validate_idempotency_key(value).map_err(|e| match e {
+        ReconcileError::InvalidIdempotencyKey { reason } => {
+            Problem::bad_header(header, format!("not a usable idempotency key: {reason}"))
+        }
+        other => Problem::bad_header(header, other),
+    })
 }
 
 fn receipt_headers(response: &mut Response, receipt: &ActionReceipt, task_id: &str, single: bool) {
@@ -714,7 +747,8 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
 ///
 /// # Errors
 /// A [`Problem`]: 404 for an unknown provider or a path without one, 424 when the provider's
-/// credential is unavailable, 400 for a malformed or empty idempotency key header.
+/// credential is unavailable, 400 `bad_header` for an idempotency key header that is given twice
+/// or breaks [`checked_idempotency_key`]'s rules.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn build_spec(
     state: &AppState,
@@ -1236,6 +1270,58 @@ mod tests {
         let (out, key) = upstream_headers(&incoming, &Method::POST, &provider(None), None).unwrap();
         assert_eq!(key.as_deref(), Some("key-1"));
         assert!(out.get("idempotency-key").is_none());
+    }
+
+    #[test]
+    fn unusable_idempotency_keys_are_the_agents_malformed_header() {
+        for provider_header in [Some("Idempotency-Key"), Some("X-Idem"), None] {
+            let p = provider(provider_header);
+            let name = provider_header.unwrap_or("Idempotency-Key");
+            for (value, reason) in [
+                ("k".repeat(300), "300 bytes, at most 255 allowed"),
+                ("k".repeat(70 * 1024), "71680 bytes, at most 255 allowed"),
+                ("order\t7".to_owned(), "byte 6 is not printable ASCII"),
+                ("\"\"".to_owned(), "must not be empty"),
+                (String::new(), "must not be empty"),
+            ] {
+                let incoming = headers(&[(name, &value)]);
+                let problem = upstream_headers(&incoming, &Method::POST, &p, None).unwrap_err();
+                assert_eq!(problem.status, StatusCode::BAD_REQUEST);
+                assert_eq!(problem.name, "bad_header", "{value:.20}");
+                assert_eq!(problem.extensions["header"], name);
+                assert!(problem.detail.contains(reason), "{}", problem.detail);
+                assert!(!problem.detail.contains(&value) || value.is_empty());
+                assert!(problem.extensions.get("action_id").is_none());
+            }
+            // The quoted form is the bare key, as the engine stores it.
+            let (_, key) =
+                upstream_headers(&headers(&[(name, "\"order-7\"")]), &Method::POST, &p, None)
+                    .unwrap();
+            assert_eq!(key.as_deref(), Some("order-7"));
+        }
+    }
+
+    #[test]
+    fn a_wait_too_large_to_read_says_so_and_names_the_maximum() {
+        let problem = bad(&[("Prefer", "wait=99999999999999999999999")]);
+        assert_eq!(problem.extensions["header"], "Prefer");
+        assert!(problem.detail.contains("too large"), "{}", problem.detail);
+        assert!(
+            problem.detail.contains(&u64::MAX.to_string()),
+            "{}",
+            problem.detail
+        );
+        assert!(
+            !problem.detail.contains("whole number"),
+            "{}",
+            problem.detail
+        );
+        let most = format!("wait={}", u64::MAX);
+        let parsed = parse_backstop_headers(&headers(&[("Prefer", &most)])).unwrap();
+        assert_eq!(parsed.max_wait, Some(Duration::from_secs(u64::MAX)));
+        let zeros =
+            parse_backstop_headers(&headers(&[("Prefer", "wait=0000000000000000000000030")]));
+        assert_eq!(zeros.unwrap().max_wait, Some(Duration::from_secs(30)));
     }
 
     #[test]
