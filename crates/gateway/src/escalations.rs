@@ -554,16 +554,25 @@ pub const DECISION_MEMBERS: [&str; 3] = ["option", "confirm_second_side_effect",
 pub const MAX_DECISION_BODY_BYTES: usize = 64 * 1024;
 
 /// Reads a decision body strictly: a JSON object whose members are among
-/// [`DECISION_MEMBERS`] (an unknown member is refused, not ignored: a misspelt
-/// `confirm_second_side_effect` must not pass as "not confirmed").
+/// [`DECISION_MEMBERS`], each given once. An unknown member is refused, not ignored: a misspelt
+/// `confirm_second_side_effect` must not pass as "not confirmed". A member given twice is
+/// refused, not resolved: JSON parsers disagree on which copy wins (RFC 8259 §4), and
+/// `{"option":"send_new","confirm_second_side_effect":true,"option":"wait"}` must not be read as
+/// either decision.
 ///
 /// # Errors
-/// A sentence: not JSON, not an object, an unknown member, or a member of the wrong type.
+/// A sentence: not JSON, not an object, a member given twice, an unknown member, or a member of
+/// the wrong type.
 fn parse_decision(body: &[u8]) -> Result<Decision, String> {
     let value: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON ({e})"))?;
     let Value::Object(members) = &value else {
         return Err("a decision is a JSON object".to_owned());
     };
+    if let Some(twice) = repeated_member(body) {
+        return Err(format!(
+            "member `{twice}` is given more than once, so the decision is ambiguous; give each member once"
+        ));
+    }
     if let Some(unknown) = members
         .keys()
         .find(|k| !DECISION_MEMBERS.contains(&k.as_str()))
@@ -571,6 +580,43 @@ fn parse_decision(body: &[u8]) -> Result<Decision, String> {
         return Err(format!("unknown member `{unknown}`"));
     }
     serde_json::from_value(value).map_err(|e| e.to_string())
+}
+
+/// The first member name given twice in the JSON object `body` (top level), if any. `body` is
+/// already known to be a JSON object.
+fn repeated_member(body: &[u8]) -> Option<String> {
+    struct FirstRepeat(Option<String>);
+    impl<'de> serde::Deserialize<'de> for FirstRepeat {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Names;
+            impl<'de> serde::de::Visitor<'de> for Names {
+                type Value = FirstRepeat;
+
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<FirstRepeat, A::Error> {
+                    let mut seen = std::collections::HashSet::new();
+                    let mut repeat = None;
+                    while let Some(name) = map.next_key::<String>()? {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        if repeat.is_none() && seen.contains(&name) {
+                            repeat = Some(name);
+                        } else {
+                            seen.insert(name);
+                        }
+                    }
+                    Ok(FirstRepeat(repeat))
+                }
+            }
+            d.deserialize_map(Names)
+        }
+    }
+    serde_json::from_slice::<FirstRepeat>(body).ok()?.0
 }
 
 /// The outcome of every `reveal_payload` request, as audited: backstop keeps no payload.
@@ -620,6 +666,18 @@ mod tests {
             (br#""abort""#, "a decision is a JSON object"),
             (b"abort", "not JSON"),
             (br#"{"option":1}"#, "invalid type"),
+            (
+                br#"{"option":"send_new","confirm_second_side_effect":true,"option":"wait"}"#,
+                "member `option` is given more than once",
+            ),
+            (
+                br#"{"option":"wait","confirm_second_side_effect":true,"option":"send_new"}"#,
+                "member `option` is given more than once",
+            ),
+            (
+                br#"{"option":"send_new","confirm_second_side_effect":false,"confirm_second_side_effect":true}"#,
+                "member `confirm_second_side_effect` is given more than once",
+            ),
         ] {
             let error = parse_decision(body).unwrap_err();
             assert!(

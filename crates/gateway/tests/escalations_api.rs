@@ -61,6 +61,8 @@ fn fixture() -> Fixture {
                 payload_digest: PayloadDigest::of(PAYLOAD),
                 idempotency_key: key.into(),
                 external_reference: Some("inv-7".into()),
+                desired_outcome: None,
+                fingerprint: None,
             },
             t("2026-01-01T00:00:00Z"),
         )
@@ -424,4 +426,54 @@ async fn reveal_is_refused_explicitly_and_does_not_decide_the_escalation() {
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_decision_with_a_member_given_twice_is_refused_whichever_copy_comes_last() {
+    let f = fixture();
+    let id = f.escalation.0;
+    for (body, member) in [
+        (
+            r#"{"option":"send_new","confirm_second_side_effect":true,"option":"wait"}"#,
+            "option",
+        ),
+        (
+            r#"{"option":"wait","confirm_second_side_effect":true,"option":"send_new"}"#,
+            "option",
+        ),
+        (r#"{"option":"abort","option":"abort"}"#, "option"),
+        (
+            r#"{"option":"send_new","confirm_second_side_effect":false,"confirm_second_side_effect":true}"#,
+            "confirm_second_side_effect",
+        ),
+    ] {
+        let request = Request::builder()
+            .method("POST")
+            .uri(format!("/v1/escalations/{id}/decision"))
+            .header(header::AUTHORIZATION, format!("Bearer {OPERATOR_TOKEN}"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .expect("request");
+        let response = f.app.clone().oneshot(request).await.expect("response");
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let problem: Value = serde_json::from_slice(&bytes).expect("problem");
+        assert_eq!(
+            problem["type"], "urn:backstop:problem:bad_decision",
+            "{body}"
+        );
+        let detail = problem["detail"].as_str().expect("detail");
+        assert!(
+            detail.contains(&format!("member `{member}` is given more than once")),
+            "{body}: {detail}"
+        );
+    }
+    let record = f
+        .store
+        .escalation(f.escalation)
+        .expect("read")
+        .expect("exists");
+    assert_eq!(record.decision, None, "an ambiguous decision was recorded");
 }
