@@ -16,6 +16,13 @@
 //! idempotency_key, desired_outcome}`; only `provider`, `method` and `path` are required. It
 //! is the same as a proxied call to `/{provider}{path}` with those headers.
 //!
+//! Ambiguous input is refused, never resolved by a silent choice: a member given twice (at the
+//! top or inside `headers`) is a 400 naming it; the idempotency key may be given in three places
+//! (this request's own `Idempotency-Key` header, the provider's key header inside `headers`, the
+//! `idempotency_key` member) and two places with different keys are a 400 naming both.
+//! `desired_outcome` is at most [`MAX_DESIRED_OUTCOME_CHARS`] characters: it is shown in a
+//! compact case file.
+//!
 //! Isolation: an agent sees only its own actions and tasks; another agent's id is answered
 //! exactly like a missing one (`404 action_not_found` / `task_not_found`). Operators see all.
 //! The provider's response of a background action is kept in memory for the owning agent only
@@ -27,14 +34,17 @@ use std::{sync::Arc, time::Duration};
 
 use axum::{
     body::Bytes,
-    extract::{Path, Query, RawQuery, State},
-    http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode},
+    extract::{Path, Query, State},
+    http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri},
     response::{IntoResponse, Response},
     routing::{get, post},
     Router,
 };
-use backstop_core::pacing::Priority;
-use serde::Deserialize;
+use backstop_core::{
+    pacing::Priority,
+    reconcile::{validate_idempotency_key, ReconcileError},
+};
+use serde::{de, Deserialize, Deserializer};
 use serde_json::{json, Value};
 
 use crate::{
@@ -47,6 +57,12 @@ use crate::{
 
 /// The longest `?wait=` honoured by `GET /v1/actions/{id}` (60 s); longer values are capped.
 pub const MAX_LONG_POLL: Duration = Duration::from_secs(60);
+
+/// The longest `desired_outcome` accepted by `POST /v1/actions`, in characters (Unicode scalar
+/// values). It is the agent's one-paragraph statement of what the action is for, shown to an
+/// operator in a compact case file (SPEC §8); a longer one is refused with 400 naming the
+/// member and this limit.
+pub const MAX_DESIRED_OUTCOME_CHARS: usize = 2_000;
 
 /// The action API routes (see the module table).
 pub fn router(state: Arc<AppState>) -> Router {
@@ -79,8 +95,8 @@ struct NewActionBody {
     provider: String,
     method: String,
     path: String,
-    #[serde(default)]
-    headers: std::collections::BTreeMap<String, String>,
+    #[serde(default, deserialize_with = "unique_members")]
+    headers: Vec<(String, String)>,
     body: Option<String>,
     body_base64: Option<String>,
     task: Option<String>,
@@ -89,6 +105,34 @@ struct NewActionBody {
     max_wait_seconds: Option<u64>,
     idempotency_key: Option<String>,
     desired_outcome: Option<String>,
+}
+
+/// A JSON object of strings, in order, refusing a member name given twice (serde_json would
+/// keep the last one silently).
+fn unique_members<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(String, String)>, D::Error> {
+    struct Members;
+    impl<'de> de::Visitor<'de> for Members {
+        type Value = Vec<(String, String)>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object of header names and string values")
+        }
+
+        fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut members: Vec<(String, String)> = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            while let Some((name, value)) = map.next_entry::<String, String>()? {
+                if !seen.insert(name.clone()) {
+                    return Err(de::Error::custom(format_args!(
+                        "headers: member `{name}` is given more than once"
+                    )));
+                }
+                members.push((name, value));
+            }
+            Ok(members)
+        }
+    }
+    d.deserialize_map(Members)
 }
 
 fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, Problem> {
@@ -125,7 +169,7 @@ async fn submit_inner(
         )));
     }
     engine(state, "POST /v1/actions")?;
-    let request: NewActionBody = serde_json::from_slice(&body).map_err(|e| {
+    let mut request: NewActionBody = serde_json::from_slice(&body).map_err(|e| {
         api_bad_request(format!(
             "body: expected {{provider, method, path, headers?, body? | body_base64?, task?, priority?, deadline?, max_wait_seconds?, idempotency_key?, desired_outcome?}}: {e}"
         ))
@@ -143,7 +187,7 @@ async fn submit_inner(
             request.path
         )));
     }
-    let payload = match (request.body, request.body_base64) {
+    let payload = match (request.body.take(), request.body_base64.take()) {
         (Some(_), Some(_)) => {
             return Err(api_bad_request(
                 "body, body_base64: give one of them, not both",
@@ -159,6 +203,23 @@ async fn submit_inner(
     if payload.len() > state.door.max_body_bytes {
         return Err(door::body_too_large(state.door));
     }
+    if let Some(text) = &request.desired_outcome {
+        let chars = text.chars().count();
+        if chars > MAX_DESIRED_OUTCOME_CHARS {
+            return Err(api_bad_request(format!(
+                "desired_outcome: {chars} characters, at most {MAX_DESIRED_OUTCOME_CHARS} allowed (one paragraph for the case file)"
+            ))
+            .with_extension("member", "desired_outcome".into())
+            .with_extension("limit", MAX_DESIRED_OUTCOME_CHARS.into()));
+        }
+    }
+    let key_header = state
+        .policy
+        .providers
+        .get(&request.provider)
+        .and_then(|p| p.idempotency_header.clone())
+        .unwrap_or_else(|| door::IDEMPOTENCY_KEY.to_owned());
+    let key = idempotency_key(headers, &request, &key_header)?;
     let mut incoming = HeaderMap::new();
     for (name, value) in &request.headers {
         let name = HeaderName::from_bytes(name.as_bytes())
@@ -167,18 +228,14 @@ async fn submit_inner(
             .map_err(|_| api_bad_request(format!("headers.{name}: not a valid header value")))?;
         incoming.append(name, value);
     }
-    if let Some(key) = &request.idempotency_key {
-        let name = state
-            .policy
-            .providers
-            .get(&request.provider)
-            .and_then(|p| p.idempotency_header.clone())
-            .unwrap_or_else(|| door::IDEMPOTENCY_KEY.to_owned());
+    if let Some(key) = key {
         let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(key),
+            HeaderName::from_bytes(key_header.as_bytes()),
+            HeaderValue::from_str(&key),
         ) else {
-            return Err(api_bad_request("idempotency_key: not a valid header value"));
+            return Err(api_bad_request(format!(
+                "idempotency_key: cannot be given under the provider's header `{key_header}`"
+            )));
         };
         incoming.insert(name, value);
     }
@@ -232,10 +289,78 @@ async fn submit_inner(
             max_wait: request.max_wait_seconds.map(Duration::from_secs),
         },
     )?;
+    // Sanitized on intake (it is kept with the action); the case file built from it still
+    // lists `desired_outcome` in its redactions.
     spec.desired_outcome = request
         .desired_outcome
         .map(|text| backstop_core::escalation::sanitize_text(&text).text);
     Ok(door::submit_async(state, spec).await)
+}
+
+/// The one idempotency key of a `POST /v1/actions`, from the places an agent may give it: this
+/// request's own `Idempotency-Key` header (the IETF draft's header on a `POST`), the provider's
+/// key header `key_header` inside `headers`, and the `idempotency_key` member. Each is checked
+/// where it was given ([`door::checked_idempotency_key`]); the checked key is returned.
+///
+/// # Errors
+/// 400 `bad_header` for an unusable key in a header (or one header given twice), 400
+/// `bad_request` for an unusable `idempotency_key` member, and 400 `bad_request` naming the
+/// places (`places`) when two of them give different keys: backstop never picks one silently.
+fn idempotency_key(
+    own: &HeaderMap,
+    request: &NewActionBody,
+    key_header: &str,
+) -> Result<Option<String>, Problem> {
+    let mut given: Vec<(String, String)> = Vec::new();
+    let mut own_values = own.get_all(door::IDEMPOTENCY_KEY).iter();
+    if let Some(value) = own_values.next() {
+        if own_values.next().is_some() {
+            return Err(Problem::bad_header(
+                "Idempotency-Key",
+                "given more than once",
+            ));
+        }
+        let text = value.to_str().map_err(|_| {
+            Problem::bad_header("Idempotency-Key", "the value is not visible ASCII text")
+        })?;
+        let key = door::checked_idempotency_key("Idempotency-Key", text.trim())?;
+        given.push(("the `Idempotency-Key` header".to_owned(), key.to_owned()));
+    }
+    let mut in_map = request
+        .headers
+        .iter()
+        .filter(|(name, _)| name.eq_ignore_ascii_case(key_header));
+    if let Some((name, value)) = in_map.next() {
+        if in_map.next().is_some() {
+            return Err(api_bad_request(format!(
+                "headers: `{key_header}` is given more than once"
+            )));
+        }
+        let key = door::checked_idempotency_key(name, value.trim())?;
+        given.push((format!("`headers.{name}`"), key.to_owned()));
+    }
+    if let Some(value) = &request.idempotency_key {
+        let key = validate_idempotency_key(value).map_err(|e| {
+            let reason = match e {
+                ReconcileError::InvalidIdempotencyKey { reason } => reason,
+                other => other.to_string(),
+            };
+            api_bad_request(format!(
+                "idempotency_key: not a usable idempotency key: {reason}"
+            ))
+            .with_extension("member", "idempotency_key".into())
+        })?;
+        given.push(("`idempotency_key`".to_owned(), key.to_owned()));
+    }
+    if given.iter().any(|(_, key)| *key != given[0].1) {
+        let places: Vec<&str> = given.iter().map(|(place, _)| place.as_str()).collect();
+        return Err(api_bad_request(format!(
+            "the idempotency key is given in {} with different values; give one key, in one place (nothing was sent)",
+            places.join(" and ")
+        ))
+        .with_extension("places", json!(places)));
+    }
+    Ok(given.into_iter().next().map(|(_, key)| key))
 }
 
 /// 400 `bad_request` of the action API: the JSON request, a query parameter or an id is
@@ -246,9 +371,27 @@ fn api_bad_request(detail: impl Into<String>) -> Problem {
     problem
 }
 
-#[derive(Debug, Deserialize)]
-struct WaitQuery {
-    wait: Option<String>,
+/// The `wait` parameter of `GET /v1/actions/{id}` (other parameters are ignored).
+///
+/// # Errors
+/// 400 `bad_request` of the action API naming the parameter (`parameter: "wait"`) when it is
+/// given more than once (`?wait=30s&wait=1` names two waits), or when the query string is not
+/// `application/x-www-form-urlencoded`.
+fn wait_parameter(uri: &Uri) -> Result<Option<String>, Problem> {
+    let Query(pairs) = Query::<Vec<(String, String)>>::try_from_uri(uri)
+        .map_err(|e| api_bad_request(format!("query: {}", e.body_text())))?;
+    let mut waits = pairs
+        .into_iter()
+        .filter(|(name, _)| name == "wait")
+        .map(|(_, value)| value);
+    let wait = waits.next();
+    if waits.next().is_some() {
+        return Err(api_bad_request(
+            "wait: the parameter is repeated; give one `?wait=` duration, like ?wait=30s",
+        )
+        .with_extension("parameter", "wait".into()));
+    }
+    Ok(wait)
 }
 
 /// `?wait=`: a Go-style duration (`30s`, `1m0s`, `500ms`) or bare seconds (`30`, read as
@@ -256,7 +399,8 @@ struct WaitQuery {
 /// hold — is capped at [`MAX_LONG_POLL`] (60 s).
 ///
 /// # Errors
-/// 400 `bad_request` for text that is not such a duration (`soon`, `-1s`, `1x`).
+/// 400 `bad_request` for text that is not such a duration (`soon`, `-1s`, `1x`), naming the
+/// parameter (`parameter: "wait"`).
 fn parse_wait(text: &str) -> Result<Duration, Problem> {
     let text = text.trim();
     let spelled = if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
@@ -270,7 +414,8 @@ fn parse_wait(text: &str) -> Result<Duration, Problem> {
         Err(e) => Err(api_bad_request(format!(
             "wait: `{}` is not a duration like 30s or 500ms: {e}",
             text.chars().take(64).collect::<String>()
-        ))),
+        ))
+        .with_extension("parameter", "wait".into())),
     }
 }
 
@@ -304,11 +449,10 @@ fn is_duration_shaped(text: &str) -> bool {
 async fn show(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
-    Query(query): Query<WaitQuery>,
-    RawQuery(_raw): RawQuery,
+    uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    match show_inner(&state, &id, query, &headers).await {
+    match show_inner(&state, &id, &uri, &headers).await {
         Ok(body) => {
             let (id, attempts) = (body["id"].as_i64(), body["attempts"].as_u64());
             let mut response = axum::Json(body).into_response();
@@ -331,12 +475,15 @@ async fn show(
 async fn show_inner(
     state: &AppState,
     id: &str,
-    query: WaitQuery,
+    uri: &Uri,
     headers: &HeaderMap,
 ) -> Result<Value, Problem> {
     let who = caller(state, headers)?;
     let engine = engine(state, "GET /v1/actions/{id}")?;
-    let wait = query.wait.as_deref().map(parse_wait).transpose()?;
+    let wait = wait_parameter(uri)?
+        .as_deref()
+        .map(parse_wait)
+        .transpose()?;
     let number: i64 = id
         .parse()
         .ok()

@@ -298,3 +298,382 @@ async fn two_agents_with_the_same_idempotency_key_make_two_creates_and_see_no_re
     assert_eq!(provider.attempts().len(), 2);
     gw.shutdown().await.unwrap();
 }
+
+/// The fake provider with a create route that counts every attempt, and a gateway before it.
+async fn transfers_gateway(dir: &Path) -> (backstop_fake_api::RunningFake, Running) {
+    let provider = fake(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        support::create("transfers", "tr_"),
+    )
+    .with_idempotency()]);
+    let gw = gateway(&provider.url(), dir).await;
+    (provider, gw)
+}
+
+async fn post_action(base: &str, body: String, key_header: Option<&str>) -> (u16, Value) {
+    let mut request = client()
+        .post(format!("{base}/v1/actions"))
+        .bearer_auth(AGENT)
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(key) = key_header {
+        request = request.header("idempotency-key", key);
+    }
+    support::json_of(request.send().await.unwrap()).await
+}
+
+#[tokio::test]
+async fn an_unusable_idempotency_key_is_a_malformed_header_before_any_action_exists() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    for (key, reason) in [
+        ("k".repeat(300), "300 bytes, at most 255 allowed"),
+        ("k".repeat(70 * 1024), "71680 bytes, at most 255 allowed"),
+        ("order\t7".to_owned(), "byte 6 is not printable ASCII"),
+        ("\"\"".to_owned(), "must not be empty"),
+    ] {
+        // The proxy door.
+        let r = client()
+            .post(format!("{base}/fake/v1/transfers"))
+            .bearer_auth(AGENT)
+            .header("idempotency-key", key.as_str())
+            .body(r#"{"amount":5}"#)
+            .send()
+            .await
+            .unwrap();
+        let (status, problem) = support::json_of(r).await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(
+            problem["type"], "urn:backstop:problem:bad_header",
+            "{problem}"
+        );
+        assert_eq!(problem["header"], "Idempotency-Key", "{problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.contains(reason), "{detail}");
+        assert!(problem.get("action_id").is_none(), "{problem}");
+        // The action API: this request's own header, the `headers` map, the member.
+        let (status, problem) = post_action(
+            &base,
+            json!({"provider": "fake", "method": "POST", "path": "/v1/transfers", "body": "{}"})
+                .to_string(),
+            Some(&key),
+        )
+        .await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(
+            problem["type"], "urn:backstop:problem:bad_header",
+            "{problem}"
+        );
+        assert_eq!(problem["header"], "Idempotency-Key", "{problem}");
+        assert!(problem.get("action_id").is_none(), "{problem}");
+        let (status, problem) = post_action(
+            &base,
+            json!({"provider": "fake", "method": "POST", "path": "/v1/transfers",
+                   "headers": {"Idempotency-Key": key}})
+            .to_string(),
+            None,
+        )
+        .await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(
+            problem["type"], "urn:backstop:problem:bad_header",
+            "{problem}"
+        );
+        assert!(
+            problem["detail"].as_str().unwrap().contains(reason),
+            "{problem}"
+        );
+        let (status, problem) = post_action(
+            &base,
+            json!({"provider": "fake", "method": "POST", "path": "/v1/transfers",
+                   "idempotency_key": key})
+            .to_string(),
+            None,
+        )
+        .await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(problem["member"], "idempotency_key", "{problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.starts_with("idempotency_key: "), "{detail}");
+        assert!(detail.contains(reason), "{detail}");
+        assert!(problem.get("action_id").is_none(), "{problem}");
+    }
+    let (status, problem) = post_action(
+        &base,
+        json!({"provider": "fake", "method": "POST", "path": "/v1/transfers",
+               "idempotency_key": ""})
+        .to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 400, "{problem}");
+    assert!(problem["detail"]
+        .as_str()
+        .unwrap()
+        .contains("must not be empty"));
+    assert!(
+        provider.attempts().is_empty(),
+        "nothing reached the provider"
+    );
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn two_places_giving_different_idempotency_keys_are_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    let body = |extra: Value| {
+        let mut body = json!({"provider": "fake", "method": "POST", "path": "/v1/transfers",
+                              "body": r#"{"amount":5}"#});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body.to_string()
+    };
+    for (extra, header, places) in [
+        (
+            json!({"idempotency_key": "zz-2"}),
+            Some("zz-1"),
+            ["the `Idempotency-Key` header", "`idempotency_key`"],
+        ),
+        (
+            json!({"idempotency_key": "zz-2", "headers": {"Idempotency-Key": "zz-1"}}),
+            None,
+            ["`headers.Idempotency-Key`", "`idempotency_key`"],
+        ),
+        (
+            json!({"headers": {"idempotency-key": "zz-2"}}),
+            Some("zz-1"),
+            ["the `Idempotency-Key` header", "`headers.idempotency-key`"],
+        ),
+    ] {
+        let (status, problem) = post_action(&base, body(extra.clone()), header).await;
+        assert_eq!(status, 400, "{extra} {problem}");
+        assert_eq!(problem["title"], "The action API request is malformed");
+        let detail = problem["detail"].as_str().unwrap();
+        for place in places {
+            assert!(detail.contains(place), "{place}: {detail}");
+        }
+        assert_eq!(problem["places"], json!(places), "{problem}");
+        assert!(!detail.contains("zz-"), "keys are not echoed: {detail}");
+    }
+    assert!(
+        provider.attempts().is_empty(),
+        "nothing reached the provider"
+    );
+
+    // One key in two places agrees; this request's own header alone is the key too.
+    let (status, accepted) = post_action(
+        &base,
+        body(json!({"idempotency_key": "zz-3", "headers": {"Idempotency-Key": "zz-3"}})),
+        Some("zz-3"),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let (status, own) = post_action(&base, body(json!({"task": "run-own"})), Some("zz-4")).await;
+    assert_eq!(status, 202, "{own}");
+    let (_, view) = get_json(format!("{base}/v1/actions/{}?wait=5s", own["id"]), AGENT).await;
+    assert_eq!(view["idempotency_key"], "zz-4", "{view}");
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_member_given_twice_in_an_action_body_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    for (body, named) in [
+        (
+            r#"{"provider":"fake","method":"POST","path":"/v1/transfers","idempotency_key":"a-1","idempotency_key":"a-2"}"#,
+            "duplicate field `idempotency_key`",
+        ),
+        (
+            r#"{"provider":"fake","method":"POST","path":"/v1/transfers","headers":{"Idempotency-Key":"a-1","Idempotency-Key":"a-2"}}"#,
+            "headers: member `Idempotency-Key` is given more than once",
+        ),
+        (
+            r#"{"provider":"fake","method":"POST","path":"/v1/transfers","headers":{"x-note":"a","x-note":"b"}}"#,
+            "headers: member `x-note` is given more than once",
+        ),
+    ] {
+        let (status, problem) = post_action(&base, body.to_owned(), None).await;
+        assert_eq!(status, 400, "{body}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.contains(named), "{body}: {detail}");
+    }
+    assert!(
+        provider.attempts().is_empty(),
+        "nothing reached the provider"
+    );
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_desired_outcome_longer_than_the_limit_is_refused_naming_the_member_and_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    let limit = backstop_gateway::actions_api::MAX_DESIRED_OUTCOME_CHARS;
+    let submit = |text: String, key: &'static str| {
+        json!({"provider": "fake", "method": "POST", "path": "/v1/transfers",
+               "body": "{}", "idempotency_key": key, "desired_outcome": text})
+        .to_string()
+    };
+    for text in ["x".repeat(60 * 1024), "é".repeat(limit + 1)] {
+        let chars = text.chars().count();
+        let (status, problem) = post_action(&base, submit(text, "long-1"), None).await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(problem["member"], "desired_outcome");
+        assert_eq!(problem["limit"], limit);
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.starts_with("desired_outcome: "), "{detail}");
+        assert!(detail.contains(&format!("{chars} characters")), "{detail}");
+        assert!(detail.contains(&format!("at most {limit}")), "{detail}");
+    }
+    assert!(
+        provider.attempts().is_empty(),
+        "nothing reached the provider"
+    );
+    let (status, accepted) = post_action(&base, submit("é".repeat(limit), "long-2"), None).await;
+    assert_eq!(status, 202, "{accepted}");
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_repeated_wait_parameter_is_the_action_apis_own_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    let (status, accepted) = post_action(
+        &base,
+        json!({"provider": "fake", "method": "POST", "path": "/v1/transfers", "body": "{}"})
+            .to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["id"].as_i64().unwrap();
+    for query in ["wait=30s&wait=1", "wait=1&x=2&wait=1"] {
+        let (status, problem) = get_json(format!("{base}/v1/actions/{id}?{query}"), AGENT).await;
+        assert_eq!(status, 400, "{query}: {problem}");
+        assert_eq!(problem["title"], "The action API request is malformed");
+        assert_eq!(problem["parameter"], "wait");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.starts_with("wait: "), "{detail}");
+        assert!(detail.contains("repeated"), "{detail}");
+    }
+    let (status, problem) = get_json(format!("{base}/v1/actions/{id}?wait=soon"), AGENT).await;
+    assert_eq!(status, 400);
+    assert_eq!(problem["parameter"], "wait", "{problem}");
+    let (status, view) = get_json(format!("{base}/v1/actions/{id}?wait=5s&x=1"), AGENT).await;
+    assert_eq!(status, 200, "{view}");
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_wait_preference_too_large_to_read_is_called_too_large() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let r = client()
+        .post(format!("http://{}/fake/v1/transfers", gw.addr))
+        .bearer_auth(AGENT)
+        .header("prefer", "wait=99999999999999999999999")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    let (status, problem) = support::json_of(r).await;
+    assert_eq!(status, 400, "{problem}");
+    assert_eq!(problem["header"], "Prefer");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("too large"), "{detail}");
+    assert!(detail.contains(&u64::MAX.to_string()), "{detail}");
+    assert!(!detail.contains("whole number"), "{detail}");
+    assert!(provider.attempts().is_empty());
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_desired_outcome_cleaned_on_intake_is_listed_in_the_case_files_redactions() {
+    use backstop_fake_api::{FakeConfig, FaultRule};
+    let dir = tempfile::tempdir().unwrap();
+    // The write is stored and its connection dropped; the lookup fails: escalated.
+    let provider = support::start_fake(
+        FakeConfig::default()
+            .with_route(
+                RouteConfig::new("POST /v1/orders", support::create("orders", "or_"))
+                    .with_idempotency()
+                    .with_fault(FaultRule::on_calls(
+                        [1],
+                        Fault::StoreThenDrop { hold_ms: 0 },
+                    )),
+            )
+            .with_route(
+                RouteConfig::new("GET /v1/orders", support::lookup("orders")).with_fault(
+                    FaultRule::on_calls(
+                        [1],
+                        Fault::Status {
+                            status: 500,
+                            retry_after: None,
+                            body: None,
+                        },
+                    ),
+                ),
+            ),
+    );
+    let yaml = policy_yaml(&provider.url()).replace(
+        "    routes:\n",
+        r#"    routes:
+      "POST /v1/orders":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/orders?idempotency_key={key}"
+          found_pointer: /data/0/id
+          operation_id_pointer: /id
+"#,
+    );
+    let options = ServeOptions {
+        store: Some(dir.path().join("b.db")),
+        shutdown_grace: Duration::from_secs(1),
+        ..support::serve_options(dir.path(), 3)
+    };
+    let gw = support::start_gateway(&yaml, "a.yaml", &env, options).await;
+    let base = format!("http://{}", gw.addr);
+    let secret = "sk-live-abc123def456ghi789";
+    let (status, accepted) = post_action(
+        &base,
+        json!({"provider": "fake", "method": "POST", "path": "/v1/orders", "body": "{}",
+               "idempotency_key": "order-redact-1",
+               "desired_outcome": format!("order placed once; the key is {secret}")})
+        .to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["id"].as_i64().unwrap();
+    let (_, view) = get_json(format!("{base}/v1/actions/{id}?wait=10s"), AGENT).await;
+    assert_eq!(view["outcome"], "escalated", "{view}");
+    let escalation = support::open_escalations(&gw, OPERATOR)
+        .await
+        .into_iter()
+        .find(|e| e["action"] == id)
+        .expect("an open escalation for the action");
+    let (status, shown) = get_json(
+        format!("{base}/v1/escalations/{}", escalation["id"]),
+        OPERATOR,
+    )
+    .await;
+    assert_eq!(status, 200, "{shown}");
+    let case = &shown["case_file"];
+    assert!(!shown.to_string().contains(secret), "{shown}");
+    assert_eq!(
+        case["desired_outcome"], "order placed once; the key is [redacted]",
+        "{case}"
+    );
+    assert_eq!(case["redactions"], json!(["desired_outcome"]), "{case}");
+    gw.shutdown().await.unwrap();
+}
