@@ -36,12 +36,16 @@ fn shipped_example_passes_with_a_summary() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("ok: 4 request classes, 2 providers, 3 scopes, 7 routes"),
+        stdout.contains("ok: 5 request classes, 2 providers, 3 scopes, 7 routes"),
         "{stdout}"
     );
     assert!(stdout.contains(
         "route billing-api POST /v1/transfers -> idempotent_write [billing-api/account, billing-api/transfers]"
     ));
+    assert!(
+        stdout.contains("route openai POST /v1/chat/completions -> llm_call [openai/org-requests]"),
+        "{stdout}"
+    );
 }
 
 #[test]
