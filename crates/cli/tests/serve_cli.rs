@@ -143,3 +143,40 @@ fn example_starts_logs_its_address_and_stops_on_sigterm() {
     assert!(!all.contains("billing-secret-value"), "{all}");
     assert!(!all.contains("invoice-token"), "{all}");
 }
+
+#[test]
+fn every_missing_secret_is_named_at_once_with_its_policy_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = backstop()
+        .args([
+            "serve",
+            "--config",
+            EXAMPLE,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+        ])
+        .arg(dir.path().join("b.db"))
+        .env_remove("BACKSTOP_AGENT_INVOICE_TOKEN")
+        .env_remove("BILLING_API_KEY")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for line in [
+        format!("backstop serve: {EXAMPLE}: agents.invoice-agent: environment variable BACKSTOP_AGENT_INVOICE_TOKEN is not set"),
+        format!("backstop serve: {EXAMPLE}: providers.billing-api.credential: environment variable BILLING_API_KEY is not set"),
+        format!("backstop serve: 2 secrets referenced by {EXAMPLE} cannot be resolved; nothing was started"),
+    ] {
+        assert!(stderr.lines().any(|l| l == line), "missing {line:?} in:\n{stderr}");
+    }
+    // The secret files of the example are not on this host: named too, as warnings.
+    assert!(
+        stderr.contains("warning: ")
+            && stderr.contains(
+                "agents.research-agent: cannot read secret file /run/secrets/research-agent-token"
+            ),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("b.db").exists(), "nothing was started");
+}

@@ -85,11 +85,26 @@ impl Authenticator {
     /// ([`Authenticator::unavailable`]) instead of failing.
     ///
     /// # Errors
-    /// [`SecretError`] naming `agents.NAME` or `operators.NAME`: a missing environment variable,
-    /// an empty token, or a `token_sha256` that is not 64 hex digits.
+    /// The first [`SecretError`] naming `agents.NAME` or `operators.NAME`: a missing environment
+    /// variable, an empty token, or a `token_sha256` that is not 64 hex digits.
+    /// [`Authenticator::resolve_each`] reports all of them.
     pub fn resolve(policy: &Policy, env: EnvLookup<'_>) -> Result<Authenticator, SecretError> {
+        let (auth, errors) = Authenticator::resolve_each(policy, env);
+        match errors.into_iter().next() {
+            Some(first) => Err(first),
+            None => Ok(auth),
+        }
+    }
+
+    /// As [`Authenticator::resolve`], but every agent and operator is tried, so that `backstop
+    /// serve` can name every missing token at once instead of one per start: the tokens that
+    /// resolved (with the unreadable `token_file`s under [`Authenticator::unavailable`]) and
+    /// every other [`SecretError`], agents before operators and each in name order (empty when
+    /// all resolved).
+    pub fn resolve_each(policy: &Policy, env: EnvLookup<'_>) -> (Authenticator, Vec<SecretError>) {
         let mut entries = Vec::new();
         let mut unavailable = Vec::new();
+        let mut errors = Vec::new();
         for (section, role, tokens) in [
             ("agents", Role::Agent, &policy.agents),
             ("operators", Role::Operator, &policy.operators),
@@ -97,7 +112,13 @@ impl Authenticator {
             for (name, source) in tokens {
                 let place = format!("{section}.{name}");
                 let digest = match source {
-                    TokenRef::Sha256(hex_digest) => decode_digest(&place, hex_digest)?,
+                    TokenRef::Sha256(hex_digest) => match decode_digest(&place, hex_digest) {
+                        Ok(digest) => digest,
+                        Err(error) => {
+                            errors.push(error);
+                            continue;
+                        }
+                    },
                     other => match read_token(&place, other, env) {
                         Ok(Some(token)) => token_digest(token.expose()),
                         Ok(None) => continue,
@@ -105,7 +126,10 @@ impl Authenticator {
                             unavailable.push(error);
                             continue;
                         }
-                        Err(error) => return Err(error),
+                        Err(error) => {
+                            errors.push(error);
+                            continue;
+                        }
                     },
                 };
                 entries.push(Entry {
@@ -115,10 +139,13 @@ impl Authenticator {
                 });
             }
         }
-        Ok(Authenticator {
-            entries,
-            unavailable,
-        })
+        (
+            Authenticator {
+                entries,
+                unavailable,
+            },
+            errors,
+        )
     }
 
     /// Token files that could not be read at start (their owners cannot authenticate).
@@ -302,6 +329,35 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "agents.a: environment variable A_TOKEN is not set"
+        );
+    }
+
+    #[test]
+    fn resolve_each_names_every_missing_token() {
+        let policy = Policy::from_yaml_str(
+            "agents:\n  a: { token_env: A_TOKEN }\n  b: { token_env: B_TOKEN }\n  c: { token_env: C_TOKEN }\noperators:\n  o: { token_env: O_TOKEN }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let env = |name: &str| (name == "B_TOKEN").then(|| "tok-b".to_owned());
+        let (auth, errors) = Authenticator::resolve_each(&policy, &env);
+        let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            messages,
+            [
+                "agents.a: environment variable A_TOKEN is not set",
+                "agents.c: environment variable C_TOKEN is not set",
+                "operators.o: environment variable O_TOKEN is not set",
+            ]
+        );
+        assert_eq!(auth.len(), 1);
+        assert!(auth.identify("tok-b").is_some());
+        // `resolve` stops at the first.
+        assert_eq!(
+            Authenticator::resolve(&policy, &env)
+                .unwrap_err()
+                .to_string(),
+            messages[0]
         );
     }
 }

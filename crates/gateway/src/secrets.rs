@@ -18,7 +18,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf};
 
-use backstop_core::policy::{Policy, SecretRef, TokenRef};
+use backstop_core::policy::{Credential, Policy, SecretRef, TokenRef};
 use http::{HeaderName, HeaderValue};
 
 /// A secret value. `Debug` prints `Secret(<redacted>)`; there is no `Display`.
@@ -188,56 +188,53 @@ impl ProviderCredentials {
     /// failing.
     ///
     /// # Errors
-    /// The first other [`SecretError`] in provider order, naming `providers.NAME.credential`:
-    /// a missing environment variable, an empty secret, a value or header name HTTP cannot carry.
+    /// The first [`SecretError`] in provider order, naming `providers.NAME.credential`: a
+    /// missing environment variable, an empty secret, a value or header name HTTP cannot carry.
+    /// [`ProviderCredentials::resolve_each`] reports all of them.
     pub fn resolve(
         policy: &Policy,
         env: EnvLookup<'_>,
     ) -> Result<ProviderCredentials, SecretError> {
+        let (credentials, errors) = ProviderCredentials::resolve_each(policy, env);
+        match errors.into_iter().next() {
+            Some(first) => Err(first),
+            None => Ok(credentials),
+        }
+    }
+
+    /// As [`ProviderCredentials::resolve`], but every provider is tried, so that `backstop
+    /// serve` can name every missing secret at once instead of one per start: the credentials
+    /// that resolved (with the unreadable `secret_file`s under
+    /// [`ProviderCredentials::unavailable`]) and every other [`SecretError`], in provider order,
+    /// each naming `providers.NAME.credential` (empty when all resolved).
+    pub fn resolve_each(
+        policy: &Policy,
+        env: EnvLookup<'_>,
+    ) -> (ProviderCredentials, Vec<SecretError>) {
         let mut by_provider = BTreeMap::new();
         let mut unavailable = BTreeMap::new();
+        let mut errors = Vec::new();
         for (name, provider) in &policy.providers {
             let Some(credential) = &provider.credential else {
                 continue;
             };
-            let place = format!("providers.{name}.credential");
-            let secret = match read_secret(&place, &credential.secret, env) {
-                Ok(secret) => secret,
+            match credential_header(name, credential, env) {
+                Ok(header) => {
+                    by_provider.insert(name.clone(), header);
+                }
                 Err(error @ SecretError::ReadFile { .. }) => {
                     unavailable.insert(name.clone(), error);
-                    continue;
                 }
-                Err(error) => return Err(error),
-            };
-            let header = HeaderName::try_from(credential.header.as_str()).map_err(|_| {
-                SecretError::InvalidHeader {
-                    place: place.clone(),
-                    reason: format!("`{}` is not a valid header name", credential.header),
-                }
-            })?;
-            let text = if credential.scheme.is_empty() {
-                secret.expose().to_owned()
-            } else {
-                format!("{} {}", credential.scheme, secret.expose())
-            };
-            let mut value =
-                HeaderValue::try_from(text).map_err(|_| SecretError::InvalidHeader {
-                    place: place.clone(),
-                    reason: "the secret contains characters not allowed in an HTTP header".into(),
-                })?;
-            value.set_sensitive(true);
-            by_provider.insert(
-                name.clone(),
-                CredentialHeader {
-                    name: header,
-                    value,
-                },
-            );
+                Err(error) => errors.push(error),
+            }
         }
-        Ok(ProviderCredentials {
-            by_provider,
-            unavailable,
-        })
+        (
+            ProviderCredentials {
+                by_provider,
+                unavailable,
+            },
+            errors,
+        )
     }
 
     /// The credential header of `provider`, if it has one.
@@ -249,6 +246,36 @@ impl ProviderCredentials {
     pub fn unavailable(&self) -> &BTreeMap<String, SecretError> {
         &self.unavailable
     }
+}
+
+/// One provider's credential header, from its `credential` section.
+fn credential_header(
+    name: &str,
+    credential: &Credential,
+    env: EnvLookup<'_>,
+) -> Result<CredentialHeader, SecretError> {
+    let place = format!("providers.{name}.credential");
+    let secret = read_secret(&place, &credential.secret, env)?;
+    let header = HeaderName::try_from(credential.header.as_str()).map_err(|_| {
+        SecretError::InvalidHeader {
+            place: place.clone(),
+            reason: format!("`{}` is not a valid header name", credential.header),
+        }
+    })?;
+    let text = if credential.scheme.is_empty() {
+        secret.expose().to_owned()
+    } else {
+        format!("{} {}", credential.scheme, secret.expose())
+    };
+    let mut value = HeaderValue::try_from(text).map_err(|_| SecretError::InvalidHeader {
+        place,
+        reason: "the secret contains characters not allowed in an HTTP header".into(),
+    })?;
+    value.set_sensitive(true);
+    Ok(CredentialHeader {
+        name: header,
+        value,
+    })
 }
 
 #[cfg(test)]
@@ -318,5 +345,23 @@ mod tests {
         let p = policy("    credential: { secret_env: K }\n");
         let err = ProviderCredentials::resolve(&p, &|_| Some("sk\u{7}x".into())).unwrap_err();
         assert!(!err.to_string().contains("sk"));
+    }
+
+    #[test]
+    fn resolve_each_names_every_missing_secret_and_keeps_unreadable_files_apart() {
+        let src = "providers:\n  a:\n    base_url: http://127.0.0.1:9\n    credential: { secret_env: A_KEY }\n  b:\n    base_url: http://127.0.0.1:9\n    credential: { secret_file: /nonexistent/backstop-key }\n  c:\n    base_url: http://127.0.0.1:9\n    credential: { secret_env: C_KEY }\n  d:\n    base_url: http://127.0.0.1:9\n    credential: { secret_env: D_KEY }\n";
+        let p = Policy::from_yaml_str(src, "p.yaml").unwrap();
+        let env = |name: &str| (name == "D_KEY").then(|| "sk-d".to_owned());
+        let (creds, errors) = ProviderCredentials::resolve_each(&p, &env);
+        let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            messages,
+            [
+                "providers.a.credential: environment variable A_KEY is not set",
+                "providers.c.credential: environment variable C_KEY is not set",
+            ]
+        );
+        assert!(creds.unavailable().contains_key("b"));
+        assert_eq!(creds.get("d").unwrap().value, "Bearer sk-d");
     }
 }

@@ -1,7 +1,9 @@
 //! `backstop serve`: run the gateway (proxy door, `/v1/scopes`, `/metrics`) on one listener.
 //!
 //! Start-up is all-or-nothing: the policy is validated (errors as `FILE:LINE:COL: message`),
-//! every agent token and provider secret is resolved (a missing one is named), the store is
+//! every agent token and provider secret is resolved (every missing one is named at once, each
+//! with the policy place that references it, e.g.
+//! `backstop.yaml: agents.invoice-agent: environment variable … is not set`), the store is
 //! opened and the address bound (`already in use` is said plainly) before any request is
 //! accepted; any failure exits 2. SIGTERM or Ctrl-C stops taking new work (503 shutting_down),
 //! shuts the engine down (accepted actions stay recoverable in the store) and drains open
@@ -15,8 +17,9 @@ use std::{
 
 use backstop_core::policy::Policy;
 use backstop_gateway::{
+    auth::Authenticator,
     door::DoorConfig,
-    secrets::process_env,
+    secrets::{process_env, ProviderCredentials},
     server::{self, ServeOptions},
     upstream::UpstreamConfig,
 };
@@ -96,6 +99,9 @@ pub fn run(args: Args) -> ExitCode {
         errln!("backstop serve: --read-timeout-seconds must be at least 1");
         return ExitCode::from(2);
     }
+    if !secrets_resolve(&policy) {
+        return ExitCode::from(2);
+    }
     let read_timeout = Duration::from_secs(args.read_timeout_seconds);
     let options = ServeOptions {
         listen: args.listen,
@@ -154,6 +160,37 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
     })
+}
+
+/// Resolves every agent token and provider secret of `policy` once, before anything starts, so
+/// that all the missing ones are named together (the server itself stops at the first). Prints
+/// one line per secret that stops the start, then the unreadable secret files (which alone
+/// would not stop it) as warnings, and a summary line; `false` when the start must stop.
+fn secrets_resolve(policy: &Policy) -> bool {
+    let (auth, mut errors) = Authenticator::resolve_each(policy, &process_env);
+    let (credentials, provider_errors) = ProviderCredentials::resolve_each(policy, &process_env);
+    errors.extend(provider_errors);
+    if errors.is_empty() {
+        return true;
+    }
+    let file = &policy.file;
+    for error in &errors {
+        errln!("backstop serve: {file}: {error}");
+    }
+    for error in auth.unavailable() {
+        errln!("backstop serve: warning: {file}: {error} (this caller could not authenticate)");
+    }
+    for error in credentials.unavailable().values() {
+        errln!(
+            "backstop serve: warning: {file}: {error} (calls to this provider would be refused)"
+        );
+    }
+    let count = errors.len();
+    errln!(
+        "backstop serve: {count} secret{} referenced by {file} cannot be resolved; nothing was started",
+        if count == 1 { "" } else { "s" }
+    );
+    false
 }
 
 fn init_logging() {
