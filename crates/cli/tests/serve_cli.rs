@@ -180,3 +180,62 @@ fn every_missing_secret_is_named_at_once_with_its_policy_place() {
     );
     assert!(!dir.path().join("b.db").exists(), "nothing was started");
 }
+
+/// Starts the example policy on a free loopback port; the child and its address.
+#[cfg(unix)]
+fn start_example(dir: &std::path::Path) -> (std::process::Child, String) {
+    let mut child = backstop()
+        .args([
+            "serve",
+            "--config",
+            EXAMPLE,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+        ])
+        .arg(dir.join("b.db"))
+        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
+        .env("BILLING_API_KEY", "billing-secret-value")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("serve exited before listening")
+            .unwrap();
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_owned();
+        }
+    };
+    // Keep draining stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    (child, addr)
+}
+
+#[cfg(unix)]
+#[test]
+fn an_empty_bearer_token_is_called_empty() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addr) = start_example(dir.path());
+    // What `curl -H "Authorization: Bearer $TOKEN"` sends when TOKEN is unset.
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    stream
+        .write_all(b"GET /billing-api/v1/balance HTTP/1.1\r\nhost: x\r\nauthorization: Bearer \r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("the bearer token is empty"), "{answer}");
+    assert!(!answer.contains("not a bearer token"), "{answer}");
+}

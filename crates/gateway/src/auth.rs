@@ -44,6 +44,11 @@ pub enum AuthError {
     /// Not `Bearer <token>`.
     #[error("the Authorization header is not a bearer token")]
     NotBearer,
+    /// `Bearer` with nothing after it, as a client sends when the variable meant to hold the
+    /// token is unset or empty (`Authorization: Bearer $TOKEN`). HTTP drops the trailing space,
+    /// so the header arrives as the bare scheme.
+    #[error("the bearer token is empty: the Authorization header is `Bearer` with no token after it (is the variable holding the backstop token unset or empty?)")]
+    EmptyToken,
     /// No agent or operator has this token.
     #[error("the bearer token matches no agent or operator of the policy")]
     Unknown,
@@ -177,18 +182,21 @@ impl Authenticator {
     /// the scheme is case-insensitive).
     ///
     /// # Errors
-    /// [`AuthError`]: missing header, more than one header, not a bearer token, or unknown
-    /// token.
+    /// [`AuthError`]: missing header, more than one header, not a bearer token, an empty bearer
+    /// token, or an unknown token.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthError> {
         let value = bearer_header(headers)?;
-        let value = value.to_str().map_err(|_| AuthError::NotBearer)?;
+        let value = value.to_str().map_err(|_| AuthError::NotBearer)?.trim();
+        if value.eq_ignore_ascii_case("bearer") {
+            return Err(AuthError::EmptyToken);
+        }
         let (scheme, token) = value.split_once(' ').ok_or(AuthError::NotBearer)?;
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(AuthError::NotBearer);
         }
         let token = token.trim();
         if token.is_empty() {
-            return Err(AuthError::NotBearer);
+            return Err(AuthError::EmptyToken);
         }
         self.identify(token).ok_or(AuthError::Unknown)
     }
@@ -279,10 +287,14 @@ mod tests {
             auth.authenticate(&headers("Basic abc")),
             Err(AuthError::NotBearer)
         );
-        assert_eq!(
-            auth.authenticate(&headers("Bearer ")),
-            Err(AuthError::NotBearer)
-        );
+        for empty in ["Bearer ", "Bearer", "bearer   ", "Bearer \t"] {
+            assert_eq!(
+                auth.authenticate(&headers(empty)),
+                Err(AuthError::EmptyToken),
+                "{empty:?}"
+            );
+        }
+        assert!(AuthError::EmptyToken.to_string().contains("token is empty"));
         assert_eq!(
             auth.authenticate(&headers("secret-token")),
             Err(AuthError::NotBearer)
