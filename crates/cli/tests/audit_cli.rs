@@ -38,6 +38,8 @@ fn make_db(dir: &Path, actions: usize) -> PathBuf {
             payload_digest: PayloadDigest::of(format!("payload {i}").as_bytes()),
             idempotency_key: format!("key-{i}"),
             external_reference: None,
+            desired_outcome: None,
+            fingerprint: None,
         };
         let Admission::New(id) = store.record_action(action, t(1)).expect("record") else {
             panic!("key reused");

@@ -55,6 +55,8 @@ fn open_escalation(store: &SqliteStore) -> EscalationId {
                 payload_digest: PayloadDigest::of(PAYLOAD),
                 idempotency_key: "0f1e2d3c-4b5a-4978-8877-665544332211".into(),
                 external_reference: None,
+                desired_outcome: None,
+                fingerprint: None,
             },
             t("2026-01-01T00:00:00Z"),
         )

@@ -2,7 +2,9 @@
 //! provider commits and then holds without answering; backstop is killed with SIGKILL while the
 //! attempt is recorded `sent` without a result, started again on the same database, and must
 //! reconcile the write through the lookup with its ORIGINAL key — zero duplicate creates,
-//! measured at the fake provider.
+//! measured at the fake provider. A write that cannot be reconciled after the restart is
+//! escalated with a case file as complete as before it: desired outcome, deadline, configured
+//! fingerprint and the wait already used.
 
 use std::{
     io::Write,
@@ -40,6 +42,9 @@ providers:
           lookup: "GET /v1/transfers?idempotency_key={{key}}"
           found_pointer: /data/0/id
       "GET /v1/transfers": {{ class: read }}
+      "POST /v1/invoices":
+        class: idempotent_write
+        fingerprint_fields: [/customer]
 "#
     )
 }
@@ -182,5 +187,150 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
         .provider_operation_id
         .is_some_and(|op| op.starts_with("tr_")));
     assert!(store.unfinished_attempts().unwrap().is_empty());
+    runtime.block_on(fake.shutdown());
+}
+
+#[test]
+fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerprint_and_wait() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    // The first call is throttled for 1 s; the second is committed and held until backstop dies.
+    let config = FakeConfig::default().with_route(
+        RouteConfig::new(
+            "POST /v1/invoices",
+            Handler::Create {
+                collection: "invoices".into(),
+                id_prefix: "in_".into(),
+                reference_field: None,
+                unique_reference: false,
+            },
+        )
+        .with_idempotency()
+        .with_fault(FaultRule::on_calls(
+            [1],
+            Fault::Status {
+                status: 429,
+                retry_after: Some("1".into()),
+                body: None,
+            },
+        ))
+        .with_fault(FaultRule::on_calls(
+            [2],
+            Fault::StoreThenDrop { hold_ms: 30_000 },
+        )),
+    );
+    let fake = runtime.block_on(async {
+        FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let policy_file = dir.path().join("policy.yaml");
+    std::fs::write(&policy_file, policy(&fake.url())).unwrap();
+    let db = dir.path().join("backstop.db");
+    let port = free_port();
+    let mut first = serve(&policy_file, &db, port);
+    wait_until(
+        "the first gateway to listen",
+        Duration::from_secs(20),
+        || TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    );
+
+    // Submitted through the action API, with a deadline and the desired outcome in words.
+    let payload = r#"{"customer":"cus_7","amount":70}"#;
+    let submit = serde_json::json!({
+        "provider": "fake",
+        "method": "POST",
+        "path": "/v1/invoices",
+        "task": "run-restart-case",
+        "deadline": "2099-03-01T00:00:00Z",
+        "idempotency_key": "invoice-restart-1",
+        "headers": {"content-type": "application/json"},
+        "body": payload,
+        "desired_outcome": "invoice 7 issued exactly once"
+    })
+    .to_string();
+    let mut agent = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    write!(
+        agent,
+        "POST /v1/actions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {AGENT_TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{submit}",
+        submit.len()
+    )
+    .expect("write request");
+
+    wait_until(
+        "the second attempt to be committed upstream",
+        Duration::from_secs(20),
+        || {
+            fake.attempts()
+                .iter()
+                .filter(|a| a.method == "POST")
+                .count()
+                == 2
+        },
+    );
+    let unfinished = SqliteStore::open_existing(&db)
+        .expect("store readable")
+        .unfinished_attempts()
+        .expect("unfinished attempts");
+    assert_eq!(unfinished.len(), 1, "{unfinished:?}");
+    let action = unfinished[0].action;
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    drop(agent);
+
+    let mut second = serve(&policy_file, &db, port);
+    wait_until(
+        "the escalation after the restart",
+        Duration::from_secs(30),
+        || {
+            SqliteStore::open_existing(&db)
+                .ok()
+                .and_then(|s| s.open_escalations().ok())
+                .is_some_and(|open| open.iter().any(|e| e.action == action))
+        },
+    );
+    second.kill().expect("stop");
+    second.wait().expect("reaped");
+
+    let store = SqliteStore::open_existing(&db).expect("store");
+    let escalation = store
+        .open_escalations()
+        .unwrap()
+        .into_iter()
+        .find(|e| e.action == action)
+        .expect("escalation");
+    let case = &escalation.case_file;
+    assert_eq!(
+        case["desired_outcome"], "invoice 7 issued exactly once",
+        "{case:#}"
+    );
+    assert_eq!(
+        case["budget"]["deadline"], "2099-03-01T00:00:00Z",
+        "{case:#}"
+    );
+    let expected = backstop_core::breaker::RequestFingerprint::compute(
+        "POST",
+        "/v1/invoices",
+        Some(&serde_json::from_str(payload).unwrap()),
+        &["/customer".to_owned()],
+    );
+    assert_eq!(case["fingerprint"], expected.as_str(), "{case:#}");
+    let wait_used = case["budget"]["wait_used_ms"].as_u64().expect("wait used");
+    assert!(
+        (900..30_000).contains(&wait_used),
+        "the 1 s wait before the second attempt is counted: {wait_used} ms"
+    );
+    assert_eq!(case["budget"]["attempts_used"], 2, "{case:#}");
+    assert_eq!(
+        fake.attempts()
+            .iter()
+            .filter(|a| a.method == "POST")
+            .count(),
+        2,
+        "nothing is resent after the restart"
+    );
     runtime.block_on(fake.shutdown());
 }

@@ -45,6 +45,8 @@ fn throttled_run(store: &SqliteStore, run: &str, boundary_ms: i64, due_ms: i64) 
                 payload_digest: PayloadDigest::of(run.as_bytes()),
                 idempotency_key: format!("key-{run}"),
                 external_reference: None,
+                desired_outcome: None,
+                fingerprint: None,
             },
             at(0),
         )

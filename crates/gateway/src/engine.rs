@@ -55,6 +55,7 @@ use backstop_core::{
         classify, ClassifyRules, Disposition, Observed, ResponseView, Signal, TransportError,
     },
     clock::Clock,
+    escalation::sanitize_text,
     outcome::{NextSafe, Outcome, OutcomeContext},
     pacing::Priority,
     policy::Policy,
@@ -925,6 +926,13 @@ impl Engine {
             payload_digest: digest,
             idempotency_key: if is_write { key.clone() } else { String::new() },
             external_reference: reference.clone(),
+            // Kept for case files built from the store later (beside an outcome, after a
+            // restart): the agent's words without credentials, and the configured fingerprint.
+            desired_outcome: spec
+                .desired_outcome
+                .as_deref()
+                .map(|text| sanitize_text(text).text),
+            fingerprint: Some(fingerprint.to_string()),
         };
         // Task and action in one store operation. A write waits until both are durable; a
         // read gets its id at once and is recorded with the next group commit (SPEC §12).

@@ -29,6 +29,10 @@ operators:
 "#,
         r#"    routes:
       "POST /v1/orders": { class: idempotent_write, scopes: [account] }
+      "POST /v1/invoices":
+        class: idempotent_write
+        scopes: [account]
+        fingerprint_fields: [/customer]
       "GET /v1/orders": { class: read, scopes: [account] }
 "#,
     )
@@ -48,7 +52,8 @@ async fn start_gateway(base_url: &str, dir: &Path) -> Running {
     support::start_gateway(&policy_yaml(base_url), "boundary.yaml", &env, options).await
 }
 
-/// Both routes answer their first call `429 Retry-After: 600` (ten minutes; the budget is 30 s).
+/// Both order routes answer their first call `429 Retry-After: 600` (ten minutes; the budget is
+/// 30 s); `POST /v1/invoices` answers `429 Retry-After: 1`, then `429 Retry-After: 600`.
 fn fake() -> backstop_fake_api::RunningFake {
     let throttled = || {
         FaultRule::on_calls(
@@ -66,7 +71,27 @@ fn fake() -> backstop_fake_api::RunningFake {
                 .with_idempotency()
                 .with_fault(throttled()),
         )
-        .with_route(RouteConfig::new("GET /v1/orders", lookup("orders")).with_fault(throttled()));
+        .with_route(RouteConfig::new("GET /v1/orders", lookup("orders")).with_fault(throttled()))
+        .with_route(
+            RouteConfig::new("POST /v1/invoices", create("invoices", "in_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::Status {
+                        status: 429,
+                        retry_after: Some("1".into()),
+                        body: None,
+                    },
+                ))
+                .with_fault(FaultRule::on_calls(
+                    [2],
+                    Fault::Status {
+                        status: 429,
+                        retry_after: Some("600".into()),
+                        body: None,
+                    },
+                )),
+        );
     support::start_fake(config)
 }
 
@@ -206,6 +231,110 @@ async fn a_read_throttled_beyond_its_wait_budget_only_ends_budget_exhausted() {
     assert_eq!(
         fake.attempts().iter().filter(|a| a.method == "GET").count(),
         1
+    );
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
+
+/// A case file opened beside an outcome is built from the stored action: it still carries the
+/// agent's desired outcome, the task's deadline, the fingerprint with the route's configured
+/// payload fields, and the wait the action used before its last attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escalation_beside_an_outcome_carries_the_desired_outcome_deadline_fingerprint_and_wait()
+{
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let base = format!("http://{}", gateway.addr);
+    let payload = r#"{"customer":"cus_42","amount":12}"#;
+    let (status, accepted) = json_of(
+        client()
+            .post(format!("{base}/v1/actions"))
+            .bearer_auth(AGENT_TOKEN)
+            .header("content-type", "application/json")
+            .body(
+                json!({
+                    "provider": "fake",
+                    "method": "POST",
+                    "path": "/v1/invoices",
+                    "task": "run-beside",
+                    "deadline": "2099-01-01T00:00:00Z",
+                    "idempotency_key": "invoice-beside-1",
+                    "headers": {"content-type": "application/json"},
+                    "body": payload,
+                    "desired_outcome": "invoice 42 issued exactly once"
+                })
+                .to_string(),
+            )
+            .send()
+            .await
+            .expect("submit"),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let action = accepted["id"].as_i64().expect("id");
+    let (_, view) = json_of(
+        client()
+            .get(format!("{base}/v1/actions/{action}?wait=20s"))
+            .bearer_auth(AGENT_TOKEN)
+            .send()
+            .await
+            .expect("poll"),
+    )
+    .await;
+    assert_eq!(view["outcome"], "budget_exhausted", "{view}");
+
+    let open = open_escalations(&gateway).await;
+    let row = open
+        .iter()
+        .find(|e| e["action"] == action)
+        .unwrap_or_else(|| panic!("an open escalation for the write: {open:?}"));
+    assert_eq!(row["reason"], "remaining_wait_exceeds_deadline", "{row}");
+    let escalation = row["id"].as_i64().expect("id");
+    let (status, shown) = json_of(
+        client()
+            .get(format!("{base}/v1/escalations/{escalation}"))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send()
+            .await
+            .expect("show"),
+    )
+    .await;
+    assert_eq!(status, 200, "{shown}");
+    let case = &shown["case_file"];
+    assert_eq!(
+        case["desired_outcome"], "invoice 42 issued exactly once",
+        "{case:#}"
+    );
+    assert_eq!(
+        case["budget"]["deadline"], "2099-01-01T00:00:00Z",
+        "{case:#}"
+    );
+    let expected = backstop_core::breaker::RequestFingerprint::compute(
+        "POST",
+        "/v1/invoices",
+        Some(&serde_json::from_str(payload).expect("payload json")),
+        &["/customer".to_owned()],
+    );
+    assert_eq!(case["fingerprint"], expected.as_str(), "{case:#}");
+    let attempts = case["attempts"].as_array().expect("attempts");
+    assert_eq!(attempts.len(), 2, "{case:#}");
+    assert_eq!(attempts[0]["status"], 429);
+    assert_eq!(attempts[0]["retry_after_raw"], "1");
+    assert_eq!(attempts[1]["retry_after_raw"], "600");
+    let wait_used = case["budget"]["wait_used_ms"].as_u64().expect("wait used");
+    assert!(
+        (900..30_000).contains(&wait_used),
+        "the 1 s Retry-After wait before the second attempt is counted: {wait_used} ms"
+    );
+    assert_eq!(case["budget"]["attempts_used"], 2, "{case:#}");
+    assert_eq!(
+        fake.attempts()
+            .iter()
+            .filter(|a| a.method == "POST")
+            .count(),
+        2,
+        "no attempt after the refused plan"
     );
     gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;

@@ -64,6 +64,8 @@ fn action(store: &SqliteStore, task: &str, agent: &str, key: &str) -> ActionId {
                 payload_digest: PayloadDigest::of(key.as_bytes()),
                 idempotency_key: key.into(),
                 external_reference: None,
+                desired_outcome: None,
+                fingerprint: None,
             },
             at(0),
         )

@@ -54,6 +54,8 @@ fn throttled_action(store: &SqliteStore) -> ActionId {
                 payload_digest: PayloadDigest::of(b"{\"prompt\":\"hi\"}"),
                 idempotency_key: "key-1".into(),
                 external_reference: None,
+                desired_outcome: None,
+                fingerprint: None,
             },
             at(0),
         )

@@ -39,6 +39,7 @@ operators:
       "POST /v1/orders":
         class: idempotent_write
         scopes: [account]
+        fingerprint_fields: [/sku]
         reconcile:
           by: idempotency_key
           lookup: "GET /v1/orders?idempotency_key={key}"
@@ -411,6 +412,7 @@ async fn the_case_file_has_every_spec_item_and_no_payload_or_credential() {
                     "method": "POST",
                     "path": "/v1/orders",
                     "task": "run-case",
+                    "deadline": "2099-06-30T12:00:00Z",
                     "idempotency_key": "order-case-1",
                     "headers": {"content-type": "application/json"},
                     "body": format!(r#"{{"sku":"C-3","note":"{PAYLOAD_CANARY}"}}"#),
@@ -475,34 +477,51 @@ async fn the_case_file_has_every_spec_item_and_no_payload_or_credential() {
         .expect("endpoint")
         .contains("/v1/orders"));
     assert_eq!(case["scopes"], json!(["fake/account"]));
-    assert!(!case["fingerprint"]
-        .as_str()
-        .expect("fingerprint")
-        .is_empty());
+    // The fingerprint of SPEC §7 with the route's configured payload field (a hash: the
+    // field's value does not appear).
+    let fingerprint = backstop_core::breaker::RequestFingerprint::compute(
+        "POST",
+        "/v1/orders",
+        Some(&json!({"sku": "C-3", "note": PAYLOAD_CANARY})),
+        &["/sku".to_owned()],
+    );
+    assert_eq!(case["fingerprint"], fingerprint.as_str(), "{case:#}");
     let attempts = case["attempts"].as_array().expect("attempts");
     assert_eq!(attempts.len(), 1, "{case:#}");
     let attempt = &attempts[0];
+    assert_eq!(attempt["n"], 1, "{attempt}");
     assert!(attempt["started_at"].is_string(), "{attempt}");
     assert!(attempt["finished_at"].is_string(), "{attempt}");
     assert_eq!(attempt["disposition"], "uncertain");
-    for field in [
-        "status",
-        "retry_after_raw",
-        "retry_not_before",
-        "quota_headers",
-    ] {
+    // The provider stored the write and dropped the connection: no status, no signal.
+    for field in ["status", "retry_after_raw", "retry_not_before"] {
         assert!(
-            attempt.get(field).is_some(),
-            "attempt lacks `{field}`: {attempt}"
+            attempt.get(field).is_some_and(Value::is_null),
+            "attempt `{field}` is present and null (no response): {attempt}"
         );
     }
+    assert_eq!(attempt["quota_headers"], json!([]), "{attempt}");
     let budget = &case["budget"];
     assert_eq!(budget["attempts_used"], 1, "{budget}");
-    for field in ["max_attempts", "wait_used_ms", "max_wait_ms"] {
-        assert!(budget[field].is_u64(), "budget lacks `{field}`: {budget}");
+    assert_eq!(budget["wait_used_ms"], 0, "nothing was waited: {budget}");
+    assert_eq!(budget["deadline"], "2099-06-30T12:00:00Z", "{budget}");
+    for field in ["max_attempts", "max_wait_ms"] {
+        assert!(
+            budget[field].as_u64().is_some_and(|v| v > 0),
+            "budget `{field}`: {budget}"
+        );
     }
     assert_eq!(case["idempotency_key"], "order-case-1");
-    assert!(case.get("provider_operation_id").is_some(), "{case:#}");
+    assert_eq!(
+        case["upstream_idempotency_key"],
+        upstream_idempotency_key("test-agent", "order-case-1"),
+        "the key the provider saw: {case:#}"
+    );
+    assert!(
+        case.get("provider_operation_id")
+            .is_some_and(Value::is_null),
+        "the lookup failed, so no provider id is known: {case:#}"
+    );
     assert_eq!(
         case["reconciliation_query"],
         "GET /v1/orders?idempotency_key={key}"

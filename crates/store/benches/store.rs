@@ -37,6 +37,8 @@ fn write_action(store: &SqliteStore, route: &RouteTemplate) {
         payload_digest: PayloadDigest::of(key.as_bytes()),
         idempotency_key: key,
         external_reference: None,
+        desired_outcome: None,
+        fingerprint: None,
     };
     let Ok(Admission::New(id)) = store.record_action(action, at(k)) else {
         panic!("record_action failed in the benchmark");

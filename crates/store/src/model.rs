@@ -303,6 +303,12 @@ pub struct NewAction {
     pub idempotency_key: String,
     /// A client-generated external reference placed in the payload, for reconciliation lookups.
     pub external_reference: Option<String>,
+    /// The outcome the agent wants, in its own words (SPEC §8), already sanitized by the
+    /// caller (no credentials). Kept for case files built later; never audited.
+    pub desired_outcome: Option<String>,
+    /// The request's sanitized fingerprint (SPEC §7: method, route template and the route's
+    /// configured payload fields), kept for case files built later; never audited.
+    pub fingerprint: Option<String>,
 }
 
 /// A provider response kept for idempotent replay to the same agent (never audited).
@@ -349,6 +355,12 @@ pub struct ActionRecord {
     pub outcome_context: Option<serde_json::Value>,
     /// Response kept for replay, if any.
     pub response: Option<StoredResponse>,
+    /// The agent's desired outcome as recorded (see [`NewAction::desired_outcome`]); `None`
+    /// when none was given and for actions recorded before schema version 6.
+    pub desired_outcome: Option<String>,
+    /// The fingerprint as recorded (see [`NewAction::fingerprint`]); `None` for actions
+    /// recorded before schema version 6.
+    pub fingerprint: Option<String>,
 }
 
 impl ActionRecord {

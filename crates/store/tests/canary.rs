@@ -57,6 +57,8 @@ fn no_credential_or_request_body_in_db_bytes_or_export() {
             payload_digest: PayloadDigest::of(format!("{body}{i}").as_bytes()),
             idempotency_key: format!("key-{i}"),
             external_reference: Some(format!("ext-{i}")),
+            desired_outcome: None,
+            fingerprint: None,
         };
         let Admission::New(id) = store.record_action(action, t(i)).expect("record") else {
             panic!("fresh key existed");

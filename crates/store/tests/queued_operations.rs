@@ -38,6 +38,8 @@ fn read_action_of(task: &str, agent: &str) -> NewAction {
         payload_digest: PayloadDigest::of(b""),
         idempotency_key: String::new(),
         external_reference: None,
+        desired_outcome: None,
+        fingerprint: None,
     }
 }
 

@@ -108,6 +108,31 @@ fn a_key_binds_provider_method_and_route_too_not_only_the_payload() {
 }
 
 #[test]
+fn an_action_keeps_its_desired_outcome_and_fingerprint_without_auditing_them() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let mut described = new_action("task-1", "k-desc", b"amount=10");
+    described.desired_outcome = Some("pay invoice 7 once".into());
+    described.fingerprint = Some("f".repeat(64));
+    let id = match store.record_action(described, t(1)).expect("record") {
+        Admission::New(id) => id,
+        Admission::Existing(a) => panic!("unexpected existing {:?}", a.id),
+    };
+    let plain = record(&store, "task-1", "k-plain", b"amount=11");
+    let kept = store.action(id).expect("read").expect("action");
+    assert_eq!(kept.desired_outcome.as_deref(), Some("pay invoice 7 once"));
+    assert_eq!(kept.fingerprint.as_deref(), Some("f".repeat(64).as_str()));
+    let bare = store.action(plain).expect("read").expect("action");
+    assert_eq!((bare.desired_outcome, bare.fingerprint), (None, None));
+    let events = store.audit_events(0, 100).expect("events");
+    let encoded = format!("{events:?}");
+    assert!(
+        !encoded.contains("pay invoice 7"),
+        "the agent's words are not audited: {encoded}"
+    );
+}
+
+#[test]
 fn attempts_are_numbered_and_never_two_in_flight() {
     let (_dir, store) = store();
     open_task(&store, "task-1");

@@ -28,6 +28,8 @@ fn write(agent: &str, key: &str) -> NewAction {
         payload_digest: PayloadDigest::of(key.as_bytes()),
         idempotency_key: key.into(),
         external_reference: None,
+        desired_outcome: None,
+        fingerprint: None,
     }
 }
 

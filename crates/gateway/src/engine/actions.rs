@@ -316,7 +316,9 @@ impl Engine {
         };
         match effect {
             DecisionEffect::QueryStatus => {
-                let facts = inner.facts_of(&record, backstop_core::pacing::Priority::Interactive);
+                let facts = inner
+                    .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
+                    .await;
                 let verdict = inner.lookup(&facts, None).await;
                 match verdict {
                     backstop_core::reconcile::LookupVerdict::Found { operation_id } => {
@@ -619,7 +621,9 @@ impl Inner {
             .ok_or_else(|| {
                 EngineError::Aborted(format!("action {} is not in the store", action.0))
             })?;
-        let facts = self.facts_of(&record, backstop_core::pacing::Priority::Interactive);
+        let facts = self
+            .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
+            .await;
         let idempotency_key =
             (!facts.idempotency_key.is_empty()).then(|| facts.idempotency_key.clone());
         let ended = record.outcome.map_or("ended", |o| o.as_str());

@@ -136,7 +136,9 @@ impl Inner {
             .ok_or_else(|| {
                 EngineError::Aborted(format!("action {} is not in the store", action.0))
             })?;
-        let facts = self.facts_of(&record, backstop_core::pacing::Priority::Interactive);
+        let facts = self
+            .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
+            .await;
         // One look-and-open at a time: actions meeting the quota together open one escalation.
         let _one_at_a_time = self.quota_escalations.lock().await;
         let now = backstop_core::clock::Clock::now(&self.clock);

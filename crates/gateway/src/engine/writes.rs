@@ -35,7 +35,8 @@ use backstop_core::{
     signal_headers::retry_after_raw,
 };
 use backstop_store::{
-    ActionId, ActionRecord, AttemptResult, Disposition as StoreDisposition, EscalationId,
+    ActionId, ActionRecord, AttemptRecord, AttemptResult, Disposition as StoreDisposition,
+    EscalationId,
 };
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
@@ -118,6 +119,29 @@ fn verdict_word(verdict: &LookupVerdict) -> &'static str {
         LookupVerdict::NotFound => "not_found",
         LookupVerdict::Inconclusive { .. } => "inconclusive",
     }
+}
+
+/// The wait a stored action used, in milliseconds (SPEC §5: budgets count all waited time):
+/// the `total_wait_ms` of its outcome context when it ended with one (the budget's own count),
+/// else the time between each recorded attempt result and the next attempt's send (the waits
+/// before retries), which is what the store records of an action still open.
+pub(super) fn recorded_wait_ms(record: &ActionRecord, attempts: &[AttemptRecord]) -> u64 {
+    let from_outcome = record
+        .outcome_context
+        .as_ref()
+        .and_then(|c| c.get("total_wait_ms"))
+        .and_then(serde_json::Value::as_u64);
+    if let Some(ms) = from_outcome {
+        return ms;
+    }
+    attempts
+        .windows(2)
+        .filter_map(|pair| {
+            let result_at = pair[0].finished_at?;
+            let waited = pair[1].started_at.duration_since(result_at);
+            u64::try_from(waited.as_millis()).ok()
+        })
+        .fold(0u64, u64::saturating_add)
 }
 
 impl Inner {
@@ -418,8 +442,37 @@ impl Inner {
         Ok(case)
     }
 
-    /// The facts of a stored action (after a restart or for an operator decision).
-    pub(super) fn facts_of(&self, record: &ActionRecord, priority: Priority) -> WriteFacts {
+    /// The facts of a stored action (after a restart, beside an outcome, or for an operator
+    /// decision), as complete as the store keeps them: the desired outcome and fingerprint
+    /// recorded with the action (schema version 6; `METHOD route` for an older action), the
+    /// deadline and priority of its task (`priority` overrides the task's), and the wait used
+    /// (see [`recorded_wait_ms`]). A task that cannot be read leaves priority `normal` and no
+    /// deadline, and attempts that cannot be read count no wait; both are logged.
+    pub(super) async fn stored_facts(
+        &self,
+        record: &ActionRecord,
+        priority: Option<Priority>,
+    ) -> WriteFacts {
+        let (agent, task_id, id) = (record.agent.clone(), record.task_id.clone(), record.id);
+        let task = match self.blocking(move |s| s.task(&agent, &task_id)).await {
+            Ok(task) => task,
+            Err(e) => {
+                tracing::warn!(action = id.0, error = %e, "the action's task could not be read");
+                None
+            }
+        };
+        let attempts = match self.blocking(move |s| s.attempts(id)).await {
+            Ok(attempts) => attempts,
+            Err(e) => {
+                tracing::warn!(action = id.0, error = %e, "the action's attempts could not be read");
+                Vec::new()
+            }
+        };
+        let priority = priority.unwrap_or(match task.as_ref().map(|t| t.priority) {
+            Some(backstop_store::Priority::Interactive) => Priority::Interactive,
+            Some(backstop_store::Priority::Background) => Priority::Background,
+            Some(backstop_store::Priority::Normal) | None => Priority::Normal,
+        });
         let route = self
             .policy
             .route(&record.provider, &record.method, &record.route)
@@ -444,13 +497,16 @@ impl Inner {
             },
             external_reference: record.external_reference.clone(),
             provider_operation_id: record.provider_operation_id.clone(),
-            fingerprint: format!("{} {}", record.method, record.route),
-            desired_outcome: None,
+            fingerprint: record
+                .fingerprint
+                .clone()
+                .unwrap_or_else(|| format!("{} {}", record.method, record.route)),
+            desired_outcome: record.desired_outcome.clone(),
             reconcile: route.and_then(|r| r.reconcile),
             max_attempts: class.map_or(1, |c| c.max_attempts),
             max_wait: class.map_or(Duration::ZERO, |c| c.max_wait),
-            deadline: None,
-            wait_used_ms: 0,
+            deadline: task.and_then(|t| t.deadline),
+            wait_used_ms: recorded_wait_ms(record, &attempts),
         }
     }
 
@@ -480,16 +536,7 @@ impl Inner {
                     continue;
                 }
             };
-            let (agent, task_id) = (record.agent.clone(), record.task_id.clone());
-            let priority = match self.blocking(move |s| s.task(&agent, &task_id)).await {
-                Ok(Some(task)) => match task.priority {
-                    backstop_store::Priority::Interactive => Priority::Interactive,
-                    backstop_store::Priority::Normal => Priority::Normal,
-                    backstop_store::Priority::Background => Priority::Background,
-                },
-                _ => Priority::Normal,
-            };
-            let facts = self.facts_of(&record, priority);
+            let facts = self.stored_facts(&record, None).await;
             let is_read = attempt.request_class == "read"
                 || matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
             tracing::info!(

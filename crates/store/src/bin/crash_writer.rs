@@ -63,6 +63,8 @@ fn run(db: &str, threads: u32, round: u32) -> Result<(), backstop_store::StoreEr
                         payload_digest: PayloadDigest::of(key.as_bytes()),
                         idempotency_key: key,
                         external_reference: None,
+                        desired_outcome: None,
+                        fingerprint: None,
                     };
                     let Admission::New(id) = store.record_action(action, at(i))? else {
                         continue;

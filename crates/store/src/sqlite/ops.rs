@@ -279,7 +279,8 @@ impl WriteTx<'_> {
             .prepare_cached(
                 "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
                  payload_digest, idempotency_key, external_reference, state, created_at_ms, \
-                 updated_at_ms, id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12)",
+                 updated_at_ms, id, desired_outcome, fingerprint) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14)",
             )?
             .execute(params![
                 new.task_id,
@@ -294,6 +295,8 @@ impl WriteTx<'_> {
                 ActionState::Requested.as_str(),
                 ms(at),
                 id.0,
+                new.desired_outcome,
+                new.fingerprint,
             ])?;
         let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
         e.task = Some(new.task_id);

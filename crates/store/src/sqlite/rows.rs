@@ -95,7 +95,8 @@ fn task_record(
 
 const ACTION_COLUMNS: &str = "id, task_id, agent, provider, method, route, request_class, \
      payload_digest, idempotency_key, external_reference, provider_operation_id, state, outcome, \
-     outcome_context, response_status, response_headers, response_body";
+     outcome_context, response_status, response_headers, response_body, desired_outcome, \
+     fingerprint";
 
 struct RawAction {
     id: i64,
@@ -115,6 +116,8 @@ struct RawAction {
     response_status: Option<i64>,
     response_headers: Option<String>,
     response_body: Option<Vec<u8>>,
+    desired_outcome: Option<String>,
+    fingerprint: Option<String>,
 }
 
 fn raw_action(r: &Row<'_>) -> rusqlite::Result<RawAction> {
@@ -136,6 +139,8 @@ fn raw_action(r: &Row<'_>) -> rusqlite::Result<RawAction> {
         response_status: r.get(14)?,
         response_headers: r.get(15)?,
         response_body: r.get(16)?,
+        desired_outcome: r.get(17)?,
+        fingerprint: r.get(18)?,
     })
 }
 
@@ -185,6 +190,8 @@ fn decode_action(raw: RawAction) -> Result<ActionRecord, StoreError> {
         idempotency_key: raw.idempotency_key.unwrap_or_default(),
         external_reference: raw.external_reference,
         provider_operation_id: raw.provider_operation_id,
+        desired_outcome: raw.desired_outcome,
+        fingerprint: raw.fingerprint,
     })
 }
 

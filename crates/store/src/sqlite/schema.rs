@@ -240,6 +240,13 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE attempts ADD COLUMN signal_headers TEXT;
     ALTER TABLE audit_events ADD COLUMN signal_headers TEXT;
     "#,
+    // 5 -> 6: an action keeps what a case file built later needs and cannot recompute: the
+    // agent's desired outcome (sanitized text) and the request's fingerprint (SPEC §7, with the
+    // route's configured payload fields). Neither is audited. Older actions keep NULL.
+    r#"
+    ALTER TABLE actions ADD COLUMN desired_outcome TEXT;
+    ALTER TABLE actions ADD COLUMN fingerprint TEXT;
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
@@ -677,5 +684,46 @@ mod tests {
             attempts[0].signal_headers,
             vec![("retry-after".to_owned(), "x".to_owned())]
         );
+    }
+
+    #[test]
+    fn version_5_database_is_upgraded_keeping_actions_without_inventing_their_new_facts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v5.db");
+        {
+            let mut conn = Connection::open(&path).expect("create");
+            conn.pragma_update(None, "foreign_keys", "OFF")
+                .expect("fk off");
+            run_migrations_to(&mut conn, 5);
+            conn.execute_batch(
+                "INSERT INTO tasks (agent, id, priority, created_at_ms) VALUES ('alice', 't', 'normal', 1);
+                 INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
+                     payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+                 VALUES (5, 't', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', 'key-5',
+                     'attempted', 1, 2);",
+            )
+            .expect("rows");
+        }
+        let conn = open_writer(&path, false).expect("migrated");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, SCHEMA_VERSION);
+        let action = crate::sqlite::rows::action(&conn, crate::model::ActionId(5))
+            .expect("action read")
+            .expect("action kept");
+        assert_eq!(action.idempotency_key, "key-5");
+        assert_eq!(action.desired_outcome, None, "nothing is invented");
+        assert_eq!(action.fingerprint, None, "nothing is invented");
+        // The new columns take values.
+        conn.execute_batch(
+            "UPDATE actions SET desired_outcome = 'pay invoice 7', fingerprint = 'abc' WHERE id = 5;",
+        )
+        .expect("new columns");
+        let action = crate::sqlite::rows::action(&conn, crate::model::ActionId(5))
+            .expect("action read")
+            .expect("action kept");
+        assert_eq!(action.desired_outcome.as_deref(), Some("pay invoice 7"));
+        assert_eq!(action.fingerprint.as_deref(), Some("abc"));
     }
 }

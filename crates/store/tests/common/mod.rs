@@ -37,6 +37,8 @@ pub fn new_action(task: &str, key: &str, payload: &[u8]) -> NewAction {
         payload_digest: PayloadDigest::of(payload),
         idempotency_key: key.into(),
         external_reference: None,
+        desired_outcome: None,
+        fingerprint: None,
     }
 }
 
