@@ -208,6 +208,15 @@ fn bad_arguments_exit_2_naming_the_argument() {
     fails_with_2(&["--status", "429", "-H", "bad name: 1"], "--header");
     fails_with_2(&["--status", "429", "--now", "yesterday"], "--now");
     fails_with_2(&[], "--status");
+    for status in ["999", "600", "99", "0"] {
+        fails_with_2(
+            &["--status", status, "--now", NOW],
+            &format!("--status {status}: not an HTTP status (100..=599"),
+        );
+    }
+    for status in ["100", "599"] {
+        json(&["--status", status, "--now", NOW]);
+    }
     fails_with_2(
         &["--status", "429", "--transport-error", "connect"],
         "--transport-error",

@@ -14,10 +14,10 @@
 //!
 //! Retry statuses per class are the SPEC §3 defaults (read: 408, 429, 500, 502, 503, 504;
 //! idempotent_write: 408, 429, 502, 503, 504; uncertain_write: none). Bad arguments (a header
-//! line without `:`, an invalid header name or value, a bad `--now`, both or neither of
-//! `--status` and `--transport-error`, an unreadable body file, an `--error-pointer` that is
-//! not an RFC 6901 pointer or is given without `--body-file`) print one line naming the
-//! argument on stderr and exit 2.
+//! line without `:`, an invalid header name or value, a `--status` outside 100..=599, a bad
+//! `--now`, both or neither of `--status` and `--transport-error`, an unreadable body file, an
+//! `--error-pointer` that is not an RFC 6901 pointer or is given without `--body-file`) print
+//! one line naming the argument on stderr and exit 2.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -67,7 +67,7 @@ impl Class {
 /// Arguments of `backstop classify`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// HTTP status of the response (omit when --transport-error is given).
+    /// HTTP status of the response, 100-599 (omit when --transport-error is given).
     #[arg(long)]
     pub status: Option<u16>,
     /// A response header, `Name: value`; repeat for several (order and repeats are kept).
@@ -179,8 +179,10 @@ fn build(args: Args) -> Result<Value, String> {
                 .map_err(|e| format!("--transport-error: {e}"))?,
         ),
         (Some(status), None) => {
-            if !(100..=999).contains(&status) {
-                return Err(format!("--status {status}: not an HTTP status (100–999)"));
+            if !(100..=599).contains(&status) {
+                return Err(format!(
+                    "--status {status}: not an HTTP status (100..=599, RFC 9110 §15)"
+                ));
             }
             Observed::Response(ResponseView {
                 status,
