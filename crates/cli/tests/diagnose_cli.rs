@@ -463,3 +463,49 @@ fn long_help_lists_the_snapshot_fields_and_which_are_required() {
         assert!(help.contains(field), "{field}");
     }
 }
+
+#[test]
+fn grace_takes_bare_seconds_like_the_wait_parameter() {
+    // The waiting snapshot's wake is at 18:42:30: 30 s of grace keeps it waiting at 18:43:00,
+    // 5 s does not.
+    let good = std::fs::read_to_string(fixture()).unwrap();
+    let first = format!("{}\n", good.lines().next().unwrap());
+    let diagnosis = |grace: &str| {
+        let o = backstop(
+            &[
+                "--now",
+                "2026-07-26T18:43:00Z",
+                "--grace",
+                grace,
+                "--format",
+                "ndjson",
+            ],
+            Some(first.as_bytes()),
+        );
+        assert_eq!(o.status.code(), Some(0), "--grace {grace}: {}", stderr(&o));
+        let v: Value = serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
+        v["diagnosis"].as_str().unwrap().to_string()
+    };
+    assert_eq!(diagnosis("30"), "waiting_backpressure");
+    assert_eq!(diagnosis("30.0"), "waiting_backpressure");
+    assert_eq!(diagnosis("5"), "stuck_missed_wake");
+    assert_eq!(diagnosis("29.999"), "stuck_missed_wake");
+}
+
+#[test]
+fn a_bad_grace_is_named_with_the_accepted_forms_in_our_words() {
+    let f = fixture();
+    for value in ["1d", "soon", "5x", "1.2.3"] {
+        let o = backstop(&[f.to_str().unwrap(), "--grace", value], None);
+        assert_eq!(o.status.code(), Some(2), "--grace {value}");
+        let err = stderr(&o);
+        assert!(err.contains(&format!("'{value}'")), "{err}");
+        assert!(err.contains("--grace"), "{err}");
+        assert!(
+            err.contains("give seconds (30 or 2.5), a number with a unit ms, s, m or h"),
+            "{err}"
+        );
+        assert!(!err.contains("jiff"), "{err}");
+        assert!(!err.contains("friendly"), "{err}");
+    }
+}

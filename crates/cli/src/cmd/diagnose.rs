@@ -1,4 +1,4 @@
-//! `backstop diagnose [FILE|-] [--now RFC3339] [--grace 30s] [--format table|json|ndjson]`
+//! `backstop diagnose [FILE|-] [--now RFC3339] [--grace 30s|30] [--format table|json|ndjson]`
 //!
 //! Reads throttled-action snapshots (one JSON object per line, SPEC §10) and prints one diagnosis
 //! per snapshot with its bounded action, headroom and retry-after debt, then totals by scope, by
@@ -98,20 +98,42 @@ pub struct Args {
     #[arg(long, value_parser = parse_now)]
     pub now: Option<Timestamp>,
     /// How long past scheduled_retry_at a retry may take to start before the wake counts as
-    /// missed (e.g. 30s, 1m, 500ms, 1h30m). Affects only the missed-wake check.
-    #[arg(long, default_value = "30s", value_parser = parse_grace)]
+    /// missed: seconds (e.g. 30) or a duration (e.g. 30s, 1m, 500ms, 1h30m, PT30S). Affects
+    /// only the missed-wake check.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_grace)]
     pub grace: Duration,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
 }
 
-/// Parses `30s`, `1m`, `500ms`, `1m30s` or ISO 8601 (`PT30S`) through jiff's duration parser.
+/// The accepted forms of `--grace`, as said in its error.
+const GRACE_FORMS: &str = "give seconds (30 or 2.5), a number with a unit ms, s, m or h (500ms, \
+     1m30s, 1h) or ISO 8601 (PT30S); days are not accepted";
+
+/// Parses a `--grace` value: bare seconds (`30`, `2.5`, as the action API's `?wait=` takes
+/// them), or a duration through jiff's parser (`30s`, `1m`, `500ms`, `1m30s`, ISO 8601
+/// `PT30S`).
+///
+/// # Errors
+/// A sentence for clap's error line (which names the flag and the value): the accepted forms,
+/// or that the grace must not be negative.
 fn parse_grace(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let bare_seconds = !s.is_empty()
+        && s.chars().all(|c| c.is_ascii_digit() || c == '.')
+        && s.chars().filter(|c| *c == '.').count() <= 1
+        && s.chars().any(|c| c.is_ascii_digit());
+    if bare_seconds {
+        return s
+            .parse::<f64>()
+            .ok()
+            .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
+            .ok_or_else(|| format!("too large a number of seconds; {GRACE_FORMS}"));
+    }
     let signed: SignedDuration = s
-        .trim()
         .parse()
-        .map_err(|e| format!("not a duration like 30s, 1m or 500ms ({e})"))?;
+        .map_err(|_| format!("not a duration: {GRACE_FORMS}"))?;
     Duration::try_from(signed).map_err(|_| "the wake grace must not be negative".to_string())
 }
 
