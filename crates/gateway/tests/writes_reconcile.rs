@@ -259,6 +259,17 @@ async fn write_without_key_support_or_lookup_is_never_resent_and_is_escalated() 
         "no credential in the case file: {case}"
     );
     assert_eq!(escalation.case_file["reason"], "side_effect_unknown");
+    // The provider takes no idempotency header: no key was sent, so the case file names none
+    // for the operator to quote to the provider.
+    assert_eq!(
+        attempts[0].idempotency_key, None,
+        "no key reached the provider"
+    );
+    assert_eq!(escalation.case_file["honours_key"], false);
+    assert!(
+        escalation.case_file["upstream_idempotency_key"].is_null(),
+        "an upstream key that was never sent is not named: {case}"
+    );
     fake.shutdown().await;
 }
 

@@ -375,7 +375,8 @@ impl Inner {
 
     /// Builds the sanitized case file of a write (SPEC §8) from its facts and its stored
     /// attempts, opened now (read from the clock after the attempts); `idempotency_key` is the
-    /// agent key the case file names, and the upstream key (when one was sent) is set beside it.
+    /// agent key the case file names, and the upstream key is set beside it when one was sent
+    /// (the provider has an idempotency header), else left `null`.
     ///
     /// # Errors
     /// The store failed to read the attempts, or the case file could not be built.
@@ -406,6 +407,7 @@ impl Inner {
             })
             .collect();
         let now = self.clock.now();
+        let honours_key = self.honours_key(&facts.provider);
         let mut case = CaseFile::build(CaseInput {
             opened_at: now,
             reason,
@@ -429,7 +431,7 @@ impl Inner {
                 deadline: facts.deadline,
             },
             attempts,
-            honours_key: self.honours_key(&facts.provider),
+            honours_key,
             idempotency_key,
             external_reference: facts.external_reference.clone(),
             provider_operation_id: facts.provider_operation_id.clone(),
@@ -437,8 +439,10 @@ impl Inner {
             retry_not_before,
         })
         .map_err(|e| EngineError::Aborted(e.to_string()))?;
+        // The derived key is named only when it was sent: a provider without an idempotency
+        // header never saw it, so quoting it to the provider would mislead.
         case.upstream_idempotency_key =
-            (!facts.upstream_key.is_empty()).then(|| facts.upstream_key.clone());
+            (honours_key && !facts.upstream_key.is_empty()).then(|| facts.upstream_key.clone());
         Ok(case)
     }
 
