@@ -235,7 +235,11 @@ fn list_show_decide_round_trip() {
     assert_eq!(
         text(&out.stdout),
         format!(
-            "escalation {id}: send_new (action 1, decided by alice at {})\n",
+            "escalation {id}: send_new (action 1, decided by alice at {})\n  \
+             effect          send_new, not applied: recorded only: this gateway runs no engine\n  \
+             action outcome  unchanged\n  \
+             escalation      decided\n  \
+             note            customer confirmed nothing arrived\n",
             decided_at(&g)
         )
     );
@@ -250,8 +254,8 @@ fn list_show_decide_round_trip() {
 
     let out = backstop(&["escalations", "list", "--url", &g.url, "--token", TOKEN]);
     assert_eq!(
-        text(&out.stdout).lines().count(),
-        1,
+        text(&out.stdout),
+        "no open escalations\n",
         "decided escalations are not listed"
     );
 }
@@ -397,5 +401,203 @@ fn an_unreachable_gateway_is_named() {
             "backstop escalations list: cannot reach the gateway at {url}"
         )),
         "{stderr}"
+    );
+}
+
+/// Serves `answer` as the answer of `POST /v1/escalations/7/decision` (the shape the gateway
+/// documents for a `query_status` whose lookup was inconclusive), for what the engine-less
+/// router of [`gateway`] cannot produce.
+fn canned_decision(answer: serde_json::Value) -> (tokio::runtime::Runtime, String) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let addr: SocketAddr = runtime.block_on(async move {
+        let app = axum::Router::new().route(
+            "/v1/escalations/7/decision",
+            axum::routing::post(move || {
+                let answer = answer.clone();
+                async move { axum::Json(answer) }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    });
+    (runtime, format!("http://{addr}"))
+}
+
+#[test]
+fn decide_prints_the_effect_the_outcome_and_the_lookup() {
+    let (_runtime, url) = canned_decision(serde_json::json!({
+        "id": 7, "action": 12, "decision": "query_status", "decided_by": "alice",
+        "decided_at": "2026-01-01T00:10:00Z",
+        "effect": {"effect": "query_status"}, "effect_applied": false,
+        "effect_detail": "the lookup was inconclusive; the action stays escalated",
+        "action_outcome": null, "new_action": null,
+        "lookup": {"verdict": "inconclusive", "reason": "the lookup failed with HTTP 503",
+                   "provider_operation_id": null},
+        "escalation_state": "open", "note": null
+    }));
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "7",
+        "--option",
+        "query_status",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "escalation 7: query_status asked by alice at 2026-01-01T00:10:00Z (action 12); the escalation stays open\n  \
+         effect          query_status, not applied: the lookup was inconclusive; the action stays escalated\n  \
+         action outcome  unchanged\n  \
+         lookup          inconclusive: the lookup failed with HTTP 503\n  \
+         escalation      open\n"
+    );
+
+    let (_runtime, url) = canned_decision(serde_json::json!({
+        "id": 7, "action": 12, "decision": "retry_same_key", "decided_by": "alice",
+        "decided_at": "2026-01-01T00:10:00Z",
+        "effect": {"effect": "retry_same_key", "idempotency_key": "k-1"}, "effect_applied": true,
+        "effect_detail": "sent again with the same key", "action_outcome": "succeeded",
+        "new_action": null, "lookup": null, "escalation_state": "decided", "note": null
+    }));
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "7",
+        "--option",
+        "retry_same_key",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("  effect          retry_same_key (idempotency_key k-1), applied: sent again with the same key\n"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("  action outcome  succeeded\n"), "{stdout}");
+    assert!(!stdout.contains("lookup"), "{stdout}");
+}
+
+#[test]
+fn decide_format_json_prints_the_whole_answer() {
+    let g = gateway();
+    let id = g.escalation.0.to_string();
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        &id,
+        "--option",
+        "abort",
+        "--format",
+        "json",
+        "--url",
+        &g.url,
+        "--token",
+        TOKEN,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(answer["decision"], "abort");
+    assert_eq!(answer["effect"]["effect"], "abort");
+    assert_eq!(answer["effect_applied"], false);
+    assert_eq!(answer["escalation_state"], "decided");
+    assert!(text(&out.stdout).contains("\n  \""), "not pretty-printed");
+}
+
+#[test]
+fn list_all_shows_decided_escalations_and_json_gives_the_rows() {
+    let g = gateway();
+    let id = g.escalation.0.to_string();
+    let list = |extra: &[&str]| {
+        let mut args = vec!["escalations", "list", "--url", &g.url, "--token", TOKEN];
+        args.extend_from_slice(extra);
+        let out = backstop(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let json: serde_json::Value = serde_json::from_str(&list(&["--format", "json"])).unwrap();
+    assert_eq!(json["escalations"][0]["id"], g.escalation.0);
+    assert_eq!(json["escalations"][0]["state"], "open");
+
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        &id,
+        "--option",
+        "abort",
+        "--url",
+        &g.url,
+        "--token",
+        TOKEN,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(list(&[]), "no open escalations\n");
+    let json: serde_json::Value = serde_json::from_str(&list(&["--format", "json"])).unwrap();
+    assert_eq!(json["escalations"], serde_json::json!([]));
+
+    let all = list(&["--all"]);
+    let lines: Vec<Vec<&str>> = all
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(lines.len(), 2, "{all}");
+    assert_eq!(
+        lines[0],
+        [
+            "ID",
+            "ACTION",
+            "PROVIDER",
+            "ROUTE",
+            "REASON",
+            "OPENED",
+            "STATE",
+            "DECISION",
+            "DECIDED_BY"
+        ]
+    );
+    assert_eq!(lines[1][0], id);
+    assert_eq!(
+        lines[1][2..],
+        [
+            "billing-api",
+            "POST",
+            "/v1/transfers",
+            "side_effect_unknown",
+            "2026-01-01T00:00:30Z",
+            "decided",
+            "abort",
+            "alice"
+        ]
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&list(&["--all", "--format", "json"])).unwrap();
+    let rows = json["escalations"].as_array().expect("rows");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["decision"], "abort");
+    assert_eq!(rows[0]["route"], "POST /v1/transfers");
+}
+
+#[test]
+fn help_says_only_http_urls_are_accepted() {
+    let out = backstop(&["escalations", "list", "--help"]);
+    assert!(out.status.success());
+    assert!(
+        text(&out.stdout).contains("Only http:// URLs are accepted"),
+        "{}",
+        text(&out.stdout)
     );
 }

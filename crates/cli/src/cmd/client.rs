@@ -2,9 +2,9 @@
 //! (`backstop escalations`, `backstop scopes`), and their table printer.
 //!
 //! Plain `http://` only: reach a remote gateway through a TLS-terminating proxy or an SSH tunnel
-//! to its loopback port. Every failure is one sentence for a one-line stderr message: an
-//! unreachable gateway names the URL; a problem answer (RFC 9457) gives its status, name and
-//! detail.
+//! to its loopback port (this build has no TLS client). Every failure is one sentence for a
+//! one-line stderr message: an unreachable gateway names the URL; a problem answer (RFC 9457)
+//! gives its status, name and detail.
 
 use std::time::Duration;
 
@@ -57,13 +57,29 @@ impl Client {
     /// # Errors
     /// A sentence: unreachable gateway, timeout (30 s), non-JSON success, or the problem.
     pub fn get(&self, path: &str) -> Result<Value, String> {
+        self.get_answer(path)?.into_result()
+    }
+
+    /// `GET base+path`: the JSON answer, or `None` when the gateway answers with the backstop
+    /// problem `not_found` (e.g. `escalation_not_found` for an id that does not exist).
+    ///
+    /// # Errors
+    /// As [`Client::get`], for every other answer.
+    pub fn get_unless(&self, path: &str, not_found: &str) -> Result<Option<Value>, String> {
+        match self.get_answer(path)? {
+            Answer::Problem { ref name, .. } if name == not_found => Ok(None),
+            answer => answer.into_result().map(Some),
+        }
+    }
+
+    fn get_answer(&self, path: &str) -> Result<Answer, String> {
         let url = format!("{}{path}", self.base);
         let response = Self::agent()
             .get(&url)
             .header("Authorization", &format!("Bearer {}", self.token))
             .header("Accept", "application/json")
             .call();
-        self.answer(&url, response)
+        self.answer("GET", path, response)
     }
 
     /// `POST base+path` with a JSON body, the JSON answer.
@@ -78,14 +94,16 @@ impl Client {
             .header("Accept", "application/json")
             .content_type("application/json")
             .send(body.to_string().as_bytes());
-        self.answer(&url, response)
+        self.answer("POST", path, response)?.into_result()
     }
 
     fn answer(
         &self,
-        url: &str,
+        _method: &str,
+        path: &str,
         response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-    ) -> Result<Value, String> {
+    ) -> Result<Answer, String> {
+        let url = format!("{}{path}", self.base);
         let mut response = response.map_err(|e| match e {
             ureq::Error::Io(io) => format!("cannot reach the gateway at {}: {io}", self.base),
             ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => {
@@ -106,7 +124,7 @@ impl Client {
             if value.is_null() {
                 return Err(format!("{url}: HTTP {status}: the answer is not JSON"));
             }
-            return Ok(value);
+            return Ok(Answer::Value(value));
         }
         let name = value["type"]
             .as_str()
@@ -116,7 +134,35 @@ impl Client {
             .as_str()
             .or_else(|| value["title"].as_str())
             .unwrap_or("no problem details in the answer");
-        Err(format!("HTTP {status} {name}: {detail}"))
+        Ok(Answer::Problem {
+            status,
+            name: name.to_owned(),
+            detail: detail.to_owned(),
+        })
+    }
+}
+
+/// A gateway's answer: a JSON success, or a backstop problem.
+enum Answer {
+    Value(Value),
+    Problem {
+        status: u16,
+        name: String,
+        detail: String,
+    },
+}
+
+impl Answer {
+    /// The value, or the problem as one sentence `HTTP STATUS NAME: DETAIL`.
+    fn into_result(self) -> Result<Value, String> {
+        match self {
+            Answer::Value(value) => Ok(value),
+            Answer::Problem {
+                status,
+                name,
+                detail,
+            } => Err(format!("HTTP {status} {name}: {detail}")),
+        }
     }
 }
 

@@ -3,15 +3,21 @@
 //!
 //! The gateway is reached at `--url` (default `http://127.0.0.1:8080`, or `BACKSTOP_URL`) with an
 //! operator token from `--token` or, preferably, `BACKSTOP_OPERATOR_TOKEN` (a flag is visible in
-//! the process list). Plain `http://` only: reach a remote gateway through a TLS-terminating
-//! proxy or an SSH tunnel to its loopback port.
+//! the process list). Plain `http://` only (the HTTP client is built without TLS): reach a
+//! remote gateway through a TLS-terminating proxy or an SSH tunnel to its loopback port.
 //!
 //! `decide` checks the option before anything is sent: an unknown option is refused naming the
 //! known ones, and `send_new` without `--confirm-second-side-effect` is refused naming that flag
 //! (the gateway would refuse it too, SPEC §8).
 //!
-//! Output: `list` prints a table (id, action, provider, route, reason, opened); `show` the
-//! escalation with its case file as pretty JSON; `decide` one line with the recorded decision.
+//! Output: `list` prints a table of the open escalations (id, action, provider, route, reason,
+//! opened), or `no open escalations`; `list --all` every escalation with its state and decision
+//! (the gateway lists only open ones, so each is read by id, from 1 up to the first id that does
+//! not exist: one request per escalation); `show` the escalation with its case file as pretty
+//! JSON; `decide` what the gateway answered: the decision, its effect and whether it was
+//! applied, the action's outcome, the new action of `send_new`, the lookup of `query_status`
+//! and whether the escalation stays open. `--format json` prints the gateway's answer (for
+//! `list --all`, the rows as `{"escalations": […]}`) as pretty JSON.
 //! Exit codes: 0 success; 2 anything else (unreachable gateway naming the URL, missing token,
 //! a problem answer from the gateway with its status, name and detail) on one stderr line.
 
@@ -23,10 +29,21 @@ use serde_json::{json, Value};
 use crate::cmd::client::{self, Client};
 use crate::cmd::output::{self, errln};
 
+/// Output formats of `backstop escalations list` and `decide`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Text for a person: a table (`list`), labelled lines (`decide`).
+    Text,
+    /// The gateway's JSON answer, pretty-printed.
+    Json,
+}
+
 /// Arguments of `backstop escalations`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The gateway's base URL (default http://127.0.0.1:8080, or the BACKSTOP_URL variable).
+    /// Only http:// URLs are accepted (no TLS in this client): reach a remote gateway through a
+    /// TLS-terminating proxy or an SSH tunnel.
     #[arg(long, global = true)]
     pub url: Option<String>,
     /// Operator token (default: the BACKSTOP_OPERATOR_TOKEN variable, which is preferable).
@@ -41,14 +58,23 @@ pub struct Args {
 #[derive(Debug, clap::Subcommand)]
 pub enum EscalationsCommand {
     /// List open escalations as a table: id, action, provider, route, reason, opened.
-    List,
+    List {
+        /// Every escalation, decided ones too, with its state and decision (read one by one,
+        /// by id).
+        #[arg(long)]
+        all: bool,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
     /// Print one escalation with its sanitized case file as pretty JSON.
     Show {
         /// The escalation id.
         id: u64,
     },
     /// Record a decision (query_status, retry_same_key, abort, send_new, wait, raise_quota,
-    /// change_plan).
+    /// change_plan) and print what the gateway did: the effect, the action's outcome, the
+    /// lookup's answer.
     Decide {
         /// The escalation id.
         id: u64,
@@ -62,13 +88,16 @@ pub enum EscalationsCommand {
         /// A note recorded with the decision's answer.
         #[arg(long)]
         note: Option<String>,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
     },
 }
 
 /// Runs `backstop escalations`.
 pub fn run(args: Args) -> ExitCode {
     let name = match &args.command {
-        EscalationsCommand::List => "list",
+        EscalationsCommand::List { .. } => "list",
         EscalationsCommand::Show { .. } => "show",
         EscalationsCommand::Decide { .. } => "decide",
     };
@@ -101,7 +130,20 @@ fn execute(args: Args) -> Result<String, String> {
         .ok_or("no operator token: set BACKSTOP_OPERATOR_TOKEN (or pass --token)")?;
     let client = Client::new(base, token);
     match args.command {
-        EscalationsCommand::List => client.get("/v1/escalations").map(|v| table(&v)),
+        EscalationsCommand::List { all: false, format } => {
+            let value = client.get("/v1/escalations")?;
+            Ok(match format {
+                Format::Json => format!("{}\n", pretty(&value)),
+                Format::Text => table(&value, "no open escalations", &OPEN_COLUMNS),
+            })
+        }
+        EscalationsCommand::List { all: true, format } => {
+            let value = json!({ "escalations": every_escalation(&client)? });
+            Ok(match format {
+                Format::Json => format!("{}\n", pretty(&value)),
+                Format::Text => table(&value, "no escalations", &ALL_COLUMNS),
+            })
+        }
         EscalationsCommand::Show { id } => client
             .get(&format!("/v1/escalations/{id}"))
             .map(|v| format!("{}\n", pretty(&v))),
@@ -110,6 +152,7 @@ fn execute(args: Args) -> Result<String, String> {
             option,
             confirm_second_side_effect,
             note,
+            format,
         } => {
             let mut body = json!({
                 "option": option,
@@ -120,7 +163,10 @@ fn execute(args: Args) -> Result<String, String> {
             }
             client
                 .post(&format!("/v1/escalations/{id}/decision"), &body)
-                .map(|v| decided_line(&v))
+                .map(|v| match format {
+                    Format::Json => format!("{}\n", pretty(&v)),
+                    Format::Text => decided(&v),
+                })
         }
     }
 }
@@ -152,27 +198,151 @@ fn pretty(value: &Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
 }
 
-/// The `list` table: a header and one row per open escalation, columns padded to width.
-fn table(value: &Value) -> String {
-    const COLUMNS: [(&str, &str); 6] = [
-        ("ID", "id"),
-        ("ACTION", "action"),
-        ("PROVIDER", "provider"),
-        ("ROUTE", "route"),
-        ("REASON", "reason"),
-        ("OPENED", "opened_at"),
-    ];
-    let empty = Vec::new();
-    client::table(&COLUMNS, value["escalations"].as_array().unwrap_or(&empty))
+/// The columns of `list`: title and member of a row of `GET /v1/escalations`.
+const OPEN_COLUMNS: [(&str, &str); 6] = [
+    ("ID", "id"),
+    ("ACTION", "action"),
+    ("PROVIDER", "provider"),
+    ("ROUTE", "route"),
+    ("REASON", "reason"),
+    ("OPENED", "opened_at"),
+];
+
+/// The columns of `list --all`: those of `list`, then the state and the decision.
+const ALL_COLUMNS: [(&str, &str); 9] = [
+    ("ID", "id"),
+    ("ACTION", "action"),
+    ("PROVIDER", "provider"),
+    ("ROUTE", "route"),
+    ("REASON", "reason"),
+    ("OPENED", "opened_at"),
+    ("STATE", "state"),
+    ("DECISION", "decision"),
+    ("DECIDED_BY", "decided_by"),
+];
+
+/// A table of `value["escalations"]` with a header, or `empty` on its own line when there is
+/// no row.
+fn table(value: &Value, empty: &str, columns: &[(&str, &str)]) -> String {
+    match value["escalations"].as_array() {
+        Some(rows) if !rows.is_empty() => client::table(columns, rows),
+        _ => format!("{empty}\n"),
+    }
 }
 
-fn decided_line(value: &Value) -> String {
-    format!(
-        "escalation {}: {} (action {}, decided by {} at {})\n",
-        client::cell(&value["id"]),
-        client::cell(&value["decision"]),
-        client::cell(&value["action"]),
-        client::cell(&value["decided_by"]),
-        client::cell(&value["decided_at"]),
-    )
+/// Every escalation, open or decided, as rows of the list's shape plus `state`, `decision`,
+/// `decided_by` and `decided_at`. The gateway lists only open ones, so each is read by id:
+/// ids are given in order from 1 and never removed, so the first id that does not exist
+/// (`escalation_not_found`) ends the list.
+fn every_escalation(client: &Client) -> Result<Vec<Value>, String> {
+    let mut rows = Vec::new();
+    for id in 1u64.. {
+        let Some(e) =
+            client.get_unless(&format!("/v1/escalations/{id}"), "escalation_not_found")?
+        else {
+            break;
+        };
+        if e["id"].as_u64() != Some(id) {
+            return Err(format!(
+                "GET /v1/escalations/{id} answered escalation {}: the answer is not this gateway's",
+                client::cell(&e["id"])
+            ));
+        }
+        let case = &e["case_file"];
+        rows.push(json!({
+            "id": e["id"],
+            "action": e["action"],
+            "provider": case["provider"],
+            "route": case["endpoint"],
+            "reason": case["reason"],
+            "opened_at": case["opened_at"],
+            "state": e["state"],
+            "decision": e["decision"],
+            "decided_by": e["decided_by"],
+            "decided_at": e["decided_at"],
+        }));
+    }
+    Ok(rows)
+}
+
+/// What `decide` prints: a first line with the decision, then one labelled line per member of
+/// the answer that says what happened (members the answer does not carry are left out).
+fn decided(value: &Value) -> String {
+    let open = value["escalation_state"].as_str() == Some("open");
+    let mut out = if open {
+        format!(
+            "escalation {}: {} asked by {} at {} (action {}); the escalation stays open\n",
+            client::cell(&value["id"]),
+            client::cell(&value["decision"]),
+            client::cell(&value["decided_by"]),
+            client::cell(&value["decided_at"]),
+            client::cell(&value["action"]),
+        )
+    } else {
+        format!(
+            "escalation {}: {} (action {}, decided by {} at {})\n",
+            client::cell(&value["id"]),
+            client::cell(&value["decision"]),
+            client::cell(&value["action"]),
+            client::cell(&value["decided_by"]),
+            client::cell(&value["decided_at"]),
+        )
+    };
+    let mut line = |label: &str, text: String| {
+        out.push_str(&format!("  {label:<15} {text}\n"));
+    };
+    if let Some(effect) = value["effect"].as_object() {
+        let name = effect
+            .get("effect")
+            .map(client::cell)
+            .unwrap_or_else(|| "-".to_owned());
+        let details: Vec<String> = effect
+            .iter()
+            .filter(|(key, v)| key.as_str() != "effect" && !v.is_null())
+            .map(|(key, v)| format!("{key} {}", client::cell(v)))
+            .collect();
+        let applied = match value["effect_applied"].as_bool() {
+            Some(true) => "applied",
+            Some(false) => "not applied",
+            None => "applied: unknown",
+        };
+        let mut text = name;
+        if !details.is_empty() {
+            text.push_str(&format!(" ({})", details.join(", ")));
+        }
+        text.push_str(&format!(", {applied}"));
+        if let Some(detail) = value["effect_detail"].as_str().filter(|d| !d.is_empty()) {
+            text.push_str(&format!(": {detail}"));
+        }
+        line("effect", text);
+    }
+    line(
+        "action outcome",
+        value["action_outcome"]
+            .as_str()
+            .map_or_else(|| "unchanged".to_owned(), str::to_owned),
+    );
+    if !value["new_action"].is_null() {
+        line("new action", client::cell(&value["new_action"]));
+    }
+    if let Some(lookup) = value["lookup"].as_object() {
+        let mut text = lookup
+            .get("verdict")
+            .map(client::cell)
+            .unwrap_or_else(|| "-".to_owned());
+        if let Some(id) = lookup.get("provider_operation_id").and_then(Value::as_str) {
+            text.push_str(&format!(", provider operation {id}"));
+        }
+        if let Some(reason) = lookup.get("reason").and_then(Value::as_str) {
+            text.push_str(&format!(": {reason}"));
+        }
+        line("lookup", text);
+    }
+    if let Some(state) = value["escalation_state"].as_str() {
+        line("escalation", state.to_owned());
+    }
+    if let Some(note) = value["note"].as_str() {
+        line("note", note.to_owned());
+    }
+    out
 }
