@@ -14,7 +14,13 @@
 //! attempt and wait ceilings and the route scopes; without it the SPEC §3 defaults are used
 //! (`read` 4 / 90 s, `idempotent_write` 3 / 120 s, `uncertain_write` 1 / 0 s).
 //!
-//! Exit status: 0 on success (also when nothing was throttled), 2 when the database or the
+//! Without `--policy`, a snapshot whose scope the gateway did not record beside the throttling
+//! result is named by its provider only (`quota_scope` = `billing-api` instead of the route's
+//! scope); one note on stderr says how many were, and that `--policy` names them.
+//!
+//! Exit status: 0 on success (also when nothing was throttled; with `--task`, a line on stderr
+//! says that the task's actions were not throttled), 1 when `--task` names a task of which no
+//! action is in the database (said on stderr: usually a mistyped id), 2 when the database or the
 //! policy cannot be read or stdout fails. A closed stdout (`| head`) ends quietly.
 
 use std::collections::HashMap;
@@ -40,6 +46,10 @@ pub struct Args {
 #[derive(Debug, clap::Subcommand)]
 enum SnapshotsCommand {
     /// Export one NDJSON snapshot per throttled action (input of `backstop diagnose`).
+    ///
+    /// Exit status: 0 on success, also when nothing was throttled; 1 when --task names a task
+    /// with no action in the database (said on stderr); 2 when the database or the policy
+    /// cannot be read, or stdout fails.
     Export(ExportArgs),
 }
 
@@ -48,13 +58,15 @@ struct ExportArgs {
     /// The gateway's SQLite database (opened read-only, never created).
     #[arg(long)]
     db: PathBuf,
-    /// Export only this run (task id).
+    /// Export only this run (task id). No action of it in the database: a line on stderr and
+    /// exit 1.
     #[arg(long)]
     task: Option<String>,
     /// The instant pending waits are measured to (RFC 3339). Default: the current time.
     #[arg(long, value_parser = parse_now)]
     now: Option<Timestamp>,
-    /// Policy file for class ceilings and route scopes (default: the SPEC §3 classes).
+    /// The gateway's policy file, for class ceilings and route scopes (default: the SPEC §3
+    /// classes, and a scope the gateway did not record is named by its provider only).
     #[arg(long)]
     policy: Option<PathBuf>,
 }
@@ -81,14 +93,14 @@ fn export(args: ExportArgs) -> ExitCode {
     let reader = match RunRecordsReader::open(&args.db) {
         Ok(reader) => reader,
         Err(e) => {
-            errln!("backstop snapshots export: {place}: {e}");
+            errln!("backstop snapshots export: {}", at_place(&place, &e));
             return ExitCode::from(2);
         }
     };
     let events = match reader.audit_events() {
         Ok(events) => events,
         Err(e) => {
-            errln!("backstop snapshots export: {place}: {e}");
+            errln!("backstop snapshots export: {}", at_place(&place, &e));
             return ExitCode::from(2);
         }
     };
@@ -104,10 +116,13 @@ fn export(args: ExportArgs) -> ExitCode {
     let mut out = BufWriter::new(stdout.lock());
     let mut deadlines: HashMap<String, Option<Timestamp>> = HashMap::new();
     let mut written = Ok(());
+    // Actions of the task asked for, snapshots written, and snapshots named by provider only.
+    let (mut of_task, mut exported, mut by_provider) = (0usize, 0usize, 0usize);
     for trail in evidence.trails() {
         if args.task.as_deref().is_some_and(|t| t != trail.task) {
             continue;
         }
+        of_task += 1;
         let deadline = match deadlines.get(&trail.task) {
             Some(deadline) => *deadline,
             // The audit trail names the task id only; this offline operator view considers
@@ -119,7 +134,7 @@ fn export(args: ExportArgs) -> ExitCode {
                     deadline
                 }
                 Err(e) => {
-                    errln!("backstop snapshots export: {place}: {e}");
+                    errln!("backstop snapshots export: {}", at_place(&place, &e));
                     return ExitCode::from(2);
                 }
             },
@@ -133,6 +148,10 @@ fn export(args: ExportArgs) -> ExitCode {
         let Some(snapshot) = derive_snapshot(trail, &ctx) else {
             continue;
         };
+        exported += 1;
+        if snapshot.quota_scope == trail.provider {
+            by_provider += 1;
+        }
         written = serde_json::to_writer(&mut out, &snapshot)
             .map_err(io::Error::from)
             .and_then(|()| out.write_all(b"\n"));
@@ -141,12 +160,42 @@ fn export(args: ExportArgs) -> ExitCode {
         }
     }
     let written = written.and_then(|()| out.flush());
+    let mut code = ExitCode::SUCCESS;
+    if let Some(task) = &args.task {
+        if of_task == 0 {
+            errln!("backstop snapshots export: {place}: no action of task `{task}` was found");
+            code = ExitCode::from(1);
+        } else if exported == 0 {
+            errln!(
+                "backstop snapshots export: {place}: task `{task}` has {of_task} action{}, none throttled: nothing to export",
+                if of_task == 1 { "" } else { "s" }
+            );
+        }
+    }
+    if args.policy.is_none() && by_provider > 0 {
+        errln!(
+            "backstop snapshots export: note: without --policy, {by_provider} snapshot{} whose scope the gateway did not record {} named by the provider only (quota_scope without `/scope`); pass the gateway's policy with --policy to name the route's scope",
+            if by_provider == 1 { "" } else { "s" },
+            if by_provider == 1 { "is" } else { "are" }
+        );
+    }
     match written {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Ok(()) => code,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => code,
         Err(e) => {
             errln!("backstop snapshots export: cannot write output: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// A store error as one message naming the database once: the store's own message when it
+/// already names the path (`nope.db: no such database file`), else `PATH: message`.
+fn at_place(place: &str, error: &impl std::fmt::Display) -> String {
+    let message = error.to_string();
+    if message.contains(place) {
+        message
+    } else {
+        format!("{place}: {message}")
     }
 }
