@@ -54,6 +54,16 @@ pub enum StoreError {
         /// SQLite's findings.
         reason: String,
     },
+    /// Another open store (a running `backstop serve`, in this process or another) holds the
+    /// database's exclusive write lock: a second writer would break the audit chain and the
+    /// action ids, so it is refused when it opens. Read-only access takes no lock.
+    #[error("{lock}: another process holds this lock, so {database} is already open for writing (is a `backstop serve` running on it?); stop that process or use another store")]
+    Locked {
+        /// The lock file beside the database (`<database>.lock`).
+        lock: PathBuf,
+        /// The database that was asked for.
+        database: PathBuf,
+    },
     /// A SQLite error while reading or writing.
     #[error("sqlite: {0}")]
     Sqlite(String),

@@ -32,6 +32,7 @@
 //! except that a read through the [`Store`] first waits for operations queued without being
 //! awaited (one empty group commit), so a caller reads its own writes.
 
+mod lock;
 mod ops;
 mod rows;
 mod schema;
@@ -74,6 +75,8 @@ pub struct SqliteStore {
     writer: Mutex<Option<JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
     counters: Arc<Counters>,
+    /// The file's exclusive write lock (see `lock`), released last, when the store is dropped.
+    _lock: lock::StoreLock,
 }
 
 #[derive(Debug, Default)]
@@ -112,7 +115,8 @@ impl SqliteStore {
     /// # Errors
     /// [`StoreError::NotSqlite`], [`StoreError::Foreign`] or [`StoreError::TooNew`] when the
     /// file is not a backstop database this build can use (it is then left untouched);
-    /// [`StoreError::Sqlite`] for I/O problems.
+    /// [`StoreError::Locked`] when another open store holds the file's write lock
+    /// (`<path>.lock`, held until this store is dropped); [`StoreError::Sqlite`] for I/O problems.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Self::start(path.as_ref(), true)
     }
@@ -126,6 +130,8 @@ impl SqliteStore {
     }
 
     fn start(path: &Path, create: bool) -> Result<Self, StoreError> {
+        // One writer per file: refused before the file is opened or migrated.
+        let lock = lock::StoreLock::acquire(path, create)?;
         let conn = schema::open_writer(path, create)?;
         let head = rows::audit_head(&conn)?;
         let chain = Chain::after(head.as_ref());
@@ -148,6 +154,7 @@ impl SqliteStore {
             writer: Mutex::new(Some(writer)),
             readers: Mutex::new(Vec::new()),
             counters,
+            _lock: lock,
         })
     }
 
