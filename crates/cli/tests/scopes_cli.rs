@@ -113,7 +113,18 @@ fn text(bytes: &[u8]) -> String {
 #[test]
 fn table_has_one_row_per_scope_record() {
     let g = gateway();
-    let out = backstop(&["scopes", "--url", &g.url, "--token", OPERATOR], &[]);
+    let out = backstop(
+        &[
+            "scopes",
+            "--url",
+            &g.url,
+            "--token",
+            OPERATOR,
+            "--now",
+            "2026-01-01T00:00:00Z",
+        ],
+        &[],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     let lines: Vec<Vec<&str>> = stdout
@@ -226,4 +237,80 @@ fn errors_are_one_line_and_exit_2() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert!(out.stdout.is_empty());
     }
+}
+
+#[test]
+fn a_next_allowed_at_that_has_passed_shows_now() {
+    let g = gateway();
+    let row = |now: &str| {
+        let out = backstop(
+            &["scopes", "--url", &g.url, "--token", OPERATOR, "--now", now],
+            &[],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        stdout
+            .lines()
+            .nth(1)
+            .expect("a row")
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(row("2026-01-01T00:00:09.999Z"), "2026-01-01T00:00:10Z");
+    assert_eq!(row("2026-01-01T00:00:10Z"), "now");
+    assert_eq!(row("2026-01-02T00:00:00Z"), "now");
+    // Without --now the current time is used: the 2026-01-01 boundary has long passed.
+    let out = backstop(&["scopes", "--url", &g.url, "--token", OPERATOR], &[]);
+    assert!(
+        text(&out.stdout).lines().nth(1).unwrap().contains(" now "),
+        "{}",
+        text(&out.stdout)
+    );
+    // The JSON stays the gateway's own.
+    let out = backstop(
+        &[
+            "scopes", "--url", &g.url, "--token", OPERATOR, "--format", "json",
+        ],
+        &[],
+    );
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(value[0]["next_allowed_at"], "2026-01-01T00:00:10Z");
+}
+
+#[test]
+fn a_url_that_is_not_a_backstop_gateway_is_said_so() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    // Another web server: no /v1/scopes (a bare 404), and a page that is not JSON.
+    let addr: SocketAddr = runtime.block_on(async {
+        let app = axum::Router::new().route(
+            "/page/v1/scopes",
+            axum::routing::get(|| async { "<html>hello</html>" }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    });
+    let url = format!("http://{addr}");
+    let out = backstop(&["scopes", "--url", &url, "--token", AGENT], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        format!("backstop scopes: {url} does not look like a backstop gateway: GET /v1/scopes answered HTTP 404 without a backstop problem document (is --url the gateway's base URL, without a path?)\n")
+    );
+    let page = format!("{url}/page");
+    let out = backstop(&["scopes", "--url", &page, "--token", AGENT], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        format!("backstop scopes: {page} does not look like a backstop gateway: GET /v1/scopes answered HTTP 200 with a body that is not JSON\n")
+    );
 }

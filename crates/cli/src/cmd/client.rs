@@ -4,10 +4,13 @@
 //! Plain `http://` only: reach a remote gateway through a TLS-terminating proxy or an SSH tunnel
 //! to its loopback port (this build has no TLS client). Every failure is one sentence for a
 //! one-line stderr message: an unreachable gateway names the URL; a problem answer (RFC 9457)
-//! gives its status, name and detail.
+//! gives its status, name and detail; an answer that is neither JSON nor a backstop problem
+//! document (another server at that URL) says that the URL does not look like a backstop
+//! gateway and names the path that was expected.
 
 use std::time::Duration;
 
+use backstop_gateway::problem::TYPE_PREFIX;
 use serde_json::Value;
 
 /// Where the gateway is when neither `--url` nor `BACKSTOP_URL` says otherwise.
@@ -55,7 +58,9 @@ impl Client {
     /// `GET base+path`, the JSON answer.
     ///
     /// # Errors
-    /// A sentence: unreachable gateway, timeout (30 s), non-JSON success, or the problem.
+    /// A sentence: unreachable gateway, timeout (30 s), an answer that does not look like a
+    /// backstop gateway's (non-JSON success, or an error without a backstop problem document),
+    /// or the problem.
     pub fn get(&self, path: &str) -> Result<Value, String> {
         self.get_answer(path)?.into_result()
     }
@@ -99,7 +104,7 @@ impl Client {
 
     fn answer(
         &self,
-        _method: &str,
+        method: &str,
         path: &str,
         response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
     ) -> Result<Answer, String> {
@@ -120,20 +125,33 @@ impl Client {
             .read_to_string()
             .map_err(|e| format!("{url}: HTTP {status}: cannot read the answer: {e}"))?;
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let not_backstop = |what: String| {
+            format!(
+                "{} does not look like a backstop gateway: {method} {path} answered {what}",
+                self.base
+            )
+        };
         if (200..300).contains(&status) {
             if value.is_null() {
-                return Err(format!("{url}: HTTP {status}: the answer is not JSON"));
+                return Err(not_backstop(format!(
+                    "HTTP {status} with a body that is not JSON"
+                )));
             }
             return Ok(Answer::Value(value));
         }
-        let name = value["type"]
+        let Some(name) = value["type"]
             .as_str()
-            .and_then(|t| t.rsplit(':').next())
-            .unwrap_or("error");
+            .and_then(|t| t.strip_prefix(TYPE_PREFIX))
+        else {
+            return Err(not_backstop(format!(
+                "HTTP {status} without a backstop problem document (is --url the gateway's \
+                 base URL, without a path?)"
+            )));
+        };
         let detail = value["detail"]
             .as_str()
             .or_else(|| value["title"].as_str())
-            .unwrap_or("no problem details in the answer");
+            .unwrap_or("no detail in the problem document");
         Ok(Answer::Problem {
             status,
             name: name.to_owned(),

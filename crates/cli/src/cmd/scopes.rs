@@ -3,20 +3,26 @@
 //! Why: when agents stall, the first question is which quota scope holds them and until when.
 //! Each row is one scope record as the scheduler last published it: the scope's full `name`
 //! (`provider/scope`, as `/metrics` and `backstop diagnose` spell it), `next_allowed_at` (no
-//! attempt of the scope leaves before it), the provider's `remaining` requests and
+//! attempt of the scope leaves before it; `now` in the table once it has passed — the record
+//! keeps the last boundary until the next signal — and `-` when there is none), the provider's
+//! `remaining` requests and
 //! `reset_after_seconds`, the `source` of the last signal, and the attempts `in_flight` and
 //! actions `delayed` in the scope.
 //!
 //! The gateway is reached at `--url` (default `http://127.0.0.1:8080`, or `BACKSTOP_URL`) with an
 //! agent or operator token from `--token`, else `BACKSTOP_TOKEN`, else `BACKSTOP_OPERATOR_TOKEN`
-//! (the variables are preferable: a flag is visible in the process list). Output: a table, or the JSON array with `--format json`. Exit codes: 0
-//! success; 2 anything else, on one stderr line.
+//! (the variables are preferable: a flag is visible in the process list). Only `http://` URLs
+//! (the HTTP client is built without TLS). A URL that answers without a backstop problem
+//! document is said not to look like a backstop gateway. Output: a table, or the gateway's JSON
+//! array as is with `--format json`. Exit codes: 0 success; 2 anything else, on one stderr line.
 
 use std::process::ExitCode;
 
+use jiff::Timestamp;
 use serde_json::Value;
 
 use crate::cmd::client::{self, Client};
+use crate::cmd::clock::{current_time, parse_now};
 use crate::cmd::output::{self, errln};
 
 /// Output formats of `backstop scopes`.
@@ -32,6 +38,8 @@ pub enum Format {
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The gateway's base URL (default http://127.0.0.1:8080, or the BACKSTOP_URL variable).
+    /// Only http:// URLs are accepted (no TLS in this client): reach a remote gateway through a
+    /// TLS-terminating proxy or an SSH tunnel.
     #[arg(long)]
     pub url: Option<String>,
     /// Agent or operator token. Default: the BACKSTOP_TOKEN variable, else (when it is unset or
@@ -41,6 +49,10 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+    /// The instant a NEXT_ALLOWED_AT is compared with: one not after it shows as `now` in the
+    /// table (RFC 3339). Default: the current time.
+    #[arg(long, value_parser = parse_now)]
+    pub now: Option<Timestamp>,
 }
 
 /// The table's columns: title and member of a scope record (`name` is the full scope name
@@ -81,7 +93,11 @@ fn execute(args: Args) -> Result<String, String> {
             serde_json::to_string_pretty(&value).unwrap_or_else(|_| value.to_string())
         ),
         Format::Table => {
-            let rows: Vec<Value> = records.iter().map(with_name).collect();
+            let now = args.now.unwrap_or_else(current_time);
+            let rows: Vec<Value> = records
+                .iter()
+                .map(|record| passed_as_now(with_name(record), now))
+                .collect();
             client::table(&COLUMNS, &rows)
         }
     })
@@ -108,6 +124,19 @@ fn with_name(record: &Value) -> Value {
                 members.insert("name".to_owned(), Value::String(name));
             }
         }
+    }
+    record
+}
+
+/// A record whose `next_allowed_at` is not after `now` shows `now` there: the boundary has
+/// passed and an attempt may leave (the record keeps the instant until the next signal).
+fn passed_as_now(mut record: Value, now: Timestamp) -> Value {
+    let passed = record["next_allowed_at"]
+        .as_str()
+        .and_then(|at| at.parse::<Timestamp>().ok())
+        .is_some_and(|at| at <= now);
+    if passed {
+        record["next_allowed_at"] = Value::String("now".to_owned());
     }
     record
 }
