@@ -571,6 +571,7 @@ pub fn action_view(
         if let Some(map) = context.as_object_mut() {
             map.remove("reconciled");
             map.remove("detail");
+            map.remove("escalation");
         }
         context
     } else {

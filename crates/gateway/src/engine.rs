@@ -1746,22 +1746,19 @@ impl Engine {
                 );
             }
         }
-        let mut next_safe = vec![NextSafe::QueryStatus];
-        if inner.honours_key(&run.spec.route.provider) {
-            next_safe.push(NextSafe::ResendSameKey);
-        }
-        next_safe.push(NextSafe::Abort);
-        let context = self.context(budget, seen, None, next_safe);
+        // The answer's `next_safe` is the case file's safe options (set by `escalate`).
+        let context = self.context(budget, seen, None, Vec::new());
         match inner
             .escalate(
                 facts,
                 backstop_core::escalation::EscalationReason::SideEffectUnknown,
                 reason,
                 None,
+                Some(context.clone()),
             )
             .await
         {
-            Ok(escalation) => Execution::Outcome {
+            Ok((escalation, context)) => Execution::Outcome {
                 receipt: ActionReceipt {
                     action_id: run.id.0,
                     idempotency_key: run.agent_key(),
@@ -1776,6 +1773,18 @@ impl Engine {
             },
             Err(e) => {
                 tracing::error!(action = run.id.0, error = %e, "could not open the escalation");
+                let mut next_safe = Vec::new();
+                if facts.reconcile.is_some() {
+                    next_safe.push(NextSafe::QueryStatus);
+                }
+                if inner.honours_key(&run.spec.route.provider) {
+                    next_safe.push(NextSafe::ResendSameKey);
+                }
+                next_safe.push(NextSafe::Abort);
+                let context = OutcomeContext {
+                    next_safe,
+                    ..context
+                };
                 self.finish(
                     run,
                     budget,

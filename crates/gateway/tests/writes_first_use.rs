@@ -281,9 +281,10 @@ async fn action_views_of_reconciled_and_escalated_writes_share_one_shape() {
     );
     assert_eq!(view["context"]["sent"], true, "{view}");
     assert_eq!(view["context"]["last_signal"], "uncertain", "{view}");
+    // The route has no lookup, so query_status is not offered by the case file, nor here.
     assert_eq!(
         view["context"]["next_safe"],
-        serde_json::json!([{"option": "query_status"}, {"option": "retry_same_key"}, {"option": "abort"}]),
+        serde_json::json!([{"option": "retry_same_key"}, {"option": "abort"}]),
         "{view}"
     );
     assert!(view["context"].get("escalation").is_none(), "{view}");

@@ -244,6 +244,16 @@ async fn write_without_key_support_or_lookup_is_never_resent_and_is_escalated() 
         1,
         "{attempts:?}"
     );
+    let (status, view) = support::json_of(
+        client()
+            .get(format!("http://{}/v1/actions/{id}", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .send()
+            .await
+            .expect("view"),
+    )
+    .await;
+    assert_eq!(status, 200, "{view}");
 
     gateway.shutdown().await.unwrap();
     let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
@@ -259,6 +269,21 @@ async fn write_without_key_support_or_lookup_is_never_resent_and_is_escalated() 
         "no credential in the case file: {case}"
     );
     assert_eq!(escalation.case_file["reason"], "side_effect_unknown");
+    // One source for what may be done next: the agent's answer and the action view offer the
+    // case file's safe options — no lookup and no key support, so no query_status and no
+    // retry_same_key, only abort (send_new is an operator's decision, not a safe step).
+    let names = |list: &serde_json::Value| -> Vec<String> {
+        list.as_array()
+            .expect("a list of options")
+            .iter()
+            .map(|o| o["option"].as_str().expect("option").to_owned())
+            .collect()
+    };
+    let offered = names(&escalation.case_file["options"]);
+    assert_eq!(offered, ["abort", "send_new"], "{case}");
+    assert_eq!(names(&body["next_safe"]), ["abort"], "{body}");
+    assert_eq!(names(&view["context"]["next_safe"]), ["abort"], "{view}");
+    assert_eq!(view["escalation_id"], escalation.id.0, "{view}");
     // The provider takes no idempotency header: no key was sent, so the case file names none
     // for the operator to quote to the provider.
     assert_eq!(

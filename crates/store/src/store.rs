@@ -264,6 +264,23 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<EscalationId, StoreError>;
 
+    /// [`Store::open_escalation`] keeping the outcome's SPEC §5 context with the action:
+    /// `context` (a JSON object: `sent`, `attempts`, `next_safe`, …; no bodies or credentials)
+    /// is stored as the action's outcome context with the member `escalation` (the new id)
+    /// added, so whoever reads the action later sees the same `next_safe` as the answer given
+    /// when it ended.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action; [`StoreError::Invalid`] when `context`
+    /// is not a JSON object.
+    fn open_escalation_with_context(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        context: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError>;
+
     /// Opens an escalation beside an outcome the action already ended with (SPEC §8 / §13 step 5:
     /// a provider boundary beyond the remaining wait or deadline ends a write
     /// `budget_exhausted`/`deadline_exhausted` AND hands it to a human). The action keeps its

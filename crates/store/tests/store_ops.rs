@@ -133,6 +133,43 @@ fn an_action_keeps_its_desired_outcome_and_fingerprint_without_auditing_them() {
 }
 
 #[test]
+fn an_escalation_can_keep_the_outcome_context_it_was_answered_with() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let id = record(&store, "task-1", "k-esc", b"x");
+    store.mark_attempt_sent(id, t(2)).expect("sent");
+    let context =
+        serde_json::json!({"sent": true, "attempts": 1, "next_safe": [{"option": "abort"}]});
+    let escalation = store
+        .open_escalation_with_context(
+            id,
+            serde_json::json!({"reason": "side_effect_unknown"}),
+            context,
+            t(3),
+        )
+        .expect("escalated");
+    let action = store.action(id).expect("read").expect("action");
+    assert_eq!(action.outcome, Some(Outcome::Escalated));
+    assert_eq!(
+        action.outcome_context,
+        Some(serde_json::json!({
+            "sent": true, "attempts": 1, "next_safe": [{"option": "abort"}],
+            "escalation": escalation.0
+        }))
+    );
+    let other = record(&store, "task-1", "k-esc-2", b"y");
+    let err = store
+        .open_escalation_with_context(other, serde_json::json!({}), serde_json::json!([1]), t(4))
+        .expect_err("a context must be an object");
+    assert!(matches!(err, StoreError::Invalid { .. }), "{err}");
+    assert!(store
+        .open_escalations()
+        .expect("open")
+        .iter()
+        .all(|e| e.action != other));
+}
+
+#[test]
 fn attempts_are_numbered_and_never_two_in_flight() {
     let (_dir, store) = store();
     open_task(&store, "task-1");

@@ -25,7 +25,11 @@ use backstop_core::{
     budget::{ActionBudget, ClassBudget},
     clock::Clock,
     escalation::ObservedHeader,
-    escalation::{BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput, EscalationReason},
+    escalation::{
+        BudgetConsumed, CaseAction, CaseAttempt, CaseFile, CaseInput, DecisionOption,
+        EscalationReason,
+    },
+    outcome::{NextSafe, OutcomeContext},
     pacing::Priority,
     policy::Reconcile,
     reconcile::{
@@ -142,6 +146,44 @@ pub(super) fn recorded_wait_ms(record: &ActionRecord, attempts: &[AttemptRecord]
             u64::try_from(waited.as_millis()).ok()
         })
         .fold(0u64, u64::saturating_add)
+}
+
+/// The SPEC §5 `next_safe` of an escalated action: the case file's offered options that are
+/// safe to take from here, in the case file's order — `query_status`, `retry_same_key`, `abort`,
+/// and `wait` as `wait_until` when the case file names the boundary. `send_new` (a possible
+/// second side effect), `raise_quota` and `change_plan` are decisions, not safe steps.
+pub(super) fn next_safe_offered(case: &CaseFile) -> Vec<NextSafe> {
+    case.options
+        .iter()
+        .filter_map(|offered| match offered.option {
+            DecisionOption::QueryStatus => Some(NextSafe::QueryStatus),
+            DecisionOption::RetrySameKey => Some(NextSafe::ResendSameKey),
+            DecisionOption::Abort => Some(NextSafe::Abort),
+            DecisionOption::Wait => case.retry_not_before.map(|at| NextSafe::WaitUntil { at }),
+            DecisionOption::SendNew | DecisionOption::RaiseQuota | DecisionOption::ChangePlan => {
+                None
+            }
+        })
+        .collect()
+}
+
+/// The outcome context of a write escalated from its stored attempts alone (after a restart:
+/// the last attempt was sent and its result is unknown); `next_safe` is left empty for
+/// [`next_safe_offered`].
+fn recovered_context(attempts: &[AttemptRecord], wait_used_ms: u64) -> OutcomeContext {
+    OutcomeContext {
+        sent: !attempts.is_empty(),
+        response_received: attempts.iter().any(|a| a.status.is_some()),
+        attempts: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
+        total_wait_ms: wait_used_ms,
+        last_status: attempts.last().and_then(|a| a.status),
+        last_signal: attempts
+            .last()
+            .and_then(|a| a.disposition)
+            .map(|d| d.as_str().to_owned()),
+        boundary: None,
+        next_safe: Vec::new(),
+    }
 }
 
 impl Inner {
@@ -336,27 +378,42 @@ impl Inner {
         }
     }
 
-    /// Opens an escalation with a sanitized case file built from the stored attempts; the action
-    /// ends `escalated` (audited).
+    /// Escalates a write whose attempt result is already recorded: builds its sanitized case
+    /// file, ends the action `escalated` and keeps `context` (SPEC §5) with it, its
+    /// `next_safe` taken from the options the case file offers ([`next_safe_offered`]) — one
+    /// source for the agent's answer, the action view and the operator's choices. `context`
+    /// `None` is derived from the stored attempts (after a restart). Returns the escalation
+    /// and the context as stored.
     ///
     /// # Errors
-    /// The case file could not be built, or the store failed.
+    /// The store failed, or the case file could not be built.
     pub(super) async fn escalate(
         &self,
         facts: &WriteFacts,
         reason: EscalationReason,
         detail: &str,
         retry_not_before: Option<jiff::Timestamp>,
-    ) -> Result<EscalationId, EngineError> {
+        context: Option<OutcomeContext>,
+    ) -> Result<(EscalationId, OutcomeContext), EngineError> {
         let id = facts.action;
         let idempotency_key = Some(facts.idempotency_key.clone());
         let case = self
             .case_file(facts, reason, detail, retry_not_before, idempotency_key)
             .await?;
+        let mut context = match context {
+            Some(context) => context,
+            None => {
+                let attempts = self.blocking(move |s| s.attempts(id)).await?;
+                recovered_context(&attempts, facts.wait_used_ms)
+            }
+        };
+        context.next_safe = next_safe_offered(&case);
         let now = case.opened_at;
         let json = case.to_json();
+        let stored = serde_json::to_value(&context)
+            .map_err(|e| EngineError::Aborted(format!("outcome context: {e}")))?;
         let escalation = self
-            .blocking(move |s| s.open_escalation(id, json, now))
+            .blocking(move |s| s.open_escalation_with_context(id, json, stored, now))
             .await?;
         self.metrics.outcome(
             &facts.provider,
@@ -370,7 +427,7 @@ impl Inner {
             reason = %detail,
             "escalated: a human must decide"
         );
-        Ok(escalation)
+        Ok((escalation, context))
     }
 
     /// Builds the sanitized case file of a write (SPEC §8) from its facts and its stored
@@ -618,7 +675,13 @@ impl Inner {
             UncertainEnd::RetrySameKey => {
                 let detail = "the lookup did not find the write; a resend with the same key would be deduplicated by the provider, but the payload is not kept across a restart, so nothing can be resent automatically; an operator decides";
                 if let Err(e) = self
-                    .escalate(facts, EscalationReason::SideEffectUnknown, detail, None)
+                    .escalate(
+                        facts,
+                        EscalationReason::SideEffectUnknown,
+                        detail,
+                        None,
+                        None,
+                    )
                     .await
                 {
                     tracing::warn!(action = id.0, error = %e, "could not open the escalation");
@@ -626,7 +689,13 @@ impl Inner {
             }
             UncertainEnd::Escalate { reason } => {
                 if let Err(e) = self
-                    .escalate(facts, EscalationReason::SideEffectUnknown, &reason, None)
+                    .escalate(
+                        facts,
+                        EscalationReason::SideEffectUnknown,
+                        &reason,
+                        None,
+                        None,
+                    )
                     .await
                 {
                     tracing::warn!(action = id.0, error = %e, "could not open the escalation");

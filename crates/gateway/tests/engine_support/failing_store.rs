@@ -177,6 +177,16 @@ impl Store for FailingStore {
     ) -> Result<EscalationId, StoreError> {
         self.inner.open_escalation(action, case_file, at)
     }
+    fn open_escalation_with_context(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        context: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        self.inner
+            .open_escalation_with_context(action, case_file, context, at)
+    }
     fn open_escalation_beside_outcome(
         &self,
         action: ActionId,

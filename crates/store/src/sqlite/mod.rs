@@ -573,7 +573,23 @@ impl Store for SqliteStore {
         case_file: serde_json::Value,
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
-        self.submit(move |tx| tx.open_escalation(action, case_file, at))
+        self.submit(move |tx| tx.open_escalation(action, case_file, None, at))
+    }
+
+    fn open_escalation_with_context(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        context: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        if !context.is_object() {
+            return Err(StoreError::Invalid {
+                field: "outcome_context",
+                reason: "an escalation's outcome context must be a JSON object".into(),
+            });
+        }
+        self.submit(move |tx| tx.open_escalation(action, case_file, Some(context), at))
     }
 
     fn open_escalation_beside_outcome(

@@ -764,14 +764,22 @@ impl WriteTx<'_> {
         Ok(id)
     }
 
+    /// Opens an escalation and ends the action `escalated`; its outcome context is `context`
+    /// (a JSON object) with `escalation` set to the new id, or only `{"escalation": id}`.
     pub(crate) fn open_escalation(
         &mut self,
         action: ActionId,
         case_file: serde_json::Value,
+        context: Option<serde_json::Value>,
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
         let f = self.facts(action)?;
         let id = self.insert_escalation(action, &case_file, at)?;
+        let mut context = match context {
+            Some(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        context.insert("escalation".into(), serde_json::json!(id.0));
         self.conn
             .prepare_cached(
                 "UPDATE actions SET state = 'finished', outcome = 'escalated', \
@@ -779,7 +787,7 @@ impl WriteTx<'_> {
             )?
             .execute(params![
                 action.0,
-                serde_json::json!({ "escalation": id.0 }).to_string(),
+                serde_json::Value::Object(context).to_string(),
                 ms(at)
             ])?;
         self.conn
