@@ -37,7 +37,20 @@ fn run_within_30_seconds(command: &mut Command) -> std::process::Output {
 fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
     let dir = tempfile::tempdir().expect("tempdir");
     let run_dir = dir.path().join("demo");
-    let output = run_within_30_seconds(backstop().args(["demo", "--dir"]).arg(&run_dir));
+    // Started where `cargo run` starts it: above `target/`, so the binary lies under the
+    // working directory.
+    let exe = std::fs::canonicalize(env!("CARGO_BIN_EXE_backstop")).expect("binary path");
+    let workdir = exe
+        .ancestors()
+        .nth(3)
+        .expect("the binary is in <dir>/target/<profile>/")
+        .to_path_buf();
+    let output = run_within_30_seconds(
+        backstop()
+            .args(["demo", "--dir"])
+            .arg(&run_dir)
+            .current_dir(&workdir),
+    );
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(
@@ -144,8 +157,10 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
     assert!(line_with(&["POST /v1/transfers", "2 attempts"]));
     assert!(line_with(&[
         "GET /v1/reports/{id}",
-        "1 attempts (1 answered 429)"
+        "  1 attempt (1 answered 429)"
     ]));
+    assert!(!stdout.contains(" 1 attempts"), "{stdout}");
+    assert!(!stdout.contains("(s)"), "{stdout}");
     assert!(line_with(&["retry after 2.", "Retry-After"]));
     assert!(line_with(&[
         "waited 2.",
@@ -160,17 +175,50 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
     }
     assert!(line_with(&["send_new", "needs explicit confirmation"]));
 
-    // Where the evidence is, and the exact commands to inspect it.
+    // Where the evidence is, and the exact commands to inspect it: they start with how this
+    // binary is reached from where the demo ran (`backstop` only when that is what PATH finds).
     let db = run_dir.join("backstop.db");
     let audit = run_dir.join("audit.ndjson");
-    assert!(stdout.contains(&format!("backstop audit verify --db {}", db.display())));
-    assert!(stdout.contains(&format!("backstop audit export --db {}", db.display())));
+    let relative = exe
+        .strip_prefix(&workdir)
+        .expect("under the working directory");
+    let program = if stdout.contains("\n  backstop audit verify") {
+        "backstop".to_owned()
+    } else {
+        relative.display().to_string()
+    };
+    assert!(program.contains('/') || program == "backstop", "{program}");
+    assert!(stdout.contains(&format!("{program} audit verify --db {}", db.display())));
+    assert!(stdout.contains(&format!("{program} audit export --db {}", db.display())));
     let policy = run_dir.join("policy.yaml");
     assert!(stdout.contains(&format!(
-        "backstop snapshots export --db {} --policy {} | backstop diagnose -",
+        "{program} snapshots export --db {} --policy {} | {program} diagnose -",
         db.display(),
         policy.display()
     )));
+    // Each command runs as printed, from where the demo was started.
+    let commands: Vec<&str> = stdout
+        .split("Where to look")
+        .nth(1)
+        .expect("the section")
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with(&program))
+        .collect();
+    assert_eq!(commands.len(), 4, "{stdout}");
+    for command in commands {
+        let ran = Command::new("sh")
+            .args(["-c", command])
+            .current_dir(&workdir)
+            .output()
+            .expect("sh runs");
+        assert!(
+            ran.status.success(),
+            "{command}: {}",
+            String::from_utf8_lossy(&ran.stderr)
+        );
+        assert!(!ran.stdout.is_empty(), "{command} printed nothing");
+    }
     // The suggested policy file is really there and valid for `snapshots export --policy`.
     let checked = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
         .args(["policy", "check"])
@@ -208,4 +256,34 @@ fn demo_refuses_a_directory_that_already_holds_a_store() {
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("already holds a store"), "{stderr}");
+}
+
+#[test]
+fn demo_refuses_a_directory_that_is_not_empty_and_touches_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("policy.yaml"), b"mine").expect("file");
+    let output = backstop()
+        .args(["demo", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("backstop runs");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("is not empty (it holds policy.yaml)")
+            && stderr.contains("choose a new or empty directory"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("policy.yaml")).expect("still there"),
+        b"mine"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 1);
+    // The help says the same.
+    let help = backstop().args(["demo", "--help"]).output().expect("help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("must be new") && help.contains("or empty"),
+        "{help}"
+    );
 }

@@ -38,7 +38,7 @@ use backstop_gateway::{
 };
 use backstop_store::{audit::AuditEvent, EscalationRecord, Store};
 
-pub use render::render;
+pub use render::{render, shell_word};
 
 /// The agent token the simulated tasks use (a throwaway value, only valid for the demo).
 const AGENT_TOKEN: &str = "demo-agent-token";

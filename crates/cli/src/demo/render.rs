@@ -51,6 +51,29 @@ fn relative(at: Option<Timestamp>, origin: Timestamp) -> String {
     }
 }
 
+/// `n` and `word`, with an `s` unless `n` is 1: `1 attempt`, `4 attempts`.
+fn count<N: std::fmt::Display + PartialEq + From<u8>>(n: N, word: &str) -> String {
+    if n == N::from(1) {
+        format!("{n} {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
+/// `text` as one POSIX shell word: as is when it holds only characters a shell leaves alone,
+/// else in single quotes (a `'` inside written `'\''`), so a printed command runs as printed.
+pub fn shell_word(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-+:@%,=".contains(c));
+    if plain {
+        text.to_owned()
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
+    }
+}
+
 fn seconds(d: SignedDuration) -> String {
     format!("{:.3}s", d.as_secs_f64())
 }
@@ -204,8 +227,9 @@ fn attempt_row(a: &AttemptRecord) -> Row {
     }
 }
 
-/// The whole report: timeline, summary, escalation, paths and commands.
-pub fn render(report: &Report, colour: bool) -> String {
+/// The whole report: timeline, summary, escalation, paths and commands. `program` is how the
+/// printed commands start (`backstop`, or the path of the running binary), already a shell word.
+pub fn render(report: &Report, colour: bool, program: &str) -> String {
     let style = Style { on: colour };
     let mut out = String::new();
     let origin = report
@@ -257,7 +281,7 @@ pub fn render(report: &Report, colour: bool) -> String {
 
     summary(report, &style, origin, &mut out);
     escalation(report, &style, &mut out);
-    where_to_look(report, &style, &mut out);
+    where_to_look(report, &style, program, &mut out);
     out
 }
 
@@ -341,12 +365,15 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
     };
     let _ = writeln!(
         out,
-        "\nThe provider saw {seen} attempts ({agreement}) for {logical} logical actions:"
+        "\nThe provider saw {} ({agreement}) for {}:",
+        count(seen, "attempt"),
+        count(logical, "logical action")
     );
     for (route, (count, throttled)) in &by_route {
         let _ = writeln!(
             out,
-            "  {route:<28} {count:>3} attempts ({throttled} answered 429)"
+            "  {route:<28} {count:>3} attempt{} ({throttled} answered 429)",
+            if *count == 1 { "" } else { "s" }
         );
     }
 
@@ -431,10 +458,18 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             .len();
         let _ = writeln!(
             out,
-            "\nCancelled {}: {} action(s) ended cancelled, {} delayed wake(s) dropped before they fired.",
+            "\nCancelled {}: {} ended cancelled, {} dropped before {} fired.",
             cancelled.task_id,
-            cancelled_actions,
-            cancelled.waiting_dropped + cancelled.retries_dropped
+            count(cancelled_actions, "action"),
+            count(
+                cancelled.waiting_dropped + cancelled.retries_dropped,
+                "delayed wake"
+            ),
+            if cancelled.waiting_dropped + cancelled.retries_dropped == 1 {
+                "it"
+            } else {
+                "they"
+            }
         );
     }
 }
@@ -480,11 +515,11 @@ fn escalation(report: &Report, style: &Style, out: &mut String) {
     }
 }
 
-fn where_to_look(report: &Report, style: &Style, out: &mut String) {
-    let db = report.store_path.display();
+fn where_to_look(report: &Report, style: &Style, program: &str, out: &mut String) {
+    let db = shell_word(&report.store_path.display().to_string());
     let _ = writeln!(out, "\n{}", style.bold("Where to look"));
     let _ = writeln!(out, "  directory  {}", report.dir.display());
-    let _ = writeln!(out, "  store      {db}");
+    let _ = writeln!(out, "  store      {}", report.store_path.display());
     match &report.audit_path {
         Ok(path) => {
             let _ = writeln!(out, "  audit log  {} (NDJSON export)", path.display());
@@ -493,13 +528,12 @@ fn where_to_look(report: &Report, style: &Style, out: &mut String) {
             let _ = writeln!(out, "  audit log  not exported: {e}");
         }
     }
-    let _ = writeln!(out, "\n  backstop audit verify --db {db}");
-    let _ = writeln!(out, "  backstop audit export --db {db}");
-    let _ = writeln!(out, "  backstop audit head --db {db}");
-    let policy = report.dir.join(super::POLICY_FILE);
+    let _ = writeln!(out, "\n  {program} audit verify --db {db}");
+    let _ = writeln!(out, "  {program} audit export --db {db}");
+    let _ = writeln!(out, "  {program} audit head --db {db}");
+    let policy = shell_word(&report.dir.join(super::POLICY_FILE).display().to_string());
     let _ = writeln!(
         out,
-        "  backstop snapshots export --db {db} --policy {} | backstop diagnose -",
-        policy.display()
+        "  {program} snapshots export --db {db} --policy {policy} | {program} diagnose -"
     );
 }
