@@ -1147,6 +1147,13 @@ impl Engine {
                         _ => wait_then_abort(boundary),
                     };
                     let context = self.context(&budget, &seen, boundary, next_safe);
+                    if outcome == Outcome::Cancelled {
+                        // The scheduler refuses only for a cancelled task, and the task's
+                        // cancellation ends this action in the store (with its retry job) in
+                        // the same operation that reports what it dropped: ending it here too
+                        // would race that report and leave it uncounted.
+                        return self.ended(run, outcome, context, detail, seen.sent);
+                    }
                     return self
                         .finish(run, &budget, outcome, context, detail, seen.sent)
                         .await;

@@ -177,13 +177,90 @@ async fn post_actions_accepts_json_and_cancel_over_http_stops_a_delayed_retry() 
     assert_eq!(r.status(), 200);
     let report: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     assert_eq!(report["task_id"], "run-cancel");
-    // The delayed action was taken out of the scheduler's queue before its wake.
+    // The delayed action was taken out of the scheduler's queue before its wake, its durable
+    // retry dropped and the action ended by the cancellation.
     assert_eq!(report["waiting_dropped"], 1, "{report}");
+    assert_eq!(report["retries_dropped"], 1, "{report}");
+    assert_eq!(report["actions_cancelled"], 1, "{report}");
     // Past the wake: nothing more reached the provider.
     tokio::time::sleep(Duration::from_millis(2600)).await;
     assert_eq!(provider.attempts().len(), 1, "no attempt after the cancel");
     let (_, body) = get_json(format!("{base}/v1/actions/{id}"), AGENT).await;
     assert_eq!(body["outcome"], "cancelled", "{body}");
+    gw.shutdown().await.unwrap();
+}
+
+/// A write waiting on a durable retry is counted like a read: taken out of the queue, its
+/// retry job dropped, and the action ended by the cancellation — and it never sends again.
+#[tokio::test]
+async fn cancelling_a_write_waiting_on_a_durable_retry_reports_all_three_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = fake(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        Handler::Create {
+            collection: "transfers".into(),
+            id_prefix: "tr_".into(),
+            reference_field: None,
+            unique_reference: false,
+        },
+    )
+    .with_idempotency()
+    .with_script([Fault::Status {
+        status: 503,
+        retry_after: Some("2".into()),
+        body: None,
+    }])]);
+    let gw = gateway(&provider.url(), dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    let r = client()
+        .post(format!("{base}/v1/actions"))
+        .bearer_auth(AGENT)
+        .header("content-type", "application/json")
+        .body(
+            json!({
+                "provider": "fake", "method": "POST", "path": "/v1/transfers",
+                "task": "run-cancel-write", "idempotency_key": "transfer-cancel-1",
+                "headers": {"content-type": "application/json"}, "body": "{\"amount\":3}"
+            })
+            .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let body: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+    let id = body["id"].as_i64().unwrap();
+    // Wait for the first attempt (503, retry scheduled 2 s later) and its durable retry.
+    for _ in 0..100 {
+        let (_, view) = get_json(format!("{base}/v1/actions/{id}"), AGENT).await;
+        if view["state"] == "waiting" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(provider.attempts().len(), 1);
+    let r = client()
+        .post(format!("{base}/v1/tasks/run-cancel-write/cancel"))
+        .bearer_auth(AGENT)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let report: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+    assert_eq!(
+        (
+            &report["actions_cancelled"],
+            &report["retries_dropped"],
+            &report["waiting_dropped"]
+        ),
+        (&json!(1), &json!(1), &json!(1)),
+        "{report}"
+    );
+    // Past the wake: nothing more reached the provider.
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    assert_eq!(provider.attempts().len(), 1, "no attempt after the cancel");
+    let (_, view) = get_json(format!("{base}/v1/actions/{id}"), AGENT).await;
+    assert_eq!(view["outcome"], "cancelled", "{view}");
     gw.shutdown().await.unwrap();
 }
 
