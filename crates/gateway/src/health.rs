@@ -24,20 +24,33 @@
 //! | `retry_started_at` | the next attempt's `action_sent`; else a `retry_started` claim of the scheduled job |
 //! | `retry_finished_at`, `retry_status` | the next attempt's `action_result` |
 //! | `attempts_used` | attempts sent up to and including the retry |
-//! | `max_attempts`, `wait_budget_ms` | the request class in [`HealthPolicy`] (`Prefer: wait` caps are not recorded) |
-//! | `wait_used_ms` | gaps between earlier results and the next sends, plus this wait: until the retry started, else until `min(now, boundary or scheduled wake)` — a missed wake is the scheduler's fault and never drifts into a budget verdict |
+//! | `max_attempts`, `wait_budget_ms` | the request class in [`HealthPolicy`] (see *Budgets* below) |
+//! | `wait_used_ms` | the time the action actually waited: gaps between earlier results and the next sends, plus this throttle's wait — until the retry started; else, when the action ended without one, until its outcome event (an action ended at its throttle waited 0 ms, as its outcome's `total_wait_ms` says); else (still waiting) until `min(now, boundary or scheduled wake)` — a missed wake is the scheduler's fault and never drifts into a budget verdict |
 //! | `outcome_deadline` | the task's deadline ([`backstop_store::Store::task`]) |
 //! | `outcome_receipt` | `{"matches": true}` only when the action finished `succeeded` (a 2xx the gateway recorded, or a reconciliation); otherwise `null` |
 //!
+//! ## Budgets
+//! `max_attempts` and `wait_budget_ms` are the action's request class's (`max_attempts`,
+//! `max_wait_seconds`). An agent's `Prefer: wait=N` lowers an action's wait budget below its
+//! class's, but no receipt records that cap: neither the audit events nor the outcome context
+//! (whose `total_wait_ms` is the wait used, not the budget). A snapshot therefore states the
+//! class's wait budget, which is the real one for every action sent without `Prefer: wait` and
+//! an upper bound otherwise.
+//!
 //! ## Finished actions
 //! A `cancelled` action is not waiting: it gets no snapshot, so it appears neither in exports nor
-//! in `/v1/health`'s unhealthy runs. A finished `budget_exhausted` action has no authorized
-//! attempt left (the gateway ended it, e.g. because the provider's boundary lay beyond the
-//! action's effective wait, which may be a `Prefer: wait` cap the log does not record): its
-//! `max_attempts` is the attempts it used, so the authority proof fails and it diagnoses
-//! `retry_budget_exhausted` rather than `no_durable_wake`. An `escalated` action keeps the
-//! snapshot its receipts give (its escalation is the operator's signal; the diagnosis says what the
-//! receipts show about the wait).
+//! in `/v1/health`'s unhealthy runs. A finished action waits no more: its wait ends at its
+//! outcome (see `wait_used_ms`), so an action the gateway ended at its throttle, without waiting,
+//! shows 0 ms used however late the snapshot is taken. A finished `budget_exhausted` action has
+//! no authorized attempt left — the gateway ended it because its attempts ran out or because the
+//! provider's boundary lay beyond its remaining wait, which may be the unrecorded `Prefer: wait`
+//! cap: its `max_attempts` is the attempts it used (never more than the class's), so the
+//! authority proof fails and it diagnoses `retry_budget_exhausted` rather than `no_durable_wake`.
+//! A finished `deadline_exhausted` action diagnoses `deadline_exhausted` from the receipts alone
+//! when its boundary lies beyond the task deadline (the headroom is negative), unless the
+//! boundary is also beyond the class's wait budget (SPEC §10 checks the budget first). An
+//! `escalated` action keeps the snapshot its receipts give (its escalation is the operator's
+//! signal; the diagnosis says what the receipts show about the wait).
 //!
 //! A *throttling* attempt is one whose disposition is `rate_limited` or `quota_exhausted`, or
 //! `unavailable` with a known boundary or a scheduled retry after it. One snapshot per throttled
@@ -289,6 +302,9 @@ pub struct ActionTrail {
     pub claimed: Vec<TrailWake>,
     /// The outcome once the action ended (SPEC §5 word).
     pub outcome: Option<String>,
+    /// The `at` of each outcome event (an escalation beside an outcome adds a second), in
+    /// order.
+    pub ended_at: Vec<Timestamp>,
     /// Findings the watchdog already raised (diagnosis names).
     pub findings: BTreeSet<String>,
 }
@@ -447,6 +463,7 @@ impl Evidence {
                     scheduled: Vec::new(),
                     claimed: Vec::new(),
                     outcome: None,
+                    ended_at: Vec::new(),
                     findings: BTreeSet::new(),
                 },
             );
@@ -518,6 +535,7 @@ impl Evidence {
             | "cancelled"
             | "reconciled" => {
                 trail.outcome = Some(e.outcome.clone().unwrap_or_else(|| e.kind.clone()));
+                trail.ended_at.push(at);
             }
             WATCHDOG_FINDING => {
                 if let Some(finding) = &e.source {
@@ -612,11 +630,15 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
             wait_used_ms = wait_used_ms.saturating_add(ms_between(r.at, n.sent_at));
         }
     }
+    // Ended without a retry: the wait stopped with the action's first outcome after this
+    // throttle (module docs).
+    let ended = trail.ended_at.iter().copied().find(|e| *e >= throttled_at);
     let wait_end = match retry_started_at {
         Some(started) => started,
         None => {
             let planned = boundary.or(wake.and_then(|w| w.due_at));
-            planned.map_or(ctx.now, |p| p.min(ctx.now))
+            let until = ended.map_or(ctx.now, |e| e.min(ctx.now));
+            planned.map_or(until, |p| p.min(until))
         }
     };
     wait_used_ms = wait_used_ms.saturating_add(ms_between(throttled_at, wait_end));

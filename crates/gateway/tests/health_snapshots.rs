@@ -494,3 +494,255 @@ async fn gateway_health_lists_only_unhealthy_runs_with_totals_by_scope_and_diagn
     );
     assert_eq!(body["wake_grace_ms"], 30_000);
 }
+
+// ---- budgets and waits, measured at the fake provider ----
+
+mod support;
+
+mod at_the_provider {
+    use std::path::Path;
+
+    use backstop_core::clock::Clock;
+    use backstop_core::diagnose::{diagnose, DiagnoseOptions, Diagnosis, Snapshot};
+    use backstop_core::policy::Policy;
+    use backstop_fake_api::{FaultRule, RouteConfig};
+    use backstop_gateway::clock::TokioClock;
+    use backstop_gateway::health::{derive_snapshot, Evidence, HealthPolicy, SnapshotContext};
+    use backstop_gateway::server::Running;
+    use backstop_store::{SqliteStore, Store};
+    use jiff::{SignedDuration, Timestamp};
+    use serde_json::Value;
+
+    use super::support::{self, client, json_of, on_route};
+
+    const AGENT_TOKEN: &str = "agent-token-health-3c1d";
+    const OPERATOR_TOKEN: &str = "operator-token-health-9e2f";
+
+    /// The example's classes: `uncertain_write` 1 attempt / 0 s, `read` 4 / 90 s.
+    fn policy_yaml(base_url: &str) -> String {
+        support::policy_yaml(
+            base_url,
+            r#"request_classes:
+  read: { max_attempts: 4, max_wait_seconds: 90, retry_statuses: [429, 503] }
+  uncertain_write: { max_attempts: 1, max_wait_seconds: 0, retry_statuses: [] }
+agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
+operators:
+  oncall: { token_env: OPS_TOKEN }
+"#,
+            r#"    routes:
+      "POST /v1/chat/completions": { class: uncertain_write, scopes: [account] }
+      "GET /v1/exports/{id}": { class: read, scopes: [account] }
+"#,
+        )
+    }
+
+    fn env(name: &str) -> Option<String> {
+        match name {
+            "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
+            "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
+            "FAKE_API_KEY" => Some("sk-fake-health".to_owned()),
+            _ => None,
+        }
+    }
+
+    /// Both routes answer their first call `429` with `retry_after` (seconds).
+    fn fake(retry_after: &str) -> backstop_fake_api::RunningFake {
+        let throttle = || {
+            FaultRule::on_calls(
+                [1],
+                backstop_fake_api::Fault::Status {
+                    status: 429,
+                    retry_after: Some(retry_after.into()),
+                    body: None,
+                },
+            )
+        };
+        support::fake_with(vec![
+            RouteConfig::new(
+                "POST /v1/chat/completions",
+                support::create("completions", "cmpl_"),
+            )
+            .with_fault(throttle()),
+            RouteConfig::new("GET /v1/exports/{id}", support::lookup("exports"))
+                .with_fault(throttle()),
+        ])
+    }
+
+    /// The wall clock, read as the gateway reads it, `secs` from now.
+    fn in_secs(secs: i64) -> Timestamp {
+        TokioClock::system().now() + SignedDuration::from_secs(secs)
+    }
+
+    async fn start(base_url: &str, dir: &Path) -> (Running, Policy) {
+        let yaml = policy_yaml(base_url);
+        let policy = Policy::from_yaml_str(&yaml, "health.yaml").expect("policy");
+        let gateway =
+            support::start_gateway(&yaml, "health.yaml", &env, support::serve_options(dir, 17))
+                .await;
+        (gateway, policy)
+    }
+
+    /// The snapshot of `action` derived from the store after the gateway stopped, at `now`.
+    fn snapshot_at(dir: &Path, policy: &Policy, action: i64, now: Timestamp) -> Snapshot {
+        let store = SqliteStore::open_existing(dir.join("backstop.db")).expect("store");
+        let mut evidence = Evidence::new();
+        evidence.catch_up(&store).expect("fold");
+        let trail = evidence.trail(action).expect("trail");
+        let deadline = store
+            .tasks_of_every_agent(&trail.task)
+            .expect("tasks")
+            .into_iter()
+            .filter_map(|t| t.deadline)
+            .min();
+        let policy = HealthPolicy::from_policy(policy);
+        derive_snapshot(
+            trail,
+            &SnapshotContext {
+                deadline,
+                policy: &policy,
+                heartbeat_at: evidence.heartbeat_at(),
+                now,
+            },
+        )
+        .expect("a throttled action has a snapshot")
+    }
+
+    /// The run's health as `GET /v1/runs/{task}/health` answers it (one throttled action).
+    async fn run_health(gateway: &Running, task: &str) -> Value {
+        let (status, body) = json_of(
+            client()
+                .get(format!("http://{}/v1/runs/{task}/health", gateway.addr))
+                .bearer_auth(OPERATOR_TOKEN)
+                .send()
+                .await
+                .expect("health"),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["actions"].as_array().map(Vec::len), Some(1), "{body}");
+        body["actions"][0].clone()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_uncertain_write_ended_at_its_429_used_no_wait_of_its_zero_budget() {
+        let fake = fake("2");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (gateway, policy) = start(&fake.url(), dir.path()).await;
+        let response = client()
+            .post(format!("http://{}/fake/v1/chat/completions", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "chat-2")
+            .header("content-type", "application/json")
+            .body(r#"{"model":"m","messages":[]}"#)
+            .send()
+            .await
+            .expect("request");
+        let action = support::action_id(&response);
+        let (_, answer) = json_of(response).await;
+        assert_eq!(answer["total_wait_ms"], 0, "{answer}");
+        assert_eq!(answer["attempts"], 1, "{answer}");
+
+        let live = run_health(&gateway, "chat-2").await;
+        assert_eq!(live["snapshot"]["wait_used_ms"], answer["total_wait_ms"]);
+        assert_eq!(live["snapshot"]["wait_budget_ms"], 0, "{live}");
+        gateway.shutdown().await.expect("shutdown");
+        assert_eq!(
+            on_route(&fake.attempts(), "POST", "/v1/chat/completions").len(),
+            1,
+            "one attempt reached the provider"
+        );
+
+        // However late the snapshot is taken (here well past the 2 s boundary), the action
+        // ended at its 429 and waited nothing.
+        let s = snapshot_at(dir.path(), &policy, action, in_secs(60));
+        assert_eq!(s.status, 429);
+        assert_eq!(
+            s.retry_not_before
+                .map(|b| b.duration_since(s.throttled_at).as_millis() > 1_000),
+            Some(true),
+            "the 2 s boundary is recorded: {s:?}"
+        );
+        assert_eq!((s.attempts_used, s.max_attempts), (1, 1));
+        assert_eq!((s.wait_used_ms, s.wait_budget_ms), (0, 0));
+        let report = diagnose(
+            &s,
+            s.throttled_at + SignedDuration::from_secs(60),
+            &DiagnoseOptions::default(),
+        );
+        assert_eq!(report.diagnosis, Diagnosis::RetryBudgetExhausted);
+        fake.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_capped_by_prefer_wait_ended_at_its_429_used_no_wait() {
+        let fake = fake("3");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (gateway, policy) = start(&fake.url(), dir.path()).await;
+        let response = client()
+            .get(format!("http://{}/fake/v1/exports/9", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "research-b")
+            .header("Prefer", "wait=1")
+            .send()
+            .await
+            .expect("request");
+        let action = support::action_id(&response);
+        let (status, answer) = json_of(response).await;
+        assert_eq!(status, 429, "{answer}");
+        assert_eq!(answer["outcome"], "budget_exhausted", "{answer}");
+        assert_eq!(answer["total_wait_ms"], 0, "{answer}");
+
+        let live = run_health(&gateway, "research-b").await;
+        assert_eq!(live["snapshot"]["wait_used_ms"], answer["total_wait_ms"]);
+        gateway.shutdown().await.expect("shutdown");
+        assert_eq!(
+            on_route(&fake.attempts(), "GET", "/v1/exports/9").len(),
+            1,
+            "no retry reached the provider"
+        );
+
+        let later = in_secs(60);
+        let s = snapshot_at(dir.path(), &policy, action, later);
+        assert_eq!(s.wait_used_ms, 0, "it never waited: {s:?}");
+        // The `Prefer: wait=1` cap is not recorded: the class's budget is stated.
+        assert_eq!(s.wait_budget_ms, 90_000);
+        // The gateway ended it: no authorized attempt is left.
+        assert_eq!((s.attempts_used, s.max_attempts), (1, 1));
+        let report = diagnose(&s, later, &DiagnoseOptions::default());
+        assert_eq!(report.diagnosis, Diagnosis::RetryBudgetExhausted);
+        fake.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_whose_boundary_lies_beyond_its_deadline_diagnoses_deadline_exhausted() {
+        let fake = fake("30");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (gateway, policy) = start(&fake.url(), dir.path()).await;
+        let deadline = in_secs(20);
+        let response = client()
+            .get(format!("http://{}/fake/v1/exports/9", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "research-d")
+            .header("X-Backstop-Deadline", deadline.to_string())
+            .send()
+            .await
+            .expect("request");
+        let action = support::action_id(&response);
+        let (_, answer) = json_of(response).await;
+        assert_eq!(answer["outcome"], "deadline_exhausted", "{answer}");
+
+        let live = run_health(&gateway, "research-d").await;
+        assert_eq!(live["report"]["diagnosis"], "deadline_exhausted", "{live}");
+        gateway.shutdown().await.expect("shutdown");
+        assert_eq!(on_route(&fake.attempts(), "GET", "/v1/exports/9").len(), 1);
+
+        let later = in_secs(60);
+        let s = snapshot_at(dir.path(), &policy, action, later);
+        assert_eq!(s.wait_used_ms, 0, "{s:?}");
+        assert_eq!((s.attempts_used, s.max_attempts), (1, 4));
+        let report = diagnose(&s, later, &DiagnoseOptions::default());
+        assert_eq!(report.diagnosis, Diagnosis::DeadlineExhausted);
+        fake.shutdown().await;
+    }
+}
