@@ -205,6 +205,9 @@ struct Run<'a> {
     reference: Option<String>,
     /// The provider's operation id, once a response carried it.
     operation_id: Mutex<Option<String>>,
+    /// Attempts of this action sent before this run: 0, except for a write reopened for a
+    /// same-key retry, which continues its count.
+    prior_attempts: u32,
 }
 
 impl Run<'_> {
@@ -953,13 +956,13 @@ impl Engine {
             );
             read_id.map(StoreAdmission::New).map_err(EngineError::Store)
         };
-        let (id, action_guard) = match admission {
+        let (id, action_guard, prior_attempts) = match admission {
             Ok(StoreAdmission::New(id)) => {
                 let guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
                     Role::Leader(guard) => Some(guard),
                     Role::Follower(_) => None,
                 };
-                (id, guard)
+                (id, guard, 0)
             }
             Ok(StoreAdmission::Existing(record)) => {
                 if record.agent != spec.agent {
@@ -984,11 +987,19 @@ impl Engine {
                 };
                 match taken {
                     Some(guard) => {
+                        // Its earlier attempts count: receipts and the outcome's context number
+                        // attempts like the store does, from the first one ever sent.
+                        let id = record.id;
+                        let prior = match inner.blocking(move |s| s.attempts(id)).await {
+                            Ok(attempts) => u32::try_from(attempts.len()).unwrap_or(u32::MAX),
+                            Err(e) => return (self.refused_by_store(e, &spec.task_id), None),
+                        };
                         tracing::info!(
                             action = record.id.0,
+                            prior_attempts = prior,
                             "reopened write sent again with its original idempotency key"
                         );
-                        (record.id, Some(guard))
+                        (record.id, Some(guard), prior)
                     }
                     None => {
                         if let Some(tx) = notify {
@@ -1008,7 +1019,7 @@ impl Engine {
             id,
             provider: route.provider.clone(),
             class: route.class.clone(),
-            sent: 0,
+            sent: prior_attempts,
             in_flight: None,
             armed: true,
         };
@@ -1022,6 +1033,7 @@ impl Engine {
             upstream_key,
             reference,
             operation_id: Mutex::new(None),
+            prior_attempts,
         };
 
         // The per-task circuit breaker (SPEC §7).
@@ -1097,7 +1109,10 @@ impl Engine {
         let spec = run.spec;
         let route = &spec.route;
         let provider = inner.policy.providers.get(&route.provider);
-        let mut seen = Seen::default();
+        let mut seen = Seen {
+            sent: run.prior_attempts,
+            ..Seen::default()
+        };
         let mut not_before: Option<Timestamp> = None;
         // Tokens of retries that were sent (refunded if the action succeeds) and of the planned
         // retry not sent yet (refunded if it never leaves).
