@@ -340,6 +340,21 @@ async fn after_a_restart_retry_same_key_is_409_and_the_agents_same_key_resubmiss
     let attempts = fake.attempts();
     let creates = on_route(&attempts, "POST", "/v1/orders");
     assert_eq!(creates.len(), 2, "exactly one more create: {attempts:?}");
+    // The attempts are counted as the store counts them, from the first one ever sent: the
+    // answer, the action view and its context agree with the provider's two creates.
+    assert_eq!(response.headers()["backstop-attempts"], "2");
+    let (status, view) = json_of(
+        client()
+            .get(format!("http://{}/v1/actions/{id}", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .send()
+            .await
+            .expect("view"),
+    )
+    .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["attempts"], 2, "{view}");
+    assert_eq!(view["context"]["attempts"], 2, "{view}");
     assert_eq!(
         creates[1].idempotency_key,
         Some(upstream_idempotency_key("test-agent", "order-restart-1"))
