@@ -665,17 +665,35 @@ async fn a_key_unfinished_in_the_store_but_not_running_after_a_restart_is_409() 
     let accepted = send(Some("respond-async")).await.expect("submit");
     assert_eq!(accepted.status(), 202);
     let id = action_id(&accepted);
+    // The running gateway holds the store's write lock: watch the action's state over HTTP
+    // until its retry is scheduled (`waiting`), then check the durable job after the stop.
     let mut polls = 0;
     loop {
-        let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
-        if !store.scheduled_retries().expect("retries").is_empty() {
+        let (_, view) = json_of(
+            client()
+                .get(format!("http://{}/v1/actions/{id}", gateway.addr))
+                .bearer_auth(AGENT_TOKEN)
+                .send()
+                .await
+                .expect("view"),
+        )
+        .await;
+        if view["state"] == "waiting" {
             break;
         }
         polls += 1;
-        assert!(polls < 500, "no retry was scheduled");
+        assert!(polls < 500, "no retry was scheduled: {view}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     gateway.shutdown().await.expect("shutdown");
+    {
+        let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+        assert_eq!(
+            store.scheduled_retries().expect("retries").len(),
+            1,
+            "the retry is durable"
+        );
+    }
 
     let gateway = start_gateway(&fake.url(), dir.path()).await;
     let url2 = format!("http://{}/fake/v1/refunds", gateway.addr);
