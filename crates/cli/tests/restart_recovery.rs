@@ -16,7 +16,7 @@ use std::{
 
 use backstop_core::reconcile::upstream_idempotency_key;
 use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
-use backstop_store::{SqliteStore, Store};
+use backstop_store::{ActionId, AuditReader, SqliteStore, Store};
 
 const AGENT_TOKEN: &str = "agent-token-restart";
 
@@ -73,6 +73,33 @@ fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
         std::thread::sleep(step);
         polled += step;
     }
+}
+
+/// Whether the audit log of `db` has an event `kind` for `action`, read through the read-only
+/// audit reader (a running gateway holds the store's write lock, so the store is not opened).
+fn audited(db: &Path, action: ActionId, kind: &str) -> bool {
+    let Ok(reader) = AuditReader::open(db) else {
+        return false;
+    };
+    let mut out = Vec::new();
+    if reader.export(0, &mut out).is_err() {
+        return false;
+    }
+    String::from_utf8_lossy(&out).lines().any(|line| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .is_ok_and(|e| e["kind"] == kind && e["action"] == action.0)
+    })
+}
+
+/// The one attempt left `sent` without a result, read once the gateway is dead (its write lock
+/// went with it); the store is closed again before the next gateway starts.
+fn the_unfinished_attempt(db: &Path) -> backstop_store::UnfinishedAttempt {
+    let unfinished = SqliteStore::open_existing(db)
+        .expect("store readable")
+        .unfinished_attempts()
+        .expect("unfinished attempts");
+    assert_eq!(unfinished.len(), 1, "{unfinished:?}");
+    unfinished.into_iter().next().expect("one")
 }
 
 #[test]
@@ -138,27 +165,18 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
         Duration::from_secs(20),
         || fake.attempts().iter().any(|a| a.method == "POST"),
     );
-    let unfinished = SqliteStore::open_existing(&db)
-        .expect("store readable")
-        .unfinished_attempts()
-        .expect("unfinished attempts");
-    assert_eq!(unfinished.len(), 1, "{unfinished:?}");
-    let original_key = unfinished[0].idempotency_key.clone();
-    let action = unfinished[0].action;
     first.kill().expect("SIGKILL");
     first.wait().expect("reaped");
     drop(agent);
+    let unfinished = the_unfinished_attempt(&db);
+    let original_key = unfinished.idempotency_key.clone();
+    let action = unfinished.action;
 
     let mut second = serve(&policy_file, &db, port);
     wait_until(
         "reconciliation after the restart",
         Duration::from_secs(30),
-        || {
-            SqliteStore::open_existing(&db)
-                .ok()
-                .and_then(|s| s.action(action).ok().flatten())
-                .is_some_and(|a| a.outcome.is_some())
-        },
+        || audited(&db, action, "reconciled"),
     );
     second.kill().expect("stop");
     second.wait().expect("reaped");
@@ -271,26 +289,16 @@ fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerpr
                 == 2
         },
     );
-    let unfinished = SqliteStore::open_existing(&db)
-        .expect("store readable")
-        .unfinished_attempts()
-        .expect("unfinished attempts");
-    assert_eq!(unfinished.len(), 1, "{unfinished:?}");
-    let action = unfinished[0].action;
     first.kill().expect("SIGKILL");
     first.wait().expect("reaped");
     drop(agent);
+    let action = the_unfinished_attempt(&db).action;
 
     let mut second = serve(&policy_file, &db, port);
     wait_until(
         "the escalation after the restart",
         Duration::from_secs(30),
-        || {
-            SqliteStore::open_existing(&db)
-                .ok()
-                .and_then(|s| s.open_escalations().ok())
-                .is_some_and(|open| open.iter().any(|e| e.action == action))
-        },
+        || audited(&db, action, "escalated"),
     );
     second.kill().expect("stop");
     second.wait().expect("reaped");
