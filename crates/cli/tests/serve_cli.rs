@@ -239,3 +239,58 @@ fn an_empty_bearer_token_is_called_empty() {
     assert!(answer.contains("the bearer token is empty"), "{answer}");
     assert!(!answer.contains("not a bearer token"), "{answer}");
 }
+
+#[cfg(unix)]
+#[test]
+fn a_second_serve_on_a_store_in_use_exits_naming_the_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, _) = start_example(dir.path());
+    let mut second = backstop()
+        .args([
+            "serve",
+            "--config",
+            EXAMPLE,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+        ])
+        .arg(dir.path().join("b.db"))
+        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
+        .env("BILLING_API_KEY", "billing-secret-value")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read until the second one exits (stderr closes) or says it listens (the refusal failed).
+    let mut stderr = String::new();
+    for line in BufReader::new(second.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        stderr.push_str(&line);
+        stderr.push('\n');
+        if line.contains("listening on") {
+            break;
+        }
+    }
+    let started = stderr.contains("listening on");
+    if started {
+        let _ = second.kill();
+    }
+    let second_exit = second.wait().unwrap();
+    let _ = Command::new("kill")
+        .args(["-TERM", &first.id().to_string()])
+        .status();
+    let first_exit = first.wait().unwrap();
+    assert!(
+        !started,
+        "a second gateway served the same store:\n{stderr}"
+    );
+    assert_eq!(second_exit.code(), Some(2), "{stderr}");
+    let lock = dir.path().join("b.db.lock");
+    assert!(
+        stderr.contains(&format!(
+            "{}: another process holds this lock",
+            lock.display()
+        )),
+        "{stderr}"
+    );
+    assert_eq!(first_exit.code(), Some(0), "the first gateway kept serving");
+}
