@@ -16,6 +16,14 @@ use crate::model::{
 };
 use crate::store::{ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
 
+/// What happened to a read after it was recorded, in order (see [`WriteTx::record_held_read`]).
+pub(crate) enum ReadStep {
+    /// An attempt was sent at this instant.
+    Sent(Timestamp),
+    /// An attempt's result arrived at this instant.
+    Result(AttemptResult, Timestamp),
+}
+
 /// The writer's connection inside an open transaction, plus the chain it appends to.
 pub(crate) struct WriteTx<'a> {
     pub(crate) conn: &'a Connection,
@@ -200,6 +208,29 @@ impl WriteTx<'_> {
         check_names_task(&task, &new)?;
         self.open_task(task, at)?;
         self.record_action_as(new, id, at)
+    }
+
+    /// A read's whole bookkeeping as ONE operation: the task (if new) and the action under the
+    /// id handed out in advance, then each step in order, exactly as the separate operations
+    /// would write them (same rows, same events, same order of events). Returns the attempt
+    /// numbers of the `Sent` steps, in order.
+    pub(crate) fn record_held_read(
+        &mut self,
+        task: NewTask,
+        new: NewAction,
+        id: ActionId,
+        at: Timestamp,
+        steps: Vec<ReadStep>,
+    ) -> Result<Vec<u32>, StoreError> {
+        self.open_and_record(task, new, Some(id), at)?;
+        let mut sent = Vec::with_capacity(1);
+        for step in steps {
+            match step {
+                ReadStep::Sent(at) => sent.push(self.mark_attempt_sent(id, at)?),
+                ReadStep::Result(result, at) => self.record_result(result, at)?,
+            }
+        }
+        Ok(sent)
     }
 
     /// Records an action under `id` when one was handed out in advance, else under the next
