@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use backstop_store::audit::{format_instant, Verdict};
 use backstop_store::{
-    ActionId, ActionState, AttemptResult, Completion, Disposition, Finish, NewAction, NewTask,
-    Outcome, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store, StoreError,
+    ActionId, ActionState, Admission, AttemptResult, Boundary, Completion, Disposition, Finish,
+    NewAction, NewTask, Outcome, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store,
+    StoreError, StoredResponse,
 };
 use common::{open_task, t};
 
@@ -246,5 +247,114 @@ fn a_cancelled_task_refuses_reads_after_a_restart_without_a_query() {
         store.writer_stats().operations - before,
         2,
         "the read and the flush"
+    );
+}
+
+/// A read's final answer with every field the records carry set.
+fn full_answer(action: ActionId, outcome: Outcome) -> AttemptResult {
+    AttemptResult {
+        action,
+        attempt: 1,
+        status: Some(200),
+        disposition: Disposition::Success,
+        boundary: Some(Boundary::At(t(60_000))),
+        source: Some("Retry-After header".into()),
+        provider_operation_id: Some("op-7".into()),
+        finish: Some(Finish {
+            outcome,
+            context: serde_json::json!({ "sent": true, "attempts": 1 }),
+            response: Some(StoredResponse {
+                status: 200,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: b"{\"ok\":true}".to_vec(),
+            }),
+        }),
+    }
+}
+
+/// Everything a read left in a store: the action, its attempts and the whole audit log
+/// (seq, prev and hash included).
+fn trace(store: &SqliteStore, id: ActionId) -> String {
+    format!(
+        "{:?}\n{:?}\n{:?}",
+        store.action(id).expect("read"),
+        store.attempts(id).expect("attempts"),
+        store.audit_events(0, 100).expect("events")
+    )
+}
+
+#[test]
+fn an_answered_read_leaves_the_same_rows_and_chain_as_the_separate_operations() {
+    for (task_exists, outcome) in [
+        (false, Outcome::Succeeded),
+        (true, Outcome::BudgetExhausted),
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // As one held read.
+        let held = SqliteStore::open(dir.path().join("held.db")).expect("open");
+        if task_exists {
+            open_task(&held, "task-1");
+        }
+        let (recorded, _rx) = completion();
+        let id = held
+            .record_read(task("task-1"), read_action("task-1"), t(1), recorded)
+            .expect("read recorded");
+        let (sent, _rx) = completion();
+        held.submit_attempt_sent(id, t(2), sent);
+        let (done, done_rx) = completion();
+        held.submit_result(full_answer(id, outcome), t(3), done);
+        wait(&done_rx).expect("committed");
+        // As the separate blocking operations.
+        let separate = SqliteStore::open(dir.path().join("separate.db")).expect("open");
+        if task_exists {
+            open_task(&separate, "task-1");
+        }
+        separate.open_task(task("task-1"), t(1)).expect("task");
+        let Admission::New(same) = separate
+            .record_action(read_action("task-1"), t(1))
+            .expect("action")
+        else {
+            panic!("a read is always a new action");
+        };
+        assert_eq!(same, id);
+        assert_eq!(separate.mark_attempt_sent(id, t(2)).expect("sent"), 1);
+        separate
+            .record_result(full_answer(id, outcome), t(3))
+            .expect("result");
+        assert_eq!(
+            trace(&held, id),
+            trace(&separate, id),
+            "task existed: {task_exists}"
+        );
+    }
+}
+
+#[test]
+fn a_read_left_unanswered_is_recorded_by_the_writer_and_its_result_follows_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
+    let (recorded, recorded_rx) = completion();
+    let id = store
+        .record_read(task("task-r"), read_action("task-r"), t(0), recorded)
+        .expect("read recorded");
+    let (sent, sent_rx) = completion();
+    store.submit_attempt_sent(id, t(1), sent);
+    // Nothing else happens: the writer queues the held read itself after the hold limit.
+    wait(&recorded_rx).expect("recorded without an answer");
+    assert_eq!(wait(&sent_rx).expect("sent committed"), 1);
+    let before = store.writer_stats().operations;
+    let (done, done_rx) = completion();
+    store.submit_result(success(id, 1), t(2), done);
+    wait(&done_rx).expect("result committed");
+    assert_eq!(store.writer_stats().operations - before, 1);
+    assert_eq!(
+        kinds(&store),
+        [
+            "task_opened",
+            "action_requested",
+            "action_sent",
+            "action_result",
+            "action_finished"
+        ]
     );
 }
