@@ -33,9 +33,11 @@
 //! any blocking operation (a retry's result, a cancellation, an escalation, …), before any
 //! read through the [`Store`], on [`Store::flush`] and when the store is closed. So every
 //! operation still finds what was recorded before it, and a caller reads its own writes. A
-//! read still unanswered after [`HOLD_LIMIT`] is queued by the writer itself (which looks at
-//! least every 100 ms), so a slow call is in the log about a second after it started and its
-//! `done` is called even if nothing else happens; its result is then an operation of its own.
+//! read still unanswered is queued by the writer itself, as far as it got, once it is
+//! [`HOLD_LIMIT`] old by the latest instant a read brought to the store (the store never reads
+//! the clock), or when the writer saw nothing at all for [`HOLD_LIMIT`]. So a slow call is in
+//! the log about a second after it started and its `done` is called even if nothing else
+//! happens; its result is then an operation of its own.
 //!
 //! The refusal of a read for a cancelled task needs no query either: the cancelled tasks are
 //! kept in memory (read once when the store opens, added to by [`Store::cancel_task`]).
@@ -62,7 +64,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use jiff::Timestamp;
 use rusqlite::Connection;
@@ -83,11 +85,15 @@ use ops::{ReadStep, WriteTx};
 pub const MAX_BATCH: usize = 1024;
 
 /// Longest a read's records are held waiting for its answer before the writer queues them as
-/// far as they got (its result is then an operation of its own).
+/// far as they got (its result is then an operation of its own): measured from the read's own
+/// instant to the latest instant a read brought, or as this long without any operation.
 pub const HOLD_LIMIT: Duration = Duration::from_secs(1);
 
-/// How often an idle writer looks for reads held longer than [`HOLD_LIMIT`].
+/// How long the writer waits for an operation before it counts an idle tick.
 const HOLD_TICK: Duration = Duration::from_millis(100);
+
+/// Idle ticks in a row after which the writer queues every held read.
+const HOLD_IDLE_TICKS: u32 = 10;
 
 /// What the writer calls with the commit's result once the transaction holding an operation
 /// ended.
@@ -115,8 +121,6 @@ type HeldReads = Arc<Mutex<HashMap<ActionId, HeldRead>>>;
 
 /// A read handed its id whose operation waits for its answer (see the module docs).
 struct HeldRead {
-    /// When it was recorded: after [`HOLD_LIMIT`] the writer queues it as far as it got.
-    since: Instant,
     task: NewTask,
     action: NewAction,
     at: Timestamp,
@@ -140,6 +144,9 @@ struct Counters {
     /// Operations submitted without their caller waiting that have not committed yet; reads
     /// through the [`Store`] wait for them first (read your own writes).
     unawaited: AtomicU64,
+    /// The latest instant (ms since the epoch) a read's operation brought: how old a held read
+    /// is, without reading the clock.
+    latest_ms: AtomicI64,
 }
 
 /// How the writer grouped operations into commits since the store was opened.
@@ -279,6 +286,13 @@ impl SqliteStore {
         F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         self.enqueue(op, unawaited(&self.counters, done));
+    }
+
+    /// Notes the instant an operation brought (how old held reads are, see the module docs).
+    fn saw(&self, at: Timestamp) {
+        self.counters
+            .latest_ms
+            .fetch_max(at.as_millisecond(), Ordering::Relaxed);
     }
 
     fn held_reads(&self) -> MutexGuard<'_, HashMap<ActionId, HeldRead>> {
@@ -439,16 +453,18 @@ fn read_job(id: ActionId, read: HeldRead, counters: &Arc<Counters>) -> Job {
     )
 }
 
-/// Moves the reads held longer than [`HOLD_LIMIT`] into `batch`, oldest first.
-fn take_overdue(held: &HeldReads, counters: &Arc<Counters>, batch: &mut Vec<Job>) {
+/// Moves into `batch`, oldest first, the reads held [`HOLD_LIMIT`] by the latest instant a read
+/// brought, or every held read when `all` (the writer was idle for that long).
+fn take_overdue(held: &HeldReads, counters: &Arc<Counters>, batch: &mut Vec<Job>, all: bool) {
     let mut held = held.lock().unwrap_or_else(PoisonError::into_inner);
     if held.is_empty() {
         return;
     }
-    let now = Instant::now();
+    let limit_ms = i64::try_from(HOLD_LIMIT.as_millis()).unwrap_or(i64::MAX);
+    let latest = counters.latest_ms.load(Ordering::Relaxed);
     let mut overdue: Vec<ActionId> = held
         .iter()
-        .filter(|(_, read)| now.duration_since(read.since) >= HOLD_LIMIT)
+        .filter(|(_, read)| all || latest.saturating_sub(read.at.as_millisecond()) >= limit_ms)
         .map(|(id, _)| *id)
         .collect();
     overdue.sort();
@@ -477,11 +493,15 @@ fn writer_loop(
     conn.set_prepared_statement_cache_capacity(64);
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
+    let mut idle_ticks = 0u32;
     loop {
         // Wake at least every HOLD_TICK to queue reads held too long.
         match rx.recv_timeout(HOLD_TICK) {
-            Ok(job) => batch.push(job),
-            Err(RecvTimeoutError::Timeout) => {}
+            Ok(job) => {
+                idle_ticks = 0;
+                batch.push(job);
+            }
+            Err(RecvTimeoutError::Timeout) => idle_ticks = idle_ticks.saturating_add(1),
             Err(RecvTimeoutError::Disconnected) => break,
         }
         while batch.len() < MAX_BATCH {
@@ -491,7 +511,7 @@ fn writer_loop(
             }
         }
         // After what was queued: nothing queued so far concerns a read still held.
-        take_overdue(held, counters, &mut batch);
+        take_overdue(held, counters, &mut batch, idle_ticks >= HOLD_IDLE_TICKS);
         if batch.is_empty() {
             continue;
         }
@@ -648,11 +668,11 @@ impl Store for SqliteStore {
             });
         }
         let id = ActionId(self.counters.next_action_id.fetch_add(1, Ordering::Relaxed));
+        self.saw(at);
         // Held until its answer is known (see the module docs).
         self.held_reads().insert(
             id,
             HeldRead {
-                since: Instant::now(),
                 task,
                 action,
                 at,
@@ -669,6 +689,7 @@ impl Store for SqliteStore {
     }
 
     fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>) {
+        self.saw(at);
         if let Some(read) = self.held_reads().get_mut(&action) {
             read.steps.push((ReadStep::Sent(at), StepDone::Sent(done)));
             return;
@@ -677,6 +698,7 @@ impl Store for SqliteStore {
     }
 
     fn submit_result(&self, result: AttemptResult, at: Timestamp, done: Completion<()>) {
+        self.saw(at);
         let mut held = self.held_reads();
         if let Some(mut read) = held.remove(&result.action) {
             // The read's answer is known: the whole read is queued as one operation (under the
