@@ -92,7 +92,7 @@ pub const HOLD_LIMIT: Duration = Duration::from_secs(1);
 /// How long the writer waits for an operation before it counts an idle tick.
 const HOLD_TICK: Duration = Duration::from_millis(100);
 
-/// Idle ticks in a row after which the writer queues every held read.
+/// Idle ticks in a row, while reads are held, after which the writer queues every held read.
 const HOLD_IDLE_TICKS: u32 = 10;
 
 /// What the writer calls with the commit's result once the transaction holding an operation
@@ -454,11 +454,17 @@ fn read_job(id: ActionId, read: HeldRead, counters: &Arc<Counters>) -> Job {
 }
 
 /// Moves into `batch`, oldest first, the reads held [`HOLD_LIMIT`] by the latest instant a read
-/// brought, or every held read when `all` (the writer was idle for that long).
-fn take_overdue(held: &HeldReads, counters: &Arc<Counters>, batch: &mut Vec<Job>, all: bool) {
+/// brought, or every held read when `all` (the writer was idle for that long). Returns whether
+/// any read was held.
+fn take_overdue(
+    held: &HeldReads,
+    counters: &Arc<Counters>,
+    batch: &mut Vec<Job>,
+    all: bool,
+) -> bool {
     let mut held = held.lock().unwrap_or_else(PoisonError::into_inner);
     if held.is_empty() {
-        return;
+        return false;
     }
     let limit_ms = i64::try_from(HOLD_LIMIT.as_millis()).unwrap_or(i64::MAX);
     let latest = counters.latest_ms.load(Ordering::Relaxed);
@@ -473,6 +479,7 @@ fn take_overdue(held: &HeldReads, counters: &Arc<Counters>, batch: &mut Vec<Job>
             batch.push(read_job(id, read, counters));
         }
     }
+    true
 }
 
 /// Runs one transaction-control statement through the statement cache, so the writer does not
@@ -511,7 +518,11 @@ fn writer_loop(
             }
         }
         // After what was queued: nothing queued so far concerns a read still held.
-        take_overdue(held, counters, &mut batch, idle_ticks >= HOLD_IDLE_TICKS);
+        // Idle ticks count only while a read is held, from the first tick that sees one.
+        let all = idle_ticks >= HOLD_IDLE_TICKS;
+        if !take_overdue(held, counters, &mut batch, all) || all {
+            idle_ticks = 0;
+        }
         if batch.is_empty() {
             continue;
         }
