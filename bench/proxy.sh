@@ -9,6 +9,7 @@
 #   BENCH_ROUNDS [3]        how many times the alternation direct, nginx, backstop is repeated
 #   BENCH_CONNECTIONS [32]  wrk connections of the saturation runs
 #   BENCH_NO_BUILD [unset]  set to 1 to use the binaries already in target/ as they are
+#   CARGO_TARGET_DIR [target/]  where cargo builds, and so where the binaries are looked for
 #
 # What it prints: per path the median over the rounds of requests/s, p50 and p99 latency at
 # saturation, then the ratios backstop/direct and backstop/nginx; then the same three paths at a
@@ -51,9 +52,10 @@ install_missing
 command -v wrk >/dev/null || die "wrk is not installed"
 command -v nginx >/dev/null || die "nginx is not installed"
 
-BACKSTOP="$ROOT/target/release/backstop"
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+BACKSTOP="$TARGET_DIR/release/backstop"
 if [ "${BENCH_NO_BUILD:-}" = 1 ]; then
-    UPSTREAM_BIN="$(ls -t "$ROOT"/target/release/deps/upstream-* 2>/dev/null | grep -v '\.d$' | head -n1)"
+    UPSTREAM_BIN="$(ls -t "$TARGET_DIR"/release/deps/upstream-* 2>/dev/null | grep -v '\.d$' | head -n1)"
 else
     log "building backstop (release) and the upstream"
     (cd "$ROOT" && cargo build --quiet --release -p backstop --bin backstop)

@@ -936,8 +936,10 @@ async fn execute(state: &AppState, spec: ActionSpec, before_engine: Duration) ->
     let execution = state.executor.execute(spec).await;
     let answered = tokio::time::Instant::now();
     let receipt = execution.receipt();
+    // A passed-through answer is the common case and is already in the audit chain: `debug`.
+    // Gateway outcomes and refusals are decisions a demanding user wants explained: `info`.
     match &execution {
-        Execution::Response { response, .. } => tracing::info!(
+        Execution::Response { response, .. } => tracing::debug!(
             %agent, %provider, %method, route = %template, %class, task = %task_id,
             action_id = receipt.action_id, attempts = receipt.attempts,
             status = response.status().as_u16(),

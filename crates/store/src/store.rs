@@ -16,14 +16,15 @@
 //! one-shot channel instead of parking a thread. Operations run and commit in the order they
 //! were queued, so the events of one action keep their order. A write awaits the completion of
 //! [`Store::submit_attempt_sent`] before its bytes leave (SPEC §12). A read need not await
-//! anything: [`Store::record_read`] hands out the action id at once, and its later bookkeeping
-//! may be queued and left to commit with the next group (SPEC §12: reads may be recorded
-//! asynchronously). Every event is still written, in the same transaction as its state change.
-//! **What a crash can lose:** only the read bookkeeping whose group had not committed yet — the
-//! tail of queued read operations, never a write's `action_requested`/`action_sent`, and never
-//! a gap in the chain (an operation and its event commit together or not at all). Reads through
-//! the trait's read methods first wait for every operation queued before them, so a caller
-//! always reads its own writes.
+//! anything: [`Store::record_read`] hands out the action id at once, and its bookkeeping may
+//! be held until its result is submitted and then queued as one operation, left to commit with
+//! the next group (SPEC §12: reads may be recorded asynchronously). Every event is still
+//! written, in the same transaction as its state change. **What a crash can lose:** only read
+//! bookkeeping whose group had not committed yet — reads held or queued, never a write's
+//! `action_requested`/`action_sent`, and never a gap in the chain (an operation and its event
+//! commit together or not at all). Every other operation, and every read through the trait's
+//! read methods, first finds whatever was recorded or queued before it, so a caller always
+//! reads its own writes.
 
 use jiff::Timestamp;
 
@@ -96,12 +97,15 @@ pub trait Store: Send + Sync {
     );
 
     /// Records a read (an action without idempotency key) without waiting for the writer: the
-    /// action id is handed out at once, the task is opened if new and the action recorded
-    /// (`task_opened`, `action_requested`) in one queued operation, and `done` is told when
-    /// that is durable (SPEC §12: reads may be recorded asynchronously). Before queueing, the
-    /// task (of the same agent: task ids are namespaced per agent) is looked up in what has
-    /// committed: a cancelled task is refused at once, as [`Store::record_action`] would. A crash before the group commit
-    /// loses this record and everything queued for the action after it.
+    /// action id is handed out at once; the task is opened if new and the action recorded
+    /// (`task_opened`, `action_requested`), and `done` is told when that is durable (SPEC §12:
+    /// reads may be recorded asynchronously). An implementation may hold these records until
+    /// the read's result is submitted ([`Store::submit_result`]) and queue the whole read —
+    /// records, attempt and result — as one operation; it queues a held read earlier whenever
+    /// another operation or a read of the store could need it. The task (of the same agent:
+    /// task ids are namespaced per agent) is checked first: a cancelled task is refused at once,
+    /// as [`Store::record_action`] would. A crash before the group commit loses this record and
+    /// everything submitted for the action after it.
     ///
     /// # Errors
     /// [`StoreError::Invalid`] when the action carries an idempotency key (a write must be
@@ -119,13 +123,16 @@ pub trait Store: Send + Sync {
 
     /// [`Store::mark_attempt_sent`], queued without blocking: `done` receives the attempt
     /// number once the `action_sent` event is committed and fsync'd. A write's bytes leave only
-    /// after `done` was called with `Ok`; a read may go without waiting.
+    /// after `done` was called with `Ok`; a read may go without waiting (and a held read's
+    /// attempt is held with it, see [`Store::record_read`]).
     ///
     /// # Errors (through `done`)
     /// As [`Store::mark_attempt_sent`]; [`StoreError::WriterGone`] when the store is closing.
     fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>);
 
     /// [`Store::record_result`], queued without blocking; `done` is called once it is durable.
+    /// The result of a held read queues the whole read as one operation (see
+    /// [`Store::record_read`]).
     ///
     /// # Errors (through `done`)
     /// As [`Store::record_result`]; [`StoreError::WriterGone`] when the store is closing.

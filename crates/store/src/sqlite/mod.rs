@@ -17,16 +17,38 @@
 //! [`Store::begin_action`], [`Store::submit_attempt_sent`] and [`Store::submit_result`] queue
 //! the operation and return at once; the completion is called on the writer thread after the
 //! commit (so awaiting it gives exactly the durability of the blocking methods — a write awaits
-//! `submit_attempt_sent` before its bytes leave). [`Store::record_read`] also hands out the
-//! action id itself (from a counter the writer shares, started at `MAX(id) + 1` when the store
-//! opens), so a read never waits for the writer or an fsync. One queue, one writer: the
-//! operations of an action run and commit in the order they were queued, and each event
-//! commits with its state change. On a crash (power loss, SIGKILL) what is lost is exactly the
-//! operations queued but not yet in a committed group: for reads that no one awaited, the tail
-//! of their bookkeeping (e.g. an `action_result`, or a whole read from `task_opened` on). The
-//! chain stays intact, since a group commits whole or not at all. Writes lose nothing they
-//! were sent under: their records were awaited. The store assumes it is the only process that
-//! adds actions to the file (the id counter lives in this process).
+//! `submit_attempt_sent` before its bytes leave). One queue, one writer: the operations of an
+//! action run and commit in the order they were queued, and each event commits with its state
+//! change.
+//!
+//! # Reads: one operation per read, once its answer is known
+//! [`Store::record_read`] hands out the action id itself (from a counter the writer shares,
+//! started at `MAX(id) + 1` when the store opens) and queues nothing yet: the read is *held* in
+//! memory, and its [`Store::submit_attempt_sent`] is added to it. Its
+//! [`Store::submit_result`] queues the whole read as ONE operation (task and action rows,
+//! `task_opened`, `action_requested`, `action_sent`, `action_result`, `action_finished`: the
+//! same rows and events the separate operations write, in one savepoint), so a proxied read
+//! costs the writer one queue entry instead of three, and never waits for it or an fsync. A
+//! held read is queued early, as far as it got, whenever something may need to see it: before
+//! any blocking operation (a retry's result, a cancellation, an escalation, …), before any
+//! read through the [`Store`], on [`Store::flush`] and when the store is closed. So every
+//! operation still finds what was recorded before it, and a caller reads its own writes. A
+//! read still unanswered is queued by the writer itself, as far as it got, once it is
+//! [`HOLD_LIMIT`] old by the latest instant a read brought to the store (the store never reads
+//! the clock), or when the writer saw nothing at all for [`HOLD_LIMIT`]. So a slow call is in
+//! the log about a second after it started and its `done` is called even if nothing else
+//! happens; its result is then an operation of its own.
+//!
+//! The refusal of a read for a cancelled task needs no query either: the cancelled tasks are
+//! kept in memory (read once when the store opens, added to by [`Store::cancel_task`]).
+//!
+//! On a crash (power loss, SIGKILL) what is lost is exactly the reads still held or queued
+//! but not yet in a committed group (SPEC §12: reads may be recorded asynchronously): a read
+//! in flight, or answered just before the crash, may be missing from the log from
+//! `task_opened` on. The chain stays intact, since a group commits whole or not at all.
+//! Writes lose nothing they were sent under: their records were awaited. The store assumes it
+//! is the only process that adds actions to the file or cancels tasks in it (the id counter
+//! and the cancelled tasks live in this process).
 //!
 //! Readers use separate connections from a small pool and never wait for the writer (WAL),
 //! except that a read through the [`Store`] first waits for operations queued without being
@@ -37,11 +59,13 @@ mod ops;
 mod rows;
 mod schema;
 
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use jiff::Timestamp;
 use rusqlite::Connection;
@@ -56,10 +80,21 @@ use crate::model::{
     ScopeUpdate, TaskRecord, UnfinishedAttempt,
 };
 use crate::store::{Completion, Store};
-use ops::WriteTx;
+use ops::{ReadStep, WriteTx};
 
 /// Most operations committed in one transaction.
 pub const MAX_BATCH: usize = 1024;
+
+/// Longest a read's records are held waiting for its answer before the writer queues them as
+/// far as they got (its result is then an operation of its own): measured from the read's own
+/// instant to the latest instant a read brought, or as this long without any operation.
+pub const HOLD_LIMIT: Duration = Duration::from_secs(1);
+
+/// How long the writer waits for an operation before it counts an idle tick.
+const HOLD_TICK: Duration = Duration::from_millis(100);
+
+/// Idle ticks in a row, while reads are held, after which the writer queues every held read.
+const HOLD_IDLE_TICKS: u32 = 10;
 
 /// What the writer calls with the commit's result once the transaction holding an operation
 /// ended.
@@ -75,8 +110,31 @@ pub struct SqliteStore {
     writer: Mutex<Option<JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
     counters: Arc<Counters>,
+    /// Reads recorded by [`Store::record_read`] whose bookkeeping is not queued yet (shared
+    /// with the writer, which queues those held too long).
+    held: HeldReads,
+    /// Cancelled tasks: agent → task ids.
+    cancelled: RwLock<HashMap<String, HashSet<String>>>,
     /// The file's exclusive write lock (see `lock`), released last, when the store is dropped.
     _lock: lock::StoreLock,
+}
+
+/// The held reads by action id.
+type HeldReads = Arc<Mutex<HashMap<ActionId, HeldRead>>>;
+
+/// A read handed its id whose operation waits for its answer (see the module docs).
+struct HeldRead {
+    task: NewTask,
+    action: NewAction,
+    at: Timestamp,
+    recorded: Completion<()>,
+    steps: Vec<(ReadStep, StepDone)>,
+}
+
+/// The completion of one step of a held read.
+enum StepDone {
+    Sent(Completion<u32>),
+    Result(Completion<()>),
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +147,9 @@ struct Counters {
     /// Operations submitted without their caller waiting that have not committed yet; reads
     /// through the [`Store`] wait for them first (read your own writes).
     unawaited: AtomicU64,
+    /// The latest instant (ms since the epoch) a read's operation brought: how old a held read
+    /// is, without reading the clock.
+    latest_ms: AtomicI64,
 }
 
 /// How the writer grouped operations into commits since the store was opened.
@@ -138,15 +199,21 @@ impl SqliteStore {
         let next_id: i64 = conn
             .prepare_cached("SELECT COALESCE(MAX(id), 0) + 1 FROM actions")?
             .query_row([], |r| r.get(0))?;
+        let mut cancelled: HashMap<String, HashSet<String>> = HashMap::new();
+        for (agent, task) in rows::cancelled_tasks(&conn)? {
+            cancelled.entry(agent).or_default().insert(task);
+        }
         let (tx, rx) = mpsc::sync_channel::<Job>(4 * MAX_BATCH);
         let counters = Arc::new(Counters {
             next_action_id: AtomicI64::new(next_id),
             ..Counters::default()
         });
         let writer_counters = Arc::clone(&counters);
+        let held: HeldReads = Arc::new(Mutex::new(HashMap::new()));
+        let writer_held = Arc::clone(&held);
         let writer = std::thread::Builder::new()
             .name("backstop-store-writer".into())
-            .spawn(move || writer_loop(conn, chain, rx, &writer_counters))
+            .spawn(move || writer_loop(conn, chain, rx, &writer_counters, &writer_held))
             .map_err(|e| StoreError::Sqlite(format!("cannot start the writer thread: {e}")))?;
         Ok(SqliteStore {
             path: path.to_owned(),
@@ -154,6 +221,8 @@ impl SqliteStore {
             writer: Mutex::new(Some(writer)),
             readers: Mutex::new(Vec::new()),
             counters,
+            held,
+            cancelled: RwLock::new(cancelled),
             _lock: lock,
         })
     }
@@ -171,12 +240,14 @@ impl SqliteStore {
         &self.path
     }
 
-    /// Runs `op` in the next group commit and waits until that commit is durable.
+    /// Runs `op` in the next group commit (after every held read, queued first) and waits
+    /// until that commit is durable.
     fn submit<T, F>(&self, op: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
+        self.queue_held_reads();
         let (reply_tx, reply_rx) = mpsc::sync_channel::<Result<T, StoreError>>(1);
         self.enqueue(
             op,
@@ -196,22 +267,11 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
-        let job: Job = Box::new(move |tx: Option<&mut WriteTx<'_>>| {
-            let result = match tx {
-                Some(tx) => op(tx),
-                // Replaced by the commit error the completion receives.
-                None => Err(StoreError::WriterGone),
-            };
-            let ok = result.is_ok();
-            let after: AfterCommit = Box::new(move |commit: Result<(), StoreError>| {
-                done(match (result, commit) {
-                    (_, Err(e)) => Err(e),
-                    (Err(e), Ok(())) => Err(e),
-                    (Ok(v), Ok(())) => Ok(v),
-                })
-            });
-            (ok, after)
-        });
+        self.send(job(op, done));
+    }
+
+    /// Hands a job to the writer (or fails it when the writer is gone).
+    fn send(&self, job: Job) {
         let sender = self
             .jobs
             .lock()
@@ -232,15 +292,33 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
-        self.counters.unawaited.fetch_add(1, Ordering::AcqRel);
-        let counters = Arc::clone(&self.counters);
-        self.enqueue(
-            op,
-            Box::new(move |result| {
-                counters.unawaited.fetch_sub(1, Ordering::AcqRel);
-                done(result);
-            }),
-        );
+        self.enqueue(op, unawaited(&self.counters, done));
+    }
+
+    /// Notes the instant an operation brought (how old held reads are, see the module docs).
+    fn saw(&self, at: Timestamp) {
+        self.counters
+            .latest_ms
+            .fetch_max(at.as_millisecond(), Ordering::Relaxed);
+    }
+
+    fn held_reads(&self) -> MutexGuard<'_, HashMap<ActionId, HeldRead>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues every held read as far as it got (oldest first), so that what is queued after
+    /// finds it.
+    fn queue_held_reads(&self) {
+        let mut held = self.held_reads();
+        if held.is_empty() {
+            return;
+        }
+        let mut reads: Vec<(ActionId, HeldRead)> = held.drain().collect();
+        reads.sort_by_key(|(id, _)| *id);
+        // Queued under the lock: a step submitted meanwhile cannot overtake its read.
+        for (id, read) in reads {
+            self.send(read_job(id, read, &self.counters));
+        }
     }
 
     /// Runs `f` on a pooled read connection.
@@ -248,6 +326,7 @@ impl SqliteStore {
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        self.queue_held_reads();
         if self.counters.unawaited.load(Ordering::Acquire) > 0 {
             // Read your own writes: an empty operation commits after everything queued before.
             self.submit(|_| Ok(()))?;
@@ -289,6 +368,7 @@ impl SqliteStore {
 
 impl Drop for SqliteStore {
     fn drop(&mut self) {
+        self.queue_held_reads();
         // Closing the channel ends the writer loop after it finished the queued operations.
         self.jobs
             .lock()
@@ -305,6 +385,110 @@ impl Drop for SqliteStore {
     }
 }
 
+/// The writer's job for `op`: run it in the open transaction, then call `done` with its
+/// result once the transaction ended.
+fn job<T, F>(op: F, done: Completion<T>) -> Job
+where
+    T: Send + 'static,
+    F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
+{
+    Box::new(move |tx: Option<&mut WriteTx<'_>>| {
+        let result = match tx {
+            Some(tx) => op(tx),
+            // Replaced by the commit error the completion receives.
+            None => Err(StoreError::WriterGone),
+        };
+        let ok = result.is_ok();
+        let after: AfterCommit = Box::new(move |commit: Result<(), StoreError>| {
+            done(match (result, commit) {
+                (_, Err(e)) => Err(e),
+                (Err(e), Ok(())) => Err(e),
+                (Ok(v), Ok(())) => Ok(v),
+            })
+        });
+        (ok, after)
+    })
+}
+
+/// `done` for an operation nobody waits for: counted in `unawaited` until its commit, so that
+/// reads through the store wait for it.
+fn unawaited<T: Send + 'static>(counters: &Arc<Counters>, done: Completion<T>) -> Completion<T> {
+    counters.unawaited.fetch_add(1, Ordering::AcqRel);
+    let counters = Arc::clone(counters);
+    Box::new(move |result| {
+        counters.unawaited.fetch_sub(1, Ordering::AcqRel);
+        done(result);
+    })
+}
+
+/// A held read as one writer job; its completions are called after the commit, in the order
+/// of its steps (each with the error, when the operation was undone).
+fn read_job(id: ActionId, read: HeldRead, counters: &Arc<Counters>) -> Job {
+    let HeldRead {
+        task,
+        action,
+        at,
+        recorded,
+        steps,
+        ..
+    } = read;
+    let (steps, dones): (Vec<ReadStep>, Vec<StepDone>) = steps.into_iter().unzip();
+    let done: Completion<Vec<u32>> = Box::new(move |result| match result {
+        Ok(sent) => {
+            recorded(Ok(()));
+            let mut sent = sent.into_iter();
+            for done in dones {
+                match done {
+                    StepDone::Sent(done) => done(sent.next().ok_or(StoreError::WriterGone)),
+                    StepDone::Result(done) => done(Ok(())),
+                }
+            }
+        }
+        Err(e) => {
+            recorded(Err(e.clone()));
+            for done in dones {
+                match done {
+                    StepDone::Sent(done) => done(Err(e.clone())),
+                    StepDone::Result(done) => done(Err(e.clone())),
+                }
+            }
+        }
+    });
+    job(
+        move |tx| tx.record_held_read(task, action, id, at, steps),
+        unawaited(counters, done),
+    )
+}
+
+/// Moves into `batch`, oldest first, the reads held [`HOLD_LIMIT`] by the latest instant a read
+/// brought, or every held read when `all` (the writer was idle for that long). Returns whether
+/// any read was held.
+fn take_overdue(
+    held: &HeldReads,
+    counters: &Arc<Counters>,
+    batch: &mut Vec<Job>,
+    all: bool,
+) -> bool {
+    let mut held = held.lock().unwrap_or_else(PoisonError::into_inner);
+    if held.is_empty() {
+        return false;
+    }
+    let limit_ms = i64::try_from(HOLD_LIMIT.as_millis()).unwrap_or(i64::MAX);
+    let latest = counters.latest_ms.load(Ordering::Relaxed);
+    let mut overdue: Vec<ActionId> = held
+        .iter()
+        .filter(|(_, read)| all || latest.saturating_sub(read.at.as_millisecond()) >= limit_ms)
+        .map(|(id, _)| *id)
+        .collect();
+    overdue.sort();
+    for id in overdue {
+        if let Some(read) = held.remove(&id) {
+            batch.push(read_job(id, read, counters));
+        }
+    }
+    true
+}
+
 /// Runs one transaction-control statement through the statement cache, so the writer does not
 /// parse `BEGIN`, `SAVEPOINT`, `RELEASE` and `COMMIT` again for every operation.
 fn control(conn: &Connection, sql: &str) -> Result<(), StoreError> {
@@ -312,18 +496,42 @@ fn control(conn: &Connection, sql: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn writer_loop(conn: Connection, mut chain: Chain, rx: Receiver<Job>, counters: &Counters) {
+fn writer_loop(
+    conn: Connection,
+    mut chain: Chain,
+    rx: Receiver<Job>,
+    counters: &Arc<Counters>,
+    held: &HeldReads,
+) {
     // Room for every statement the operations and these control statements use.
     conn.set_prepared_statement_cache_capacity(64);
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
-    while let Ok(first) = rx.recv() {
-        batch.push(first);
+    let mut idle_ticks = 0u32;
+    loop {
+        // Wake at least every HOLD_TICK to queue reads held too long.
+        match rx.recv_timeout(HOLD_TICK) {
+            Ok(job) => {
+                idle_ticks = 0;
+                batch.push(job);
+            }
+            Err(RecvTimeoutError::Timeout) => idle_ticks = idle_ticks.saturating_add(1),
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
                 Ok(job) => batch.push(job),
                 Err(_) => break,
             }
+        }
+        // After what was queued: nothing queued so far concerns a read still held.
+        // Idle ticks count only while a read is held, from the first tick that sees one.
+        let all = idle_ticks >= HOLD_IDLE_TICKS;
+        if !take_overdue(held, counters, &mut batch, all) || all {
+            idle_ticks = 0;
+        }
+        if batch.is_empty() {
+            continue;
         }
         let before = chain.clone();
         if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
@@ -465,18 +673,30 @@ impl Store for SqliteStore {
             });
         }
         ops::check_names_task(&task, &action)?;
-        if let Some(existing) = self.read_now(|c| rows::task(c, &task.agent, &task.id))? {
-            if existing.cancelled_at.is_some() {
-                return Err(StoreError::InvalidTransition {
-                    what: format!("task {:?}", task.id),
-                    reason: "cancelled; it takes no new actions".into(),
-                });
-            }
+        let cancelled = self
+            .cancelled
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&task.agent)
+            .is_some_and(|ids| ids.contains(&task.id));
+        if cancelled {
+            return Err(StoreError::InvalidTransition {
+                what: format!("task {:?}", task.id),
+                reason: "cancelled; it takes no new actions".into(),
+            });
         }
         let id = ActionId(self.counters.next_action_id.fetch_add(1, Ordering::Relaxed));
-        self.enqueue_unawaited(
-            move |tx| tx.open_and_record(task, action, Some(id), at).map(|_| ()),
-            done,
+        self.saw(at);
+        // Held until its answer is known (see the module docs).
+        self.held_reads().insert(
+            id,
+            HeldRead {
+                task,
+                action,
+                at,
+                recorded: done,
+                steps: Vec::new(),
+            },
         );
         Ok(id)
     }
@@ -487,10 +707,27 @@ impl Store for SqliteStore {
     }
 
     fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>) {
+        self.saw(at);
+        if let Some(read) = self.held_reads().get_mut(&action) {
+            read.steps.push((ReadStep::Sent(at), StepDone::Sent(done)));
+            return;
+        }
         self.enqueue_unawaited(move |tx| tx.mark_attempt_sent(action, at), done);
     }
 
     fn submit_result(&self, result: AttemptResult, at: Timestamp, done: Completion<()>) {
+        self.saw(at);
+        let mut held = self.held_reads();
+        if let Some(mut read) = held.remove(&result.action) {
+            // The read's answer is known: the whole read is queued as one operation (under the
+            // lock, so a flush of the held reads cannot queue anything of it ahead).
+            let id = result.action;
+            read.steps
+                .push((ReadStep::Result(result, at), StepDone::Result(done)));
+            self.send(read_job(id, read, &self.counters));
+            return;
+        }
+        drop(held);
         self.enqueue_unawaited(move |tx| tx.record_result(result, at), done);
     }
 
@@ -659,7 +896,16 @@ impl Store for SqliteStore {
         at: Timestamp,
     ) -> Result<CancelReport, StoreError> {
         let (agent, task) = (agent.to_owned(), task.to_owned());
-        self.submit(move |tx| tx.cancel_task(&agent, &task, at))
+        let (owner, id) = (agent.clone(), task.clone());
+        let report = self.submit(move |tx| tx.cancel_task(&agent, &task, at))?;
+        // Committed: reads for the task are refused from now on without a query.
+        self.cancelled
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(owner)
+            .or_default()
+            .insert(id);
+        Ok(report)
     }
 
     fn record_circuit_opened(

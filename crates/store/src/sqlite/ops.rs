@@ -16,6 +16,14 @@ use crate::model::{
 };
 use crate::store::{ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
 
+/// What happened to a read after it was recorded, in order (see [`WriteTx::record_held_read`]).
+pub(crate) enum ReadStep {
+    /// An attempt was sent at this instant.
+    Sent(Timestamp),
+    /// An attempt's result arrived at this instant.
+    Result(AttemptResult, Timestamp),
+}
+
 /// The writer's connection inside an open transaction, plus the chain it appends to.
 pub(crate) struct WriteTx<'a> {
     pub(crate) conn: &'a Connection,
@@ -200,6 +208,185 @@ impl WriteTx<'_> {
         check_names_task(&task, &new)?;
         self.open_task(task, at)?;
         self.record_action_as(new, id, at)
+    }
+
+    /// A read's whole bookkeeping as ONE operation: the task (if new) and the action under the
+    /// id handed out in advance, then each step in order, exactly as the separate operations
+    /// would write them (same rows, same events, same order of events). Returns the attempt
+    /// numbers of the `Sent` steps, in order.
+    pub(crate) fn record_held_read(
+        &mut self,
+        task: NewTask,
+        new: NewAction,
+        id: ActionId,
+        at: Timestamp,
+        steps: Vec<ReadStep>,
+    ) -> Result<Vec<u32>, StoreError> {
+        // The common read: sent once, then its final answer.
+        let steps = match <[ReadStep; 2]>::try_from(steps) {
+            Ok([ReadStep::Sent(sent_at), ReadStep::Result(result, done_at)])
+                if result.action == id && result.attempt == 1 && result.finish.is_some() =>
+            {
+                self.record_answered_read(task, new, id, at, sent_at, result, done_at)?;
+                return Ok(vec![1]);
+            }
+            Ok(two) => Vec::from(two),
+            Err(steps) => steps,
+        };
+        self.open_and_record(task, new, Some(id), at)?;
+        let mut sent = Vec::with_capacity(1);
+        for step in steps {
+            match step {
+                ReadStep::Sent(at) => sent.push(self.mark_attempt_sent(id, at)?),
+                ReadStep::Result(result, at) => self.record_result(result, at)?,
+            }
+        }
+        Ok(sent)
+    }
+
+    /// A read sent once and answered with its final result, written in its final form at once:
+    /// the same rows and the same events, in the same order, as `open_and_record`,
+    /// `mark_attempt_sent` and `record_result` write them one after another (the store's tests
+    /// compare the two), with half the statements — no state written only to be overwritten,
+    /// nothing re-read that this operation just wrote. `result.finish` must be set.
+    #[allow(clippy::too_many_arguments)]
+    fn record_answered_read(
+        &mut self,
+        task: NewTask,
+        new: NewAction,
+        id: ActionId,
+        at: Timestamp,
+        sent_at: Timestamp,
+        result: AttemptResult,
+        done_at: Timestamp,
+    ) -> Result<(), StoreError> {
+        check_names_task(&task, &new)?;
+        match rows::task(self.conn, &task.agent, &task.id)? {
+            Some(existing) if existing.cancelled_at.is_some() => {
+                return Err(StoreError::InvalidTransition {
+                    what: format!("task {:?}", existing.id),
+                    reason: "cancelled; it takes no new actions".into(),
+                })
+            }
+            Some(_) => {}
+            None => self.open_task(task, at)?,
+        }
+        let Some(finish) = result.finish else {
+            return Err(StoreError::Invalid {
+                field: "finish",
+                reason: "an answered read ends with its result".into(),
+            });
+        };
+        let context = serde_json::to_string(&finish.context).map_err(|e| StoreError::Invalid {
+            field: "outcome context",
+            reason: e.to_string(),
+        })?;
+        let (status, headers, body) = match &finish.response {
+            Some(r) => (
+                Some(r.status),
+                Some(
+                    serde_json::to_string(&r.headers).map_err(|e| StoreError::Invalid {
+                        field: "response headers",
+                        reason: e.to_string(),
+                    })?,
+                ),
+                Some(r.body.as_slice()),
+            ),
+            None => (None, None, None),
+        };
+        // A read carries no key (empty): nothing stored or audited for it.
+        let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
+        self.conn
+            .prepare_cached(
+                "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
+                 payload_digest, idempotency_key, external_reference, provider_operation_id, \
+                 state, outcome, outcome_context, response_status, response_headers, \
+                 response_body, created_at_ms, updated_at_ms, id, desired_outcome, fingerprint) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'finished', ?11, ?12, ?13, ?14, \
+                 ?15, ?16, ?17, ?18, ?19, ?20)",
+            )?
+            .execute(params![
+                new.task_id,
+                new.agent,
+                new.provider,
+                new.method,
+                new.route.as_str(),
+                new.request_class,
+                new.payload_digest.as_str(),
+                key,
+                new.external_reference,
+                result.provider_operation_id,
+                finish.outcome.as_str(),
+                context,
+                status,
+                headers,
+                body,
+                ms(at),
+                ms(done_at),
+                id.0,
+                new.desired_outcome,
+                new.fingerprint,
+            ])?;
+        let boundary = boundary_text(result.boundary);
+        let signal_headers = signal_headers_json(&result.signal_headers)?;
+        self.conn
+            .prepare_cached(
+                "INSERT INTO attempts (action_id, n, state, status, disposition, started_at_ms, \
+                 finished_at_ms, boundary, signal_headers) \
+                 VALUES (?1, 1, 'finished', ?2, ?3, ?4, ?5, ?6, ?7)",
+            )?
+            .execute(params![
+                id.0,
+                result.status,
+                result.disposition.as_str(),
+                ms(sent_at),
+                ms(done_at),
+                boundary,
+                signal_headers
+            ])?;
+        let f = ActionFacts {
+            task: new.task_id,
+            provider: new.provider,
+            method: new.method,
+            route: new.route.as_str().to_owned(),
+            request_class: new.request_class,
+            idempotency_key: key.map(str::to_owned),
+            state: ActionState::Requested,
+            outcome: None,
+            cancelled: false,
+        };
+        // The events exactly as record_action_as, mark_attempt_sent and record_result (with
+        // finish_action) build them.
+        let mut e = Self::action_event(EventKind::ActionRequested, &format_instant(at), id, &f);
+        e.request_class = Some(f.request_class.clone());
+        e.idempotency_key = f.idempotency_key.clone();
+        e.payload_digest = Some(new.payload_digest.as_str().to_owned());
+        self.append(e)?;
+        let mut e = Self::action_event(EventKind::ActionSent, &format_instant(sent_at), id, &f);
+        e.attempt = Some(1);
+        e.request_class = Some(f.request_class.clone());
+        e.idempotency_key = f.idempotency_key.clone();
+        self.append(e)?;
+        let done_text = format_instant(done_at);
+        let mut e = Self::action_event(EventKind::ActionResult, &done_text, id, &f);
+        e.attempt = Some(1);
+        e.status = result.status;
+        e.disposition = Some(result.disposition.as_str().to_owned());
+        e.boundary = boundary;
+        e.source = result.source;
+        e.signal_headers = (!result.signal_headers.is_empty()).then_some(result.signal_headers);
+        self.append(e)?;
+        let kind = match finish.outcome {
+            Outcome::BudgetExhausted => EventKind::BudgetExhausted,
+            Outcome::DeadlineExhausted => EventKind::DeadlineExhausted,
+            Outcome::ReconciliationRequired => EventKind::ReconciliationRequired,
+            Outcome::Escalated => EventKind::Escalated,
+            Outcome::Cancelled => EventKind::Cancelled,
+            _ => EventKind::ActionFinished,
+        };
+        let mut e = Self::action_event(kind, &done_text, id, &f);
+        e.outcome = Some(finish.outcome.as_str().to_owned());
+        self.append(e)
     }
 
     /// Records an action under `id` when one was handed out in advance, else under the next
@@ -404,20 +591,8 @@ impl WriteTx<'_> {
                 })
             }
         }
-        let boundary = result.boundary.map(|b| match b {
-            Boundary::Unknown => "unknown".to_owned(),
-            Boundary::At(t) => format_instant(t),
-        });
-        let headers = if result.signal_headers.is_empty() {
-            None
-        } else {
-            Some(serde_json::to_string(&result.signal_headers).map_err(|e| {
-                StoreError::Invalid {
-                    field: "signal_headers",
-                    reason: e.to_string(),
-                }
-            })?)
-        };
+        let boundary = boundary_text(result.boundary);
+        let headers = signal_headers_json(&result.signal_headers)?;
         self.conn
             .prepare_cached(
                 "UPDATE attempts SET state = 'finished', status = ?3, disposition = ?4, \
@@ -1030,4 +1205,30 @@ impl WriteTx<'_> {
         e.due_at = due_at.map(format_instant);
         self.append(e)
     }
+}
+
+/// The stored text of a boundary: an RFC 3339 instant, `unknown`, or nothing when the response
+/// gave no signal.
+fn boundary_text(boundary: Option<Boundary>) -> Option<String> {
+    boundary.map(|b| match b {
+        Boundary::Unknown => "unknown".to_owned(),
+        Boundary::At(t) => format_instant(t),
+    })
+}
+
+/// The kept signal headers as stored: a JSON array of `[name, value]` pairs, or nothing when
+/// none were kept.
+///
+/// # Errors
+/// [`StoreError::Invalid`] if they cannot be encoded.
+fn signal_headers_json(headers: &[(String, String)]) -> Result<Option<String>, StoreError> {
+    if headers.is_empty() {
+        return Ok(None);
+    }
+    serde_json::to_string(headers)
+        .map(Some)
+        .map_err(|e| StoreError::Invalid {
+            field: "signal_headers",
+            reason: e.to_string(),
+        })
 }

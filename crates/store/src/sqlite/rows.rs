@@ -61,6 +61,13 @@ pub(crate) fn task(
     row.map(task_record).transpose()
 }
 
+/// Every cancelled task, as `(agent, id)` pairs (one scan of the tasks, at start).
+pub(crate) fn cancelled_tasks(conn: &Connection) -> Result<Vec<(String, String)>, StoreError> {
+    let mut stmt = conn.prepare("SELECT agent, id FROM tasks WHERE cancelled_at_ms IS NOT NULL")?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
 /// Every agent's task with this id, ordered by agent (an operator's view).
 pub(crate) fn tasks_with_id(conn: &Connection, id: &str) -> Result<Vec<TaskRecord>, StoreError> {
     let mut stmt = conn.prepare_cached(

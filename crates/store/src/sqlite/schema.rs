@@ -390,8 +390,22 @@ pub(crate) fn open_writer(path: &Path, create: bool) -> Result<Connection, Store
     }
     conn.pragma_update(None, "synchronous", "FULL")?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
+    stable_plans(&conn)?;
     migrate(&mut conn, path)?;
     Ok(conn)
+}
+
+/// Turns on SQLite's query planner stability guarantee (`SQLITE_DBCONFIG_ENABLE_QPSG`): a
+/// statement keeps the plan it was prepared with whatever values are bound. Without it, SQLite
+/// (3.54) marks a statement whose plan looked at a bound value (e.g. `a.id = ?1` in a join) to
+/// be re-prepared when that value is rebound, and the statement cache's `clear_bindings` on
+/// every return then re-parses such a statement on every use.
+fn stable_plans(conn: &Connection) -> Result<(), StoreError> {
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
+        true,
+    )?;
+    Ok(())
 }
 
 /// Runs `PRAGMA quick_check` (SQLite's O(N) structural check: pages, records, index
@@ -439,6 +453,7 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
     let conn = Connection::open_with_flags(path, flags)
         .map_err(|e| StoreError::Sqlite(format!("{}: {e}", path.display())))?;
     conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    stable_plans(&conn)?;
     match identify(&conn, path)? {
         Identity::Backstop(v) if v == SCHEMA_VERSION => Ok(conn),
         Identity::Backstop(v) => Err(StoreError::Sqlite(format!(
@@ -456,6 +471,7 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rusqlite::OptionalExtension;
 
     /// A version-1 database with one task, one write action (with key), one attempt and one
     /// escalation, as an older build left it.
@@ -725,5 +741,27 @@ mod tests {
             .expect("action kept");
         assert_eq!(action.desired_outcome.as_deref(), Some("pay invoice 7"));
         assert_eq!(action.fingerprint.as_deref(), Some("abc"));
+    }
+
+    #[test]
+    fn a_cached_statement_is_not_reprepared_when_its_parameter_is_rebound() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let conn = open_writer(&dir.path().join("b.db"), true).expect("open");
+        // The shape of the writer's per-action lookup: a join whose plan weighs `?1`.
+        let sql = "SELECT a.id FROM actions a JOIN tasks t ON t.agent = a.agent \
+                   AND t.id = a.task_id WHERE a.id = ?1";
+        for id in 1..=3 {
+            let mut stmt = conn.prepare_cached(sql).expect("prepare");
+            let found: Option<i64> = stmt
+                .query_row([id], |r| r.get(0))
+                .optional()
+                .expect("query");
+            assert_eq!(found, None);
+            assert_eq!(
+                stmt.get_status(rusqlite::StatementStatus::RePrepare),
+                0,
+                "use {id} re-prepared the statement"
+            );
+        }
     }
 }
