@@ -521,9 +521,11 @@ impl Engine {
         });
         let restore = inner.clone();
         tokio::spawn(async move {
-            // The previous run's unfinished attempts, listed before any action of this run
-            // is recorded (see `recovery_listed`).
+            // The previous run's unfinished attempts and scheduled retries, listed before any
+            // action of this run is recorded (see `recovery_listed`): a retry this run schedules
+            // is its own, never one to re-arm as if its caller were gone.
             let unfinished = restore.blocking(|s| s.unfinished_attempts()).await;
+            let scheduled = restore.blocking(|s| s.scheduled_retries()).await;
             restore.recovery_listed.send_replace(true);
             let scopes: Vec<(String, String)> = restore
                 .policy
@@ -563,7 +565,7 @@ impl Engine {
             // Restart recovery (SPEC §12): writes sent without a result are reconciled with
             // their original key; scheduled retries are re-armed at their due instants.
             restore.recover_unfinished(unfinished).await;
-            restore.rearm_scheduled().await;
+            restore.rearm_scheduled(scheduled).await;
         });
         Engine { inner }
     }
@@ -1675,6 +1677,7 @@ impl Engine {
                             };
                             return self.store_unavailable(receipt, seen.sent > 0, &e);
                         }
+                        tracing::warn!(action = run.id.0, error = %e, "the retry could not be scheduled");
                         let context =
                             self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]);
                         return self
@@ -1683,7 +1686,7 @@ impl Engine {
                                 &budget,
                                 Outcome::Cancelled,
                                 context,
-                                "the retry could not be scheduled: the task was cancelled or the action ended meanwhile".to_owned(),
+                                format!("the retry could not be scheduled: {e}"),
                                 seen.sent,
                             )
                             .await;

@@ -709,8 +709,13 @@ impl Inner {
     /// request (and its payload) did not survive the restart, ends `cancelled` with the reason
     /// [`RESTARTED_BEFORE_RETRY`] in its context: the budget was not used up, the caller went
     /// away. A retry of a cancelled task or a finished action is not claimed.
-    pub(super) async fn rearm_scheduled(self: &std::sync::Arc<Self>) {
-        let due = match self.blocking(|s| s.scheduled_retries()).await {
+    ///
+    /// `scheduled` is the list read at start, before this run recorded anything.
+    pub(super) async fn rearm_scheduled(
+        self: &std::sync::Arc<Self>,
+        scheduled: Result<Vec<backstop_store::DueRetry>, EngineError>,
+    ) {
+        let due = match scheduled {
             Ok(due) => due,
             Err(e) => {
                 tracing::error!(error = %e, "restart recovery: cannot read scheduled retries");
