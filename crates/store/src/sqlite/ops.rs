@@ -17,6 +17,7 @@ use crate::model::{
 use crate::store::{ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
 
 /// What happened to a read after it was recorded, in order (see [`WriteTx::record_held_read`]).
+#[allow(clippy::large_enum_variant)] // a held read has two steps, each moved once
 pub(crate) enum ReadStep {
     /// An attempt was sent at this instant.
     Sent(Timestamp),
