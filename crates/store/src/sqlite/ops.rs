@@ -278,23 +278,12 @@ impl WriteTx<'_> {
                 reason: "an answered read ends with its result".into(),
             });
         };
-        let context = serde_json::to_string(&finish.context).map_err(|e| StoreError::Invalid {
-            field: "outcome context",
-            reason: e.to_string(),
-        })?;
-        let (status, headers, body) = match &finish.response {
-            Some(r) => (
-                Some(r.status),
-                Some(
-                    serde_json::to_string(&r.headers).map_err(|e| StoreError::Invalid {
-                        field: "response headers",
-                        reason: e.to_string(),
-                    })?,
-                ),
-                Some(r.body.as_slice()),
-            ),
-            None => (None, None, None),
-        };
+        let FinishColumns {
+            context,
+            status,
+            headers,
+            body,
+        } = finish_columns(&finish)?;
         // A read carries no key (empty): nothing stored or audited for it.
         let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
         self.conn
@@ -377,14 +366,7 @@ impl WriteTx<'_> {
         e.source = result.source;
         e.signal_headers = (!result.signal_headers.is_empty()).then_some(result.signal_headers);
         self.append(e)?;
-        let kind = match finish.outcome {
-            Outcome::BudgetExhausted => EventKind::BudgetExhausted,
-            Outcome::DeadlineExhausted => EventKind::DeadlineExhausted,
-            Outcome::ReconciliationRequired => EventKind::ReconciliationRequired,
-            Outcome::Escalated => EventKind::Escalated,
-            Outcome::Cancelled => EventKind::Cancelled,
-            _ => EventKind::ActionFinished,
-        };
+        let kind = finish_event_kind(finish.outcome);
         let mut e = Self::action_event(kind, &done_text, id, &f);
         e.outcome = Some(finish.outcome.as_str().to_owned());
         self.append(e)
@@ -652,23 +634,12 @@ impl WriteTx<'_> {
                 ),
             });
         }
-        let context = serde_json::to_string(&finish.context).map_err(|e| StoreError::Invalid {
-            field: "outcome context",
-            reason: e.to_string(),
-        })?;
-        let (status, headers, body) = match &finish.response {
-            Some(r) => (
-                Some(r.status),
-                Some(
-                    serde_json::to_string(&r.headers).map_err(|e| StoreError::Invalid {
-                        field: "response headers",
-                        reason: e.to_string(),
-                    })?,
-                ),
-                Some(r.body.as_slice()),
-            ),
-            None => (None, None, None),
-        };
+        let FinishColumns {
+            context,
+            status,
+            headers,
+            body,
+        } = finish_columns(&finish)?;
         self.conn
             .prepare_cached(
                 "UPDATE actions SET state = 'finished', outcome = ?2, outcome_context = ?3, \
@@ -690,14 +661,7 @@ impl WriteTx<'_> {
                 "DELETE FROM scheduled_retries WHERE action_id = ?1 AND claimed_at_ms IS NULL",
             )?
             .execute(params![action.0])?;
-        let kind = match finish.outcome {
-            Outcome::BudgetExhausted => EventKind::BudgetExhausted,
-            Outcome::DeadlineExhausted => EventKind::DeadlineExhausted,
-            Outcome::ReconciliationRequired => EventKind::ReconciliationRequired,
-            Outcome::Escalated => EventKind::Escalated,
-            Outcome::Cancelled => EventKind::Cancelled,
-            _ => EventKind::ActionFinished,
-        };
+        let kind = finish_event_kind(finish.outcome);
         let mut e = Self::action_event(kind, &format_instant(at), action, &f);
         e.outcome = Some(finish.outcome.as_str().to_owned());
         self.append(e)
@@ -1205,6 +1169,60 @@ impl WriteTx<'_> {
         e.job = job.map(|j| j.0);
         e.due_at = due_at.map(format_instant);
         self.append(e)
+    }
+}
+
+/// A finish as stored in an action's row: the outcome context as JSON text and, when a
+/// response is kept for replay, its status, headers (a JSON array of `[name, value]` pairs)
+/// and body.
+struct FinishColumns<'a> {
+    context: String,
+    status: Option<u16>,
+    headers: Option<String>,
+    body: Option<&'a [u8]>,
+}
+
+/// Encodes `finish` for the actions table.
+///
+/// # Errors
+/// [`StoreError::Invalid`] naming `outcome context` or `response headers` if either cannot
+/// be encoded as JSON.
+fn finish_columns(finish: &Finish) -> Result<FinishColumns<'_>, StoreError> {
+    let context = serde_json::to_string(&finish.context).map_err(|e| StoreError::Invalid {
+        field: "outcome context",
+        reason: e.to_string(),
+    })?;
+    let (status, headers, body) = match &finish.response {
+        Some(r) => (
+            Some(r.status),
+            Some(
+                serde_json::to_string(&r.headers).map_err(|e| StoreError::Invalid {
+                    field: "response headers",
+                    reason: e.to_string(),
+                })?,
+            ),
+            Some(r.body.as_slice()),
+        ),
+        None => (None, None, None),
+    };
+    Ok(FinishColumns {
+        context,
+        status,
+        headers,
+        body,
+    })
+}
+
+/// The audit event that records an action finishing with `outcome`: the outcomes that need
+/// attention have their own kinds, every other outcome is `ActionFinished`.
+fn finish_event_kind(outcome: Outcome) -> EventKind {
+    match outcome {
+        Outcome::BudgetExhausted => EventKind::BudgetExhausted,
+        Outcome::DeadlineExhausted => EventKind::DeadlineExhausted,
+        Outcome::ReconciliationRequired => EventKind::ReconciliationRequired,
+        Outcome::Escalated => EventKind::Escalated,
+        Outcome::Cancelled => EventKind::Cancelled,
+        _ => EventKind::ActionFinished,
     }
 }
 
