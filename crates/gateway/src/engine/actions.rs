@@ -627,14 +627,15 @@ impl Inner {
         let idempotency_key =
             (!facts.idempotency_key.is_empty()).then(|| facts.idempotency_key.clone());
         let ended = record.outcome.map_or("ended", |o| o.as_str());
-        let case = self
-            .case_file(&facts, reason, detail, retry_not_before, idempotency_key)
-            .await?
-            .beside_outcome(ended);
-        let now = case.opened_at;
-        let json = case.to_json();
         let escalation = self
-            .blocking(move |s| s.open_escalation_beside_outcome(action, json, now))
+            .open_beside_outcome(
+                &facts,
+                ended,
+                reason,
+                detail,
+                retry_not_before,
+                idempotency_key,
+            )
             .await?;
         tracing::warn!(
             action = action.0,
@@ -644,6 +645,33 @@ impl Inner {
             "escalated beside the outcome: a human must decide"
         );
         Ok(escalation)
+    }
+
+    /// Builds the case file of the write `facts` describes for `reason` (with `detail`,
+    /// `retry_not_before` and the agent `idempotency_key` it names), marks it opened beside the
+    /// outcome named `ended`, and opens it as an escalation beside that outcome, at the case
+    /// file's opening instant.
+    ///
+    /// # Errors
+    /// The case file could not be built, or the store failed.
+    pub(super) async fn open_beside_outcome(
+        &self,
+        facts: &super::writes::WriteFacts,
+        ended: &str,
+        reason: backstop_core::escalation::EscalationReason,
+        detail: &str,
+        retry_not_before: Option<jiff::Timestamp>,
+        idempotency_key: Option<String>,
+    ) -> Result<backstop_store::EscalationId, EngineError> {
+        let action = facts.action;
+        let case = self
+            .case_file(facts, reason, detail, retry_not_before, idempotency_key)
+            .await?
+            .beside_outcome(ended);
+        let at = case.opened_at;
+        let json = case.to_json();
+        self.blocking(move |s| s.open_escalation_beside_outcome(action, json, at))
+            .await
     }
 }
 

@@ -174,14 +174,8 @@ impl Inner {
         };
         let idempotency_key = record.key().map(str::to_owned);
         let ended = record.outcome.map_or("ended", |o| o.as_str());
-        let case = self
-            .case_file(&facts, reason, &detail, reset, idempotency_key)
-            .await?
-            .beside_outcome(ended);
-        let at = case.opened_at;
-        let json = case.to_json();
         let escalation = self
-            .blocking(move |s| s.open_escalation_beside_outcome(action, json, at))
+            .open_beside_outcome(&facts, ended, reason, &detail, reset, idempotency_key)
             .await?;
         tracing::warn!(
             action = action.0,
