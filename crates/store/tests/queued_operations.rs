@@ -4,68 +4,14 @@
 
 mod common;
 
-use std::sync::mpsc;
-use std::time::Duration;
-
 use backstop_store::audit::Verdict;
-use backstop_store::{
-    ActionState, Admission, AttemptResult, Completion, Disposition, Finish, NewAction, NewTask,
-    Outcome, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store, StoreError,
+use backstop_store::{ActionState, Admission, NewAction, SqliteStore, Store, StoreError};
+use common::{
+    completion, kinds, new_action, new_task as task, open_task, read_action_of, success, t, wait,
 };
-use common::{new_action, open_task, t};
-
-fn task(id: &str, agent: &str) -> NewTask {
-    NewTask {
-        id: id.into(),
-        agent: agent.into(),
-        priority: Priority::Normal,
-        deadline: None,
-    }
-}
 
 fn read_action(task: &str) -> NewAction {
     read_action_of(task, "agent-a")
-}
-
-fn read_action_of(task: &str, agent: &str) -> NewAction {
-    NewAction {
-        task_id: task.into(),
-        agent: agent.into(),
-        provider: "billing-api".into(),
-        method: "GET".into(),
-        route: RouteTemplate::try_new("/v1/balance").expect("template"),
-        request_class: "read".into(),
-        payload_digest: PayloadDigest::of(b""),
-        idempotency_key: String::new(),
-        external_reference: None,
-        desired_outcome: None,
-        fingerprint: None,
-    }
-}
-
-/// A completion that hands its result to the returned receiver.
-fn completion<T: Send + 'static>() -> (Completion<T>, mpsc::Receiver<Result<T, StoreError>>) {
-    let (tx, rx) = mpsc::channel();
-    (
-        Box::new(move |r| {
-            let _ = tx.send(r);
-        }),
-        rx,
-    )
-}
-
-fn wait<T>(rx: &mpsc::Receiver<Result<T, StoreError>>) -> Result<T, StoreError> {
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("the completion was called")
-}
-
-fn kinds(store: &SqliteStore) -> Vec<String> {
-    store
-        .audit_events(0, 100)
-        .expect("events")
-        .into_iter()
-        .map(|e| e.kind)
-        .collect()
 }
 
 #[test]
@@ -84,25 +30,7 @@ fn a_read_recorded_without_waiting_keeps_its_events_in_order_and_the_chain_intac
     let (sent, sent_rx) = completion();
     store.submit_attempt_sent(id, t(1), sent);
     let (done, done_rx) = completion();
-    store.submit_result(
-        AttemptResult {
-            action: id,
-            attempt: 1,
-            status: Some(200),
-            disposition: Disposition::Success,
-            boundary: None,
-            source: None,
-            provider_operation_id: None,
-            signal_headers: Vec::new(),
-            finish: Some(Finish {
-                outcome: Outcome::Succeeded,
-                context: serde_json::json!({}),
-                response: None,
-            }),
-        },
-        t(2),
-        done,
-    );
+    store.submit_result(success(id, 1), t(2), done);
     wait(&recorded_rx).expect("record committed");
     assert_eq!(wait(&sent_rx).expect("sent committed"), 1);
     wait(&done_rx).expect("result committed");

@@ -6,83 +6,51 @@
 
 mod common;
 
+use std::path::Path;
 use std::sync::mpsc;
-use std::time::Duration;
 
 use backstop_store::audit::{format_instant, Verdict};
 use backstop_store::{
-    ActionId, ActionState, Admission, AttemptResult, Boundary, Completion, Disposition, Finish,
-    NewAction, NewTask, Outcome, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store,
-    StoreError, StoredResponse,
+    ActionId, ActionState, Admission, AttemptResult, Boundary, Disposition, Finish, NewAction,
+    NewTask, Outcome, SqliteStore, Store, StoreError, StoredResponse,
 };
-use common::{open_task, t};
+use common::{completion, kinds, new_task, open_task, read_action_of, success, t, wait};
 
 fn task(id: &str) -> NewTask {
-    NewTask {
-        id: id.into(),
-        agent: "agent-a".into(),
-        priority: Priority::Normal,
-        deadline: None,
-    }
+    new_task(id, "agent-a")
 }
 
 fn read_action(task: &str) -> NewAction {
     NewAction {
-        task_id: task.into(),
-        agent: "agent-a".into(),
-        provider: "billing-api".into(),
-        method: "GET".into(),
-        route: RouteTemplate::try_new("/v1/balance").expect("template"),
-        request_class: "read".into(),
-        payload_digest: PayloadDigest::of(b""),
-        idempotency_key: String::new(),
-        external_reference: None,
         desired_outcome: Some("show the balance".into()),
         fingerprint: Some("GET /v1/balance".into()),
+        ..read_action_of(task, "agent-a")
     }
 }
 
-fn success(action: ActionId, attempt: u32) -> AttemptResult {
-    AttemptResult {
-        action,
-        attempt,
-        status: Some(200),
-        disposition: Disposition::Success,
-        boundary: None,
-        source: None,
-        provider_operation_id: None,
-        signal_headers: Vec::new(),
-        finish: Some(Finish {
-            outcome: Outcome::Succeeded,
-            context: serde_json::json!({}),
-            response: None,
-        }),
+/// A new store in `dir` with a read of `task-r` recorded at t(0) and its first attempt queued
+/// as sent at t(1), neither awaited.
+struct SentRead {
+    store: SqliteStore,
+    id: ActionId,
+    recorded: mpsc::Receiver<Result<(), StoreError>>,
+    sent: mpsc::Receiver<Result<u32, StoreError>>,
+}
+
+fn sent_read(dir: &Path) -> SentRead {
+    let store = SqliteStore::open(dir.join("b.db")).expect("open");
+    let (recorded, recorded_rx) = completion();
+    let id = store
+        .record_read(task("task-r"), read_action("task-r"), t(0), recorded)
+        .expect("read recorded");
+    let (sent, sent_rx) = completion();
+    store.submit_attempt_sent(id, t(1), sent);
+    SentRead {
+        store,
+        id,
+        recorded: recorded_rx,
+        sent: sent_rx,
     }
-}
-
-/// A completion that hands its result to the returned receiver.
-fn completion<T: Send + 'static>() -> (Completion<T>, mpsc::Receiver<Result<T, StoreError>>) {
-    let (tx, rx) = mpsc::channel();
-    (
-        Box::new(move |r| {
-            let _ = tx.send(r);
-        }),
-        rx,
-    )
-}
-
-fn wait<T>(rx: &mpsc::Receiver<Result<T, StoreError>>) -> Result<T, StoreError> {
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("the completion was called")
-}
-
-fn kinds(store: &SqliteStore) -> Vec<String> {
-    store
-        .audit_events(0, 100)
-        .expect("events")
-        .into_iter()
-        .map(|e| e.kind)
-        .collect()
 }
 
 #[test]
@@ -154,13 +122,12 @@ fn a_held_read_is_recorded_before_a_cancellation_of_its_task_and_then_cancelled(
 #[test]
 fn a_held_read_is_found_by_a_blocking_operation_on_its_action() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
-    let (recorded, _recorded_rx) = completion();
-    let id = store
-        .record_read(task("task-r"), read_action("task-r"), t(0), recorded)
-        .expect("read recorded");
-    let (sent, sent_rx) = completion();
-    store.submit_attempt_sent(id, t(1), sent);
+    let SentRead {
+        store,
+        id,
+        recorded: _recorded_rx,
+        sent: sent_rx,
+    } = sent_read(dir.path());
     // A failed attempt's result through the blocking method (as a retried read records it).
     let mut failed = success(id, 1);
     failed.status = Some(503);
@@ -194,13 +161,12 @@ fn a_held_read_is_found_by_a_blocking_operation_on_its_action() {
 #[test]
 fn a_held_read_is_written_whole_or_not_at_all() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
-    let (recorded, recorded_rx) = completion();
-    let id = store
-        .record_read(task("task-r"), read_action("task-r"), t(0), recorded)
-        .expect("read recorded");
-    let (sent, sent_rx) = completion();
-    store.submit_attempt_sent(id, t(1), sent);
+    let SentRead {
+        store,
+        id,
+        recorded: recorded_rx,
+        sent: sent_rx,
+    } = sent_read(dir.path());
     // A result for an attempt that was never sent fails the read's one operation.
     let (done, done_rx) = completion();
     store.submit_result(success(id, 2), t(2), done);
@@ -336,13 +302,12 @@ fn an_answered_read_leaves_the_same_rows_and_chain_as_the_separate_operations() 
 #[test]
 fn a_read_left_unanswered_is_recorded_by_the_writer_and_its_result_follows_alone() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
-    let (recorded, recorded_rx) = completion();
-    let id = store
-        .record_read(task("task-r"), read_action("task-r"), t(0), recorded)
-        .expect("read recorded");
-    let (sent, sent_rx) = completion();
-    store.submit_attempt_sent(id, t(1), sent);
+    let SentRead {
+        store,
+        id,
+        recorded: recorded_rx,
+        sent: sent_rx,
+    } = sent_read(dir.path());
     // Nothing else happens: the writer queues the held read itself after the hold limit.
     wait(&recorded_rx).expect("recorded without an answer");
     assert_eq!(wait(&sent_rx).expect("sent committed"), 1);

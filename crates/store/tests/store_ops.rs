@@ -10,21 +10,12 @@ use backstop_store::{
     Admission, AttemptResult, AttemptState, Boundary, Disposition, EscalationState, Finish,
     Outcome, RouteTemplate, ScopeUpdate, SqliteStore, Store, StoreError, StoredResponse,
 };
-use common::{new_action, open_task, record, t};
+use common::{kinds, new_action, open_task, record, t};
 
 fn store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SqliteStore::open(dir.path().join("s.db")).expect("open");
     (dir, store)
-}
-
-fn kinds(store: &SqliteStore) -> Vec<String> {
-    store
-        .audit_events(0, usize::MAX)
-        .expect("events")
-        .into_iter()
-        .map(|e| e.kind)
-        .collect()
 }
 
 #[test]

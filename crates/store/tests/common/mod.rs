@@ -1,9 +1,12 @@
 //! Shared fixtures for the store's integration tests.
 #![allow(dead_code)]
 
+use std::sync::mpsc;
+use std::time::Duration;
+
 use backstop_store::{
-    ActionId, Admission, NewAction, NewTask, PayloadDigest, Priority, RouteTemplate, SqliteStore,
-    Store,
+    ActionId, Admission, AttemptResult, Completion, Disposition, Finish, NewAction, NewTask,
+    Outcome, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store, StoreError,
 };
 use jiff::Timestamp;
 
@@ -12,17 +15,19 @@ pub fn t(ms: i64) -> Timestamp {
     Timestamp::from_millisecond(1_750_000_000_000 + ms).expect("valid test instant")
 }
 
+/// A task `id` of `agent` at normal priority, without a deadline.
+pub fn new_task(id: &str, agent: &str) -> NewTask {
+    NewTask {
+        id: id.into(),
+        agent: agent.into(),
+        priority: Priority::Normal,
+        deadline: None,
+    }
+}
+
 pub fn open_task(store: &SqliteStore, id: &str) {
     store
-        .open_task(
-            NewTask {
-                id: id.into(),
-                agent: "agent-a".into(),
-                priority: Priority::Normal,
-                deadline: None,
-            },
-            t(0),
-        )
+        .open_task(new_task(id, "agent-a"), t(0))
         .expect("open task");
 }
 
@@ -40,6 +45,71 @@ pub fn new_action(task: &str, key: &str, payload: &[u8]) -> NewAction {
         desired_outcome: None,
         fingerprint: None,
     }
+}
+
+/// A read of `agent`'s `task`: `GET /v1/balance` of `billing-api` in the `read` class, with
+/// no payload, no idempotency key, desired outcome or fingerprint.
+pub fn read_action_of(task: &str, agent: &str) -> NewAction {
+    NewAction {
+        task_id: task.into(),
+        agent: agent.into(),
+        provider: "billing-api".into(),
+        method: "GET".into(),
+        route: RouteTemplate::try_new("/v1/balance").expect("template"),
+        request_class: "read".into(),
+        payload_digest: PayloadDigest::of(b""),
+        idempotency_key: String::new(),
+        external_reference: None,
+        desired_outcome: None,
+        fingerprint: None,
+    }
+}
+
+/// Attempt `attempt` of `action` answered 200, finishing it `succeeded` (empty context, no
+/// response kept, no boundary or signal headers).
+pub fn success(action: ActionId, attempt: u32) -> AttemptResult {
+    AttemptResult {
+        action,
+        attempt,
+        status: Some(200),
+        disposition: Disposition::Success,
+        boundary: None,
+        source: None,
+        provider_operation_id: None,
+        signal_headers: Vec::new(),
+        finish: Some(Finish {
+            outcome: Outcome::Succeeded,
+            context: serde_json::json!({}),
+            response: None,
+        }),
+    }
+}
+
+/// A completion that hands its result to the returned receiver.
+pub fn completion<T: Send + 'static>() -> (Completion<T>, mpsc::Receiver<Result<T, StoreError>>) {
+    let (tx, rx) = mpsc::channel();
+    (
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+        rx,
+    )
+}
+
+/// What a completion received, waiting at most 10 s for it to be called.
+pub fn wait<T>(rx: &mpsc::Receiver<Result<T, StoreError>>) -> Result<T, StoreError> {
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("the completion was called")
+}
+
+/// The kinds of every audit event in the store, in order.
+pub fn kinds(store: &SqliteStore) -> Vec<String> {
+    store
+        .audit_events(0, usize::MAX)
+        .expect("events")
+        .into_iter()
+        .map(|e| e.kind)
+        .collect()
 }
 
 pub fn record(store: &SqliteStore, task: &str, key: &str, payload: &[u8]) -> ActionId {
