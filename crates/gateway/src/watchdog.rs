@@ -6,7 +6,10 @@
 //! never turned into a send all look like a healthy wait from the inside. The watchdog looks at
 //! the receipts instead ([`crate::health`]): every `interval` (default 5 s) it folds new audit
 //! events, derives the snapshot of every *open* throttled action and diagnoses it with the wake
-//! grace (default 30 s). Three diagnoses are findings:
+//! grace (default 30 s). It reads them through [`Store::watch_events`]: what has committed, no
+//! queued operation waited for, and without the plain reads answered at their first attempt
+//! (never throttled; only their `action_sent`, the heartbeat, is kept), so a busy gateway's
+//! reads are not decoded back. Three diagnoses are findings:
 //!
 //! | diagnosis | metric | escalation reason (with `escalate`) |
 //! |---|---|---|
@@ -40,7 +43,7 @@ use tokio::task::JoinHandle;
 
 use crate::clock::TokioClock;
 use crate::health::{
-    derive_snapshot, ActionTrail, Evidence, HealthError, HealthPolicy, SnapshotContext,
+    derive_snapshot, ActionTrail, Evidence, HealthError, HealthPolicy, SnapshotContext, PAGE_EVENTS,
 };
 use crate::metrics::Metrics;
 
@@ -90,6 +93,8 @@ pub struct Watchdog {
     metrics: Arc<Metrics>,
     config: WatchdogConfig,
     evidence: Evidence,
+    /// The `seq` of the last audit event looked at.
+    cursor: u64,
     deadlines: HashMap<String, Option<Timestamp>>,
 }
 
@@ -97,7 +102,7 @@ impl std::fmt::Debug for Watchdog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Watchdog")
             .field("config", &self.config)
-            .field("last_seq", &self.evidence.last_seq())
+            .field("cursor", &self.cursor)
             .finish_non_exhaustive()
     }
 }
@@ -122,6 +127,7 @@ impl Watchdog {
             metrics,
             config,
             evidence: Evidence::new(),
+            cursor: 0,
             deadlines: HashMap::new(),
         }
     }
@@ -133,7 +139,7 @@ impl Watchdog {
     /// Storage errors while reading the log or a task. A failure to audit or escalate one finding
     /// is logged and does not stop the others (it is retried at the next check).
     pub fn check(&mut self, now: Timestamp) -> Result<Vec<Finding>, HealthError> {
-        self.evidence.catch_up(self.store.as_ref())?;
+        self.catch_up()?;
         let opts = DiagnoseOptions {
             wake_grace: WakeGrace(self.config.grace),
             ..DiagnoseOptions::default()
@@ -185,6 +191,24 @@ impl Watchdog {
         }
         self.evidence.forget_finished();
         Ok(raised)
+    }
+
+    /// Folds what was committed since the last check, through [`Store::watch_events`]: the
+    /// finished plain successes (never throttled) are left out by the store, and nothing queued
+    /// is waited for (an event not committed yet is folded at the next check).
+    fn catch_up(&mut self) -> Result<(), HealthError> {
+        loop {
+            let (page, last) = self.store.watch_events(self.cursor, PAGE_EVENTS)?;
+            let Some(last) = last else {
+                return Ok(());
+            };
+            for event in &page {
+                if let Err(e) = self.evidence.ingest(event) {
+                    tracing::warn!(error = %e, "audit event skipped by the watchdog's fold");
+                }
+            }
+            self.cursor = self.cursor.max(last);
+        }
     }
 
     /// Audits, counts and (with `escalate`) escalates one finding. `None` when it could not be

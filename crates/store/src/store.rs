@@ -473,6 +473,29 @@ pub trait Store: Send + Sync {
     /// Storage errors only.
     fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError>;
 
+    /// The audit events a health watcher needs from the next `limit` events with `seq > since`
+    /// (in order), as far as committed: no queued operation is waited for. Left out are
+    /// `task_opened` and the events of every action whose whole life lies in those `limit`
+    /// events and is one plain success — `action_requested`, one `action_sent`, one
+    /// `action_result` that is not `rate_limited`/`quota_exhausted`/`unavailable`, and
+    /// `action_finished` with outcome `succeeded`, nothing else — except that action's
+    /// `action_sent` (it still tells when work last moved). Such an action was never throttled.
+    /// Returns the events kept and the `seq` of the last event looked at (`None` when there was
+    /// none), from which the next call continues. The default reads [`Store::audit_events`] and
+    /// leaves nothing out.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn watch_events(
+        &self,
+        since: u64,
+        limit: usize,
+    ) -> Result<(Vec<AuditEvent>, Option<u64>), StoreError> {
+        let page = self.audit_events(since, limit)?;
+        let last = page.last().map(|e| e.seq);
+        Ok((page, last))
+    }
+
     /// The chain head (last `seq` and `hash`), or `None` for an empty log.
     ///
     /// # Errors

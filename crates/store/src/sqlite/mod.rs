@@ -973,6 +973,16 @@ impl Store for SqliteStore {
         self.read(|c| rows::audit_events(c, since, limit))
     }
 
+    fn watch_events(
+        &self,
+        since: u64,
+        limit: usize,
+    ) -> Result<(Vec<AuditEvent>, Option<u64>), StoreError> {
+        // What has committed only: a watcher needs no read-your-writes (no empty group commit,
+        // held reads stay held).
+        self.read_now(|c| rows::watch_events(c, since, limit))
+    }
+
     fn audit_head(&self) -> Result<Option<ChainHead>, StoreError> {
         self.read(rows::audit_head)
     }

@@ -552,6 +552,63 @@ pub(crate) fn audit_events(
     }
 }
 
+/// See [`crate::Store::watch_events`]: the page's last `seq` is read first and bounds the
+/// events, so an event committed between the two statements is not returned twice.
+pub(crate) fn watch_events(
+    conn: &Connection,
+    since: u64,
+    limit: usize,
+) -> Result<(Vec<AuditEvent>, Option<u64>), StoreError> {
+    let since = i64::try_from(since).unwrap_or(i64::MAX);
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let last: Option<i64> = conn
+        .prepare_cached(
+            "SELECT MAX(seq) FROM (SELECT seq FROM audit_events WHERE seq > ?1 ORDER BY seq LIMIT ?2)",
+        )?
+        .query_row(params![since, limit], |r| r.get(0))?;
+    let Some(last) = last else {
+        return Ok((Vec::new(), None));
+    };
+    let mut stmt = conn.prepare_cached(&format!(
+        "WITH page AS MATERIALIZED (
+             SELECT seq, kind, action, disposition, outcome FROM audit_events
+             WHERE seq > ?1 AND seq <= ?2
+         ),
+         plain AS (
+             SELECT action FROM page WHERE action IS NOT NULL AND kind <> 'task_opened'
+             GROUP BY action
+             HAVING SUM(kind = 'action_requested') = 1
+                AND SUM(kind = 'action_sent') = 1
+                AND SUM(kind = 'action_result'
+                        AND COALESCE(disposition, '') NOT IN
+                            ('rate_limited', 'quota_exhausted', 'unavailable')) = 1
+                AND SUM(kind = 'action_finished' AND outcome = 'succeeded') = 1
+                AND COUNT(*) = 4
+         )
+         SELECT {EVENT_COLUMNS} FROM audit_events WHERE seq IN (
+             SELECT seq FROM page
+             WHERE kind <> 'task_opened'
+               AND (action IS NULL OR kind = 'action_sent' OR action NOT IN (SELECT action FROM plain))
+         )
+         ORDER BY seq"
+    ))?;
+    let mut rows = stmt.query(params![since, last])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        out.push(event_row(row).map_err(|e| match row.get::<_, i64>(0) {
+            Ok(seq) => StoreError::UndecodableEvent {
+                seq: u64::try_from(seq).unwrap_or(u64::MAX),
+                reason: e.to_string(),
+            },
+            Err(_) => StoreError::Corrupt {
+                table: "audit_events",
+                reason: e.to_string(),
+            },
+        })?);
+    }
+    Ok((out, Some(u64::try_from(last).unwrap_or(u64::MAX))))
+}
+
 pub(crate) fn audit_seqs(conn: &Connection) -> Result<Vec<u64>, StoreError> {
     let mut stmt = conn.prepare_cached("SELECT seq FROM audit_events ORDER BY seq")?;
     let rows = stmt.query_map([], |r| r.get::<_, i64>(0))?;
