@@ -15,6 +15,77 @@ fn backstop() -> Command {
 
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/backstop.yaml");
 
+/// `backstop serve` of the example policy on a free loopback port with its store at
+/// `dir/b.db` (environment not set here).
+fn serve_example(dir: &std::path::Path) -> Command {
+    let mut command = backstop();
+    command
+        .args([
+            "serve",
+            "--config",
+            EXAMPLE,
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+        ])
+        .arg(dir.join("b.db"));
+    command
+}
+
+/// [`serve_example`] with the example's two environment secrets set, spawned with stderr
+/// piped.
+#[cfg(unix)]
+fn spawn_example(dir: &std::path::Path) -> std::process::Child {
+    serve_example(dir)
+        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
+        .env("BILLING_API_KEY", "billing-secret-value")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Reads serve's stderr `lines` up to the one saying where it listens, appending each line
+/// read (and a newline) to `seen`; the `host:port` it listens on.
+#[cfg(unix)]
+fn listening_addr(
+    lines: &mut std::io::Lines<BufReader<std::process::ChildStderr>>,
+    seen: &mut String,
+) -> String {
+    loop {
+        let line = lines
+            .next()
+            .expect("serve exited before listening")
+            .unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            return rest.split_whitespace().next().unwrap().to_owned();
+        }
+    }
+}
+
+/// Sends the raw HTTP/1.1 `request` to `addr` and reads the whole answer (5 s read timeout).
+#[cfg(unix)]
+fn exchange(addr: &str, request: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    stream.write_all(request).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    answer
+}
+
+/// Sends SIGTERM to `child` with `kill -TERM`; the exit status of `kill`.
+#[cfg(unix)]
+fn sigterm(child: &std::process::Child) -> std::io::Result<std::process::ExitStatus> {
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+}
+
 #[test]
 fn invalid_policy_exits_2_with_file_line_column() {
     let dir = tempfile::tempdir().unwrap();
@@ -36,16 +107,7 @@ fn invalid_policy_exits_2_with_file_line_column() {
 #[test]
 fn missing_secret_env_var_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let out = backstop()
-        .args([
-            "serve",
-            "--config",
-            EXAMPLE,
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-        ])
-        .arg(dir.path().join("b.db"))
+    let out = serve_example(dir.path())
         .env_remove("BACKSTOP_AGENT_INVOICE_TOKEN")
         .env_remove("BILLING_API_KEY")
         .output()
@@ -84,57 +146,23 @@ fn port_in_use_is_said_plainly() {
 #[test]
 fn example_starts_logs_its_address_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = backstop()
-        .args([
-            "serve",
-            "--config",
-            EXAMPLE,
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-        ])
-        .arg(dir.path().join("b.db"))
-        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
-        .env("BILLING_API_KEY", "billing-secret-value")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_example(dir.path());
     let stderr = child.stderr.take().unwrap();
     let mut lines = BufReader::new(stderr).lines();
     let mut seen = String::new();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("serve exited before listening")
-            .unwrap();
-        seen.push_str(&line);
-        seen.push('\n');
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_owned();
-        }
-    };
+    let addr = listening_addr(&mut lines, &mut seen);
     assert!(seen.contains("billing-api, openai"), "{seen}");
     assert!(seen.contains("b.db"), "{seen}");
 
     // The door answers: an unauthenticated call gets a 401 problem.
-    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    use std::io::{Read, Write};
-    stream
-        .write_all(b"GET /billing-api/v1/balance HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).unwrap();
+    let answer = exchange(
+        &addr,
+        b"GET /billing-api/v1/balance HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    );
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
     assert!(answer.contains("application/problem+json"), "{answer}");
 
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    assert!(sigterm(&child).unwrap().success());
     let exit = child.wait().unwrap();
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     let all = format!("{seen}{}", rest.join("\n"));
@@ -147,16 +175,7 @@ fn example_starts_logs_its_address_and_stops_on_sigterm() {
 #[test]
 fn every_missing_secret_is_named_at_once_with_its_policy_place() {
     let dir = tempfile::tempdir().unwrap();
-    let out = backstop()
-        .args([
-            "serve",
-            "--config",
-            EXAMPLE,
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-        ])
-        .arg(dir.path().join("b.db"))
+    let out = serve_example(dir.path())
         .env_remove("BACKSTOP_AGENT_INVOICE_TOKEN")
         .env_remove("BILLING_API_KEY")
         .output()
@@ -184,32 +203,10 @@ fn every_missing_secret_is_named_at_once_with_its_policy_place() {
 /// Starts the example policy on a free loopback port; the child and its address.
 #[cfg(unix)]
 fn start_example(dir: &std::path::Path) -> (std::process::Child, String) {
-    let mut child = backstop()
-        .args([
-            "serve",
-            "--config",
-            EXAMPLE,
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-        ])
-        .arg(dir.join("b.db"))
-        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
-        .env("BILLING_API_KEY", "billing-secret-value")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_example(dir);
     let stderr = child.stderr.take().unwrap();
     let mut lines = BufReader::new(stderr).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("serve exited before listening")
-            .unwrap();
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_owned();
-        }
-    };
+    let addr = listening_addr(&mut lines, &mut String::new());
     // Keep draining stderr so the server never blocks on a full pipe.
     std::thread::spawn(move || lines.for_each(drop));
     (child, addr)
@@ -218,22 +215,14 @@ fn start_example(dir: &std::path::Path) -> (std::process::Child, String) {
 #[cfg(unix)]
 #[test]
 fn an_empty_bearer_token_is_called_empty() {
-    use std::io::{Read, Write};
     let dir = tempfile::tempdir().unwrap();
     let (mut child, addr) = start_example(dir.path());
     // What `curl -H "Authorization: Bearer $TOKEN"` sends when TOKEN is unset.
-    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    stream
-        .write_all(b"GET /billing-api/v1/balance HTTP/1.1\r\nhost: x\r\nauthorization: Bearer \r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).unwrap();
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
+    let answer = exchange(
+        &addr,
+        b"GET /billing-api/v1/balance HTTP/1.1\r\nhost: x\r\nauthorization: Bearer \r\nconnection: close\r\n\r\n",
+    );
+    let _ = sigterm(&child);
     let _ = child.wait();
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
     assert!(answer.contains("the bearer token is empty"), "{answer}");
@@ -245,21 +234,7 @@ fn an_empty_bearer_token_is_called_empty() {
 fn a_second_serve_on_a_store_in_use_exits_naming_the_lock() {
     let dir = tempfile::tempdir().unwrap();
     let (mut first, _) = start_example(dir.path());
-    let mut second = backstop()
-        .args([
-            "serve",
-            "--config",
-            EXAMPLE,
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-        ])
-        .arg(dir.path().join("b.db"))
-        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
-        .env("BILLING_API_KEY", "billing-secret-value")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut second = spawn_example(dir.path());
     // Read until the second one exits (stderr closes) or says it listens (the refusal failed).
     let mut stderr = String::new();
     for line in BufReader::new(second.stderr.take().unwrap()).lines() {
@@ -275,9 +250,7 @@ fn a_second_serve_on_a_store_in_use_exits_naming_the_lock() {
         let _ = second.kill();
     }
     let second_exit = second.wait().unwrap();
-    let _ = Command::new("kill")
-        .args(["-TERM", &first.id().to_string()])
-        .status();
+    let _ = sigterm(&first);
     let first_exit = first.wait().unwrap();
     assert!(
         !started,
