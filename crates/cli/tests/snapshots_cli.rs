@@ -2,59 +2,27 @@
 //! through the store API, piped into `backstop diagnose` (the round trip), the `--task` filter,
 //! and a missing database that is reported and never created.
 
+mod common;
+
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use backstop_store::{
-    Admission, AttemptResult, Boundary, Disposition, NewAction, NewTask, PayloadDigest, Priority,
-    RouteTemplate, ScopeUpdate, SqliteStore, Store,
-};
-use jiff::{SignedDuration, Timestamp};
+use backstop_store::{AttemptResult, Boundary, Disposition, ScopeUpdate, SqliteStore, Store};
+use common::{at, sent_action, NOW};
 use serde_json::Value;
-
-const NOW: &str = "2026-07-26T18:40:45Z";
-
-fn at(ms: i64) -> Timestamp {
-    "2026-07-26T18:40:00Z".parse::<Timestamp>().unwrap() + SignedDuration::from_millis(ms)
-}
 
 /// A run whose action got 429 (`Retry-After` → `boundary_ms`) at 0 and whose retry is scheduled
 /// at `due_ms` and never started.
 fn throttled_run(store: &SqliteStore, run: &str, boundary_ms: i64, due_ms: i64) {
-    store
-        .open_task(
-            NewTask {
-                id: run.into(),
-                agent: "agent-a".into(),
-                priority: Priority::Normal,
-                deadline: Some(at(600_000)),
-            },
-            at(0),
-        )
-        .unwrap();
-    let Admission::New(id) = store
-        .record_action(
-            NewAction {
-                task_id: run.into(),
-                agent: "agent-a".into(),
-                provider: "llm".into(),
-                method: "POST".into(),
-                route: RouteTemplate::try_new("/v1/chat/completions").unwrap(),
-                request_class: "idempotent_write".into(),
-                payload_digest: PayloadDigest::of(run.as_bytes()),
-                idempotency_key: format!("key-{run}"),
-                external_reference: None,
-                desired_outcome: None,
-                fingerprint: None,
-            },
-            at(0),
-        )
-        .unwrap()
-    else {
-        panic!("existing action");
-    };
-    let n = store.mark_attempt_sent(id, at(0)).unwrap();
+    let (id, n) = sent_action(
+        store,
+        run,
+        Some(at(600_000)),
+        "POST",
+        "/v1/chat/completions",
+        "idempotent_write",
+    );
     store
         .update_scope(
             ScopeUpdate {

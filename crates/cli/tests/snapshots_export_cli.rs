@@ -2,59 +2,20 @@
 //! database, a task whose actions were not throttled, a database that does not exist (named
 //! once), and scopes named by their provider only when `--policy` is absent.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use backstop_store::{
-    Admission, AttemptResult, Boundary, Disposition, NewAction, NewTask, PayloadDigest, Priority,
-    RouteTemplate, SqliteStore, Store,
-};
-use jiff::{SignedDuration, Timestamp};
+use backstop_store::{AttemptResult, Boundary, Disposition, SqliteStore, Store};
+use common::{at, sent_action, NOW};
 use serde_json::Value;
-
-const NOW: &str = "2026-07-26T18:40:45Z";
-
-fn at(ms: i64) -> Timestamp {
-    "2026-07-26T18:40:00Z".parse::<Timestamp>().unwrap() + SignedDuration::from_millis(ms)
-}
 
 /// Records one action of `run` on `GET /v1/chat/models` of provider `llm`; when `throttled`,
 /// its only attempt got a 429 with no scope record written beside it (so the exported
 /// `quota_scope` can only come from the policy).
 fn action(store: &SqliteStore, run: &str, throttled: bool) {
-    store
-        .open_task(
-            NewTask {
-                id: run.into(),
-                agent: "agent-a".into(),
-                priority: Priority::Normal,
-                deadline: None,
-            },
-            at(0),
-        )
-        .unwrap();
-    let Admission::New(id) = store
-        .record_action(
-            NewAction {
-                task_id: run.into(),
-                agent: "agent-a".into(),
-                provider: "llm".into(),
-                method: "GET".into(),
-                route: RouteTemplate::try_new("/v1/models").unwrap(),
-                request_class: "read".into(),
-                payload_digest: PayloadDigest::of(run.as_bytes()),
-                idempotency_key: format!("key-{run}"),
-                external_reference: None,
-                desired_outcome: None,
-                fingerprint: None,
-            },
-            at(0),
-        )
-        .unwrap()
-    else {
-        panic!("existing action");
-    };
-    let n = store.mark_attempt_sent(id, at(0)).unwrap();
+    let (id, n) = sent_action(store, run, None, "GET", "/v1/models", "read");
     let (status, disposition, boundary) = if throttled {
         (
             429,
