@@ -9,7 +9,7 @@
 use std::{
     io::Write,
     net::TcpStream,
-    path::Path,
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
 };
@@ -63,6 +63,73 @@ fn serve(config: &Path, store: &Path, port: u16) -> Child {
         .expect("backstop serve starts")
 }
 
+/// A runtime of one worker thread for the fake provider.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A handler that creates objects in `collection` with ids starting `prefix` (no reference).
+fn create(collection: &str, prefix: &str) -> Handler {
+    Handler::Create {
+        collection: collection.into(),
+        id_prefix: prefix.into(),
+        reference_field: None,
+        unique_reference: false,
+    }
+}
+
+/// The first gateway of a test: its policy file, database, port and process.
+struct FirstGateway {
+    policy_file: PathBuf,
+    db: PathBuf,
+    port: u16,
+    child: Child,
+}
+
+/// Writes the policy for the fake provider at `base_url` to `dir/policy.yaml` and serves it on a
+/// free port with the database `dir/backstop.db`, once it accepts connections (at most 20 s).
+fn first_gateway(dir: &Path, base_url: &str) -> FirstGateway {
+    let policy_file = dir.join("policy.yaml");
+    std::fs::write(&policy_file, policy(base_url)).unwrap();
+    let db = dir.join("backstop.db");
+    let port = free_port();
+    let child = serve(&policy_file, &db, port);
+    wait_until(
+        "the first gateway to listen",
+        Duration::from_secs(20),
+        || TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    );
+    FirstGateway {
+        policy_file,
+        db,
+        port,
+        child,
+    }
+}
+
+/// Kills a gateway with SIGKILL (`what` names the kill if it fails) and reaps it.
+fn kill(mut gateway: Child, what: &str) {
+    gateway.kill().expect(what);
+    gateway.wait().expect("reaped");
+}
+
+/// Serves the same `(policy file, database, port)` again until the audit log has the event
+/// `kind` for `action` (at most 30 s, `what` names the wait), then kills that gateway.
+fn restart_until_audited(
+    (policy_file, db, port): (&Path, &Path, u16),
+    action: ActionId,
+    kind: &str,
+    what: &str,
+) {
+    let second = serve(policy_file, db, port);
+    wait_until(what, Duration::from_secs(30), || audited(db, action, kind));
+    kill(second, "stop");
+}
+
 /// Polls `ready` every 50 ms, at most `limit` long (a bounded poll of another process, not a
 /// sleep that waits for a race to settle).
 fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
@@ -104,28 +171,16 @@ fn the_unfinished_attempt(db: &Path) -> backstop_store::UnfinishedAttempt {
 
 #[test]
 fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = runtime();
     let config = FakeConfig::default()
         .with_route(
-            RouteConfig::new(
-                "POST /v1/transfers",
-                Handler::Create {
-                    collection: "transfers".into(),
-                    id_prefix: "tr_".into(),
-                    reference_field: None,
-                    unique_reference: false,
-                },
-            )
-            .with_idempotency()
-            // Commit the write, then hold the connection long enough to kill backstop.
-            .with_fault(FaultRule::on_calls(
-                [1],
-                Fault::StoreThenDrop { hold_ms: 30_000 },
-            )),
+            RouteConfig::new("POST /v1/transfers", create("transfers", "tr_"))
+                .with_idempotency()
+                // Commit the write, then hold the connection long enough to kill backstop.
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::StoreThenDrop { hold_ms: 30_000 },
+                )),
         )
         .with_route(RouteConfig::new(
             "GET /v1/transfers",
@@ -138,16 +193,12 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
     });
 
     let dir = tempfile::tempdir().unwrap();
-    let policy_file = dir.path().join("policy.yaml");
-    std::fs::write(&policy_file, policy(&fake.url())).unwrap();
-    let db = dir.path().join("backstop.db");
-    let port = free_port();
-    let mut first = serve(&policy_file, &db, port);
-    wait_until(
-        "the first gateway to listen",
-        Duration::from_secs(20),
-        || TcpStream::connect(("127.0.0.1", port)).is_ok(),
-    );
+    let FirstGateway {
+        policy_file,
+        db,
+        port,
+        child: first,
+    } = first_gateway(dir.path(), &fake.url());
 
     // The agent's write; its answer never comes (backstop dies first).
     let body = r#"{"amount":100,"currency":"EUR"}"#;
@@ -165,21 +216,18 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
         Duration::from_secs(20),
         || fake.attempts().iter().any(|a| a.method == "POST"),
     );
-    first.kill().expect("SIGKILL");
-    first.wait().expect("reaped");
+    kill(first, "SIGKILL");
     drop(agent);
     let unfinished = the_unfinished_attempt(&db);
     let original_key = unfinished.idempotency_key.clone();
     let action = unfinished.action;
 
-    let mut second = serve(&policy_file, &db, port);
-    wait_until(
+    restart_until_audited(
+        (&policy_file, &db, port),
+        action,
+        "reconciled",
         "reconciliation after the restart",
-        Duration::from_secs(30),
-        || audited(&db, action, "reconciled"),
     );
-    second.kill().expect("stop");
-    second.wait().expect("reaped");
 
     let attempts = fake.attempts();
     let creates: Vec<_> = attempts.iter().filter(|a| a.method == "POST").collect();
@@ -210,51 +258,35 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
 
 #[test]
 fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerprint_and_wait() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = runtime();
     // The first call is throttled for 1 s; the second is committed and held until backstop dies.
     let config = FakeConfig::default().with_route(
-        RouteConfig::new(
-            "POST /v1/invoices",
-            Handler::Create {
-                collection: "invoices".into(),
-                id_prefix: "in_".into(),
-                reference_field: None,
-                unique_reference: false,
-            },
-        )
-        .with_idempotency()
-        .with_fault(FaultRule::on_calls(
-            [1],
-            Fault::Status {
-                status: 429,
-                retry_after: Some("1".into()),
-                body: None,
-            },
-        ))
-        .with_fault(FaultRule::on_calls(
-            [2],
-            Fault::StoreThenDrop { hold_ms: 30_000 },
-        )),
+        RouteConfig::new("POST /v1/invoices", create("invoices", "in_"))
+            .with_idempotency()
+            .with_fault(FaultRule::on_calls(
+                [1],
+                Fault::Status {
+                    status: 429,
+                    retry_after: Some("1".into()),
+                    body: None,
+                },
+            ))
+            .with_fault(FaultRule::on_calls(
+                [2],
+                Fault::StoreThenDrop { hold_ms: 30_000 },
+            )),
     );
     let fake = runtime.block_on(async {
         FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
     });
 
     let dir = tempfile::tempdir().unwrap();
-    let policy_file = dir.path().join("policy.yaml");
-    std::fs::write(&policy_file, policy(&fake.url())).unwrap();
-    let db = dir.path().join("backstop.db");
-    let port = free_port();
-    let mut first = serve(&policy_file, &db, port);
-    wait_until(
-        "the first gateway to listen",
-        Duration::from_secs(20),
-        || TcpStream::connect(("127.0.0.1", port)).is_ok(),
-    );
+    let FirstGateway {
+        policy_file,
+        db,
+        port,
+        child: first,
+    } = first_gateway(dir.path(), &fake.url());
 
     // Submitted through the action API, with a deadline and the desired outcome in words.
     let payload = r#"{"customer":"cus_7","amount":70}"#;
@@ -289,19 +321,16 @@ fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerpr
                 == 2
         },
     );
-    first.kill().expect("SIGKILL");
-    first.wait().expect("reaped");
+    kill(first, "SIGKILL");
     drop(agent);
     let action = the_unfinished_attempt(&db).action;
 
-    let mut second = serve(&policy_file, &db, port);
-    wait_until(
+    restart_until_audited(
+        (&policy_file, &db, port),
+        action,
+        "escalated",
         "the escalation after the restart",
-        Duration::from_secs(30),
-        || audited(&db, action, "escalated"),
     );
-    second.kill().expect("stop");
-    second.wait().expect("reaped");
 
     let store = SqliteStore::open_existing(&db).expect("store");
     let escalation = store
