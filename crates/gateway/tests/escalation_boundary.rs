@@ -11,7 +11,7 @@ use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
 use serde_json::{json, Value};
-use support::{client, create, json_of, lookup};
+use support::{client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL};
 
 const AGENT_TOKEN: &str = "agent-token-boundary-5e6f";
 const OPERATOR_TOKEN: &str = "operator-token-boundary-7a8b";
@@ -19,14 +19,7 @@ const OPERATOR_TOKEN: &str = "operator-token-boundary-7a8b";
 fn policy_yaml(base_url: &str) -> String {
     support::policy_yaml(
         base_url,
-        r#"request_classes:
-  read: { max_attempts: 4, max_wait_seconds: 30, retry_statuses: [429, 503] }
-  idempotent_write: { max_attempts: 3, max_wait_seconds: 30, retry_statuses: [429, 503] }
-agents:
-  test-agent: { token_env: TEST_AGENT_TOKEN }
-operators:
-  oncall: { token_env: OPS_TOKEN }
-"#,
+        &format!("{RETRYING_CLASSES}{TEST_AGENT_AND_ONCALL}"),
         r#"    routes:
       "POST /v1/orders": { class: idempotent_write, scopes: [account] }
       "POST /v1/invoices":
@@ -39,12 +32,7 @@ operators:
 }
 
 fn env(name: &str) -> Option<String> {
-    match name {
-        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
-        "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
-        "FAKE_API_KEY" => Some("sk-fake-boundary".to_owned()),
-        _ => None,
-    }
+    support::agent_oncall_secret(name, AGENT_TOKEN, OPERATOR_TOKEN, "sk-fake-boundary")
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
@@ -124,33 +112,14 @@ async fn a_write_throttled_beyond_its_wait_budget_ends_budget_exhausted_and_is_e
         .send()
         .await
         .expect("request");
-    let action: i64 = response.headers()["backstop-action-id"]
-        .to_str()
-        .expect("text")
-        .parse()
-        .expect("number");
+    let action = support::action_id(&response);
     let (_, body) = json_of(response).await;
     assert_eq!(body["outcome"], "budget_exhausted", "{body}");
 
-    let open = open_escalations(&gateway).await;
-    let row = open
-        .iter()
-        .find(|e| e["action"] == action)
-        .unwrap_or_else(|| panic!("an open escalation for the write: {open:?}"));
+    let row = support::open_escalation_of(&gateway, OPERATOR_TOKEN, action).await;
     assert_eq!(row["reason"], "remaining_wait_exceeds_deadline", "{row}");
     let escalation = row["id"].as_i64().expect("id");
-    let (status, shown) = json_of(
-        client()
-            .get(format!(
-                "http://{}/v1/escalations/{escalation}",
-                gateway.addr
-            ))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("show"),
-    )
-    .await;
+    let (status, shown) = support::show_escalation(&gateway, OPERATOR_TOKEN, escalation).await;
     assert_eq!(status, 200, "{shown}");
     let case = &shown["case_file"];
     assert!(
@@ -245,61 +214,32 @@ async fn an_escalation_beside_an_outcome_carries_the_desired_outcome_deadline_fi
     let fake = fake();
     let dir = tempfile::tempdir().expect("tempdir");
     let gateway = start_gateway(&fake.url(), dir.path()).await;
-    let base = format!("http://{}", gateway.addr);
     let payload = r#"{"customer":"cus_42","amount":12}"#;
-    let (status, accepted) = json_of(
-        client()
-            .post(format!("{base}/v1/actions"))
-            .bearer_auth(AGENT_TOKEN)
-            .header("content-type", "application/json")
-            .body(
-                json!({
-                    "provider": "fake",
-                    "method": "POST",
-                    "path": "/v1/invoices",
-                    "task": "run-beside",
-                    "deadline": "2099-01-01T00:00:00Z",
-                    "idempotency_key": "invoice-beside-1",
-                    "headers": {"content-type": "application/json"},
-                    "body": payload,
-                    "desired_outcome": "invoice 42 issued exactly once"
-                })
-                .to_string(),
-            )
-            .send()
-            .await
-            .expect("submit"),
+    let (status, accepted) = support::submit_action(
+        &gateway,
+        AGENT_TOKEN,
+        &json!({
+            "provider": "fake",
+            "method": "POST",
+            "path": "/v1/invoices",
+            "task": "run-beside",
+            "deadline": "2099-01-01T00:00:00Z",
+            "idempotency_key": "invoice-beside-1",
+            "headers": {"content-type": "application/json"},
+            "body": payload,
+            "desired_outcome": "invoice 42 issued exactly once"
+        }),
     )
     .await;
     assert_eq!(status, 202, "{accepted}");
     let action = accepted["id"].as_i64().expect("id");
-    let (_, view) = json_of(
-        client()
-            .get(format!("{base}/v1/actions/{action}?wait=20s"))
-            .bearer_auth(AGENT_TOKEN)
-            .send()
-            .await
-            .expect("poll"),
-    )
-    .await;
+    let (_, view) = support::action_view(&gateway, AGENT_TOKEN, action, "20s").await;
     assert_eq!(view["outcome"], "budget_exhausted", "{view}");
 
-    let open = open_escalations(&gateway).await;
-    let row = open
-        .iter()
-        .find(|e| e["action"] == action)
-        .unwrap_or_else(|| panic!("an open escalation for the write: {open:?}"));
+    let row = support::open_escalation_of(&gateway, OPERATOR_TOKEN, action).await;
     assert_eq!(row["reason"], "remaining_wait_exceeds_deadline", "{row}");
     let escalation = row["id"].as_i64().expect("id");
-    let (status, shown) = json_of(
-        client()
-            .get(format!("{base}/v1/escalations/{escalation}"))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("show"),
-    )
-    .await;
+    let (status, shown) = support::show_escalation(&gateway, OPERATOR_TOKEN, escalation).await;
     assert_eq!(status, 200, "{shown}");
     let case = &shown["case_file"];
     assert_eq!(

@@ -18,7 +18,7 @@ use backstop_store::audit::Verdict;
 use backstop_store::{ActionId, SqliteStore, Store};
 use jiff::Timestamp;
 use serde_json::Value;
-use support::{client, create, json_of, lookup};
+use support::{client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL};
 
 const AGENT_TOKEN: &str = "agent-token-signals-1c2d";
 const OPERATOR_TOKEN: &str = "operator-token-signals-3e4f";
@@ -28,14 +28,7 @@ const PAYLOAD: &str = r#"{"sku":"SKU-SECRET-PAYLOAD-77"}"#;
 fn policy_yaml(base_url: &str) -> String {
     support::policy_yaml(
         base_url,
-        r#"request_classes:
-  read: { max_attempts: 4, max_wait_seconds: 30, retry_statuses: [429, 503] }
-  idempotent_write: { max_attempts: 3, max_wait_seconds: 30, retry_statuses: [429, 503] }
-agents:
-  test-agent: { token_env: TEST_AGENT_TOKEN }
-operators:
-  oncall: { token_env: OPS_TOKEN }
-"#,
+        &format!("{RETRYING_CLASSES}{TEST_AGENT_AND_ONCALL}"),
         r#"    routes:
       "POST /v1/orders": { class: idempotent_write, scopes: [account] }
       "GET /v1/orders": { class: read, scopes: [account] }
@@ -44,12 +37,7 @@ operators:
 }
 
 fn env(name: &str) -> Option<String> {
-    match name {
-        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
-        "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
-        "FAKE_API_KEY" => Some(API_KEY.to_owned()),
-        _ => None,
-    }
+    support::agent_oncall_secret(name, AGENT_TOKEN, OPERATOR_TOKEN, API_KEY)
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
@@ -81,6 +69,20 @@ async fn use_up_the_quota(gateway: &Running, task: &str) {
         .await
         .expect("warm-up read");
     assert_eq!(response.status(), 200, "the first request fits the quota");
+}
+
+/// The agent's create of [`PAYLOAD`] through the proxy door for `task` under the key `key`.
+async fn post_order(gateway: &Running, task: &str, key: &str) -> reqwest::Response {
+    client()
+        .post(format!("http://{}/fake/v1/orders", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", task)
+        .header("Idempotency-Key", key)
+        .header("content-type", "application/json")
+        .body(PAYLOAD)
+        .send()
+        .await
+        .expect("request")
 }
 
 /// The header `name` among a case file attempt's `quota_headers`.
@@ -117,40 +119,16 @@ async fn an_escalated_write_shows_the_raw_retry_after_and_quota_headers_of_each_
         .expect("direct read");
     assert_eq!(direct.status(), 200, "the first request fits the quota");
 
-    let response = client()
-        .post(format!("http://{}/fake/v1/orders", gateway.addr))
-        .bearer_auth(AGENT_TOKEN)
-        .header("X-Backstop-Task", "run-signals")
-        .header("Idempotency-Key", "order-signals-1")
-        .header("content-type", "application/json")
-        .body(PAYLOAD)
-        .send()
-        .await
-        .expect("request");
+    let response = post_order(&gateway, "run-signals", "order-signals-1").await;
     let action = support::action_id(&response);
     let (_, body) = json_of(response).await;
     assert_eq!(body["outcome"], "budget_exhausted", "{body}");
     let posts = support::on_route(&fake.attempts(), "POST", "/v1/orders").len();
     assert_eq!(posts, 1, "the provider saw one create");
 
-    let open = support::open_escalations(&gateway, OPERATOR_TOKEN).await;
-    let row = open
-        .iter()
-        .find(|e| e["action"] == action)
-        .unwrap_or_else(|| panic!("an open escalation for the write: {open:?}"));
+    let row = support::open_escalation_of(&gateway, OPERATOR_TOKEN, action).await;
     let escalation = row["id"].as_i64().expect("id");
-    let (status, shown) = json_of(
-        client()
-            .get(format!(
-                "http://{}/v1/escalations/{escalation}",
-                gateway.addr
-            ))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("show"),
-    )
-    .await;
+    let (status, shown) = support::show_escalation(&gateway, OPERATOR_TOKEN, escalation).await;
     assert_eq!(status, 200, "{shown}");
     let case = &shown["case_file"];
     let attempts = case["attempts"].as_array().expect("attempts");
@@ -242,16 +220,7 @@ async fn a_throttled_actions_snapshot_carries_retry_after_and_date_and_diagnose_
     use_up_the_quota(&gateway, "run-health-signals").await;
 
     // Throttled once, retried at the boundary, then served.
-    let response = client()
-        .post(format!("http://{}/fake/v1/orders", gateway.addr))
-        .bearer_auth(AGENT_TOKEN)
-        .header("X-Backstop-Task", "run-health-signals")
-        .header("Idempotency-Key", "order-health-1")
-        .header("content-type", "application/json")
-        .body(PAYLOAD)
-        .send()
-        .await
-        .expect("request");
+    let response = post_order(&gateway, "run-health-signals", "order-health-1").await;
     let action = support::action_id(&response);
     assert_eq!(response.status(), 201, "served after the boundary");
     let seen = fake.attempts();

@@ -161,3 +161,94 @@ pub async fn decide(gateway: &Running, token: &str, escalation: i64, body: Value
     )
     .await
 }
+
+/// The `request_classes:` top-level YAML most escalation tests share: reads get up to 4
+/// attempts and idempotent writes up to 3, each within 30 s of wait and retried on 429 and 503.
+pub const RETRYING_CLASSES: &str = r#"request_classes:
+  read: { max_attempts: 4, max_wait_seconds: 30, retry_statuses: [429, 503] }
+  idempotent_write: { max_attempts: 3, max_wait_seconds: 30, retry_statuses: [429, 503] }
+"#;
+
+/// The top-level YAML for the agent `test-agent` (token in `TEST_AGENT_TOKEN`) and the operator
+/// `oncall` (token in `OPS_TOKEN`).
+pub const TEST_AGENT_AND_ONCALL: &str = r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
+operators:
+  oncall: { token_env: OPS_TOKEN }
+"#;
+
+/// The secret of the environment variable `name` under [`TEST_AGENT_AND_ONCALL`] and the
+/// provider credential `FAKE_API_KEY`: `agent_token`, `operator_token` or `api_key`, and
+/// nothing for any other name.
+pub fn agent_oncall_secret(
+    name: &str,
+    agent_token: &str,
+    operator_token: &str,
+    api_key: &str,
+) -> Option<String> {
+    match name {
+        "TEST_AGENT_TOKEN" => Some(agent_token.to_owned()),
+        "OPS_TOKEN" => Some(operator_token.to_owned()),
+        "FAKE_API_KEY" => Some(api_key.to_owned()),
+        _ => None,
+    }
+}
+
+/// Submits the action `body` by `POST /v1/actions` as the agent `token`; the status and body.
+pub async fn submit_action(gateway: &Running, token: &str, body: &Value) -> (u16, Value) {
+    json_of(
+        client()
+            .post(format!("http://{}/v1/actions", gateway.addr))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("submit"),
+    )
+    .await
+}
+
+/// The view of `action` by `GET /v1/actions/{action}?wait={wait}` (a duration such as `10s`)
+/// for `token`; the status and body.
+pub async fn action_view(gateway: &Running, token: &str, action: i64, wait: &str) -> (u16, Value) {
+    json_of(
+        client()
+            .get(format!(
+                "http://{}/v1/actions/{action}?wait={wait}",
+                gateway.addr
+            ))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("poll"),
+    )
+    .await
+}
+
+/// The open escalation listed for `action` (see [`open_escalations`]); panics naming the open
+/// ones when there is none.
+pub async fn open_escalation_of(gateway: &Running, token: &str, action: i64) -> Value {
+    let open = open_escalations(gateway, token).await;
+    open.iter()
+        .find(|e| e["action"] == action)
+        .cloned()
+        .unwrap_or_else(|| panic!("an open escalation for action {action}: {open:?}"))
+}
+
+/// `GET /v1/escalations/{escalation}` for the operator `token`; the status and body (with the
+/// case file).
+pub async fn show_escalation(gateway: &Running, token: &str, escalation: i64) -> (u16, Value) {
+    json_of(
+        client()
+            .get(format!(
+                "http://{}/v1/escalations/{escalation}",
+                gateway.addr
+            ))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("show"),
+    )
+    .await
+}
