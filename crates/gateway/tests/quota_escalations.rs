@@ -13,7 +13,7 @@ use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig, RunningFake};
 use backstop_gateway::server::Running;
 use backstop_store::{SqliteStore, Store};
 use serde_json::{json, Value};
-use support::{client, create, json_of, lookup};
+use support::{client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL};
 
 const AGENT_TOKEN: &str = "agent-token-quota-9a8b";
 const OPERATOR_TOKEN: &str = "operator-token-quota-7c6d";
@@ -22,14 +22,7 @@ fn policy_yaml(base_url: &str) -> String {
     // The first line continues the provider's `scopes:` map with a second scope.
     support::policy_yaml(
         base_url,
-        r#"request_classes:
-  read: { max_attempts: 4, max_wait_seconds: 30, retry_statuses: [429, 503] }
-  idempotent_write: { max_attempts: 3, max_wait_seconds: 30, retry_statuses: [429, 503] }
-agents:
-  test-agent: { token_env: TEST_AGENT_TOKEN }
-operators:
-  oncall: { token_env: OPS_TOKEN }
-"#,
+        &format!("{RETRYING_CLASSES}{TEST_AGENT_AND_ONCALL}"),
         r#"      reads: { limit: 1000, window_seconds: 60 }
     error_code_pointer: /error/code
     routes:
@@ -41,12 +34,7 @@ operators:
 }
 
 fn env(name: &str) -> Option<String> {
-    match name {
-        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
-        "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
-        "FAKE_API_KEY" => Some("sk-fake-quota-1234".to_owned()),
-        _ => None,
-    }
+    support::agent_oncall_secret(name, AGENT_TOKEN, OPERATOR_TOKEN, "sk-fake-quota-1234")
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
@@ -110,15 +98,7 @@ async fn quota_escalations(gateway: &Running) -> Vec<Value> {
             continue;
         }
         let id = row["id"].as_i64().expect("id");
-        let (status, shown) = json_of(
-            client()
-                .get(format!("http://{}/v1/escalations/{id}", gateway.addr))
-                .bearer_auth(OPERATOR_TOKEN)
-                .send()
-                .await
-                .expect("show"),
-        )
-        .await;
+        let (status, shown) = support::show_escalation(gateway, OPERATOR_TOKEN, id).await;
         assert_eq!(status, 200, "{shown}");
         out.push(shown);
     }
@@ -308,15 +288,7 @@ async fn repeated_limits_in_a_scope_open_one_account_configuration_escalation() 
         "three sends per write, nothing more"
     );
     let id = open[0]["id"].as_i64().expect("id");
-    let (_, shown) = json_of(
-        client()
-            .get(format!("http://{}/v1/escalations/{id}", gateway.addr))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("show"),
-    )
-    .await;
+    let (_, shown) = support::show_escalation(&gateway, OPERATOR_TOKEN, id).await;
     let case = &shown["case_file"];
     assert_eq!(case["scopes"], json!(["fake/account"]));
     assert_eq!(case["ended_with"], "budget_exhausted");
