@@ -233,7 +233,7 @@ async fn an_escalation_beside_an_outcome_carries_the_desired_outcome_deadline_fi
     .await;
     assert_eq!(status, 202, "{accepted}");
     let action = accepted["id"].as_i64().expect("id");
-    let (_, view) = support::action_view(&gateway, AGENT_TOKEN, action, "20s").await;
+    let (_, view) = support::action_view(&gateway, AGENT_TOKEN, action, Some("20s")).await;
     assert_eq!(view["outcome"], "budget_exhausted", "{view}");
 
     let row = support::open_escalation_of(&gateway, OPERATOR_TOKEN, action).await;

@@ -30,11 +30,7 @@ const PAYLOAD_CANARY: &str = "payload-canary-c0ffee";
 fn policy_yaml(base_url: &str) -> String {
     support::policy_yaml(
         base_url,
-        r#"agents:
-  test-agent: { token_env: TEST_AGENT_TOKEN }
-operators:
-  oncall: { token_env: OPS_TOKEN }
-"#,
+        support::TEST_AGENT_AND_ONCALL,
         r#"    routes:
       "POST /v1/orders":
         class: idempotent_write
@@ -61,12 +57,7 @@ operators:
 }
 
 fn env(name: &str) -> Option<String> {
-    match name {
-        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
-        "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
-        "FAKE_API_KEY" => Some(PROVIDER_SECRET.to_owned()),
-        _ => None,
-    }
+    support::agent_oncall_secret(name, AGENT_TOKEN, OPERATOR_TOKEN, PROVIDER_SECRET)
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
@@ -144,10 +135,7 @@ async fn escalated_order(gateway: &Running, key: &str) -> i64 {
 }
 
 async fn escalation_of(gateway: &Running, action: i64) -> i64 {
-    let open = support::open_escalations(gateway, OPERATOR_TOKEN).await;
-    open.iter()
-        .find(|e| e["action"] == action)
-        .unwrap_or_else(|| panic!("no escalation for action {action}: {open:?}"))["id"]
+    support::open_escalation_of(gateway, OPERATOR_TOKEN, action).await["id"]
         .as_i64()
         .expect("id")
 }
@@ -186,18 +174,7 @@ async fn retry_same_key_sends_exactly_one_more_create_with_the_same_key() {
     );
 
     // The note is kept (sanitized) and returned with the decision.
-    let (status, shown) = json_of(
-        client()
-            .get(format!(
-                "http://{}/v1/escalations/{escalation}",
-                gateway.addr
-            ))
-            .bearer_auth(OPERATOR_TOKEN)
-            .send()
-            .await
-            .expect("show"),
-    )
-    .await;
+    let (status, shown) = support::show_escalation(&gateway, OPERATOR_TOKEN, escalation).await;
     assert_eq!(status, 200);
     assert_eq!(shown["decision"], "retry_same_key");
     let note = shown["note"].as_str().expect("note kept");
@@ -343,15 +320,7 @@ async fn after_a_restart_retry_same_key_is_409_and_the_agents_same_key_resubmiss
     // The attempts are counted as the store counts them, from the first one ever sent: the
     // answer, the action view and its context agree with the provider's two creates.
     assert_eq!(response.headers()["backstop-attempts"], "2");
-    let (status, view) = json_of(
-        client()
-            .get(format!("http://{}/v1/actions/{id}", gateway.addr))
-            .bearer_auth(AGENT_TOKEN)
-            .send()
-            .await
-            .expect("view"),
-    )
-    .await;
+    let (status, view) = support::action_view(&gateway, AGENT_TOKEN, id, None).await;
     assert_eq!(status, 200, "{view}");
     assert_eq!(view["attempts"], 2, "{view}");
     assert_eq!(view["context"]["attempts"], 2, "{view}");
@@ -416,41 +385,25 @@ async fn the_case_file_has_every_spec_item_and_no_payload_or_credential() {
     let gateway = start_gateway(&fake.url(), dir.path()).await;
     let base = format!("http://{}", gateway.addr);
     // Submitted through the action API, with the desired outcome in words.
-    let (status, accepted) = json_of(
-        client()
-            .post(format!("{base}/v1/actions"))
-            .bearer_auth(AGENT_TOKEN)
-            .header("content-type", "application/json")
-            .body(
-                json!({
-                    "provider": "fake",
-                    "method": "POST",
-                    "path": "/v1/orders",
-                    "task": "run-case",
-                    "deadline": "2099-06-30T12:00:00Z",
-                    "idempotency_key": "order-case-1",
-                    "headers": {"content-type": "application/json"},
-                    "body": format!(r#"{{"sku":"C-3","note":"{PAYLOAD_CANARY}"}}"#),
-                    "desired_outcome": "order B-2 placed exactly once"
-                })
-                .to_string(),
-            )
-            .send()
-            .await
-            .expect("submit"),
+    let (status, accepted) = support::submit_action(
+        &gateway,
+        AGENT_TOKEN,
+        &json!({
+            "provider": "fake",
+            "method": "POST",
+            "path": "/v1/orders",
+            "task": "run-case",
+            "deadline": "2099-06-30T12:00:00Z",
+            "idempotency_key": "order-case-1",
+            "headers": {"content-type": "application/json"},
+            "body": format!(r#"{{"sku":"C-3","note":"{PAYLOAD_CANARY}"}}"#),
+            "desired_outcome": "order B-2 placed exactly once"
+        }),
     )
     .await;
     assert_eq!(status, 202, "{accepted}");
     let id = accepted["id"].as_i64().expect("id");
-    let (_, view) = json_of(
-        client()
-            .get(format!("{base}/v1/actions/{id}?wait=10s"))
-            .bearer_auth(AGENT_TOKEN)
-            .send()
-            .await
-            .expect("poll"),
-    )
-    .await;
+    let (_, view) = support::action_view(&gateway, AGENT_TOKEN, id, Some("10s")).await;
     assert_eq!(view["outcome"], "escalated", "{view}");
     let escalation = escalation_of(&gateway, id).await;
     let response = client()
@@ -669,15 +622,7 @@ async fn a_key_unfinished_in_the_store_but_not_running_after_a_restart_is_409() 
     // until its retry is scheduled (`waiting`), then check the durable job after the stop.
     let mut polls = 0;
     loop {
-        let (_, view) = json_of(
-            client()
-                .get(format!("http://{}/v1/actions/{id}", gateway.addr))
-                .bearer_auth(AGENT_TOKEN)
-                .send()
-                .await
-                .expect("view"),
-        )
-        .await;
+        let (_, view) = support::action_view(&gateway, AGENT_TOKEN, id, None).await;
         if view["state"] == "waiting" {
             break;
         }

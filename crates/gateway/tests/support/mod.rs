@@ -209,13 +209,19 @@ pub async fn submit_action(gateway: &Running, token: &str, body: &Value) -> (u16
     .await
 }
 
-/// The view of `action` by `GET /v1/actions/{action}?wait={wait}` (a duration such as `10s`)
-/// for `token`; the status and body.
-pub async fn action_view(gateway: &Running, token: &str, action: i64, wait: &str) -> (u16, Value) {
+/// The view of `action` by `GET /v1/actions/{action}` for `token`, long-polling with
+/// `?wait={wait}` (a duration such as `10s`) when a wait is given; the status and body.
+pub async fn action_view(
+    gateway: &Running,
+    token: &str,
+    action: i64,
+    wait: Option<&str>,
+) -> (u16, Value) {
+    let query = wait.map(|w| format!("?wait={w}")).unwrap_or_default();
     json_of(
         client()
             .get(format!(
-                "http://{}/v1/actions/{action}?wait={wait}",
+                "http://{}/v1/actions/{action}{query}",
                 gateway.addr
             ))
             .bearer_auth(token)
