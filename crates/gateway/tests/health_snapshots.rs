@@ -522,14 +522,13 @@ mod at_the_provider {
     fn policy_yaml(base_url: &str) -> String {
         support::policy_yaml(
             base_url,
-            r#"request_classes:
-  read: { max_attempts: 4, max_wait_seconds: 90, retry_statuses: [429, 503] }
-  uncertain_write: { max_attempts: 1, max_wait_seconds: 0, retry_statuses: [] }
-agents:
-  test-agent: { token_env: TEST_AGENT_TOKEN }
-operators:
-  oncall: { token_env: OPS_TOKEN }
-"#,
+            &format!(
+                r#"request_classes:
+  read: {{ max_attempts: 4, max_wait_seconds: 90, retry_statuses: [429, 503] }}
+  uncertain_write: {{ max_attempts: 1, max_wait_seconds: 0, retry_statuses: [] }}
+{}"#,
+                support::TEST_AGENT_AND_ONCALL
+            ),
             r#"    routes:
       "POST /v1/chat/completions": { class: uncertain_write, scopes: [account] }
       "GET /v1/exports/{id}": { class: read, scopes: [account] }
@@ -538,12 +537,7 @@ operators:
     }
 
     fn env(name: &str) -> Option<String> {
-        match name {
-            "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
-            "OPS_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
-            "FAKE_API_KEY" => Some("sk-fake-health".to_owned()),
-            _ => None,
-        }
+        support::agent_oncall_secret(name, AGENT_TOKEN, OPERATOR_TOKEN, "sk-fake-health")
     }
 
     /// Both routes answer their first call `429` with `retry_after` (seconds).
