@@ -41,13 +41,27 @@ fn env(name: &str) -> Option<String> {
     }
 }
 
-async fn gateway(base_url: &str, dir: &Path) -> Running {
-    let options = ServeOptions {
+/// Serve options with the store at `dir/b.db` and a 1 s shutdown grace.
+fn options(dir: &Path) -> ServeOptions {
+    ServeOptions {
         store: Some(dir.join("b.db")),
         shutdown_grace: Duration::from_secs(1),
         ..support::serve_options(dir, 3)
-    };
-    support::start_gateway(&policy_yaml(base_url), "a.yaml", &env, options).await
+    }
+}
+
+async fn gateway(base_url: &str, dir: &Path) -> Running {
+    support::start_gateway(&policy_yaml(base_url), "a.yaml", &env, options(dir)).await
+}
+
+/// `POST /v1/tasks/{task}/cancel` at `base` for `token`.
+async fn cancel_task(base: &str, task: &str, token: &str) -> reqwest::Response {
+    client()
+        .post(format!("{base}/v1/tasks/{task}/cancel"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
 }
 
 async fn get_json(url: String, token: &str) -> (u16, Value) {
@@ -62,17 +76,7 @@ async fn get_json(url: String, token: &str) -> (u16, Value) {
 #[tokio::test]
 async fn respond_async_answers_202_and_the_long_poll_returns_the_response_to_its_owner_only() {
     let dir = tempfile::tempdir().unwrap();
-    let provider = fake(vec![RouteConfig::new(
-        "POST /v1/transfers",
-        Handler::Create {
-            collection: "transfers".into(),
-            id_prefix: "tr_".into(),
-            reference_field: None,
-            unique_reference: false,
-        },
-    )
-    .with_idempotency()]);
-    let gw = gateway(&provider.url(), dir.path()).await;
+    let (provider, gw) = transfers_gateway(dir.path()).await;
     let base = format!("http://{}", gw.addr);
     let r = client()
         .post(format!("{base}/fake/v1/transfers"))
@@ -161,19 +165,9 @@ async fn post_actions_accepts_json_and_cancel_over_http_stops_a_delayed_retry() 
     }
     assert_eq!(provider.attempts().len(), 1);
     // Another agent cannot cancel it (404), the owner can.
-    let r = client()
-        .post(format!("{base}/v1/tasks/run-cancel/cancel"))
-        .bearer_auth(OTHER)
-        .send()
-        .await
-        .unwrap();
+    let r = cancel_task(&base, "run-cancel", OTHER).await;
     assert_eq!(r.status(), 404);
-    let r = client()
-        .post(format!("{base}/v1/tasks/run-cancel/cancel"))
-        .bearer_auth(AGENT)
-        .send()
-        .await
-        .unwrap();
+    let r = cancel_task(&base, "run-cancel", AGENT).await;
     assert_eq!(r.status(), 200);
     let report: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     assert_eq!(report["task_id"], "run-cancel");
@@ -197,12 +191,7 @@ async fn cancelling_a_write_waiting_on_a_durable_retry_reports_all_three_counts(
     let dir = tempfile::tempdir().unwrap();
     let provider = fake(vec![RouteConfig::new(
         "POST /v1/transfers",
-        Handler::Create {
-            collection: "transfers".into(),
-            id_prefix: "tr_".into(),
-            reference_field: None,
-            unique_reference: false,
-        },
+        support::create("transfers", "tr_"),
     )
     .with_idempotency()
     .with_script([Fault::Status {
@@ -212,23 +201,18 @@ async fn cancelling_a_write_waiting_on_a_durable_retry_reports_all_three_counts(
     }])]);
     let gw = gateway(&provider.url(), dir.path()).await;
     let base = format!("http://{}", gw.addr);
-    let r = client()
-        .post(format!("{base}/v1/actions"))
-        .bearer_auth(AGENT)
-        .header("content-type", "application/json")
-        .body(
-            json!({
-                "provider": "fake", "method": "POST", "path": "/v1/transfers",
-                "task": "run-cancel-write", "idempotency_key": "transfer-cancel-1",
-                "headers": {"content-type": "application/json"}, "body": "{\"amount\":3}"
-            })
-            .to_string(),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let body: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+    let (status, body) = post_action(
+        &base,
+        json!({
+            "provider": "fake", "method": "POST", "path": "/v1/transfers",
+            "task": "run-cancel-write", "idempotency_key": "transfer-cancel-1",
+            "headers": {"content-type": "application/json"}, "body": "{\"amount\":3}"
+        })
+        .to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 202);
     let id = body["id"].as_i64().unwrap();
     // Wait for the first attempt (503, retry scheduled 2 s later) and its durable retry.
     for _ in 0..100 {
@@ -239,12 +223,7 @@ async fn cancelling_a_write_waiting_on_a_durable_retry_reports_all_three_counts(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(provider.attempts().len(), 1);
-    let r = client()
-        .post(format!("{base}/v1/tasks/run-cancel-write/cancel"))
-        .bearer_auth(AGENT)
-        .send()
-        .await
-        .unwrap();
+    let r = cancel_task(&base, "run-cancel-write", AGENT).await;
     assert_eq!(r.status(), 200);
     let report: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     assert_eq!(
@@ -322,17 +301,7 @@ async fn a_provider_named_like_a_backstop_route_is_refused_by_the_policy() {
 #[tokio::test]
 async fn two_agents_with_the_same_idempotency_key_make_two_creates_and_see_no_replay() {
     let dir = tempfile::tempdir().unwrap();
-    let provider = fake(vec![RouteConfig::new(
-        "POST /v1/transfers",
-        Handler::Create {
-            collection: "transfers".into(),
-            id_prefix: "tr_".into(),
-            reference_field: None,
-            unique_reference: false,
-        },
-    )
-    .with_idempotency()]);
-    let gw = gateway(&provider.url(), dir.path()).await;
+    let (provider, gw) = transfers_gateway(dir.path()).await;
     let send = |token: &'static str, amount: u32| {
         let url = format!("http://{}/fake/v1/transfers", gw.addr);
         async move {
@@ -713,12 +682,7 @@ async fn a_desired_outcome_cleaned_on_intake_is_listed_in_the_case_files_redacti
           operation_id_pointer: /id
 "#,
     );
-    let options = ServeOptions {
-        store: Some(dir.path().join("b.db")),
-        shutdown_grace: Duration::from_secs(1),
-        ..support::serve_options(dir.path(), 3)
-    };
-    let gw = support::start_gateway(&yaml, "a.yaml", &env, options).await;
+    let gw = support::start_gateway(&yaml, "a.yaml", &env, options(dir.path())).await;
     let base = format!("http://{}", gw.addr);
     let secret = "sk-live-abc123def456ghi789";
     let (status, accepted) = post_action(
@@ -734,16 +698,9 @@ async fn a_desired_outcome_cleaned_on_intake_is_listed_in_the_case_files_redacti
     let id = accepted["id"].as_i64().unwrap();
     let (_, view) = get_json(format!("{base}/v1/actions/{id}?wait=10s"), AGENT).await;
     assert_eq!(view["outcome"], "escalated", "{view}");
-    let escalation = support::open_escalations(&gw, OPERATOR)
-        .await
-        .into_iter()
-        .find(|e| e["action"] == id)
-        .expect("an open escalation for the action");
-    let (status, shown) = get_json(
-        format!("{base}/v1/escalations/{}", escalation["id"]),
-        OPERATOR,
-    )
-    .await;
+    let escalation = support::open_escalation_of(&gw, OPERATOR, id).await;
+    let escalation = escalation["id"].as_i64().unwrap();
+    let (status, shown) = support::show_escalation(&gw, OPERATOR, escalation).await;
     assert_eq!(status, 200, "{shown}");
     let case = &shown["case_file"];
     assert!(!shown.to_string().contains(secret), "{shown}");
