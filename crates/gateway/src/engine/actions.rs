@@ -615,15 +615,7 @@ impl Inner {
         detail: &str,
         retry_not_before: Option<jiff::Timestamp>,
     ) -> Result<backstop_store::EscalationId, EngineError> {
-        let record = self
-            .blocking(move |s| s.action(action))
-            .await?
-            .ok_or_else(|| {
-                EngineError::Aborted(format!("action {} is not in the store", action.0))
-            })?;
-        let facts = self
-            .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
-            .await;
+        let (record, facts) = self.ended_action(action).await?;
         let idempotency_key =
             (!facts.idempotency_key.is_empty()).then(|| facts.idempotency_key.clone());
         let ended = record.outcome.map_or("ended", |o| o.as_str());
@@ -645,6 +637,27 @@ impl Inner {
             "escalated beside the outcome: a human must decide"
         );
         Ok(escalation)
+    }
+
+    /// The stored record of `action`, which has ended, and its facts for a case file (at
+    /// interactive priority: a person reads it).
+    ///
+    /// # Errors
+    /// The action is not in the store, or the store failed.
+    pub(super) async fn ended_action(
+        &self,
+        action: backstop_store::ActionId,
+    ) -> Result<(backstop_store::ActionRecord, super::writes::WriteFacts), EngineError> {
+        let record = self
+            .blocking(move |s| s.action(action))
+            .await?
+            .ok_or_else(|| {
+                EngineError::Aborted(format!("action {} is not in the store", action.0))
+            })?;
+        let facts = self
+            .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
+            .await;
+        Ok((record, facts))
     }
 
     /// Builds the case file of the write `facts` describes for `reason` (with `detail`,

@@ -130,15 +130,7 @@ impl Inner {
         why: &str,
         reset: Option<Timestamp>,
     ) -> Result<QuotaEscalation, EngineError> {
-        let record = self
-            .blocking(move |s| s.action(action))
-            .await?
-            .ok_or_else(|| {
-                EngineError::Aborted(format!("action {} is not in the store", action.0))
-            })?;
-        let facts = self
-            .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
-            .await;
+        let (record, facts) = self.ended_action(action).await?;
         // One look-and-open at a time: actions meeting the quota together open one escalation.
         let _one_at_a_time = self.quota_escalations.lock().await;
         let now = backstop_core::clock::Clock::now(&self.clock);
