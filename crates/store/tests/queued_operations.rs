@@ -8,6 +8,7 @@ use backstop_store::audit::Verdict;
 use backstop_store::{ActionState, Admission, NewAction, SqliteStore, Store, StoreError};
 use common::{
     completion, kinds, new_action, new_task as task, open_task, read_action_of, success, t, wait,
+    ONE_ATTEMPT_EVENTS,
 };
 
 fn read_action(task: &str) -> NewAction {
@@ -34,16 +35,7 @@ fn a_read_recorded_without_waiting_keeps_its_events_in_order_and_the_chain_intac
     wait(&recorded_rx).expect("record committed");
     assert_eq!(wait(&sent_rx).expect("sent committed"), 1);
     wait(&done_rx).expect("result committed");
-    assert_eq!(
-        kinds(&store),
-        [
-            "task_opened",
-            "action_requested",
-            "action_sent",
-            "action_result",
-            "action_finished"
-        ]
-    );
+    assert_eq!(kinds(&store), ONE_ATTEMPT_EVENTS);
     let action = store.action(id).expect("read").expect("recorded");
     assert_eq!(action.state, ActionState::Finished);
     assert_eq!(action.idempotency_key, "");

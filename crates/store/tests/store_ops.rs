@@ -10,7 +10,7 @@ use backstop_store::{
     Admission, AttemptResult, AttemptState, Boundary, Disposition, EscalationState, Finish,
     Outcome, RouteTemplate, ScopeUpdate, SqliteStore, Store, StoreError, StoredResponse,
 };
-use common::{kinds, new_action, open_task, record, t};
+use common::{kinds, new_action, open_task, record, t, ONE_ATTEMPT_EVENTS};
 
 fn store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -245,16 +245,7 @@ fn a_result_can_finish_the_action_and_keep_the_response_for_replay() {
         "{err}"
     );
     // The failed operation wrote nothing.
-    assert_eq!(
-        kinds(&store),
-        [
-            "task_opened",
-            "action_requested",
-            "action_sent",
-            "action_result",
-            "action_finished"
-        ]
-    );
+    assert_eq!(kinds(&store), ONE_ATTEMPT_EVENTS);
 }
 
 #[test]

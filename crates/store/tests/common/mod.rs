@@ -102,6 +102,16 @@ pub fn wait<T>(rx: &mpsc::Receiver<Result<T, StoreError>>) -> Result<T, StoreErr
         .expect("the completion was called")
 }
 
+/// The audit event kinds, in order, of an action recorded in a task it opens and finished by
+/// its first attempt.
+pub const ONE_ATTEMPT_EVENTS: [&str; 5] = [
+    "task_opened",
+    "action_requested",
+    "action_sent",
+    "action_result",
+    "action_finished",
+];
+
 /// The kinds of every audit event in the store, in order.
 pub fn kinds(store: &SqliteStore) -> Vec<String> {
     store
