@@ -15,7 +15,7 @@ use std::{
 };
 
 use backstop_core::reconcile::upstream_idempotency_key;
-use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig};
+use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig, RunningFake};
 use backstop_store::{ActionId, AuditReader, SqliteStore, Store};
 
 const AGENT_TOKEN: &str = "agent-token-restart";
@@ -70,6 +70,13 @@ fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("runtime")
+}
+
+/// Starts the fake provider with `config` on a loopback port, inside `runtime`.
+fn start_fake(runtime: &tokio::runtime::Runtime, config: FakeConfig) -> RunningFake {
+    runtime.block_on(async {
+        FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
+    })
 }
 
 /// A handler that creates objects in `collection` with ids starting `prefix` (no reference).
@@ -188,9 +195,7 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
                 collection: "transfers".into(),
             },
         ));
-    let fake = runtime.block_on(async {
-        FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
-    });
+    let fake = start_fake(&runtime, config);
 
     let dir = tempfile::tempdir().unwrap();
     let FirstGateway {
@@ -276,9 +281,7 @@ fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerpr
                 Fault::StoreThenDrop { hold_ms: 30_000 },
             )),
     );
-    let fake = runtime.block_on(async {
-        FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
-    });
+    let fake = start_fake(&runtime, config);
 
     let dir = tempfile::tempdir().unwrap();
     let FirstGateway {

@@ -32,6 +32,15 @@ fn serve_example(dir: &std::path::Path) -> Command {
     command
 }
 
+/// [`serve_example`] run to its end with the example's two environment secrets unset.
+fn serve_example_without_secrets(dir: &std::path::Path) -> std::process::Output {
+    serve_example(dir)
+        .env_remove("BACKSTOP_AGENT_INVOICE_TOKEN")
+        .env_remove("BILLING_API_KEY")
+        .output()
+        .unwrap()
+}
+
 /// [`serve_example`] with the example's two environment secrets set, spawned with stderr
 /// piped.
 #[cfg(unix)]
@@ -107,11 +116,7 @@ fn invalid_policy_exits_2_with_file_line_column() {
 #[test]
 fn missing_secret_env_var_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let out = serve_example(dir.path())
-        .env_remove("BACKSTOP_AGENT_INVOICE_TOKEN")
-        .env_remove("BILLING_API_KEY")
-        .output()
-        .unwrap();
+    let out = serve_example_without_secrets(dir.path());
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -175,11 +180,7 @@ fn example_starts_logs_its_address_and_stops_on_sigterm() {
 #[test]
 fn every_missing_secret_is_named_at_once_with_its_policy_place() {
     let dir = tempfile::tempdir().unwrap();
-    let out = serve_example(dir.path())
-        .env_remove("BACKSTOP_AGENT_INVOICE_TOKEN")
-        .env_remove("BILLING_API_KEY")
-        .output()
-        .unwrap();
+    let out = serve_example_without_secrets(dir.path());
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     for line in [
