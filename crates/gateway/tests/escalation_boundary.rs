@@ -97,6 +97,17 @@ async fn decide(gateway: &Running, escalation: i64, option: &str) -> (u16, Value
     .await
 }
 
+/// The open escalation of `action`, checked to be `remaining_wait_exceeds_deadline` and shown
+/// to the operator: its id and case file.
+async fn boundary_escalation(gateway: &Running, action: i64) -> (i64, Value) {
+    let row = support::open_escalation_of(gateway, OPERATOR_TOKEN, action).await;
+    assert_eq!(row["reason"], "remaining_wait_exceeds_deadline", "{row}");
+    let escalation = row["id"].as_i64().expect("id");
+    let (status, shown) = support::show_escalation(gateway, OPERATOR_TOKEN, escalation).await;
+    assert_eq!(status, 200, "{shown}");
+    (escalation, shown["case_file"].clone())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_throttled_beyond_its_wait_budget_ends_budget_exhausted_and_is_escalated() {
     let fake = fake();
@@ -116,22 +127,12 @@ async fn a_write_throttled_beyond_its_wait_budget_ends_budget_exhausted_and_is_e
     let (_, body) = json_of(response).await;
     assert_eq!(body["outcome"], "budget_exhausted", "{body}");
 
-    let row = support::open_escalation_of(&gateway, OPERATOR_TOKEN, action).await;
-    assert_eq!(row["reason"], "remaining_wait_exceeds_deadline", "{row}");
-    let escalation = row["id"].as_i64().expect("id");
-    let (status, shown) = support::show_escalation(&gateway, OPERATOR_TOKEN, escalation).await;
-    assert_eq!(status, 200, "{shown}");
-    let case = &shown["case_file"];
+    let (escalation, case) = boundary_escalation(&gateway, action).await;
     assert!(
         case["retry_not_before"].is_string(),
         "the boundary is in the case file: {case}"
     );
-    let options: Vec<&str> = case["options"]
-        .as_array()
-        .expect("options")
-        .iter()
-        .filter_map(|o| o["option"].as_str())
-        .collect();
+    let options = support::case_options(&case);
     for expected in ["wait", "change_plan", "abort"] {
         assert!(
             options.contains(&expected),
@@ -236,12 +237,7 @@ async fn an_escalation_beside_an_outcome_carries_the_desired_outcome_deadline_fi
     let (_, view) = support::action_view(&gateway, AGENT_TOKEN, action, Some("20s")).await;
     assert_eq!(view["outcome"], "budget_exhausted", "{view}");
 
-    let row = support::open_escalation_of(&gateway, OPERATOR_TOKEN, action).await;
-    assert_eq!(row["reason"], "remaining_wait_exceeds_deadline", "{row}");
-    let escalation = row["id"].as_i64().expect("id");
-    let (status, shown) = support::show_escalation(&gateway, OPERATOR_TOKEN, escalation).await;
-    assert_eq!(status, 200, "{shown}");
-    let case = &shown["case_file"];
+    let (_, case) = boundary_escalation(&gateway, action).await;
     assert_eq!(
         case["desired_outcome"], "invoice 42 issued exactly once",
         "{case:#}"

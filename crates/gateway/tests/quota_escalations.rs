@@ -153,12 +153,7 @@ async fn tasks_meeting_an_exhausted_quota_open_one_escalation_per_scope() {
             .contains("insufficient_quota"),
         "{case}"
     );
-    let options: Vec<&str> = case["options"]
-        .as_array()
-        .expect("options")
-        .iter()
-        .filter_map(|o| o["option"].as_str())
-        .collect();
+    let options = support::case_options(case);
     assert_eq!(options, ["wait", "raise_quota", "change_plan", "abort"]);
     for option in case["options"].as_array().expect("options") {
         let risk = option["risk"].as_str().expect("risk");
@@ -292,12 +287,7 @@ async fn repeated_limits_in_a_scope_open_one_account_configuration_escalation() 
     let case = &shown["case_file"];
     assert_eq!(case["scopes"], json!(["fake/account"]));
     assert_eq!(case["ended_with"], "budget_exhausted");
-    let options: Vec<&str> = case["options"]
-        .as_array()
-        .expect("options")
-        .iter()
-        .filter_map(|o| o["option"].as_str())
-        .collect();
+    let options = support::case_options(case);
     assert_eq!(options, ["raise_quota", "change_plan", "wait", "abort"]);
     assert!(
         case["reason_detail"]

@@ -258,3 +258,13 @@ pub async fn show_escalation(gateway: &Running, token: &str, escalation: i64) ->
     )
     .await
 }
+
+/// The names of the options a case file offers, in its order.
+pub fn case_options(case: &Value) -> Vec<&str> {
+    case["options"]
+        .as_array()
+        .expect("options")
+        .iter()
+        .filter_map(|o| o["option"].as_str())
+        .collect()
+}
