@@ -58,6 +58,20 @@ fn backstop(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `backstop snapshots export --db {db} --task {task} --now NOW`.
+fn export_task(db: &str, task: &str) -> Output {
+    backstop(&[
+        "snapshots",
+        "export",
+        "--db",
+        db,
+        "--task",
+        task,
+        "--now",
+        NOW,
+    ])
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -67,16 +81,7 @@ fn a_task_with_no_action_is_said_and_exits_1() {
     let dir = tempfile::tempdir().unwrap();
     let db = database(dir.path());
     let db = db.to_str().unwrap();
-    let out = backstop(&[
-        "snapshots",
-        "export",
-        "--db",
-        db,
-        "--task",
-        "nosuch",
-        "--now",
-        NOW,
-    ]);
+    let out = export_task(db, "nosuch");
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(out.stdout.is_empty());
     assert_eq!(
@@ -85,16 +90,7 @@ fn a_task_with_no_action_is_said_and_exits_1() {
     );
 
     // A task that exists but was never throttled: nothing to export, said, exit 0.
-    let out = backstop(&[
-        "snapshots",
-        "export",
-        "--db",
-        db,
-        "--task",
-        "run-fine",
-        "--now",
-        NOW,
-    ]);
+    let out = export_task(db, "run-fine");
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(out.stdout.is_empty());
     assert!(
