@@ -657,16 +657,8 @@ async fn a_desired_outcome_cleaned_on_intake_is_listed_in_the_case_files_redacti
                     )),
             )
             .with_route(
-                RouteConfig::new("GET /v1/orders", support::lookup("orders")).with_fault(
-                    FaultRule::on_calls(
-                        [1],
-                        Fault::Status {
-                            status: 500,
-                            retry_after: None,
-                            body: None,
-                        },
-                    ),
-                ),
+                RouteConfig::new("GET /v1/orders", support::lookup("orders"))
+                    .with_fault(support::status_on_calls([1], 500, None)),
             ),
     );
     let yaml = policy_yaml(&provider.url()).replace(

@@ -7,7 +7,7 @@ mod support;
 
 use std::path::Path;
 
-use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
+use backstop_fake_api::{FakeConfig, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
 use serde_json::{json, Value};
@@ -43,16 +43,7 @@ async fn start_gateway(base_url: &str, dir: &Path) -> Running {
 /// Both order routes answer their first call `429 Retry-After: 600` (ten minutes; the budget is
 /// 30 s); `POST /v1/invoices` answers `429 Retry-After: 1`, then `429 Retry-After: 600`.
 fn fake() -> backstop_fake_api::RunningFake {
-    let throttled = || {
-        FaultRule::on_calls(
-            [1],
-            Fault::Status {
-                status: 429,
-                retry_after: Some("600".into()),
-                body: None,
-            },
-        )
-    };
+    let throttled = || support::status_on_calls([1], 429, Some("600"));
     let config = FakeConfig::default()
         .with_route(
             RouteConfig::new("POST /v1/orders", create("orders", "or_"))
@@ -63,22 +54,8 @@ fn fake() -> backstop_fake_api::RunningFake {
         .with_route(
             RouteConfig::new("POST /v1/invoices", create("invoices", "in_"))
                 .with_idempotency()
-                .with_fault(FaultRule::on_calls(
-                    [1],
-                    Fault::Status {
-                        status: 429,
-                        retry_after: Some("1".into()),
-                        body: None,
-                    },
-                ))
-                .with_fault(FaultRule::on_calls(
-                    [2],
-                    Fault::Status {
-                        status: 429,
-                        retry_after: Some("600".into()),
-                        body: None,
-                    },
-                )),
+                .with_fault(support::status_on_calls([1], 429, Some("1")))
+                .with_fault(support::status_on_calls([2], 429, Some("600"))),
         );
     support::start_fake(config)
 }

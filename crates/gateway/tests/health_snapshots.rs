@@ -505,7 +505,7 @@ mod at_the_provider {
     use backstop_core::clock::Clock;
     use backstop_core::diagnose::{diagnose, DiagnoseOptions, Diagnosis, Snapshot};
     use backstop_core::policy::Policy;
-    use backstop_fake_api::{FaultRule, RouteConfig};
+    use backstop_fake_api::RouteConfig;
     use backstop_gateway::clock::TokioClock;
     use backstop_gateway::health::{derive_snapshot, Evidence, HealthPolicy, SnapshotContext};
     use backstop_gateway::server::Running;
@@ -542,16 +542,7 @@ mod at_the_provider {
 
     /// Both routes answer their first call `429` with `retry_after` (seconds).
     fn fake(retry_after: &str) -> backstop_fake_api::RunningFake {
-        let throttle = || {
-            FaultRule::on_calls(
-                [1],
-                backstop_fake_api::Fault::Status {
-                    status: 429,
-                    retry_after: Some(retry_after.into()),
-                    body: None,
-                },
-            )
-        };
+        let throttle = || support::status_on_calls([1], 429, Some(retry_after));
         support::fake_with(vec![
             RouteConfig::new(
                 "POST /v1/chat/completions",

@@ -82,14 +82,8 @@ fn fake() -> backstop_fake_api::RunningFake {
                 )),
         )
         .with_route(
-            RouteConfig::new("GET /v1/orders", lookup("orders")).with_fault(FaultRule::on_calls(
-                [1],
-                Fault::Status {
-                    status: 500,
-                    retry_after: None,
-                    body: None,
-                },
-            )),
+            RouteConfig::new("GET /v1/orders", lookup("orders"))
+                .with_fault(support::status_on_calls([1], 500, None)),
         )
         .with_route(
             RouteConfig::new("POST /v1/transfers", create("transfers", "tr_"))
@@ -103,14 +97,7 @@ fn fake() -> backstop_fake_api::RunningFake {
         .with_route(
             RouteConfig::new("POST /v1/refunds", create("refunds", "re_"))
                 .with_idempotency()
-                .with_fault(FaultRule::on_calls(
-                    [1],
-                    Fault::Status {
-                        status: 503,
-                        retry_after: Some("90".into()),
-                        body: None,
-                    },
-                )),
+                .with_fault(support::status_on_calls([1], 503, Some("90"))),
         );
     support::start_fake(config)
 }

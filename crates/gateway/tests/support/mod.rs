@@ -6,7 +6,9 @@
 use std::{path::Path, time::Duration};
 
 use backstop_core::policy::Policy;
-use backstop_fake_api::{AttemptRecord, FakeApi, FakeConfig, Handler, RouteConfig, RunningFake};
+use backstop_fake_api::{
+    AttemptRecord, FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig, RunningFake,
+};
 use backstop_gateway::server::{self, Running, ServeOptions};
 use serde_json::Value;
 
@@ -58,6 +60,23 @@ pub async fn start_gateway(
     server::start(policy, options, env, server::engine)
         .await
         .expect("gateway starts")
+}
+
+/// A fault answering the calls numbered `calls` (from 1) with `status`, the `Retry-After`
+/// value `retry_after` if any, and no body.
+pub fn status_on_calls(
+    calls: impl IntoIterator<Item = u64>,
+    status: u16,
+    retry_after: Option<&str>,
+) -> FaultRule {
+    FaultRule::on_calls(
+        calls,
+        Fault::Status {
+            status,
+            retry_after: retry_after.map(str::to_owned),
+            body: None,
+        },
+    )
 }
 
 /// Starts the fake provider on a loopback port with `config`.
