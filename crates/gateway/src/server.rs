@@ -373,6 +373,10 @@ pub struct Parts {
     pub credentials: Vec<(String, http::HeaderName, HeaderValue)>,
 }
 
+/// How many 5 ms pauses [`Running::shutdown`] waits, at most, for the store's last user to let
+/// go (2 s in all).
+const STORE_RELEASE_POLLS: u32 = 400;
+
 /// A started gateway.
 #[derive(Debug)]
 pub struct Running {
@@ -385,6 +389,8 @@ pub struct Running {
     task: JoinHandle<std::io::Result<()>>,
     watchdog: JoinHandle<()>,
     grace: Duration,
+    /// The store, to tell when its last user has let go (its write lock is then released).
+    store: std::sync::Weak<dyn Store>,
 }
 
 impl Running {
@@ -397,16 +403,29 @@ impl Running {
     /// requests (on new or kept-alive connections) are answered `503 shutting_down` with
     /// `Connection: close`, the engine stops taking work, and as soon as no response is in
     /// flight the listener and idle connections are closed. When the grace runs out first, the
-    /// remaining connections (a long SSE stream) are cut.
+    /// remaining connections (a long SSE stream) are cut. When it returns, the store is closed
+    /// and its write lock released, unless background work still held it 2 s after the server
+    /// stopped (a re-armed retry sleeping until its due instant).
     ///
     /// # Errors
     /// The server's I/O error, if it failed while running.
     pub async fn shutdown(self) -> std::io::Result<()> {
-        let _ = self.trigger.send(true);
-        self.watchdog.abort();
-        let mut task = self.task;
+        let Running {
+            state,
+            trigger,
+            mut task,
+            watchdog,
+            grace,
+            store,
+            ..
+        } = self;
+        let _ = trigger.send(true);
+        watchdog.abort();
+        // A cancelled watchdog answers at once; `Err` is its cancellation.
+        let _ = watchdog.await;
         // The serving task bounds itself by the grace; the margin only covers a stuck task.
-        match tokio::time::timeout(self.grace + Duration::from_millis(500), &mut task).await {
+        let result = match tokio::time::timeout(grace + Duration::from_millis(500), &mut task).await
+        {
             Ok(Ok(result)) => result,
             Ok(Err(join)) => Err(std::io::Error::other(join.to_string())),
             Err(_) => {
@@ -414,7 +433,21 @@ impl Running {
                 task.abort();
                 Ok(())
             }
+        };
+        drop(state);
+        // The store closes, and its write lock is released, when its last user lets go: a
+        // store call still running on a blocking thread finishes first. Wait for that, within
+        // STORE_RELEASE_POLLS × 5 ms, so a process may open the same store right after.
+        for _ in 0..STORE_RELEASE_POLLS {
+            if store.strong_count() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        if store.strong_count() > 0 {
+            tracing::debug!("shutdown: background work still holds the store");
+        }
+        result
     }
 
     /// Waits until the server stops on its own (it only does on an I/O error).
@@ -546,6 +579,7 @@ pub async fn start(
     );
     let (trigger, signal) = watch::channel(false);
     let app = full_router(state.clone(), store.clone());
+    let store_weak = Arc::downgrade(&store);
     let health_policy = Arc::new(health::HealthPolicy::from_policy(&policy));
     let watchdog = watchdog::spawn_watchdog(
         store,
@@ -573,6 +607,7 @@ pub async fn start(
         task,
         watchdog,
         grace: options.shutdown_grace,
+        store: store_weak,
     })
 }
 
