@@ -59,3 +59,27 @@ fn stores_on_different_files_do_not_share_a_lock() {
     a.audit_head().expect("a reads");
     b.audit_head().expect("b reads");
 }
+
+#[cfg(unix)]
+#[test]
+fn another_spelling_of_the_same_file_is_refused_too() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("backstop.db");
+    let first = SqliteStore::open(&db).expect("first open");
+
+    // A symbolic link to the database, and a path through `..`, name the same lock file.
+    let link = dir.path().join("link.db");
+    std::os::unix::fs::symlink(&db, &link).expect("symlink");
+    std::fs::create_dir(dir.path().join("sub")).expect("sub dir");
+    let dotdot = dir.path().join("sub").join("..").join("backstop.db");
+    for other in [&link, &dotdot] {
+        let err = SqliteStore::open(other).expect_err("the same file under another name");
+        assert!(
+            matches!(&err, StoreError::Locked { lock, .. } if lock.ends_with("backstop.db.lock")),
+            "{}: {err}",
+            other.display()
+        );
+    }
+    assert!(!dir.path().join("link.db.lock").exists());
+    drop(first);
+}

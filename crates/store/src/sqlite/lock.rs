@@ -6,7 +6,8 @@
 //! constraint failed: audit_events.seq`). [`StoreLock::acquire`] refuses that second writer when
 //! it opens instead, naming the lock file.
 //!
-//! The lock is `<database>.lock` (e.g. `backstop.db.lock`), created if missing and never
+//! The lock is `<database>.lock` (e.g. `backstop.db.lock`) beside the database's resolved path
+//! (a symbolic link or a `..` spelling names the same lock), created if missing and never
 //! removed: removing it on close would let a third opener lock a fresh file while a second
 //! still holds the old one. It is taken with [`std::fs::File::try_lock`] (an exclusive,
 //! non-blocking advisory lock: `flock(2)` on Unix, `LockFileEx` on Windows), which the
@@ -30,11 +31,30 @@ pub(crate) struct StoreLock {
     _file: Option<File>,
 }
 
-/// The lock file of `database`: the same path with `.lock` appended to the file name.
+/// The lock file of `database`: its resolved path (symbolic links and `..` followed, see
+/// [`resolved`]) with `.lock` appended to the file name, so every spelling of one database
+/// names one lock file.
 pub(crate) fn lock_path(database: &Path) -> PathBuf {
-    let mut name = database.as_os_str().to_owned();
+    let mut name = resolved(database).into_os_string();
     name.push(".lock");
     PathBuf::from(name)
+}
+
+/// `database` with symbolic links, `.` and `..` resolved: the file itself when it exists, else
+/// its resolved directory joined with its file name; as given when neither resolves (the open
+/// that follows then names the real problem). Hard links to one file are not recognized.
+fn resolved(database: &Path) -> PathBuf {
+    if let Ok(path) = database.canonicalize() {
+        return path;
+    }
+    let parent = match database.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match (parent.canonicalize(), database.file_name()) {
+        (Ok(dir), Some(name)) => dir.join(name),
+        _ => database.to_owned(),
+    }
 }
 
 impl StoreLock {
