@@ -36,6 +36,7 @@ fn make_db(dir: &Path, actions: usize) -> PathBuf {
             route: RouteTemplate::try_new("/v1/transfers").expect("template"),
             request_class: "idempotent_write".into(),
             payload_digest: PayloadDigest::of(format!("payload {i}").as_bytes()),
+            target_digest: None,
             idempotency_key: format!("key-{i}"),
             external_reference: None,
             desired_outcome: None,

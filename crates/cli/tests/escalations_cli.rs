@@ -53,6 +53,7 @@ fn open_escalation(store: &SqliteStore) -> EscalationId {
                 route: RouteTemplate::try_new("/v1/transfers").expect("route"),
                 request_class: "uncertain_write".into(),
                 payload_digest: PayloadDigest::of(PAYLOAD),
+                target_digest: None,
                 idempotency_key: "0f1e2d3c-4b5a-4978-8877-665544332211".into(),
                 external_reference: None,
                 desired_outcome: None,

@@ -806,6 +806,8 @@ pub(crate) fn build_spec(
         );
     }
     let payload_digest = hex::encode(Sha256::digest(&body));
+    // The concrete target as sent (normalized path and query): a key binds it (SPEC §6).
+    let target_digest = hex::encode(Sha256::digest(rest.as_bytes()));
     let url = format!("{}{}", provider.base_url, rest);
     Ok(ActionSpec {
         task_id,
@@ -823,6 +825,7 @@ pub(crate) fn build_spec(
         single_attempt,
         idempotency_key,
         payload_digest,
+        target_digest: Some(target_digest),
         desired_outcome: None,
     })
 }

@@ -831,6 +831,16 @@ impl Engine {
             Ok(d) => d,
             Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
         };
+        let target_digest = match spec.target_digest.as_deref().map(PayloadDigest::try_new) {
+            None => None,
+            Some(Ok(d)) => Some(d),
+            Some(Err(e)) => {
+                return (
+                    unrecorded(Outcome::Rejected, format!("target digest: {e}")),
+                    None,
+                )
+            }
+        };
         let payload = if route.fingerprint_fields.is_empty() {
             None
         } else {
@@ -929,6 +939,7 @@ impl Engine {
             route: template,
             request_class: route.class.clone(),
             payload_digest: digest,
+            target_digest,
             idempotency_key: if is_write { key.clone() } else { String::new() },
             external_reference: reference.clone(),
             // Kept for case files built from the store later (beside an outcome, after a

@@ -207,8 +207,8 @@ impl Problem {
 
     /// 422 `idempotency_key_reused`: the agent already used this `Idempotency-Key` for another
     /// request (IETF Idempotency-Key draft §2.7; SPEC §6: a key binds one provider, method,
-    /// route template and payload). `differs` names what differs, in the order `provider`,
-    /// `method`, `route`, `payload`; `bound` is the `(provider, method, route template)` the key
+    /// route template, concrete target — the path and query sent — and payload). `differs`
+    /// names what differs, in the order `provider`, `method`, `route`, `target`, `payload`; `bound` is the `(provider, method, route template)` the key
     /// is bound to. Members: `differs` (array), `bound_to` `{provider, method, route}`, `sent:
     /// false`; no action id is named. Nothing was sent; `x-should-retry: false`.
     pub fn key_reused(differs: &[&str], bound: (&str, &str, &str)) -> Problem {
@@ -217,6 +217,10 @@ impl Problem {
             ["payload"] => (
                 "This Idempotency-Key was already used with a different request body",
                 "a different request body".to_owned(),
+            ),
+            ["target"] => (
+                "This Idempotency-Key was already used for a different path or query",
+                "a different path or query string (the same route)".to_owned(),
             ),
             _ => (
                 "This Idempotency-Key was already used for a different request",

@@ -59,6 +59,7 @@ fn fixture() -> Fixture {
                 route: RouteTemplate::try_new("/v1/transfers").expect("route"),
                 request_class: "idempotent_write".into(),
                 payload_digest: PayloadDigest::of(PAYLOAD),
+                target_digest: None,
                 idempotency_key: key.into(),
                 external_reference: Some("inv-7".into()),
                 desired_outcome: None,

@@ -62,6 +62,7 @@ fn action(store: &SqliteStore, task: &str, agent: &str, key: &str) -> ActionId {
                 route: RouteTemplate::try_new("/v1/chat/completions").expect("route"),
                 request_class: "idempotent_write".into(),
                 payload_digest: PayloadDigest::of(key.as_bytes()),
+                target_digest: None,
                 idempotency_key: key.into(),
                 external_reference: None,
                 desired_outcome: None,

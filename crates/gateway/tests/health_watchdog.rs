@@ -52,6 +52,7 @@ fn throttled_action(store: &SqliteStore) -> ActionId {
                 route: RouteTemplate::try_new("/v1/chat/completions").expect("route"),
                 request_class: "idempotent_write".into(),
                 payload_digest: PayloadDigest::of(b"{\"prompt\":\"hi\"}"),
+                target_digest: None,
                 idempotency_key: "key-1".into(),
                 external_reference: None,
                 desired_outcome: None,

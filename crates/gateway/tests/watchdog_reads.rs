@@ -47,6 +47,7 @@ fn action(task: &str, method: &str, class: &str, key: &str) -> NewAction {
         route: RouteTemplate::try_new("/v1/models").expect("route"),
         request_class: class.into(),
         payload_digest: PayloadDigest::of(b""),
+        target_digest: None,
         idempotency_key: key.into(),
         external_reference: None,
         desired_outcome: None,

@@ -35,6 +35,7 @@ fn write_action(store: &SqliteStore, route: &RouteTemplate) {
         route: route.clone(),
         request_class: "idempotent_write".into(),
         payload_digest: PayloadDigest::of(key.as_bytes()),
+        target_digest: None,
         idempotency_key: key,
         external_reference: None,
         desired_outcome: None,

@@ -74,7 +74,7 @@ pub enum StoreError {
         what: String,
     },
     /// The same idempotency key was reused for a different request: another provider, method,
-    /// route template or payload than the one it is bound to (IETF Idempotency-Key draft and
+    /// route template, concrete target (path and query) or payload than the one it is bound to (IETF Idempotency-Key draft and
     /// SPEC §6: a key binds one request; answer 422 to the agent).
     #[error("idempotency key {key:?} of agent {agent:?} is already bound to action {existing} ({} {} at provider {:?}) with a different {}", bound.method, bound.route, bound.provider, differs.join(", "))]
     KeyReuse {
@@ -85,7 +85,7 @@ pub enum StoreError {
         /// The action the key already belongs to.
         existing: i64,
         /// What differs from the bound request, in this order when several do: `provider`,
-        /// `method`, `route`, `payload`. Never empty.
+        /// `method`, `route`, `target`, `payload`. Never empty.
         differs: Vec<&'static str>,
         /// The request the key is bound to (no payload: only its identity).
         bound: Box<BoundRequest>,

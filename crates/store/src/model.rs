@@ -297,6 +297,11 @@ pub struct NewAction {
     pub request_class: String,
     /// SHA-256 of the request payload.
     pub payload_digest: PayloadDigest,
+    /// SHA-256 (same 64-hex shape) of the concrete target sent: the normalized path and query,
+    /// e.g. `/v1/accounts/acct_A/charges?expand=fee`. A key binds it (SPEC §6): the same key
+    /// on another target is another request. `None` when not known; then the key is compared
+    /// without it, as for actions recorded before schema version 7.
+    pub target_digest: Option<PayloadDigest>,
     /// The stable idempotency key (agent-supplied or minted by the gateway) of a write. A read
     /// carries no key: pass an empty string, and nothing is stored (`NULL`) or audited for it;
     /// such an action is never found again by key.

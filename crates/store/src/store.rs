@@ -68,14 +68,14 @@ pub trait Store: Send + Sync {
 
     /// Records a new logical action with its idempotency key before its first send
     /// (audits `action_requested`). A key the agent already used for the same request (provider,
-    /// method, route template and payload digest) returns [`Admission::Existing`] and writes nothing (IETF Idempotency-Key draft); the
+    /// method, route template, concrete target and payload digest) returns [`Admission::Existing`] and writes nothing (IETF Idempotency-Key draft); the
     /// caller replays it when finished, joins it while it runs, and sends it again when it is
     /// [`crate::model::ActionState::Reopened`]. A read passes an empty key: it is stored without
     /// one and never found again by key.
     ///
     /// # Errors
-    /// [`StoreError::KeyReuse`] for the same key with another provider, method, route template
-    /// or payload (answer 422, saying what differs);
+    /// [`StoreError::KeyReuse`] for the same key with another provider, method, route template,
+    /// concrete target or payload (answer 422, saying what differs);
     /// [`StoreError::NotFound`] when `action.agent` has no task `action.task_id`;
     /// [`StoreError::InvalidTransition`] when the task is cancelled.
     fn record_action(&self, action: NewAction, at: Timestamp) -> Result<Admission, StoreError>;

@@ -55,6 +55,7 @@ fn no_credential_or_request_body_in_db_bytes_or_export() {
             route: RouteTemplate::try_new("/v1/transfers/{id}/reverse").expect("template"),
             request_class: "idempotent_write".into(),
             payload_digest: PayloadDigest::of(format!("{body}{i}").as_bytes()),
+            target_digest: None,
             idempotency_key: format!("key-{i}"),
             external_reference: Some(format!("ext-{i}")),
             desired_outcome: None,

@@ -26,6 +26,7 @@ fn write(agent: &str, key: &str) -> NewAction {
         route: RouteTemplate::try_new("/v1/transfers").expect("template"),
         request_class: "idempotent_write".into(),
         payload_digest: PayloadDigest::of(key.as_bytes()),
+        target_digest: None,
         idempotency_key: key.into(),
         external_reference: None,
         desired_outcome: None,

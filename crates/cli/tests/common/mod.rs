@@ -49,6 +49,7 @@ pub fn sent_action(
                 route: RouteTemplate::try_new(route).unwrap(),
                 request_class: request_class.into(),
                 payload_digest: PayloadDigest::of(run.as_bytes()),
+                target_digest: None,
                 idempotency_key: format!("key-{run}"),
                 external_reference: None,
                 desired_outcome: None,

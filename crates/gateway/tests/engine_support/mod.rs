@@ -286,6 +286,7 @@ impl Harness {
             single_attempt: false,
             idempotency_key: None,
             payload_digest: PayloadDigest::of(body.as_bytes()).as_str().to_owned(),
+            target_digest: Some(PayloadDigest::of(path.as_bytes()).as_str().to_owned()),
             desired_outcome: None,
         }
     }

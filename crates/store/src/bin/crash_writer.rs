@@ -61,6 +61,7 @@ fn run(db: &str, threads: u32, round: u32) -> Result<(), backstop_store::StoreEr
                         route: route.clone(),
                         request_class: "idempotent_write".into(),
                         payload_digest: PayloadDigest::of(key.as_bytes()),
+                        target_digest: None,
                         idempotency_key: key,
                         external_reference: None,
                         desired_outcome: None,

@@ -11,8 +11,8 @@ use crate::audit::{format_instant, AuditEvent, Chain, EventKind};
 use crate::error::{BoundRequest, StoreError};
 use crate::model::{
     ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport, DueRetry,
-    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome, RouteTemplate,
-    ScopeRecord, ScopeUpdate,
+    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome, PayloadDigest,
+    RouteTemplate, ScopeRecord, ScopeUpdate,
 };
 use crate::store::{ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
 
@@ -291,9 +291,10 @@ impl WriteTx<'_> {
                 "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
                  payload_digest, idempotency_key, external_reference, provider_operation_id, \
                  state, outcome, outcome_context, response_status, response_headers, \
-                 response_body, created_at_ms, updated_at_ms, id, desired_outcome, fingerprint) \
+                 response_body, created_at_ms, updated_at_ms, id, desired_outcome, fingerprint, \
+                 target_digest) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'finished', ?11, ?12, ?13, ?14, \
-                 ?15, ?16, ?17, ?18, ?19, ?20)",
+                 ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
             )?
             .execute(params![
                 new.task_id,
@@ -316,6 +317,7 @@ impl WriteTx<'_> {
                 id.0,
                 new.desired_outcome,
                 new.fingerprint,
+                new.target_digest.as_ref().map(PayloadDigest::as_str),
             ])?;
         let boundary = boundary_text(result.boundary);
         let signal_headers = signal_headers_json(&result.signal_headers)?;
@@ -398,8 +400,8 @@ impl WriteTx<'_> {
             Some(key) => self
                 .conn
                 .prepare_cached(
-                    "SELECT id, provider, method, route, payload_digest FROM actions \
-                     WHERE agent = ?1 AND idempotency_key = ?2",
+                    "SELECT id, provider, method, route, payload_digest, target_digest \
+                     FROM actions WHERE agent = ?1 AND idempotency_key = ?2",
                 )?
                 .query_row(params![task.agent, key], |r| {
                     Ok((
@@ -410,17 +412,25 @@ impl WriteTx<'_> {
                             route: r.get(3)?,
                         },
                         r.get::<_, String>(4)?,
+                        r.get::<_, Option<String>>(5)?,
                     ))
                 })
                 .optional()?,
         };
-        if let Some((id, bound, digest)) = existing {
-            // A key binds one request (SPEC §6): the same provider, method, route template and
-            // payload; anything else under it is another request.
+        if let Some((id, bound, digest, target)) = existing {
+            // A key binds one request (SPEC §6): the same provider, method, route template,
+            // concrete target (path and query) and payload; anything else under it is another
+            // request. A target not known on either side (recorded before schema version 7)
+            // is not compared.
+            let target_differs = match (target.as_deref(), new.target_digest.as_ref()) {
+                (Some(bound), Some(new)) => bound != new.as_str(),
+                _ => false,
+            };
             let differs: Vec<&'static str> = [
                 ("provider", bound.provider != new.provider),
                 ("method", bound.method != new.method),
                 ("route", bound.route != new.route.as_str()),
+                ("target", target_differs),
                 ("payload", digest != new.payload_digest.as_str()),
             ]
             .into_iter()
@@ -449,8 +459,8 @@ impl WriteTx<'_> {
             .prepare_cached(
                 "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
                  payload_digest, idempotency_key, external_reference, state, created_at_ms, \
-                 updated_at_ms, id, desired_outcome, fingerprint) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14)",
+                 updated_at_ms, id, desired_outcome, fingerprint, target_digest) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15)",
             )?
             .execute(params![
                 new.task_id,
@@ -467,6 +477,7 @@ impl WriteTx<'_> {
                 id.0,
                 new.desired_outcome,
                 new.fingerprint,
+                new.target_digest.as_ref().map(PayloadDigest::as_str),
             ])?;
         let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
         e.task = Some(new.task_id);

@@ -247,6 +247,12 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE actions ADD COLUMN desired_outcome TEXT;
     ALTER TABLE actions ADD COLUMN fingerprint TEXT;
     "#,
+    // 6 -> 7: an action keeps the SHA-256 (hex) of the concrete target it was sent to (the
+    // normalized path and query), so an idempotency key binds that target and not only its
+    // route template. Older actions keep NULL and their keys compare as before.
+    r#"
+    ALTER TABLE actions ADD COLUMN target_digest TEXT;
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
@@ -741,6 +747,43 @@ mod tests {
             .expect("action kept");
         assert_eq!(action.desired_outcome.as_deref(), Some("pay invoice 7"));
         assert_eq!(action.fingerprint.as_deref(), Some("abc"));
+    }
+
+    #[test]
+    fn version_6_database_is_upgraded_keeping_actions_without_a_target_and_their_keys() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v6.db");
+        {
+            let mut conn = Connection::open(&path).expect("create");
+            conn.pragma_update(None, "foreign_keys", "OFF")
+                .expect("fk off");
+            run_migrations_to(&mut conn, 6);
+            conn.execute_batch(
+                "INSERT INTO tasks (agent, id, priority, created_at_ms) VALUES ('alice', 't', 'normal', 1);
+                 INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
+                     payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+                 VALUES (6, 't', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', 'key-6',
+                     'attempted', 1, 2);",
+            )
+            .expect("rows");
+        }
+        let conn = open_writer(&path, false).expect("migrated");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, SCHEMA_VERSION);
+        let action = crate::sqlite::rows::action(&conn, crate::model::ActionId(6))
+            .expect("action read")
+            .expect("action kept");
+        assert_eq!(action.idempotency_key, "key-6");
+        let target: Option<String> = conn
+            .query_row("SELECT target_digest FROM actions WHERE id = 6", [], |r| {
+                r.get(0)
+            })
+            .expect("target column");
+        assert_eq!(target, None, "nothing is invented");
+        conn.execute_batch("UPDATE actions SET target_digest = 'abc' WHERE id = 6;")
+            .expect("new column");
     }
 
     #[test]
