@@ -7,7 +7,8 @@
 //! and recomputed offline. Why keep so few: a response's headers also carry cookies, session ids
 //! and whatever a hostile upstream chooses to send; only the signal headers are evidence.
 //!
-//! [`select_signal_headers`] keeps, in the order received:
+//! [`select_signal_headers`] keeps, the timing headers first, then the quota headers, each group
+//! in the order received:
 //! - `retry-after` and `retry-after-ms` (SPEC §2.2);
 //! - `date` (the skew-immune reference for HTTP-dates and absolute resets);
 //! - the quota header families [`crate::quota`] reads (SPEC §2.3): IETF `ratelimit`,
@@ -72,19 +73,33 @@ pub fn carries_retry_after(headers: &HeaderMap) -> bool {
     headers.contains_key(http::header::RETRY_AFTER) || headers.contains_key("retry-after-ms")
 }
 
-/// The signal headers of one response as `(lower-case name, raw value)` pairs, in the order
-/// received, bounded as the module docs say. Never fails and never panics.
+/// Whether a (lower-case) header name is one of the timing headers kept before any quota
+/// header: `retry-after`, `retry-after-ms`, `date`.
+fn is_timing_header(name: &str) -> bool {
+    matches!(name, "retry-after" | "retry-after-ms" | "date")
+}
+
+/// The signal headers of one response as `(lower-case name, raw value)` pairs, bounded as the
+/// module docs say: the timing headers (`retry-after`, `retry-after-ms`, `date`) first, then
+/// the quota headers, each group in the order received — so a flood of quota headers can never
+/// push the Retry-After the boundary came from out of the evidence. Never fails and never
+/// panics.
 pub fn select_signal_headers(headers: &HeaderMap) -> Vec<(String, String)> {
     let mut out = Vec::new();
-    for (name, value) in headers {
-        let name = name.as_str();
-        if name.len() > MAX_SIGNAL_NAME_BYTES || !is_signal_header(name) {
-            continue;
+    for timing in [true, false] {
+        for (name, value) in headers {
+            let name = name.as_str();
+            if name.len() > MAX_SIGNAL_NAME_BYTES
+                || !is_signal_header(name)
+                || is_timing_header(name) != timing
+            {
+                continue;
+            }
+            if out.len() == MAX_SIGNAL_HEADERS {
+                return out;
+            }
+            out.push((name.to_owned(), bounded_value(value.as_bytes())));
         }
-        if out.len() == MAX_SIGNAL_HEADERS {
-            break;
-        }
-        out.push((name.to_owned(), bounded_value(value.as_bytes())));
     }
     out
 }
@@ -240,6 +255,33 @@ mod tests {
             "cut on a char boundary"
         );
         assert!(body.chars().all(|c| c == 'é'));
+    }
+
+    #[test]
+    fn a_flood_of_quota_headers_cannot_push_out_the_timing_headers() {
+        let mut h = HeaderMap::new();
+        for i in 0..90 {
+            h.append(
+                http::HeaderName::from_bytes(format!("x-ratelimit-j{i}").as_bytes()).unwrap(),
+                HeaderValue::from_static("junk"),
+            );
+        }
+        h.append("retry-after", HeaderValue::from_static("5"));
+        h.append(
+            "date",
+            HeaderValue::from_static("Sun, 26 Jul 2026 18:39:00 GMT"),
+        );
+        let kept = select_signal_headers(&h);
+        assert_eq!(kept.len(), MAX_SIGNAL_HEADERS);
+        assert_eq!(retry_after_raw(&kept).as_deref(), Some("5"));
+        assert_eq!(
+            date_raw(&kept).as_deref(),
+            Some("Sun, 26 Jul 2026 18:39:00 GMT")
+        );
+        assert_eq!(
+            kept[2].0, "x-ratelimit-j0",
+            "quota headers follow, in order"
+        );
     }
 
     #[test]
