@@ -260,3 +260,19 @@ fn audit_head_as_json() {
     assert_eq!(v["seq"].to_string(), seq);
     assert_eq!(v["hash"], hash);
 }
+
+#[test]
+fn a_database_given_without_db_is_named_as_a_database() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 1);
+    let out = backstop(&["audit", "verify", p(&db)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "backstop audit verify: {}: a SQLite database, not an NDJSON export: give a database as --db FILE\n",
+            p(&db)
+        )
+    );
+    assert!(out.stdout.is_empty());
+}

@@ -3,7 +3,8 @@
 //!
 //! Exit codes: 0 success (verify: the chain is intact); 1 `verify` found a break (the first bad
 //! `seq` and why is printed); 2 the input could not be read (missing file, not a backstop
-//! database, bad NDJSON line). Audit commands open databases read-only and never create one.
+//! database, bad NDJSON line, a database given as an export file instead of with `--db`).
+//! Audit commands open databases read-only and never create one.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -76,6 +77,10 @@ pub struct VerifyArgs {
     pub expect_head: Option<String>,
 }
 
+/// The first 16 bytes of every SQLite database file (the SQLite file format, §1.3 "The
+/// Database Header"): an export argument starting with them is a database given without `--db`.
+const SQLITE_HEADER: &[u8] = b"SQLite format 3\0";
+
 /// Runs `backstop audit`.
 pub fn run(args: Args) -> ExitCode {
     let (name, result) = match args.command {
@@ -122,6 +127,13 @@ fn verify(args: VerifyArgs) -> Result<Printed, StoreError> {
                 place: place.clone(),
                 reason: e.to_string(),
             })?;
+            if bytes.starts_with(SQLITE_HEADER) {
+                return Err(StoreError::Io {
+                    place,
+                    reason: "a SQLite database, not an NDJSON export: give a database as --db FILE"
+                        .into(),
+                });
+            }
             let text = String::from_utf8(bytes).map_err(|e| StoreError::Io {
                 place: place.clone(),
                 reason: format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()),
