@@ -379,3 +379,21 @@ fn pretty_prints_the_same_signal_indented() {
     let parsed: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(parsed, one_line);
 }
+
+#[test]
+fn a_status_outside_u16_gets_the_same_refusal_as_one_outside_100_to_599() {
+    for status in ["-5", "65536", "70000", "4.29", "abc"] {
+        let out = run(&["--status", status, "--now", NOW]);
+        assert_eq!(out.status.code(), Some(2), "{status}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!("backstop classify: --status {status}: not an HTTP status (100..=599, RFC 9110 §15)\n")
+        );
+        assert!(out.stdout.is_empty());
+    }
+    let out = run(&["--status=-5", "--now", NOW]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "backstop classify: --status -5: not an HTTP status (100..=599, RFC 9110 §15)\n"
+    );
+}

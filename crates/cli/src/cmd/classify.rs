@@ -68,8 +68,10 @@ impl Class {
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// HTTP status of the response, 100-599 (omit when --transport-error is given).
-    #[arg(long)]
-    pub status: Option<u16>,
+    // Text, checked by `parse_status`: any value outside 100..=599 (negative, too large, not a
+    // number) gets the same one-line refusal.
+    #[arg(long, allow_hyphen_values = true)]
+    pub status: Option<String>,
     /// A response header, `Name: value`; repeat for several (order and repeats are kept).
     #[arg(short = 'H', long = "header", value_name = "NAME: VALUE")]
     pub headers: Vec<String>,
@@ -126,6 +128,19 @@ fn complete_boundary(v: &mut Value) {
     }
 }
 
+/// The `--status` argument as an HTTP status code.
+///
+/// # Errors
+/// `--status TEXT: not an HTTP status (100..=599, RFC 9110 §15)` for anything else: a number
+/// outside the range (negative or too large included) or text that is not a number.
+fn parse_status(text: &str) -> Result<u16, String> {
+    text.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|status| (100..=599).contains(status))
+        .ok_or_else(|| format!("--status {text}: not an HTTP status (100..=599, RFC 9110 §15)"))
+}
+
 fn build(args: Args) -> Result<Value, String> {
     let received_at = match &args.now {
         Some(s) => s
@@ -178,12 +193,8 @@ fn build(args: Args) -> Result<Value, String> {
             kind.parse::<TransportError>()
                 .map_err(|e| format!("--transport-error: {e}"))?,
         ),
-        (Some(status), None) => {
-            if !(100..=599).contains(&status) {
-                return Err(format!(
-                    "--status {status}: not an HTTP status (100..=599, RFC 9110 §15)"
-                ));
-            }
+        (Some(text), None) => {
+            let status = parse_status(&text)?;
             Observed::Response(ResponseView {
                 status,
                 headers: &headers,
