@@ -602,3 +602,111 @@ fn help_says_only_http_urls_are_accepted() {
         text(&out.stdout)
     );
 }
+
+/// Another server at the URL: `answer` with 200 to every method on every path.
+fn answering_everything(answer: serde_json::Value) -> (tokio::runtime::Runtime, String) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let addr: SocketAddr = runtime.block_on(async move {
+        let app = axum::Router::new().fallback(move || {
+            let answer = answer.clone();
+            async move { axum::Json(answer) }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    });
+    (runtime, format!("http://{addr}"))
+}
+
+#[test]
+fn a_server_answering_foreign_json_is_not_a_backstop_gateway() {
+    let (_runtime, url) = answering_everything(serde_json::json!({"hostile": true}));
+    let not_backstop = format!("{url} does not look like a backstop gateway: ");
+    let cases: Vec<(Vec<&str>, String)> = vec![
+        (
+            vec!["list"],
+            format!("backstop escalations list: {not_backstop}GET /v1/escalations answered JSON that is not an escalation list (missing field `escalations`)"),
+        ),
+        (
+            vec!["list", "--format", "json"],
+            format!("backstop escalations list: {not_backstop}GET /v1/escalations answered JSON that is not an escalation list (missing field `escalations`)"),
+        ),
+        (
+            vec!["list", "--all"],
+            format!("backstop escalations list: {not_backstop}GET /v1/escalations/1 answered JSON that is not an escalation (missing field `id`)"),
+        ),
+        (
+            vec!["show", "1"],
+            format!("backstop escalations show: {not_backstop}GET /v1/escalations/1 answered JSON that is not an escalation (missing field `id`)"),
+        ),
+        (
+            vec!["decide", "1", "--option", "abort"],
+            format!("backstop escalations decide: {not_backstop}POST /v1/escalations/1/decision answered JSON that is not a decision's answer (missing field `id`)"),
+        ),
+        (
+            vec!["decide", "1", "--option", "abort", "--format", "json"],
+            format!("backstop escalations decide: {not_backstop}POST /v1/escalations/1/decision answered JSON that is not a decision's answer (missing field `id`)"),
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut all = vec!["escalations"];
+        all.extend_from_slice(&args);
+        all.extend_from_slice(&["--url", &url, "--token", TOKEN]);
+        let out = backstop(&all);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stdout)
+        );
+        assert_eq!(text(&out.stderr), format!("{expected}\n"), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}: {}", text(&out.stdout));
+    }
+}
+
+#[test]
+fn an_answer_about_another_escalation_or_decision_is_refused() {
+    // Well-formed answers, but about escalation 5 and the decision `wait`.
+    let (_runtime, url) = answering_everything(serde_json::json!({
+        "id": 5, "action": 12, "state": "decided", "decision": "wait", "decided_by": "mallory",
+        "decided_at": "2026-01-01T00:10:00Z", "note": null,
+        "case_file": {"provider": "billing-api", "endpoint": "POST /v1/transfers",
+                      "reason": "side_effect_unknown", "opened_at": "2026-01-01T00:00:30Z"},
+        "effect": {"effect": "wait"}, "effect_applied": false, "effect_detail": null,
+        "action_outcome": null, "new_action": null, "lookup": null, "escalation_state": "decided"
+    }));
+    let run = |args: &[&str]| {
+        let mut all = vec!["escalations"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--url", &url, "--token", TOKEN]);
+        let out = backstop(&all);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stdout)
+        );
+        assert!(out.stdout.is_empty(), "{args:?}");
+        text(&out.stderr)
+    };
+    let not_backstop = format!("{url} does not look like a backstop gateway: ");
+    assert_eq!(
+        run(&["show", "1"]),
+        format!("backstop escalations show: {not_backstop}GET /v1/escalations/1 answered escalation 5\n")
+    );
+    assert_eq!(
+        run(&["list", "--all"]),
+        format!("backstop escalations list: {not_backstop}GET /v1/escalations/1 answered escalation 5\n")
+    );
+    assert_eq!(
+        run(&["decide", "1", "--option", "abort"]),
+        format!("backstop escalations decide: {not_backstop}POST /v1/escalations/1/decision answered a decision wait on escalation 5 (asked: abort on escalation 1)\n")
+    );
+}

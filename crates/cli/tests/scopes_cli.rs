@@ -314,3 +314,49 @@ fn a_url_that_is_not_a_backstop_gateway_is_said_so() {
         format!("backstop scopes: {page} does not look like a backstop gateway: GET /v1/scopes answered HTTP 200 with a body that is not JSON\n")
     );
 }
+
+#[test]
+fn json_that_is_not_scope_records_is_not_a_backstop_gateway() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    // Another server answering foreign JSON with 200 on every path: an object at the root, an
+    // array of objects under /list.
+    let addr: SocketAddr = runtime.block_on(async {
+        let app = axum::Router::new()
+            .route(
+                "/list/v1/scopes",
+                axum::routing::get(|| async { axum::Json(json!([{"hostile": true}])) }),
+            )
+            .fallback(|| async { axum::Json(json!({"hostile": true})) });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    });
+    let url = format!("http://{addr}");
+    let list = format!("{url}/list");
+    for (base, reason) in [
+        (&url, "invalid type: map, expected a sequence"),
+        (&list, "missing field `provider`"),
+    ] {
+        for format in ["table", "json"] {
+            let out = backstop(
+                &[
+                    "scopes", "--url", base, "--token", AGENT, "--format", format,
+                ],
+                &[],
+            );
+            assert_eq!(out.status.code(), Some(2), "{base} {format}");
+            assert_eq!(
+                text(&out.stderr),
+                format!("backstop scopes: {base} does not look like a backstop gateway: GET /v1/scopes answered JSON that is not a JSON array of scope records ({reason})\n")
+            );
+            assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+        }
+    }
+}

@@ -5,12 +5,14 @@
 //! to its loopback port (this build has no TLS client). Every failure is one sentence for a
 //! one-line stderr message: an unreachable gateway names the URL; a problem answer (RFC 9457)
 //! gives its status, name and detail; an answer that is neither JSON nor a backstop problem
-//! document (another server at that URL) says that the URL does not look like a backstop
-//! gateway and names the path that was expected.
+//! document, or JSON without the members the gateway documents for that route (another server
+//! at that URL), says that the URL does not look like a backstop gateway and names the path
+//! that was expected.
 
 use std::time::Duration;
 
 use backstop_gateway::problem::TYPE_PREFIX;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 /// Where the gateway is when neither `--url` nor `BACKSTOP_URL` says otherwise.
@@ -102,6 +104,32 @@ impl Client {
         self.answer("POST", path, response)?.into_result()
     }
 
+    /// The sentence for an answer that no backstop gateway gives: `BASE does not look like a
+    /// backstop gateway: METHOD PATH answered WHAT`.
+    pub fn not_backstop(&self, method: &str, path: &str, what: &str) -> String {
+        format!(
+            "{} does not look like a backstop gateway: {method} {path} answered {what}",
+            self.base
+        )
+    }
+
+    /// A success answer of `method path` read as `T`, the shape the gateway documents for that
+    /// route (its required members present, with their types).
+    ///
+    /// # Errors
+    /// [`Client::not_backstop`] with `JSON that is not WHAT (REASON)`, the reason being serde's
+    /// (e.g. ``missing field `escalations` ``).
+    pub fn shaped<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        value: &Value,
+        what: &str,
+    ) -> Result<T, String> {
+        T::deserialize(value)
+            .map_err(|e| self.not_backstop(method, path, &format!("JSON that is not {what} ({e})")))
+    }
+
     fn answer(
         &self,
         method: &str,
@@ -125,12 +153,7 @@ impl Client {
             .read_to_string()
             .map_err(|e| format!("{url}: HTTP {status}: cannot read the answer: {e}"))?;
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        let not_backstop = |what: String| {
-            format!(
-                "{} does not look like a backstop gateway: {method} {path} answered {what}",
-                self.base
-            )
-        };
+        let not_backstop = |what: String| self.not_backstop(method, path, &what);
         if (200..300).contains(&status) {
             if value.is_null() {
                 return Err(not_backstop(format!(

@@ -18,12 +18,20 @@
 //! applied, the action's outcome, the new action of `send_new`, the lookup of `query_status`
 //! and whether the escalation stays open. `--format json` prints the gateway's answer (for
 //! `list --all`, the rows as `{"escalations": […]}`) as pretty JSON.
+//!
+//! Every answer is read into the shape the gateway documents for its route (the members listed
+//! in `backstop_gateway::escalations`, with their types; `show` and `decide` also check that the
+//! answer is about the escalation, and the decision, that was asked) before anything is
+//! printed, in either format: anything else means the URL does not look like a backstop gateway,
+//! and nothing is printed on stdout.
 //! Exit codes: 0 success; 2 anything else (unreachable gateway naming the URL, missing token,
-//! a problem answer from the gateway with its status, name and detail) on one stderr line.
+//! a problem answer from the gateway with its status, name and detail, an answer that does not
+//! look like a backstop gateway's naming the route and why) on one stderr line.
 
 use std::process::ExitCode;
 
-use backstop_core::escalation::DecisionOption;
+use backstop_core::escalation::{DecisionEffect, DecisionOption};
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::cmd::client::{self, Client};
@@ -131,7 +139,8 @@ fn execute(args: Args) -> Result<String, String> {
     let client = Client::new(base, token);
     match args.command {
         EscalationsCommand::List { all: false, format } => {
-            let value = client.get("/v1/escalations")?;
+            let value = client.get(LIST)?;
+            client.shaped::<OpenList>("GET", LIST, &value, "an escalation list")?;
             Ok(match format {
                 Format::Json => format!("{}\n", pretty(&value)),
                 Format::Text => table(&value, "no open escalations", &OPEN_COLUMNS),
@@ -144,9 +153,12 @@ fn execute(args: Args) -> Result<String, String> {
                 Format::Text => table(&value, "no escalations", &ALL_COLUMNS),
             })
         }
-        EscalationsCommand::Show { id } => client
-            .get(&format!("/v1/escalations/{id}"))
-            .map(|v| format!("{}\n", pretty(&v))),
+        EscalationsCommand::Show { id } => {
+            let path = format!("/v1/escalations/{id}");
+            let value = client.get(&path)?;
+            escalation(&client, &path, id, &value)?;
+            Ok(format!("{}\n", pretty(&value)))
+        }
         EscalationsCommand::Decide {
             id,
             option,
@@ -161,12 +173,23 @@ fn execute(args: Args) -> Result<String, String> {
             if let Some(note) = note {
                 body["note"] = Value::String(note);
             }
-            client
-                .post(&format!("/v1/escalations/{id}/decision"), &body)
-                .map(|v| match format {
-                    Format::Json => format!("{}\n", pretty(&v)),
-                    Format::Text => decided(&v),
-                })
+            let path = format!("/v1/escalations/{id}/decision");
+            let value = client.post(&path, &body)?;
+            let answer: Decided = client.shaped("POST", &path, &value, "a decision's answer")?;
+            if answer.id != id || answer.decision != option {
+                return Err(client.not_backstop(
+                    "POST",
+                    &path,
+                    &format!(
+                        "a decision {} on escalation {} (asked: {option} on escalation {id})",
+                        answer.decision, answer.id
+                    ),
+                ));
+            }
+            Ok(match format {
+                Format::Json => format!("{}\n", pretty(&value)),
+                Format::Text => decided(&value),
+            })
         }
     }
 }
@@ -196,6 +219,106 @@ fn check_option(option: &str, confirm_second_side_effect: bool) -> Result<(), St
 
 fn pretty(value: &Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
+}
+
+/// The route that lists the open escalations.
+const LIST: &str = "/v1/escalations";
+
+/// The answer of `GET /v1/escalations`, as the gateway documents it: the open escalations.
+#[derive(Debug, Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct OpenList {
+    escalations: Vec<OpenRow>,
+}
+
+/// One row of [`OpenList`]: the members the table shows (`opened_at` comes from the case file
+/// and may be `null`).
+#[derive(Debug, Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct OpenRow {
+    id: u64,
+    action: u64,
+    provider: String,
+    route: String,
+    reason: String,
+    opened_at: Option<String>,
+    state: State,
+}
+
+/// An escalation's state on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum State {
+    Open,
+    Decided,
+}
+
+/// The answer of `GET /v1/escalations/{id}`: `decision`, `decided_by`, `decided_at` and `note`
+/// are `null` (or absent) while the escalation is open.
+#[derive(Debug, Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct Escalation {
+    id: u64,
+    action: u64,
+    state: State,
+    decision: Option<String>,
+    decided_by: Option<String>,
+    decided_at: Option<String>,
+    note: Option<String>,
+    case_file: CaseSummary,
+}
+
+/// The members of a case file that `list --all` shows (SPEC §8 case file).
+#[derive(Debug, Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct CaseSummary {
+    provider: String,
+    endpoint: String,
+    reason: String,
+    opened_at: Option<String>,
+}
+
+/// The answer of `POST /v1/escalations/{id}/decision`: the recorded decision and what it did.
+/// `effect_detail`, `action_outcome`, `new_action`, `lookup` and `note` are `null` (or absent)
+/// when there is nothing to say.
+#[derive(Debug, Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct Decided {
+    id: u64,
+    action: u64,
+    decision: String,
+    decided_by: String,
+    decided_at: String,
+    effect: DecisionEffect,
+    effect_applied: bool,
+    effect_detail: Option<String>,
+    action_outcome: Option<String>,
+    new_action: Option<Value>,
+    lookup: Option<Lookup>,
+    escalation_state: State,
+    note: Option<String>,
+}
+
+/// What a `query_status` lookup answered.
+#[derive(Debug, Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct Lookup {
+    verdict: String,
+    reason: Option<String>,
+    provider_operation_id: Option<String>,
+}
+
+/// Checks that `value`, the answer of `GET path`, is escalation `id`.
+///
+/// # Errors
+/// The URL does not look like a backstop gateway: the answer is not an escalation, or is
+/// another escalation than `id`.
+fn escalation(client: &Client, path: &str, id: u64, value: &Value) -> Result<(), String> {
+    let e: Escalation = client.shaped("GET", path, value, "an escalation")?;
+    if e.id != id {
+        return Err(client.not_backstop("GET", path, &format!("escalation {}", e.id)));
+    }
+    Ok(())
 }
 
 /// The columns of `list`: title and member of a row of `GET /v1/escalations`.
@@ -237,17 +360,11 @@ fn table(value: &Value, empty: &str, columns: &[(&str, &str)]) -> String {
 fn every_escalation(client: &Client) -> Result<Vec<Value>, String> {
     let mut rows = Vec::new();
     for id in 1u64.. {
-        let Some(e) =
-            client.get_unless(&format!("/v1/escalations/{id}"), "escalation_not_found")?
-        else {
+        let path = format!("/v1/escalations/{id}");
+        let Some(e) = client.get_unless(&path, "escalation_not_found")? else {
             break;
         };
-        if e["id"].as_u64() != Some(id) {
-            return Err(format!(
-                "GET /v1/escalations/{id} answered escalation {}: the answer is not this gateway's",
-                client::cell(&e["id"])
-            ));
-        }
+        escalation(client, &path, id, &e)?;
         let case = &e["case_file"];
         rows.push(json!({
             "id": e["id"],

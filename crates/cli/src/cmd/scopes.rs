@@ -13,7 +13,8 @@
 //! agent or operator token from `--token`, else `BACKSTOP_TOKEN`, else `BACKSTOP_OPERATOR_TOKEN`
 //! (the variables are preferable: a flag is visible in the process list). Only `http://` URLs
 //! (the HTTP client is built without TLS). A URL that answers without a backstop problem
-//! document is said not to look like a backstop gateway. Output: a table, or the gateway's JSON
+//! document, or with JSON that is not an array of scope records (each with `provider`,
+//! `scope`, `in_flight` and `delayed`), is said not to look like a backstop gateway. Output: a table, or the gateway's JSON
 //! array as is with `--format json`. Exit codes: 0 success; 2 anything else, on one stderr line.
 
 use std::process::ExitCode;
@@ -55,6 +56,20 @@ pub struct Args {
     pub now: Option<Timestamp>,
 }
 
+/// The route of the scope records.
+const SCOPES: &str = "/v1/scopes";
+
+/// The members every scope record of `GET /v1/scopes` carries (`name` only from newer gateways,
+/// the others may be `null`).
+#[derive(Debug, serde::Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct ScopeRecord {
+    provider: String,
+    scope: String,
+    in_flight: u64,
+    delayed: u64,
+}
+
 /// The table's columns: title and member of a scope record (`name` is the full scope name
 /// `provider/scope`).
 const COLUMNS: [(&str, &str); 7] = [
@@ -83,10 +98,10 @@ fn execute(args: Args) -> Result<String, String> {
     let token = args.token.or_else(token_from_env).ok_or(
         "no token: set BACKSTOP_TOKEN (an agent or operator token) or BACKSTOP_OPERATOR_TOKEN, or pass --token",
     )?;
-    let value = Client::new(base, token).get("/v1/scopes")?;
-    let Value::Array(records) = &value else {
-        return Err("GET /v1/scopes: the answer is not a JSON array of scope records".to_owned());
-    };
+    let client = Client::new(base, token);
+    let value = client.get(SCOPES)?;
+    client.shaped::<Vec<ScopeRecord>>("GET", SCOPES, &value, "a JSON array of scope records")?;
+    let records: &[Value] = value.as_array().map_or(&[], Vec::as_slice);
     Ok(match args.format {
         Format::Json => format!(
             "{}\n",
