@@ -136,7 +136,7 @@ impl Upstream {
             Ok(r) => r,
             Err(error) => {
                 // A URL the client cannot parse never leaves the process.
-                tracing::warn!(url = %request.url, %error, "upstream request could not be built");
+                tracing::warn!(url = %without_query(&request.url), %error, "upstream request could not be built");
                 return AttemptReply::Failed(TransportError::Connect);
             }
         };
@@ -149,7 +149,10 @@ impl Upstream {
             Err(_elapsed) => AttemptReply::Failed(TransportError::TimeoutAfterSend),
             Ok(Err(error)) => {
                 let kind = classify_client_error(&error);
-                tracing::debug!(error = %error_chain(&error), kind = %kind, "upstream attempt failed");
+                // At info: the cause (a DNS name that does not resolve, a response hyper could
+                // not parse, such as one with more than 100 headers) is what explains the
+                // disposition the engine logs next.
+                tracing::info!(url = %without_query(&request.url), error = %error_chain(&error), kind = %kind, "upstream attempt failed");
                 AttemptReply::Failed(kind)
             }
             Ok(Ok(response)) => AttemptReply::Response(response.map(Body::new)),
@@ -162,6 +165,11 @@ impl Transport for Upstream {
         let this = self.clone();
         Box::pin(async move { this.send_once(request).await })
     }
+}
+
+/// `url` without its query, which may carry a credential (`?key=…`): what a log line names.
+fn without_query(url: &str) -> &str {
+    url.split_once('?').map_or(url, |(before, _)| before)
 }
 
 /// Maps a client error to its SPEC §2.1 transport kind (see the module docs).
