@@ -95,6 +95,12 @@ mod writes;
 pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
 pub use writes::RESTARTED_BEFORE_RETRY;
 
+/// The reason a read cut off by a crash is closed at the next start (its action ends
+/// `cancelled`): its attempt was sent but no result was recorded, and nobody waits for it
+/// any more. Nothing is sent again; resubmitting the read is safe.
+pub const RESTARTED_DURING_READ: &str =
+    "the gateway restarted while this read was in flight; the caller's request is gone — resubmit";
+
 pub use actions::{
     Completion, DecisionApplied, KeptResponse, LookupAnswer, DECISION_WAIT, KEPT_ACTIONS,
     KEPT_BODY_LIMIT,
@@ -435,6 +441,43 @@ fn unawaited<T: Send + 'static>(action: ActionId, what: &'static str) -> StoreCo
             tracing::warn!(action = action.0, error = %e, "could not record the read's {what}");
         }
     })
+}
+
+impl Inner {
+    /// Restart recovery of a read whose attempt `attempt` was sent without a recorded result
+    /// (SPEC §12): the attempt is recorded `uncertain` and the action ends `cancelled` with
+    /// [`RESTARTED_DURING_READ`] — its caller went away with the crash, and its budget was not
+    /// used up. Nothing is sent.
+    async fn cancel_interrupted_read(&self, action: ActionId, attempt: u32) {
+        tracing::info!(
+            action = action.0,
+            attempt,
+            "restart recovery: a read was sent without a recorded result; its caller is gone, the read is cancelled"
+        );
+        let result = AttemptResult {
+            action,
+            attempt,
+            status: None,
+            disposition: backstop_store::Disposition::Uncertain,
+            boundary: None,
+            source: Some("the gateway restarted before the result was recorded".to_owned()),
+            provider_operation_id: None,
+            signal_headers: Vec::new(),
+            finish: Some(Finish {
+                outcome: backstop_store::Outcome::Cancelled,
+                context: serde_json::json!({
+                    "sent": true, "response_received": false, "attempts": attempt,
+                    "last_signal": "uncertain", "next_safe": [{"option": "abort"}],
+                    "detail": RESTARTED_DURING_READ,
+                }),
+                response: None,
+            }),
+        };
+        let now = self.clock.now();
+        if let Err(e) = self.blocking(move |s| s.record_result(result, now)).await {
+            tracing::warn!(action = action.0, error = %e, "restart recovery: cannot end the interrupted read");
+        }
+    }
 }
 
 impl Inner {

@@ -573,7 +573,8 @@ impl Inner {
 
     /// Restart recovery (SPEC §12): every write attempt recorded as sent without a result is
     /// recorded `uncertain` and reconciled with its original key; reads in that state are
-    /// recorded `uncertain` and end `budget_exhausted` (nobody waits for them any more).
+    /// recorded `uncertain` and end `cancelled` (nobody waits for them any more, see
+    /// [`super::RESTARTED_DURING_READ`]).
     ///
     /// `unfinished` is the list taken at start, before any action of this run was recorded.
     pub(super) async fn recover_unfinished(
@@ -597,9 +598,13 @@ impl Inner {
                     continue;
                 }
             };
-            let facts = self.stored_facts(&record, None).await;
             let is_read = attempt.request_class == "read"
                 || matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
+            if is_read {
+                self.cancel_interrupted_read(id, attempt.attempt).await;
+                continue;
+            }
+            let facts = self.stored_facts(&record, None).await;
             tracing::info!(
                 action = id.0,
                 attempt = attempt.attempt,
@@ -607,19 +612,6 @@ impl Inner {
                 "restart recovery: an attempt was sent without a recorded result"
             );
             let now = self.clock.now();
-            let finish = if is_read {
-                Some(super::Finish {
-                    outcome: backstop_store::Outcome::BudgetExhausted,
-                    context: serde_json::json!({
-                        "sent": true, "response_received": false, "attempts": attempt.attempt,
-                        "last_signal": "uncertain", "next_safe": [{"option": "abort"}],
-                        "detail": "the gateway restarted while this read was in flight"
-                    }),
-                    response: None,
-                })
-            } else {
-                None
-            };
             let result = AttemptResult {
                 action: id,
                 attempt: attempt.attempt,
@@ -629,13 +621,10 @@ impl Inner {
                 source: Some("the gateway restarted before the result was recorded".to_owned()),
                 provider_operation_id: None,
                 signal_headers: Vec::new(),
-                finish,
+                finish: None,
             };
             if let Err(e) = self.blocking(move |s| s.record_result(result, now)).await {
                 tracing::warn!(action = id.0, error = %e, "restart recovery: cannot record the uncertain attempt");
-                continue;
-            }
-            if is_read {
                 continue;
             }
             let end = self.reconcile_uncertain(&facts, None).await;
