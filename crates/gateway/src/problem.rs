@@ -208,7 +208,8 @@ impl Problem {
     /// 422 `idempotency_key_reused`: the agent already used this `Idempotency-Key` for another
     /// request (IETF Idempotency-Key draft §2.7; SPEC §6: a key binds one provider, method,
     /// route template, concrete target — the path and query sent — and payload). `differs`
-    /// names what differs, in the order `provider`, `method`, `route`, `target`, `payload`; `bound` is the `(provider, method, route template)` the key
+    /// names what differs, in the order `provider`, `method`, `route`, `target` (named only
+    /// for the same route template), `payload`; `bound` is the `(provider, method, route template)` the key
     /// is bound to. Members: `differs` (array), `bound_to` `{provider, method, route}`, `sent:
     /// false`; no action id is named. Nothing was sent; `x-should-retry: false`.
     pub fn key_reused(differs: &[&str], bound: (&str, &str, &str)) -> Problem {

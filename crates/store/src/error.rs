@@ -85,7 +85,8 @@ pub enum StoreError {
         /// The action the key already belongs to.
         existing: i64,
         /// What differs from the bound request, in this order when several do: `provider`,
-        /// `method`, `route`, `target`, `payload`. Never empty.
+        /// `method`, `route`, `target`, `payload`; `target` (another path or query) is named
+        /// only when the route template is the same. Never empty.
         differs: Vec<&'static str>,
         /// The request the key is bound to (no payload: only its identity).
         bound: Box<BoundRequest>,

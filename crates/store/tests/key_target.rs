@@ -114,3 +114,16 @@ fn an_action_recorded_without_a_target_compares_as_before() {
         Admission::New(other) => panic!("a second action {other} for the same request"),
     }
 }
+
+#[test]
+fn another_route_is_named_as_the_route_not_also_as_the_target() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    admitted(&store, to_target("pay-1", Some("/v1/transfers")), 1);
+    let mut other = to_target("pay-1", Some("/v1/refunds"));
+    other.route = backstop_store::RouteTemplate::try_new("/v1/refunds").expect("template");
+    match store.record_action(other, t(2)) {
+        Err(StoreError::KeyReuse { differs, .. }) => assert_eq!(differs, ["route"]),
+        other => panic!("expected KeyReuse, got {other:?}"),
+    }
+}

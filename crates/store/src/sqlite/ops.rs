@@ -420,16 +420,18 @@ impl WriteTx<'_> {
         if let Some((id, bound, digest, target)) = existing {
             // A key binds one request (SPEC §6): the same provider, method, route template,
             // concrete target (path and query) and payload; anything else under it is another
-            // request. A target not known on either side (recorded before schema version 7)
-            // is not compared.
+            // request. The target refines the route: it is named only when the route template
+            // is the same (another template is another target anyway). A target not known on
+            // either side (recorded before schema version 7) is not compared.
+            let route_differs = bound.route != new.route.as_str();
             let target_differs = match (target.as_deref(), new.target_digest.as_ref()) {
-                (Some(bound), Some(new)) => bound != new.as_str(),
+                (Some(bound), Some(new)) => !route_differs && bound != new.as_str(),
                 _ => false,
             };
             let differs: Vec<&'static str> = [
                 ("provider", bound.provider != new.provider),
                 ("method", bound.method != new.method),
-                ("route", bound.route != new.route.as_str()),
+                ("route", route_differs),
                 ("target", target_differs),
                 ("payload", digest != new.payload_digest.as_str()),
             ]
