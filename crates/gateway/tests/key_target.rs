@@ -147,3 +147,43 @@ async fn the_same_key_with_another_query_string_is_refused_and_nothing_is_sent()
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_action_api_binds_the_key_to_the_path_it_names() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let submit = |path: &str| {
+        serde_json::json!({
+            "provider": "fake", "method": "POST", "path": path,
+            "headers": {"content-type": "application/json"},
+            "body": r#"{"amount":100}"#, "idempotency_key": "api-pay-1",
+        })
+    };
+    let (status, accepted) = support::submit_action(
+        &gateway,
+        AGENT_TOKEN,
+        &submit("/v1/accounts/acct_A/charges"),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let (status, problem) = support::submit_action(
+        &gateway,
+        AGENT_TOKEN,
+        &submit("/v1/accounts/acct_B/charges"),
+    )
+    .await;
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(
+        problem["differs"],
+        serde_json::json!(["target"]),
+        "{problem}"
+    );
+    let attempts = fake.attempts();
+    assert!(
+        on_route(&attempts, "POST", "/v1/accounts/acct_B/charges").is_empty(),
+        "{attempts:?}"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
