@@ -187,6 +187,9 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Seen {
     sent: u32,
+    /// Attempts whose request bytes may have left the process (every one not `not_sent`): what
+    /// an outcome's `sent` reports.
+    left: u32,
     response_received: bool,
     last_status: Option<u16>,
     last_signal: Option<String>,
@@ -1167,6 +1170,7 @@ impl Engine {
         let provider = inner.policy.providers.get(&route.provider);
         let mut seen = Seen {
             sent: run.prior_attempts,
+            left: run.prior_attempts,
             ..Seen::default()
         };
         let mut not_before: Option<Timestamp> = None;
@@ -1360,6 +1364,9 @@ impl Engine {
             if status.is_some() {
                 seen.response_received = true;
                 seen.last_status = status;
+            }
+            if signal.disposition != Disposition::NotSent {
+                seen.left += 1;
             }
             seen.last_signal = Some(signal.disposition.as_str().to_owned());
             seen.boundary = signal.boundary.retry_not_before();
@@ -2173,7 +2180,7 @@ impl Engine {
         next_safe: Vec<NextSafe>,
     ) -> OutcomeContext {
         OutcomeContext {
-            sent: seen.sent > 0,
+            sent: seen.left > 0,
             response_received: seen.response_received,
             attempts: seen.sent,
             total_wait_ms: wait_ms(budget),

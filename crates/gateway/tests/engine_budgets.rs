@@ -243,6 +243,39 @@ async fn a_not_sent_failure_is_retried_and_every_attempt_is_charged() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_action_whose_every_attempt_was_not_sent_says_it_was_not_sent() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![Step::Fail(backstop_core::classify::TransportError::Dns); 6],
+    );
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(context.attempts, 4, "every attempt is charged");
+    assert!(
+        !context.sent,
+        "no request bytes left the process: {context:?}"
+    );
+    assert!(!context.response_received);
+    assert_eq!(context.last_signal.as_deref(), Some("not_sent"));
+
+    // One attempt that may have left is enough for `sent`.
+    h.transport.script(
+        "/v1/items/2",
+        vec![
+            Step::Fail(backstop_core::classify::TransportError::Dns),
+            Step::Fail(backstop_core::classify::TransportError::TimeoutAfterSend),
+            Step::Fail(backstop_core::classify::TransportError::Dns),
+            Step::Fail(backstop_core::classify::TransportError::Dns),
+        ],
+    );
+    let execution = h.engine.execute(h.get("t2", "/v1/items/2")).await;
+    let (_, context, _) = outcome_of(&execution);
+    assert!(context.sent, "{context:?}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_scope_retry_quota_is_shared_by_every_task_of_the_scope() {
     // Two retries' worth of tokens for the whole scope.
     let policy = engine_support::POLICY.replace(
