@@ -10,6 +10,9 @@
 #   BENCH_CONNECTIONS [32]  wrk connections of the saturation runs
 #   BENCH_NO_BUILD [unset]  set to 1 to use the binaries already in target/ as they are
 #   CARGO_TARGET_DIR [target/]  where cargo builds, and so where the binaries are looked for
+#   BENCH_BACKSTOP_ALT [unset]  more backstop binaries, `:`-separated (e.g. builds without the
+#                           change under test), each served beside the first with its own store
+#                           and measured as path alt1, alt2, … in the same alternating rounds
 #
 # What it prints: per path the median over the rounds of requests/s, p50 and p99 latency at
 # saturation, then the ratios backstop/direct and backstop/nginx; then the same three paths at a
@@ -153,6 +156,26 @@ declare -A URL=(
 )
 PATHS=(direct nginx backstop)
 
+ALTS=()
+if [ -n "${BENCH_BACKSTOP_ALT:-}" ]; then
+    IFS=: read -r -a alt_bins <<<"$BENCH_BACKSTOP_ALT"
+    for i in "${!alt_bins[@]}"; do
+        bin="${alt_bins[$i]}"
+        name="alt$((i + 1))"
+        [ -x "$bin" ] || die "BENCH_BACKSTOP_ALT: no executable at $bin"
+        port="$(free_port)"
+        BENCH_AGENT_TOKEN="$BENCH_TOKEN" BENCH_PROVIDER_KEY="bench-provider-key" \
+            "$bin" serve --config "$WORK/backstop.yaml" --listen "127.0.0.1:$port" \
+            --store "$WORK/$name.db" >"$WORK/$name.log" 2>&1 &
+        PIDS+=($!)
+        wait_listening "$port" "$name ($bin)"
+        log "$name = $bin"
+        URL[$name]="http://127.0.0.1:$port/fast/v1/fast"
+        PATHS+=("$name")
+        ALTS+=("$name")
+    done
+fi
+
 # Each path must answer 200 before anything is measured.
 for p in "${PATHS[@]}"; do
     code="$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $BENCH_TOKEN" "${URL[$p]}")"
@@ -193,7 +216,7 @@ measure_rounds() { # CONNECTIONS DELAY_MS label
 log "warming up each path (2 s)"
 for p in "${PATHS[@]}"; do run_wrk "$p" "$CONNECTIONS" 2 >/dev/null; done
 
-log "saturation: wrk -t1 -c$CONNECTIONS -d${SECONDS_PER_RUN}s, $ROUNDS rounds alternating direct, nginx, backstop"
+log "saturation: wrk -t1 -c$CONNECTIONS -d${SECONDS_PER_RUN}s, $ROUNDS rounds alternating ${PATHS[*]}"
 measure_rounds "$CONNECTIONS" 0 saturation
 echo "== saturation (wrk -t1 -c$CONNECTIONS, median of $ROUNDS alternating rounds) =="
 printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
@@ -203,6 +226,10 @@ done
 SAT_BACKSTOP="${RPS[backstop]}"
 awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" \
     'BEGIN { printf "throughput ratio backstop/direct = %.3f, backstop/nginx = %.3f (target >= 0.7)\n", b / d, b / n }'
+for a in "${ALTS[@]}"; do
+    awk -v name="$a" -v b="${RPS[backstop]}" -v a="${RPS[$a]}" -v n="${RPS[nginx]}" \
+        'BEGIN { printf "%s/nginx = %.3f, backstop/%s = %.3f\n", name, a / n, name, b / a }'
+done
 
 # Half of backstop's saturation rate, offered as C connections that each wait DELAY ms after
 # every answer: rate ≈ C × 1000 / (DELAY + latency). DELAY is whole milliseconds (wrk's timer);
@@ -222,6 +249,10 @@ awk -v b50="${P50[backstop]}" -v d50="${P50[direct]}" -v b99="${P99[backstop]}" 
     -v n50="${P50[nginx]}" -v n99="${P99[nginx]}" 'BEGIN {
     printf "added latency backstop - direct: p50 %.0f µs (target <= 300), p99 %.0f µs (target <= 1000)\n", b50 - d50, b99 - d99
     printf "added latency nginx - direct:    p50 %.0f µs, p99 %.0f µs\n", n50 - d50, n99 - d99 }'
+for a in "${ALTS[@]}"; do
+    awk -v name="$a" -v a50="${P50[$a]}" -v d50="${P50[direct]}" -v a99="${P99[$a]}" -v d99="${P99[direct]}" \
+        'BEGIN { printf "added latency %s - direct:     p50 %.0f µs, p99 %.0f µs\n", name, a50 - d50, a99 - d99 }'
+done
 
 errors_logged="$(grep -c ' ERROR ' "$WORK/backstop.log" || true)"
 echo "backstop log: $(wc -l <"$WORK/backstop.log") lines, $errors_logged ERROR lines; store $(du -h "$WORK/backstop.db" 2>/dev/null | cut -f1) (+WAL)"
