@@ -9,6 +9,12 @@ use clap::{Parser, Subcommand};
 mod cmd;
 mod demo;
 
+/// mimalloc instead of glibc's allocator: the proxy path allocates per request on every tokio
+/// worker, and mimalloc's thread-local free lists cost less there (measured in BENCHMARKS.md,
+/// "Gateway overhead after the watchdog's read-back").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// backstop — the one layer that owns retries for AI agents' outbound API calls.
 #[derive(Debug, Parser)]
 #[command(name = "backstop", version, about, long_about = None)]
