@@ -1051,13 +1051,6 @@ pub(crate) fn render_with(
                     "idempotency_key": receipt.idempotency_key,
                 });
                 (StatusCode::OK, axum::Json(body)).into_response()
-            } else if outcome == Outcome::Conflict && receipt.action_id == 0 {
-                // A conflict refused before any action was recorded is the store's refusal of
-                // an Idempotency-Key reused with another body (a provider's 409 always belongs
-                // to a recorded action): its own problem, naming no other action.
-                key_reused_problem()
-                    .with_extension("task", task_id.into())
-                    .into_response()
             } else {
                 let mut problem =
                     Problem::from_outcome(outcome, &context, detail, state.clock.now())
@@ -1079,23 +1072,6 @@ pub(crate) fn render_with(
             receipt_headers(&mut response, &receipt, task_id, single);
             response
         }
-    }
-}
-
-/// 422 `idempotency_key_reused`: this agent already used the `Idempotency-Key` with a different
-/// request body (IETF Idempotency-Key draft §2.7: the key is bound to one payload). Nothing was
-/// sent; `x-should-retry: false`; no other action's id is named.
-pub fn key_reused_problem() -> Problem {
-    let mut extensions = serde_json::Map::new();
-    extensions.insert("sent".into(), serde_json::Value::Bool(false));
-    Problem {
-        status: StatusCode::UNPROCESSABLE_ENTITY,
-        name: "idempotency_key_reused".to_owned(),
-        title: "This Idempotency-Key was already used with a different request body".to_owned(),
-        detail: "this Idempotency-Key was already used with a different request body; nothing was sent; send a different request under a new key, or the original body under this key".to_owned(),
-        extensions,
-        retry_after_seconds: None,
-        should_retry: false,
     }
 }
 
