@@ -708,29 +708,41 @@ mod tests {
         );
     }
 
-    #[test]
-    fn version_5_database_is_upgraded_keeping_actions_without_inventing_their_new_facts() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("v5.db");
+    /// A database left at schema `version` holding one task and one action `action` (key
+    /// `key-<action>`), opened by the current writer: migrated to [`SCHEMA_VERSION`] (checked).
+    fn upgraded_with_one_action(dir: &Path, version: usize, action: i64) -> Connection {
+        let path = dir.join(format!("v{version}.db"));
         {
             let mut conn = Connection::open(&path).expect("create");
             conn.pragma_update(None, "foreign_keys", "OFF")
                 .expect("fk off");
-            run_migrations_to(&mut conn, 5);
-            conn.execute_batch(
-                "INSERT INTO tasks (agent, id, priority, created_at_ms) VALUES ('alice', 't', 'normal', 1);
-                 INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
-                     payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
-                 VALUES (5, 't', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', 'key-5',
-                     'attempted', 1, 2);",
+            run_migrations_to(&mut conn, version);
+            conn.execute(
+                "INSERT INTO tasks (agent, id, priority, created_at_ms) VALUES ('alice', 't', 'normal', 1)",
+                [],
             )
-            .expect("rows");
+            .expect("task");
+            conn.execute(
+                "INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
+                     payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
+                 VALUES (?1, 't', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', ?2,
+                     'attempted', 1, 2)",
+                rusqlite::params![action, format!("key-{action}")],
+            )
+            .expect("action");
         }
         let conn = open_writer(&path, false).expect("migrated");
-        let version: i64 = conn
+        let current: i64 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .expect("version");
-        assert_eq!(version, SCHEMA_VERSION);
+        assert_eq!(current, SCHEMA_VERSION);
+        conn
+    }
+
+    #[test]
+    fn version_5_database_is_upgraded_keeping_actions_without_inventing_their_new_facts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let conn = upgraded_with_one_action(dir.path(), 5, 5);
         let action = crate::sqlite::rows::action(&conn, crate::model::ActionId(5))
             .expect("action read")
             .expect("action kept");
@@ -752,26 +764,7 @@ mod tests {
     #[test]
     fn version_6_database_is_upgraded_keeping_actions_without_a_target_and_their_keys() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("v6.db");
-        {
-            let mut conn = Connection::open(&path).expect("create");
-            conn.pragma_update(None, "foreign_keys", "OFF")
-                .expect("fk off");
-            run_migrations_to(&mut conn, 6);
-            conn.execute_batch(
-                "INSERT INTO tasks (agent, id, priority, created_at_ms) VALUES ('alice', 't', 'normal', 1);
-                 INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
-                     payload_digest, idempotency_key, state, created_at_ms, updated_at_ms)
-                 VALUES (6, 't', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', 'key-6',
-                     'attempted', 1, 2);",
-            )
-            .expect("rows");
-        }
-        let conn = open_writer(&path, false).expect("migrated");
-        let version: i64 = conn
-            .query_row("PRAGMA user_version", [], |r| r.get(0))
-            .expect("version");
-        assert_eq!(version, SCHEMA_VERSION);
+        let conn = upgraded_with_one_action(dir.path(), 6, 6);
         let action = crate::sqlite::rows::action(&conn, crate::model::ActionId(6))
             .expect("action read")
             .expect("action kept");
