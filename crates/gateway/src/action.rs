@@ -42,7 +42,8 @@ pub struct ActionSpec {
     pub payload_digest: String,
     /// SHA-256 hex of the concrete target sent to the provider: the normalized path and query
     /// (e.g. `/v1/accounts/acct_A/charges?dry_run=1`). An idempotency key binds it (SPEC §6);
-    /// `None` binds no target (the key is then compared without one).
+    /// `None` binds no target (the key is then compared without one); the door sets it only
+    /// when the agent supplied a key, the one kind of key an agent can reuse.
     pub target_digest: Option<String>,
     /// Agent-supplied description of the desired outcome (action API), for case files.
     pub desired_outcome: Option<String>,

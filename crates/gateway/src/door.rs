@@ -806,8 +806,11 @@ pub(crate) fn build_spec(
         );
     }
     let payload_digest = hex::encode(Sha256::digest(&body));
-    // The concrete target as sent (normalized path and query): a key binds it (SPEC §6).
-    let target_digest = hex::encode(Sha256::digest(rest.as_bytes()));
+    // The concrete target as sent (normalized path and query): the agent's key binds it (SPEC
+    // §6). Only an agent-supplied key can be reused, so only then is it computed and stored.
+    let target_digest = idempotency_key
+        .as_ref()
+        .map(|_| hex::encode(Sha256::digest(rest.as_bytes())));
     let url = format!("{}{}", provider.base_url, rest);
     Ok(ActionSpec {
         task_id,
@@ -825,7 +828,7 @@ pub(crate) fn build_spec(
         single_attempt,
         idempotency_key,
         payload_digest,
-        target_digest: Some(target_digest),
+        target_digest,
         desired_outcome: None,
     })
 }
