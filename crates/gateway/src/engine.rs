@@ -220,6 +220,15 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// The receipt of this action after `attempts` attempts.
+    fn receipt(&self, attempts: u32) -> ActionReceipt {
+        ActionReceipt {
+            action_id: self.id.0,
+            idempotency_key: self.agent_key(),
+            attempts,
+        }
+    }
+
     /// The idempotency key in effect, as told to the agent: writes only.
     fn agent_key(&self) -> Option<String> {
         (!is_safe_method(&self.request.method)).then(|| self.key.clone())
@@ -1246,11 +1255,7 @@ impl Engine {
                         attempts = seen.sent,
                         "shutting down: the waiting caller is answered 503"
                     );
-                    let receipt = ActionReceipt {
-                        action_id: run.id.0,
-                        idempotency_key: run.agent_key(),
-                        attempts: seen.sent,
-                    };
+                    let receipt = run.receipt(seen.sent);
                     return problem_answer(receipt, Problem::shutting_down_during(sent, detail));
                 }
             };
@@ -1275,11 +1280,7 @@ impl Engine {
                     drop(permit);
                     guard.armed = false;
                     if is_store_failure(&e) {
-                        let receipt = ActionReceipt {
-                            action_id: run.id.0,
-                            idempotency_key: run.agent_key(),
-                            attempts: seen.sent,
-                        };
+                        let receipt = run.receipt(seen.sent);
                         return self.store_unavailable(receipt, seen.sent > 0, &e);
                     }
                     let detail = match &e {
@@ -1453,11 +1454,7 @@ impl Engine {
                         );
                         let context = self.context(&budget, &seen, None, Vec::new());
                         return Execution::Outcome {
-                            receipt: ActionReceipt {
-                                action_id: run.id.0,
-                                idempotency_key: run.agent_key(),
-                                attempts: seen.sent,
-                            },
+                            receipt: run.receipt(seen.sent),
                             outcome: Outcome::Succeeded,
                             context,
                             detail: match operation_id {
@@ -1581,11 +1578,7 @@ impl Engine {
                     .metrics
                     .outcome(&route.provider, &route.class, Outcome::Succeeded);
                 return Execution::Response {
-                    receipt: ActionReceipt {
-                        action_id: run.id.0,
-                        idempotency_key: run.agent_key(),
-                        attempts: seen.sent,
-                    },
+                    receipt: run.receipt(seen.sent),
                     response,
                 };
             }
@@ -1731,11 +1724,7 @@ impl Engine {
                             inner.scheduler.deposit(&route.scopes, Some(tokens));
                         }
                         if is_store_failure(&e) {
-                            let receipt = ActionReceipt {
-                                action_id: run.id.0,
-                                idempotency_key: run.agent_key(),
-                                attempts: seen.sent,
-                            };
+                            let receipt = run.receipt(seen.sent);
                             return self.store_unavailable(receipt, seen.sent > 0, &e);
                         }
                         tracing::warn!(action = run.id.0, error = %e, "the retry could not be scheduled");
@@ -1845,11 +1834,7 @@ impl Engine {
             .await
         {
             Ok((escalation, context)) => Execution::Outcome {
-                receipt: ActionReceipt {
-                    action_id: run.id.0,
-                    idempotency_key: run.agent_key(),
-                    attempts: seen.sent,
-                },
+                receipt: run.receipt(seen.sent),
                 outcome: Outcome::Escalated,
                 context,
                 detail: format!(
@@ -2045,11 +2030,7 @@ impl Engine {
                     "final provider answer passed through"
                 );
                 Execution::Response {
-                    receipt: ActionReceipt {
-                        action_id: run.id.0,
-                        idempotency_key: run.agent_key(),
-                        attempts: seen.sent,
-                    },
+                    receipt: run.receipt(seen.sent),
                     response,
                 }
             }
