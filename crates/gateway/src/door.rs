@@ -399,6 +399,19 @@ pub fn is_event_stream(headers: &HeaderMap) -> bool {
         })
 }
 
+/// Headers as `(lower-case name, value)` pairs, as stored and replayed; a value that is not
+/// visible ASCII (RFC 9110 §5.5 obs-text) is left out.
+pub(crate) fn header_pairs(headers: &http::HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter_map(|(n, v)| {
+            v.to_str()
+                .ok()
+                .map(|v| (n.as_str().to_owned(), v.to_owned()))
+        })
+        .collect()
+}
+
 /// The provider's final response to a completed write, as kept for replay: the status, the
 /// end-to-end headers (hop-by-hop headers of RFC 9110 §7.6.1, `Set-Cookie`, `Content-Length`
 /// and header values that are not visible ASCII are left out), and at most
@@ -417,14 +430,7 @@ pub fn replay_record(
     kept.remove(header::CONTENT_LENGTH);
     let cut = body.len().min(REPLAY_BODY_LIMIT);
     let truncated = !complete || cut < body.len();
-    let mut pairs: Vec<(String, String)> = kept
-        .iter()
-        .filter_map(|(n, v)| {
-            v.to_str()
-                .ok()
-                .map(|v| (n.as_str().to_owned(), v.to_owned()))
-        })
-        .collect();
+    let mut pairs = header_pairs(&kept);
     if truncated {
         pairs.push((REPLAY_TRUNCATED_HEADER.to_owned(), cut.to_string()));
     }

@@ -108,15 +108,7 @@ async fn keep(execution: Execution) -> Completion {
                 Ok((bytes, _)) => (bytes, false),
                 Err(_) => (Bytes::new(), true),
             };
-            let headers = parts
-                .headers
-                .iter()
-                .filter_map(|(n, v)| {
-                    v.to_str()
-                        .ok()
-                        .map(|v| (n.as_str().to_owned(), v.to_owned()))
-                })
-                .collect();
+            let headers = crate::door::header_pairs(&parts.headers);
             Completion::Response {
                 receipt,
                 response: KeptResponse {
