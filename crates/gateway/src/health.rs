@@ -1004,6 +1004,12 @@ async fn all_runs(
     let opts = options(&state);
     let mut runs = Vec::new();
     let mut totals = Totals::default();
+    // The visible trails grouped by task once (not every trail filtered once per task).
+    let mut by_task: std::collections::HashMap<&str, Vec<&ActionTrail>> =
+        std::collections::HashMap::new();
+    for trail in evidence.trails().filter(|t| visible.contains(&t.action)) {
+        by_task.entry(trail.task.as_str()).or_default().push(trail);
+    }
     for task in tasks.values() {
         let ctx = SnapshotContext {
             deadline: task.deadline,
@@ -1013,9 +1019,7 @@ async fn all_runs(
         };
         let health = run_health(
             &task.id,
-            evidence
-                .trails()
-                .filter(|t| t.task == task.id && visible.contains(&t.action)),
+            by_task.get(task.id.as_str()).into_iter().flatten().copied(),
             &ctx,
             &opts,
         );
