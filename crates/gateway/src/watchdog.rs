@@ -9,7 +9,8 @@
 //! grace (default 30 s). It reads them through [`Store::watch_events`]: what has committed, no
 //! queued operation waited for, and without the plain reads answered at their first attempt
 //! (never throttled; only their `action_sent`, the heartbeat, is kept), so a busy gateway's
-//! reads are not decoded back. Three diagnoses are findings:
+//! reads are not decoded back; what the gateway's own store committed comes from the writer's
+//! in-memory feed, not from the database. Three diagnoses are findings:
 //!
 //! | diagnosis | metric | escalation reason (with `escalate`) |
 //! |---|---|---|

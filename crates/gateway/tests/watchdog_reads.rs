@@ -1,8 +1,10 @@
 //! The watchdog reads only what can concern a throttled action: through
 //! `Store::watch_events`, the store leaves out the plain reads (answered at their first attempt
 //! and finished `succeeded`), except their `action_sent`, which still moves the scheduler
-//! heartbeat. Folding what is kept gives the same trails and heartbeat as folding every event,
-//! whatever the page size, and a check commits nothing and leaves held reads held.
+//! heartbeat. Two paths answer it: the writer's in-memory feed for what this store committed,
+//! and the database for what was committed before it was opened. Folding what either keeps gives
+//! the same trails and heartbeat as folding every event, whatever the page size, and a check
+//! commits nothing and leaves held reads held.
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -12,6 +14,7 @@ use backstop_core::diagnose::Diagnosis;
 use backstop_gateway::health::Evidence;
 use backstop_gateway::metrics::Metrics;
 use backstop_gateway::watchdog::{Watchdog, WatchdogConfig};
+use backstop_store::audit::AuditEvent;
 use backstop_store::{
     ActionId, Admission, AttemptResult, Boundary, Completion, Disposition, Finish, NewAction,
     NewTask, Outcome, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store, StoreError,
@@ -27,6 +30,13 @@ fn store() -> (tempfile::TempDir, Arc<SqliteStore>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Arc::new(SqliteStore::open(dir.path().join("backstop.db")).expect("store"));
     (dir, store)
+}
+
+/// The same database opened again: everything in it was committed before this store opened,
+/// so `watch_events` reads it from the database.
+fn reopened(dir: &tempfile::TempDir, store: Arc<SqliteStore>) -> Arc<SqliteStore> {
+    drop(Arc::into_inner(store).expect("the only handle"));
+    Arc::new(SqliteStore::open(dir.path().join("backstop.db")).expect("reopened"))
 }
 
 fn task(id: &str) -> NewTask {
@@ -169,10 +179,31 @@ fn fold_watched(store: &SqliteStore, limit: usize) -> Evidence {
     }
 }
 
+/// The `seq`s the database path keeps: every event but `task_opened` and the reads' other
+/// events.
+fn kept_by_rule(all: &[AuditEvent], reads: &[ActionId]) -> Vec<u64> {
+    let is_read = |a: Option<i64>| a.is_some_and(|a| reads.iter().any(|r| r.0 == a));
+    all.iter()
+        .filter(|e| e.kind != "task_opened")
+        .filter(|e| !is_read(e.action) || e.kind == "action_sent")
+        .map(|e| e.seq)
+        .collect()
+}
+
+/// The `seq` of `action`'s `action_sent`.
+fn sent_seq(all: &[AuditEvent], action: ActionId) -> u64 {
+    all.iter()
+        .find(|e| e.action == Some(action.0) && e.kind == "action_sent")
+        .map(|e| e.seq)
+        .expect("sent")
+}
+
 #[test]
-fn plain_reads_are_left_out_but_their_sends_and_every_event_of_a_throttled_action_are_kept() {
-    let (_dir, store) = store();
+fn from_the_database_plain_reads_are_left_out_but_their_sends_and_every_event_of_a_throttled_action_are_kept(
+) {
+    let (dir, store) = store();
     let (reads, write) = mixed_log(&store);
+    let store = reopened(&dir, store);
     let all = store.audit_events(0, usize::MAX).expect("events");
     let (kept, last) = store.watch_events(0, 1_000).expect("watch events");
     assert_eq!(
@@ -180,17 +211,13 @@ fn plain_reads_are_left_out_but_their_sends_and_every_event_of_a_throttled_actio
         all.last().map(|e| e.seq),
         "the whole log was looked at"
     );
-    let is_read = |a: Option<i64>| a.is_some_and(|a| reads.iter().any(|r| r.0 == a));
-    let expected: Vec<u64> = all
-        .iter()
-        .filter(|e| e.kind != "task_opened")
-        .filter(|e| !is_read(e.action) || e.kind == "action_sent")
-        .map(|e| e.seq)
-        .collect();
-    assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), expected);
+    assert_eq!(
+        kept.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        kept_by_rule(&all, &reads)
+    );
     // Every read's events were in the log, and only its send is kept.
     for read in &reads {
-        let kinds = |events: &[backstop_store::audit::AuditEvent]| -> Vec<String> {
+        let kinds = |events: &[AuditEvent]| -> Vec<String> {
             events
                 .iter()
                 .filter(|e| e.action == Some(read.0))
@@ -208,7 +235,7 @@ fn plain_reads_are_left_out_but_their_sends_and_every_event_of_a_throttled_actio
         );
         assert_eq!(kinds(&kept), ["action_sent"]);
     }
-    let write_events = |events: &[backstop_store::audit::AuditEvent]| -> usize {
+    let write_events = |events: &[AuditEvent]| -> usize {
         events.iter().filter(|e| e.action == Some(write.0)).count()
     };
     assert_eq!(write_events(&kept), write_events(&all));
@@ -219,30 +246,71 @@ fn plain_reads_are_left_out_but_their_sends_and_every_event_of_a_throttled_actio
 }
 
 #[test]
-fn folding_the_kept_events_gives_every_trail_and_heartbeat_in_pages_of_any_size() {
+fn from_the_feed_a_run_of_plain_reads_leaves_only_its_latest_send_and_the_write_whole() {
     let (_dir, store) = store();
-    let (_reads, write) = mixed_log(&store);
-    let mut full = Evidence::new();
-    full.catch_up(store.as_ref()).expect("full fold");
-    full.forget_finished();
-    assert!(full.heartbeat_at().is_some());
+    let (reads, write) = mixed_log(&store);
+    let all = store.audit_events(0, usize::MAX).expect("events");
+    let (kept, last) = store.watch_events(0, 1_000).expect("watch events");
+    assert_eq!(last, all.last().map(|e| e.seq));
+    // The three reads before the write leave the third one's send, the three after it the
+    // sixth one's; the write's events are all there, as sealed.
+    let mut expected = vec![sent_seq(&all, reads[2])];
+    expected.extend(
+        all.iter()
+            .filter(|e| e.action == Some(write.0))
+            .map(|e| e.seq),
+    );
+    expected.push(sent_seq(&all, reads[5]));
+    assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), expected);
+    for event in &kept {
+        let sealed = all.iter().find(|e| e.seq == event.seq).expect("in the log");
+        assert_eq!(event, sealed);
+    }
+    // Asked again from the start, the feed no longer holds it: the database answers, in full.
+    let (again, _) = store.watch_events(0, 1_000).expect("watch events");
+    assert_eq!(
+        again.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        kept_by_rule(&all, &reads)
+    );
+}
+
+#[test]
+fn folding_the_kept_events_gives_every_trail_and_heartbeat_in_pages_of_any_size() {
     for limit in [1, 2, 3, 5, 7, 1_000] {
-        let mut watched = fold_watched(&store, limit);
-        assert_eq!(
-            watched.heartbeat_at(),
-            full.heartbeat_at(),
-            "page size {limit}"
-        );
-        // The last plain read's send is the heartbeat.
-        assert_eq!(watched.heartbeat_at(), Some(at(120)), "page size {limit}");
-        watched.forget_finished();
-        let open: Vec<i64> = watched.trails().map(|t| t.action).collect();
-        assert_eq!(open, [write.0], "page size {limit}: no read is left open");
-        assert_eq!(
-            watched.trail(write.0),
-            full.trail(write.0),
-            "page size {limit}"
-        );
+        let (dir, store) = store();
+        let (_reads, write) = mixed_log(&store);
+        let mut full = Evidence::new();
+        full.catch_up(store.as_ref()).expect("full fold");
+        full.forget_finished();
+        assert!(full.heartbeat_at().is_some());
+        let from_feed = fold_watched(&store, limit);
+        let store = reopened(&dir, store);
+        let from_database = fold_watched(&store, limit);
+        for (path, mut watched) in [("feed", from_feed), ("database", from_database)] {
+            assert_eq!(
+                watched.heartbeat_at(),
+                full.heartbeat_at(),
+                "{path}, page size {limit}"
+            );
+            // The last plain read's send is the heartbeat.
+            assert_eq!(
+                watched.heartbeat_at(),
+                Some(at(120)),
+                "{path}, page size {limit}"
+            );
+            watched.forget_finished();
+            let open: Vec<i64> = watched.trails().map(|t| t.action).collect();
+            assert_eq!(
+                open,
+                [write.0],
+                "{path}, page size {limit}: no read is left open"
+            );
+            assert_eq!(
+                watched.trail(write.0),
+                full.trail(write.0),
+                "{path}, page size {limit}"
+            );
+        }
     }
 }
 

@@ -419,6 +419,11 @@ impl Chain {
         self.prev = event.hash.clone();
         self.next_seq += 1;
     }
+
+    /// The `seq` of the last sealed event (0 for an empty log).
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq - 1
+    }
 }
 
 /// How a log is broken, in the words `backstop audit verify` prints.

@@ -53,7 +53,14 @@
 //! Readers use separate connections from a small pool and never wait for the writer (WAL),
 //! except that a read through the [`Store`] first waits for operations queued without being
 //! awaited (one empty group commit), so a caller reads its own writes.
+//!
+//! # The watch feed
+//! [`Store::watch_events`] is answered from memory for what this store committed: after each
+//! commit the writer hands the events it sealed to a bounded feed that keeps only what a health
+//! watcher needs (see `feed`), and a watcher's call takes them out. What was committed before
+//! the store opened, or dropped from a full feed, is read from the database as before.
 
+mod feed;
 mod lock;
 mod ops;
 mod rows;
@@ -115,6 +122,8 @@ pub struct SqliteStore {
     held: HeldReads,
     /// Cancelled tasks: agent → task ids.
     cancelled: RwLock<HashMap<String, HashSet<String>>>,
+    /// Committed events for [`Store::watch_events`], filled by the writer (see `feed`).
+    feed: Arc<Mutex<feed::WatchFeed>>,
     /// The file's exclusive write lock (see `lock`), released last, when the store is dropped.
     _lock: lock::StoreLock,
 }
@@ -211,9 +220,20 @@ impl SqliteStore {
         let writer_counters = Arc::clone(&counters);
         let held: HeldReads = Arc::new(Mutex::new(HashMap::new()));
         let writer_held = Arc::clone(&held);
+        let feed = Arc::new(Mutex::new(feed::WatchFeed::after(chain.last_seq())));
+        let writer_feed = Arc::clone(&feed);
         let writer = std::thread::Builder::new()
             .name("backstop-store-writer".into())
-            .spawn(move || writer_loop(conn, chain, rx, &writer_counters, &writer_held))
+            .spawn(move || {
+                writer_loop(
+                    conn,
+                    chain,
+                    rx,
+                    &writer_counters,
+                    &writer_held,
+                    &writer_feed,
+                )
+            })
             .map_err(|e| StoreError::Sqlite(format!("cannot start the writer thread: {e}")))?;
         Ok(SqliteStore {
             path: path.to_owned(),
@@ -223,6 +243,7 @@ impl SqliteStore {
             counters,
             held,
             cancelled: RwLock::new(cancelled),
+            feed,
             _lock: lock,
         })
     }
@@ -502,9 +523,12 @@ fn writer_loop(
     rx: Receiver<Job>,
     counters: &Arc<Counters>,
     held: &HeldReads,
+    feed: &Mutex<feed::WatchFeed>,
 ) {
     // Room for every statement the operations and these control statements use.
     conn.set_prepared_statement_cache_capacity(64);
+    // The events of the open transaction, for the watch feed once it committed.
+    let mut watched: Vec<AuditEvent> = Vec::new();
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
     let mut idle_ticks = 0u32;
@@ -549,10 +573,12 @@ fn writer_loop(
                 continue;
             }
             let snapshot = chain.clone();
+            let watched_before = watched.len();
             let mut tx = WriteTx {
                 conn: &conn,
                 chain: &mut chain,
                 next_action_id: &counters.next_action_id,
+                watched: &mut watched,
             };
             let (ok, done) = job(Some(&mut tx));
             let released = if ok {
@@ -564,6 +590,7 @@ fn writer_loop(
                 let _ = control(&conn, "ROLLBACK TO op");
                 let _ = control(&conn, "RELEASE op");
                 chain = snapshot;
+                watched.truncate(watched_before);
             }
             match released {
                 Ok(()) => completions.push(done),
@@ -574,7 +601,11 @@ fn writer_loop(
         if committed.is_err() {
             let _ = control(&conn, "ROLLBACK");
             chain = before;
+            watched.clear();
         } else {
+            feed.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .committed(&mut watched, chain.last_seq());
             counters.transactions.fetch_add(1, Ordering::Relaxed);
             counters
                 .operations
@@ -979,8 +1010,18 @@ impl Store for SqliteStore {
         limit: usize,
     ) -> Result<(Vec<AuditEvent>, Option<u64>), StoreError> {
         // What has committed only: a watcher needs no read-your-writes (no empty group commit,
-        // held reads stay held).
-        self.read_now(|c| rows::watch_events(c, since, limit))
+        // held reads stay held). From memory when the feed holds everything after `since`;
+        // from the database for what was committed before this store was opened or dropped
+        // from the feed (see `feed`).
+        let from_feed = self
+            .feed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .page(since, limit);
+        match from_feed {
+            Some(page) => Ok(page),
+            None => self.read_now(|c| rows::watch_events(c, since, limit)),
+        }
     }
 
     fn audit_head(&self) -> Result<Option<ChainHead>, StoreError> {

@@ -32,6 +32,9 @@ pub(crate) struct WriteTx<'a> {
     /// The next free action id (shared with callers that record reads without waiting, so an
     /// id handed out before its operation ran is never taken by another action).
     pub(crate) next_action_id: &'a AtomicI64,
+    /// The events this transaction sealed so far, for the watch feed (`task_opened` left out);
+    /// the writer truncates it when it undoes an operation and hands it to the feed at commit.
+    pub(crate) watched: &'a mut Vec<AuditEvent>,
 }
 
 /// The descriptive fields of an action copied into its events.
@@ -97,7 +100,11 @@ impl WriteTx<'_> {
 
     fn append(&mut self, mut event: AuditEvent) -> Result<(), StoreError> {
         self.chain.seal(&mut event);
-        rows::insert_event(self.conn, &event)
+        rows::insert_event(self.conn, &event)?;
+        if event.kind != EventKind::TaskOpened.as_str() {
+            self.watched.push(event);
+        }
+        Ok(())
     }
 
     fn facts(&self, action: ActionId) -> Result<ActionFacts, StoreError> {
