@@ -11,7 +11,8 @@ mod demo;
 
 /// mimalloc instead of glibc's allocator: the proxy path allocates per request on every tokio
 /// worker, and mimalloc's thread-local free lists cost less there (measured in BENCHMARKS.md,
-/// "Gateway overhead after the watchdog's read-back and with mimalloc").
+/// "Gateway overhead after the watchdog's read-back and with mimalloc"). Built with its
+/// `override` feature, it also serves the C code's malloc/free (the bundled SQLite).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
