@@ -63,7 +63,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, TryLockError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -462,16 +462,24 @@ fn read_job(id: ActionId, read: HeldRead, counters: &Arc<Counters>) -> Job {
 
 /// Moves into `batch`, oldest first, the reads held [`HOLD_LIMIT`] by the latest instant a read
 /// brought, or every held read when `all` (the writer was idle for that long). Returns whether
-/// any read was held.
+/// any read was held, or `None` when the held reads were busy and nothing was looked at.
+///
+/// Never waits for the held reads' lock: its holder may be waiting for room in the full job
+/// channel (jobs are queued under the lock, so a step cannot overtake its read), and only this
+/// thread makes room. The overdue reads are then taken at the next round.
 fn take_overdue(
     held: &HeldReads,
     counters: &Arc<Counters>,
     batch: &mut Vec<Job>,
     all: bool,
-) -> bool {
-    let mut held = held.lock().unwrap_or_else(PoisonError::into_inner);
+) -> Option<bool> {
+    let mut held = match held.try_lock() {
+        Ok(held) => held,
+        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(TryLockError::WouldBlock) => return None,
+    };
     if held.is_empty() {
-        return false;
+        return Some(false);
     }
     let limit_ms = i64::try_from(HOLD_LIMIT.as_millis()).unwrap_or(i64::MAX);
     let latest = counters.latest_ms.load(Ordering::Relaxed);
@@ -486,7 +494,7 @@ fn take_overdue(
             batch.push(read_job(id, read, counters));
         }
     }
-    true
+    Some(true)
 }
 
 /// Runs one transaction-control statement through the statement cache, so the writer does not
@@ -527,8 +535,11 @@ fn writer_loop(
         // After what was queued: nothing queued so far concerns a read still held.
         // Idle ticks count only while a read is held, from the first tick that sees one.
         let all = idle_ticks >= HOLD_IDLE_TICKS;
-        if !take_overdue(held, counters, &mut batch, all) || all {
-            idle_ticks = 0;
+        match take_overdue(held, counters, &mut batch, all) {
+            Some(false) => idle_ticks = 0,
+            Some(true) if all => idle_ticks = 0,
+            // Still held, or not looked at (busy: someone is queuing).
+            Some(true) | None => {}
         }
         if batch.is_empty() {
             continue;
@@ -1053,5 +1064,32 @@ impl AuditReader {
     /// Storage errors; a chain break is a [`Verdict::Broken`], not an error.
     pub fn verify(&self, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
         verify_connection(&self.conn, expect_head)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_writer_keeps_draining_while_a_sender_holds_the_held_reads() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(SqliteStore::open(dir.path().join("b.db")).expect("open"));
+        let sender = Arc::clone(&store);
+        let (handed, handed_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            // As `submit_result` does: jobs handed over under the held reads' lock, here more
+            // than the channel holds, so this thread waits for room while holding the lock.
+            let _held = sender.held_reads();
+            for _ in 0..8 * MAX_BATCH {
+                sender.enqueue(|_| Ok(()), Box::new(|_: Result<(), StoreError>| {}));
+            }
+            let _ = handed.send(());
+        });
+        handed_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every job was handed over: the writer did not wait for the lock");
+        store.flush().expect("flush");
+        assert!(store.writer_stats().operations > 8 * MAX_BATCH as u64);
     }
 }
