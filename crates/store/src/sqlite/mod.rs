@@ -99,9 +99,53 @@ const HOLD_IDLE_TICKS: u32 = 10;
 /// What the writer calls with the commit's result once the transaction holding an operation
 /// ended.
 type AfterCommit = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
-/// An operation for the writer: run it in the open transaction (`Some`), or, when the
-/// transaction could not begin (`None`), only produce its completion.
-type Job = Box<dyn FnOnce(Option<&mut WriteTx<'_>>) -> (bool, AfterCommit) + Send>;
+/// An operation run once: in the open transaction (`Some`), or, when the transaction could
+/// not begin (`None`), only producing its completion.
+type OpJob = Box<dyn FnOnce(Option<&mut WriteTx<'_>>) -> (bool, AfterCommit) + Send>;
+
+/// An operation for the writer.
+enum Job {
+    /// Any operation, run once in a savepoint of its own.
+    Op(OpJob),
+    /// A held read, kept as data so that it can run again: consecutive reads share one
+    /// savepoint, and run one by one only when one of them fails (see [`run_reads`]).
+    Read(Box<ReadJob>),
+}
+
+impl Job {
+    /// Answers the job with `e` without running it.
+    fn fail(self, e: StoreError) {
+        match self {
+            Job::Op(op) => op(None).1(Err(e)),
+            Job::Read(read) => (read.done)(Err(e)),
+        }
+    }
+}
+
+/// A held read's one operation (see [`WriteTx::record_held_read`]) and its completion.
+struct ReadJob {
+    id: ActionId,
+    task: NewTask,
+    action: NewAction,
+    at: Timestamp,
+    steps: Vec<ReadStep>,
+    /// Called after the commit with the attempt numbers of the `Sent` steps.
+    done: Completion<Vec<u32>>,
+}
+
+impl ReadJob {
+    /// Writes the read in the open transaction; it borrows its inputs, so it can run again
+    /// after a rollback.
+    fn run(&self, tx: &mut WriteTx<'_>) -> Result<Vec<u32>, StoreError> {
+        tx.record_held_read(&self.task, &self.action, self.id, self.at, &self.steps)
+    }
+
+    /// Its completion for `result`, to be called with the commit's result.
+    fn after(self, result: Result<Vec<u32>, StoreError>) -> AfterCommit {
+        let done = self.done;
+        Box::new(move |commit: Result<(), StoreError>| done(commit.and(result)))
+    }
+}
 
 /// backstop's state in one SQLite file. See the module docs for durability.
 pub struct SqliteStore {
@@ -278,10 +322,10 @@ impl SqliteStore {
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
         let Some(sender) = sender else {
-            return job(None).1(Err(StoreError::WriterGone));
+            return job.fail(StoreError::WriterGone);
         };
         if let Err(mpsc::SendError(job)) = sender.send(job) {
-            job(None).1(Err(StoreError::WriterGone));
+            job.fail(StoreError::WriterGone);
         }
     }
 
@@ -392,7 +436,7 @@ where
     T: Send + 'static,
     F: FnOnce(&mut WriteTx<'_>) -> Result<T, StoreError> + Send + 'static,
 {
-    Box::new(move |tx: Option<&mut WriteTx<'_>>| {
+    Job::Op(Box::new(move |tx: Option<&mut WriteTx<'_>>| {
         let result = match tx {
             Some(tx) => op(tx),
             // Replaced by the commit error the completion receives.
@@ -407,7 +451,7 @@ where
             })
         });
         (ok, after)
-    })
+    }))
 }
 
 /// `done` for an operation nobody waits for: counted in `unawaited` until its commit, so that
@@ -454,10 +498,14 @@ fn read_job(id: ActionId, read: HeldRead, counters: &Arc<Counters>) -> Job {
             }
         }
     });
-    job(
-        move |tx| tx.record_held_read(task, action, id, at, steps),
-        unawaited(counters, done),
-    )
+    Job::Read(Box::new(ReadJob {
+        id,
+        task,
+        action,
+        at,
+        steps,
+        done: unawaited(counters, done),
+    }))
 }
 
 /// Moves into `batch`, oldest first, the reads held [`HOLD_LIMIT`] by the latest instant a read
@@ -504,6 +552,137 @@ fn control(conn: &Connection, sql: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Opens the savepoint an operation runs in; returns the chain as it was, to put back when the
+/// operation is undone.
+fn savepoint(conn: &Connection, chain: &Chain) -> Result<Chain, StoreError> {
+    control(conn, "SAVEPOINT op")?;
+    Ok(chain.clone())
+}
+
+/// Ends the savepoint opened by [`savepoint`]: keeps what ran in it when `ok`, else (or when it
+/// cannot be released) undoes it and puts the chain back to `before`.
+///
+/// # Errors
+/// The savepoint could not be released (what ran in it is undone).
+fn end_savepoint(
+    conn: &Connection,
+    chain: &mut Chain,
+    before: Chain,
+    ok: bool,
+) -> Result<(), StoreError> {
+    let released = if ok {
+        control(conn, "RELEASE op")
+    } else {
+        Ok(())
+    };
+    if !ok || released.is_err() {
+        let _ = control(conn, "ROLLBACK TO op");
+        let _ = control(conn, "RELEASE op");
+        *chain = before;
+    }
+    released
+}
+
+/// Runs one operation in a savepoint of its own; returns its completion.
+fn run_op(conn: &Connection, chain: &mut Chain, counters: &Counters, op: OpJob) -> AfterCommit {
+    let before = match savepoint(conn, chain) {
+        Ok(before) => before,
+        Err(e) => {
+            // Without a savepoint the operation could not be undone alone: do not run it.
+            let (_, done) = op(None);
+            return Box::new(move |_| done(Err(e)));
+        }
+    };
+    let (ok, done) = op(Some(&mut WriteTx {
+        conn,
+        chain,
+        next_action_id: &counters.next_action_id,
+    }));
+    match end_savepoint(conn, chain, before, ok) {
+        Ok(()) => done,
+        Err(e) => Box::new(move |_| done(Err(e))),
+    }
+}
+
+/// Runs consecutive held reads and appends each one's result to `results`, in order, with the
+/// outcome of running each in a savepoint of its own — but under one savepoint for all while
+/// none fails, so that SQLite copies each page they touch into its savepoint journal once, not
+/// once per read. When one fails (or the savepoint cannot be released), all of them are undone
+/// and the chain put back; the reads before the failing one run again together, the failing
+/// one alone (it gets its error, nothing of it is kept), and the rest as a run of their own.
+fn run_reads(
+    conn: &Connection,
+    chain: &mut Chain,
+    counters: &Counters,
+    reads: &[Box<ReadJob>],
+    results: &mut Vec<Result<Vec<u32>, StoreError>>,
+) {
+    let mut rest = reads;
+    while let Some((first, after_first)) = rest.split_first() {
+        if after_first.is_empty() {
+            results.push(run_read_alone(conn, chain, counters, first));
+            return;
+        }
+        let before = match savepoint(conn, chain) {
+            Ok(before) => before,
+            Err(_) => {
+                // Each alone then, each answered with its own savepoint's error if that fails.
+                for read in rest {
+                    results.push(run_read_alone(conn, chain, counters, read));
+                }
+                return;
+            }
+        };
+        let start = results.len();
+        let mut failed = None;
+        let mut tx = WriteTx {
+            conn,
+            chain,
+            next_action_id: &counters.next_action_id,
+        };
+        for (i, read) in rest.iter().enumerate() {
+            match read.run(&mut tx) {
+                Ok(sent) => results.push(Ok(sent)),
+                Err(_) => {
+                    failed = Some(i);
+                    break;
+                }
+            }
+        }
+        let released = end_savepoint(conn, chain, before, failed.is_none());
+        if failed.is_none() && released.is_ok() {
+            return;
+        }
+        // Undone: run again as if each had had its own savepoint.
+        results.truncate(start);
+        let Some(k) = failed else {
+            for read in rest {
+                results.push(run_read_alone(conn, chain, counters, read));
+            }
+            return;
+        };
+        run_reads(conn, chain, counters, &rest[..k], results);
+        results.push(run_read_alone(conn, chain, counters, &rest[k]));
+        rest = &rest[k + 1..];
+    }
+}
+
+/// Runs one held read in a savepoint of its own.
+fn run_read_alone(
+    conn: &Connection,
+    chain: &mut Chain,
+    counters: &Counters,
+    read: &ReadJob,
+) -> Result<Vec<u32>, StoreError> {
+    let before = savepoint(conn, chain)?;
+    let result = read.run(&mut WriteTx {
+        conn,
+        chain,
+        next_action_id: &counters.next_action_id,
+    });
+    end_savepoint(conn, chain, before, result.is_ok()).and(result)
+}
+
 fn writer_loop(
     conn: Connection,
     mut chain: Chain,
@@ -515,6 +694,8 @@ fn writer_loop(
     conn.set_prepared_statement_cache_capacity(64);
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
+    let mut reads: Vec<Box<ReadJob>> = Vec::with_capacity(MAX_BATCH);
+    let mut results: Vec<Result<Vec<u32>, StoreError>> = Vec::with_capacity(MAX_BATCH);
     let mut idle_ticks = 0u32;
     loop {
         // Wake at least every HOLD_TICK to queue reads held too long.
@@ -547,38 +728,27 @@ fn writer_loop(
         let before = chain.clone();
         if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
             for job in batch.drain(..) {
-                let (_, done) = job(None);
-                done(Err(e.clone()));
+                job.fail(e.clone());
             }
             continue;
         }
-        for job in batch.drain(..) {
-            if let Err(e) = control(&conn, "SAVEPOINT op") {
-                // Without a savepoint the operation could not be undone alone: do not run it.
-                let (_, done) = job(None);
-                completions.push(Box::new(move |_| done(Err(e))));
-                continue;
-            }
-            let snapshot = chain.clone();
-            let mut tx = WriteTx {
-                conn: &conn,
-                chain: &mut chain,
-                next_action_id: &counters.next_action_id,
+        let mut jobs = batch.drain(..).peekable();
+        while let Some(job) = jobs.next() {
+            let read = match job {
+                Job::Op(op) => {
+                    completions.push(run_op(&conn, &mut chain, counters, op));
+                    continue;
+                }
+                Job::Read(read) => read,
             };
-            let (ok, done) = job(Some(&mut tx));
-            let released = if ok {
-                control(&conn, "RELEASE op")
-            } else {
-                Ok(())
-            };
-            if !ok || released.is_err() {
-                let _ = control(&conn, "ROLLBACK TO op");
-                let _ = control(&conn, "RELEASE op");
-                chain = snapshot;
+            // A run of consecutive reads.
+            reads.push(read);
+            while let Some(Job::Read(read)) = jobs.next_if(|j| matches!(j, Job::Read(_))) {
+                reads.push(read);
             }
-            match released {
-                Ok(()) => completions.push(done),
-                Err(e) => completions.push(Box::new(move |_| done(Err(e)))),
+            run_reads(&conn, &mut chain, counters, &reads, &mut results);
+            for (read, result) in reads.drain(..).zip(results.drain(..)) {
+                completions.push(read.after(result));
             }
         }
         let committed = control(&conn, "COMMIT");
@@ -1070,6 +1240,137 @@ impl AuditReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{
+        Disposition, Finish, Outcome, PayloadDigest, Priority, RouteTemplate, StoredResponse,
+    };
+
+    fn t(ms: i64) -> Timestamp {
+        Timestamp::from_millisecond(1_750_000_000_000 + ms).expect("valid test instant")
+    }
+
+    /// A held read of `task-1`, sent and answered; its result names attempt 2 (never sent, so
+    /// the read fails with `NotFound`) when `fails`.
+    fn answered_read(id: i64, fails: bool) -> Box<ReadJob> {
+        let task = NewTask {
+            id: "task-1".into(),
+            agent: "agent-a".into(),
+            priority: Priority::Normal,
+            deadline: None,
+        };
+        let action = NewAction {
+            task_id: "task-1".into(),
+            agent: "agent-a".into(),
+            provider: "billing-api".into(),
+            method: "GET".into(),
+            route: RouteTemplate::try_new("/v1/balance").expect("template"),
+            request_class: "read".into(),
+            payload_digest: PayloadDigest::of(b""),
+            target_digest: None,
+            idempotency_key: String::new(),
+            external_reference: None,
+            desired_outcome: Some("show the balance".into()),
+            fingerprint: Some("GET /v1/balance".into()),
+        };
+        let result = AttemptResult {
+            action: ActionId(id),
+            attempt: if fails { 2 } else { 1 },
+            status: Some(200),
+            disposition: Disposition::Success,
+            boundary: None,
+            source: None,
+            provider_operation_id: None,
+            signal_headers: vec![("retry-after".into(), "1".into())],
+            finish: Some(Finish {
+                outcome: Outcome::Succeeded,
+                context: serde_json::json!({ "sent": true }),
+                response: Some(StoredResponse {
+                    status: 200,
+                    headers: Vec::new(),
+                    body: b"{}".to_vec(),
+                }),
+            }),
+        };
+        Box::new(ReadJob {
+            id: ActionId(id),
+            task,
+            action,
+            at: t(id * 10),
+            steps: vec![
+                ReadStep::Sent(t(id * 10 + 1)),
+                ReadStep::Result(result, t(id * 10 + 2)),
+            ],
+            done: Box::new(|_| {}),
+        })
+    }
+
+    /// Each read's result (errors as text), the audit log and the ids of the actions kept.
+    type RunLeft = (Vec<Result<Vec<u32>, String>>, Vec<AuditEvent>, Vec<i64>);
+
+    /// Runs `reads` in one transaction of a new store at `path`, as a run (`together`) or each
+    /// in a savepoint of its own; returns each read's result (errors as text), the audit log
+    /// and the actions left, after checking the chain in memory continues the one on disk.
+    fn run(path: &Path, reads: &[Box<ReadJob>], together: bool) -> RunLeft {
+        let conn = schema::open_writer(path, true).expect("open");
+        let mut chain = Chain::genesis();
+        let counters = Counters::default();
+        control(&conn, "BEGIN IMMEDIATE").expect("begin");
+        let mut results = Vec::new();
+        if together {
+            run_reads(&conn, &mut chain, &counters, reads, &mut results);
+        } else {
+            for read in reads {
+                results.push(run_read_alone(&conn, &mut chain, &counters, read));
+            }
+        }
+        control(&conn, "COMMIT").expect("commit");
+        let head = rows::audit_head(&conn).expect("head");
+        assert_eq!(
+            chain,
+            Chain::after(head.as_ref()),
+            "the chain follows the log"
+        );
+        assert!(matches!(
+            verify_connection(&conn, None).expect("verify"),
+            Verdict::Intact { .. }
+        ));
+        let events = rows::audit_events(&conn, 0, 1000).expect("events");
+        let actions = (1..=reads.len() as i64)
+            .filter(|&id| rows::action(&conn, ActionId(id)).expect("action").is_some())
+            .collect();
+        let results = results
+            .into_iter()
+            .map(|r| r.map_err(|e| e.to_string()))
+            .collect();
+        (results, events, actions)
+    }
+
+    #[test]
+    fn a_run_of_reads_leaves_what_each_read_in_its_own_savepoint_leaves() {
+        for failing in [&[][..], &[1], &[3], &[5], &[2, 4], &[1, 2, 3, 4, 5]] {
+            let reads: Vec<Box<ReadJob>> = (1..=5)
+                .map(|id| answered_read(id, failing.contains(&id)))
+                .collect();
+            let dir = tempfile::tempdir().expect("tempdir");
+            let together = run(&dir.path().join("run.db"), &reads, true);
+            let alone = run(&dir.path().join("alone.db"), &reads, false);
+            assert_eq!(together, alone, "failing reads {failing:?}");
+            let (results, events, actions) = together;
+            for (id, result) in (1..=5).zip(&results) {
+                if failing.contains(&id) {
+                    assert!(
+                        matches!(result, Err(e) if e.contains("attempt 2")),
+                        "read {id}: {result:?}"
+                    );
+                } else {
+                    assert_eq!(result, &Ok(vec![1]), "read {id}");
+                }
+            }
+            let kept: Vec<i64> = (1..=5).filter(|id| !failing.contains(id)).collect();
+            assert_eq!(actions, kept, "failing reads {failing:?}");
+            let opened = usize::from(!kept.is_empty());
+            assert_eq!(events.len(), opened + 4 * kept.len());
+        }
+    }
 
     #[test]
     fn the_writer_keeps_draining_while_a_sender_holds_the_held_reads() {

@@ -34,6 +34,14 @@ pub(crate) struct WriteTx<'a> {
     pub(crate) next_action_id: &'a AtomicI64,
 }
 
+/// The instants of an answered read: recorded, its attempt sent, its answer received.
+#[derive(Clone, Copy)]
+struct ReadTimes {
+    at: Timestamp,
+    sent_at: Timestamp,
+    done_at: Timestamp,
+}
+
 /// The descriptive fields of an action copied into its events.
 struct ActionFacts {
     task: String,
@@ -214,32 +222,37 @@ impl WriteTx<'_> {
     /// A read's whole bookkeeping as ONE operation: the task (if new) and the action under the
     /// id handed out in advance, then each step in order, exactly as the separate operations
     /// would write them (same rows, same events, same order of events). Returns the attempt
-    /// numbers of the `Sent` steps, in order.
+    /// numbers of the `Sent` steps, in order. Borrows its inputs, so the writer can run it
+    /// again after undoing it.
     pub(crate) fn record_held_read(
         &mut self,
-        task: NewTask,
-        new: NewAction,
+        task: &NewTask,
+        new: &NewAction,
         id: ActionId,
         at: Timestamp,
-        steps: Vec<ReadStep>,
+        steps: &[ReadStep],
     ) -> Result<Vec<u32>, StoreError> {
         // The common read: sent once, then its final answer.
-        let steps = match <[ReadStep; 2]>::try_from(steps) {
-            Ok([ReadStep::Sent(sent_at), ReadStep::Result(result, done_at)])
-                if result.action == id && result.attempt == 1 && result.finish.is_some() =>
-            {
-                self.record_answered_read(task, new, id, at, sent_at, result, done_at)?;
-                return Ok(vec![1]);
+        if let [ReadStep::Sent(sent_at), ReadStep::Result(result, done_at)] = steps {
+            match &result.finish {
+                Some(finish) if result.action == id && result.attempt == 1 => {
+                    let times = ReadTimes {
+                        at,
+                        sent_at: *sent_at,
+                        done_at: *done_at,
+                    };
+                    self.record_answered_read(task, new, id, times, result, finish)?;
+                    return Ok(vec![1]);
+                }
+                _ => {}
             }
-            Ok(two) => Vec::from(two),
-            Err(steps) => steps,
-        };
-        self.open_and_record(task, new, Some(id), at)?;
+        }
+        self.open_and_record(task.clone(), new.clone(), Some(id), at)?;
         let mut sent = Vec::with_capacity(1);
         for step in steps {
             match step {
-                ReadStep::Sent(at) => sent.push(self.mark_attempt_sent(id, at)?),
-                ReadStep::Result(result, at) => self.record_result(result, at)?,
+                ReadStep::Sent(at) => sent.push(self.mark_attempt_sent(id, *at)?),
+                ReadStep::Result(result, at) => self.record_result(result.clone(), *at)?,
             }
         }
         Ok(sent)
@@ -249,19 +262,21 @@ impl WriteTx<'_> {
     /// the same rows and the same events, in the same order, as `open_and_record`,
     /// `mark_attempt_sent` and `record_result` write them one after another (the store's tests
     /// compare the two), with half the statements — no state written only to be overwritten,
-    /// nothing re-read that this operation just wrote. `result.finish` must be set.
-    #[allow(clippy::too_many_arguments)]
+    /// nothing re-read that this operation just wrote. `finish` is `result.finish`.
     fn record_answered_read(
         &mut self,
-        task: NewTask,
-        new: NewAction,
+        task: &NewTask,
+        new: &NewAction,
         id: ActionId,
-        at: Timestamp,
-        sent_at: Timestamp,
-        result: AttemptResult,
-        done_at: Timestamp,
+        ReadTimes {
+            at,
+            sent_at,
+            done_at,
+        }: ReadTimes,
+        result: &AttemptResult,
+        finish: &Finish,
     ) -> Result<(), StoreError> {
-        check_names_task(&task, &new)?;
+        check_names_task(task, new)?;
         match rows::task(self.conn, &task.agent, &task.id)? {
             Some(existing) if existing.cancelled_at.is_some() => {
                 return Err(StoreError::InvalidTransition {
@@ -270,20 +285,14 @@ impl WriteTx<'_> {
                 })
             }
             Some(_) => {}
-            None => self.open_task(task, at)?,
+            None => self.open_task(task.clone(), at)?,
         }
-        let Some(finish) = result.finish else {
-            return Err(StoreError::Invalid {
-                field: "finish",
-                reason: "an answered read ends with its result".into(),
-            });
-        };
         let FinishColumns {
             context,
             status,
             headers,
             body,
-        } = finish_columns(&finish)?;
+        } = finish_columns(finish)?;
         // A read carries no key (empty): nothing stored or audited for it.
         let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
         self.conn
@@ -337,11 +346,11 @@ impl WriteTx<'_> {
                 signal_headers
             ])?;
         let f = ActionFacts {
-            task: new.task_id,
-            provider: new.provider,
-            method: new.method,
+            task: new.task_id.clone(),
+            provider: new.provider.clone(),
+            method: new.method.clone(),
             route: new.route.as_str().to_owned(),
-            request_class: new.request_class,
+            request_class: new.request_class.clone(),
             idempotency_key: key.map(str::to_owned),
             state: ActionState::Requested,
             outcome: None,
@@ -365,8 +374,9 @@ impl WriteTx<'_> {
         e.status = result.status;
         e.disposition = Some(result.disposition.as_str().to_owned());
         e.boundary = boundary;
-        e.source = result.source;
-        e.signal_headers = (!result.signal_headers.is_empty()).then_some(result.signal_headers);
+        e.source = result.source.clone();
+        e.signal_headers =
+            (!result.signal_headers.is_empty()).then(|| result.signal_headers.clone());
         self.append(e)?;
         let kind = finish_event_kind(finish.outcome);
         let mut e = Self::action_event(kind, &done_text, id, &f);
