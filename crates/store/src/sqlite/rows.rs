@@ -645,6 +645,19 @@ static INSERT_EVENT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
+/// Binds parameter `i` (1-based) to `value` when it is set; leaves it as it is (NULL after
+/// `clear_bindings`) when it is not.
+fn bind_set<T: rusqlite::ToSql>(
+    stmt: &mut rusqlite::Statement<'_>,
+    i: usize,
+    value: Option<T>,
+) -> rusqlite::Result<()> {
+    match value {
+        Some(v) => stmt.raw_bind_parameter(i, v),
+        None => Ok(()),
+    }
+}
+
 /// Appends one sealed event.
 pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), StoreError> {
     let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -657,35 +670,38 @@ pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), Stor
             })?,
         ),
     };
-    conn.prepare_cached(&INSERT_EVENT)?.execute(params![
-        to_i64(e.seq),
-        e.at,
-        e.kind,
-        e.task,
-        e.action,
-        e.attempt,
-        e.escalation,
-        e.provider,
-        e.scope,
-        e.route,
-        e.method,
-        e.request_class,
-        e.idempotency_key,
-        e.payload_digest,
-        e.status,
-        e.disposition,
-        e.boundary,
-        e.source,
-        e.outcome,
-        e.job,
-        e.due_at,
-        e.remaining.map(to_i64),
-        e.limit.map(to_i64),
-        e.decision,
-        e.decided_by,
-        e.prev,
-        e.hash,
-        headers,
-    ])?;
+    let mut stmt = conn.prepare_cached(&INSERT_EVENT)?;
+    // Every parameter starts NULL and only the members that are set are bound: most of an
+    // event's members are not.
+    stmt.clear_bindings();
+    stmt.raw_bind_parameter(1, to_i64(e.seq))?;
+    stmt.raw_bind_parameter(2, &e.at)?;
+    stmt.raw_bind_parameter(3, &e.kind)?;
+    bind_set(&mut stmt, 4, e.task.as_deref())?;
+    bind_set(&mut stmt, 5, e.action)?;
+    bind_set(&mut stmt, 6, e.attempt)?;
+    bind_set(&mut stmt, 7, e.escalation)?;
+    bind_set(&mut stmt, 8, e.provider.as_deref())?;
+    bind_set(&mut stmt, 9, e.scope.as_deref())?;
+    bind_set(&mut stmt, 10, e.route.as_deref())?;
+    bind_set(&mut stmt, 11, e.method.as_deref())?;
+    bind_set(&mut stmt, 12, e.request_class.as_deref())?;
+    bind_set(&mut stmt, 13, e.idempotency_key.as_deref())?;
+    bind_set(&mut stmt, 14, e.payload_digest.as_deref())?;
+    bind_set(&mut stmt, 15, e.status)?;
+    bind_set(&mut stmt, 16, e.disposition.as_deref())?;
+    bind_set(&mut stmt, 17, e.boundary.as_deref())?;
+    bind_set(&mut stmt, 18, e.source.as_deref())?;
+    bind_set(&mut stmt, 19, e.outcome.as_deref())?;
+    bind_set(&mut stmt, 20, e.job)?;
+    bind_set(&mut stmt, 21, e.due_at.as_deref())?;
+    bind_set(&mut stmt, 22, e.remaining.map(to_i64))?;
+    bind_set(&mut stmt, 23, e.limit.map(to_i64))?;
+    bind_set(&mut stmt, 24, e.decision.as_deref())?;
+    bind_set(&mut stmt, 25, e.decided_by.as_deref())?;
+    stmt.raw_bind_parameter(26, &e.prev)?;
+    stmt.raw_bind_parameter(27, &e.hash)?;
+    bind_set(&mut stmt, 28, headers)?;
+    stmt.raw_execute()?;
     Ok(())
 }
