@@ -80,7 +80,7 @@ use crate::model::{
     ScopeUpdate, TaskRecord, UnfinishedAttempt,
 };
 use crate::store::{Completion, Store};
-use ops::{ReadStep, WriteTx};
+use ops::{ReadStatements, ReadStep, WriteTx};
 
 /// Most operations committed in one transaction.
 pub const MAX_BATCH: usize = 1024;
@@ -136,8 +136,19 @@ struct ReadJob {
 impl ReadJob {
     /// Writes the read in the open transaction; it borrows its inputs, so it can run again
     /// after a rollback.
-    fn run(&self, tx: &mut WriteTx<'_>) -> Result<Vec<u32>, StoreError> {
-        tx.record_held_read(&self.task, &self.action, self.id, self.at, &self.steps)
+    fn run(
+        &self,
+        tx: &mut WriteTx<'_>,
+        stmts: &mut ReadStatements<'_>,
+    ) -> Result<Vec<u32>, StoreError> {
+        tx.record_held_read(
+            stmts,
+            &self.task,
+            &self.action,
+            self.id,
+            self.at,
+            &self.steps,
+        )
     }
 
     /// Its completion for `result`, to be called with the commit's result.
@@ -610,8 +621,9 @@ fn run_op(conn: &Connection, chain: &mut Chain, counters: &Counters, op: OpJob) 
 /// once per read. When one fails (or the savepoint cannot be released), all of them are undone
 /// and the chain put back; the reads before the failing one run again together, the failing
 /// one alone (it gets its error, nothing of it is kept), and the rest as a run of their own.
-fn run_reads(
-    conn: &Connection,
+fn run_reads<'c>(
+    conn: &'c Connection,
+    stmts: &mut ReadStatements<'c>,
     chain: &mut Chain,
     counters: &Counters,
     reads: &[Box<ReadJob>],
@@ -620,7 +632,7 @@ fn run_reads(
     let mut rest = reads;
     while let Some((first, after_first)) = rest.split_first() {
         if after_first.is_empty() {
-            results.push(run_read_alone(conn, chain, counters, first));
+            results.push(run_read_alone(conn, stmts, chain, counters, first));
             return;
         }
         let before = match savepoint(conn, chain) {
@@ -628,7 +640,7 @@ fn run_reads(
             Err(_) => {
                 // Each alone then, each answered with its own savepoint's error if that fails.
                 for read in rest {
-                    results.push(run_read_alone(conn, chain, counters, read));
+                    results.push(run_read_alone(conn, stmts, chain, counters, read));
                 }
                 return;
             }
@@ -641,7 +653,7 @@ fn run_reads(
             next_action_id: &counters.next_action_id,
         };
         for (i, read) in rest.iter().enumerate() {
-            match read.run(&mut tx) {
+            match read.run(&mut tx, stmts) {
                 Ok(sent) => results.push(Ok(sent)),
                 Err(_) => {
                     failed = Some(i);
@@ -657,29 +669,33 @@ fn run_reads(
         results.truncate(start);
         let Some(k) = failed else {
             for read in rest {
-                results.push(run_read_alone(conn, chain, counters, read));
+                results.push(run_read_alone(conn, stmts, chain, counters, read));
             }
             return;
         };
-        run_reads(conn, chain, counters, &rest[..k], results);
-        results.push(run_read_alone(conn, chain, counters, &rest[k]));
+        run_reads(conn, stmts, chain, counters, &rest[..k], results);
+        results.push(run_read_alone(conn, stmts, chain, counters, &rest[k]));
         rest = &rest[k + 1..];
     }
 }
 
 /// Runs one held read in a savepoint of its own.
-fn run_read_alone(
-    conn: &Connection,
+fn run_read_alone<'c>(
+    conn: &'c Connection,
+    stmts: &mut ReadStatements<'c>,
     chain: &mut Chain,
     counters: &Counters,
     read: &ReadJob,
 ) -> Result<Vec<u32>, StoreError> {
     let before = savepoint(conn, chain)?;
-    let result = read.run(&mut WriteTx {
-        conn,
-        chain,
-        next_action_id: &counters.next_action_id,
-    });
+    let result = read.run(
+        &mut WriteTx {
+            conn,
+            chain,
+            next_action_id: &counters.next_action_id,
+        },
+        stmts,
+    );
     end_savepoint(conn, chain, before, result.is_ok()).and(result)
 }
 
@@ -695,6 +711,7 @@ fn writer_loop(
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
     let mut reads: Vec<Box<ReadJob>> = Vec::with_capacity(MAX_BATCH);
+    let mut stmts = ReadStatements::new(&conn);
     let mut results: Vec<Result<Vec<u32>, StoreError>> = Vec::with_capacity(MAX_BATCH);
     let mut idle_ticks = 0u32;
     loop {
@@ -746,7 +763,14 @@ fn writer_loop(
             while let Some(Job::Read(read)) = jobs.next_if(|j| matches!(j, Job::Read(_))) {
                 reads.push(read);
             }
-            run_reads(&conn, &mut chain, counters, &reads, &mut results);
+            run_reads(
+                &conn,
+                &mut stmts,
+                &mut chain,
+                counters,
+                &reads,
+                &mut results,
+            );
             for (read, result) in reads.drain(..).zip(results.drain(..)) {
                 completions.push(read.after(result));
             }
@@ -1315,11 +1339,21 @@ mod tests {
         let counters = Counters::default();
         control(&conn, "BEGIN IMMEDIATE").expect("begin");
         let mut results = Vec::new();
+        let mut stmts = ReadStatements::new(&conn);
         if together {
-            run_reads(&conn, &mut chain, &counters, reads, &mut results);
+            run_reads(
+                &conn,
+                &mut stmts,
+                &mut chain,
+                &counters,
+                reads,
+                &mut results,
+            );
         } else {
             for read in reads {
-                results.push(run_read_alone(&conn, &mut chain, &counters, read));
+                results.push(run_read_alone(
+                    &conn, &mut stmts, &mut chain, &counters, read,
+                ));
             }
         }
         control(&conn, "COMMIT").expect("commit");

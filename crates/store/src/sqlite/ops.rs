@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use jiff::Timestamp;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection, OptionalExtension, Statement};
 
 use super::rows::{self, ms};
 use crate::audit::{format_instant, AuditEvent, Chain, EventKind};
@@ -32,6 +32,78 @@ pub(crate) struct WriteTx<'a> {
     /// The next free action id (shared with callers that record reads without waiting, so an
     /// id handed out before its operation ran is never taken by another action).
     pub(crate) next_action_id: &'a AtomicI64,
+}
+
+/// The statements every answered read runs, prepared on first use and kept for the writer's
+/// connection, so that a read does not look each one up in the connection's statement cache
+/// (hashing its text, moving it out and back in) every time. Made for the connection the
+/// reads' transactions run on.
+pub(crate) struct ReadStatements<'c> {
+    conn: &'c Connection,
+    task: Option<Statement<'c>>,
+    action: Option<Statement<'c>>,
+    attempt: Option<Statement<'c>>,
+    event: Option<Statement<'c>>,
+}
+
+/// The action row of an answered read, in its final form.
+const INSERT_ANSWERED_ACTION: &str = "INSERT INTO actions (task_id, agent, provider, method, \
+     route, request_class, payload_digest, idempotency_key, external_reference, \
+     provider_operation_id, state, outcome, outcome_context, response_status, response_headers, \
+     response_body, created_at_ms, updated_at_ms, id, desired_outcome, fingerprint, \
+     target_digest) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'finished', ?11, ?12, ?13, ?14, ?15, ?16, \
+     ?17, ?18, ?19, ?20, ?21)";
+
+/// The one attempt row of an answered read.
+const INSERT_ANSWERED_ATTEMPT: &str = "INSERT INTO attempts (action_id, n, state, status, \
+     disposition, started_at_ms, finished_at_ms, boundary, signal_headers) \
+     VALUES (?1, 1, 'finished', ?2, ?3, ?4, ?5, ?6, ?7)";
+
+impl<'c> ReadStatements<'c> {
+    /// None prepared yet, for `conn`.
+    pub(crate) fn new(conn: &'c Connection) -> Self {
+        ReadStatements {
+            conn,
+            task: None,
+            action: None,
+            attempt: None,
+            event: None,
+        }
+    }
+
+    /// [`rows::TASK`].
+    fn task(&mut self) -> Result<&mut Statement<'c>, StoreError> {
+        prepared(&mut self.task, self.conn, rows::TASK)
+    }
+
+    /// [`INSERT_ANSWERED_ACTION`].
+    fn action(&mut self) -> Result<&mut Statement<'c>, StoreError> {
+        prepared(&mut self.action, self.conn, INSERT_ANSWERED_ACTION)
+    }
+
+    /// [`INSERT_ANSWERED_ATTEMPT`].
+    fn attempt(&mut self) -> Result<&mut Statement<'c>, StoreError> {
+        prepared(&mut self.attempt, self.conn, INSERT_ANSWERED_ATTEMPT)
+    }
+
+    /// [`rows::INSERT_EVENT`].
+    fn event(&mut self) -> Result<&mut Statement<'c>, StoreError> {
+        prepared(&mut self.event, self.conn, &rows::INSERT_EVENT)
+    }
+}
+
+/// The statement in `slot`, prepared from `sql` first if it is empty.
+fn prepared<'s, 'c>(
+    slot: &'s mut Option<Statement<'c>>,
+    conn: &'c Connection,
+    sql: &str,
+) -> Result<&'s mut Statement<'c>, StoreError> {
+    let stmt = match slot.take() {
+        Some(stmt) => stmt,
+        None => conn.prepare(sql)?,
+    };
+    Ok(slot.insert(stmt))
 }
 
 /// The instants of an answered read: recorded, its attempt sent, its answer received.
@@ -103,9 +175,20 @@ impl WriteTx<'_> {
         Ok(record)
     }
 
-    fn append(&mut self, mut event: AuditEvent) -> Result<(), StoreError> {
+    fn append(&mut self, event: AuditEvent) -> Result<(), StoreError> {
+        let conn = self.conn;
+        self.append_with(&mut *conn.prepare_cached(&rows::INSERT_EVENT)?, event)
+    }
+
+    /// Seals `event` onto the chain and inserts it with `insert` (a statement of
+    /// [`rows::INSERT_EVENT`]). Every event goes through here.
+    fn append_with(
+        &mut self,
+        insert: &mut Statement<'_>,
+        mut event: AuditEvent,
+    ) -> Result<(), StoreError> {
         self.chain.seal(&mut event);
-        rows::insert_event(self.conn, &event)
+        rows::insert_event(insert, &event)
     }
 
     fn facts(&self, action: ActionId) -> Result<ActionFacts, StoreError> {
@@ -226,6 +309,7 @@ impl WriteTx<'_> {
     /// again after undoing it.
     pub(crate) fn record_held_read(
         &mut self,
+        stmts: &mut ReadStatements<'_>,
         task: &NewTask,
         new: &NewAction,
         id: ActionId,
@@ -234,17 +318,14 @@ impl WriteTx<'_> {
     ) -> Result<Vec<u32>, StoreError> {
         // The common read: sent once, then its final answer.
         if let [ReadStep::Sent(sent_at), ReadStep::Result(result, done_at)] = steps {
-            match &result.finish {
-                Some(finish) if result.action == id && result.attempt == 1 => {
-                    let times = ReadTimes {
-                        at,
-                        sent_at: *sent_at,
-                        done_at: *done_at,
-                    };
-                    self.record_answered_read(task, new, id, times, result, finish)?;
-                    return Ok(vec![1]);
-                }
-                _ => {}
+            if result.action == id && result.attempt == 1 && result.finish.is_some() {
+                let times = ReadTimes {
+                    at,
+                    sent_at: *sent_at,
+                    done_at: *done_at,
+                };
+                self.record_answered_read(stmts, task, new, id, times, result)?;
+                return Ok(vec![1]);
             }
         }
         self.open_and_record(task.clone(), new.clone(), Some(id), at)?;
@@ -262,9 +343,10 @@ impl WriteTx<'_> {
     /// the same rows and the same events, in the same order, as `open_and_record`,
     /// `mark_attempt_sent` and `record_result` write them one after another (the store's tests
     /// compare the two), with half the statements — no state written only to be overwritten,
-    /// nothing re-read that this operation just wrote. `finish` is `result.finish`.
+    /// nothing re-read that this operation just wrote. `result.finish` must be set.
     fn record_answered_read(
         &mut self,
+        stmts: &mut ReadStatements<'_>,
         task: &NewTask,
         new: &NewAction,
         id: ActionId,
@@ -274,10 +356,9 @@ impl WriteTx<'_> {
             done_at,
         }: ReadTimes,
         result: &AttemptResult,
-        finish: &Finish,
     ) -> Result<(), StoreError> {
         check_names_task(task, new)?;
-        match rows::task(self.conn, &task.agent, &task.id)? {
+        match rows::task_with(stmts.task()?, &task.agent, &task.id)? {
             Some(existing) if existing.cancelled_at.is_some() => {
                 return Err(StoreError::InvalidTransition {
                     what: format!("task {:?}", existing.id),
@@ -287,6 +368,12 @@ impl WriteTx<'_> {
             Some(_) => {}
             None => self.open_task(task.clone(), at)?,
         }
+        let Some(finish) = &result.finish else {
+            return Err(StoreError::Invalid {
+                field: "finish",
+                reason: "an answered read ends with its result".into(),
+            });
+        };
         let FinishColumns {
             context,
             status,
@@ -295,56 +382,40 @@ impl WriteTx<'_> {
         } = finish_columns(finish)?;
         // A read carries no key (empty): nothing stored or audited for it.
         let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
-        self.conn
-            .prepare_cached(
-                "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
-                 payload_digest, idempotency_key, external_reference, provider_operation_id, \
-                 state, outcome, outcome_context, response_status, response_headers, \
-                 response_body, created_at_ms, updated_at_ms, id, desired_outcome, fingerprint, \
-                 target_digest) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'finished', ?11, ?12, ?13, ?14, \
-                 ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
-            )?
-            .execute(params![
-                new.task_id,
-                new.agent,
-                new.provider,
-                new.method,
-                new.route.as_str(),
-                new.request_class,
-                new.payload_digest.as_str(),
-                key,
-                new.external_reference,
-                result.provider_operation_id,
-                finish.outcome.as_str(),
-                context,
-                status,
-                headers,
-                body,
-                ms(at),
-                ms(done_at),
-                id.0,
-                new.desired_outcome,
-                new.fingerprint,
-                new.target_digest.as_ref().map(PayloadDigest::as_str),
-            ])?;
+        stmts.action()?.execute(params![
+            new.task_id,
+            new.agent,
+            new.provider,
+            new.method,
+            new.route.as_str(),
+            new.request_class,
+            new.payload_digest.as_str(),
+            key,
+            new.external_reference,
+            result.provider_operation_id,
+            finish.outcome.as_str(),
+            context,
+            status,
+            headers,
+            body,
+            ms(at),
+            ms(done_at),
+            id.0,
+            new.desired_outcome,
+            new.fingerprint,
+            new.target_digest.as_ref().map(PayloadDigest::as_str),
+        ])?;
         let boundary = boundary_text(result.boundary);
         let signal_headers = signal_headers_json(&result.signal_headers)?;
-        self.conn
-            .prepare_cached(
-                "INSERT INTO attempts (action_id, n, state, status, disposition, started_at_ms, \
-                 finished_at_ms, boundary, signal_headers) \
-                 VALUES (?1, 1, 'finished', ?2, ?3, ?4, ?5, ?6, ?7)",
-            )?
-            .execute(params![
-                id.0,
-                result.status,
-                result.disposition.as_str(),
-                ms(sent_at),
-                ms(done_at),
-                boundary,
-                signal_headers
-            ])?;
+        stmts.attempt()?.execute(params![
+            id.0,
+            result.status,
+            result.disposition.as_str(),
+            ms(sent_at),
+            ms(done_at),
+            boundary,
+            signal_headers
+        ])?;
         let f = ActionFacts {
             task: new.task_id.clone(),
             provider: new.provider.clone(),
@@ -362,12 +433,12 @@ impl WriteTx<'_> {
         e.request_class = Some(f.request_class.clone());
         e.idempotency_key = f.idempotency_key.clone();
         e.payload_digest = Some(new.payload_digest.as_str().to_owned());
-        self.append(e)?;
+        self.append_with(stmts.event()?, e)?;
         let mut e = Self::action_event(EventKind::ActionSent, &format_instant(sent_at), id, &f);
         e.attempt = Some(1);
         e.request_class = Some(f.request_class.clone());
         e.idempotency_key = f.idempotency_key.clone();
-        self.append(e)?;
+        self.append_with(stmts.event()?, e)?;
         let done_text = format_instant(done_at);
         let mut e = Self::action_event(EventKind::ActionResult, &done_text, id, &f);
         e.attempt = Some(1);
@@ -377,11 +448,11 @@ impl WriteTx<'_> {
         e.source = result.source.clone();
         e.signal_headers =
             (!result.signal_headers.is_empty()).then(|| result.signal_headers.clone());
-        self.append(e)?;
+        self.append_with(stmts.event()?, e)?;
         let kind = finish_event_kind(finish.outcome);
         let mut e = Self::action_event(kind, &done_text, id, &f);
         e.outcome = Some(finish.outcome.as_str().to_owned());
-        self.append(e)
+        self.append_with(stmts.event()?, e)
     }
 
     /// Records an action under `id` when one was handed out in advance, else under the next
