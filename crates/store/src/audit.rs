@@ -234,11 +234,22 @@ fn put_str(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<&str>)
     }
 }
 
+/// Whether `bytes` hold a byte the encoding escapes (a control character, `"` or `\\`).
+/// Looks at 16 bytes at a time without stopping inside a block, which the compiler turns into
+/// vector compares.
+fn needs_escape(bytes: &[u8]) -> bool {
+    bytes.chunks(16).any(|block| {
+        block.iter().fold(false, |found, &b| {
+            found | (b < 0x20) | (b == b'"') | (b == b'\\')
+        })
+    })
+}
+
 /// Writes `s` as a JSON string with the escaping documented above. A string with nothing to
 /// escape (almost every one) is copied as it is; any other goes through serde_json, which
 /// writes RFC 8259 strings with exactly that minimal escaping.
 fn put_json_str(out: &mut Vec<u8>, s: &str) {
-    if s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+    if needs_escape(s.as_bytes()) {
         let _ = serde_json::to_writer(&mut *out, s);
         return;
     }

@@ -122,6 +122,21 @@ fn every_member_encodes_as_serde_json_writes_it_sorted_and_without_whitespace() 
 }
 
 #[test]
+fn one_character_to_escape_is_escaped_wherever_it_stands() {
+    for c in ['\0', '\n', '\u{1f}', '"', '\\'] {
+        for len in [1, 15, 16, 17, 33] {
+            for at in 0..len {
+                let text: String = (0..len).map(|i| if i == at { c } else { 'a' }).collect();
+                let mut e = AuditEvent::new("kind", "at");
+                e.task = Some(text.clone());
+                e.signal_headers = Some(vec![(text.clone(), text.clone())]);
+                assert_eq!(e.canonical(), reference(&e), "{text:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn a_sparse_event_leaves_out_what_is_not_set() {
     let mut e = AuditEvent::new("task_opened", "2025-01-01T00:00:00.000Z");
     e.task = Some("t".into());
