@@ -594,8 +594,16 @@ fn end_savepoint(
     released
 }
 
-/// Runs one operation in a savepoint of its own; returns its completion.
-fn run_op(conn: &Connection, chain: &mut Chain, counters: &Counters, op: OpJob) -> AfterCommit {
+/// Runs one operation in a savepoint of its own; returns its completion. The reads' open tasks
+/// are forgotten (the operation may have cancelled one).
+fn run_op(
+    conn: &Connection,
+    stmts: &mut ReadStatements<'_>,
+    chain: &mut Chain,
+    counters: &Counters,
+    op: OpJob,
+) -> AfterCommit {
+    stmts.forget_tasks();
     let before = match savepoint(conn, chain) {
         Ok(before) => before,
         Err(e) => {
@@ -665,6 +673,8 @@ fn run_reads<'c>(
         if failed.is_none() && released.is_ok() {
             return;
         }
+        // Undone, with any task a read opened.
+        stmts.forget_tasks();
         // Undone: run again as if each had had its own savepoint.
         results.truncate(start);
         let Some(k) = failed else {
@@ -696,7 +706,12 @@ fn run_read_alone<'c>(
         },
         stmts,
     );
-    end_savepoint(conn, chain, before, result.is_ok()).and(result)
+    let result = end_savepoint(conn, chain, before, result.is_ok()).and(result);
+    if result.is_err() {
+        // Undone, with any task it opened.
+        stmts.forget_tasks();
+    }
+    result
 }
 
 fn writer_loop(
@@ -743,6 +758,8 @@ fn writer_loop(
             continue;
         }
         let before = chain.clone();
+        // A group before may have been rolled back, with tasks its reads opened.
+        stmts.forget_tasks();
         if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
             for job in batch.drain(..) {
                 job.fail(e.clone());
@@ -753,7 +770,7 @@ fn writer_loop(
         while let Some(job) = jobs.next() {
             let read = match job {
                 Job::Op(op) => {
-                    completions.push(run_op(&conn, &mut chain, counters, op));
+                    completions.push(run_op(&conn, &mut stmts, &mut chain, counters, op));
                     continue;
                 }
                 Job::Read(read) => read,
@@ -1275,14 +1292,19 @@ mod tests {
     /// A held read of `task-1`, sent and answered; its result names attempt 2 (never sent, so
     /// the read fails with `NotFound`) when `fails`.
     fn answered_read(id: i64, fails: bool) -> Box<ReadJob> {
+        read_of("task-1", id, if fails { 2 } else { 1 })
+    }
+
+    /// A held read of `task` under action `id`, sent once and answered for attempt `attempt`.
+    fn read_of(task_id: &str, id: i64, attempt: u32) -> Box<ReadJob> {
         let task = NewTask {
-            id: "task-1".into(),
+            id: task_id.into(),
             agent: "agent-a".into(),
             priority: Priority::Normal,
             deadline: None,
         };
         let action = NewAction {
-            task_id: "task-1".into(),
+            task_id: task_id.into(),
             agent: "agent-a".into(),
             provider: "billing-api".into(),
             method: "GET".into(),
@@ -1297,7 +1319,7 @@ mod tests {
         };
         let result = AttemptResult {
             action: ActionId(id),
-            attempt: if fails { 2 } else { 1 },
+            attempt,
             status: Some(200),
             disposition: Disposition::Success,
             boundary: None,
@@ -1426,5 +1448,73 @@ mod tests {
             .expect("every job was handed over: the writer did not wait for the lock");
         store.flush().expect("flush");
         assert!(store.writer_stats().operations > 8 * MAX_BATCH as u64);
+    }
+
+    #[test]
+    fn a_task_opened_by_a_read_that_was_undone_is_opened_again_by_the_next() {
+        // The second read opens task-2 and fails (its id is taken): the third must open it.
+        let reads = vec![
+            read_of("task-1", 1, 1),
+            read_of("task-2", 1, 1),
+            read_of("task-2", 2, 1),
+        ];
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (together, file) in [(true, "run.db"), (false, "alone.db")] {
+            let (results, events, actions) = run(&dir.path().join(file), &reads, together);
+            assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
+            assert!(
+                matches!(&results[1], Err(e) if e.contains("UNIQUE")),
+                "{results:?}"
+            );
+            assert_eq!(actions, [1, 2]);
+            let opened: Vec<Option<&str>> = events
+                .iter()
+                .filter(|e| e.kind == "task_opened")
+                .map(|e| e.task.as_deref())
+                .collect();
+            assert_eq!(opened, [Some("task-1"), Some("task-2")]);
+            assert_eq!(events.len(), 10);
+        }
+    }
+
+    #[test]
+    fn a_read_after_an_operation_that_cancelled_its_task_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let conn = schema::open_writer(&dir.path().join("b.db"), true).expect("open");
+        let mut chain = Chain::genesis();
+        let counters = Counters::default();
+        let mut stmts = ReadStatements::new(&conn);
+        control(&conn, "BEGIN IMMEDIATE").expect("begin");
+        let mut results = Vec::new();
+        run_reads(
+            &conn,
+            &mut stmts,
+            &mut chain,
+            &counters,
+            &[read_of("task-1", 1, 1)],
+            &mut results,
+        );
+        let Job::Op(cancel) = job(
+            |tx| tx.cancel_task("agent-a", "task-1", t(5)),
+            Box::new(|_| {}),
+        ) else {
+            panic!("an operation's job");
+        };
+        let _ = run_op(&conn, &mut stmts, &mut chain, &counters, cancel);
+        run_reads(
+            &conn,
+            &mut stmts,
+            &mut chain,
+            &counters,
+            &[read_of("task-1", 2, 1)],
+            &mut results,
+        );
+        control(&conn, "COMMIT").expect("commit");
+        assert!(results[0].is_ok(), "{results:?}");
+        assert!(
+            matches!(&results[1], Err(StoreError::InvalidTransition { reason, .. }) if reason.contains("cancelled")),
+            "{results:?}"
+        );
+        assert!(rows::action(&conn, ActionId(2)).expect("read").is_none());
     }
 }

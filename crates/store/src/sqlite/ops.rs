@@ -1,6 +1,7 @@
 //! The write operations, each run inside the writer's transaction (one savepoint per
 //! operation, many operations per group commit).
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use jiff::Timestamp;
@@ -38,12 +39,19 @@ pub(crate) struct WriteTx<'a> {
 /// connection, so that a read does not look each one up in the connection's statement cache
 /// (hashing its text, moving it out and back in) every time. Made for the connection the
 /// reads' transactions run on.
+///
+/// It also remembers the tasks answered reads found open (present and not cancelled), so the
+/// next read of the same task need not look it up. That holds only while nothing else can
+/// change a task: the writer calls [`ReadStatements::forget_tasks`] when a transaction begins,
+/// after every other operation and whenever a savepoint is undone.
 pub(crate) struct ReadStatements<'c> {
     conn: &'c Connection,
     task: Option<Statement<'c>>,
     action: Option<Statement<'c>>,
     attempt: Option<Statement<'c>>,
     event: Option<Statement<'c>>,
+    /// Open tasks: agent → task ids.
+    open_tasks: HashMap<String, HashSet<String>>,
 }
 
 /// The action row of an answered read, in its final form.
@@ -69,7 +77,26 @@ impl<'c> ReadStatements<'c> {
             action: None,
             attempt: None,
             event: None,
+            open_tasks: HashMap::new(),
         }
+    }
+
+    /// Forgets the tasks found open (see the type's docs).
+    pub(crate) fn forget_tasks(&mut self) {
+        self.open_tasks.clear();
+    }
+
+    fn knows_open(&self, task: &NewTask) -> bool {
+        self.open_tasks
+            .get(&task.agent)
+            .is_some_and(|ids| ids.contains(&task.id))
+    }
+
+    fn note_open(&mut self, task: &NewTask) {
+        self.open_tasks
+            .entry(task.agent.clone())
+            .or_default()
+            .insert(task.id.clone());
     }
 
     /// [`rows::TASK`].
@@ -358,15 +385,18 @@ impl WriteTx<'_> {
         result: &AttemptResult,
     ) -> Result<(), StoreError> {
         check_names_task(task, new)?;
-        match rows::task_with(stmts.task()?, &task.agent, &task.id)? {
-            Some(existing) if existing.cancelled_at.is_some() => {
-                return Err(StoreError::InvalidTransition {
-                    what: format!("task {:?}", existing.id),
-                    reason: "cancelled; it takes no new actions".into(),
-                })
+        if !stmts.knows_open(task) {
+            match rows::task_with(stmts.task()?, &task.agent, &task.id)? {
+                Some(existing) if existing.cancelled_at.is_some() => {
+                    return Err(StoreError::InvalidTransition {
+                        what: format!("task {:?}", existing.id),
+                        reason: "cancelled; it takes no new actions".into(),
+                    })
+                }
+                Some(_) => {}
+                None => self.open_task(task.clone(), at)?,
             }
-            Some(_) => {}
-            None => self.open_task(task.clone(), at)?,
+            stmts.note_open(task);
         }
         let Some(finish) = &result.finish else {
             return Err(StoreError::Invalid {
