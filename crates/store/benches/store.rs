@@ -229,21 +229,46 @@ fn answered_reads(c: &mut Criterion) {
 }
 
 /// `STORE_BENCH_READS=n`: one run of `n` answered reads over 32 threads on a fresh store, with
-/// the reads per second and the writer's transactions printed (for callgrind, see the top).
+/// the reads per second, the writer's transactions and (on Linux) the CPU time the writer
+/// thread spent per read printed (for callgrind, see the top).
 fn one_run_of_reads(n: u64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open_store(dir.path());
     let before = store.writer_stats();
+    let cpu_before = writer_cpu_ticks();
     let elapsed = run_readers(&store, 32, n);
+    let cpu = writer_cpu_ticks().zip(cpu_before).map(|(a, b)| a - b);
     let after = store.writer_stats();
     let events = store.audit_head().expect("head").map_or(0, |h| h.seq);
+    // Clock ticks are 10 ms on Linux (USER_HZ = 100).
+    let per_read = cpu.map_or("n/a".to_owned(), |ticks| {
+        format!("{:.1} µs", ticks as f64 * 10_000.0 / n as f64)
+    });
     println!(
-        "{n} answered reads in {:.3} s: {:.0} reads/s; {} transactions, {} operations, {events} events",
+        "{n} answered reads in {:.3} s: {:.0} reads/s; {} transactions, {} operations, \
+         {events} events; writer CPU per read {per_read}",
         elapsed.as_secs_f64(),
         n as f64 / elapsed.as_secs_f64(),
         after.transactions - before.transactions,
         after.operations - before.operations,
     );
+}
+
+/// User + system clock ticks of this process's store writer thread, from /proc (Linux only).
+fn writer_cpu_ticks() -> Option<u64> {
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+        // `pid (comm) state ...`: comm may hold spaces, the fields after it do not.
+        let (head, rest) = stat.rsplit_once(") ")?;
+        if !head.contains("(backstop-store-") {
+            continue;
+        }
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of the line, 12 and 13 after `state`.
+        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+        return Some(ticks(11)? + ticks(12)?);
+    }
+    None
 }
 
 fn chain_of(n: u64) -> Vec<AuditEvent> {
