@@ -132,12 +132,18 @@ impl EventKind {
 /// Formats an instant as the log writes `at` and other times: RFC 3339, UTC, millisecond
 /// precision, e.g. `2025-01-01T00:00:00.000Z` (sub-millisecond digits are truncated).
 pub fn format_instant(at: Timestamp) -> String {
+    let mut out = String::with_capacity(24);
+    format_instant_into(at, &mut out);
+    out
+}
+
+/// [`format_instant`] into `out`, replacing what it held (and reusing its room).
+pub(crate) fn format_instant_into(at: Timestamp, out: &mut String) {
     const PRINTER: jiff::fmt::temporal::DateTimePrinter =
         jiff::fmt::temporal::DateTimePrinter::new().precision(Some(3));
-    let mut out = String::with_capacity(24);
+    out.clear();
     // Writing into a String cannot fail.
-    let _ = PRINTER.print_timestamp(&at, &mut out);
-    out
+    let _ = PRINTER.print_timestamp(&at, out);
 }
 
 /// One audit event. See the module docs for the canonical encoding and the hash.
@@ -410,9 +416,17 @@ impl AuditEvent {
     }
 
     fn hash_with(&self, buf: &mut Vec<u8>) -> String {
+        let mut hash = String::with_capacity(64);
+        self.hash_into(buf, &mut hash);
+        hash
+    }
+
+    /// Writes the hash into `hash`, replacing what it held; `buf` is room for the encoding.
+    fn hash_into(&self, buf: &mut Vec<u8>, hash: &mut String) {
         buf.clear();
         self.encode_into(buf, false);
-        lower_hex(&Sha256::digest(buf.as_slice()))
+        hash.clear();
+        lower_hex_into(&Sha256::digest(buf.as_slice()), hash);
     }
 
     /// Parses one export line.
@@ -429,15 +443,14 @@ impl AuditEvent {
 /// encoding it does not grow the buffer.
 const ENCODED_CAPACITY: usize = 512;
 
-/// `bytes` as lowercase hex, two digits a byte.
-fn lower_hex(bytes: &[u8]) -> String {
+/// Appends `bytes` to `out` as lowercase hex, two digits a byte.
+fn lower_hex_into(bytes: &[u8], out: &mut String) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
+    out.reserve(bytes.len() * 2);
     for &b in bytes {
         out.push(char::from(DIGITS[usize::from(b >> 4)]));
         out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
     }
-    out
 }
 
 /// The head of a chain: the last event's `seq` and `hash`, for anchoring elsewhere.
@@ -476,12 +489,16 @@ impl Chain {
         }
     }
 
-    /// Assigns `seq`, `prev` and `hash` to a draft event and advances the chain.
+    /// Assigns `seq`, `prev` and `hash` to a draft event and advances the chain. An event
+    /// sealed before (refilled for the next one) keeps the room of its `prev` and `hash`.
     pub fn seal(&mut self, event: &mut AuditEvent) {
         event.seq = self.next_seq;
-        event.prev = std::mem::take(&mut self.prev);
-        event.hash = event.compute_hash();
-        self.prev = event.hash.clone();
+        event.prev.clone_from(&self.prev);
+        let mut buf = Vec::with_capacity(ENCODED_CAPACITY);
+        let mut hash = std::mem::take(&mut event.hash);
+        event.hash_into(&mut buf, &mut hash);
+        event.hash = hash;
+        self.prev.clone_from(&event.hash);
         self.next_seq += 1;
     }
 }

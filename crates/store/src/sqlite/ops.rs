@@ -8,7 +8,7 @@ use jiff::Timestamp;
 use rusqlite::{params, Connection, OptionalExtension, Statement};
 
 use super::rows::{self, ms};
-use crate::audit::{format_instant, AuditEvent, Chain, EventKind};
+use crate::audit::{format_instant, format_instant_into, AuditEvent, Chain, EventKind};
 use crate::error::{BoundRequest, StoreError};
 use crate::model::{
     ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport, DueRetry,
@@ -202,9 +202,9 @@ impl WriteTx<'_> {
         Ok(record)
     }
 
-    fn append(&mut self, event: AuditEvent) -> Result<(), StoreError> {
+    fn append(&mut self, mut event: AuditEvent) -> Result<(), StoreError> {
         let conn = self.conn;
-        self.append_with(&mut *conn.prepare_cached(&rows::INSERT_EVENT)?, event)
+        self.append_with(&mut *conn.prepare_cached(&rows::INSERT_EVENT)?, &mut event)
     }
 
     /// Seals `event` onto the chain and inserts it with `insert` (a statement of
@@ -212,10 +212,10 @@ impl WriteTx<'_> {
     fn append_with(
         &mut self,
         insert: &mut Statement<'_>,
-        mut event: AuditEvent,
+        event: &mut AuditEvent,
     ) -> Result<(), StoreError> {
-        self.chain.seal(&mut event);
-        rows::insert_event(insert, &event)
+        self.chain.seal(event);
+        rows::insert_event(insert, event)
     }
 
     fn facts(&self, action: ActionId) -> Result<ActionFacts, StoreError> {
@@ -446,43 +446,48 @@ impl WriteTx<'_> {
             boundary,
             signal_headers
         ])?;
-        let f = ActionFacts {
-            task: new.task_id.clone(),
-            provider: new.provider.clone(),
-            method: new.method.clone(),
-            route: new.route.as_str().to_owned(),
-            request_class: new.request_class.clone(),
-            idempotency_key: key.map(str::to_owned),
-            state: ActionState::Requested,
-            outcome: None,
-            cancelled: false,
-        };
         // The events exactly as record_action_as, mark_attempt_sent and record_result (with
-        // finish_action) build them.
-        let mut e = Self::action_event(EventKind::ActionRequested, &format_instant(at), id, &f);
-        e.request_class = Some(f.request_class.clone());
-        e.idempotency_key = f.idempotency_key.clone();
+        // finish_action) build them. One event is refilled for each of them, so what they share
+        // (task, action, provider, route, method) is copied once and their strings' room is
+        // reused.
+        let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
+        e.task = Some(new.task_id.clone());
+        e.action = Some(id.0);
+        e.provider = Some(new.provider.clone());
+        e.route = Some(new.route.as_str().to_owned());
+        e.method = Some(new.method.clone());
+        e.request_class = Some(new.request_class.clone());
+        e.idempotency_key = key.map(str::to_owned);
         e.payload_digest = Some(new.payload_digest.as_str().to_owned());
-        self.append_with(stmts.event()?, e)?;
-        let mut e = Self::action_event(EventKind::ActionSent, &format_instant(sent_at), id, &f);
+        self.append_with(stmts.event()?, &mut e)?;
+        // action_sent: its own instant and attempt, no payload digest.
+        refill(&mut e.kind, EventKind::ActionSent.as_str());
+        format_instant_into(sent_at, &mut e.at);
         e.attempt = Some(1);
-        e.request_class = Some(f.request_class.clone());
-        e.idempotency_key = f.idempotency_key.clone();
-        self.append_with(stmts.event()?, e)?;
-        let done_text = format_instant(done_at);
-        let mut e = Self::action_event(EventKind::ActionResult, &done_text, id, &f);
-        e.attempt = Some(1);
+        e.payload_digest = None;
+        self.append_with(stmts.event()?, &mut e)?;
+        // action_result: its instant, status and signal; no request class or key.
+        refill(&mut e.kind, EventKind::ActionResult.as_str());
+        format_instant_into(done_at, &mut e.at);
+        e.request_class = None;
+        e.idempotency_key = None;
         e.status = result.status;
         e.disposition = Some(result.disposition.as_str().to_owned());
         e.boundary = boundary;
         e.source = result.source.clone();
         e.signal_headers =
             (!result.signal_headers.is_empty()).then(|| result.signal_headers.clone());
-        self.append_with(stmts.event()?, e)?;
-        let kind = finish_event_kind(finish.outcome);
-        let mut e = Self::action_event(kind, &done_text, id, &f);
+        self.append_with(stmts.event()?, &mut e)?;
+        // The finish, at the same instant: its outcome, nothing of the attempt.
+        refill(&mut e.kind, finish_event_kind(finish.outcome).as_str());
+        e.attempt = None;
+        e.status = None;
+        e.disposition = None;
+        e.boundary = None;
+        e.source = None;
+        e.signal_headers = None;
         e.outcome = Some(finish.outcome.as_str().to_owned());
-        self.append_with(stmts.event()?, e)
+        self.append_with(stmts.event()?, &mut e)
     }
 
     /// Records an action under `id` when one was handed out in advance, else under the next
@@ -1335,6 +1340,12 @@ fn finish_columns(finish: &Finish) -> Result<FinishColumns<'_>, StoreError> {
         headers,
         body,
     })
+}
+
+/// Replaces the text in `s` with `text`, in the room `s` has.
+fn refill(s: &mut String, text: &str) {
+    s.clear();
+    s.push_str(text);
 }
 
 /// The audit event that records an action finishing with `outcome`: the outcomes that need
