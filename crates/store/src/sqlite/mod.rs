@@ -6,7 +6,10 @@
 //! own reply. The writer takes the first waiting operation, drains whatever else is queued (up to
 //! [`MAX_BATCH`]), runs each inside its own savepoint of one `BEGIN IMMEDIATE` transaction and
 //! commits once: many concurrent actions share one fsync. An operation that fails is rolled back
-//! to its savepoint and answered with its error; the others still commit. Replies are sent only
+//! to its savepoint and answered with its error; the others still commit. Consecutive held reads
+//! share one savepoint (SQLite copies each page into a savepoint's journal once per savepoint)
+//! and are run again one by one only when one of them fails, with the same result as if each
+//! had had its own. Replies are sent only
 //! after `COMMIT` returned, so when [`Store::mark_attempt_sent`] returns `Ok`, its `action_sent`
 //! event is on disk and the request's bytes may leave.
 //!
