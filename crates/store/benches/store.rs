@@ -1,12 +1,27 @@
 //! Store benchmarks: durable write-actions per second with group commit at 1, 16 and 256
-//! concurrent writer threads, and audit-chain verification throughput in events per second.
+//! concurrent writer threads, answered reads committed per second through the writer, and
+//! audit-chain verification throughput in events per second.
 //!
 //! A "write action" is what the gateway does before a write's bytes may leave: record the
 //! action with its key (`action_requested`) and mark its first attempt sent (`action_sent`),
 //! each returning only after its group commit is fsync'd.
 //!
+//! An "answered read" is what the gateway records for a proxied GET: `record_read`, then
+//! `submit_attempt_sent` and `submit_result` (status 200, finished `succeeded`), none of them
+//! awaited — one writer operation per read (task and action rows, an attempt row, four audit
+//! events). The callers never wait, so the writer thread is the bottleneck this measures.
+//!
 //! Run: `cargo bench -p backstop-store --bench store -- --warm-up-time 1 --measurement-time 5`
+//!
+//! One fixed run of answered reads without criterion, for instruction counts (the writer
+//! thread's cost per read is the inclusive cost of `writer_loop` divided by the reads):
+//! `STORE_BENCH_READS=20000 valgrind --tool=callgrind --toggle-collect='*writer_loop*'
+//! target/release/deps/store-<hash> --bench`
 #![allow(missing_docs)]
+
+// The store tests' fixtures: a read's action and its plain answer.
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -14,9 +29,10 @@ use std::time::Duration;
 
 use backstop_store::audit::{format_instant, verify_events, AuditEvent, Chain, Verdict};
 use backstop_store::{
-    Admission, NewAction, NewTask, PayloadDigest, Priority, RouteTemplate, SqliteStore, Store,
+    ActionId, Admission, AttemptResult, NewAction, NewTask, PayloadDigest, Priority, RouteTemplate,
+    SqliteStore, Store, StoreError,
 };
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 
 fn at(ms: u64) -> jiff::Timestamp {
     jiff::Timestamp::from_millisecond(1_750_000_000_000 + ms as i64).expect("valid instant")
@@ -105,6 +121,156 @@ fn durable_writes(c: &mut Criterion) {
     group.finish();
 }
 
+/// The tasks the reading threads spread their reads over (the gateway sees many agents' tasks).
+const READ_TASKS: u64 = 8;
+
+/// A proxied GET as the gateway records it: no key, no payload, its fingerprint kept.
+fn read_action(task: &str) -> NewAction {
+    NewAction {
+        fingerprint: Some("GET /v1/balance".into()),
+        ..common::read_action_of(task, "bench-agent")
+    }
+}
+
+/// A read's first attempt answered 200 and finished `succeeded`, with the outcome context the
+/// gateway writes for it.
+fn read_answer(action: ActionId) -> AttemptResult {
+    let mut answer = common::success(action, 1);
+    if let Some(finish) = answer.finish.as_mut() {
+        finish.context = serde_json::json!({
+            "sent": true,
+            "response_received": true,
+            "attempts": 1,
+            "total_wait_ms": 0,
+            "last_status": 200,
+            "last_signal": "success",
+            "boundary": null,
+            "next_safe": [],
+        });
+    }
+    answer
+}
+
+/// Records one answered read the way the gateway does, awaiting nothing; a failure of any of
+/// its steps is counted in `failed`.
+fn answered_read(store: &SqliteStore, task: &str, ms: u64, failed: &Arc<AtomicU64>) {
+    let count = |failed: &Arc<AtomicU64>| {
+        let failed = Arc::clone(failed);
+        move |r: Result<(), StoreError>| {
+            if r.is_err() {
+                failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    };
+    let recorded = count(failed);
+    let id = store
+        .record_read(
+            NewTask {
+                id: task.into(),
+                agent: "bench-agent".into(),
+                priority: Priority::Normal,
+                deadline: None,
+            },
+            read_action(task),
+            at(ms),
+            Box::new(recorded),
+        )
+        .expect("record_read");
+    let sent = count(failed);
+    store.submit_attempt_sent(id, at(ms), Box::new(move |r| sent(r.map(|_| ()))));
+    store.submit_result(read_answer(id), at(ms + 1), Box::new(count(failed)));
+}
+
+/// Runs `total` answered reads spread over `threads` threads; returns the wall time until the
+/// last of them committed.
+#[allow(clippy::disallowed_methods)] // see run_writers
+fn run_readers(store: &Arc<SqliteStore>, threads: u64, total: u64) -> Duration {
+    let failed = Arc::new(AtomicU64::new(0));
+    let barrier = Arc::new(std::sync::Barrier::new(threads as usize + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|w| {
+            let n = total / threads + u64::from(w < total % threads);
+            let (store, failed, barrier) =
+                (Arc::clone(store), Arc::clone(&failed), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                let tasks: Vec<String> = (0..READ_TASKS).map(|t| format!("read-{t}")).collect();
+                barrier.wait();
+                for i in 0..n {
+                    let k = KEYS.fetch_add(1, Ordering::Relaxed);
+                    answered_read(&store, &tasks[((w + i) % READ_TASKS) as usize], k, &failed);
+                }
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = std::time::Instant::now();
+    for h in handles {
+        h.join().expect("reader");
+    }
+    // Commits after every read queued before it.
+    store.flush().expect("flush");
+    let elapsed = start.elapsed();
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "no read may fail");
+    elapsed
+}
+
+fn answered_reads(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open_store(dir.path());
+    let mut group = c.benchmark_group("answered_reads");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(1));
+    for threads in [1u64, 32] {
+        group.bench_with_input(BenchmarkId::from_parameter(threads), &threads, |b, &t| {
+            b.iter_custom(|iters| run_readers(&store, t, iters.max(t)))
+        });
+    }
+    group.finish();
+}
+
+/// `STORE_BENCH_READS=n`: one run of `n` answered reads over 32 threads on a fresh store, with
+/// the reads per second, the writer's transactions and (on Linux) the CPU time the writer
+/// thread spent per read printed (for callgrind, see the top).
+fn one_run_of_reads(n: u64) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open_store(dir.path());
+    let before = store.writer_stats();
+    let cpu_before = writer_cpu_ticks();
+    let elapsed = run_readers(&store, 32, n);
+    let cpu = writer_cpu_ticks().zip(cpu_before).map(|(a, b)| a - b);
+    let after = store.writer_stats();
+    let events = store.audit_head().expect("head").map_or(0, |h| h.seq);
+    // Clock ticks are 10 ms on Linux (USER_HZ = 100).
+    let per_read = cpu.map_or("n/a".to_owned(), |ticks| {
+        format!("{:.1} µs", ticks as f64 * 10_000.0 / n as f64)
+    });
+    println!(
+        "{n} answered reads in {:.3} s: {:.0} reads/s; {} transactions, {} operations, \
+         {events} events; writer CPU per read {per_read}",
+        elapsed.as_secs_f64(),
+        n as f64 / elapsed.as_secs_f64(),
+        after.transactions - before.transactions,
+        after.operations - before.operations,
+    );
+}
+
+/// User + system clock ticks of this process's store writer thread, from /proc (Linux only).
+fn writer_cpu_ticks() -> Option<u64> {
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+        // `pid (comm) state ...`: comm may hold spaces, the fields after it do not.
+        let (head, rest) = stat.rsplit_once(") ")?;
+        if !head.contains("(backstop-store-") {
+            continue;
+        }
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of the line, 12 and 13 after `state`.
+        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+        return Some(ticks(11)? + ticks(12)?);
+    }
+    None
+}
+
 fn chain_of(n: u64) -> Vec<AuditEvent> {
     let mut chain = Chain::genesis();
     (0..n)
@@ -161,5 +327,15 @@ fn verify(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, durable_writes, verify);
-criterion_main!(benches);
+criterion_group!(benches, durable_writes, answered_reads, verify);
+
+fn main() {
+    if let Some(n) = std::env::var("STORE_BENCH_READS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+    {
+        return one_run_of_reads(n);
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

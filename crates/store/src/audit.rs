@@ -132,12 +132,18 @@ impl EventKind {
 /// Formats an instant as the log writes `at` and other times: RFC 3339, UTC, millisecond
 /// precision, e.g. `2025-01-01T00:00:00.000Z` (sub-millisecond digits are truncated).
 pub fn format_instant(at: Timestamp) -> String {
+    let mut out = String::with_capacity(24);
+    format_instant_into(at, &mut out);
+    out
+}
+
+/// [`format_instant`] into `out`, replacing what it held (and reusing its room).
+pub(crate) fn format_instant_into(at: Timestamp, out: &mut String) {
     const PRINTER: jiff::fmt::temporal::DateTimePrinter =
         jiff::fmt::temporal::DateTimePrinter::new().precision(Some(3));
-    let mut out = String::with_capacity(24);
+    out.clear();
     // Writing into a String cannot fail.
-    let _ = PRINTER.print_timestamp(&at, &mut out);
-    out
+    let _ = PRINTER.print_timestamp(&at, out);
 }
 
 /// One audit event. See the module docs for the canonical encoding and the hash.
@@ -230,9 +236,33 @@ pub struct AuditEvent {
 fn put_str(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<&str>) {
     if let Some(v) = value {
         put_key(out, first, name);
-        // serde_json writes RFC 8259 strings with the minimal escaping documented above.
-        let _ = serde_json::to_writer(&mut *out, v);
+        put_json_str(out, v);
     }
+}
+
+/// Whether `bytes` hold a byte the encoding escapes (a control character, `"` or `\\`).
+/// Looks at 16 bytes at a time without stopping inside a block, which the compiler turns into
+/// vector compares.
+fn needs_escape(bytes: &[u8]) -> bool {
+    bytes.chunks(16).any(|block| {
+        block.iter().fold(false, |found, &b| {
+            found | (b < 0x20) | (b == b'"') | (b == b'\\')
+        })
+    })
+}
+
+/// Writes `s` as a JSON string with the escaping documented above. A string with nothing to
+/// escape (almost every one) is copied as it is; any other goes through serde_json, which
+/// writes RFC 8259 strings with exactly that minimal escaping.
+fn put_json_str(out: &mut Vec<u8>, s: &str) {
+    if needs_escape(s.as_bytes()) {
+        let _ = serde_json::to_writer(&mut *out, s);
+        return;
+    }
+    out.reserve(s.len() + 2);
+    out.push(b'"');
+    out.extend_from_slice(s.as_bytes());
+    out.push(b'"');
 }
 
 /// An array of `[name, value]` string pairs; omitted when `None` or empty.
@@ -247,9 +277,9 @@ fn put_pairs(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<&[(S
             out.push(b',');
         }
         out.push(b'[');
-        let _ = serde_json::to_writer(&mut *out, k);
+        put_json_str(out, k);
         out.push(b',');
-        let _ = serde_json::to_writer(&mut *out, v);
+        put_json_str(out, v);
         out.push(b']');
     }
     out.push(b']');
@@ -258,7 +288,7 @@ fn put_pairs(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<&[(S
 fn put_int<T: itoa_like::Int>(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<T>) {
     if let Some(v) = value {
         put_key(out, first, name);
-        let _ = v.write_to(out);
+        v.write_to(out);
     }
 }
 
@@ -273,20 +303,46 @@ fn put_key(out: &mut Vec<u8>, first: &mut bool, name: &str) {
 }
 
 mod itoa_like {
-    /// Integers as plain decimal.
+    /// Integers as plain decimal: a `-` for a negative value, then the digits of its magnitude
+    /// without leading zeros.
     pub trait Int: Copy {
-        fn write_to(self, out: &mut Vec<u8>) -> std::io::Result<()>;
+        /// Whether the value is negative, and its magnitude.
+        fn sign_and_magnitude(self) -> (bool, u64);
+
+        fn write_to(self, out: &mut Vec<u8>) {
+            let (negative, mut v) = self.sign_and_magnitude();
+            // u64::MAX has 20 digits.
+            let mut digits = [0u8; 20];
+            let mut start = digits.len();
+            for slot in digits.iter_mut().rev() {
+                *slot = b'0' + (v % 10) as u8;
+                start -= 1;
+                v /= 10;
+                if v == 0 {
+                    break;
+                }
+            }
+            if negative {
+                out.push(b'-');
+            }
+            out.extend_from_slice(digits.get(start..).unwrap_or_default());
+        }
     }
-    macro_rules! int {
+    macro_rules! unsigned {
         ($($t:ty),*) => {$(
             impl Int for $t {
-                fn write_to(self, out: &mut Vec<u8>) -> std::io::Result<()> {
-                    std::io::Write::write_fmt(out, format_args!("{self}"))
+                fn sign_and_magnitude(self) -> (bool, u64) {
+                    (false, u64::from(self))
                 }
             }
         )*};
     }
-    int!(u16, u32, u64, i64);
+    unsigned!(u16, u32, u64);
+    impl Int for i64 {
+        fn sign_and_magnitude(self) -> (bool, u64) {
+            (self < 0, self.unsigned_abs())
+        }
+    }
 }
 
 impl AuditEvent {
@@ -340,7 +396,7 @@ impl AuditEvent {
 
     /// The canonical encoding (without `hash`).
     pub fn canonical(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(256);
+        let mut out = Vec::with_capacity(ENCODED_CAPACITY);
         self.encode_into(&mut out, false);
         out
     }
@@ -355,14 +411,22 @@ impl AuditEvent {
 
     /// SHA-256 hex over the canonical encoding (what `hash` must be).
     pub fn compute_hash(&self) -> String {
-        let mut buf = Vec::with_capacity(320);
+        let mut buf = Vec::with_capacity(ENCODED_CAPACITY);
         self.hash_with(&mut buf)
     }
 
     fn hash_with(&self, buf: &mut Vec<u8>) -> String {
+        let mut hash = String::with_capacity(64);
+        self.hash_into(buf, &mut hash);
+        hash
+    }
+
+    /// Writes the hash into `hash`, replacing what it held; `buf` is room for the encoding.
+    fn hash_into(&self, buf: &mut Vec<u8>, hash: &mut String) {
         buf.clear();
         self.encode_into(buf, false);
-        hex::encode(Sha256::digest(buf.as_slice()))
+        hash.clear();
+        lower_hex_into(&Sha256::digest(buf.as_slice()), hash);
     }
 
     /// Parses one export line.
@@ -372,6 +436,20 @@ impl AuditEvent {
     /// are refused: an added member is a change to the event).
     pub fn from_export_line(line: &str) -> Result<Self, String> {
         serde_json::from_str(line).map_err(|e| e.to_string())
+    }
+}
+
+/// Room for the canonical encoding of an action's event (≈ 350 bytes with `prev`), so that
+/// encoding it does not grow the buffer.
+const ENCODED_CAPACITY: usize = 512;
+
+/// Appends `bytes` to `out` as lowercase hex, two digits a byte.
+fn lower_hex_into(bytes: &[u8], out: &mut String) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for &b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
     }
 }
 
@@ -411,12 +489,16 @@ impl Chain {
         }
     }
 
-    /// Assigns `seq`, `prev` and `hash` to a draft event and advances the chain.
+    /// Assigns `seq`, `prev` and `hash` to a draft event and advances the chain. An event
+    /// sealed before (refilled for the next one) keeps the room of its `prev` and `hash`.
     pub fn seal(&mut self, event: &mut AuditEvent) {
         event.seq = self.next_seq;
-        event.prev = std::mem::take(&mut self.prev);
-        event.hash = event.compute_hash();
-        self.prev = event.hash.clone();
+        event.prev.clone_from(&self.prev);
+        let mut buf = Vec::with_capacity(ENCODED_CAPACITY);
+        let mut hash = std::mem::take(&mut event.hash);
+        event.hash_into(&mut buf, &mut hash);
+        event.hash = hash;
+        self.prev.clone_from(&event.hash);
         self.next_seq += 1;
     }
 

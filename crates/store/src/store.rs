@@ -482,10 +482,11 @@ pub trait Store: Send + Sync {
     /// `action_sent` (it still tells when work last moved). Such an action was never throttled.
     /// Returns the events kept and the `seq` of the last event looked at (`None` when there was
     /// none), from which the next call continues. An implementation may leave out more of the
-    /// plain actions' `action_sent` events as long as the latest `at` among them stays: the
-    /// SQLite store answers what it committed itself from memory, where a run of plain actions
-    /// leaves only its latest send (see `SqliteStore`). The default reads
-    /// [`Store::audit_events`] and leaves nothing out.
+    /// plain actions' `action_sent` events as long as the latest `at` among them stays, and may
+    /// hand such a send with only its `seq`, `at`, `kind`, `action` and `attempt`: the SQLite
+    /// store answers what it committed itself from memory, where a run of plain actions leaves
+    /// only its latest send (see `SqliteStore`). The default reads [`Store::audit_events`] and
+    /// leaves nothing out.
     ///
     /// # Errors
     /// Storage errors only.

@@ -25,11 +25,91 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use crate::audit::{AuditEvent, EventKind};
+use jiff::Timestamp;
+
+use crate::audit::{format_instant, AuditEvent, EventKind};
 
 /// The most events the feed holds (≈ 10–20 MiB of events at the cap). A watcher that falls
 /// further behind reads from SQLite until it has caught up.
 pub const FEED_CAP: usize = 32_768;
+
+/// Whether a result with this disposition throttled its action (such an action is never plain).
+pub(crate) fn throttled(disposition: &str) -> bool {
+    matches!(
+        disposition,
+        "rate_limited" | "quota_exhausted" | "unavailable"
+    )
+}
+
+/// The send of a plain answered read, as the writer notes it instead of a copy of the event:
+/// what a watcher takes from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Heartbeat {
+    /// The `action_sent` event's `seq`.
+    pub(crate) seq: u64,
+    /// Its action.
+    pub(crate) action: i64,
+    /// Its attempt.
+    pub(crate) attempt: u32,
+    /// Its `at`.
+    pub(crate) at: Timestamp,
+}
+
+impl Heartbeat {
+    /// The event a watcher is handed for it: `seq`, `at`, `kind` (`action_sent`), `action` and
+    /// `attempt` as sealed; the other members are left out (the action's other events are not
+    /// kept either, so a watcher has no trail to put them in).
+    fn event(self) -> AuditEvent {
+        AuditEvent {
+            seq: self.seq,
+            action: Some(self.action),
+            attempt: Some(self.attempt),
+            ..AuditEvent::new(EventKind::ActionSent.as_str(), &format_instant(self.at))
+        }
+    }
+}
+
+/// What the open transaction sealed so far, for the feed once it commits: the events
+/// themselves (`task_opened` left out), and the plain answered reads' sends as [`Heartbeat`]s.
+#[derive(Debug, Default)]
+pub(crate) struct Watched {
+    events: Vec<AuditEvent>,
+    heartbeats: Vec<Heartbeat>,
+}
+
+/// How far [`Watched`] was filled, to undo what an operation added.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mark(usize, usize);
+
+impl Watched {
+    /// Notes a sealed event (`task_opened` is left out: a watcher never needs it).
+    pub(crate) fn event(&mut self, event: AuditEvent) {
+        if event.kind != EventKind::TaskOpened.as_str() {
+            self.events.push(event);
+        }
+    }
+
+    /// Notes a plain answered read's send.
+    pub(crate) fn heartbeat(&mut self, heartbeat: Heartbeat) {
+        self.heartbeats.push(heartbeat);
+    }
+
+    /// Where it stands now.
+    pub(crate) fn mark(&self) -> Mark {
+        Mark(self.events.len(), self.heartbeats.len())
+    }
+
+    /// Forgets what was noted after `mark` (the operations that added it were undone).
+    pub(crate) fn undo(&mut self, mark: Mark) {
+        self.events.truncate(mark.0);
+        self.heartbeats.truncate(mark.1);
+    }
+
+    /// Forgets everything (the transaction was rolled back).
+    pub(crate) fn clear(&mut self) {
+        self.undo(Mark(0, 0));
+    }
+}
 
 /// Committed events kept for watchers, in `seq` order.
 #[derive(Debug)]
@@ -64,37 +144,35 @@ impl WatchFeed {
         }
     }
 
-    /// Takes in the events one group commit sealed (in `seq` order, `task_opened` already left
-    /// out by the writer) and the chain's last `seq` after that commit.
-    pub(crate) fn committed(&mut self, group: &mut Vec<AuditEvent>, head: u64) {
-        let plain = plain_actions(group);
-        // The latest heartbeat of the group, by `at` (fixed-width RFC 3339 orders as instants).
-        let latest_heartbeat = group
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| is_heartbeat(e, &plain))
-            .max_by(|(_, a), (_, b)| a.at.cmp(&b.at))
-            .map(|(i, _)| i);
-        for (i, event) in group.drain(..).enumerate() {
-            let heartbeat = is_heartbeat(&event, &plain);
-            if heartbeat && Some(i) != latest_heartbeat {
+    /// Takes in what one group commit sealed (see [`Watched`], emptied) and the chain's last
+    /// `seq` after that commit.
+    pub(crate) fn committed(&mut self, watched: &mut Watched, head: u64) {
+        let plain = plain_actions(&watched.events);
+        // The group's latest heartbeat, by `at`: the plain answered reads' notes, then the sends
+        // of plain actions among the events (fixed-width RFC 3339 orders as instants).
+        let mut latest: Option<AuditEvent> = watched
+            .heartbeats
+            .drain(..)
+            .max_by_key(|h| h.at)
+            .map(Heartbeat::event);
+        let mut kept: Vec<AuditEvent> = Vec::new();
+        for event in watched.events.drain(..) {
+            if !event.action.is_some_and(|a| plain.contains(&a)) {
+                kept.push(event);
                 continue;
             }
-            let in_plain_life = event.action.is_some_and(|a| plain.contains(&a));
-            if in_plain_life && !heartbeat {
-                continue;
+            if event.kind == EventKind::ActionSent.as_str()
+                && latest.as_ref().is_none_or(|l| l.at < event.at)
+            {
+                latest = Some(event);
             }
-            if heartbeat && self.back_is_heartbeat {
-                // Only the latest instant of consecutive heartbeats matters to a watcher.
-                let replaces = self.events.back().is_none_or(|back| back.at <= event.at);
-                if replaces {
-                    self.events.pop_back();
-                } else {
-                    continue;
-                }
-            }
-            self.back_is_heartbeat = heartbeat;
-            self.events.push_back(event);
+        }
+        if let Some(heartbeat) = latest {
+            let at = kept.partition_point(|e| e.seq < heartbeat.seq);
+            kept.insert(at, heartbeat);
+            self.push(kept, Some(at));
+        } else {
+            self.push(kept, None);
         }
         self.head = self.head.max(head);
         while self.events.len() > self.cap {
@@ -104,6 +182,22 @@ impl WatchFeed {
         }
         if self.events.is_empty() {
             self.back_is_heartbeat = false;
+        }
+    }
+
+    /// Appends a group's kept events; `heartbeat` is the index of its heartbeat among them.
+    fn push(&mut self, kept: Vec<AuditEvent>, heartbeat: Option<usize>) {
+        for (i, event) in kept.into_iter().enumerate() {
+            let is_heartbeat = Some(i) == heartbeat;
+            if is_heartbeat && self.back_is_heartbeat {
+                // Only the latest instant of consecutive heartbeats matters to a watcher.
+                if self.events.back().is_some_and(|back| back.at > event.at) {
+                    continue;
+                }
+                self.events.pop_back();
+            }
+            self.back_is_heartbeat = is_heartbeat;
+            self.events.push_back(event);
         }
     }
 
@@ -136,11 +230,6 @@ impl WatchFeed {
     }
 }
 
-/// Whether `event` is a plain action's `action_sent`.
-fn is_heartbeat(event: &AuditEvent, plain: &HashSet<i64>) -> bool {
-    event.kind == EventKind::ActionSent.as_str() && event.action.is_some_and(|a| plain.contains(&a))
-}
-
 /// What one action did within a group.
 #[derive(Default)]
 struct Life {
@@ -161,12 +250,7 @@ fn plain_actions(group: &[AuditEvent]) -> HashSet<i64> {
         match e.kind.as_str() {
             "action_requested" => life.requested += 1,
             "action_sent" => life.sent += 1,
-            "action_result"
-                if !matches!(
-                    e.disposition.as_deref(),
-                    Some("rate_limited" | "quota_exhausted" | "unavailable")
-                ) =>
-            {
+            "action_result" if !throttled(e.disposition.as_deref().unwrap_or_default()) => {
                 life.ok_results += 1
             }
             "action_finished" if e.outcome.as_deref() == Some("succeeded") => life.succeeded += 1,
@@ -214,6 +298,15 @@ mod tests {
         ]
     }
 
+    /// `events` as one group's notes.
+    fn notes(events: Vec<AuditEvent>) -> Watched {
+        let mut watched = Watched::default();
+        for e in events {
+            watched.event(e);
+        }
+        watched
+    }
+
     fn kinds(events: &[AuditEvent]) -> Vec<(u64, String)> {
         events.iter().map(|e| (e.seq, e.kind.clone())).collect()
     }
@@ -224,7 +317,7 @@ mod tests {
         let mut group = plain_read(1, 1, "2026-11-30T10:00:00.000Z");
         group.extend(plain_read(5, 2, "2026-11-30T10:00:02.000Z"));
         group.extend(plain_read(9, 3, "2026-11-30T10:00:01.000Z"));
-        feed.committed(&mut group, 12);
+        feed.committed(&mut notes(std::mem::take(&mut group)), 12);
         assert!(group.is_empty(), "the group is taken");
         let (page, last) = feed.page(0, 100).expect("held");
         assert_eq!(kinds(&page), vec![(6, "action_sent".to_owned())]);
@@ -240,7 +333,7 @@ mod tests {
         throttled[3].outcome = Some("failed".into());
         group.extend(throttled);
         group.extend(plain_read(9, 3, "2026-11-30T10:00:02.000Z"));
-        feed.committed(&mut group, 12);
+        feed.committed(&mut notes(std::mem::take(&mut group)), 12);
         let (page, last) = feed.page(0, 100).expect("held");
         assert_eq!(
             kinds(&page),
@@ -260,7 +353,7 @@ mod tests {
         let mut feed = WatchFeed::after(0);
         let mut group = plain_read(1, 1, "2026-11-30T10:00:00.000Z");
         group.truncate(2);
-        feed.committed(&mut group, 2);
+        feed.committed(&mut notes(std::mem::take(&mut group)), 2);
         let (page, _) = feed.page(0, 100).expect("held");
         assert_eq!(
             kinds(&page),
@@ -274,9 +367,9 @@ mod tests {
     #[test]
     fn consecutive_heartbeats_across_groups_keep_the_latest() {
         let mut feed = WatchFeed::after(0);
-        feed.committed(&mut plain_read(1, 1, "2026-11-30T10:00:00.000Z"), 4);
-        feed.committed(&mut plain_read(5, 2, "2026-11-30T10:00:03.000Z"), 8);
-        feed.committed(&mut plain_read(9, 3, "2026-11-30T10:00:02.000Z"), 12);
+        feed.committed(&mut notes(plain_read(1, 1, "2026-11-30T10:00:00.000Z")), 4);
+        feed.committed(&mut notes(plain_read(5, 2, "2026-11-30T10:00:03.000Z")), 8);
+        feed.committed(&mut notes(plain_read(9, 3, "2026-11-30T10:00:02.000Z")), 12);
         let (page, last) = feed.page(0, 100).expect("held");
         assert_eq!(kinds(&page), vec![(6, "action_sent".to_owned())]);
         assert_eq!(last, Some(12));
@@ -288,7 +381,7 @@ mod tests {
         let mut group: Vec<AuditEvent> = (1..=5)
             .map(|s| event(s, "scope_updated", None, "2026-11-30T10:00:00.000Z"))
             .collect();
-        feed.committed(&mut group, 5);
+        feed.committed(&mut notes(std::mem::take(&mut group)), 5);
         let (page, last) = feed.page(0, 2).expect("held");
         assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![1, 2]);
         assert_eq!(last, Some(2));
@@ -311,7 +404,7 @@ mod tests {
         let mut group: Vec<AuditEvent> = (11..=15)
             .map(|s| event(s, "scope_updated", None, "2026-11-30T10:00:00.000Z"))
             .collect();
-        feed.committed(&mut group, 15);
+        feed.committed(&mut notes(std::mem::take(&mut group)), 15);
         assert_eq!(feed.page(11, 100), None, "12 was dropped past the cap");
         let (page, last) = feed.page(12, 100).expect("held from 12 on");
         assert_eq!(
@@ -324,9 +417,72 @@ mod tests {
     #[test]
     fn a_group_with_nothing_kept_still_moves_the_head() {
         let mut feed = WatchFeed::after(0);
-        let mut group = vec![];
-        feed.committed(&mut group, 7);
+        let mut group: Vec<AuditEvent> = vec![];
+        feed.committed(&mut notes(std::mem::take(&mut group)), 7);
         assert_eq!(feed.page(0, 10), Some((Vec::new(), Some(7))));
         assert_eq!(feed.page(7, 10), Some((Vec::new(), None)));
+    }
+
+    #[test]
+    fn a_noted_heartbeat_stands_for_its_send_and_the_latest_of_a_group_wins() {
+        let at = |text: &str| -> Timestamp { text.parse().expect("instant") };
+        let mut feed = WatchFeed::after(0);
+        let mut watched = notes(vec![event(
+            1,
+            "scope_updated",
+            None,
+            "2026-11-30T10:00:00.000Z",
+        )]);
+        watched.heartbeat(Heartbeat {
+            seq: 3,
+            action: 7,
+            attempt: 1,
+            at: at("2026-11-30T10:00:05Z"),
+        });
+        watched.heartbeat(Heartbeat {
+            seq: 7,
+            action: 8,
+            attempt: 1,
+            at: at("2026-11-30T10:00:04Z"),
+        });
+        // A plain action among the events, sent earlier than the noted sends.
+        for e in plain_read(9, 9, "2026-11-30T10:00:01.000Z") {
+            watched.event(e);
+        }
+        feed.committed(&mut watched, 12);
+        let (page, last) = feed.page(0, 100).expect("held");
+        assert_eq!(
+            kinds(&page),
+            vec![
+                (1, "scope_updated".to_owned()),
+                (3, "action_sent".to_owned())
+            ]
+        );
+        assert_eq!(page[1].action, Some(7));
+        assert_eq!(page[1].attempt, Some(1));
+        assert_eq!(page[1].at, "2026-11-30T10:00:05.000Z");
+        assert_eq!(last, Some(12));
+    }
+
+    #[test]
+    fn what_an_undone_operation_noted_is_forgotten() {
+        let mut watched = Watched::default();
+        watched.event(event(1, "scope_updated", None, "2026-11-30T10:00:00.000Z"));
+        let mark = watched.mark();
+        watched.event(event(2, "scope_updated", None, "2026-11-30T10:00:00.000Z"));
+        watched.heartbeat(Heartbeat {
+            seq: 3,
+            action: 1,
+            attempt: 1,
+            at: "2026-11-30T10:00:00Z".parse().expect("instant"),
+        });
+        watched.undo(mark);
+        let mut feed = WatchFeed::after(0);
+        feed.committed(&mut watched, 1);
+        let (page, _) = feed.page(0, 100).expect("held");
+        assert_eq!(kinds(&page), vec![(1, "scope_updated".to_owned())]);
+        // task_opened is never noted.
+        watched.event(event(2, "task_opened", None, "2026-11-30T10:00:00.000Z"));
+        assert_eq!(watched.mark().0, 0);
     }
 }

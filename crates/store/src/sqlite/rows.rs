@@ -1,7 +1,7 @@
 //! Reading records from a connection (shared by the writer, the read pool and the audit reader).
 
 use jiff::Timestamp;
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::{params, Connection, OptionalExtension, Row, Statement};
 
 use crate::audit::{AuditEvent, ChainHead};
 use crate::error::StoreError;
@@ -45,19 +45,26 @@ fn u64_of(table: &'static str, v: Option<i64>) -> Result<Option<u64>, StoreError
     .transpose()
 }
 
+/// The query of [`task`].
+pub(crate) const TASK: &str = "SELECT id, agent, priority, deadline_ms, cancelled_at_ms \
+     FROM tasks WHERE agent = ?1 AND id = ?2";
+
 /// The task `id` of `agent` (tasks are namespaced per agent).
 pub(crate) fn task(
     conn: &Connection,
     agent: &str,
     id: &str,
 ) -> Result<Option<TaskRecord>, StoreError> {
-    let row = conn
-        .prepare_cached(
-            "SELECT id, agent, priority, deadline_ms, cancelled_at_ms FROM tasks \
-             WHERE agent = ?1 AND id = ?2",
-        )?
-        .query_row(params![agent, id], task_row)
-        .optional()?;
+    task_with(&mut *conn.prepare_cached(TASK)?, agent, id)
+}
+
+/// [`task`] with its statement ([`TASK`]) already prepared.
+pub(crate) fn task_with(
+    stmt: &mut Statement<'_>,
+    agent: &str,
+    id: &str,
+) -> Result<Option<TaskRecord>, StoreError> {
+    let row = stmt.query_row(params![agent, id], task_row).optional()?;
     row.map(task_record).transpose()
 }
 
@@ -637,7 +644,7 @@ pub(crate) fn audit_head(conn: &Connection) -> Result<Option<ChainHead>, StoreEr
 }
 
 /// The event insert, built once (not per event) from [`EVENT_COLUMNS`].
-static INSERT_EVENT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+pub(crate) static INSERT_EVENT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "INSERT INTO audit_events ({EVENT_COLUMNS}) VALUES \
          (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, \
@@ -645,8 +652,21 @@ static INSERT_EVENT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
-/// Appends one sealed event.
-pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), StoreError> {
+/// Binds parameter `i` (1-based) to `value` when it is set; leaves it as it is (NULL after
+/// `clear_bindings`) when it is not.
+fn bind_set<T: rusqlite::ToSql>(
+    stmt: &mut rusqlite::Statement<'_>,
+    i: usize,
+    value: Option<T>,
+) -> rusqlite::Result<()> {
+    match value {
+        Some(v) => stmt.raw_bind_parameter(i, v),
+        None => Ok(()),
+    }
+}
+
+/// Appends one sealed event with `stmt`, a statement of [`INSERT_EVENT`].
+pub(crate) fn insert_event(stmt: &mut Statement<'_>, e: &AuditEvent) -> Result<(), StoreError> {
     let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let headers = match e.signal_headers.as_deref() {
         None | Some([]) => None,
@@ -657,35 +677,37 @@ pub(crate) fn insert_event(conn: &Connection, e: &AuditEvent) -> Result<(), Stor
             })?,
         ),
     };
-    conn.prepare_cached(&INSERT_EVENT)?.execute(params![
-        to_i64(e.seq),
-        e.at,
-        e.kind,
-        e.task,
-        e.action,
-        e.attempt,
-        e.escalation,
-        e.provider,
-        e.scope,
-        e.route,
-        e.method,
-        e.request_class,
-        e.idempotency_key,
-        e.payload_digest,
-        e.status,
-        e.disposition,
-        e.boundary,
-        e.source,
-        e.outcome,
-        e.job,
-        e.due_at,
-        e.remaining.map(to_i64),
-        e.limit.map(to_i64),
-        e.decision,
-        e.decided_by,
-        e.prev,
-        e.hash,
-        headers,
-    ])?;
+    // Every parameter starts NULL and only the members that are set are bound: most of an
+    // event's members are not.
+    stmt.clear_bindings();
+    stmt.raw_bind_parameter(1, to_i64(e.seq))?;
+    stmt.raw_bind_parameter(2, &e.at)?;
+    stmt.raw_bind_parameter(3, &e.kind)?;
+    bind_set(stmt, 4, e.task.as_deref())?;
+    bind_set(stmt, 5, e.action)?;
+    bind_set(stmt, 6, e.attempt)?;
+    bind_set(stmt, 7, e.escalation)?;
+    bind_set(stmt, 8, e.provider.as_deref())?;
+    bind_set(stmt, 9, e.scope.as_deref())?;
+    bind_set(stmt, 10, e.route.as_deref())?;
+    bind_set(stmt, 11, e.method.as_deref())?;
+    bind_set(stmt, 12, e.request_class.as_deref())?;
+    bind_set(stmt, 13, e.idempotency_key.as_deref())?;
+    bind_set(stmt, 14, e.payload_digest.as_deref())?;
+    bind_set(stmt, 15, e.status)?;
+    bind_set(stmt, 16, e.disposition.as_deref())?;
+    bind_set(stmt, 17, e.boundary.as_deref())?;
+    bind_set(stmt, 18, e.source.as_deref())?;
+    bind_set(stmt, 19, e.outcome.as_deref())?;
+    bind_set(stmt, 20, e.job)?;
+    bind_set(stmt, 21, e.due_at.as_deref())?;
+    bind_set(stmt, 22, e.remaining.map(to_i64))?;
+    bind_set(stmt, 23, e.limit.map(to_i64))?;
+    bind_set(stmt, 24, e.decision.as_deref())?;
+    bind_set(stmt, 25, e.decided_by.as_deref())?;
+    stmt.raw_bind_parameter(26, &e.prev)?;
+    stmt.raw_bind_parameter(27, &e.hash)?;
+    bind_set(stmt, 28, headers)?;
+    stmt.raw_execute()?;
     Ok(())
 }
