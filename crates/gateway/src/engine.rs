@@ -264,7 +264,8 @@ struct Seen {
     left: u32,
     response_received: bool,
     last_status: Option<u16>,
-    last_signal: Option<String>,
+    /// The disposition of the last answer (`rate_limited`, `success`, …).
+    last_signal: Option<&'static str>,
     boundary: Option<Timestamp>,
 }
 
@@ -411,17 +412,18 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
 }
 
 /// Ends an action `cancelled` (audited) when its `execute` future is dropped mid-way.
-struct ActionGuard {
+struct ActionGuard<'a> {
     inner: Arc<Inner>,
     id: ActionId,
-    provider: String,
-    class: String,
+    /// The route's provider and class, copied for the metrics only if the action is cancelled.
+    provider: &'a str,
+    class: &'a str,
     sent: u32,
     in_flight: Option<u32>,
     armed: bool,
 }
 
-impl Drop for ActionGuard {
+impl Drop for ActionGuard<'_> {
     fn drop(&mut self) {
         if !self.armed {
             return;
@@ -431,7 +433,7 @@ impl Drop for ActionGuard {
         };
         let inner = self.inner.clone();
         let (id, in_flight, sent) = (self.id, self.in_flight, self.sent);
-        let (provider, class) = (self.provider.clone(), self.class.clone());
+        let (provider, class) = (self.provider.to_owned(), self.class.to_owned());
         tracing::info!(
             action = id.0,
             sent,
@@ -1187,8 +1189,8 @@ impl Engine {
         let mut guard = ActionGuard {
             inner: inner.clone(),
             id,
-            provider: route.provider.clone(),
-            class: route.class.clone(),
+            provider: &route.provider,
+            class: &route.class,
             sent: prior_attempts,
             in_flight: None,
             armed: true,
@@ -1273,7 +1275,7 @@ impl Engine {
         &self,
         run: &Run<'_>,
         mut budget: ActionBudget,
-        guard: &mut ActionGuard,
+        guard: &mut ActionGuard<'_>,
     ) -> Execution {
         let inner = &self.inner;
         let spec = run.spec;
@@ -1478,13 +1480,12 @@ impl Engine {
             if signal.disposition != Disposition::NotSent {
                 seen.left += 1;
             }
-            seen.last_signal = Some(signal.disposition.as_str().to_owned());
+            seen.last_signal = Some(signal.disposition.as_str());
             seen.boundary = signal.boundary.retry_not_before();
-            let scope_labels: Vec<&str> = if route.scopes.is_empty() {
-                vec!["-"]
-            } else {
-                route.scopes.iter().map(String::as_str).collect()
-            };
+            // One count per scope of the route, or one under `-` for a route without scopes.
+            let scope_labels = std::iter::once("-")
+                .filter(|_| route.scopes.is_empty())
+                .chain(route.scopes.iter().map(String::as_str));
             for scope in scope_labels {
                 inner
                     .metrics
@@ -2278,7 +2279,7 @@ impl Engine {
             attempts: seen.sent,
             total_wait_ms: wait_ms(budget),
             last_status: seen.last_status,
-            last_signal: seen.last_signal.clone(),
+            last_signal: seen.last_signal.map(str::to_owned),
             boundary,
             next_safe,
         }
