@@ -747,7 +747,9 @@ pub fn refusal(problem: Problem) -> Response {
     response
 }
 
-/// The proxy door handler (axum fallback of the router in [`crate::server`]).
+/// The proxy door handler: the fallback of the router in [`crate::server`], which each
+/// connection also calls directly, under the same edge layer, for a path whose first segment
+/// names a provider.
 ///
 /// The door's own time (request in → hand-over to the engine, and the engine's answer →
 /// response head out) is observed as `backstop_gateway_overhead_seconds` for every call that
