@@ -94,6 +94,17 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// `Prefer` (RFC 7240).
 const PREFER: HeaderName = HeaderName::from_static("prefer");
 
+/// The answer headers as names, so setting them parses nothing.
+const ACTION_ID: HeaderName = HeaderName::from_static(ACTION_ID_HEADER);
+const ATTEMPTS: HeaderName = HeaderName::from_static(ATTEMPTS_HEADER);
+const TASK_ECHO: HeaderName = HeaderName::from_static(TASK_ECHO_HEADER);
+const SINGLE_ATTEMPT: HeaderName = HeaderName::from_static(SINGLE_ATTEMPT_HEADER);
+const IDEMPOTENCY: HeaderName = HeaderName::from_static(IDEMPOTENCY_KEY);
+/// The request headers backstop reads, as names, so looking them up parses nothing.
+const TASK: HeaderName = HeaderName::from_static(TASK_HEADER);
+const PRIORITY: HeaderName = HeaderName::from_static(PRIORITY_HEADER);
+const DEADLINE: HeaderName = HeaderName::from_static(DEADLINE_HEADER);
+
 /// Longest accepted `X-Backstop-Task`, in bytes.
 pub const MAX_TASK_ID_BYTES: usize = 200;
 
@@ -141,7 +152,7 @@ pub struct BackstopHeaders {
 /// deadline that is not an RFC 3339 instant with an offset; a `wait` that is not
 /// delay-seconds (RFC 7240 §4.3); or any of them given twice.
 pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Problem> {
-    let task_id = single(headers, TASK_HEADER, "X-Backstop-Task")?
+    let task_id = single(headers, &TASK, "X-Backstop-Task")?
         .map(|value| {
             if value.is_empty() || value.len() > MAX_TASK_ID_BYTES {
                 return Err(Problem::bad_header(
@@ -158,7 +169,7 @@ pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Pr
             Ok(value.to_owned())
         })
         .transpose()?;
-    let priority = match single(headers, PRIORITY_HEADER, "X-Backstop-Priority")? {
+    let priority = match single(headers, &PRIORITY, "X-Backstop-Priority")? {
         None => Priority::Normal,
         Some(value) => match value.to_ascii_lowercase().as_str() {
             "interactive" => Priority::Interactive,
@@ -175,7 +186,7 @@ pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Pr
             }
         },
     };
-    let deadline = single(headers, DEADLINE_HEADER, "X-Backstop-Deadline")?
+    let deadline = single(headers, &DEADLINE, "X-Backstop-Deadline")?
         .map(|value| {
             parse_instant(value)
                 .map_err(|reason| Problem::bad_header("X-Backstop-Deadline", reason))
@@ -226,7 +237,7 @@ fn truncate_fraction(text: &str) -> std::borrow::Cow<'_, str> {
 /// One header value as trimmed text; two instances or non-text bytes are errors.
 fn single<'a>(
     headers: &'a HeaderMap,
-    name: &str,
+    name: &HeaderName,
     display: &str,
 ) -> Result<Option<&'a str>, Problem> {
     let mut values = headers.get_all(name).iter();
@@ -334,41 +345,36 @@ fn forwarded_prefer(headers: &HeaderMap) -> Option<HeaderValue> {
     }
 }
 
-/// The fixed hop-by-hop headers of RFC 9110 §7.6.1 (plus the legacy `Proxy-Connection`).
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-];
+/// Whether `name` is one of the fixed hop-by-hop headers of RFC 9110 §7.6.1: `Connection`,
+/// `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade` and every `Proxy-*` header
+/// (`Proxy-Authenticate`, `Proxy-Authorization`, the legacy `Proxy-Connection`).
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    let name = name.as_str();
+    matches!(
+        name,
+        "connection" | "keep-alive" | "te" | "trailer" | "transfer-encoding" | "upgrade"
+    ) || name.starts_with("proxy-")
+}
 
-/// Removes the hop-by-hop headers of RFC 9110 §7.6.1: `Connection` and every header it lists,
-/// `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
+/// The header names a `Connection` header lists (RFC 9110 §7.6.1): hop-by-hop too. Empty, and
+/// nothing allocated, when there is no such header.
+fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in listed {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
-    }
-    headers.remove(header::UPGRADE);
-    let proxy: Vec<HeaderName> = headers
-        .keys()
-        .filter(|k| k.as_str().starts_with("proxy-"))
-        .cloned()
-        .collect();
-    for name in proxy {
+        .collect()
+}
+
+/// Removes the hop-by-hop headers of RFC 9110 §7.6.1: `Connection` and every header it lists,
+/// `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`. One pass over the
+/// names; a map without any (the usual response) is left untouched and nothing is allocated.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let mut doomed = connection_listed(headers);
+    doomed.extend(headers.keys().filter(|k| is_hop_by_hop(k)).cloned());
+    for name in doomed {
         headers.remove(name);
     }
 }
@@ -449,7 +455,34 @@ pub fn mint_id(prefix: &str) -> String {
     let state = RandomState::new();
     let high = state.hash_one((n, 0u8));
     let low = state.hash_one((n, 1u8));
-    format!("{prefix}{high:016x}{low:016x}")
+    let mut id = String::with_capacity(prefix.len() + 32);
+    id.push_str(prefix);
+    push_hex(&mut id, &high.to_be_bytes());
+    push_hex(&mut id, &low.to_be_bytes());
+    id
+}
+
+/// Appends `bytes` as lower-case hex, two digits a byte.
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+    }
+}
+
+/// The SHA-256 of an empty payload, as lower-case hex: the digest of every bodiless request.
+const EMPTY_SHA256_HEX: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+/// The SHA-256 of `bytes` as 64 lower-case hex digits (the payload and target digests).
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
+    if bytes.is_empty() {
+        return EMPTY_SHA256_HEX.to_owned();
+    }
+    let mut hex = String::with_capacity(64);
+    push_hex(&mut hex, &Sha256::digest(bytes));
+    hex
 }
 
 /// Normalizes a request path (no query) as RFC 3986 §6.2.2 says, so that spellings of one
@@ -463,6 +496,17 @@ pub fn mint_id(prefix: &str) -> String {
 /// A 400 `bad_request` [`Problem`]: a `%` not followed by two hex digits, or a `..` that would
 /// climb above the root (`/v1/../../x`) — such a path names nothing below the gateway.
 pub fn normalize_path(path: &str) -> Result<String, Problem> {
+    // Already normal (the usual path): no percent-encoding and no dot segment to remove.
+    if !path.contains('%') && !path.split('/').any(|s| s == "." || s == "..") {
+        return Ok(if path.starts_with('/') {
+            path.to_owned()
+        } else {
+            let mut normal = String::with_capacity(path.len() + 1);
+            normal.push('/');
+            normal.push_str(path);
+            normal
+        });
+    }
     let mut segments: Vec<String> = Vec::new();
     let raw: Vec<&str> = path.strip_prefix('/').unwrap_or(path).split('/').collect();
     let last = raw.len().saturating_sub(1);
@@ -540,6 +584,24 @@ fn split_provider(path_and_query: &str) -> Option<(&str, String)> {
     Some((provider, rest))
 }
 
+/// [`split_provider`] of a normalized path (no query) and its query: the provider name and
+/// `/rest?query`, built in one allocation.
+fn split_provider_query<'a>(path: &'a str, query: Option<&str>) -> Option<(&'a str, String)> {
+    let trimmed = path.strip_prefix('/')?;
+    let (provider, rest) = trimmed.split_at(trimmed.find('/').unwrap_or(trimmed.len()));
+    if provider.is_empty() {
+        return None;
+    }
+    let rest = if rest.is_empty() { "/" } else { rest };
+    let mut out = String::with_capacity(rest.len() + query.map_or(0, |q| q.len() + 1));
+    out.push_str(rest);
+    if let Some(query) = query {
+        out.push('?');
+        out.push_str(query);
+    }
+    Some((provider, out))
+}
+
 /// Reads a body into memory up to `config.max_body_bytes`. Returns the bytes and whether they
 /// exceed `config.max_buffered_body_bytes`.
 async fn read_body(body: Body, config: DoorConfig) -> Result<(Bytes, bool), Problem> {
@@ -587,23 +649,27 @@ fn upstream_headers(
     provider: &Provider,
     credential: Option<&crate::secrets::CredentialHeader>,
 ) -> Result<(HeaderMap, Option<String>), Problem> {
-    let mut headers = incoming.clone();
-    strip_hop_by_hop(&mut headers);
-    headers.remove(header::HOST);
-    headers.remove(header::AUTHORIZATION);
-    headers.remove(header::CONTENT_LENGTH);
-    headers.remove(header::EXPECT);
-    headers.remove(PREFER);
+    // One pass over the agent's headers keeps what goes upstream: not the hop-by-hop ones,
+    // `Host` (the client sets the provider's), the agent's credentials, the framing the client
+    // redoes, backstop's own headers, or `Prefer` (forwarded below without backstop's
+    // preferences).
+    let listed = connection_listed(incoming);
+    let mut headers = HeaderMap::with_capacity(incoming.keys_len());
+    for (name, value) in incoming {
+        let dropped = is_hop_by_hop(name)
+            || *name == header::HOST
+            || *name == header::AUTHORIZATION
+            || *name == header::CONTENT_LENGTH
+            || *name == header::EXPECT
+            || *name == PREFER
+            || name.as_str().starts_with("x-backstop-")
+            || listed.contains(name);
+        if !dropped {
+            headers.append(name.clone(), value.clone());
+        }
+    }
     if let Some(prefer) = forwarded_prefer(incoming) {
         headers.insert(PREFER, prefer);
-    }
-    let backstop: Vec<HeaderName> = headers
-        .keys()
-        .filter(|k| k.as_str().starts_with("x-backstop-"))
-        .cloned()
-        .collect();
-    for name in backstop {
-        headers.remove(name);
     }
     if let Some(credential) = credential {
         headers.insert(credential.name.clone(), credential.value.clone());
@@ -624,7 +690,7 @@ fn upstream_headers(
         })?;
         // Checked here, before any action exists, so a bad key is the agent's malformed
         // header (400 `bad_header`), never a recorded action refused later.
-        if let Some(value) = single(incoming, header_name.as_str(), name)? {
+        if let Some(value) = single(incoming, &header_name, name)? {
             key = Some(checked_idempotency_key(name, value)?.to_owned());
         }
         if provider.idempotency_header.is_none() {
@@ -654,23 +720,20 @@ pub fn checked_idempotency_key<'a>(header: &str, value: &'a str) -> Result<&'a s
 
 fn receipt_headers(response: &mut Response, receipt: &ActionReceipt, task_id: &str, single: bool) {
     let headers = response.headers_mut();
-    headers.insert(ACTION_ID_HEADER, HeaderValue::from(receipt.action_id));
-    headers.insert(ATTEMPTS_HEADER, HeaderValue::from(receipt.attempts));
+    headers.insert(ACTION_ID, HeaderValue::from(receipt.action_id));
+    headers.insert(ATTEMPTS, HeaderValue::from(receipt.attempts));
     if let Some(key) = receipt
         .idempotency_key
         .as_deref()
         .and_then(|k| HeaderValue::from_str(k).ok())
     {
-        headers.insert(IDEMPOTENCY_KEY, key);
+        headers.insert(IDEMPOTENCY, key);
     }
     if let Ok(task) = HeaderValue::from_str(task_id) {
-        headers.insert(TASK_ECHO_HEADER, task);
+        headers.insert(TASK_ECHO, task);
     }
     if single {
-        headers.insert(
-            SINGLE_ATTEMPT_HEADER,
-            HeaderValue::from_static("body-too-large"),
-        );
+        headers.insert(SINGLE_ATTEMPT, HeaderValue::from_static("body-too-large"));
     }
 }
 
@@ -679,12 +742,14 @@ fn receipt_headers(response: &mut Response, receipt: &ActionReceipt, task_id: &s
 pub fn refusal(problem: Problem) -> Response {
     let mut response = problem.into_response();
     let headers = response.headers_mut();
-    headers.insert(ACTION_ID_HEADER, HeaderValue::from(0u32));
-    headers.insert(ATTEMPTS_HEADER, HeaderValue::from(0u32));
+    headers.insert(ACTION_ID, HeaderValue::from(0u32));
+    headers.insert(ATTEMPTS, HeaderValue::from(0u32));
     response
 }
 
-/// The proxy door handler (axum fallback of the router in [`crate::server`]).
+/// The proxy door handler: the fallback of the router in [`crate::server`], which each
+/// connection also calls directly, under the same edge layer, for a path whose first segment
+/// names a provider.
 ///
 /// The door's own time (request in → hand-over to the engine, and the engine's answer →
 /// response head out) is observed as `backstop_gateway_overhead_seconds` for every call that
@@ -771,12 +836,8 @@ pub(crate) fn build_spec(
         None => (path_and_query, None),
     };
     let normalized = normalize_path(path)?;
-    let path_and_query = match query {
-        Some(query) => format!("{normalized}?{query}"),
-        None => normalized.clone(),
-    };
     let (provider_name, rest) =
-        split_provider(&path_and_query).ok_or_else(|| Problem::not_found(&normalized))?;
+        split_provider_query(&normalized, query).ok_or_else(|| Problem::not_found(&normalized))?;
     let policy: &Policy = &state.policy;
     if backstop_core::policy::check_provider_name(provider_name).is_err() {
         return Err(Problem::not_found(&normalized));
@@ -811,13 +872,15 @@ pub(crate) fn build_spec(
             "door: body larger than the retry buffer; exactly one attempt"
         );
     }
-    let payload_digest = hex::encode(Sha256::digest(&body));
+    let payload_digest = sha256_hex(&body);
     // The concrete target as sent (normalized path and query): the agent's key binds it (SPEC
     // §6). Only an agent-supplied key can be reused, so only then is it computed and stored.
     let target_digest = idempotency_key
         .as_ref()
-        .map(|_| hex::encode(Sha256::digest(rest.as_bytes())));
-    let url = format!("{}{}", provider.base_url, rest);
+        .map(|_| sha256_hex(rest.as_bytes()));
+    let mut url = String::with_capacity(provider.base_url.len() + rest.len());
+    url.push_str(&provider.base_url);
+    url.push_str(&rest);
     Ok(ActionSpec {
         task_id,
         agent,
@@ -1346,6 +1409,10 @@ mod tests {
             ("/fake/v1/limited/.", "/fake/v1/limited/"),
             ("/fake/v1/x/..", "/fake/v1/"),
             ("/%66ake/v1", "/fake/v1"),
+            ("fake/v1", "/fake/v1"),
+            ("/", "/"),
+            ("", "/"),
+            ("/fake/v1/.hidden/..x", "/fake/v1/.hidden/..x"),
         ] {
             assert_eq!(normalize_path(given).unwrap(), expected, "{given}");
         }
@@ -1362,6 +1429,72 @@ mod tests {
         let b = mint_id("task-");
         assert_ne!(a, b);
         assert_eq!(a.len(), 5 + 32);
+        let digits = a.strip_prefix("task-").unwrap();
+        assert!(
+            digits
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+            "{a}"
+        );
+    }
+
+    #[test]
+    fn digests_are_lower_case_sha256_hex() {
+        for body in [&b""[..], b"a", b"{\"amount\":5}", &[0xffu8; 300][..]] {
+            assert_eq!(sha256_hex(body), hex::encode(Sha256::digest(body)));
+        }
+    }
+
+    #[test]
+    fn provider_and_rest_split_the_same_with_or_without_a_query() {
+        for path in [
+            "/billing/v1/transfers",
+            "/billing",
+            "/billing/",
+            "/",
+            "//x",
+            "/b//c",
+        ] {
+            for query in [None, Some(""), Some("x=1&y=%2F")] {
+                let joined = match query {
+                    Some(q) => format!("{path}?{q}"),
+                    None => path.to_owned(),
+                };
+                assert_eq!(
+                    split_provider_query(path, query),
+                    split_provider(&joined),
+                    "{joined}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn upstream_headers_keep_repeated_values_and_drop_what_connection_names() {
+        let incoming = headers(&[
+            ("Connection", "X-Private-Hop"),
+            ("X-Private-Hop", "1"),
+            ("Accept", "application/json"),
+            ("Accept", "text/plain"),
+            ("Keep-Alive", "timeout=5"),
+            ("Proxy-Foo", "1"),
+            ("Expect", "100-continue"),
+            ("Prefer", "return=minimal, wait=5"),
+            ("X-Backstop-Deadline", "2026-01-01T00:00:00Z"),
+            ("X-Request-Id", "r-1"),
+        ]);
+        let (out, _) = upstream_headers(&incoming, &Method::GET, &provider(None), None).unwrap();
+        let accept: Vec<&str> = out
+            .get_all("accept")
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(accept, ["application/json", "text/plain"]);
+        assert_eq!(out["prefer"], "return=minimal");
+        assert_eq!(out["x-request-id"], "r-1");
+        let mut left: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(left, ["accept", "prefer", "x-request-id"]);
     }
 
     #[tokio::test]

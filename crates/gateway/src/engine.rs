@@ -58,8 +58,7 @@ use backstop_core::{
     escalation::sanitize_text,
     outcome::{NextSafe, Outcome, OutcomeContext},
     pacing::Priority,
-    policy::Policy,
-    policy::ReconcileBy,
+    policy::{Policy, ReconcileBy, RouteMatch},
     quota::quota_boundary_with,
     reconcile::{
         ensure_external_reference, mint_idempotency_key, operation_id_from_response,
@@ -162,8 +161,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     scheduler: SchedulerHandle,
     rng: Mutex<crate::scheduler::SplitMix64>,
-    /// Circuit breakers per task, keyed `(agent, task id)`.
-    breakers: Mutex<HashMap<(String, String), TaskBreaker>>,
+    /// Circuit breakers per task, by agent, then task id (looked up without copying either).
+    breakers: Mutex<HashMap<String, HashMap<String, TaskBreaker>>>,
     flights: Arc<Flights>,
     shutting_down: AtomicBool,
     /// `true` once restart recovery has listed the attempts left unfinished by the previous
@@ -181,6 +180,79 @@ struct Inner {
     quota_escalations: tokio::sync::Mutex<()>,
     /// Runs of `rate_limited` answers per scope (in memory only), for `account_configuration`.
     limit_streaks: Mutex<quota_escalations::LimitStreaks>,
+    /// The classification rules of every `(provider, class)` pair of the policy, built once:
+    /// the policy does not change while the engine runs, and building the rules (the
+    /// error-code table, the pointer lists) for every action cost more than classifying.
+    rules: RuleTable,
+    /// The request fingerprints of the configured routes that fingerprint no payload field, by
+    /// template and method: each is the SHA-256 of the method and the template alone, the same
+    /// for every action of its route (see [`Inner::fingerprint`]).
+    route_fingerprints: HashMap<String, Vec<(String, RequestFingerprint)>>,
+}
+
+/// Classification rules by provider, then request class.
+type RuleTable = HashMap<String, HashMap<String, Arc<ClassifyRules>>>;
+
+/// The classification rules of every provider and request class of `policy`.
+fn rule_table(policy: &Policy) -> RuleTable {
+    policy
+        .providers
+        .keys()
+        .map(|provider| {
+            let by_class = policy
+                .request_classes
+                .iter()
+                .filter_map(|(name, class)| {
+                    let rules = policy.classify_rules(provider, class).ok()?;
+                    Some((name.clone(), Arc::new(rules)))
+                })
+                .collect();
+            (provider.clone(), by_class)
+        })
+        .collect()
+}
+
+/// The request fingerprint of an action on `route` with payload `body`, taken from `known` (see
+/// [`route_fingerprints`]) for a configured route without payload fields, computed otherwise.
+fn fingerprint_with(
+    known: &HashMap<String, Vec<(String, RequestFingerprint)>>,
+    route: &RouteMatch,
+    body: &[u8],
+) -> RequestFingerprint {
+    if route.fingerprint_fields.is_empty() {
+        let found = route
+            .configured
+            .then(|| known.get(&route.template))
+            .flatten()
+            .and_then(|methods| methods.iter().find(|(method, _)| *method == route.method));
+        return match found {
+            Some((_, fingerprint)) => fingerprint.clone(),
+            None => RequestFingerprint::compute(&route.method, &route.template, None, &[]),
+        };
+    }
+    let payload = serde_json::from_slice::<serde_json::Value>(body).ok();
+    RequestFingerprint::compute(
+        &route.method,
+        &route.template,
+        payload.as_ref(),
+        &route.fingerprint_fields,
+    )
+}
+
+/// The fingerprints of the configured routes of `policy` without payload fields, by template
+/// and method.
+fn route_fingerprints(policy: &Policy) -> HashMap<String, Vec<(String, RequestFingerprint)>> {
+    let mut table: HashMap<String, Vec<(String, RequestFingerprint)>> = HashMap::new();
+    let routes = policy.providers.values().flat_map(|p| p.routes.iter());
+    for route in routes.filter(|r| r.fingerprint_fields.is_empty()) {
+        let methods = table.entry(route.template.clone()).or_default();
+        if methods.iter().all(|(method, _)| *method != route.method) {
+            let fingerprint =
+                RequestFingerprint::compute(&route.method, &route.template, None, &[]);
+            methods.push((route.method.clone(), fingerprint));
+        }
+    }
+    table
 }
 
 /// What has been seen of an action so far (for the SPEC §5 context).
@@ -192,7 +264,8 @@ struct Seen {
     left: u32,
     response_received: bool,
     last_status: Option<u16>,
-    last_signal: Option<String>,
+    /// The disposition of the last answer (`rate_limited`, `success`, …).
+    last_signal: Option<&'static str>,
     boundary: Option<Timestamp>,
 }
 
@@ -201,10 +274,11 @@ struct Run<'a> {
     spec: &'a ActionSpec,
     id: ActionId,
     fingerprint: RequestFingerprint,
-    rules: ClassifyRules,
+    rules: Arc<ClassifyRules>,
     /// The request every attempt sends: the agent's, with the idempotency key under the
-    /// provider's header and the external reference written into the payload when configured.
-    request: crate::transport::AttemptRequest,
+    /// provider's header and the external reference written into the payload when configured
+    /// (a read's is the agent's as it is, borrowed from the spec).
+    request: std::borrow::Cow<'a, crate::transport::AttemptRequest>,
     /// The one idempotency key of this logical action, as the agent knows it.
     key: String,
     /// The key the provider is sent ([`upstream_idempotency_key`] of agent and key); empty for
@@ -338,17 +412,18 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
 }
 
 /// Ends an action `cancelled` (audited) when its `execute` future is dropped mid-way.
-struct ActionGuard {
+struct ActionGuard<'a> {
     inner: Arc<Inner>,
     id: ActionId,
-    provider: String,
-    class: String,
+    /// The route's provider and class, copied for the metrics only if the action is cancelled.
+    provider: &'a str,
+    class: &'a str,
     sent: u32,
     in_flight: Option<u32>,
     armed: bool,
 }
 
-impl Drop for ActionGuard {
+impl Drop for ActionGuard<'_> {
     fn drop(&mut self) {
         if !self.armed {
             return;
@@ -358,7 +433,7 @@ impl Drop for ActionGuard {
         };
         let inner = self.inner.clone();
         let (id, in_flight, sent) = (self.id, self.in_flight, self.sent);
-        let (provider, class) = (self.provider.clone(), self.class.clone());
+        let (provider, class) = (self.provider.to_owned(), self.class.to_owned());
         tracing::info!(
             action = id.0,
             sent,
@@ -518,6 +593,30 @@ impl Inner {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .unit()
     }
+
+    /// The request fingerprint of an action on `route` with payload `body`: the method, the
+    /// template and the route's stable payload fields (SPEC §7). A configured route without
+    /// payload fields has one fingerprint, computed when the engine was built.
+    fn fingerprint(&self, route: &RouteMatch, body: &[u8]) -> RequestFingerprint {
+        fingerprint_with(&self.route_fingerprints, route, body)
+    }
+
+    /// The classification rules of `provider` for the request class `class` (named
+    /// `class_name`), from the table built with the engine.
+    ///
+    /// # Errors
+    /// [`backstop_core::policy::UnknownProvider`] for a provider the policy does not name.
+    fn rules(
+        &self,
+        provider: &str,
+        class_name: &str,
+        class: &backstop_core::policy::RequestClass,
+    ) -> Result<Arc<ClassifyRules>, backstop_core::policy::UnknownProvider> {
+        match self.rules.get(provider).and_then(|c| c.get(class_name)) {
+            Some(rules) => Ok(rules.clone()),
+            None => self.policy.classify_rules(provider, class).map(Arc::new),
+        }
+    }
 }
 
 impl Engine {
@@ -554,6 +653,8 @@ impl Engine {
             .map(|(provider, name, value)| (provider, (name, value)))
             .collect();
         let scheduler = SchedulerHandle::spawn(&policy, clock, metrics.clone(), seed);
+        let rules = rule_table(&policy);
+        let fingerprints = route_fingerprints(&policy);
         let inner = Arc::new(Inner {
             policy,
             store,
@@ -573,6 +674,8 @@ impl Engine {
             kept: Mutex::new(actions::Kept::default()),
             quota_escalations: tokio::sync::Mutex::new(()),
             limit_streaks: Mutex::new(quota_escalations::LimitStreaks::default()),
+            rules,
+            route_fingerprints: fingerprints,
         });
         let restore = inner.clone();
         tokio::spawn(async move {
@@ -802,7 +905,7 @@ impl Engine {
         let shared = match execution {
             Execution::Response { receipt, response } => {
                 let (parts, body) = response.into_parts();
-                match axum::body::to_bytes(body, SHARED_BODY_LIMIT).await {
+                match Box::pin(axum::body::to_bytes(body, SHARED_BODY_LIMIT)).await {
                     Ok(bytes) => Shared::Response {
                         receipt,
                         status: parts.status,
@@ -874,7 +977,7 @@ impl Engine {
                 None,
             );
         };
-        let rules = match inner.policy.classify_rules(&route.provider, class) {
+        let rules = match inner.rules(&route.provider, &route.class, class) {
             Ok(rules) => rules,
             Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
         };
@@ -896,21 +999,12 @@ impl Engine {
                 )
             }
         };
-        let payload = if route.fingerprint_fields.is_empty() {
-            None
-        } else {
-            serde_json::from_slice::<serde_json::Value>(&spec.request.body).ok()
-        };
-        let fingerprint = RequestFingerprint::compute(
-            &route.method,
-            &route.template,
-            payload.as_ref(),
-            &route.fingerprint_fields,
-        );
+        let fingerprint = inner.fingerprint(route, &spec.request.body);
 
         // One idempotency key per logical write: the agent's (validated) or minted once. A read
         // carries none: nothing is minted, stored or audited for it.
-        let mut request = spec.request.clone();
+        // A read sends the agent's request as prepared by the door: borrowed, not copied.
+        let mut request = std::borrow::Cow::Borrowed(&spec.request);
         let provider = inner.policy.providers.get(&route.provider);
         let is_write = !is_safe_method(&request.method);
         let key = match &spec.idempotency_key {
@@ -934,7 +1028,7 @@ impl Engine {
             {
                 match ensure_external_reference(&request.body, pointer, &upstream_key) {
                     Ok((body, found)) => {
-                        request.body = Bytes::from(body);
+                        request.to_mut().body = Bytes::from(body);
                         reference = Some(found);
                     }
                     Err(e) => return (unrecorded(Outcome::Rejected, e.to_string()), None),
@@ -950,7 +1044,7 @@ impl Engine {
                 http::HeaderValue::from_str(&upstream_key),
             ) {
                 (Ok(name), Ok(value)) => {
-                    request.headers.insert(name, value);
+                    request.to_mut().headers.insert(name, value);
                 }
                 _ => {
                     return (
@@ -964,17 +1058,21 @@ impl Engine {
             }
         }
         // Remember how to reach the provider for lookups made later without this request.
-        if let Some(cred) = provider
-            .and_then(|p| p.credential.as_ref())
-            .and_then(|c| http::HeaderName::from_bytes(c.header.as_bytes()).ok())
         {
-            if let Some(value) = request.headers.get(&cred) {
-                inner
-                    .credentials
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .entry(route.provider.clone())
-                    .or_insert_with(|| (cred.clone(), value.clone()));
+            let mut known = inner
+                .credentials
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if !known.contains_key(&route.provider) {
+                if let Some(cred) = provider
+                    .and_then(|p| p.credential.as_ref())
+                    .and_then(|c| http::HeaderName::from_bytes(c.header.as_bytes()).ok())
+                {
+                    if let Some(value) = request.headers.get(&cred) {
+                        let value = value.clone();
+                        known.insert(route.provider.clone(), (cred, value));
+                    }
+                }
             }
         }
 
@@ -1003,7 +1101,7 @@ impl Engine {
                 .desired_outcome
                 .as_deref()
                 .map(|text| sanitize_text(text).text),
-            fingerprint: Some(fingerprint.to_string()),
+            fingerprint: Some(fingerprint.as_str().to_owned()),
         };
         // Task and action in one store operation. A write waits until both are durable; a
         // read gets its id at once and is recorded with the next group commit (SPEC §12).
@@ -1026,9 +1124,15 @@ impl Engine {
         };
         let (id, action_guard, prior_attempts) = match admission {
             Ok(StoreAdmission::New(id)) => {
-                let guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
-                    Role::Leader(guard) => Some(guard),
-                    Role::Follower(_) => None,
+                // A layered retry finds a write again under its key and joins it; a read has no
+                // key, so nothing can follow it and it is not registered.
+                let guard = if is_write {
+                    match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
+                        Role::Leader(guard) => Some(guard),
+                        Role::Follower(_) => None,
+                    }
+                } else {
+                    None
                 };
                 (id, guard, 0)
             }
@@ -1073,7 +1177,7 @@ impl Engine {
                         if let Some(tx) = notify {
                             let _ = tx.send(record.id.0);
                         }
-                        return (self.existing(*record).await, None);
+                        return (Box::pin(self.existing(*record)).await, None);
                     }
                 }
             }
@@ -1085,8 +1189,8 @@ impl Engine {
         let mut guard = ActionGuard {
             inner: inner.clone(),
             id,
-            provider: route.provider.clone(),
-            class: route.class.clone(),
+            provider: &route.provider,
+            class: &route.class,
             sent: prior_attempts,
             in_flight: None,
             armed: true,
@@ -1111,7 +1215,8 @@ impl Engine {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             breakers
-                .get(&(spec.agent.clone(), spec.task_id.clone()))
+                .get(&spec.agent)
+                .and_then(|tasks| tasks.get(&spec.task_id))
                 .and_then(|b| b.check(&run.fingerprint).err())
         };
         if let Some(open) = open {
@@ -1133,16 +1238,15 @@ impl Engine {
                 "this request failed {} times in this task with `{}`; the circuit is open",
                 open.failures, open.error_code
             );
-            let execution = self
-                .finish(
-                    &run,
-                    &ActionBudget::new(class.budget(), None),
-                    Outcome::CircuitOpen,
-                    context,
-                    detail,
-                    0,
-                )
-                .await;
+            let execution = Box::pin(self.finish(
+                &run,
+                &ActionBudget::new(class.budget(), None),
+                Outcome::CircuitOpen,
+                context,
+                detail,
+                0,
+            ))
+            .await;
             return (execution, action_guard);
         }
 
@@ -1171,7 +1275,7 @@ impl Engine {
         &self,
         run: &Run<'_>,
         mut budget: ActionBudget,
-        guard: &mut ActionGuard,
+        guard: &mut ActionGuard<'_>,
     ) -> Execution {
         let inner = &self.inner;
         let spec = run.spec;
@@ -1238,9 +1342,10 @@ impl Engine {
                         // would race that report and leave it uncounted.
                         return self.ended(run, outcome, context, detail, seen.sent);
                     }
-                    return self
-                        .finish(run, &budget, outcome, context, detail, seen.sent)
-                        .await;
+                    return Box::pin(
+                        self.finish(run, &budget, outcome, context, detail, seen.sent),
+                    )
+                    .await;
                 }
                 Acquired::Stopped { .. } => {
                     guard.armed = false;
@@ -1290,9 +1395,15 @@ impl Engine {
                         _ => "the action may not send again".to_owned(),
                     };
                     let context = self.context(&budget, &seen, None, vec![NextSafe::Abort]);
-                    return self
-                        .finish(run, &budget, Outcome::Cancelled, context, detail, seen.sent)
-                        .await;
+                    return Box::pin(self.finish(
+                        run,
+                        &budget,
+                        Outcome::Cancelled,
+                        context,
+                        detail,
+                        seen.sent,
+                    ))
+                    .await;
                 }
             };
             seen.sent += 1;
@@ -1304,7 +1415,7 @@ impl Engine {
                 attempt,
                 "attempt sent"
             );
-            let reply = inner.transport.send(run.request.clone()).await;
+            let reply = inner.transport.send(run.request.as_ref().clone()).await;
             drop(permit);
             let received_at = inner.clock.now();
 
@@ -1369,26 +1480,29 @@ impl Engine {
             if signal.disposition != Disposition::NotSent {
                 seen.left += 1;
             }
-            seen.last_signal = Some(signal.disposition.as_str().to_owned());
+            seen.last_signal = Some(signal.disposition.as_str());
             seen.boundary = signal.boundary.retry_not_before();
-            let scope_labels: Vec<&str> = if route.scopes.is_empty() {
-                vec!["-"]
-            } else {
-                route.scopes.iter().map(String::as_str).collect()
-            };
+            // One count per scope of the route, or one under `-` for a route without scopes.
+            let scope_labels = std::iter::once("-")
+                .filter(|_| route.scopes.is_empty())
+                .chain(route.scopes.iter().map(String::as_str));
             for scope in scope_labels {
                 inner
                     .metrics
                     .attempt(&route.provider, scope, &route.class, signal.disposition);
             }
-            inner
-                .limit_streaks
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .note(
-                    &quota_escalations::streak_keys(&route.provider, &route.scopes),
-                    signal.disposition,
-                );
+            {
+                let mut streaks = inner
+                    .limit_streaks
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                if streaks.would_change(signal.disposition) {
+                    streaks.note(
+                        &quota_escalations::streak_keys(&route.provider, &route.scopes),
+                        signal.disposition,
+                    );
+                }
+            }
 
             // Scope records first: quota headers, then a rate limit's boundary.
             self.update_scopes(run, &signal, status, received_at).await;
@@ -1418,9 +1532,7 @@ impl Engine {
             if signal.disposition == Disposition::Uncertain && !is_safe_method(&run.request.method)
             {
                 let facts = self.write_facts(run, &budget);
-                match inner
-                    .reconcile_uncertain(&facts, Some(&run.request.headers))
-                    .await
+                match Box::pin(inner.reconcile_uncertain(&facts, Some(&run.request.headers))).await
                 {
                     writes::UncertainEnd::Found { operation_id } => {
                         guard.armed = false;
@@ -1489,9 +1601,10 @@ impl Engine {
                             tracing::warn!(action = run.id.0, error = %e, "could not record the result");
                         }
                         guard.in_flight = None;
-                        return self
-                            .escalate_uncertain(run, &budget, &seen, &facts, &reason)
-                            .await;
+                        return Box::pin(
+                            self.escalate_uncertain(run, &budget, &seen, &facts, &reason),
+                        )
+                        .await;
                     }
                 }
             }
@@ -1589,8 +1702,8 @@ impl Engine {
                 signal.disposition == Disposition::Uncertain && is_safe_method(&run.request.method);
             if !signal.retryable && !resend_same_key && !uncertain_read {
                 guard.armed = false;
-                return self
-                    .final_failure(
+                return Box::pin(
+                    self.final_failure(
                         run,
                         &budget,
                         &seen,
@@ -1600,8 +1713,9 @@ impl Engine {
                         provider
                             .and_then(|p| p.idempotency_header.as_ref())
                             .is_some(),
-                    )
-                    .await;
+                    ),
+                )
+                .await;
             }
 
             // Retryable: attempts left, retry quota, then the core's plan.
@@ -1615,17 +1729,16 @@ impl Engine {
                     route.class,
                     signal.disposition
                 );
-                return self
-                    .finish_with_result(
-                        run,
-                        &budget,
-                        result,
-                        Outcome::BudgetExhausted,
-                        context,
-                        detail,
-                        seen.sent,
-                    )
-                    .await;
+                return Box::pin(self.finish_with_result(
+                    run,
+                    &budget,
+                    result,
+                    Outcome::BudgetExhausted,
+                    context,
+                    detail,
+                    seen.sent,
+                ))
+                .await;
             }
             let cause = match signal.disposition {
                 Disposition::NotSent | Disposition::Uncertain => RetryCause::Timeout,
@@ -1637,17 +1750,16 @@ impl Engine {
                     guard.armed = false;
                     let boundary = seen.boundary;
                     let context = self.context(&budget, &seen, boundary, wait_then_abort(boundary));
-                    return self
-                        .finish_with_result(
-                            run,
-                            &budget,
-                            result,
-                            Outcome::QuotaExhausted,
-                            context,
-                            refused.to_string(),
-                            seen.sent,
-                        )
-                        .await;
+                    return Box::pin(self.finish_with_result(
+                        run,
+                        &budget,
+                        result,
+                        Outcome::QuotaExhausted,
+                        context,
+                        refused.to_string(),
+                        seen.sent,
+                    ))
+                    .await;
                 }
             };
             pending = Some(withdrawn);
@@ -1688,20 +1800,19 @@ impl Engine {
                     );
                     let escalate = reason.is_provider_boundary() && route.class != "read";
                     let reason_detail = detail.clone();
-                    let mut execution = self
-                        .finish_with_result(
-                            run, &budget, result, outcome, context, detail, seen.sent,
-                        )
-                        .await;
+                    let mut execution = Box::pin(self.finish_with_result(
+                        run, &budget, result, outcome, context, detail, seen.sent,
+                    ))
+                    .await;
                     // SPEC §13 step 5 / §8: a write whose provider boundary lies beyond its
                     // remaining wait or deadline is also handed to a human; a read only ends.
                     if escalate {
-                        self.escalate_stopped_write(
+                        Box::pin(self.escalate_stopped_write(
                             run.id,
                             &reason_detail,
                             boundary,
                             &mut execution,
-                        )
+                        ))
                         .await;
                     }
                     return execution;
@@ -1730,16 +1841,15 @@ impl Engine {
                         tracing::warn!(action = run.id.0, error = %e, "the retry could not be scheduled");
                         let context =
                             self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]);
-                        return self
-                            .finish(
-                                run,
-                                &budget,
-                                Outcome::Cancelled,
-                                context,
-                                format!("the retry could not be scheduled: {e}"),
-                                seen.sent,
-                            )
-                            .await;
+                        return Box::pin(self.finish(
+                            run,
+                            &budget,
+                            Outcome::Cancelled,
+                            context,
+                            format!("the retry could not be scheduled: {e}"),
+                            seen.sent,
+                        ))
+                        .await;
                     }
                     tracing::info!(
                         task = %spec.task_id,
@@ -1804,7 +1914,7 @@ impl Engine {
     ) -> Execution {
         let inner = &self.inner;
         let mut held = run.spec.clone();
-        held.request = run.request.clone();
+        held.request = run.request.as_ref().clone();
         held.idempotency_key = Some(run.key.clone());
         {
             let mut holding = inner
@@ -1856,14 +1966,14 @@ impl Engine {
                     next_safe,
                     ..context
                 };
-                self.finish(
+                Box::pin(self.finish(
                     run,
                     budget,
                     Outcome::ReconciliationRequired,
                     context,
                     format!("the provider may have acted on this write ({reason}); the escalation could not be opened, so it must be reconciled before anything is sent again"),
                     seen.sent,
-                )
+                ))
                 .await
             }
         }
@@ -2042,7 +2152,7 @@ impl Engine {
                 next_safe.push(NextSafe::Abort);
                 let context = self.context(budget, seen, None, next_safe);
                 let detail = "the provider may have acted on the request; reconcile before any further side effect".to_owned();
-                self.finish_with_result(
+                Box::pin(self.finish_with_result(
                     run,
                     budget,
                     result,
@@ -2050,24 +2160,23 @@ impl Engine {
                     context,
                     detail,
                     seen.sent,
-                )
+                ))
                 .await
             }
             (Disposition::QuotaExhausted, _) => {
                 let boundary = seen.boundary;
                 let context = self.context(budget, seen, boundary, wait_then_abort(boundary));
                 let detail = "the provider's quota is exhausted until its reset".to_owned();
-                let mut execution = self
-                    .finish_with_result(
-                        run,
-                        budget,
-                        result,
-                        Outcome::QuotaExhausted,
-                        context,
-                        detail,
-                        seen.sent,
-                    )
-                    .await;
+                let mut execution = Box::pin(self.finish_with_result(
+                    run,
+                    budget,
+                    result,
+                    Outcome::QuotaExhausted,
+                    context,
+                    detail,
+                    seen.sent,
+                ))
+                .await;
                 // SPEC §8: the shared quota itself is exhausted; a human decides, once per scope.
                 let why = match &signal.error_code {
                     Some(code) => format!("the provider answered `{code}`"),
@@ -2084,7 +2193,7 @@ impl Engine {
                     "`{}` answers are not retried for request class `{}`",
                     disposition, route.class
                 );
-                self.finish_with_result(
+                Box::pin(self.finish_with_result(
                     run,
                     budget,
                     result,
@@ -2092,7 +2201,7 @@ impl Engine {
                     context,
                     detail,
                     seen.sent,
-                )
+                ))
                 .await
             }
         }
@@ -2104,7 +2213,9 @@ impl Engine {
             .breakers
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(breaker) = breakers.get_mut(&(run.spec.agent.clone(), run.spec.task_id.clone()))
+        if let Some(breaker) = breakers
+            .get_mut(&run.spec.agent)
+            .and_then(|tasks| tasks.get_mut(&run.spec.task_id))
         {
             breaker.record_success(&run.fingerprint);
         }
@@ -2118,7 +2229,9 @@ impl Engine {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             let breaker = breakers
-                .entry((run.spec.agent.clone(), run.spec.task_id.clone()))
+                .entry(run.spec.agent.clone())
+                .or_default()
+                .entry(run.spec.task_id.clone())
                 .or_insert_with(|| TaskBreaker::new(inner.policy.breaker.threshold));
             let was_open = breaker.check(&run.fingerprint).is_err();
             let now_open = breaker.record_failure(&run.fingerprint, code, status);
@@ -2166,7 +2279,7 @@ impl Engine {
             attempts: seen.sent,
             total_wait_ms: wait_ms(budget),
             last_status: seen.last_status,
-            last_signal: seen.last_signal.clone(),
+            last_signal: seen.last_signal.map(str::to_owned),
             boundary,
             next_safe,
         }
@@ -2472,5 +2585,82 @@ fn from_shared(shared: Shared) -> Execution {
             context,
             detail,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: &str = "
+request_classes:
+  read: { max_attempts: 2, max_wait_seconds: 10, retry_statuses: [429] }
+  idempotent_write: { max_attempts: 3, max_wait_seconds: 10, retry_statuses: [429] }
+providers:
+  billing:
+    base_url: http://127.0.0.1:9
+    idempotency_header: Idempotency-Key
+    routes:
+      \"GET /v1/items/{id}\": { class: read }
+      \"POST /v1/items/{id}\": { class: idempotent_write }
+      \"POST /v1/transfers\": { class: idempotent_write, fingerprint_fields: [/amount] }
+  other:
+    base_url: http://127.0.0.1:9
+";
+
+    fn policy() -> Policy {
+        Policy::from_yaml_str(POLICY, "p.yaml").expect("policy")
+    }
+
+    #[test]
+    fn a_known_route_fingerprint_is_the_one_computed_for_the_request() {
+        let policy = policy();
+        let known = route_fingerprints(&policy);
+        for (method, path, body) in [
+            ("GET", "/v1/items/7", ""),
+            ("POST", "/v1/items/7", r#"{"amount":5}"#),
+            ("POST", "/v1/transfers", r#"{"amount":5}"#),
+            ("POST", "/v1/transfers", r#"{"amount":6}"#),
+            ("GET", "/v1/unconfigured/7", ""),
+        ] {
+            let route = policy.route("billing", method, path).expect("route");
+            let payload = serde_json::from_slice::<serde_json::Value>(body.as_bytes()).ok();
+            let expected = RequestFingerprint::compute(
+                &route.method,
+                &route.template,
+                payload
+                    .as_ref()
+                    .filter(|_| !route.fingerprint_fields.is_empty()),
+                &route.fingerprint_fields,
+            );
+            assert_eq!(
+                fingerprint_with(&known, &route, body.as_bytes()),
+                expected,
+                "{method} {path}"
+            );
+        }
+        assert!(
+            !known.contains_key("/v1/transfers"),
+            "a route with payload fields has no fixed fingerprint"
+        );
+        assert_eq!(known["/v1/items/{id}"].len(), 2, "one per method");
+    }
+
+    #[test]
+    fn the_rule_table_holds_every_provider_and_class() {
+        let policy = policy();
+        let table = rule_table(&policy);
+        for provider in ["billing", "other"] {
+            for (name, class) in &policy.request_classes {
+                let built = policy.classify_rules(provider, class).expect("rules");
+                let kept = &table[provider][name];
+                assert_eq!(
+                    kept.retry_statuses, built.retry_statuses,
+                    "{provider} {name}"
+                );
+                assert_eq!(kept.error_codes, built.error_codes, "{provider} {name}");
+                assert_eq!(kept.dialect, built.dialect, "{provider} {name}");
+            }
+        }
     }
 }

@@ -627,7 +627,7 @@ async fn serve(
         tokio::select! {
             _ = async { signal.wait_for(|stop| *stop).await.is_ok() } => break,
             accepted = listener.accept() => {
-                accept(&mut connections, accepted, &app, &closing, header_read_timeout).await;
+                accept(&mut connections, accepted, &app, &state, &closing, header_read_timeout).await;
             }
             Some(_) = connections.join_next() => {}
         }
@@ -661,7 +661,7 @@ async fn serve(
             _ = &mut idle => {}
             // Still listening: a new connection is answered 503 rather than refused.
             accepted = listener.accept() => {
-                accept(&mut connections, accepted, &app, &closing, header_read_timeout).await;
+                accept(&mut connections, accepted, &app, &state, &closing, header_read_timeout).await;
             }
             Some(_) = connections.join_next() => {}
         }
@@ -691,6 +691,7 @@ async fn accept(
     connections: &mut JoinSet<()>,
     accepted: std::io::Result<(TcpStream, SocketAddr)>,
     app: &Router,
+    state: &Arc<AppState>,
     closing: &watch::Receiver<bool>,
     header_read_timeout: Duration,
 ) {
@@ -703,7 +704,10 @@ async fn accept(
         }
     };
     let _ = stream.set_nodelay(true);
-    let service = hyper_util::service::TowerToHyperService::new(app.clone());
+    let service = ConnectionService {
+        state: state.clone(),
+        router: hyper_util::service::TowerToHyperService::new(app.clone()),
+    };
     let mut closing = closing.clone();
     connections.spawn(async move {
         let mut builder = hyper::server::conn::http1::Builder::new();
@@ -725,6 +729,47 @@ async fn accept(
         }
         let _ = connection.await;
     });
+}
+
+/// The service of one connection. A request whose first path segment names a provider of the
+/// policy goes to the proxy door directly, under the same edge layer as every route
+/// ([`edge_around`]); every other request goes through the router of [`full_router`]. Nothing
+/// else could answer such a request: every route of backstop's own starts with a reserved
+/// first segment (`v1`, `metrics`: [`RESERVED_PROVIDER_NAMES`], which no provider may be
+/// named), so the door is the router's fallback for it anyway, and looking it up in the route
+/// table (and the middleware plumbing around it) is work a proxied call need not do.
+struct ConnectionService {
+    state: Arc<AppState>,
+    router: hyper_util::service::TowerToHyperService<Router>,
+}
+
+impl hyper::service::Service<Request<hyper::body::Incoming>> for ConnectionService {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Result<Response, std::convert::Infallible>>;
+
+    fn call(&self, request: Request<hyper::body::Incoming>) -> Self::Future {
+        if !names_a_provider(&self.state.policy, request.uri().path()) {
+            return Box::pin(hyper::service::Service::call(&self.router, request));
+        }
+        let state = self.state.clone();
+        let request = request.map(Body::new);
+        Box::pin(async move {
+            let door_state = state.clone();
+            let response = edge_around(state, request, move |request| {
+                door::proxy(door_state, request)
+            })
+            .await;
+            Ok(response)
+        })
+    }
+}
+
+/// Whether the first segment of `path` is, as written, the name of a provider of `policy`.
+fn names_a_provider(policy: &Policy, path: &str) -> bool {
+    path.strip_prefix('/')
+        .map(|rest| rest.split('/').next().unwrap_or(rest))
+        .is_some_and(|first| policy.providers.contains_key(first))
 }
 
 /// Counts one request in flight until dropped (held by the response body).
@@ -827,6 +872,16 @@ pub struct ProviderResponse;
 ///   rejection's text as `detail` and the `Allow` header kept; provider responses
 ///   ([`ProviderResponse`]) pass unchanged.
 async fn edge(State(state): State<Arc<AppState>>, request: Request<Body>, next: Next) -> Response {
+    edge_around(state, request, |request| next.run(request)).await
+}
+
+/// The edge layer (see [`edge`]) around `handler`: the router's middleware, and the proxy
+/// door's when [`ConnectionService`] sends a request to it directly.
+async fn edge_around<F, Fut>(state: Arc<AppState>, request: Request<Body>, handler: F) -> Response
+where
+    F: FnOnce(Request<Body>) -> Fut,
+    Fut: Future<Output = Response>,
+{
     if !state.accepting() {
         return closing(Problem::shutting_down().into_response());
     }
@@ -842,7 +897,7 @@ async fn edge(State(state): State<Arc<AppState>>, request: Request<Body>, next: 
             limit,
         })
     });
-    let response = next.run(request).await;
+    let response = handler(request).await;
     let response = if timed_out.load(Ordering::Acquire) {
         Problem::request_timeout(limit).into_response()
     } else {
@@ -1064,6 +1119,37 @@ mod tests {
         serde_json::from_slice(bytes).unwrap()
     }
 
+    #[test]
+    fn only_a_first_segment_naming_a_provider_skips_the_router() {
+        let policy = Policy::from_yaml_str(
+            "providers:\n  billing:\n    base_url: http://127.0.0.1:9\n",
+            "p.yaml",
+        )
+        .unwrap();
+        for path in [
+            "/billing/v1/transfers",
+            "/billing",
+            "/billing/",
+            "/billing?x=1",
+        ] {
+            let path = path.split('?').next().unwrap();
+            assert!(names_a_provider(&policy, path), "{path}");
+        }
+        for path in [
+            "/v1/scopes",
+            "/metrics",
+            "/v1/actions/7",
+            "/Billing/v1",
+            "/billing2/x",
+            "//billing/x",
+            "/%62illing/x",
+            "/",
+            "",
+            "billing/x",
+        ] {
+            assert!(!names_a_provider(&policy, path), "{path}");
+        }
+    }
     #[tokio::test]
     async fn door_builds_the_action_and_passes_the_response_through() {
         let (state, executor) = state(ok_answer, true);

@@ -49,6 +49,17 @@ pub(super) struct LimitStreaks {
 }
 
 impl LimitStreaks {
+    /// Whether noting an answer with `disposition` can change any run: `rate_limited` always
+    /// does, `success` only while some run is counted, anything else never. The common plain
+    /// success of a scope without throttling then costs no key list.
+    pub(super) fn would_change(&self, disposition: Disposition) -> bool {
+        match disposition {
+            Disposition::RateLimited => true,
+            Disposition::Success => !self.runs.is_empty(),
+            _ => false,
+        }
+    }
+
     /// Counts one answer in `keys`: `rate_limited` lengthens each run, `success` ends it, any
     /// other disposition leaves it.
     pub(super) fn note(&mut self, keys: &[String], disposition: Disposition) {
@@ -353,5 +364,25 @@ mod tests {
         assert_eq!(streaks.longest(&both), 1);
         assert_eq!(streak_keys("llm", &[]), vec!["llm".to_owned()]);
         assert_eq!(streak_keys("llm", &both), both);
+    }
+
+    #[test]
+    fn only_answers_that_can_change_a_run_are_noted() {
+        let a = vec!["llm/a".to_owned()];
+        let mut streaks = LimitStreaks::default();
+        assert!(streaks.would_change(Disposition::RateLimited));
+        assert!(
+            !streaks.would_change(Disposition::Success),
+            "no run to end yet"
+        );
+        assert!(!streaks.would_change(Disposition::Transient));
+        streaks.note(&a, Disposition::RateLimited);
+        assert!(streaks.would_change(Disposition::Success));
+        assert!(!streaks.would_change(Disposition::Unavailable));
+        streaks.note(&a, Disposition::Success);
+        assert!(
+            !streaks.would_change(Disposition::Success),
+            "the only run has ended"
+        );
     }
 }
