@@ -408,14 +408,30 @@ pub fn is_event_stream(headers: &HeaderMap) -> bool {
 /// Headers as `(lower-case name, value)` pairs, as stored and replayed; a value that is not
 /// visible ASCII (RFC 9110 §5.5 obs-text) is left out.
 pub(crate) fn header_pairs(headers: &http::HeaderMap) -> Vec<(String, String)> {
+    pairs_of(headers, |_| true)
+}
+
+/// [`header_pairs`] of the headers whose name `keep` accepts.
+fn pairs_of(headers: &HeaderMap, keep: impl Fn(&HeaderName) -> bool) -> Vec<(String, String)> {
     headers
         .iter()
+        .filter(|(n, _)| keep(n))
         .filter_map(|(n, v)| {
             v.to_str()
                 .ok()
                 .map(|v| (n.as_str().to_owned(), v.to_owned()))
         })
         .collect()
+}
+
+/// The end-to-end headers of `headers` as stored pairs ([`header_pairs`]), in their order: what
+/// the door would pass on, without the hop-by-hop headers of RFC 9110 §7.6.1 (see
+/// [`strip_hop_by_hop`]), which describe the provider's connection, not the answer.
+pub(crate) fn end_to_end_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
+    let listed = connection_listed(headers);
+    pairs_of(headers, |name| {
+        !is_hop_by_hop(name) && !listed.contains(name)
+    })
 }
 
 /// The provider's final response to a completed write, as kept for replay: the status, the
@@ -1246,6 +1262,30 @@ mod tests {
         let error = parse_instant("9999-12-31T23:59:59Z").unwrap_err();
         assert!(error.contains("9999-12-30T22:00:00Z"), "{error}");
         assert!(parse_instant("2026-01-01").is_err());
+    }
+
+    #[test]
+    fn a_kept_response_lists_only_end_to_end_headers() {
+        let answer = headers(&[
+            ("connection", "keep-alive, x-secret-hop"),
+            ("x-secret-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("content-type", "application/json"),
+            ("x-request-id", "r-1"),
+            ("x-request-id", "r-2"),
+        ]);
+        assert_eq!(
+            end_to_end_pairs(&answer),
+            vec![
+                ("content-type".to_owned(), "application/json".to_owned()),
+                ("x-request-id".to_owned(), "r-1".to_owned()),
+                ("x-request-id".to_owned(), "r-2".to_owned()),
+            ]
+        );
+        // Nothing to strip: the same pairs header_pairs gives.
+        let plain = headers(&[("content-type", "text/plain"), ("etag", "\"v1\"")]);
+        assert_eq!(end_to_end_pairs(&plain), header_pairs(&plain));
     }
 
     #[test]

@@ -108,7 +108,8 @@ async fn keep(execution: Execution) -> Completion {
                 Ok((bytes, _)) => (bytes, false),
                 Err(_) => (Bytes::new(), true),
             };
-            let headers = crate::door::header_pairs(&parts.headers);
+            // As the door would have passed them on: not the provider's hop-by-hop headers.
+            let headers = crate::door::end_to_end_pairs(&parts.headers);
             Completion::Response {
                 receipt,
                 response: KeptResponse {
