@@ -662,7 +662,7 @@ impl Inner {
                 }
             }
             UncertainEnd::RetrySameKey => {
-                let detail = "the lookup did not find the write; a resend with the same key would be deduplicated by the provider, but the payload is not kept across a restart, so nothing can be resent automatically; an operator decides";
+                let detail = same_key_after_restart(facts.reconcile.is_some());
                 if let Err(e) = self
                     .escalate(
                         facts,
@@ -762,5 +762,31 @@ impl Inner {
                 }
             });
         }
+    }
+}
+
+/// Why a write recovered after a restart, which the provider would deduplicate under its key, is
+/// handed to an operator: what the gateway learned about it (`looked_up`: a lookup of the route
+/// ran and did not find it; otherwise the route has none, so nothing is known), and that the
+/// payload is not kept across a restart, so nothing can be resent automatically.
+fn same_key_after_restart(looked_up: bool) -> &'static str {
+    if looked_up {
+        "the lookup did not find the write; a resend with the same key would be deduplicated by the provider, but the payload is not kept across a restart, so nothing can be resent automatically; an operator decides"
+    } else {
+        "whether the write happened is unknown: the route has no lookup to ask the provider; a resend with the same key would be deduplicated by the provider, but the payload is not kept across a restart, so nothing can be resent automatically; an operator decides"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_key_after_restart;
+
+    #[test]
+    fn a_recovered_write_says_a_lookup_ran_only_when_one_did() {
+        assert!(same_key_after_restart(true).starts_with("the lookup did not find the write"));
+        let without = same_key_after_restart(false);
+        assert!(!without.contains("did not find"), "{without}");
+        assert!(without.contains("has no lookup"), "{without}");
+        assert!(without.contains("an operator decides"), "{without}");
     }
 }
