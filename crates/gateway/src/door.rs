@@ -58,6 +58,7 @@ use backstop_core::{
     policy::{Policy, Provider},
     reconcile::{validate_idempotency_key, ReconcileError},
 };
+use backstop_store::audit::push_lower_hex;
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use jiff::Timestamp;
@@ -473,19 +474,9 @@ pub fn mint_id(prefix: &str) -> String {
     let low = state.hash_one((n, 1u8));
     let mut id = String::with_capacity(prefix.len() + 32);
     id.push_str(prefix);
-    push_hex(&mut id, &high.to_be_bytes());
-    push_hex(&mut id, &low.to_be_bytes());
+    push_lower_hex(&mut id, &high.to_be_bytes());
+    push_lower_hex(&mut id, &low.to_be_bytes());
     id
-}
-
-/// Appends `bytes` as lower-case hex, two digits a byte.
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    out.reserve(bytes.len() * 2);
-    for byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
-    }
 }
 
 /// The SHA-256 of an empty payload, as lower-case hex: the digest of every bodiless request.
@@ -497,7 +488,7 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
         return EMPTY_SHA256_HEX.to_owned();
     }
     let mut hex = String::with_capacity(64);
-    push_hex(&mut hex, &Sha256::digest(bytes));
+    push_lower_hex(&mut hex, &Sha256::digest(bytes));
     hex
 }
 

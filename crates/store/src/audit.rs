@@ -285,10 +285,10 @@ fn put_pairs(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<&[(S
     out.push(b']');
 }
 
-fn put_int<T: itoa_like::Int>(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<T>) {
+fn put_int<T: itoa::Integer>(out: &mut Vec<u8>, first: &mut bool, name: &str, value: Option<T>) {
     if let Some(v) = value {
         put_key(out, first, name);
-        v.write_to(out);
+        out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
     }
 }
 
@@ -300,49 +300,6 @@ fn put_key(out: &mut Vec<u8>, first: &mut bool, name: &str) {
     out.push(b'"');
     out.extend_from_slice(name.as_bytes());
     out.extend_from_slice(b"\":");
-}
-
-mod itoa_like {
-    /// Integers as plain decimal: a `-` for a negative value, then the digits of its magnitude
-    /// without leading zeros.
-    pub trait Int: Copy {
-        /// Whether the value is negative, and its magnitude.
-        fn sign_and_magnitude(self) -> (bool, u64);
-
-        fn write_to(self, out: &mut Vec<u8>) {
-            let (negative, mut v) = self.sign_and_magnitude();
-            // u64::MAX has 20 digits.
-            let mut digits = [0u8; 20];
-            let mut start = digits.len();
-            for slot in digits.iter_mut().rev() {
-                *slot = b'0' + (v % 10) as u8;
-                start -= 1;
-                v /= 10;
-                if v == 0 {
-                    break;
-                }
-            }
-            if negative {
-                out.push(b'-');
-            }
-            out.extend_from_slice(digits.get(start..).unwrap_or_default());
-        }
-    }
-    macro_rules! unsigned {
-        ($($t:ty),*) => {$(
-            impl Int for $t {
-                fn sign_and_magnitude(self) -> (bool, u64) {
-                    (false, u64::from(self))
-                }
-            }
-        )*};
-    }
-    unsigned!(u16, u32, u64);
-    impl Int for i64 {
-        fn sign_and_magnitude(self) -> (bool, u64) {
-            (self < 0, self.unsigned_abs())
-        }
-    }
 }
 
 impl AuditEvent {
@@ -426,7 +383,7 @@ impl AuditEvent {
         buf.clear();
         self.encode_into(buf, false);
         hash.clear();
-        lower_hex_into(&Sha256::digest(buf.as_slice()), hash);
+        push_lower_hex(hash, &Sha256::digest(buf.as_slice()));
     }
 
     /// Parses one export line.
@@ -443,13 +400,18 @@ impl AuditEvent {
 /// encoding it does not grow the buffer.
 const ENCODED_CAPACITY: usize = 512;
 
-/// Appends `bytes` to `out` as lowercase hex, two digits a byte.
-fn lower_hex_into(bytes: &[u8], out: &mut String) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+/// Appends `bytes` to `out` as lower-case hex, two digits a byte, through the `hex` crate's
+/// slice encoder (no allocation besides `out`'s own growth). Used for the chain's hashes and,
+/// by the gateway, for payload digests and minted ids.
+pub fn push_lower_hex(out: &mut String, bytes: &[u8]) {
+    let mut digits = [0u8; 64];
     out.reserve(bytes.len() * 2);
-    for &b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    for chunk in bytes.chunks(digits.len() / 2) {
+        let digits = &mut digits[..chunk.len() * 2];
+        // The slice is exactly twice the chunk, and hex digits are ASCII.
+        if hex::encode_to_slice(chunk, digits).is_ok() {
+            out.push_str(std::str::from_utf8(digits).unwrap_or_default());
+        }
     }
 }
 
@@ -835,4 +797,23 @@ pub fn write_export<'a, W: std::io::Write>(
         out.write_all(&buf)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::push_lower_hex;
+
+    #[test]
+    fn lower_hex_of_any_length_is_what_the_hex_crate_encodes() {
+        for len in [0usize, 1, 8, 31, 32, 33, 40, 64, 65] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 37 + 11) as u8).collect();
+            let mut out = String::from("prefix-");
+            push_lower_hex(&mut out, &bytes);
+            assert_eq!(
+                out,
+                format!("prefix-{}", hex::encode(&bytes)),
+                "{len} bytes"
+            );
+        }
+    }
 }

@@ -183,7 +183,9 @@ pub struct PayloadDigest(String);
 impl PayloadDigest {
     /// Digests `payload` (SHA-256, FIPS 180-4).
     pub fn of(payload: &[u8]) -> Self {
-        PayloadDigest(hex::encode(Sha256::digest(payload)))
+        let mut digest = String::with_capacity(64);
+        crate::audit::push_lower_hex(&mut digest, &Sha256::digest(payload));
+        PayloadDigest(digest)
     }
 
     /// Accepts an already computed digest.

@@ -33,12 +33,13 @@ use crate::audit::{format_instant, AuditEvent, EventKind};
 /// further behind reads from SQLite until it has caught up.
 pub const FEED_CAP: usize = 32_768;
 
-/// Whether a result with this disposition throttled its action (such an action is never plain).
+/// The dispositions of a result that throttled its action (such an action is never plain):
+/// the watch feed and the database path of [`crate::Store::watch_events`] both use these.
+pub(crate) const THROTTLING: [&str; 3] = ["rate_limited", "quota_exhausted", "unavailable"];
+
+/// Whether a result with this disposition throttled its action.
 pub(crate) fn throttled(disposition: &str) -> bool {
-    matches!(
-        disposition,
-        "rate_limited" | "quota_exhausted" | "unavailable"
-    )
+    THROTTLING.contains(&disposition)
 }
 
 /// The send of a plain answered read, as the writer notes it instead of a copy of the event:

@@ -576,6 +576,8 @@ pub(crate) fn watch_events(
     let Some(last) = last else {
         return Ok((Vec::new(), None));
     };
+    // The same dispositions the in-memory feed counts as throttling (plain words, no quotes).
+    let throttling = super::feed::THROTTLING.join("', '");
     let mut stmt = conn.prepare_cached(&format!(
         "WITH page AS MATERIALIZED (
              SELECT seq, kind, action, disposition, outcome FROM audit_events
@@ -587,8 +589,7 @@ pub(crate) fn watch_events(
              HAVING SUM(kind = 'action_requested') = 1
                 AND SUM(kind = 'action_sent') = 1
                 AND SUM(kind = 'action_result'
-                        AND COALESCE(disposition, '') NOT IN
-                            ('rate_limited', 'quota_exhausted', 'unavailable')) = 1
+                        AND COALESCE(disposition, '') NOT IN ('{throttling}')) = 1
                 AND SUM(kind = 'action_finished' AND outcome = 'succeeded') = 1
                 AND COUNT(*) = 4
          )
