@@ -589,174 +589,163 @@ fn control(conn: &Connection, sql: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Opens the savepoint an operation runs in; returns the chain as it was, to put back when the
-/// operation is undone.
-fn savepoint(
-    conn: &Connection,
-    chain: &Chain,
-    watched: &Watched,
-) -> Result<(Chain, Mark), StoreError> {
-    control(conn, "SAVEPOINT op")?;
-    Ok((chain.clone(), watched.mark()))
-}
-
-/// Ends the savepoint opened by [`savepoint`]: keeps what ran in it when `ok`, else (or when it
-/// cannot be released) undoes it and puts the chain back to `before`.
-///
-/// # Errors
-/// The savepoint could not be released (what ran in it is undone).
-fn end_savepoint(
-    conn: &Connection,
-    chain: &mut Chain,
-    watched: &mut Watched,
-    before: (Chain, Mark),
-    ok: bool,
-) -> Result<(), StoreError> {
-    let released = if ok {
-        control(conn, "RELEASE op")
-    } else {
-        Ok(())
-    };
-    if !ok || released.is_err() {
-        let _ = control(conn, "ROLLBACK TO op");
-        let _ = control(conn, "RELEASE op");
-        *chain = before.0;
-        watched.undo(before.1);
-    }
-    released
-}
-
-/// Runs one operation in a savepoint of its own; returns its completion. The reads' open tasks
-/// are forgotten (the operation may have cancelled one).
-fn run_op(
-    conn: &Connection,
-    stmts: &mut ReadStatements<'_>,
-    chain: &mut Chain,
-    watched: &mut Watched,
-    counters: &Counters,
-    op: OpJob,
-) -> AfterCommit {
-    stmts.forget_tasks();
-    let before = match savepoint(conn, chain, watched) {
-        Ok(before) => before,
-        Err(e) => {
-            // Without a savepoint the operation could not be undone alone: do not run it.
-            let (_, done) = op(None);
-            return Box::new(move |_| done(Err(e)));
-        }
-    };
-    let (ok, done) = op(Some(&mut WriteTx {
-        conn,
-        chain,
-        next_action_id: &counters.next_action_id,
-        watched: &mut *watched,
-    }));
-    match end_savepoint(conn, chain, watched, before, ok) {
-        Ok(()) => done,
-        Err(e) => Box::new(move |_| done(Err(e))),
-    }
-}
-
-/// Runs consecutive held reads and appends each one's result to `results`, in order, with the
-/// outcome of running each in a savepoint of its own — but under one savepoint for all while
-/// none fails, so that SQLite copies each page they touch into its savepoint journal once, not
-/// once per read. When one fails (or the savepoint cannot be released), all of them are undone
-/// and the chain put back; the reads before the failing one run again together, the failing
-/// one alone (it gets its error, nothing of it is kept), and the rest as a run of their own.
-fn run_reads<'c>(
+/// What the writer's operations run against: its connection, the reads' prepared statements,
+/// the chain it appends to, what the open transaction noted for the watch feed, and the next
+/// free action id.
+struct Group<'c> {
     conn: &'c Connection,
-    stmts: &mut ReadStatements<'c>,
-    chain: &mut Chain,
-    watched: &mut Watched,
-    counters: &Counters,
-    reads: &[Box<ReadJob>],
-    results: &mut Vec<Result<Vec<u32>, StoreError>>,
-) {
-    let mut rest = reads;
-    while let Some((first, after_first)) = rest.split_first() {
-        if after_first.is_empty() {
-            results.push(run_read_alone(conn, stmts, chain, watched, counters, first));
-            return;
+    stmts: ReadStatements<'c>,
+    chain: Chain,
+    watched: Watched,
+    next_action_id: &'c AtomicI64,
+}
+
+impl<'c> Group<'c> {
+    fn new(conn: &'c Connection, chain: Chain, next_action_id: &'c AtomicI64) -> Self {
+        Group {
+            conn,
+            stmts: ReadStatements::new(conn),
+            chain,
+            watched: Watched::default(),
+            next_action_id,
         }
-        let before = match savepoint(conn, chain, watched) {
+    }
+
+    /// The open transaction as operations write to it, and the reads' statements beside it.
+    fn tx(&mut self) -> (WriteTx<'_>, &mut ReadStatements<'c>) {
+        (
+            WriteTx {
+                conn: self.conn,
+                chain: &mut self.chain,
+                next_action_id: self.next_action_id,
+                watched: &mut self.watched,
+            },
+            &mut self.stmts,
+        )
+    }
+
+    /// Opens the savepoint an operation runs in; returns the chain and the feed's notes as they
+    /// were, to put back when the operation is undone.
+    fn savepoint(&self) -> Result<(Chain, Mark), StoreError> {
+        control(self.conn, "SAVEPOINT op")?;
+        Ok((self.chain.clone(), self.watched.mark()))
+    }
+
+    /// Ends the savepoint opened by [`Group::savepoint`]: keeps what ran in it when `ok`, else
+    /// (or when it cannot be released) undoes it and puts chain and notes back to `before`.
+    ///
+    /// # Errors
+    /// The savepoint could not be released (what ran in it is undone).
+    fn end_savepoint(&mut self, before: (Chain, Mark), ok: bool) -> Result<(), StoreError> {
+        let released = if ok {
+            control(self.conn, "RELEASE op")
+        } else {
+            Ok(())
+        };
+        if !ok || released.is_err() {
+            let _ = control(self.conn, "ROLLBACK TO op");
+            let _ = control(self.conn, "RELEASE op");
+            self.chain = before.0;
+            self.watched.undo(before.1);
+        }
+        released
+    }
+
+    /// Runs one operation in a savepoint of its own; returns its completion. The reads' open
+    /// tasks are forgotten (the operation may have cancelled one).
+    fn run_op(&mut self, op: OpJob) -> AfterCommit {
+        self.stmts.forget_tasks();
+        let before = match self.savepoint() {
             Ok(before) => before,
-            Err(_) => {
-                // Each alone then, each answered with its own savepoint's error if that fails.
-                for read in rest {
-                    results.push(run_read_alone(conn, stmts, chain, watched, counters, read));
-                }
+            Err(e) => {
+                // Without a savepoint the operation could not be undone alone: do not run it.
+                let (_, done) = op(None);
+                return Box::new(move |_| done(Err(e)));
+            }
+        };
+        let (ok, done) = op(Some(&mut self.tx().0));
+        match self.end_savepoint(before, ok) {
+            Ok(()) => done,
+            Err(e) => Box::new(move |_| done(Err(e))),
+        }
+    }
+
+    /// Runs consecutive held reads and appends each one's result to `results`, in order, with
+    /// the outcome of running each in a savepoint of its own — but under one savepoint for all
+    /// while none fails, so that SQLite copies each page they touch into its savepoint journal
+    /// once, not once per read. When one fails (or the savepoint cannot be released), all of
+    /// them are undone and the chain put back; the reads before the failing one run again
+    /// together, the failing one alone (it gets its error, nothing of it is kept), and the rest
+    /// as a run of their own.
+    fn run_reads(
+        &mut self,
+        reads: &[Box<ReadJob>],
+        results: &mut Vec<Result<Vec<u32>, StoreError>>,
+    ) {
+        let mut rest = reads;
+        while let Some((first, after_first)) = rest.split_first() {
+            if after_first.is_empty() {
+                results.push(self.run_read_alone(first));
                 return;
             }
-        };
-        let start = results.len();
-        let mut failed = None;
-        let mut tx = WriteTx {
-            conn,
-            chain,
-            next_action_id: &counters.next_action_id,
-            watched: &mut *watched,
-        };
-        for (i, read) in rest.iter().enumerate() {
-            match read.run(&mut tx, stmts) {
-                Ok(sent) => results.push(Ok(sent)),
-                Err(_) => {
-                    failed = Some(i);
-                    break;
+            let Ok(before) = self.savepoint() else {
+                // Each alone then, each answered with its own savepoint's error if that fails.
+                for read in rest {
+                    results.push(self.run_read_alone(read));
+                }
+                return;
+            };
+            let start = results.len();
+            let mut failed = None;
+            let (mut tx, stmts) = self.tx();
+            for (i, read) in rest.iter().enumerate() {
+                match read.run(&mut tx, stmts) {
+                    Ok(sent) => results.push(Ok(sent)),
+                    Err(_) => {
+                        failed = Some(i);
+                        break;
+                    }
                 }
             }
-        }
-        let released = end_savepoint(conn, chain, watched, before, failed.is_none());
-        if failed.is_none() && released.is_ok() {
-            return;
-        }
-        // Undone, with any task a read opened.
-        stmts.forget_tasks();
-        // Undone: run again as if each had had its own savepoint.
-        results.truncate(start);
-        let Some(k) = failed else {
-            for read in rest {
-                results.push(run_read_alone(conn, stmts, chain, watched, counters, read));
+            let released = self.end_savepoint(before, failed.is_none());
+            if failed.is_none() && released.is_ok() {
+                return;
             }
-            return;
-        };
-        run_reads(conn, stmts, chain, watched, counters, &rest[..k], results);
-        results.push(run_read_alone(
-            conn, stmts, chain, watched, counters, &rest[k],
-        ));
-        rest = &rest[k + 1..];
+            // Undone, with any task a read opened.
+            self.stmts.forget_tasks();
+            // Undone: run again as if each had had its own savepoint.
+            results.truncate(start);
+            let Some(k) = failed else {
+                for read in rest {
+                    results.push(self.run_read_alone(read));
+                }
+                return;
+            };
+            self.run_reads(&rest[..k], results);
+            results.push(self.run_read_alone(&rest[k]));
+            rest = &rest[k + 1..];
+        }
     }
-}
 
-/// Runs one held read in a savepoint of its own.
-fn run_read_alone<'c>(
-    conn: &'c Connection,
-    stmts: &mut ReadStatements<'c>,
-    chain: &mut Chain,
-    watched: &mut Watched,
-    counters: &Counters,
-    read: &ReadJob,
-) -> Result<Vec<u32>, StoreError> {
-    let before = savepoint(conn, chain, watched)?;
-    let result = read.run(
-        &mut WriteTx {
-            conn,
-            chain,
-            next_action_id: &counters.next_action_id,
-            watched: &mut *watched,
-        },
-        stmts,
-    );
-    let result = end_savepoint(conn, chain, watched, before, result.is_ok()).and(result);
-    if result.is_err() {
-        // Undone, with any task it opened.
-        stmts.forget_tasks();
+    /// Runs one held read in a savepoint of its own.
+    fn run_read_alone(&mut self, read: &ReadJob) -> Result<Vec<u32>, StoreError> {
+        let before = self.savepoint()?;
+        let result = {
+            let (mut tx, stmts) = self.tx();
+            read.run(&mut tx, stmts)
+        };
+        let result = self.end_savepoint(before, result.is_ok()).and(result);
+        if result.is_err() {
+            // Undone, with any task it opened.
+            self.stmts.forget_tasks();
+        }
+        result
     }
-    result
 }
 
 fn writer_loop(
     conn: Connection,
-    mut chain: Chain,
+    chain: Chain,
     rx: Receiver<Job>,
     counters: &Arc<Counters>,
     held: &HeldReads,
@@ -764,12 +753,10 @@ fn writer_loop(
 ) {
     // Room for every statement the operations and these control statements use.
     conn.set_prepared_statement_cache_capacity(64);
-    // What the open transaction sealed, for the watch feed once it committed.
-    let mut watched = Watched::default();
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
     let mut reads: Vec<Box<ReadJob>> = Vec::with_capacity(MAX_BATCH);
-    let mut stmts = ReadStatements::new(&conn);
+    let mut group = Group::new(&conn, chain, &counters.next_action_id);
     let mut results: Vec<Result<Vec<u32>, StoreError>> = Vec::with_capacity(MAX_BATCH);
     let mut idle_ticks = 0u32;
     loop {
@@ -800,9 +787,9 @@ fn writer_loop(
         if batch.is_empty() {
             continue;
         }
-        let before = chain.clone();
+        let before = group.chain.clone();
         // A group before may have been rolled back, with tasks its reads opened.
-        stmts.forget_tasks();
+        group.stmts.forget_tasks();
         if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
             for job in batch.drain(..) {
                 job.fail(e.clone());
@@ -813,14 +800,7 @@ fn writer_loop(
         while let Some(job) = jobs.next() {
             let read = match job {
                 Job::Op(op) => {
-                    completions.push(run_op(
-                        &conn,
-                        &mut stmts,
-                        &mut chain,
-                        &mut watched,
-                        counters,
-                        op,
-                    ));
+                    completions.push(group.run_op(op));
                     continue;
                 }
                 Job::Read(read) => read,
@@ -830,15 +810,7 @@ fn writer_loop(
             while let Some(Job::Read(read)) = jobs.next_if(|j| matches!(j, Job::Read(_))) {
                 reads.push(read);
             }
-            run_reads(
-                &conn,
-                &mut stmts,
-                &mut chain,
-                &mut watched,
-                counters,
-                &reads,
-                &mut results,
-            );
+            group.run_reads(&reads, &mut results);
             for (read, result) in reads.drain(..).zip(results.drain(..)) {
                 completions.push(read.after(result));
             }
@@ -846,12 +818,12 @@ fn writer_loop(
         let committed = control(&conn, "COMMIT");
         if committed.is_err() {
             let _ = control(&conn, "ROLLBACK");
-            chain = before;
-            watched.clear();
+            group.chain = before;
+            group.watched.clear();
         } else {
             feed.lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .committed(&mut watched, chain.last_seq());
+                .committed(&mut group.watched, group.chain.last_seq());
             counters.transactions.fetch_add(1, Ordering::Relaxed);
             counters
                 .operations
@@ -1422,38 +1394,21 @@ mod tests {
     /// and the actions left, after checking the chain in memory continues the one on disk.
     fn run(path: &Path, reads: &[Box<ReadJob>], together: bool) -> RunLeft {
         let conn = schema::open_writer(path, true).expect("open");
-        let mut chain = Chain::genesis();
-        let mut watched = Watched::default();
         let counters = Counters::default();
+        let mut group = Group::new(&conn, Chain::genesis(), &counters.next_action_id);
         control(&conn, "BEGIN IMMEDIATE").expect("begin");
         let mut results = Vec::new();
-        let mut stmts = ReadStatements::new(&conn);
         if together {
-            run_reads(
-                &conn,
-                &mut stmts,
-                &mut chain,
-                &mut watched,
-                &counters,
-                reads,
-                &mut results,
-            );
+            group.run_reads(reads, &mut results);
         } else {
             for read in reads {
-                results.push(run_read_alone(
-                    &conn,
-                    &mut stmts,
-                    &mut chain,
-                    &mut watched,
-                    &counters,
-                    read,
-                ));
+                results.push(group.run_read_alone(read));
             }
         }
         control(&conn, "COMMIT").expect("commit");
         let head = rows::audit_head(&conn).expect("head");
         assert_eq!(
-            chain,
+            group.chain,
             Chain::after(head.as_ref()),
             "the chain follows the log"
         );
@@ -1553,44 +1508,19 @@ mod tests {
     fn a_read_after_an_operation_that_cancelled_its_task_is_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
         let conn = schema::open_writer(&dir.path().join("b.db"), true).expect("open");
-        let mut chain = Chain::genesis();
-        let mut watched = Watched::default();
         let counters = Counters::default();
-        let mut stmts = ReadStatements::new(&conn);
+        let mut group = Group::new(&conn, Chain::genesis(), &counters.next_action_id);
         control(&conn, "BEGIN IMMEDIATE").expect("begin");
         let mut results = Vec::new();
-        run_reads(
-            &conn,
-            &mut stmts,
-            &mut chain,
-            &mut watched,
-            &counters,
-            &[read_of("task-1", 1, 1)],
-            &mut results,
-        );
+        group.run_reads(&[read_of("task-1", 1, 1)], &mut results);
         let Job::Op(cancel) = job(
             |tx| tx.cancel_task("agent-a", "task-1", t(5)),
             Box::new(|_| {}),
         ) else {
             panic!("an operation's job");
         };
-        let _ = run_op(
-            &conn,
-            &mut stmts,
-            &mut chain,
-            &mut watched,
-            &counters,
-            cancel,
-        );
-        run_reads(
-            &conn,
-            &mut stmts,
-            &mut chain,
-            &mut watched,
-            &counters,
-            &[read_of("task-1", 2, 1)],
-            &mut results,
-        );
+        let _ = group.run_op(cancel);
+        group.run_reads(&[read_of("task-1", 2, 1)], &mut results);
         control(&conn, "COMMIT").expect("commit");
         assert!(results[0].is_ok(), "{results:?}");
         assert!(
