@@ -2,7 +2,8 @@
 //!
 //! # Durability and group commit
 //! One writer thread owns the only write connection (WAL, `synchronous=FULL`, so every commit
-//! is fsync'd before it returns). Callers hand it operations over a channel and block on their
+//! is fsync'd before it returns; a group holding only reads is the one exception, see "Groups
+//! of reads only"). Callers hand it operations over a channel and block on their
 //! own reply. The writer takes the first waiting operation, drains whatever else is queued (up to
 //! [`MAX_BATCH`]), runs each inside its own savepoint of one `BEGIN IMMEDIATE` transaction and
 //! commits once: many concurrent actions share one fsync. An operation that fails is rolled back
@@ -53,6 +54,21 @@
 //! is the only process that adds actions to the file or cancels tasks in it (the id counter
 //! and the cancelled tasks live in this process).
 //!
+//! # Groups of reads only
+//! Nobody waits for a group that holds only reads, so the writer lets it gather: when every
+//! operation it took is a read, it waits up to [`READ_LINGER`] (5 ms) for more before it
+//! begins the transaction, and commits it with `synchronous=NORMAL`, without an fsync. Any
+//! other operation ends the wait at once (its caller wakes the writer), and its group is
+//! fsync'd as always, with `synchronous=FULL` set again before it begins. Fewer, larger
+//! commits rewrite the same hot pages (the log's right edge, the indexes' last leaves) into
+//! the WAL far less often per read, and the reads stop paying for fsyncs. This widens what a
+//! power loss can lose to the read groups committed since the last fsync (at most a few
+//! milliseconds of reads, or up to a checkpoint when only reads arrive), never a write's
+//! records: WAL frames are appended in order, so the fsync of a later write's commit makes
+//! every earlier frame durable too, and recovery stops at the first incomplete commit — the
+//! chain can lose its tail, never a link in its middle. A process crash (SIGKILL) loses none
+//! of them: the frames are in the file once `COMMIT` returned.
+//!
 //! Readers use separate connections from a small pool and never wait for the writer (WAL),
 //! except that a read through the [`Store`] first waits for operations queued without being
 //! awaited (one empty group commit), so a caller reads its own writes.
@@ -72,11 +88,11 @@ mod schema;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, TryLockError};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 use rusqlite::Connection;
@@ -101,6 +117,11 @@ pub const MAX_BATCH: usize = 1024;
 /// far as they got (its result is then an operation of its own): measured from the read's own
 /// instant to the latest instant a read brought, or as this long without any operation.
 pub const HOLD_LIMIT: Duration = Duration::from_secs(1);
+
+/// How long a group holding only reads waits for more operations before it commits (see the
+/// module docs, "Groups of reads only"): 5 ms. Changed per store with
+/// [`SqliteStore::set_read_linger`].
+pub const READ_LINGER: Duration = Duration::from_millis(5);
 
 /// How long the writer waits for an operation before it counts an idle tick.
 const HOLD_TICK: Duration = Duration::from_millis(100);
@@ -175,6 +196,10 @@ pub struct SqliteStore {
     path: PathBuf,
     jobs: Mutex<Option<SyncSender<Job>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// The writer thread, woken when an operation that is not a read arrives while the writer
+    /// lingers over a group of reads.
+    writer_thread: Thread,
+    linger: Arc<Linger>,
     readers: Mutex<Vec<Connection>>,
     counters: Arc<Counters>,
     /// Reads recorded by [`Store::record_read`] whose bookkeeping is not queued yet (shared
@@ -209,6 +234,8 @@ enum StepDone {
 #[derive(Debug, Default)]
 struct Counters {
     transactions: AtomicU64,
+    /// Transactions of reads only, committed with `synchronous=NORMAL`.
+    lazy_transactions: AtomicU64,
     operations: AtomicU64,
     /// The next free action id: handed out by the writer, or in advance by
     /// [`Store::record_read`] so a read need not wait for the writer.
@@ -221,11 +248,86 @@ struct Counters {
     latest_ms: AtomicI64,
 }
 
+/// How long the writer lingers over a group of reads only, and whether it is lingering now
+/// (shared between the writer and the callers that wake it).
+#[derive(Debug)]
+struct Linger {
+    /// Microseconds; zero: no lingering.
+    micros: AtomicU64,
+    /// Raised by the writer while it waits for more reads; a caller that queues any other
+    /// operation then unparks it.
+    lingering: AtomicBool,
+}
+
+impl Linger {
+    fn new(span: Duration) -> Self {
+        let linger = Linger {
+            micros: AtomicU64::new(0),
+            lingering: AtomicBool::new(false),
+        };
+        linger.set(span);
+        linger
+    }
+
+    fn set(&self, span: Duration) {
+        let micros = u64::try_from(span.as_micros()).unwrap_or(u64::MAX);
+        self.micros.store(micros, Ordering::Relaxed);
+    }
+
+    fn span(&self) -> Duration {
+        Duration::from_micros(self.micros.load(Ordering::Relaxed))
+    }
+
+    /// Adds to `batch`, which holds only reads, what arrives until the linger has passed, the
+    /// batch holds [`MAX_BATCH`] jobs, an operation that is not a read arrives (its caller
+    /// unparks this thread, see [`SqliteStore::send`]) or the channel closes. Returns whether
+    /// the batch still holds only reads.
+    fn wait_for_more(&self, rx: &Receiver<Job>, batch: &mut Vec<Job>) -> bool {
+        let span = self.span();
+        if span.is_zero() {
+            return true;
+        }
+        let until = Instant::now().checked_add(span);
+        self.lingering.store(true, Ordering::SeqCst);
+        let mut only_reads = true;
+        'wait: loop {
+            // Raised before this drain: what was sent before a caller could see the flag is
+            // found here.
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(job) => {
+                        only_reads &= matches!(job, Job::Read(_));
+                        batch.push(job);
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => break 'wait,
+                }
+            }
+            if !only_reads || batch.len() >= MAX_BATCH {
+                break;
+            }
+            let now = Instant::now();
+            match until {
+                Some(until) if now < until => std::thread::park_timeout(until - now),
+                Some(_) => break,
+                // A linger too long for the clock: wait until woken.
+                None => std::thread::park(),
+            }
+        }
+        self.lingering.store(false, Ordering::SeqCst);
+        only_reads
+    }
+}
+
 /// How the writer grouped operations into commits since the store was opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WriterStats {
-    /// Transactions committed (each one fsync).
+    /// Transactions committed.
     pub transactions: u64,
+    /// Of those, the transactions that held only reads and were committed without waiting for
+    /// the disk (`synchronous=NORMAL`; every other transaction is fsync'd before its
+    /// completions run).
+    pub lazy_transactions: u64,
     /// Operations those transactions carried (including ones that failed and were rolled back
     /// to their savepoint).
     pub operations: u64,
@@ -282,6 +384,8 @@ impl SqliteStore {
         let writer_held = Arc::clone(&held);
         let feed = Arc::new(Mutex::new(feed::WatchFeed::after(chain.last_seq())));
         let writer_feed = Arc::clone(&feed);
+        let linger = Arc::new(Linger::new(READ_LINGER));
+        let writer_linger = Arc::clone(&linger);
         let writer = std::thread::Builder::new()
             .name("backstop-store-writer".into())
             .spawn(move || {
@@ -292,13 +396,16 @@ impl SqliteStore {
                     &writer_counters,
                     &writer_held,
                     &writer_feed,
+                    &writer_linger,
                 )
             })
             .map_err(|e| StoreError::Sqlite(format!("cannot start the writer thread: {e}")))?;
         Ok(SqliteStore {
             path: path.to_owned(),
             jobs: Mutex::new(Some(tx)),
+            writer_thread: writer.thread().clone(),
             writer: Mutex::new(Some(writer)),
+            linger,
             readers: Mutex::new(Vec::new()),
             counters,
             held,
@@ -312,8 +419,16 @@ impl SqliteStore {
     pub fn writer_stats(&self) -> WriterStats {
         WriterStats {
             transactions: self.counters.transactions.load(Ordering::Relaxed),
+            lazy_transactions: self.counters.lazy_transactions.load(Ordering::Relaxed),
             operations: self.counters.operations.load(Ordering::Relaxed),
         }
+    }
+
+    /// Sets how long a group holding only reads waits for more operations before it commits
+    /// (default [`READ_LINGER`]; zero commits each group as soon as it is taken). Takes effect
+    /// from the writer's next group.
+    pub fn set_read_linger(&self, linger: Duration) {
+        self.linger.set(linger);
     }
 
     /// The database file.
@@ -361,8 +476,14 @@ impl SqliteStore {
         let Some(sender) = sender else {
             return job.fail(StoreError::WriterGone);
         };
+        let read = matches!(job, Job::Read(_));
         if let Err(mpsc::SendError(job)) = sender.send(job) {
-            job.fail(StoreError::WriterGone);
+            return job.fail(StoreError::WriterGone);
+        }
+        // Sent before the flag is read: a writer that raised it after this send finds the job
+        // when it drains the queue, one that raised it before is woken here.
+        if !read && self.linger.lingering.load(Ordering::SeqCst) {
+            self.writer_thread.unpark();
         }
     }
 
@@ -455,6 +576,8 @@ impl Drop for SqliteStore {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        // A writer lingering over reads finds the channel closed now, not when it times out.
+        self.writer_thread.unpark();
         if let Some(handle) = self
             .writer
             .lock()
@@ -580,6 +703,26 @@ fn take_overdue(
         }
     }
     Some(true)
+}
+
+/// Switches the writer connection between `synchronous=FULL` (every commit fsync'd before it
+/// returns) and `NORMAL` (WAL: no fsync at commit; the frames become durable with the next
+/// fsync, a later FULL commit's or a checkpoint's), only when `full` differs from `current`.
+/// SQLite refuses the switch inside a transaction, so it runs before `BEGIN`.
+///
+/// # Errors
+/// The statement's error; `current` then still tells the connection's setting.
+fn set_synchronous(conn: &Connection, current: &mut bool, full: bool) -> Result<(), StoreError> {
+    if *current != full {
+        let sql = if full {
+            "PRAGMA synchronous = FULL"
+        } else {
+            "PRAGMA synchronous = NORMAL"
+        };
+        control(conn, sql)?;
+        *current = full;
+    }
+    Ok(())
 }
 
 /// Runs one transaction-control statement through the statement cache, so the writer does not
@@ -750,7 +893,10 @@ fn writer_loop(
     counters: &Arc<Counters>,
     held: &HeldReads,
     feed: &Mutex<feed::WatchFeed>,
+    linger: &Linger,
 ) {
+    // Whether the connection runs with `synchronous=FULL` (as opened) or NORMAL.
+    let mut synchronous_full = true;
     // Room for every statement the operations and these control statements use.
     conn.set_prepared_statement_cache_capacity(64);
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
@@ -785,6 +931,18 @@ fn writer_loop(
             Some(true) | None => {}
         }
         if batch.is_empty() {
+            continue;
+        }
+        // Reads only: nobody waits for this commit, so let more reads join it, and do not wait
+        // for the disk (a later fsync'd commit makes these frames durable too).
+        let mut only_reads = batch.iter().all(|job| matches!(job, Job::Read(_)));
+        if only_reads && batch.len() < MAX_BATCH {
+            only_reads = linger.wait_for_more(&rx, &mut batch);
+        }
+        if let Err(e) = set_synchronous(&conn, &mut synchronous_full, !only_reads) {
+            for job in batch.drain(..) {
+                job.fail(e.clone());
+            }
             continue;
         }
         let before = group.chain.clone();
@@ -825,6 +983,9 @@ fn writer_loop(
                 .unwrap_or_else(PoisonError::into_inner)
                 .committed(&mut group.watched, group.chain.last_seq());
             counters.transactions.fetch_add(1, Ordering::Relaxed);
+            if !synchronous_full {
+                counters.lazy_transactions.fetch_add(1, Ordering::Relaxed);
+            }
             counters
                 .operations
                 .fetch_add(completions.len() as u64, Ordering::Relaxed);
