@@ -378,7 +378,6 @@ pub struct Parts {
 const STORE_RELEASE_POLLS: u32 = 400;
 
 /// A started gateway.
-#[derive(Debug)]
 pub struct Running {
     /// The bound address.
     pub addr: SocketAddr,
@@ -389,8 +388,19 @@ pub struct Running {
     task: JoinHandle<std::io::Result<()>>,
     watchdog: JoinHandle<()>,
     grace: Duration,
-    /// The store, to tell when its last user has let go (its write lock is then released).
-    store: std::sync::Weak<dyn Store>,
+    /// The store: at shutdown, once every other user has let go, it is closed here (its writer
+    /// finishes and its write lock is released) before [`Running::shutdown`] returns.
+    store: Arc<dyn Store>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("addr", &self.addr)
+            .field("store_path", &self.store_path)
+            .field("grace", &self.grace)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Running {
@@ -437,14 +447,19 @@ impl Running {
         drop(state);
         // The store closes, and its write lock is released, when its last user lets go: a
         // store call still running on a blocking thread finishes first. Wait for that, within
-        // STORE_RELEASE_POLLS × 5 ms, so a process may open the same store right after.
+        // STORE_RELEASE_POLLS × 5 ms, then close it here, so that a process may open the same
+        // store as soon as this returns (its close joins the writer thread: a blocking call).
         for _ in 0..STORE_RELEASE_POLLS {
-            if store.strong_count() == 0 {
+            if Arc::strong_count(&store) == 1 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        if store.strong_count() > 0 {
+        if Arc::strong_count(&store) == 1 {
+            if let Err(e) = tokio::task::spawn_blocking(move || drop(store)).await {
+                tracing::warn!(error = %e, "shutdown: closing the store failed");
+            }
+        } else {
             tracing::debug!("shutdown: background work still holds the store");
         }
         result
@@ -579,7 +594,7 @@ pub async fn start(
     );
     let (trigger, signal) = watch::channel(false);
     let app = full_router(state.clone(), store.clone());
-    let store_weak = Arc::downgrade(&store);
+    let kept = store.clone();
     let health_policy = Arc::new(health::HealthPolicy::from_policy(&policy));
     let watchdog = watchdog::spawn_watchdog(
         store,
@@ -607,7 +622,7 @@ pub async fn start(
         task,
         watchdog,
         grace: options.shutdown_grace,
-        store: store_weak,
+        store: kept,
     })
 }
 
