@@ -253,6 +253,81 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE actions ADD COLUMN target_digest TEXT;
     "#,
+    // 7 -> 8: smaller audit rows and one b-tree fewer per attempt, for the same log. An event's
+    // `prev` and `hash` are kept as the 32 bytes of the SHA-256 digest (BLOB) instead of 64
+    // lower-case hex characters; the chain is unchanged, since the canonical encoding and every
+    // printed form still use the hex (see `rows::event_row`). Only exactly 64 lower-case hex
+    // digits are converted: anything else was never written by the store and is kept as its
+    // raw bytes, whose length is not 32, so `audit verify` still reports that event rather than
+    // a conversion quietly repairing it. `attempts` becomes WITHOUT ROWID: its rows live in the
+    // (action_id, n) primary key's b-tree, not in a rowid table plus an index of that key.
+    r#"
+    CREATE TABLE audit_events_v8 (
+        seq             INTEGER PRIMARY KEY,
+        at              TEXT NOT NULL,
+        kind            TEXT NOT NULL,
+        task            TEXT,
+        action          INTEGER,
+        attempt         INTEGER,
+        escalation      INTEGER,
+        provider        TEXT,
+        scope           TEXT,
+        route           TEXT,
+        method          TEXT,
+        request_class   TEXT,
+        idempotency_key TEXT,
+        payload_digest  TEXT,
+        status          INTEGER,
+        disposition     TEXT,
+        boundary        TEXT,
+        source          TEXT,
+        outcome         TEXT,
+        job             INTEGER,
+        due_at          TEXT,
+        remaining       INTEGER,
+        limit_          INTEGER,
+        decision        TEXT,
+        decided_by      TEXT,
+        signal_headers  TEXT,
+        prev            BLOB NOT NULL,
+        hash            BLOB NOT NULL
+    );
+    INSERT INTO audit_events_v8 (seq, at, kind, task, action, attempt, escalation, provider,
+        scope, route, method, request_class, idempotency_key, payload_digest, status,
+        disposition, boundary, source, outcome, job, due_at, remaining, limit_, decision,
+        decided_by, signal_headers, prev, hash)
+    SELECT seq, at, kind, task, action, attempt, escalation, provider, scope, route, method,
+        request_class, idempotency_key, payload_digest, status, disposition, boundary, source,
+        outcome, job, due_at, remaining, limit_, decision, decided_by, signal_headers,
+        CASE WHEN typeof(prev) = 'text' AND length(prev) = 64 AND prev = lower(prev)
+                  AND unhex(prev) IS NOT NULL
+             THEN unhex(prev) ELSE CAST(prev AS BLOB) END,
+        CASE WHEN typeof(hash) = 'text' AND length(hash) = 64 AND hash = lower(hash)
+                  AND unhex(hash) IS NOT NULL
+             THEN unhex(hash) ELSE CAST(hash AS BLOB) END
+    FROM audit_events;
+    DROP TABLE audit_events;
+    ALTER TABLE audit_events_v8 RENAME TO audit_events;
+    CREATE TABLE attempts_v8 (
+        action_id      INTEGER NOT NULL REFERENCES actions(id),
+        n              INTEGER NOT NULL,
+        state          TEXT NOT NULL,
+        status         INTEGER,
+        disposition    TEXT,
+        started_at_ms  INTEGER NOT NULL,
+        finished_at_ms INTEGER,
+        boundary       TEXT,
+        signal_headers TEXT,
+        PRIMARY KEY (action_id, n)
+    ) WITHOUT ROWID;
+    INSERT INTO attempts_v8 (action_id, n, state, status, disposition, started_at_ms,
+        finished_at_ms, boundary, signal_headers)
+    SELECT action_id, n, state, status, disposition, started_at_ms, finished_at_ms, boundary,
+        signal_headers FROM attempts;
+    DROP TABLE attempts;
+    ALTER TABLE attempts_v8 RENAME TO attempts;
+    CREATE INDEX attempts_unfinished ON attempts(state) WHERE state = 'sent';
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
