@@ -3,7 +3,9 @@
 use jiff::Timestamp;
 use rusqlite::{params, Connection, OptionalExtension, Row, Statement};
 
-use crate::audit::{push_lower_hex, AuditEvent, ChainHead};
+use crate::audit::{
+    digest_of_hex, push_lower_hex, AuditEvent, ChainHead, SealedDigests, DIGEST_BYTES,
+};
 use crate::error::StoreError;
 use crate::model::{
     ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Boundary, Disposition,
@@ -457,9 +459,6 @@ const EVENT_COLUMNS: &str = "seq, at, kind, task, action, attempt, escalation, p
      source, outcome, job, due_at, remaining, limit_, decision, decided_by, prev, hash, \
      signal_headers";
 
-/// Bytes of a SHA-256 digest, the stored form of an event's `prev` and `hash` (schema 8 on).
-const DIGEST_BYTES: usize = 32;
-
 /// The stored digest in column `i` (`name`) as the lower-case hex the chain uses.
 ///
 /// # Errors
@@ -484,15 +483,13 @@ fn digest_hex(r: &Row<'_>, i: usize, name: &str) -> Result<String, String> {
     }
 }
 
-/// The digest `text` (64 hex digits, as [`crate::audit::Chain::seal`] writes it) as the bytes
-/// stored for it.
+/// The digest `text` (64 lower-case hex digits) as the bytes stored for it (schema 8 on: an
+/// event's `prev` and `hash` are kept as the digest's 32 bytes).
 fn digest_bytes(field: &'static str, text: &str) -> Result<[u8; DIGEST_BYTES], StoreError> {
-    let mut bytes = [0u8; DIGEST_BYTES];
-    hex::decode_to_slice(text, &mut bytes).map_err(|e| StoreError::Invalid {
+    digest_of_hex(text).ok_or_else(|| StoreError::Invalid {
         field,
-        reason: format!("{text:?} is not 64 hex digits: {e}"),
-    })?;
-    Ok(bytes)
+        reason: format!("{text:?} is not 64 lower-case hex digits"),
+    })
 }
 
 /// Decodes one row of [`EVENT_COLUMNS`]; a row that cannot be decoded is
@@ -713,8 +710,17 @@ fn bind_set<T: rusqlite::ToSql>(
     }
 }
 
-/// Appends one sealed event with `stmt`, a statement of [`INSERT_EVENT`].
-pub(crate) fn insert_event(stmt: &mut Statement<'_>, e: &AuditEvent) -> Result<(), StoreError> {
+/// Appends one sealed event with `stmt`, a statement of [`INSERT_EVENT`]; `digests` are the
+/// bytes of its `prev` and `hash` as the seal returned them.
+///
+/// # Errors
+/// [`StoreError::Invalid`] when `prev` has no bytes from the seal and is not 64 hex digits;
+/// SQLite's errors.
+pub(crate) fn insert_event(
+    stmt: &mut Statement<'_>,
+    e: &AuditEvent,
+    digests: &SealedDigests,
+) -> Result<(), StoreError> {
     let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let headers = match e.signal_headers.as_deref() {
         None | Some([]) => None,
@@ -753,8 +759,12 @@ pub(crate) fn insert_event(stmt: &mut Statement<'_>, e: &AuditEvent) -> Result<(
     bind_set(stmt, 23, e.limit.map(to_i64))?;
     bind_set(stmt, 24, e.decision.as_deref())?;
     bind_set(stmt, 25, e.decided_by.as_deref())?;
-    stmt.raw_bind_parameter(26, &digest_bytes("prev", &e.prev)?[..])?;
-    stmt.raw_bind_parameter(27, &digest_bytes("hash", &e.hash)?[..])?;
+    let prev = match digests.prev {
+        Some(prev) => prev,
+        None => digest_bytes("prev", &e.prev)?,
+    };
+    stmt.raw_bind_parameter(26, &prev[..])?;
+    stmt.raw_bind_parameter(27, &digests.hash[..])?;
     bind_set(stmt, 28, headers)?;
     stmt.raw_execute()?;
     Ok(())
