@@ -229,46 +229,75 @@ fn answered_reads(c: &mut Criterion) {
 }
 
 /// `STORE_BENCH_READS=n`: one run of `n` answered reads over 32 threads on a fresh store, with
-/// the reads per second, the writer's transactions and (on Linux) the CPU time the writer
-/// thread spent per read printed (for callgrind, see the top).
+/// the reads per second, the writer's transactions and (on Linux) the CPU time and the bytes
+/// the writer thread spent per read printed (for callgrind, see the top). The bytes are the
+/// writer thread's `wchar` from `/proc/self/task/<tid>/io`: what it handed to `write`/`pwrite`
+/// (WAL frames, and database pages when a checkpoint ran), whether or not the disk was reached
+/// yet; the database file's size after the store closed (checkpointed, WAL removed) is printed
+/// per read too.
 fn one_run_of_reads(n: u64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open_store(dir.path());
     let before = store.writer_stats();
     let cpu_before = writer_cpu_ticks();
+    let io_before = writer_written_bytes();
     let elapsed = run_readers(&store, 32, n);
     let cpu = writer_cpu_ticks().zip(cpu_before).map(|(a, b)| a - b);
+    // The writer is idle once every read is committed; its bytes are counted before the
+    // store closes (and checkpoints), which is not a per-read cost.
+    let written = writer_written_bytes().zip(io_before).map(|(a, b)| a - b);
     let after = store.writer_stats();
     let events = store.audit_head().expect("head").map_or(0, |h| h.seq);
+    drop(store);
+    let db_bytes = std::fs::metadata(dir.path().join("bench.db")).map_or(0, |m| m.len());
     // Clock ticks are 10 ms on Linux (USER_HZ = 100).
     let per_read = cpu.map_or("n/a".to_owned(), |ticks| {
         format!("{:.1} µs", ticks as f64 * 10_000.0 / n as f64)
     });
+    let written_per_read = written.map_or("n/a".to_owned(), |bytes| {
+        format!("{:.0} B", bytes as f64 / n as f64)
+    });
     println!(
         "{n} answered reads in {:.3} s: {:.0} reads/s; {} transactions, {} operations, \
-         {events} events; writer CPU per read {per_read}",
+         {events} events; writer CPU per read {per_read}; writer wrote per read \
+         {written_per_read}; database after close {db_bytes} B ({:.0} B per read)",
         elapsed.as_secs_f64(),
         n as f64 / elapsed.as_secs_f64(),
         after.transactions - before.transactions,
         after.operations - before.operations,
+        db_bytes as f64 / n as f64,
     );
+}
+
+/// The store writer thread of this process, as its `/proc/self/task/<tid>` directory (Linux).
+fn writer_task() -> Option<std::path::PathBuf> {
+    std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .flatten()
+        .map(|task| task.path())
+        .find(|path| {
+            std::fs::read_to_string(path.join("comm"))
+                .is_ok_and(|comm| comm.starts_with("backstop-store-"))
+        })
 }
 
 /// User + system clock ticks of this process's store writer thread, from /proc (Linux only).
 fn writer_cpu_ticks() -> Option<u64> {
-    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
-        let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
-        // `pid (comm) state ...`: comm may hold spaces, the fields after it do not.
-        let (head, rest) = stat.rsplit_once(") ")?;
-        if !head.contains("(backstop-store-") {
-            continue;
-        }
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        // utime and stime are fields 14 and 15 of the line, 12 and 13 after `state`.
-        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
-        return Some(ticks(11)? + ticks(12)?);
-    }
-    None
+    let stat = std::fs::read_to_string(writer_task()?.join("stat")).ok()?;
+    // `pid (comm) state ...`: comm may hold spaces, the fields after it do not.
+    let (_, rest) = stat.rsplit_once(") ")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after `state`.
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    Some(ticks(11)? + ticks(12)?)
+}
+
+/// Bytes the store writer thread passed to `write`-family calls (`wchar`), from /proc.
+fn writer_written_bytes() -> Option<u64> {
+    let io = std::fs::read_to_string(writer_task()?.join("io")).ok()?;
+    io.lines()
+        .find_map(|line| line.strip_prefix("wchar: "))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 fn chain_of(n: u64) -> Vec<AuditEvent> {

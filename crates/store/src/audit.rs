@@ -378,12 +378,15 @@ impl AuditEvent {
         hash
     }
 
-    /// Writes the hash into `hash`, replacing what it held; `buf` is room for the encoding.
-    fn hash_into(&self, buf: &mut Vec<u8>, hash: &mut String) {
+    /// Writes the hash into `hash`, replacing what it held, and returns its bytes; `buf` is
+    /// room for the encoding.
+    fn hash_into(&self, buf: &mut Vec<u8>, hash: &mut String) -> [u8; DIGEST_BYTES] {
         buf.clear();
         self.encode_into(buf, false);
+        let digest: [u8; DIGEST_BYTES] = Sha256::digest(buf.as_slice()).into();
         hash.clear();
-        push_lower_hex(hash, &Sha256::digest(buf.as_slice()));
+        push_lower_hex(hash, &digest);
+        digest
     }
 
     /// Parses one export line.
@@ -424,11 +427,37 @@ pub struct ChainHead {
     pub hash: String,
 }
 
-/// The writer's view of the chain: the next `seq` and the hash to use as `prev`.
+/// Bytes of a SHA-256 digest: an event's `hash` and `prev` are their lower-case hex.
+pub(crate) const DIGEST_BYTES: usize = 32;
+
+/// The bytes whose lower-case hex is `text`, when `text` is exactly 64 lower-case hex digits
+/// (the only form the chain writes); `None` otherwise, upper case included, so that bytes
+/// turned back into hex always give `text` again.
+pub(crate) fn digest_of_hex(text: &str) -> Option<[u8; DIGEST_BYTES]> {
+    let lower = text.len() == 2 * DIGEST_BYTES
+        && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    let mut digest = [0; DIGEST_BYTES];
+    (lower && hex::decode_to_slice(text, &mut digest).is_ok()).then_some(digest)
+}
+
+/// The bytes of a sealed event's `prev` and `hash`, as a store keeps them (the event itself
+/// holds their hex).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SealedDigests {
+    /// `prev`'s bytes; `None` when `prev` is not 64 hex digits (only after a hand-made
+    /// [`ChainHead`], see [`Chain::after`]).
+    pub(crate) prev: Option<[u8; DIGEST_BYTES]>,
+    /// `hash`'s bytes.
+    pub(crate) hash: [u8; DIGEST_BYTES],
+}
+
+/// The writer's view of the chain: the next `seq` and the hash to use as `prev` (as hex, and as
+/// its bytes when it is 64 hex digits).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Chain {
     next_seq: u64,
     prev: String,
+    prev_digest: Option<[u8; DIGEST_BYTES]>,
 }
 
 impl Chain {
@@ -437,6 +466,7 @@ impl Chain {
         Chain {
             next_seq: 1,
             prev: GENESIS_PREV.to_owned(),
+            prev_digest: Some([0; DIGEST_BYTES]),
         }
     }
 
@@ -447,6 +477,7 @@ impl Chain {
             Some(h) => Chain {
                 next_seq: h.seq + 1,
                 prev: h.hash.clone(),
+                prev_digest: digest_of_hex(&h.hash),
             },
         }
     }
@@ -454,14 +485,26 @@ impl Chain {
     /// Assigns `seq`, `prev` and `hash` to a draft event and advances the chain. An event
     /// sealed before (refilled for the next one) keeps the room of its `prev` and `hash`.
     pub fn seal(&mut self, event: &mut AuditEvent) {
+        self.seal_digests(event);
+    }
+
+    /// [`Chain::seal`], returning the bytes of the event's `prev` and `hash` (so that a store
+    /// keeping them as bytes need not decode the hex it was just given).
+    pub(crate) fn seal_digests(&mut self, event: &mut AuditEvent) -> SealedDigests {
         event.seq = self.next_seq;
         event.prev.clone_from(&self.prev);
         let mut buf = Vec::with_capacity(ENCODED_CAPACITY);
         let mut hash = std::mem::take(&mut event.hash);
-        event.hash_into(&mut buf, &mut hash);
+        let digest = event.hash_into(&mut buf, &mut hash);
         event.hash = hash;
         self.prev.clone_from(&event.hash);
+        let sealed = SealedDigests {
+            prev: self.prev_digest,
+            hash: digest,
+        };
+        self.prev_digest = Some(digest);
         self.next_seq += 1;
+        sealed
     }
 
     /// The `seq` of the last sealed event (0 for an empty log).
@@ -801,7 +844,38 @@ pub fn write_export<'a, W: std::io::Write>(
 
 #[cfg(test)]
 mod tests {
-    use super::push_lower_hex;
+    use super::{push_lower_hex, AuditEvent, Chain, ChainHead, DIGEST_BYTES};
+
+    #[test]
+    fn sealed_digests_are_the_bytes_of_the_hex_the_event_holds() {
+        let mut chain = Chain::genesis();
+        let mut first = AuditEvent::new("task_opened", "2025-01-01T00:00:00.000Z");
+        let sealed = chain.seal_digests(&mut first);
+        assert_eq!(sealed.prev, Some([0; DIGEST_BYTES]));
+        assert_eq!(hex::encode(sealed.prev.unwrap_or_default()), first.prev);
+        assert_eq!(hex::encode(sealed.hash), first.hash);
+        let mut second = AuditEvent::new("action_requested", "2025-01-01T00:00:00.001Z");
+        let next = chain.seal_digests(&mut second);
+        assert_eq!(next.prev, Some(sealed.hash));
+        assert_eq!(hex::encode(next.hash), second.hash);
+        // A chain continued from its head gives the same bytes as the one that sealed it.
+        let head = ChainHead {
+            seq: 2,
+            hash: second.hash.clone(),
+        };
+        assert_eq!(Chain::after(Some(&head)), chain);
+        // A hand-made head that is not lower-case hex has no bytes: they would read back as
+        // another text.
+        let upper = ChainHead {
+            seq: 2,
+            hash: second.hash.to_ascii_uppercase(),
+        };
+        let mut third = AuditEvent::new("action_sent", "2025-01-01T00:00:00.002Z");
+        assert_eq!(
+            Chain::after(Some(&upper)).seal_digests(&mut third).prev,
+            None
+        );
+    }
 
     #[test]
     fn lower_hex_of_any_length_is_what_the_hex_crate_encodes() {

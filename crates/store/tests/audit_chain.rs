@@ -377,3 +377,104 @@ fn expected_head_parses_the_hash_alone_or_seq_and_hash() {
         assert!(!err.is_empty());
     }
 }
+
+/// The details of a break, for checking what `audit verify` says about it.
+fn break_of(v: Verdict) -> backstop_store::audit::ChainBreak {
+    match v {
+        Verdict::Broken(b) => b,
+        Verdict::Intact { count, .. } => panic!("expected a break, log of {count} verified"),
+    }
+}
+
+#[test]
+fn a_stored_digest_that_is_not_32_bytes_is_an_altered_event_named_by_seq() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 4);
+    drop(store);
+    let reader = tamper(
+        &path,
+        "UPDATE audit_events SET prev = x'0102' WHERE seq = 4",
+    );
+    let found = break_of(
+        reader
+            .verify(None)
+            .expect("verify reports a break, not an error"),
+    );
+    assert_eq!((found.seq, found.kind), (4, BreakKind::Altered));
+    assert!(
+        found
+            .detail
+            .contains("prev is 2 bytes, not the 32 of a SHA-256 digest"),
+        "{}",
+        found.detail
+    );
+    let mut out = Vec::new();
+    let err = reader.export(0, &mut out).expect_err("export stops");
+    assert!(err.to_string().contains("seq 4"), "{err}");
+
+    // The digest as hex text (the form before schema 8) is not taken for the digest either.
+    let reader = tamper(
+        &path,
+        "UPDATE audit_events SET hash = lower(hex(hash)) WHERE seq = 2",
+    );
+    let found = break_of(reader.verify(None).expect("verify"));
+    assert_eq!((found.seq, found.kind), (2, BreakKind::Altered));
+    assert!(
+        found
+            .detail
+            .contains("hash is stored as text, not as a 32-byte BLOB"),
+        "{}",
+        found.detail
+    );
+}
+
+#[test]
+fn a_damaged_head_digest_is_refused_naming_its_seq() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 2);
+    let last = store.audit_head().expect("head").expect("events").seq;
+    drop(store);
+    let reader = tamper(
+        &path,
+        &format!("UPDATE audit_events SET hash = zeroblob(31) WHERE seq = {last}"),
+    );
+    let err = reader.head().expect_err("no head from a damaged digest");
+    assert!(
+        err.to_string()
+            .contains(&format!("seq {last}: hash is 31 bytes, not the 32")),
+        "{err}"
+    );
+    drop(reader);
+    // The writer does not continue a chain from it.
+    let Err(err) = backstop_store::SqliteStore::open_existing(&path) else {
+        panic!("the store opened on a damaged head");
+    };
+    assert!(err.to_string().contains(&format!("seq {last}")), "{err}");
+}
+
+#[test]
+fn stored_digests_are_32_byte_blobs_printed_as_lower_case_hex() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 2);
+    let events = export(&store);
+    let head = store.audit_head().expect("head").expect("events");
+    drop(store);
+    let conn = rusqlite::Connection::open(&path).expect("open raw");
+    let (prev, hash): (Vec<u8>, Vec<u8>) = conn
+        .query_row(
+            "SELECT prev, hash FROM audit_events WHERE seq = ?1",
+            [head.seq as i64],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .expect("raw row");
+    assert_eq!(hex::encode(&hash), head.hash);
+    assert_eq!(head.hash.len(), 64);
+    assert!(head
+        .hash
+        .bytes()
+        .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')));
+    let last = events.last().expect("events");
+    assert_eq!(hex::encode(&prev), last.prev);
+    assert_eq!(last.hash, head.hash);
+    assert_eq!(last.hash, last.compute_hash());
+}

@@ -220,8 +220,8 @@ impl WriteTx<'_> {
         insert: &mut Statement<'_>,
         event: &mut AuditEvent,
     ) -> Result<(), StoreError> {
-        self.chain.seal(event);
-        rows::insert_event(insert, event)
+        let digests = self.chain.seal_digests(event);
+        rows::insert_event(insert, event, &digests)
     }
 
     fn facts(&self, action: ActionId) -> Result<ActionFacts, StoreError> {

@@ -3,7 +3,9 @@
 use jiff::Timestamp;
 use rusqlite::{params, Connection, OptionalExtension, Row, Statement};
 
-use crate::audit::{AuditEvent, ChainHead};
+use crate::audit::{
+    digest_of_hex, push_lower_hex, AuditEvent, ChainHead, SealedDigests, DIGEST_BYTES,
+};
 use crate::error::StoreError;
 use crate::model::{
     ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Boundary, Disposition,
@@ -457,6 +459,62 @@ const EVENT_COLUMNS: &str = "seq, at, kind, task, action, attempt, escalation, p
      source, outcome, job, due_at, remaining, limit_, decision, decided_by, prev, hash, \
      signal_headers";
 
+/// The stored digest in column `i` (`name`) as the lower-case hex the chain uses.
+///
+/// # Errors
+/// A one-line reason when the column is not a BLOB of [`DIGEST_BYTES`] bytes (a value the
+/// store never writes: the file was edited or damaged).
+fn digest_hex(r: &Row<'_>, i: usize, name: &str) -> Result<String, String> {
+    match r.get_ref(i) {
+        Ok(rusqlite::types::ValueRef::Blob(bytes)) if bytes.len() == DIGEST_BYTES => {
+            let mut hex = String::with_capacity(2 * DIGEST_BYTES);
+            push_lower_hex(&mut hex, bytes);
+            Ok(hex)
+        }
+        Ok(rusqlite::types::ValueRef::Blob(bytes)) => Err(format!(
+            "{name} is {} bytes, not the {DIGEST_BYTES} of a SHA-256 digest",
+            bytes.len()
+        )),
+        Ok(other) => Err(format!(
+            "{name} is stored as {}, not as a {DIGEST_BYTES}-byte BLOB",
+            other.data_type().to_string().to_ascii_lowercase()
+        )),
+        Err(e) => Err(format!("{name}: {e}")),
+    }
+}
+
+/// The digest `text` (64 lower-case hex digits) as the bytes stored for it (schema 8 on: an
+/// event's `prev` and `hash` are kept as the digest's 32 bytes).
+fn digest_bytes(field: &'static str, text: &str) -> Result<[u8; DIGEST_BYTES], StoreError> {
+    digest_of_hex(text).ok_or_else(|| StoreError::Invalid {
+        field,
+        reason: format!("{text:?} is not 64 lower-case hex digits"),
+    })
+}
+
+/// Decodes one row of [`EVENT_COLUMNS`]; a row that cannot be decoded is
+/// [`StoreError::UndecodableEvent`] naming its `seq` (or [`StoreError::Corrupt`] when even the
+/// `seq` cannot be read).
+fn decode_event(r: &Row<'_>) -> Result<AuditEvent, StoreError> {
+    let undecodable = |reason: String| match r.get::<_, i64>(0) {
+        // The row exists but a column has a wrong type or size: an altered event, named by seq.
+        Ok(seq) => StoreError::UndecodableEvent {
+            seq: u64::try_from(seq).unwrap_or(u64::MAX),
+            reason,
+        },
+        Err(_) => StoreError::Corrupt {
+            table: "audit_events",
+            reason,
+        },
+    };
+    let mut event = event_row(r).map_err(|e| undecodable(e.to_string()))?;
+    event.prev = digest_hex(r, 25, "prev").map_err(undecodable)?;
+    event.hash = digest_hex(r, 26, "hash").map_err(undecodable)?;
+    Ok(event)
+}
+
+/// The columns of one event row but its digests (`prev` and `hash` are left empty, see
+/// [`decode_event`]).
 fn event_row(r: &Row<'_>) -> rusqlite::Result<AuditEvent> {
     let seq: i64 = r.get(0)?;
     let remaining: Option<i64> = r.get(21)?;
@@ -489,8 +547,8 @@ fn event_row(r: &Row<'_>) -> rusqlite::Result<AuditEvent> {
         limit: limit.map(|v| u64::try_from(v).unwrap_or(u64::MAX)),
         decision: r.get(23)?,
         decided_by: r.get(24)?,
-        prev: r.get(25)?,
-        hash: r.get(26)?,
+        prev: String::new(),
+        hash: String::new(),
         signal_headers: match r.get::<_, Option<String>>(27)? {
             None => None,
             Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
@@ -518,18 +576,7 @@ pub(crate) fn for_each_event(
     ))?;
     let mut rows = stmt.query(params![since, limit])?;
     while let Some(row) = rows.next()? {
-        let event = event_row(row).map_err(|e| match row.get::<_, i64>(0) {
-            // The row exists but a column has a wrong type: an altered event, named by seq.
-            Ok(seq) => StoreError::UndecodableEvent {
-                seq: u64::try_from(seq).unwrap_or(u64::MAX),
-                reason: e.to_string(),
-            },
-            Err(_) => StoreError::Corrupt {
-                table: "audit_events",
-                reason: e.to_string(),
-            },
-        });
-        if !f(event) {
+        if !f(decode_event(row)) {
             break;
         }
     }
@@ -603,16 +650,7 @@ pub(crate) fn watch_events(
     let mut rows = stmt.query(params![since, last])?;
     let mut out = Vec::new();
     while let Some(row) = rows.next()? {
-        out.push(event_row(row).map_err(|e| match row.get::<_, i64>(0) {
-            Ok(seq) => StoreError::UndecodableEvent {
-                seq: u64::try_from(seq).unwrap_or(u64::MAX),
-                reason: e.to_string(),
-            },
-            Err(_) => StoreError::Corrupt {
-                table: "audit_events",
-                reason: e.to_string(),
-            },
-        })?);
+        out.push(decode_event(row)?);
     }
     Ok((out, Some(u64::try_from(last).unwrap_or(u64::MAX))))
 }
@@ -627,18 +665,24 @@ pub(crate) fn audit_seqs(conn: &Connection) -> Result<Vec<u64>, StoreError> {
     Ok(out)
 }
 
+/// The last event's `seq` and `hash` (hex), or `None` for an empty log.
+///
+/// # Errors
+/// [`StoreError::Corrupt`] naming the `seq` when it is negative or its stored hash is not a
+/// 32-byte digest: the writer cannot continue a chain from it.
 pub(crate) fn audit_head(conn: &Connection) -> Result<Option<ChainHead>, StoreError> {
     let row = conn
         .prepare_cached("SELECT seq, hash FROM audit_events ORDER BY seq DESC LIMIT 1")?
-        .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+        .query_row([], |r| Ok((r.get::<_, i64>(0)?, digest_hex(r, 1, "hash"))))
         .optional()?;
     row.map(|(seq, hash)| {
+        let corrupt = |reason: String| StoreError::Corrupt {
+            table: "audit_events",
+            reason: format!("seq {seq}: {reason}"),
+        };
         Ok(ChainHead {
-            seq: u64::try_from(seq).map_err(|_| StoreError::Corrupt {
-                table: "audit_events",
-                reason: format!("negative seq {seq}"),
-            })?,
-            hash,
+            seq: u64::try_from(seq).map_err(|_| corrupt("negative seq".to_owned()))?,
+            hash: hash.map_err(corrupt)?,
         })
     })
     .transpose()
@@ -666,8 +710,17 @@ fn bind_set<T: rusqlite::ToSql>(
     }
 }
 
-/// Appends one sealed event with `stmt`, a statement of [`INSERT_EVENT`].
-pub(crate) fn insert_event(stmt: &mut Statement<'_>, e: &AuditEvent) -> Result<(), StoreError> {
+/// Appends one sealed event with `stmt`, a statement of [`INSERT_EVENT`]; `digests` are the
+/// bytes of its `prev` and `hash` as the seal returned them.
+///
+/// # Errors
+/// [`StoreError::Invalid`] when `prev` has no bytes from the seal and is not 64 hex digits;
+/// SQLite's errors.
+pub(crate) fn insert_event(
+    stmt: &mut Statement<'_>,
+    e: &AuditEvent,
+    digests: &SealedDigests,
+) -> Result<(), StoreError> {
     let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let headers = match e.signal_headers.as_deref() {
         None | Some([]) => None,
@@ -706,8 +759,12 @@ pub(crate) fn insert_event(stmt: &mut Statement<'_>, e: &AuditEvent) -> Result<(
     bind_set(stmt, 23, e.limit.map(to_i64))?;
     bind_set(stmt, 24, e.decision.as_deref())?;
     bind_set(stmt, 25, e.decided_by.as_deref())?;
-    stmt.raw_bind_parameter(26, &e.prev)?;
-    stmt.raw_bind_parameter(27, &e.hash)?;
+    let prev = match digests.prev {
+        Some(prev) => prev,
+        None => digest_bytes("prev", &e.prev)?,
+    };
+    stmt.raw_bind_parameter(26, &prev[..])?;
+    stmt.raw_bind_parameter(27, &digests.hash[..])?;
     bind_set(stmt, 28, headers)?;
     stmt.raw_execute()?;
     Ok(())

@@ -253,6 +253,81 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE actions ADD COLUMN target_digest TEXT;
     "#,
+    // 7 -> 8: smaller audit rows and one b-tree fewer per attempt, for the same log. An event's
+    // `prev` and `hash` are kept as the 32 bytes of the SHA-256 digest (BLOB) instead of 64
+    // lower-case hex characters; the chain is unchanged, since the canonical encoding and every
+    // printed form still use the hex (see `rows::event_row`). Only exactly 64 lower-case hex
+    // digits are converted: anything else was never written by the store and is kept as its
+    // raw bytes, whose length is not 32, so `audit verify` still reports that event rather than
+    // a conversion quietly repairing it. `attempts` becomes WITHOUT ROWID: its rows live in the
+    // (action_id, n) primary key's b-tree, not in a rowid table plus an index of that key.
+    r#"
+    CREATE TABLE audit_events_v8 (
+        seq             INTEGER PRIMARY KEY,
+        at              TEXT NOT NULL,
+        kind            TEXT NOT NULL,
+        task            TEXT,
+        action          INTEGER,
+        attempt         INTEGER,
+        escalation      INTEGER,
+        provider        TEXT,
+        scope           TEXT,
+        route           TEXT,
+        method          TEXT,
+        request_class   TEXT,
+        idempotency_key TEXT,
+        payload_digest  TEXT,
+        status          INTEGER,
+        disposition     TEXT,
+        boundary        TEXT,
+        source          TEXT,
+        outcome         TEXT,
+        job             INTEGER,
+        due_at          TEXT,
+        remaining       INTEGER,
+        limit_          INTEGER,
+        decision        TEXT,
+        decided_by      TEXT,
+        signal_headers  TEXT,
+        prev            BLOB NOT NULL,
+        hash            BLOB NOT NULL
+    );
+    INSERT INTO audit_events_v8 (seq, at, kind, task, action, attempt, escalation, provider,
+        scope, route, method, request_class, idempotency_key, payload_digest, status,
+        disposition, boundary, source, outcome, job, due_at, remaining, limit_, decision,
+        decided_by, signal_headers, prev, hash)
+    SELECT seq, at, kind, task, action, attempt, escalation, provider, scope, route, method,
+        request_class, idempotency_key, payload_digest, status, disposition, boundary, source,
+        outcome, job, due_at, remaining, limit_, decision, decided_by, signal_headers,
+        CASE WHEN typeof(prev) = 'text' AND length(prev) = 64 AND prev = lower(prev)
+                  AND unhex(prev) IS NOT NULL
+             THEN unhex(prev) ELSE CAST(prev AS BLOB) END,
+        CASE WHEN typeof(hash) = 'text' AND length(hash) = 64 AND hash = lower(hash)
+                  AND unhex(hash) IS NOT NULL
+             THEN unhex(hash) ELSE CAST(hash AS BLOB) END
+    FROM audit_events;
+    DROP TABLE audit_events;
+    ALTER TABLE audit_events_v8 RENAME TO audit_events;
+    CREATE TABLE attempts_v8 (
+        action_id      INTEGER NOT NULL REFERENCES actions(id),
+        n              INTEGER NOT NULL,
+        state          TEXT NOT NULL,
+        status         INTEGER,
+        disposition    TEXT,
+        started_at_ms  INTEGER NOT NULL,
+        finished_at_ms INTEGER,
+        boundary       TEXT,
+        signal_headers TEXT,
+        PRIMARY KEY (action_id, n)
+    ) WITHOUT ROWID;
+    INSERT INTO attempts_v8 (action_id, n, state, status, disposition, started_at_ms,
+        finished_at_ms, boundary, signal_headers)
+    SELECT action_id, n, state, status, disposition, started_at_ms, finished_at_ms, boundary,
+        signal_headers FROM attempts;
+    DROP TABLE attempts;
+    ALTER TABLE attempts_v8 RENAME TO attempts;
+    CREATE INDEX attempts_unfinished ON attempts(state) WHERE state = 'sent';
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
@@ -826,6 +901,246 @@ mod tests {
         assert_eq!(target, None, "nothing is invented");
         conn.execute_batch("UPDATE actions SET target_digest = 'abc' WHERE id = 6;")
             .expect("new column");
+    }
+
+    /// A version-7 database made by the real scripts, holding a task, an action with a sent
+    /// and a finished attempt, and a chain of five sealed events whose `prev` and `hash` are
+    /// hex text, as the previous build wrote them. Returns the events.
+    fn version_7(path: &Path) -> Vec<crate::audit::AuditEvent> {
+        use crate::audit::{AuditEvent, Chain};
+        let mut conn = Connection::open(path).expect("create");
+        conn.pragma_update(None, "foreign_keys", "OFF")
+            .expect("fk off");
+        run_migrations_to(&mut conn, 7);
+        conn.execute_batch(
+            "INSERT INTO tasks (agent, id, priority, created_at_ms) VALUES ('alice', 't', 'normal', 1);
+             INSERT INTO actions (id, task_id, agent, provider, method, route, request_class,
+                 payload_digest, idempotency_key, state, created_at_ms, updated_at_ms,
+                 target_digest)
+             VALUES (5, 't', 'alice', 'p', 'POST', '/v1/x', 'idempotent_write', 'd', 'key-5',
+                 'attempted', 1, 2, 'abc');
+             INSERT INTO attempts (action_id, n, state, status, disposition, started_at_ms,
+                 finished_at_ms, boundary, signal_headers)
+             VALUES (5, 1, 'finished', 429, 'rate_limited', 1, 1000, 'unknown',
+                 '[[\"retry-after\",\"7\"]]');
+             INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (5, 2, 'sent', 8000);",
+        )
+        .expect("rows");
+        let mut chain = Chain::genesis();
+        let mut events = Vec::new();
+        for (i, kind) in [
+            "task_opened",
+            "action_requested",
+            "action_sent",
+            "action_result",
+            "action_sent",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut event = AuditEvent::new(kind, &format!("2026-01-01T00:00:0{i}.000Z"));
+            event.task = Some("t".to_owned());
+            if i > 0 {
+                event.action = Some(5);
+            }
+            if kind == "action_requested" {
+                event.idempotency_key = Some("key-5".to_owned());
+                event.payload_digest = Some("d".to_owned());
+            }
+            if kind == "action_result" {
+                event.attempt = Some(1);
+                event.status = Some(429);
+                event.boundary = Some("unknown".to_owned());
+                event.signal_headers = Some(vec![("retry-after".to_owned(), "7".to_owned())]);
+            }
+            chain.seal(&mut event);
+            conn.execute(
+                "INSERT INTO audit_events (seq, at, kind, task, action, attempt, status,
+                     boundary, idempotency_key, payload_digest, signal_headers, prev, hash)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                rusqlite::params![
+                    event.seq as i64,
+                    event.at,
+                    event.kind,
+                    event.task,
+                    event.action,
+                    event.attempt,
+                    event.status,
+                    event.boundary,
+                    event.idempotency_key,
+                    event.payload_digest,
+                    event
+                        .signal_headers
+                        .as_ref()
+                        .map(|h| serde_json::to_string(h).expect("json")),
+                    event.prev,
+                    event.hash
+                ],
+            )
+            .expect("event");
+            events.push(event);
+        }
+        let stored: String = conn
+            .query_row(
+                "SELECT typeof(hash) FROM audit_events WHERE seq = 5",
+                [],
+                |r| r.get(0),
+            )
+            .expect("type");
+        assert_eq!(stored, "text", "version 7 keeps the digests as hex text");
+        events
+    }
+
+    #[test]
+    fn version_7_database_is_upgraded_keeping_a_verifiable_chain_and_its_head() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v7.db");
+        let old_events = version_7(&path);
+        let old_head = crate::audit::ChainHead {
+            seq: 5,
+            hash: old_events[4].hash.clone(),
+        };
+        {
+            let conn = open_writer(&path, false).expect("migrated");
+            let version: i64 = conn
+                .query_row("PRAGMA user_version", [], |r| r.get(0))
+                .expect("version");
+            assert_eq!(version, SCHEMA_VERSION);
+            // The digests are stored as their 32 bytes now.
+            let digests: Vec<(String, i64, String, i64)> = conn
+                .prepare(
+                    "SELECT typeof(prev), length(prev), typeof(hash), length(hash) \
+                     FROM audit_events ORDER BY seq",
+                )
+                .expect("prepare")
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                .expect("query")
+                .collect::<Result<_, _>>()
+                .expect("rows");
+            assert_eq!(digests.len(), 5);
+            for digest in digests {
+                assert_eq!(digest, ("blob".to_owned(), 32, "blob".to_owned(), 32));
+            }
+            // Every member reads back as before, so every hash recomputes and links.
+            let events = crate::sqlite::rows::audit_events(&conn, 0, 10).expect("events read");
+            assert_eq!(events, old_events);
+            assert_eq!(
+                super::super::verify_connection(&conn, Some(&old_head.hash)).expect("verify"),
+                crate::audit::Verdict::Intact {
+                    count: 5,
+                    head: Some(old_head.clone()),
+                }
+            );
+            assert_eq!(
+                crate::sqlite::rows::audit_head(&conn).expect("head"),
+                Some(old_head.clone())
+            );
+            // attempts lives in its primary key's b-tree, with its partial index, rows kept.
+            let attempts_sql: String = conn
+                .query_row(
+                    "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'attempts'",
+                    [],
+                    |r| r.get(0),
+                )
+                .expect("attempts table");
+            assert!(attempts_sql.ends_with("WITHOUT ROWID"), "{attempts_sql}");
+            let indexes: Vec<String> = conn
+                .prepare(
+                    "SELECT name FROM sqlite_master WHERE type = 'index' \
+                     AND tbl_name = 'attempts' ORDER BY name",
+                )
+                .expect("prepare")
+                .query_map([], |r| r.get(0))
+                .expect("query")
+                .collect::<Result<_, _>>()
+                .expect("rows");
+            assert_eq!(indexes, vec!["attempts_unfinished".to_owned()]);
+            let attempts = crate::sqlite::rows::attempts(&conn, crate::model::ActionId(5))
+                .expect("attempts read");
+            assert_eq!(attempts.len(), 2);
+            assert_eq!(attempts[0].boundary, Some(crate::model::Boundary::Unknown));
+            assert_eq!(
+                attempts[0].signal_headers,
+                vec![("retry-after".to_owned(), "7".to_owned())]
+            );
+            let unfinished =
+                crate::sqlite::rows::unfinished_attempts(&conn).expect("unfinished attempts");
+            assert_eq!(unfinished.len(), 1);
+            assert_eq!(unfinished[0].attempt, 2);
+            let dangling = conn.execute_batch(
+                "INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (999, 1, 'sent', 1);",
+            );
+            assert!(dangling.is_err(), "attempts still reference actions");
+            let duplicate = conn.execute_batch(
+                "INSERT INTO attempts (action_id, n, state, started_at_ms) VALUES (5, 2, 'sent', 1);",
+            );
+            assert!(duplicate.is_err(), "(action_id, n) is still the key");
+        }
+        // The store continues the migrated chain from its head.
+        let store = crate::SqliteStore::open_existing(&path).expect("store on the migrated file");
+        crate::Store::open_task(
+            &store,
+            crate::model::NewTask {
+                id: "after".to_owned(),
+                agent: "alice".to_owned(),
+                priority: crate::model::Priority::Normal,
+                deadline: None,
+            },
+            jiff::Timestamp::from_millisecond(1_767_225_610_000).expect("instant"),
+        )
+        .expect("open a task");
+        match store.verify_audit(Some(&old_head.hash)).expect("verify") {
+            crate::audit::Verdict::Intact {
+                count: 6,
+                head: Some(head),
+            } => {
+                assert_eq!(head.seq, 6);
+                let events = crate::Store::audit_events(&store, 5, 1).expect("event 6");
+                assert_eq!(events[0].prev, old_head.hash);
+                assert_eq!(head.hash, events[0].hash);
+            }
+            other => panic!("expected six intact events, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn version_7_digest_that_is_not_lower_case_hex_is_not_repaired_by_the_upgrade() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v7.db");
+        version_7(&path);
+        {
+            // An edit the previous build's verify reported: seq 3's hash in capitals, and
+            // seq 4's prev cut short.
+            let conn = Connection::open(&path).expect("open raw");
+            conn.execute_batch(
+                "UPDATE audit_events SET hash = upper(hash) WHERE seq = 3;
+                 UPDATE audit_events SET prev = substr(prev, 1, 60) WHERE seq = 4;",
+            )
+            .expect("tamper");
+        }
+        let conn = open_writer(&path, false).expect("migrated");
+        let lengths: Vec<(String, i64)> = conn
+            .prepare(
+                "SELECT typeof(hash), length(hash) FROM audit_events WHERE seq = 3 \
+                      UNION ALL SELECT typeof(prev), length(prev) FROM audit_events WHERE seq = 4",
+            )
+            .expect("prepare")
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(
+            lengths,
+            vec![("blob".to_owned(), 64), ("blob".to_owned(), 60)],
+            "kept as their raw bytes"
+        );
+        match super::super::verify_connection(&conn, None).expect("verify") {
+            crate::audit::Verdict::Broken(b) => {
+                assert_eq!((b.seq, b.kind), (3, crate::audit::BreakKind::Altered));
+                assert!(b.detail.contains("hash is 64 bytes"), "{}", b.detail);
+            }
+            other => panic!("the edit went unreported: {other:?}"),
+        }
     }
 
     #[test]
