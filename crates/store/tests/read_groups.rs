@@ -1,6 +1,6 @@
 //! Groups of reads only: the writer lets them gather for a while before it commits, commits
-//! them without an fsync (`synchronous=NORMAL`), and any other operation ends the wait at once
-//! and is fsync'd as always.
+//! them without an fsync (`synchronous=NORMAL`) unless the last fsync is too old, and any
+//! other operation ends the wait at once and is fsync'd as always.
 
 mod common;
 
@@ -83,6 +83,7 @@ fn a_group_of_reads_only_commits_without_an_fsync_and_the_next_write_with_one() 
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
     store.set_read_linger(Duration::from_millis(20));
+    store.set_read_sync_interval(Duration::from_secs(3600));
     let before = store.writer_stats();
     let (_, answer) = answered_read(&store, "task-r", 0);
     wait(&answer).expect("the read committed once the linger passed");
@@ -117,6 +118,7 @@ fn without_a_linger_each_group_of_reads_commits_as_soon_as_it_is_taken() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
     store.set_read_linger(Duration::ZERO);
+    store.set_read_sync_interval(Duration::from_secs(3600));
     let before = store.writer_stats();
     for i in 0..3 {
         let (_, answer) = answered_read(&store, "task-r", i * 10);
@@ -150,4 +152,36 @@ fn closing_the_store_does_not_wait_for_the_linger_and_keeps_the_reads() {
     let action = store.action(id).expect("action").expect("the read is kept");
     assert_eq!(action.task_id, "task-r");
     assert_eq!(kinds(&store).len(), 5);
+}
+
+#[test]
+fn a_group_of_reads_is_fsynced_once_the_last_fsync_is_older_than_the_interval() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("b.db")).expect("open");
+    store.set_read_linger(Duration::ZERO);
+    // Every group is past an interval of zero: each is fsync'd.
+    store.set_read_sync_interval(Duration::ZERO);
+    let before = store.writer_stats();
+    for i in 0..3 {
+        let (_, answer) = answered_read(&store, "task-r", i * 10);
+        wait(&answer).expect("read committed");
+    }
+    let after = store.writer_stats();
+    assert_eq!(after.transactions - before.transactions, 3);
+    assert_eq!(
+        after.lazy_transactions, before.lazy_transactions,
+        "no group of reads went without an fsync"
+    );
+
+    // An interval of an hour: the next groups are not fsync'd, and one 60 ms after the last
+    // fsync is still within it.
+    store.set_read_sync_interval(Duration::from_secs(3600));
+    for i in 0..2 {
+        std::thread::sleep(Duration::from_millis(30));
+        let (_, answer) = answered_read(&store, "task-s", 100 + i * 10);
+        wait(&answer).expect("read committed");
+    }
+    let later = store.writer_stats();
+    assert_eq!(later.transactions - after.transactions, 2);
+    assert_eq!(later.lazy_transactions - after.lazy_transactions, 2);
 }

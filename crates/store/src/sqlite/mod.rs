@@ -57,17 +57,17 @@
 //! # Groups of reads only
 //! Nobody waits for a group that holds only reads, so the writer lets it gather: when every
 //! operation it took is a read, it waits up to [`READ_LINGER`] (5 ms) for more before it
-//! begins the transaction, and commits it with `synchronous=NORMAL`, without an fsync. Any
-//! other operation ends the wait at once (its caller wakes the writer), and its group is
-//! fsync'd as always, with `synchronous=FULL` set again before it begins. Fewer, larger
-//! commits rewrite the same hot pages (the log's right edge, the indexes' last leaves) into
-//! the WAL far less often per read, and the reads stop paying for fsyncs. This widens what a
-//! power loss can lose to the read groups committed since the last fsync (at most a few
-//! milliseconds of reads, or up to a checkpoint when only reads arrive), never a write's
-//! records: WAL frames are appended in order, so the fsync of a later write's commit makes
-//! every earlier frame durable too, and recovery stops at the first incomplete commit — the
-//! chain can lose its tail, never a link in its middle. A process crash (SIGKILL) loses none
-//! of them: the frames are in the file once `COMMIT` returned.
+//! begins the transaction, and commits it with `synchronous=NORMAL`, without an fsync, unless
+//! the last fsync'd commit is [`READ_SYNC_INTERVAL`] (100 ms) old. Any other operation ends
+//! the wait at once (its caller wakes the writer), and its group is fsync'd as always, with
+//! `synchronous=FULL` set again before it begins. Fewer, larger commits rewrite the same hot
+//! pages (the log's right edge, the indexes' last leaves) into the WAL far less often per read,
+//! and reads pay for one fsync per 100 ms instead of one per group. This widens what a power
+//! loss can lose to the read groups committed since the last fsync (about the last 100 ms of
+//! reads), never a write's records: WAL frames are appended in order, so the fsync of a later
+//! commit makes every earlier frame durable too, and recovery stops at the first incomplete
+//! commit — the chain can lose its tail, never a link in its middle. A process crash (SIGKILL)
+//! loses none of them: the frames are in the file once `COMMIT` returned.
 //!
 //! Readers use separate connections from a small pool and never wait for the writer (WAL),
 //! except that a read through the [`Store`] first waits for operations queued without being
@@ -122,6 +122,12 @@ pub const HOLD_LIMIT: Duration = Duration::from_secs(1);
 /// module docs, "Groups of reads only"): 5 ms. Changed per store with
 /// [`SqliteStore::set_read_linger`].
 pub const READ_LINGER: Duration = Duration::from_millis(5);
+
+/// Longest time a group of reads only is committed without an fsync after the last fsync'd
+/// commit: 100 ms. The first group of reads after that is fsync'd, which bounds what a power
+/// loss can take (and how much unsynced WAL a checkpoint must flush at once). Changed per store
+/// with [`SqliteStore::set_read_sync_interval`].
+pub const READ_SYNC_INTERVAL: Duration = Duration::from_millis(100);
 
 /// How long the writer waits for an operation before it counts an idle tick.
 const HOLD_TICK: Duration = Duration::from_millis(100);
@@ -257,25 +263,40 @@ struct Linger {
     /// Raised by the writer while it waits for more reads; a caller that queues any other
     /// operation then unparks it.
     lingering: AtomicBool,
+    /// Microseconds after an fsync'd commit during which groups of reads only are not fsync'd.
+    sync_every_micros: AtomicU64,
+}
+
+fn micros(span: Duration) -> u64 {
+    u64::try_from(span.as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Linger {
-    fn new(span: Duration) -> Self {
-        let linger = Linger {
-            micros: AtomicU64::new(0),
+    fn new(span: Duration, sync_every: Duration) -> Self {
+        Linger {
+            micros: AtomicU64::new(micros(span)),
             lingering: AtomicBool::new(false),
-        };
-        linger.set(span);
-        linger
+            sync_every_micros: AtomicU64::new(micros(sync_every)),
+        }
     }
 
     fn set(&self, span: Duration) {
-        let micros = u64::try_from(span.as_micros()).unwrap_or(u64::MAX);
-        self.micros.store(micros, Ordering::Relaxed);
+        self.micros.store(micros(span), Ordering::Relaxed);
     }
 
     fn span(&self) -> Duration {
         Duration::from_micros(self.micros.load(Ordering::Relaxed))
+    }
+
+    fn set_sync_every(&self, span: Duration) {
+        self.sync_every_micros
+            .store(micros(span), Ordering::Relaxed);
+    }
+
+    /// Whether a group of reads only, taken `since_sync` after the last fsync'd commit, is
+    /// fsync'd too.
+    fn due_for_sync(&self, since_sync: Duration) -> bool {
+        micros(since_sync) >= self.sync_every_micros.load(Ordering::Relaxed)
     }
 
     /// Adds to `batch`, which holds only reads, what arrives until the linger has passed, the
@@ -384,7 +405,7 @@ impl SqliteStore {
         let writer_held = Arc::clone(&held);
         let feed = Arc::new(Mutex::new(feed::WatchFeed::after(chain.last_seq())));
         let writer_feed = Arc::clone(&feed);
-        let linger = Arc::new(Linger::new(READ_LINGER));
+        let linger = Arc::new(Linger::new(READ_LINGER, READ_SYNC_INTERVAL));
         let writer_linger = Arc::clone(&linger);
         let writer = std::thread::Builder::new()
             .name("backstop-store-writer".into())
@@ -429,6 +450,13 @@ impl SqliteStore {
     /// from the writer's next group.
     pub fn set_read_linger(&self, linger: Duration) {
         self.linger.set(linger);
+    }
+
+    /// Sets how long after an fsync'd commit groups of reads only are committed without an
+    /// fsync (default [`READ_SYNC_INTERVAL`]; zero fsyncs every group). Takes effect from the
+    /// writer's next group.
+    pub fn set_read_sync_interval(&self, interval: Duration) {
+        self.linger.set_sync_every(interval);
     }
 
     /// The database file.
@@ -897,6 +925,8 @@ fn writer_loop(
 ) {
     // Whether the connection runs with `synchronous=FULL` (as opened) or NORMAL.
     let mut synchronous_full = true;
+    // When the last fsync'd commit returned (the migrations' commits count as one).
+    let mut last_sync = Instant::now();
     // Room for every statement the operations and these control statements use.
     conn.set_prepared_statement_cache_capacity(64);
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
@@ -939,7 +969,8 @@ fn writer_loop(
         if only_reads && batch.len() < MAX_BATCH {
             only_reads = linger.wait_for_more(&rx, &mut batch);
         }
-        if let Err(e) = set_synchronous(&conn, &mut synchronous_full, !only_reads) {
+        let full = !only_reads || linger.due_for_sync(last_sync.elapsed());
+        if let Err(e) = set_synchronous(&conn, &mut synchronous_full, full) {
             for job in batch.drain(..) {
                 job.fail(e.clone());
             }
@@ -983,7 +1014,9 @@ fn writer_loop(
                 .unwrap_or_else(PoisonError::into_inner)
                 .committed(&mut group.watched, group.chain.last_seq());
             counters.transactions.fetch_add(1, Ordering::Relaxed);
-            if !synchronous_full {
+            if synchronous_full {
+                last_sync = Instant::now();
+            } else {
                 counters.lazy_transactions.fetch_add(1, Ordering::Relaxed);
             }
             counters
