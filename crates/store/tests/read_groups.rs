@@ -2,6 +2,9 @@
 //! them without an fsync (`synchronous=NORMAL`) unless the last fsync is too old, and any
 //! other operation ends the wait at once and is fsync'd as always.
 
+// The tests time how long the writer makes a caller wait.
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 
 use std::sync::mpsc;

@@ -267,6 +267,14 @@ struct Linger {
     sync_every_micros: AtomicU64,
 }
 
+/// The monotonic instant the writer paces its commits by (how long a group of reads has
+/// waited, how old the last fsync is). It only spaces out I/O: it is never recorded, and no
+/// decision about an action reads it — those instants are passed in by the caller.
+#[allow(clippy::disallowed_methods)]
+fn pacing_now() -> Instant {
+    Instant::now()
+}
+
 fn micros(span: Duration) -> u64 {
     u64::try_from(span.as_micros()).unwrap_or(u64::MAX)
 }
@@ -308,7 +316,7 @@ impl Linger {
         if span.is_zero() {
             return true;
         }
-        let until = Instant::now().checked_add(span);
+        let until = pacing_now().checked_add(span);
         self.lingering.store(true, Ordering::SeqCst);
         let mut only_reads = true;
         'wait: loop {
@@ -327,7 +335,7 @@ impl Linger {
             if !only_reads || batch.len() >= MAX_BATCH {
                 break;
             }
-            let now = Instant::now();
+            let now = pacing_now();
             match until {
                 Some(until) if now < until => std::thread::park_timeout(until - now),
                 Some(_) => break,
@@ -926,7 +934,7 @@ fn writer_loop(
     // Whether the connection runs with `synchronous=FULL` (as opened) or NORMAL.
     let mut synchronous_full = true;
     // When the last fsync'd commit returned (the migrations' commits count as one).
-    let mut last_sync = Instant::now();
+    let mut last_sync = pacing_now();
     // Room for every statement the operations and these control statements use.
     conn.set_prepared_statement_cache_capacity(64);
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
@@ -1015,7 +1023,7 @@ fn writer_loop(
                 .committed(&mut group.watched, group.chain.last_seq());
             counters.transactions.fetch_add(1, Ordering::Relaxed);
             if synchronous_full {
-                last_sync = Instant::now();
+                last_sync = pacing_now();
             } else {
                 counters.lazy_transactions.fetch_add(1, Ordering::Relaxed);
             }
