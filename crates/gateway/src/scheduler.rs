@@ -1782,10 +1782,130 @@ providers:
     }
 
     fn spawn() -> (SchedulerHandle, TokioClock) {
-        let policy = Policy::from_yaml_str(POLICY, "test.yaml").expect("the test policy parses");
+        spawn_with(POLICY)
+    }
+
+    fn spawn_with(policy: &str) -> (SchedulerHandle, TokioClock) {
+        let policy = Policy::from_yaml_str(policy, "test.yaml").expect("the test policy parses");
         let clock = TokioClock::anchored_at("2026-01-01T00:00:00Z".parse().expect("a timestamp"));
         let handle = SchedulerHandle::spawn(&policy, clock, Arc::new(Metrics::new()), 1);
         (handle, clock)
+    }
+
+    /// One concurrency slot in the scope.
+    fn spawn_one_slot() -> (SchedulerHandle, TokioClock) {
+        spawn_with(&POLICY.replace("max_concurrent_requests: 100", "max_concurrent_requests: 1"))
+    }
+
+    /// Polls once with a waker that does nothing: what the action sees before any other task
+    /// (the scheduler's included) has run.
+    fn poll_once<F: Future + Unpin>(future: &mut F) -> std::task::Poll<F::Output> {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        std::pin::Pin::new(future).poll(&mut cx)
+    }
+
+    fn go(acquired: Acquired) -> (Permit, ActionBudget) {
+        match acquired {
+            Acquired::Go { permit, budget } => (permit, budget),
+            other => panic!("expected Go, got {other:?}"),
+        }
+    }
+
+    fn in_flight(handle: &SchedulerHandle) -> u32 {
+        handle.scopes().iter().map(|view| view.in_flight).sum()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_uncontended_action_is_admitted_in_place_and_charged_as_by_the_task() {
+        let (handle, clock) = spawn();
+        let mut acquiring = Box::pin(handle.acquire(request("task-1", None)));
+        let std::task::Poll::Ready(acquired) = poll_once(&mut acquiring) else {
+            panic!("an action nobody waits ahead of is admitted without a round trip");
+        };
+        let (permit, budget) = go(acquired);
+        assert_eq!(budget.attempts_used(), 1);
+        assert_eq!(permit.granted_at(), clock.now());
+        // Counted at once, and returned at once when the permit drops.
+        assert_eq!(in_flight(&handle), 1);
+        drop(permit);
+        assert_eq!(in_flight(&handle), 0);
+        // A planned retry still waits for its instant.
+        let later = add(clock.now(), Duration::from_secs(5));
+        let mut planned = Box::pin(handle.acquire(request("task-1", Some(later))));
+        assert!(poll_once(&mut planned).is_pending());
+        let (_, budget) = go(planned.await);
+        assert_eq!(budget.attempts_used(), 1);
+        assert!(clock.now() >= later);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_newcomer_does_not_take_the_slot_an_earlier_waiter_waits_for() {
+        let (handle, _clock) = spawn_one_slot();
+        let (first, _) = go(handle.acquire(request("task-a", None)).await);
+        let waiting = tokio::spawn(handle.acquire(request("task-b", None)));
+        while delayed(&handle) < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The slot comes back and a newcomer asks before the scheduler has run: the slot is
+        // the waiting action's.
+        drop(first);
+        let mut newcomer = Box::pin(handle.acquire(request("task-c", None)));
+        assert!(poll_once(&mut newcomer).is_pending());
+        let (second, _) = go(waiting.await.expect("the waiting task completes"));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(poll_once(&mut newcomer).is_pending());
+        drop(second);
+        let (_third, _) = go(newcomer.await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_arrival_on_its_way_to_the_scheduler_is_decided_before_a_later_newcomer() {
+        let (handle, _clock) = spawn_one_slot();
+        // The state is busy as `acquire` is called: the request goes to the scheduler.
+        let state = handle.shared.lock();
+        let mut earlier = Box::pin(handle.acquire(request("task-a", None)));
+        drop(state);
+        // The state is free now and the slot too, but the earlier arrival has not been taken
+        // into the state yet: the newcomer is not admitted ahead of it.
+        let mut later = Box::pin(handle.acquire(request("task-b", None)));
+        assert!(poll_once(&mut later).is_pending());
+        let (permit, _) = go(earlier.as_mut().await);
+        assert!(poll_once(&mut later).is_pending());
+        drop(permit);
+        let (_permit, _) = go(later.await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_429_recorded_just_before_an_admission_holds_it_back() {
+        let (handle, clock) = spawn();
+        let boundary = add(clock.now(), Duration::from_secs(30));
+        let scopes = vec!["billing/account".to_owned()];
+        handle
+            .signal(
+                &scopes,
+                ScopeSignal::RateLimited {
+                    boundary,
+                    source: "HTTP 429 Retry-After".to_owned(),
+                },
+            )
+            .await;
+        let mut acquiring = Box::pin(handle.acquire(request("task-1", None)));
+        assert!(poll_once(&mut acquiring).is_pending());
+        let (permit, _) = go(acquiring.await);
+        assert!(permit.granted_at() >= boundary);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_task_is_refused_not_admitted_in_place() {
+        let (handle, _clock) = spawn();
+        assert_eq!(handle.cancel_task("agent-a", "task-1").await, 0);
+        match handle.acquire(request("task-1", None)).await {
+            Acquired::Refused { outcome, .. } => assert_eq!(outcome, Outcome::Cancelled),
+            other => panic!("expected Refused, got {other:?}"),
+        }
+        let (_permit, _) = go(handle.acquire(request("task-2", None)).await);
     }
 
     fn delayed(handle: &SchedulerHandle) -> u32 {
