@@ -1,11 +1,28 @@
-//! The scheduler: ONE task that owns all scope state and decides when each attempt may leave.
+//! The scheduler: ONE owner of all scope state that decides when each attempt may leave.
 //!
 //! Why one owner: a 429 on one action must slow down every action of its scope (SPEC §4.1), and
 //! no two workers may both believe the next slot is theirs. If scope records, GCRA pacers,
 //! concurrency slots and delayed counts lived behind many locks, "update the record, then
-//! schedule the retry" would race with other workers reading the old record. Here they live in
-//! one tokio task; actions talk to it through messages and it answers in arrival order, so every
-//! decision sees every earlier signal.
+//! schedule the retry" would race with other workers reading the old record. Here they are one
+//! state behind one mutex, driven by one tokio task; actions talk to the task through messages
+//! and it answers in arrival order, so every decision sees every earlier signal.
+//!
+//! Decided in place when nobody waits ahead: most actions find their scopes open, and a message
+//! to the task and an answer back cost two task wakes per request (≈ 7,000 instructions of
+//! ≈ 101,000 on a proxied read, see BENCHMARKS.md). So [`SchedulerHandle::acquire`] first tries
+//! the lock itself and, only when nothing could be decided before it — no `acquire` is on its
+//! way to the task (an in-transit count taken before each send), no action is ready, due or
+//! waiting for a concurrency slot, the action is not planned for later and its task is not
+//! cancelled — runs the very dispatch check the task runs. It keeps only a `Go`, which charges
+//! exactly what the task's `Go` charges; any other answer charged nothing and the request goes
+//! to the task unchanged, where it queues behind everything that arrived before it. The lock is
+//! only tried, never waited for: while the task holds it (a wave being released), callers send
+//! messages as before. A signal is applied by the task under the same lock before
+//! [`SchedulerHandle::signal`] returns, so an admission after it sees it. A [`Permit`] returns
+//! its slots in place when no action waits for a slot (nobody to wake), otherwise through the
+//! task, which re-examines the waiting actions; a first-try refund is deposited in place too.
+//! What the task would admit at once, this admits at once: a newcomer is not let past any
+//! action the task would have examined before it.
 //!
 //! How: an action asks for permission with [`SchedulerHandle::acquire`]. The scheduler runs the
 //! core's dispatch check ([`backstop_core::pacing::admit`]) in SPEC §4.1 order — cancellation and
@@ -710,7 +727,7 @@ impl SchedulerHandle {
         answer.await.unwrap_or(0)
     }
 
-    /// The scope records as last published by the scheduler.
+    /// The scope records: current when the state is free, else as the task last published them.
     pub fn scopes(&self) -> Vec<ScopeView> {
         // Current when the state is free (admissions decided in place are not published by the
         // task); otherwise as the task last published them.
@@ -1804,6 +1821,14 @@ providers:
         std::pin::Pin::new(future).poll(&mut cx)
     }
 
+    /// Waits for an answer the test expects to come; a lost wake fails the test instead of
+    /// hanging it (the paused clock runs ahead to the timeout when nothing else can run).
+    async fn answered(acquiring: impl Future<Output = Acquired>) -> Acquired {
+        tokio::time::timeout(Duration::from_secs(3600), acquiring)
+            .await
+            .expect("the action is answered")
+    }
+
     fn go(acquired: Acquired) -> (Permit, ActionBudget) {
         match acquired {
             Acquired::Go { permit, budget } => (permit, budget),
@@ -1851,13 +1876,14 @@ providers:
         drop(first);
         let mut newcomer = Box::pin(handle.acquire(request("task-c", None)));
         assert!(poll_once(&mut newcomer).is_pending());
-        let (second, _) = go(waiting.await.expect("the waiting task completes"));
+        let (second, _) =
+            go(answered(async { waiting.await.expect("the waiting task completes") }).await);
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
         assert!(poll_once(&mut newcomer).is_pending());
         drop(second);
-        let (_third, _) = go(newcomer.await);
+        let (_third, _) = go(answered(newcomer).await);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1871,10 +1897,10 @@ providers:
         // into the state yet: the newcomer is not admitted ahead of it.
         let mut later = Box::pin(handle.acquire(request("task-b", None)));
         assert!(poll_once(&mut later).is_pending());
-        let (permit, _) = go(earlier.as_mut().await);
+        let (permit, _) = go(answered(earlier.as_mut()).await);
         assert!(poll_once(&mut later).is_pending());
         drop(permit);
-        let (_permit, _) = go(later.await);
+        let (_permit, _) = go(answered(later).await);
     }
 
     #[tokio::test(start_paused = true)]
