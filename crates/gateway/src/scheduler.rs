@@ -512,18 +512,18 @@ impl SchedulerHandle {
     /// waits that the task would examine first (none ready, none due, none waiting for a
     /// slot). Then it runs the same dispatch check the task runs and, on `Go`, charges the same
     /// things. Anything else goes to the task unchanged (the check charged nothing).
-    fn admit_now(&self, request: AcquireRequest) -> Result<Acquired, AcquireRequest> {
+    fn admit_now(&self, request: &AcquireRequest) -> Option<Acquired> {
         let Ok(mut guard) = self.shared.state.try_lock() else {
-            return Err(request);
+            return None;
         };
         let state = &mut *guard;
         if state.stopped {
-            return Ok(Acquired::Stopped {
+            return Some(Acquired::Stopped {
                 budget: request.budget,
             });
         }
         if self.shared.in_transit.load(Ordering::SeqCst) != 0 || !state.ready.is_empty() {
-            return Err(request);
+            return None;
         }
         let now = state.clock.now();
         let due = state
@@ -538,7 +538,7 @@ impl SchedulerHandle {
                     .cancelled_tasks
                     .contains(&(request.agent.clone(), request.task_id.clone())))
         {
-            return Err(request);
+            return None;
         }
         let scopes = state.scope_set(&request.scopes);
         let mut budget = request.budget;
@@ -547,7 +547,7 @@ impl SchedulerHandle {
             priority: request.priority,
         };
         if admit_scopes(&mut state.scopes, &scopes, admitted, &mut budget, now) != Admission::Go {
-            return Err(request);
+            return None;
         }
         for &id in scopes.as_slice() {
             state.scopes[id as usize].sync_gauges();
@@ -560,7 +560,7 @@ impl SchedulerHandle {
             "dispatch: attempt admitted at once"
         );
         drop(guard);
-        Ok(Acquired::Go {
+        Some(Acquired::Go {
             permit: Permit {
                 scopes,
                 granted_at: now,
@@ -583,9 +583,9 @@ impl SchedulerHandle {
         &self,
         request: AcquireRequest,
     ) -> impl Future<Output = Acquired> + Send + 'static {
-        let start = match self.admit_now(request) {
-            Ok(acquired) => Start::Now(acquired),
-            Err(request) => {
+        let start = match self.admit_now(&request) {
+            Some(acquired) => Start::Now(acquired),
+            None => {
                 let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
                 let (reply, answer) = oneshot::channel();
                 let pending = PendingAcquire {
