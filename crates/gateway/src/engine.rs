@@ -34,7 +34,7 @@
 //! it and the store refuses to mark another attempt sent.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     pin::Pin,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -169,6 +169,10 @@ struct Inner {
     /// run: no action records anything before, so an attempt of this run is never mistaken
     /// for one the restart interrupted.
     recovery_listed: tokio::sync::watch::Sender<bool>,
+    /// Writes the previous run recorded and never sent (see [`Store::unsent_writes`]), by
+    /// action id: the agent's resend under the same key takes one over and sends it as the same
+    /// action (listed with the unfinished attempts, before any action of this run).
+    unsent: Mutex<HashSet<i64>>,
     /// Provider credential headers for lookups made without an agent request (after a restart).
     credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
     /// Prepared requests of escalated writes (in memory only), for operator decisions.
@@ -669,6 +673,7 @@ impl Engine {
             flights: Arc::new(Flights::default()),
             shutting_down: AtomicBool::new(false),
             recovery_listed: tokio::sync::watch::Sender::new(false),
+            unsent: Mutex::new(HashSet::new()),
             credentials: Mutex::new(credentials),
             held: Mutex::new(HashMap::new()),
             kept: Mutex::new(actions::Kept::default()),
@@ -684,6 +689,23 @@ impl Engine {
             // is its own, never one to re-arm as if its caller were gone.
             let unfinished = restore.blocking(|s| s.unfinished_attempts()).await;
             let scheduled = restore.blocking(|s| s.scheduled_retries()).await;
+            match restore.blocking(|s| s.unsent_writes()).await {
+                Ok(unsent) if !unsent.is_empty() => {
+                    tracing::info!(
+                        writes = unsent.len(),
+                        "restart recovery: writes recorded but never sent wait for their agent's resend under the same key"
+                    );
+                    restore
+                        .unsent
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .extend(unsent.into_iter().map(|id| id.0));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "restart recovery: cannot read the writes never sent");
+                }
+            }
             restore.recovery_listed.send_replace(true);
             let scopes: Vec<(String, String)> = restore
                 .policy
@@ -1149,7 +1171,15 @@ impl Engine {
                 // An operator reopened this escalated write for a same-key retry: this request
                 // (held by the gateway, or resubmitted by the agent under the same key) sends it
                 // again as the SAME logical action, unless another one already does.
-                let taken = if record.state == ActionState::Reopened {
+                // A write the previous run recorded and never sent (it stopped while the write
+                // waited for its first send): nothing left, so this resend sends it, once.
+                let unsent_before_restart = record.state == ActionState::Requested
+                    && inner
+                        .unsent
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .remove(&record.id.0);
+                let taken = if record.state == ActionState::Reopened || unsent_before_restart {
                     match inner.flights.join_or_lead(FlightKey::Action(record.id.0)) {
                         Role::Leader(guard) => Some(guard),
                         Role::Follower(_) => None,
@@ -1166,11 +1196,18 @@ impl Engine {
                             Ok(attempts) => u32::try_from(attempts.len()).unwrap_or(u32::MAX),
                             Err(e) => return (self.refused_by_store(e, &spec.task_id), None),
                         };
-                        tracing::info!(
-                            action = record.id.0,
-                            prior_attempts = prior,
-                            "reopened write sent again with its original idempotency key"
-                        );
+                        if unsent_before_restart {
+                            tracing::info!(
+                                action = record.id.0,
+                                "a write recorded but never sent before the restart is sent now with its original idempotency key"
+                            );
+                        } else {
+                            tracing::info!(
+                                action = record.id.0,
+                                prior_attempts = prior,
+                                "reopened write sent again with its original idempotency key"
+                            );
+                        }
                         (record.id, Some(guard), prior)
                     }
                     None => {

@@ -449,6 +449,16 @@ pub trait Store: Send + Sync {
     /// Storage errors only.
     fn unfinished_attempts(&self) -> Result<Vec<UnfinishedAttempt>, StoreError>;
 
+    /// Writes that were recorded with their idempotency key and never sent: state
+    /// `requested`, no attempt and no scheduled retry, in id order. After a restart these are
+    /// writes a stopped or crashed gateway was holding before their first send (pacing, a full
+    /// scope); nothing of them left, so the agent's resend under the same key may send them as
+    /// the same action. Scans the actions table: meant for start-up only.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError>;
+
     /// Reads a scope record.
     ///
     /// # Errors

@@ -287,6 +287,9 @@ impl Store for FailingStore {
     fn unfinished_attempts(&self) -> Result<Vec<UnfinishedAttempt>, StoreError> {
         self.inner.unfinished_attempts()
     }
+    fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.inner.unsent_writes()
+    }
     fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError> {
         self.inner.scope(provider, scope)
     }

@@ -1408,6 +1408,10 @@ impl Store for SqliteStore {
         self.read(rows::unfinished_attempts)
     }
 
+    fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.read(rows::unsent_writes)
+    }
+
     fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError> {
         self.read(|c| rows::scope(c, provider, scope))
     }

@@ -325,6 +325,22 @@ pub(crate) fn unfinished_attempts(conn: &Connection) -> Result<Vec<UnfinishedAtt
     Ok(out)
 }
 
+pub(crate) fn unsent_writes(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT a.id FROM actions a \
+         WHERE a.state = 'requested' AND a.idempotency_key IS NOT NULL \
+         AND NOT EXISTS (SELECT 1 FROM attempts t WHERE t.action_id = a.id) \
+         AND NOT EXISTS (SELECT 1 FROM scheduled_retries r WHERE r.action_id = a.id) \
+         ORDER BY a.id",
+    )?;
+    let ids = stmt.query_map([], |r| r.get::<_, i64>(0))?;
+    let mut out = Vec::new();
+    for id in ids {
+        out.push(ActionId(id?));
+    }
+    Ok(out)
+}
+
 pub(crate) fn scheduled_retries(conn: &Connection) -> Result<Vec<DueRetry>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT r.job_id, r.action_id, r.due_at_ms FROM scheduled_retries r \
