@@ -114,6 +114,23 @@ fn invalid_policy_exits_2_with_file_line_column() {
 }
 
 #[test]
+fn a_missing_policy_file_is_called_missing_not_invalid() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = backstop()
+        .current_dir(dir.path())
+        .arg("serve")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no policy file at backstop.yaml") && stderr.contains("--config"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("invalid"), "{stderr}");
+}
+
+#[test]
 fn missing_secret_env_var_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let out = serve_example_without_secrets(dir.path());

@@ -445,7 +445,7 @@ impl Problem {
         Problem {
             status,
             name: outcome.as_str().to_owned(),
-            title: outcome_title(outcome).to_owned(),
+            title: outcome_title(outcome, context.sent).to_owned(),
             detail: detail.into(),
             extensions,
             should_retry: retry_after_seconds.is_some(),
@@ -516,9 +516,12 @@ pub fn outcome_status(outcome: Outcome) -> StatusCode {
     }
 }
 
-fn outcome_title(outcome: Outcome) -> &'static str {
+/// The problem's title: what happened, said of who decided it — a `rejected` outcome with
+/// nothing sent was backstop's refusal (e.g. a payload it could not read), not the provider's.
+fn outcome_title(outcome: Outcome, sent: bool) -> &'static str {
     match outcome {
         Outcome::Succeeded => "The action succeeded",
+        Outcome::Rejected if !sent => "backstop refused the request; nothing was sent",
         Outcome::Rejected => "The provider rejected the request",
         Outcome::Conflict => "The provider reported a conflict",
         Outcome::BudgetExhausted => "The retry budget is exhausted",
@@ -561,6 +564,26 @@ mod tests {
             assert!(!problem.should_retry, "{outcome}");
             assert_eq!(problem.retry_after_seconds, None);
         }
+    }
+
+    #[test]
+    fn a_rejection_names_who_rejected() {
+        let refused = Problem::from_outcome(
+            Outcome::Rejected,
+            &OutcomeContext::default(),
+            "payload: not JSON",
+            now(),
+        );
+        assert_eq!(
+            refused.title,
+            "backstop refused the request; nothing was sent"
+        );
+        let sent = OutcomeContext {
+            sent: true,
+            ..OutcomeContext::default()
+        };
+        let by_provider = Problem::from_outcome(Outcome::Rejected, &sent, "HTTP 400", now());
+        assert_eq!(by_provider.title, "The provider rejected the request");
     }
 
     #[test]

@@ -70,6 +70,13 @@ pub struct Args {
 /// cannot start.
 pub fn run(args: Args) -> ExitCode {
     init_logging();
+    if !args.config.exists() {
+        errln!(
+            "backstop serve: no policy file at {} (pass one with --config FILE; examples/backstop-fake.yaml runs against the bundled fake provider)",
+            args.config.display()
+        );
+        return ExitCode::from(2);
+    }
     let policy = match Policy::load(&args.config) {
         Ok(policy) => policy,
         Err(errors) => {
