@@ -83,7 +83,7 @@ impl Metrics {
         let outcomes = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "outcomes",
-            "Terminal outcomes of actions (SPEC §5)",
+            "Terminal outcomes of actions (docs/concepts.md, outcomes)",
             outcomes.clone(),
         );
         let delayed = Family::<ScopeLabels, Gauge>::default();

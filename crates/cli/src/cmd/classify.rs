@@ -34,7 +34,7 @@ use serde_json::Value;
 use crate::cmd::clock::current_time;
 use crate::cmd::output::{self, errln};
 
-/// Request class whose retry statuses decide `retryable` (SPEC §3 defaults).
+/// Request class whose retry statuses decide `retryable` (the built-in classes' defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 #[clap(rename_all = "snake_case")]
 pub enum Class {
@@ -56,7 +56,7 @@ impl Class {
         }
     }
 
-    /// The SPEC §3 default `retry_statuses` of the class, from core's built-in classes.
+    /// The default `retry_statuses` of the class, from core's built-in classes.
     pub fn retry_statuses(self) -> Vec<u16> {
         builtin_class(self.name())
             .map(|class| class.retry_statuses)

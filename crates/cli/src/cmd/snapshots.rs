@@ -65,8 +65,9 @@ struct ExportArgs {
     /// The instant pending waits are measured to (RFC 3339). Default: the current time.
     #[arg(long, value_parser = parse_now)]
     now: Option<Timestamp>,
-    /// The gateway's policy file, for class ceilings and route scopes (default: the SPEC §3
-    /// classes, and a scope the gateway did not record is named by its provider only).
+    /// The gateway's policy file, for class ceilings and route scopes (default: the built-in
+    /// request classes `read`, `idempotent_write` and `uncertain_write`, and a scope the gateway
+    /// did not record is named by its provider only).
     #[arg(long)]
     policy: Option<PathBuf>,
 }
