@@ -319,20 +319,13 @@ impl Linger {
         let until = pacing_now().checked_add(span);
         self.lingering.store(true, Ordering::SeqCst);
         let mut only_reads = true;
-        'wait: loop {
+        loop {
             // Raised before this drain: what was sent before a caller could see the flag is
             // found here.
-            while batch.len() < MAX_BATCH {
-                match rx.try_recv() {
-                    Ok(job) => {
-                        only_reads &= matches!(job, Job::Read(_));
-                        batch.push(job);
-                    }
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => break 'wait,
-                }
-            }
-            if !only_reads || batch.len() >= MAX_BATCH {
+            let taken = batch.len();
+            let open = take_queued(rx, batch);
+            only_reads &= batch[taken..].iter().all(|job| matches!(job, Job::Read(_)));
+            if !open || !only_reads || batch.len() >= MAX_BATCH {
                 break;
             }
             let now = pacing_now();
@@ -741,6 +734,19 @@ fn take_overdue(
     Some(true)
 }
 
+/// Moves the jobs already queued into `batch`, until it holds [`MAX_BATCH`]. Returns `false`
+/// when the channel is closed and empty: nothing more will come.
+fn take_queued(rx: &Receiver<Job>, batch: &mut Vec<Job>) -> bool {
+    while batch.len() < MAX_BATCH {
+        match rx.try_recv() {
+            Ok(job) => batch.push(job),
+            Err(TryRecvError::Empty) => return true,
+            Err(TryRecvError::Disconnected) => return false,
+        }
+    }
+    true
+}
+
 /// Switches the writer connection between `synchronous=FULL` (every commit fsync'd before it
 /// returns) and `NORMAL` (WAL: no fsync at commit; the frames become durable with the next
 /// fsync, a later FULL commit's or a checkpoint's), only when `full` differs from `current`.
@@ -953,12 +959,8 @@ fn writer_loop(
             Err(RecvTimeoutError::Timeout) => idle_ticks = idle_ticks.saturating_add(1),
             Err(RecvTimeoutError::Disconnected) => break,
         }
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
+        // A closed channel is seen by the next `recv_timeout`, after this batch committed.
+        take_queued(&rx, &mut batch);
         // After what was queued: nothing queued so far concerns a read still held.
         // Idle ticks count only while a read is held, from the first tick that sees one.
         let all = idle_ticks >= HOLD_IDLE_TICKS;

@@ -3,9 +3,7 @@
 use jiff::Timestamp;
 use rusqlite::{params, Connection, OptionalExtension, Row, Statement};
 
-use crate::audit::{
-    digest_of_hex, push_lower_hex, AuditEvent, ChainHead, SealedDigests, DIGEST_BYTES,
-};
+use crate::audit::{push_lower_hex, AuditEvent, ChainHead, SealedDigests, DIGEST_BYTES};
 use crate::error::StoreError;
 use crate::model::{
     ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Boundary, Disposition,
@@ -499,15 +497,6 @@ fn digest_hex(r: &Row<'_>, i: usize, name: &str) -> Result<String, String> {
     }
 }
 
-/// The digest `text` (64 lower-case hex digits) as the bytes stored for it (schema 8 on: an
-/// event's `prev` and `hash` are kept as the digest's 32 bytes).
-fn digest_bytes(field: &'static str, text: &str) -> Result<[u8; DIGEST_BYTES], StoreError> {
-    digest_of_hex(text).ok_or_else(|| StoreError::Invalid {
-        field,
-        reason: format!("{text:?} is not 64 lower-case hex digits"),
-    })
-}
-
 /// Decodes one row of [`EVENT_COLUMNS`]; a row that cannot be decoded is
 /// [`StoreError::UndecodableEvent`] naming its `seq` (or [`StoreError::Corrupt`] when even the
 /// `seq` cannot be read).
@@ -775,9 +764,13 @@ pub(crate) fn insert_event(
     bind_set(stmt, 23, e.limit.map(to_i64))?;
     bind_set(stmt, 24, e.decision.as_deref())?;
     bind_set(stmt, 25, e.decided_by.as_deref())?;
-    let prev = match digests.prev {
-        Some(prev) => prev,
-        None => digest_bytes("prev", &e.prev)?,
+    // No bytes from the seal: the chain continued from a head whose hash is not 64 lower-case
+    // hex digits (see `Chain::after`), which schema 8 cannot keep.
+    let Some(prev) = digests.prev else {
+        return Err(StoreError::Invalid {
+            field: "prev",
+            reason: format!("{:?} is not 64 lower-case hex digits", e.prev),
+        });
     };
     stmt.raw_bind_parameter(26, &prev[..])?;
     stmt.raw_bind_parameter(27, &digests.hash[..])?;
