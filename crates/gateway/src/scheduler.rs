@@ -436,22 +436,20 @@ impl Future for AcquireFuture {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Acquired> {
         use std::task::Poll;
-        if matches!(self.start, Start::Now(_)) {
-            if let Start::Now(acquired) = std::mem::replace(&mut self.start, Start::Done) {
-                return Poll::Ready(*acquired);
-            }
-        }
         let (answer, guard, shared) = match &mut self.start {
-            Start::Now(_) | Start::Done => {
-                return Poll::Ready(Acquired::Stopped {
-                    budget: spent_budget(),
-                })
-            }
             Start::Waiting {
                 answer,
                 guard,
                 shared,
             } => (answer, guard, shared),
+            Start::Now(_) | Start::Done => {
+                return match std::mem::replace(&mut self.start, Start::Done) {
+                    Start::Now(acquired) => Poll::Ready(*acquired),
+                    _ => Poll::Ready(Acquired::Stopped {
+                        budget: spent_budget(),
+                    }),
+                };
+            }
         };
         let answer = match std::pin::Pin::new(answer).poll(cx) {
             Poll::Pending => return Poll::Pending,
