@@ -190,14 +190,7 @@ async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gon
     h.engine.shutdown().await;
     let action = running.await.unwrap().receipt().action_id;
     // The next run over the same store re-arms the retry; nobody waits for it any more.
-    let restarted = backstop_gateway::engine::Engine::new(
-        h.policy.clone(),
-        h.store.clone(),
-        h.transport.clone(),
-        h.clock,
-        h.metrics.clone(),
-        7,
-    );
+    let restarted = h.restarted(7);
     advance(Duration::from_secs(30)).await;
     let stored = || {
         h.store

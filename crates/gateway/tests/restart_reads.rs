@@ -5,7 +5,7 @@
 
 mod engine_support;
 
-use backstop_gateway::engine::{Engine, RESTARTED_DURING_READ};
+use backstop_gateway::engine::RESTARTED_DURING_READ;
 use backstop_store::{
     ActionId, Admission, AttemptState, Disposition, NewAction, NewTask, Outcome, PayloadDigest,
     Priority, RouteTemplate, Store,
@@ -59,14 +59,7 @@ async fn a_read_cut_off_by_a_crash_is_cancelled_at_restart_and_not_sent_again() 
     let h = Harness::new();
     let id = interrupted_read(&h);
     // The next run over the same store finds the unfinished attempt.
-    let restarted = Engine::new(
-        h.policy.clone(),
-        h.store.clone(),
-        h.transport.clone(),
-        h.clock,
-        h.metrics.clone(),
-        7,
-    );
+    let restarted = h.restarted(7);
     let stored = || h.store.action(id).unwrap().unwrap();
     assert!(
         until(|| stored().outcome.is_some()).await,

@@ -8,14 +8,14 @@ mod engine_support;
 
 use std::time::Duration;
 
-use backstop_gateway::{action::Execution, engine::Engine};
+use backstop_gateway::action::{ActionSpec, Execution};
 use backstop_store::{ActionId, Outcome, Store};
 use engine_support::{advance, answer, summary, until, Harness};
 
-#[tokio::test(start_paused = true)]
-async fn a_write_held_before_its_first_send_at_shutdown_is_sent_by_the_resend_after_restart() {
-    let h = Harness::new();
-    // A 429 on the shared scope holds every later action of it for 10 s.
+/// Scripts a 429 with `Retry-After: 10` on the shared scope (answered to a read started here,
+/// whose task is returned) and a 201 for the next transfer: every later action of the scope
+/// waits 10 s before its first send.
+async fn throttle_the_scope(h: &Harness) -> tokio::task::JoinHandle<Execution> {
     h.transport.script(
         "/v1/items/1",
         vec![answer(429, &[("retry-after", "10")], "")],
@@ -24,11 +24,21 @@ async fn a_write_held_before_its_first_send_at_shutdown_is_sent_by_the_resend_af
         .script("/v1/transfers", vec![answer(201, &[], r#"{"id":"tr_1"}"#)]);
     let throttled = h.spawn(h.get("task-a", "/v1/items/1"));
     advance(Duration::from_millis(100)).await;
-    let write = || {
-        let mut spec = h.spec("task-w", "POST", "/v1/transfers", r#"{"amount":5}"#);
-        spec.idempotency_key = Some("order-21".to_owned());
-        spec
-    };
+    throttled
+}
+
+/// The same transfer of task `task-w`, under idempotency key `key`.
+fn write_with_key(h: &Harness, key: &str) -> ActionSpec {
+    let mut spec = h.spec("task-w", "POST", "/v1/transfers", r#"{"amount":5}"#);
+    spec.idempotency_key = Some(key.to_owned());
+    spec
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_held_before_its_first_send_at_shutdown_is_sent_by_the_resend_after_restart() {
+    let h = Harness::new();
+    let throttled = throttle_the_scope(&h).await;
+    let write = || write_with_key(&h, "order-21");
     let held = h.spawn(write());
     assert!(
         until(|| h.store.unsent_writes().unwrap().len() == 1).await,
@@ -50,14 +60,7 @@ async fn a_write_held_before_its_first_send_at_shutdown_is_sent_by_the_resend_af
     assert!(h.transport.sent_to("/v1/transfers").is_empty());
 
     // The next run over the same store: the agent resends under the same key.
-    let restarted = Engine::new(
-        h.policy.clone(),
-        h.store.clone(),
-        h.transport.clone(),
-        h.clock,
-        h.metrics.clone(),
-        11,
-    );
+    let restarted = h.restarted(11);
     let resent = restarted.execute(write()).await;
     assert_eq!(summary(&resent), "201", "{resent:?}");
     let Execution::Response { receipt, .. } = &resent else {
@@ -79,19 +82,8 @@ async fn a_write_held_before_its_first_send_at_shutdown_is_sent_by_the_resend_af
 #[tokio::test(start_paused = true)]
 async fn a_write_of_this_run_still_waiting_is_joined_not_taken_over() {
     let h = Harness::new();
-    h.transport.script(
-        "/v1/items/1",
-        vec![answer(429, &[("retry-after", "10")], "")],
-    );
-    h.transport
-        .script("/v1/transfers", vec![answer(201, &[], r#"{"id":"tr_1"}"#)]);
-    let throttled = h.spawn(h.get("task-a", "/v1/items/1"));
-    advance(Duration::from_millis(100)).await;
-    let write = || {
-        let mut spec = h.spec("task-w", "POST", "/v1/transfers", r#"{"amount":5}"#);
-        spec.idempotency_key = Some("order-22".to_owned());
-        spec
-    };
+    let throttled = throttle_the_scope(&h).await;
+    let write = || write_with_key(&h, "order-22");
     let first = h.spawn(write());
     assert!(until(|| h.store.unsent_writes().unwrap().len() == 1).await);
     // The same key again while the first waits in this run: never a second send.

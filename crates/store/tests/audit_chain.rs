@@ -14,11 +14,17 @@ fn export(store: &backstop_store::SqliteStore) -> Vec<AuditEvent> {
     store.audit_events(0, usize::MAX).expect("events")
 }
 
-fn broken(v: Verdict) -> (u64, BreakKind) {
+/// The details of a break, for checking what `audit verify` says about it.
+fn break_of(v: Verdict) -> backstop_store::audit::ChainBreak {
     match v {
-        Verdict::Broken(b) => (b.seq, b.kind),
+        Verdict::Broken(b) => b,
         Verdict::Intact { count, .. } => panic!("expected a break, log of {count} verified"),
     }
+}
+
+fn broken(v: Verdict) -> (u64, BreakKind) {
+    let b = break_of(v);
+    (b.seq, b.kind)
 }
 
 #[test]
@@ -375,14 +381,6 @@ fn expected_head_parses_the_hash_alone_or_seq_and_hash() {
     ] {
         let err = parse_expected_head(&bad).expect_err(&bad);
         assert!(!err.is_empty());
-    }
-}
-
-/// The details of a break, for checking what `audit verify` says about it.
-fn break_of(v: Verdict) -> backstop_store::audit::ChainBreak {
-    match v {
-        Verdict::Broken(b) => b,
-        Verdict::Intact { count, .. } => panic!("expected a break, log of {count} verified"),
     }
 }
 

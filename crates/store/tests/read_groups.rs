@@ -36,6 +36,15 @@ fn answered_read(
     (id, done_rx)
 }
 
+/// Records `n` answered reads of `task-r`, 10 ms of instants apart, each awaited before the
+/// next is recorded.
+fn commit_reads_one_by_one(store: &SqliteStore, n: i64) {
+    for i in 0..n {
+        let (_, answer) = answered_read(store, "task-r", i * 10);
+        wait(&answer).expect("read committed");
+    }
+}
+
 #[test]
 fn reads_alone_wait_for_more_and_a_write_ends_the_wait_at_once() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -123,11 +132,8 @@ fn without_a_linger_each_group_of_reads_commits_as_soon_as_it_is_taken() {
     store.set_read_linger(Duration::ZERO);
     store.set_read_sync_interval(Duration::from_secs(3600));
     let before = store.writer_stats();
-    for i in 0..3 {
-        let (_, answer) = answered_read(&store, "task-r", i * 10);
-        // Committed by itself, without anything else arriving.
-        wait(&answer).expect("read committed");
-    }
+    // Each committed by itself, without anything else arriving.
+    commit_reads_one_by_one(&store, 3);
     let after = store.writer_stats();
     assert_eq!(after.transactions - before.transactions, 3);
     assert_eq!(after.lazy_transactions - before.lazy_transactions, 3);
@@ -165,10 +171,7 @@ fn a_group_of_reads_is_fsynced_once_the_last_fsync_is_older_than_the_interval() 
     // Every group is past an interval of zero: each is fsync'd.
     store.set_read_sync_interval(Duration::ZERO);
     let before = store.writer_stats();
-    for i in 0..3 {
-        let (_, answer) = answered_read(&store, "task-r", i * 10);
-        wait(&answer).expect("read committed");
-    }
+    commit_reads_one_by_one(&store, 3);
     let after = store.writer_stats();
     assert_eq!(after.transactions - before.transactions, 3);
     assert_eq!(

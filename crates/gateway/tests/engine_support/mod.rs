@@ -291,6 +291,19 @@ impl Harness {
         }
     }
 
+    /// The next run of the gateway over the same store, transport, clock and metrics (after
+    /// `self.engine` stopped), with jitter seed `seed`.
+    pub fn restarted(&self, seed: u64) -> Engine {
+        Engine::new(
+            self.policy.clone(),
+            self.store.clone(),
+            self.transport.clone(),
+            self.clock,
+            self.metrics.clone(),
+            seed,
+        )
+    }
+
     /// A GET of `path` in `task`.
     pub fn get(&self, task: &str, path: &str) -> ActionSpec {
         self.spec(task, "GET", path, "")
