@@ -476,3 +476,34 @@ fn stored_digests_are_32_byte_blobs_printed_as_lower_case_hex() {
     assert_eq!(last.hash, head.hash);
     assert_eq!(last.hash, last.compute_hash());
 }
+
+#[test]
+fn a_watcher_passes_over_an_undecodable_event_instead_of_failing_on_it_forever() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 4);
+    let all = export(&store);
+    drop(store);
+    // A middle event altered behind the store's back; the head stays intact, so it opens.
+    tamper(
+        &path,
+        "UPDATE audit_events SET prev = x'0102' WHERE seq = 4",
+    );
+    let store = backstop_store::SqliteStore::open(&path).expect("reopen");
+    let (page, last) = store.watch_events(0, 1000).expect("the page is served");
+    assert_eq!(
+        last,
+        all.last().map(|e| e.seq),
+        "the page ends past the altered event"
+    );
+    assert!(
+        page.iter().all(|e| e.seq != 4),
+        "the altered event is left out"
+    );
+    assert!(
+        page.iter().any(|e| e.seq > 4),
+        "events after it are still handed over: {page:?}"
+    );
+    // Continuing from the returned seq: nothing is served twice and nothing fails.
+    let (rest, after) = store.watch_events(last.expect("last"), 1000).expect("next");
+    assert!(rest.is_empty() && after.is_none(), "{rest:?} {after:?}");
+}
