@@ -529,9 +529,21 @@ impl Inner {
 fn unawaited<T: Send + 'static>(action: ActionId, what: &'static str) -> StoreCompletion<T> {
     Box::new(move |result: Result<T, StoreError>| {
         if let Err(e) = result {
-            tracing::warn!(action = action.0, error = %e, "could not record the read's {what}");
+            read_not_recorded(Some(action), what, &e);
         }
     })
+}
+
+/// Logs a read's record that could not be committed after the read went on: at INFO when its
+/// task was cancelled meanwhile (the cancellation is audited, the read ends there), else at
+/// ERROR — the read was answered and the audit log will not show it.
+fn read_not_recorded(action: Option<ActionId>, what: &str, e: &StoreError) {
+    let action = action.map(|a| a.0);
+    if matches!(e, StoreError::InvalidTransition { .. }) {
+        tracing::info!(action, error = %e, "a read's {what} was not recorded: its task changed meanwhile");
+    } else {
+        tracing::error!(action, error = %e, "a read was answered but its {what} could not be recorded; the audit log will not show it");
+    }
 }
 
 impl Inner {
@@ -1138,7 +1150,7 @@ impl Engine {
                 now,
                 Box::new(|result| {
                     if let Err(e) = result {
-                        tracing::warn!(error = %e, "could not record a read");
+                        read_not_recorded(None, "request", &e);
                     }
                 }),
             );
