@@ -683,23 +683,23 @@ where
             return Ok(Verdict::Broken(ChainBreak {
                 seq: event.seq,
                 kind: BreakKind::Altered,
-                detail: format!(
-                    "content does not match its hash ({} recorded, {} computed)",
-                    short(&event.hash),
-                    short(&hash)
-                ),
+                detail: {
+                    let (recorded, computed) = distinct(&event.hash, &hash);
+                    format!("content does not match its hash ({recorded} recorded, {computed} computed)")
+                },
             }));
         }
         if event.prev != prev {
             return Ok(Verdict::Broken(ChainBreak {
                 seq: event.seq,
                 kind: BreakKind::Inserted,
-                detail: format!(
-                    "prev {} does not link to the hash of seq {} ({}); an event was inserted or replaced here",
-                    short(&event.prev),
-                    expected - 1,
-                    short(&prev)
-                ),
+                detail: {
+                    let (recorded, linked) = distinct(&event.prev, &prev);
+                    format!(
+                        "prev {recorded} does not link to the hash of seq {} ({linked}); an event was inserted or replaced here",
+                        expected - 1,
+                    )
+                },
             }));
         }
         if let Some((seq, hash)) = wanted.as_ref().filter(|_| !head_seen) {
@@ -783,6 +783,20 @@ fn short(hash: &str) -> &str {
     hash.get(..12).unwrap_or(hash)
 }
 
+/// Two digests that differ, each cut to the same length that still tells them apart: 12 hex
+/// characters, or 4 past the first that differs when they share a longer prefix (whole when
+/// shorter).
+fn distinct<'a>(a: &'a str, b: &'a str) -> (&'a str, &'a str) {
+    let common = a
+        .char_indices()
+        .zip(b.chars())
+        .find(|((_, x), y)| x != y)
+        .map_or(a.len().min(b.len()), |((i, _), _)| i);
+    let keep = (common + 4).max(12);
+    let cut = |s: &'a str| s.get(..keep).unwrap_or(s);
+    (cut(a), cut(b))
+}
+
 /// Reads an NDJSON export (one event per line) into events. A leading UTF-8 byte-order mark and
 /// blank lines (e.g. a trailing empty line added by an editor) are skipped; line numbers in
 /// errors still count them.
@@ -844,7 +858,27 @@ pub fn write_export<'a, W: std::io::Write>(
 
 #[cfg(test)]
 mod tests {
-    use super::{push_lower_hex, AuditEvent, Chain, ChainHead, DIGEST_BYTES};
+    use super::{distinct, push_lower_hex, AuditEvent, Chain, ChainHead, DIGEST_BYTES};
+
+    #[test]
+    fn two_digests_are_shown_long_enough_to_differ() {
+        let a = "0123456789abcdef0123456789abcdef";
+        // Differing early: the usual 12 characters.
+        assert_eq!(
+            distinct(a, "f123456789abcdef"),
+            ("0123456789ab", "f123456789ab")
+        );
+        // Sharing 20 characters: the first that differs and 3 more (or to the end).
+        assert_eq!(
+            distinct(a, "0123456789abcdef0123X"),
+            ("0123456789abcdef01234567", "0123456789abcdef0123X")
+        );
+        // One a prefix of the other: the shorter whole.
+        assert_eq!(
+            distinct(a, "0123456789abcdef"),
+            (&a[..20], "0123456789abcdef")
+        );
+    }
 
     #[test]
     fn sealed_digests_are_the_bytes_of_the_hex_the_event_holds() {
