@@ -784,7 +784,7 @@ fn short(hash: &str) -> &str {
 }
 
 /// Two digests that differ, each cut to the same length that still tells them apart: 12 hex
-/// characters, or 4 past the first that differs when they share a longer prefix (whole when
+/// characters, or up to the first that differs and 3 more when they share a longer prefix (whole when
 /// shorter).
 fn distinct<'a>(a: &'a str, b: &'a str) -> (&'a str, &'a str) {
     let common = a
