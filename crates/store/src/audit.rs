@@ -784,8 +784,8 @@ fn short(hash: &str) -> &str {
 }
 
 /// Two digests that differ, each cut to the same length that still tells them apart: 12 hex
-/// characters, or up to the first that differs and 3 more when they share a longer prefix (whole when
-/// shorter).
+/// characters, or up to the first that differs and 3 more when they share a longer prefix
+/// (whole when shorter).
 fn distinct<'a>(a: &'a str, b: &'a str) -> (&'a str, &'a str) {
     let common = a
         .char_indices()
