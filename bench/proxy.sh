@@ -13,11 +13,16 @@
 #   BENCH_BACKSTOP_ALT [unset]  more backstop binaries, `:`-separated (e.g. builds without the
 #                           change under test), each served beside the first with its own store
 #                           and measured as path alt1, alt2, … in the same alternating rounds
+#   BENCH_OHA [unset]       the oha binary for the constant-rate runs; when unset, `oha` on PATH,
+#                           else it is installed once from crates.io (`cargo install --locked oha`,
+#                           about ten minutes on two cores) into $CARGO_TARGET_DIR/bench-tools
 #
 # What it prints: per path the median over the rounds of requests/s, p50 and p99 latency at
-# saturation, then the ratios backstop/direct and backstop/nginx; then the same three paths at a
-# fixed offered rate of half of backstop's own saturation rate, with backstop's added latency
-# (backstop − direct) at p50 and p99. Method and caveats: BENCHMARKS.md, "Gateway overhead".
+# saturation, then the ratios backstop/direct and backstop/nginx; then the same paths at a
+# constant offered rate of half of backstop's own saturation rate (oha -q, latencies counted from
+# when each request was due, so a stalled path is not excused by sending less), with backstop's
+# added latency (backstop − direct) at p50 and p99. Method and caveats: BENCHMARKS.md, "Gateway
+# overhead".
 #
 # Every process it starts (upstream, nginx, backstop) is stopped on exit, also on Ctrl-C.
 set -euo pipefail
@@ -56,6 +61,21 @@ command -v wrk >/dev/null || die "wrk is not installed"
 command -v nginx >/dev/null || die "nginx is not installed"
 
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+
+# oha: a load generator that offers a constant rate (wrk only closes the loop: each connection
+# waits for its answer, so a slower path is offered less).
+OHA="${BENCH_OHA:-$(command -v oha || true)}"
+if [ -z "$OHA" ]; then
+    OHA="$TARGET_DIR/bench-tools/bin/oha"
+    if [ ! -x "$OHA" ]; then
+        log "installing oha from crates.io into $TARGET_DIR/bench-tools (once)"
+        # Plain HTTP is all it needs here; its TLS through the system's OpenSSL keeps the build
+        # free of cmake.
+        cargo install --quiet --locked oha --no-default-features --features native-tls \
+            --root "$TARGET_DIR/bench-tools" || die "could not install oha (set BENCH_OHA to a binary)"
+    fi
+fi
+[ -x "$OHA" ] || die "BENCH_OHA: no executable at $OHA"
 BACKSTOP="$TARGET_DIR/release/backstop"
 if [ "${BENCH_NO_BUILD:-}" = 1 ]; then
     UPSTREAM_BIN="$(ls -t "$TARGET_DIR"/release/deps/upstream-* 2>/dev/null | grep -v '\.d$' | head -n1)"
@@ -182,10 +202,10 @@ for p in "${PATHS[@]}"; do
     [ "$code" = 200 ] || die "$p answered $code at ${URL[$p]} (logs in $WORK)"
 done
 
-# run_wrk PATH CONNECTIONS SECONDS [DELAY_MS] -> "rps p50_us p99_us errors"
+# run_wrk PATH CONNECTIONS SECONDS -> "rps p50_us p99_us errors"
 run_wrk() {
     local out line
-    out="$(BENCH_DELAY_MS="${4:-0}" wrk -t1 -c"$2" -d"${3}s" --timeout 5s \
+    out="$(wrk -t1 -c"$2" -d"${3}s" --timeout 5s \
         -s "$ROOT/bench/wrk_report.lua" "${URL[$1]}")"
     line="$(grep '^RESULT' <<<"$out")" || die "wrk printed no result for $1: $out"
     awk '{for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
@@ -195,14 +215,14 @@ run_wrk() {
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
 declare -A RPS P50 P99
-measure_rounds() { # CONNECTIONS DELAY_MS label
+measure_rounds() { # CONNECTIONS label
     local round p r
     for p in "${PATHS[@]}"; do RPS[$p]=""; P50[$p]=""; P99[$p]=""; done
     for round in $(seq 1 "$ROUNDS"); do
         for p in "${PATHS[@]}"; do
-            read -r rps p50 p99 errors <<<"$(run_wrk "$p" "$1" "$SECONDS_PER_RUN" "$2")"
-            [ "$errors" = 0 ] || log "warning: $p round $round ($3): $errors errors (non-2xx or socket)"
-            log "  $3 round $round $(printf '%-8s' "$p") $(printf '%9.0f req/s  p50 %7.0f µs  p99 %7.0f µs' "$rps" "$p50" "$p99")"
+            read -r rps p50 p99 errors <<<"$(run_wrk "$p" "$1" "$SECONDS_PER_RUN")"
+            [ "$errors" = 0 ] || log "warning: $p round $round ($2): $errors errors (non-2xx or socket)"
+            log "  $2 round $round $(printf '%-8s' "$p") $(printf '%9.0f req/s  p50 %7.0f µs  p99 %7.0f µs' "$rps" "$p50" "$p99")"
             RPS[$p]+="$rps"$'\n'; P50[$p]+="$p50"$'\n'; P99[$p]+="$p99"$'\n'
         done
     done
@@ -217,7 +237,7 @@ log "warming up each path (2 s)"
 for p in "${PATHS[@]}"; do run_wrk "$p" "$CONNECTIONS" 2 >/dev/null; done
 
 log "saturation: wrk -t1 -c$CONNECTIONS -d${SECONDS_PER_RUN}s, $ROUNDS rounds alternating ${PATHS[*]}"
-measure_rounds "$CONNECTIONS" 0 saturation
+measure_rounds "$CONNECTIONS" saturation
 echo "== saturation (wrk -t1 -c$CONNECTIONS, median of $ROUNDS alternating rounds) =="
 printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
 for p in "${PATHS[@]}"; do
@@ -231,16 +251,44 @@ for a in "${ALTS[@]}"; do
         'BEGIN { printf "%s/nginx = %.3f, backstop/%s = %.3f\n", name, a / n, name, b / a }'
 done
 
-# Half of backstop's saturation rate, offered as C connections that each wait DELAY ms after
-# every answer: rate ≈ C × 1000 / (DELAY + latency). DELAY is whole milliseconds (wrk's timer);
-# at 50 ms the latency differences between the paths move the rate by a few per cent only. The
-# achieved rate is printed, not assumed.
-DELAY_MS=50
+# Half of backstop's saturation rate, offered at a constant rate by oha: each request is due at
+# its slot of the schedule, and its latency counts from then (--latency-correction), so a path
+# that stalls is charged for the requests it kept waiting. Up to HALF_CONNECTIONS are open at
+# once: far more than the rate needs at sub-millisecond latencies.
 HALF_RATE="$(awk -v s="$SAT_BACKSTOP" 'BEGIN { printf "%.0f", s / 2 }')"
-HALF_CONNECTIONS="$(awk -v r="$HALF_RATE" -v d="$DELAY_MS" 'BEGIN { c = int(r * (d + 0.3) / 1000 + 0.5); if (c < 1) c = 1; print c }')"
-log "half saturation: target $HALF_RATE req/s as $HALF_CONNECTIONS connections × (${DELAY_MS} ms pause after each answer)"
-measure_rounds "$HALF_CONNECTIONS" "$DELAY_MS" half-rate
-echo "== half of backstop's saturation rate (target $HALF_RATE req/s: wrk -t1 -c$HALF_CONNECTIONS, ${DELAY_MS} ms pause per connection, median of $ROUNDS rounds) =="
+HALF_CONNECTIONS=64
+
+# run_oha PATH -> "rps p50_us p99_us errors"
+run_oha() {
+    "$OHA" --no-tui --output-format json -q "$HALF_RATE" --latency-correction -z "${SECONDS_PER_RUN}s" \
+        -c "$HALF_CONNECTIONS" -H "Authorization: Bearer $BENCH_TOKEN" -H "X-Backstop-Task: bench-run" \
+        "${URL[$1]}" >"$WORK/oha.json" 2>"$WORK/oha.err" || die "oha failed for $1: $(cat "$WORK/oha.err")"
+    python3 - "$WORK/oha.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+p = r["latencyPercentiles"]
+codes = r.get("statusCodeDistribution", {})
+errors = sum(n for c, n in codes.items() if c != "200") + sum(r.get("errorDistribution", {}).values())
+print(r["summary"]["requestsPerSec"], p["p50"] * 1e6, p["p99"] * 1e6, errors)
+PY
+}
+
+log "half saturation: $HALF_RATE req/s offered at a constant rate (oha -q, up to $HALF_CONNECTIONS connections)"
+for p in "${PATHS[@]}"; do RPS[$p]=""; P50[$p]=""; P99[$p]=""; done
+for round in $(seq 1 "$ROUNDS"); do
+    for p in "${PATHS[@]}"; do
+        read -r rps p50 p99 errors <<<"$(run_oha "$p")"
+        [ "$errors" = 0 ] || log "warning: $p round $round (half-rate): $errors errors (non-200 or socket)"
+        log "  half-rate round $round $(printf '%-8s' "$p") $(printf '%9.0f req/s  p50 %7.0f µs  p99 %7.0f µs' "$rps" "$p50" "$p99")"
+        RPS[$p]+="$rps"$'\n'; P50[$p]+="$p50"$'\n'; P99[$p]+="$p99"$'\n'
+    done
+done
+for p in "${PATHS[@]}"; do
+    RPS[$p]="$(printf '%s' "${RPS[$p]}" | median)"
+    P50[$p]="$(printf '%s' "${P50[$p]}" | median)"
+    P99[$p]="$(printf '%s' "${P99[$p]}" | median)"
+done
+echo "== half of backstop's saturation rate ($HALF_RATE req/s offered at a constant rate by oha, latency from each request's due time, median of $ROUNDS rounds) =="
 printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
 for p in "${PATHS[@]}"; do
     printf '%-9s %12.0f %10.0f %10.0f\n' "$p" "${RPS[$p]}" "${P50[$p]}" "${P99[$p]}"

@@ -228,6 +228,49 @@ fn answered_reads(c: &mut Criterion) {
     group.finish();
 }
 
+/// How a write's latency changes when reads are recorded beside it: one write action (two
+/// fsync'd commits, see [`write_action`]) while two threads record answered reads at a steady
+/// pace (one every 250 µs each, about 7,000 a second together), with the writer grouping
+/// reads as it does by default (`read_groups`: reads linger up to 5 ms and are not fsync'd
+/// alone), with every group committed and fsync'd at once (`every_group_fsynced`: linger and
+/// sync interval zero, the store before read groups), and with no reads at all (`no_reads`).
+fn write_beside_reads(c: &mut Criterion) {
+    let route = RouteTemplate::try_new("/v1/transfers").expect("template");
+    let mut group = c.benchmark_group("write_beside_reads");
+    group.sample_size(30);
+    for setting in ["no_reads", "read_groups", "every_group_fsynced"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open_store(dir.path());
+        if setting == "every_group_fsynced" {
+            store.set_read_linger(Duration::ZERO);
+            store.set_read_sync_interval(Duration::ZERO);
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let failed = Arc::new(AtomicU64::new(0));
+        let readers: Vec<_> = (0..if setting == "no_reads" { 0 } else { 2 })
+            .map(|w| {
+                let (store, stop, failed) =
+                    (Arc::clone(&store), Arc::clone(&stop), Arc::clone(&failed));
+                std::thread::spawn(move || {
+                    let task = format!("read-{w}");
+                    while !stop.load(Ordering::Relaxed) {
+                        let k = KEYS.fetch_add(1, Ordering::Relaxed);
+                        answered_read(&store, &task, k, &failed);
+                        std::thread::sleep(Duration::from_micros(250));
+                    }
+                })
+            })
+            .collect();
+        group.bench_function(setting, |b| b.iter(|| write_action(&store, &route)));
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            r.join().expect("reader");
+        }
+        assert_eq!(failed.load(Ordering::Relaxed), 0, "no read may fail");
+    }
+    group.finish();
+}
+
 /// `STORE_BENCH_READS=n`: one run of `n` answered reads over 32 threads on a fresh store, with
 /// the reads per second, the writer's transactions and (on Linux) the CPU time and the bytes
 /// the writer thread spent per read printed (for callgrind, see the top). The bytes are the
@@ -356,7 +399,13 @@ fn verify(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, durable_writes, answered_reads, verify);
+criterion_group!(
+    benches,
+    durable_writes,
+    answered_reads,
+    write_beside_reads,
+    verify
+);
 
 fn main() {
     if let Some(n) = std::env::var("STORE_BENCH_READS")
