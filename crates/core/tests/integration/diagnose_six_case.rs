@@ -10,7 +10,7 @@ use backstop_core::diagnose::{
 use backstop_core::retry_after::ClockSource;
 use jiff::Timestamp;
 
-const FIXTURE: &str = include_str!("fixtures/six_case_audit.ndjson");
+const FIXTURE: &str = include_str!("../fixtures/six_case_audit.ndjson");
 
 fn now() -> Timestamp {
     "2026-07-26T18:42:00Z".parse().unwrap()
