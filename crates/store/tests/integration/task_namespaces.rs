@@ -1,12 +1,11 @@
 //! Task ids are namespaced per agent: two agents may use the same task id independently.
 
-mod common;
-
 use backstop_store::{
     Admission, NewAction, NewTask, Outcome, PayloadDigest, Priority, RouteTemplate, SqliteStore,
     Store,
 };
-use common::t;
+
+use crate::common::t;
 
 fn task(agent: &str, priority: Priority) -> NewTask {
     NewTask {

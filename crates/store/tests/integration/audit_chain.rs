@@ -1,14 +1,13 @@
 //! The hash chain: canonical encoding, and `verify` naming the first broken event for each
 //! kind of tampering.
 
-mod common;
-
 use backstop_store::audit::{
     format_instant, parse_expected_head, parse_export, verify_events, write_export, AuditEvent,
     BreakKind, Chain, Verdict, GENESIS_PREV,
 };
 use backstop_store::Store;
-use common::{populated, t};
+
+use crate::common::{populated, t};
 
 fn export(store: &backstop_store::SqliteStore) -> Vec<AuditEvent> {
     store.audit_events(0, usize::MAX).expect("events")

@@ -2,13 +2,12 @@
 //! `submit_result`. Their completions come after the commit; the events of one action keep
 //! their order; reads through the store see everything queued before them.
 
-mod common;
-
 use backstop_store::audit::Verdict;
 use backstop_store::{ActionState, Admission, NewAction, SqliteStore, Store, StoreError};
-use common::{
-    completion, kinds, new_action, new_task as task, open_task, read_action_of, success, t, wait,
-    ONE_ATTEMPT_EVENTS,
+
+use crate::common::{
+    completion, kinds, new_action, new_task as task, open_task, read_action_of, record, success, t,
+    wait, ONE_ATTEMPT_EVENTS,
 };
 
 fn read_action(task: &str) -> NewAction {
@@ -199,7 +198,7 @@ fn ids_handed_out_in_advance_never_collide_with_writes_or_after_a_restart() {
                     .record_read(task("task-1", "agent-a"), read_action("task-1"), t(i), done)
                     .expect("read"),
             );
-            ids.push(common::record(
+            ids.push(record(
                 &store,
                 "task-1",
                 &format!("key-{i}"),

@@ -1,8 +1,6 @@
 //! The store's atomic operations: idempotency, attempt receipts, retries, scopes,
 //! escalations, cancellation, and group commit under concurrency.
 
-mod common;
-
 use std::sync::Arc;
 
 use backstop_store::audit::Verdict;
@@ -10,7 +8,8 @@ use backstop_store::{
     Admission, AttemptResult, AttemptState, Boundary, Disposition, EscalationState, Finish,
     Outcome, RouteTemplate, ScopeUpdate, SqliteStore, Store, StoreError, StoredResponse,
 };
-use common::{kinds, new_action, open_task, record, t, ONE_ATTEMPT_EVENTS};
+
+use crate::common::{kinds, new_action, open_task, record, t, ONE_ATTEMPT_EVENTS};
 
 fn store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,5 +1,4 @@
 //! Shared fixtures for the store's integration tests.
-#![allow(dead_code)]
 
 use std::sync::mpsc;
 use std::time::Duration;

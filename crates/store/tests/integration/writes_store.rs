@@ -1,10 +1,9 @@
 //! Store operations for writes that never duplicate: one action's own retry claimed by job id,
 //! the scheduled retries re-armed after a restart, and audited reconciliation lookups.
 
-mod common;
-
 use backstop_store::{SqliteStore, Store};
-use common::{open_task, record, t};
+
+use crate::common::{open_task, record, t};
 
 #[test]
 fn claim_job_claims_only_that_job_once_and_audits_retry_started() {

@@ -2,14 +2,13 @@
 //! request body go through a gateway-shaped flow, then the raw bytes of the database file and
 //! its WAL, and the NDJSON export, are searched for them.
 
-mod common;
-
 use backstop_store::audit::write_export;
 use backstop_store::{
     Admission, AttemptResult, Disposition, Finish, NewAction, Outcome, PayloadDigest,
     RouteTemplate, SqliteStore, Store, StoredResponse,
 };
-use common::{open_task, t};
+
+use crate::common::{open_task, t};
 
 const CANARY_CREDENTIAL: &str = "sk-live-CANARY-CREDENTIAL-7f3a9e11";
 const CANARY_BODY: &str = "CANARY-REQUEST-BODY-41c2d0aa";

@@ -5,13 +5,12 @@
 // The tests time how long the writer makes a caller wait.
 #![allow(clippy::disallowed_methods)]
 
-mod common;
-
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use backstop_store::{ActionId, SqliteStore, Store, StoreError};
-use common::{completion, kinds, new_task, open_task, read_action_of, success, t, wait};
+
+use crate::common::{completion, kinds, new_task, open_task, read_action_of, success, t, wait};
 
 /// Records a read of `task` at `at_ms` and submits its send and answer; returns its id and the
 /// receiver of its answer's completion (none of it awaited).

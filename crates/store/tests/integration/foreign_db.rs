@@ -3,6 +3,8 @@
 
 use backstop_store::{AuditReader, SqliteStore, StoreError};
 
+use crate::common::populated;
+
 fn random_bytes(len: usize) -> Vec<u8> {
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     (0..len)
@@ -98,12 +100,10 @@ fn audit_reader_never_creates_a_file() {
     assert_eq!(reader.head().expect("head"), None);
 }
 
-mod common;
-
 #[test]
 fn a_damaged_database_is_refused_when_the_store_opens() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (store, path) = common::populated(dir.path(), 300);
+    let (store, path) = populated(dir.path(), 300);
     drop(store);
     // Closing the last connection checkpointed the WAL into the main file: damage a b-tree
     // page in its middle (never the header page), as a torn write or bad sector would.

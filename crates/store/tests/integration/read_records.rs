@@ -4,8 +4,6 @@
 //! operation or a read of the store could need it, and a cancelled task is refused without a
 //! query, also after a restart.
 
-mod common;
-
 use std::path::Path;
 use std::sync::mpsc;
 
@@ -14,7 +12,8 @@ use backstop_store::{
     ActionId, ActionState, Admission, AttemptResult, Boundary, Disposition, Finish, NewAction,
     NewTask, Outcome, SqliteStore, Store, StoreError, StoredResponse,
 };
-use common::{
+
+use crate::common::{
     completion, kinds, new_task, open_task, read_action_of, success, t, wait, ONE_ATTEMPT_EVENTS,
 };
 

@@ -2,13 +2,12 @@
 //! with decisions, access decisions audited apart from action decisions, and reads that carry
 //! no idempotency key.
 
-mod common;
-
 use backstop_store::{
     ActionState, Admission, AttemptResult, Disposition, Outcome, SqliteStore, Store, StoreError,
     ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY,
 };
-use common::{new_action, open_task, record, t};
+
+use crate::common::{new_action, open_task, record, t};
 
 fn store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("tempdir");

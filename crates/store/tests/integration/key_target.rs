@@ -3,10 +3,9 @@
 //! request (SPEC §6). Actions recorded without a target (before schema version 7) compare
 //! as before.
 
-mod common;
-
 use backstop_store::{Admission, NewAction, PayloadDigest, SqliteStore, Store, StoreError};
-use common::{kinds, new_action, open_task, t};
+
+use crate::common::{kinds, new_action, open_task, t};
 
 fn store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("tempdir");

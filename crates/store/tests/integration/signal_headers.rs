@@ -2,11 +2,10 @@
 //! headers (Retry-After, Date, quota headers), stored with the attempt and carried by its
 //! `action_result` event, whose chain still verifies (offline, from an export too).
 
-mod common;
-
 use backstop_store::audit::{parse_export, verify_events, write_export, BreakKind, Verdict};
 use backstop_store::{AttemptResult, Boundary, Disposition, Finish, Outcome, SqliteStore, Store};
-use common::{open_task, record, t};
+
+use crate::common::{open_task, record, t};
 
 fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
     items
