@@ -4,8 +4,6 @@
 //! action's health snapshot carries the raw `Retry-After` and `Date`, from which `backstop
 //! diagnose` computes the same boundary the gateway recorded.
 
-mod support;
-
 use std::path::Path;
 
 use backstop_core::diagnose::{DiagnoseOptions, Snapshot};
@@ -18,7 +16,10 @@ use backstop_store::audit::Verdict;
 use backstop_store::{ActionId, SqliteStore, Store};
 use jiff::Timestamp;
 use serde_json::Value;
-use support::{client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL};
+
+use crate::support::{
+    self, client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL,
+};
 
 const AGENT_TOKEN: &str = "agent-token-signals-1c2d";
 const OPERATOR_TOKEN: &str = "operator-token-signals-3e4f";

@@ -2,14 +2,13 @@
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
 //! cancelled`. Attempts are measured at the scripted transport.
 
-mod engine_support;
-
 use std::time::Duration;
 
 use backstop_gateway::action::Execution;
 use backstop_store::Store;
-use engine_support::{advance, answer, held_ok, until, Harness};
 use serde_json::Value;
+
+use crate::engine_support::{advance, answer, held_ok, until, Harness};
 
 /// Status, `x-should-retry`, and the problem body of an answer made as a problem response.
 async fn problem(execution: Execution) -> (u16, String, Value, u32) {

@@ -1,7 +1,6 @@
 //! Test support for the end-to-end gateway tests: backstop started by `server::start` on a
 //! loopback port with a temp-dir SQLite store, in front of the controllable fake provider on
 //! another loopback port, and the HTTP helpers the tests share.
-#![allow(dead_code)]
 
 use std::{path::Path, time::Duration};
 

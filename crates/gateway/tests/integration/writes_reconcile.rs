@@ -2,15 +2,14 @@
 //! store + upstream client) in front of the fake provider, which commits a write and then drops
 //! the connection. Every count is measured at the fake provider's own attempt record.
 
-mod support;
-
 use std::path::Path;
 
 use backstop_core::reconcile::upstream_idempotency_key;
 use backstop_fake_api::{FakeConfig, Fault, Handler, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
-use support::{action_id, client, lookup, on_route};
+
+use crate::support::{self, action_id, client, lookup, on_route};
 
 const AGENT_TOKEN: &str = "agent-token-writes-1";
 const OTHER_TOKEN: &str = "agent-token-writes-2";

@@ -3,14 +3,13 @@
 //! not `budget_exhausted`, whose budget it never used up. Nothing is sent again; sends are
 //! counted at the scripted transport.
 
-mod engine_support;
-
 use backstop_gateway::engine::RESTARTED_DURING_READ;
 use backstop_store::{
     ActionId, Admission, AttemptState, Disposition, NewAction, NewTask, Outcome, PayloadDigest,
     Priority, RouteTemplate, Store,
 };
-use engine_support::{until, Harness};
+
+use crate::engine_support::{until, Harness};
 
 /// Records a read of `/v1/items/7` in task `t` and its first attempt as sent, as a gateway
 /// that crashed before the answer would have left the store.

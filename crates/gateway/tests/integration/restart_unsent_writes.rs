@@ -4,13 +4,12 @@
 //! action — instead of being refused as "still in flight" forever. Sends are counted at the
 //! scripted transport.
 
-mod engine_support;
-
 use std::time::Duration;
 
 use backstop_gateway::action::{ActionSpec, Execution};
 use backstop_store::{ActionId, Outcome, Store};
-use engine_support::{advance, answer, summary, until, Harness};
+
+use crate::engine_support::{advance, answer, summary, until, Harness};
 
 /// Scripts a 429 with `Retry-After: 10` on the shared scope (answered to a read started here,
 /// whose task is returned) and a 201 for the next transfer: every later action of the scope

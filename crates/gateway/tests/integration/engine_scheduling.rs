@@ -2,14 +2,13 @@
 //! scope, no attempt before a boundary, jittered release, `scope_saturated`, priorities,
 //! coalescing and cancellation before send. Attempts are measured at the scripted transport.
 
-mod engine_support;
-
 use std::time::Duration;
 
 use backstop_core::pacing::Priority;
 use backstop_gateway::action::Execution;
 use backstop_store::Store;
-use engine_support::{advance, answer, attempts, summary, Harness};
+
+use crate::engine_support::{self, advance, answer, attempts, summary, Harness};
 
 const SEC: Duration = Duration::from_secs(1);
 

@@ -3,15 +3,16 @@
 //! ends `budget_exhausted` AND opens a `remaining_wait_exceeds_deadline` escalation carrying the
 //! boundary, with zero further attempts; a read under the same answer only ends.
 
-mod support;
-
 use std::path::Path;
 
 use backstop_fake_api::{FakeConfig, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
 use serde_json::{json, Value};
-use support::{client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL};
+
+use crate::support::{
+    self, client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL,
+};
 
 const AGENT_TOKEN: &str = "agent-token-boundary-5e6f";
 const OPERATOR_TOKEN: &str = "operator-token-boundary-7a8b";

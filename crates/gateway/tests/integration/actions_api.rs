@@ -1,15 +1,14 @@
 //! The action API, `Prefer: respond-async`, task cancellation over HTTP and agent isolation,
 //! end to end over real sockets; attempts are counted at the fake provider.
 
-mod support;
-
 use std::{path::Path, time::Duration};
 
 use backstop_core::{policy::Policy, reconcile::upstream_idempotency_key};
 use backstop_fake_api::{Fault, Handler, RouteConfig};
 use backstop_gateway::server::{Running, ServeOptions};
 use serde_json::{json, Value};
-use support::{client, fake_with as fake};
+
+use crate::support::{self, client, fake_with as fake};
 
 const AGENT: &str = "agent-token-a1";
 const OTHER: &str = "agent-token-b2";

@@ -3,13 +3,12 @@
 //! single-attempt class is reconciled or escalated (never `budget_exhausted`), and a reconciled
 //! write names the provider's id in structured members. Counts are measured at the fake provider.
 
-mod support;
-
 use std::path::Path;
 
 use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::server::Running;
-use support::{client, create, on_route};
+
+use crate::support::{self, client, create, on_route};
 
 const AGENT_TOKEN: &str = "agent-token-first-use";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-first-use";

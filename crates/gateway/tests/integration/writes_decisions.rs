@@ -10,8 +10,6 @@
 //!   the agent's same-key resubmission is sent as the same action;
 //! - the case file read over HTTP has every SPEC §8 item and no payload or credential.
 
-mod support;
-
 use std::{path::Path, time::Duration};
 
 use backstop_core::reconcile::upstream_idempotency_key;
@@ -19,7 +17,8 @@ use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store};
 use serde_json::{json, Value};
-use support::{action_id, client, create, json_of, lookup, on_route};
+
+use crate::support::{self, action_id, client, create, json_of, lookup, on_route};
 
 const AGENT_TOKEN: &str = "agent-token-canary-7f3a";
 const OPERATOR_TOKEN: &str = "operator-token-canary-91bc";

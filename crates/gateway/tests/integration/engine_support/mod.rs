@@ -1,6 +1,5 @@
 //! Test support for the engine: a scripted in-memory transport that records every attempt with
 //! its (virtual) time, a temp-dir SQLite store, and a small policy written here.
-#![allow(dead_code)]
 
 pub mod failing_store;
 
@@ -328,14 +327,6 @@ impl Harness {
     /// The whole audit log.
     pub fn audit(&self) -> Vec<AuditEvent> {
         self.store.audit_events(0, 100_000).unwrap()
-    }
-}
-
-/// Lets spawned work run until it blocks (paused time: no virtual time passes when nothing is
-/// due, and store calls on blocking threads hold time still).
-pub async fn settle() {
-    for _ in 0..50 {
-        tokio::task::yield_now().await;
     }
 }
 

@@ -5,15 +5,16 @@
 //! read in another scope gets its own, saying it carries no payload; once the first escalation is
 //! decided, the next exhausted answer in its scope opens a new one.
 
-mod support;
-
 use std::path::Path;
 
 use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig, RunningFake};
 use backstop_gateway::server::Running;
 use backstop_store::{SqliteStore, Store};
 use serde_json::{json, Value};
-use support::{client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL};
+
+use crate::support::{
+    self, client, create, json_of, lookup, RETRYING_CLASSES, TEST_AGENT_AND_ONCALL,
+};
 
 const AGENT_TOKEN: &str = "agent-token-quota-9a8b";
 const OPERATOR_TOKEN: &str = "operator-token-quota-7c6d";

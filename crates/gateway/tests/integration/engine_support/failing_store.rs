@@ -1,6 +1,5 @@
 //! A store that fails on demand like a damaged file or a full disk: every operation that writes
 //! answers SQLite's error while [`FailingStore::fail`] is set; reads keep working.
-#![allow(dead_code)]
 
 use std::sync::{
     atomic::{AtomicBool, Ordering},

@@ -1,15 +1,14 @@
 //! Budgets, deadlines, outcomes and the breaker through the engine (SPEC §4.2, §5, §7), with
 //! paused time; attempts are measured at the scripted transport.
 
-mod engine_support;
-
 use std::time::Duration;
 
 use backstop_core::outcome::{NextSafe, Outcome};
 use backstop_gateway::action::Execution;
 use backstop_store::{ActionId, Store};
-use engine_support::{advance, answer, attempts, summary, Harness, Step};
 use jiff::SignedDuration;
+
+use crate::engine_support::{self, advance, answer, attempts, summary, Harness, Step};
 
 fn outcome_of(execution: &Execution) -> (Outcome, backstop_core::outcome::OutcomeContext, i64) {
     match execution {

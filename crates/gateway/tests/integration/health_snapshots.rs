@@ -498,8 +498,6 @@ async fn gateway_health_lists_only_unhealthy_runs_with_totals_by_scope_and_diagn
 
 // ---- budgets and waits, measured at the fake provider ----
 
-mod support;
-
 mod at_the_provider {
     use std::path::Path;
 
@@ -514,7 +512,7 @@ mod at_the_provider {
     use jiff::{SignedDuration, Timestamp};
     use serde_json::Value;
 
-    use super::support::{self, client, json_of, on_route};
+    use crate::support::{self, client, json_of, on_route};
 
     const AGENT_TOKEN: &str = "agent-token-health-3c1d";
     const OPERATOR_TOKEN: &str = "operator-token-health-9e2f";

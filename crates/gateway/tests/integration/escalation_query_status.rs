@@ -2,15 +2,14 @@
 //! that cannot answer (503) leaves the escalation open and listed, is audited as its own
 //! `status_query` event, and a later `abort` is still accepted.
 
-mod support;
-
 use std::path::Path;
 
 use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::{ActionId, SqliteStore, Store, STATUS_QUERY};
 use serde_json::{json, Value};
-use support::{client, create, json_of, lookup};
+
+use crate::support::{self, client, create, json_of, lookup};
 
 const AGENT_TOKEN: &str = "agent-token-query-1a2b";
 const OPERATOR_TOKEN: &str = "operator-token-query-3c4d";

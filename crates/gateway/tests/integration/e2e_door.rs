@@ -2,12 +2,11 @@
 //! SQLite store + upstream client) and the controllable fake provider run as separate
 //! listeners, and every assertion about attempts is measured at the provider's own record.
 
-mod support;
-
 use std::{
+    cell::RefCell,
     io::Write,
     path::Path,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{Arc, Mutex, Once},
     time::Duration,
 };
 
@@ -15,16 +14,26 @@ use backstop_fake_api::{AttemptRecord, Fault, Handler, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::Store;
 use sha2::{Digest, Sha256};
-use support::{client, fake_with as fake};
+use tracing::Level;
+use tracing_subscriber::{
+    filter::DynFilterFn, fmt::writer::OptionalWriter, layer::SubscriberExt, Layer,
+};
+
+use crate::support::{self, client, fake_with as fake};
 
 const AGENT_TOKEN: &str = "agent-token-7f3a9c";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-42b1";
 
 // ---------------------------------------------------------------------------------------------
-// Log capture: every test in this binary logs into one buffer at debug level.
+// Log capture: the secrets test reads what its own gateway logs at debug level. The subscriber
+// is the process's (one for the whole binary, installed by the first capture), but it takes only
+// the events of threads that carry a capture: the threads of that test's runtime. The other
+// tests' gateways run alongside in this process; their events are neither captured nor
+// formatted. (A subscriber set as the default of the test's threads alone is not enough:
+// tracing caches per callsite whether anyone is interested, decided on whichever thread
+// reaches the callsite first — often another test's.)
 
-static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-
+#[derive(Clone, Default)]
 struct Capture(Arc<Mutex<Vec<u8>>>);
 
 impl Write for Capture {
@@ -40,23 +49,58 @@ impl Write for Capture {
     }
 }
 
-fn logs() -> Arc<Mutex<Vec<u8>>> {
-    LOGS.get_or_init(|| {
-        let buffer = Arc::new(Mutex::new(Vec::new()));
-        let writer = buffer.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .with_writer(move || Capture(writer.clone()))
-            .finish();
-        let _ = tracing::subscriber::set_global_default(subscriber);
-        buffer
-    })
-    .clone()
+thread_local! {
+    /// Where the events of this thread go, if anywhere.
+    static THREAD_CAPTURE: RefCell<Option<Capture>> = const { RefCell::new(None) };
 }
 
-fn captured_logs() -> String {
-    String::from_utf8_lossy(&logs().lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+fn thread_capture() -> Option<Capture> {
+    THREAD_CAPTURE
+        .try_with(|capture| capture.borrow().clone())
+        .ok()
+        .flatten()
+}
+
+impl Capture {
+    /// Sends the current thread's events of level debug and above here, until [`Capture::detach`].
+    fn attach(&self) {
+        static SUBSCRIBER: Once = Once::new();
+        SUBSCRIBER.call_once(|| {
+            let layer = tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .with_writer(|| OptionalWriter::from(thread_capture()))
+                .with_filter(
+                    DynFilterFn::new(|meta, _| {
+                        *meta.level() <= Level::DEBUG && thread_capture().is_some()
+                    })
+                    .with_max_level_hint(Level::DEBUG),
+                );
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))
+                .expect("no other global subscriber in this test binary");
+        });
+        THREAD_CAPTURE.with(|capture| *capture.borrow_mut() = Some(self.clone()));
+    }
+
+    fn detach() {
+        THREAD_CAPTURE.with(|capture| capture.borrow_mut().take());
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+}
+
+/// The runtime of `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]`, every thread of
+/// which (workers and blocking threads) logs into `capture`.
+fn runtime_logging_into(capture: &Capture) -> tokio::runtime::Runtime {
+    let capture = capture.clone();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(move || capture.attach())
+        .on_thread_stop(Capture::detach)
+        .build()
+        .expect("runtime")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -86,7 +130,6 @@ fn env(name: &str) -> Option<String> {
 }
 
 async fn start_gateway(base_url: &str, dir: &Path) -> Running {
-    logs();
     let options = support::serve_options(dir, 7);
     support::start_gateway(&policy_yaml(base_url), "e2e.yaml", &env, options).await
 }
@@ -255,8 +298,20 @@ async fn sse_streams_through_chunk_by_chunk() {
     fake.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn agent_token_never_reaches_the_provider_and_the_secret_never_leaks() {
+#[test]
+fn agent_token_never_reaches_the_provider_and_the_secret_never_leaks() {
+    let logs = Capture::default();
+    let runtime = runtime_logging_into(&logs);
+    // `block_on` polls the test's future on this thread.
+    logs.attach();
+    runtime.block_on(secrets_stay_out_of_requests_logs_audit_and_answers(&logs));
+    Capture::detach();
+}
+
+/// Requests with the agent's token as bearer and as `x-api-key` (a read retried after a 503, a
+/// refused write, an unknown provider), the scopes and metrics: the provider sees backstop's
+/// credential only, and neither secret is in `logs`, the audit log or any answer.
+async fn secrets_stay_out_of_requests_logs_audit_and_answers(logs: &Capture) {
     let fake = fake(vec![
         RouteConfig::new("GET /v1/items/{id}", Handler::default()).with_script([
             Fault::Status {
@@ -326,9 +381,11 @@ async fn agent_token_never_reaches_the_provider_and_the_secret_never_leaks() {
 
     let audit = audit_export(&store_path);
     assert!(!audit.is_empty());
-    assert!(captured_logs().contains("door: provider response passed through"));
+    assert!(logs
+        .text()
+        .contains("door: provider response passed through"));
     for (place, text) in [
-        ("logs", captured_logs()),
+        ("logs", logs.text()),
         ("audit", audit),
         ("responses", answers),
     ] {

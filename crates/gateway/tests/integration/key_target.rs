@@ -3,13 +3,12 @@
 //! string is refused 422 `idempotency_key_reused` naming `target`, and nothing is sent; the
 //! same key on the same target still replays. Sends are counted at the fake provider.
 
-mod support;
-
 use std::path::Path;
 
 use backstop_fake_api::{FakeConfig, RouteConfig};
 use backstop_gateway::server::Running;
-use support::{client, create, json_of, on_route};
+
+use crate::support::{self, client, create, json_of, on_route};
 
 const AGENT_TOKEN: &str = "agent-token-key-target";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-key-target";

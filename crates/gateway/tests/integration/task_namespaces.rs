@@ -2,14 +2,13 @@
 //! task id independently, cancelling one agent's task leaves the other's running, and nothing
 //! answered to one agent mentions the other.
 
-mod support;
-
 use std::{path::Path, time::Duration};
 
 use backstop_fake_api::{Fault, Handler, RouteConfig};
 use backstop_gateway::server::{Running, ServeOptions};
 use serde_json::{json, Value};
-use support::{client, fake_with as fake, json_of};
+
+use crate::support::{self, client, fake_with as fake, json_of};
 
 const ALICE: &str = "agent-token-alice";
 const BOB: &str = "agent-token-bob";
