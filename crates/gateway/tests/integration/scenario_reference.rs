@@ -13,7 +13,7 @@
 //! (4) a write with a stable key whose connection drops after the provider stored it;
 //! (5) a time budget that cannot cover the provider's boundary ends at once, and a cancelled
 //! task's delayed actions never wake. The restart case lives in
-//! `crates/cli/tests/restart_recovery.rs`.
+//! `crates/cli/tests/integration/restart_recovery.rs`.
 
 use std::{
     sync::{Arc, Mutex},

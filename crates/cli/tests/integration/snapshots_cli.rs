@@ -2,15 +2,14 @@
 //! through the store API, piped into `backstop diagnose` (the round trip), the `--task` filter,
 //! and a missing database that is reported and never created.
 
-mod common;
-
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use backstop_store::{AttemptResult, Boundary, Disposition, ScopeUpdate, SqliteStore, Store};
-use common::{at, sent_action, NOW};
 use serde_json::Value;
+
+use crate::common::{at, sent_action, NOW};
 
 /// A run whose action got 429 (`Retry-After` → `boundary_ms`) at 0 and whose retry is scheduled
 /// at `due_ms` and never started.

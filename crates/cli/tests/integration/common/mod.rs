@@ -1,6 +1,5 @@
 //! Shared fixtures for the command-line integration tests: gateway databases populated through
 //! the store API at fixed instants (tests never read the clock).
-#![allow(dead_code)]
 
 use backstop_store::{
     ActionId, Admission, NewAction, NewTask, PayloadDigest, Priority, RouteTemplate, SqliteStore,

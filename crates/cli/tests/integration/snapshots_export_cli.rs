@@ -2,14 +2,13 @@
 //! database, a task whose actions were not throttled, a database that does not exist (named
 //! once), and scopes named by their provider only when `--policy` is absent.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use backstop_store::{AttemptResult, Boundary, Disposition, SqliteStore, Store};
-use common::{at, sent_action, NOW};
 use serde_json::Value;
+
+use crate::common::{at, sent_action, NOW};
 
 /// Records one action of `run` on `GET /v1/chat/models` of provider `llm`; when `throttled`,
 /// its only attempt got a 429 with no scope record written beside it (so the exported
