@@ -19,8 +19,9 @@
 //! target/release/deps/store-<hash> --bench`
 #![allow(missing_docs)]
 
-// The store tests' fixtures: a read's action and its plain answer.
-#[path = "../tests/common/mod.rs"]
+// The store tests' fixtures: a read's action and its plain answer (the rest is theirs alone).
+#[path = "../tests/integration/common/mod.rs"]
+#[allow(dead_code)]
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};

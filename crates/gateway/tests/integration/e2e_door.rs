@@ -1,0 +1,594 @@
+//! End-to-end tests of the proxy door over real sockets on loopback: backstop (door + engine +
+//! SQLite store + upstream client) and the controllable fake provider run as separate
+//! listeners, and every assertion about attempts is measured at the provider's own record.
+
+use std::{
+    cell::RefCell,
+    io::Write,
+    path::Path,
+    sync::{Arc, Mutex, Once},
+    time::Duration,
+};
+
+use backstop_fake_api::{AttemptRecord, Fault, Handler, RouteConfig};
+use backstop_gateway::server::Running;
+use backstop_store::Store;
+use sha2::{Digest, Sha256};
+use tracing::Level;
+use tracing_subscriber::{
+    filter::DynFilterFn, fmt::writer::OptionalWriter, layer::SubscriberExt, Layer,
+};
+
+use crate::support::{self, client, fake_with as fake};
+
+const AGENT_TOKEN: &str = "agent-token-7f3a9c";
+const PROVIDER_SECRET: &str = "sk-live-provider-secret-42b1";
+
+// ---------------------------------------------------------------------------------------------
+// Log capture: the secrets test reads what its own gateway logs at debug level. The subscriber
+// is the process's (one for the whole binary, installed by the first capture), but it takes only
+// the events of threads that carry a capture: the threads of that test's runtime. The other
+// tests' gateways run alongside in this process; their events are neither captured nor
+// formatted. (A subscriber set as the default of the test's threads alone is not enough:
+// tracing caches per callsite whether anyone is interested, decided on whichever thread
+// reaches the callsite first — often another test's.)
+
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+thread_local! {
+    /// Where the events of this thread go, if anywhere.
+    static THREAD_CAPTURE: RefCell<Option<Capture>> = const { RefCell::new(None) };
+}
+
+fn thread_capture() -> Option<Capture> {
+    THREAD_CAPTURE
+        .try_with(|capture| capture.borrow().clone())
+        .ok()
+        .flatten()
+}
+
+impl Capture {
+    /// Sends the current thread's events of level debug and above here, until [`Capture::detach`].
+    fn attach(&self) {
+        static SUBSCRIBER: Once = Once::new();
+        SUBSCRIBER.call_once(|| {
+            let layer = tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .with_writer(|| OptionalWriter::from(thread_capture()))
+                .with_filter(
+                    DynFilterFn::new(|meta, _| {
+                        *meta.level() <= Level::DEBUG && thread_capture().is_some()
+                    })
+                    .with_max_level_hint(Level::DEBUG),
+                );
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))
+                .expect("no other global subscriber in this test binary");
+        });
+        THREAD_CAPTURE.with(|capture| *capture.borrow_mut() = Some(self.clone()));
+    }
+
+    fn detach() {
+        THREAD_CAPTURE.with(|capture| capture.borrow_mut().take());
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+}
+
+/// The runtime of `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]`, every thread of
+/// which (workers and blocking threads) logs into `capture`.
+fn runtime_logging_into(capture: &Capture) -> tokio::runtime::Runtime {
+    let capture = capture.clone();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(move || capture.attach())
+        .on_thread_stop(Capture::detach)
+        .build()
+        .expect("runtime")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+fn policy_yaml(base_url: &str) -> String {
+    support::policy_yaml(
+        base_url,
+        r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
+"#,
+        r#"    default_scopes: [fake/account]
+    routes:
+      "GET /v1/items/{id}": { class: read, scopes: [account] }
+      "POST /v1/transfers": { class: idempotent_write, scopes: [account] }
+      "GET /v1/stream": { class: read, scopes: [account] }
+"#,
+    )
+}
+
+fn env(name: &str) -> Option<String> {
+    match name {
+        "TEST_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some(PROVIDER_SECRET.to_owned()),
+        _ => None,
+    }
+}
+
+async fn start_gateway(base_url: &str, dir: &Path) -> Running {
+    let options = support::serve_options(dir, 7);
+    support::start_gateway(&policy_yaml(base_url), "e2e.yaml", &env, options).await
+}
+
+fn at(record: &AttemptRecord) -> jiff::Timestamp {
+    record.at.parse().expect("attempt time")
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// All audit events of the store as export lines.
+fn audit_export(path: &Path) -> String {
+    let store = backstop_store::SqliteStore::open_existing(path).expect("store");
+    store
+        .audit_events(0, 100_000)
+        .expect("audit events")
+        .iter()
+        .map(|event| event.export_line())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_answered_429_then_200_takes_two_attempts_spaced_by_retry_after() {
+    let fake = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )
+    .with_script([
+        Fault::Status {
+            status: 429,
+            retry_after: Some("1".into()),
+            body: None,
+        },
+        Fault::Pass,
+    ])]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let response = client()
+        .get(format!("http://{}/fake/v1/items/7", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-429")
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["backstop-attempts"], "2");
+    assert!(response.headers().contains_key("backstop-action-id"));
+    assert_eq!(response.headers()["backstop-task"], "run-429");
+
+    let attempts = fake.attempts();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert_eq!(attempts[0].status, Some(429));
+    assert_eq!(attempts[1].status, Some(200));
+    let spacing = at(&attempts[1]).duration_since(at(&attempts[0]));
+    assert!(
+        spacing >= jiff::SignedDuration::from_secs(1),
+        "second attempt only {spacing:?} after the 429"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_is_resent_byte_identical_with_the_same_key() {
+    let fake = fake(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        Handler::Create {
+            collection: "transfers".into(),
+            id_prefix: "tr_".into(),
+            reference_field: None,
+            unique_reference: false,
+        },
+    )
+    .with_idempotency()
+    .with_script([
+        Fault::Status {
+            status: 429,
+            retry_after: Some("1".into()),
+            body: None,
+        },
+        Fault::Pass,
+    ])]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let body = r#"{"amount": 1250, "currency": "eur", "destination": "acct_9", "note": "ünïcode"}"#
+        .as_bytes();
+    let response = client()
+        .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("content-type", "application/json")
+        .body(body.to_vec())
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 201);
+    assert_eq!(response.headers()["backstop-attempts"], "2");
+
+    let attempts = fake.attempts();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    let digest = sha256_hex(body);
+    for attempt in &attempts {
+        assert_eq!(attempt.body_sha256.as_deref(), Some(digest.as_str()));
+        assert_eq!(attempt.body_bytes, body.len());
+    }
+    let key = attempts[0].idempotency_key.clone().expect("a minted key");
+    assert_eq!(attempts[1].idempotency_key.as_deref(), Some(key.as_str()));
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_streams_through_chunk_by_chunk() {
+    let fake = fake(vec![RouteConfig::new(
+        "GET /v1/stream",
+        Handler::Stream {
+            events: 3,
+            interval_ms: 300,
+        },
+    )]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let started = tokio::time::Instant::now();
+    let mut response = client()
+        .get(format!("http://{}/fake/v1/stream", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("accept", "text/event-stream")
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 200);
+    let mut arrivals = Vec::new();
+    let mut text = String::new();
+    while let Some(chunk) = response.chunk().await.expect("chunk") {
+        let chunk = String::from_utf8_lossy(&chunk).into_owned();
+        for _ in chunk.matches("data:") {
+            arrivals.push(started.elapsed());
+        }
+        text.push_str(&chunk);
+    }
+    let total = started.elapsed();
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert_eq!(arrivals.len(), 4, "3 events and [DONE]: {text}");
+    // The first event reached the agent long before the provider finished the stream.
+    assert!(
+        total - arrivals[0] >= Duration::from_millis(500),
+        "first event at {:?}, stream ended at {total:?}",
+        arrivals[0]
+    );
+    // Events arrived at distinct times, about one interval apart.
+    for pair in arrivals.windows(2) {
+        assert!(
+            pair[1] - pair[0] >= Duration::from_millis(150),
+            "events bunched: {arrivals:?}"
+        );
+    }
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[test]
+fn agent_token_never_reaches_the_provider_and_the_secret_never_leaks() {
+    let logs = Capture::default();
+    let runtime = runtime_logging_into(&logs);
+    // `block_on` polls the test's future on this thread.
+    logs.attach();
+    runtime.block_on(secrets_stay_out_of_requests_logs_audit_and_answers(&logs));
+    Capture::detach();
+}
+
+/// Requests with the agent's token as bearer and as `x-api-key` (a read retried after a 503, a
+/// refused write, an unknown provider), the scopes and metrics: the provider sees backstop's
+/// credential only, and neither secret is in `logs`, the audit log or any answer.
+async fn secrets_stay_out_of_requests_logs_audit_and_answers(logs: &Capture) {
+    let fake = fake(vec![
+        RouteConfig::new("GET /v1/items/{id}", Handler::default()).with_script([
+            Fault::Status {
+                status: 503,
+                retry_after: Some("1".into()),
+                body: None,
+            },
+            Fault::Pass,
+        ]),
+        RouteConfig::new("POST /v1/transfers", Handler::default()).with_script([Fault::Status {
+            status: 422,
+            retry_after: None,
+            body: None,
+        }]),
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let store_path = gateway.store_path.clone();
+    let client = client();
+
+    let mut answers = String::new();
+    for (method, path) in [
+        ("GET", "/fake/v1/items/1"),
+        ("POST", "/fake/v1/transfers"),
+        ("GET", "/nope/v1/x"),
+    ] {
+        let response = client
+            .request(
+                method.parse().unwrap(),
+                format!("http://{}{path}", gateway.addr),
+            )
+            .bearer_auth(AGENT_TOKEN)
+            .header("x-api-key", AGENT_TOKEN)
+            .body("{}")
+            .send()
+            .await
+            .expect("request");
+        answers.push_str(&format!("{:?}\n", response.headers()));
+        answers.push_str(&response.text().await.expect("body"));
+    }
+    let scopes = client
+        .get(format!("http://{}/v1/scopes", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .send()
+        .await
+        .expect("scopes");
+    assert_eq!(scopes.status(), 200);
+    answers.push_str(&scopes.text().await.unwrap());
+    let metrics = client
+        .get(format!("http://{}/metrics", gateway.addr))
+        .send()
+        .await
+        .expect("metrics");
+    assert_eq!(metrics.status(), 200);
+    answers.push_str(&metrics.text().await.unwrap());
+
+    let attempts = fake.attempts();
+    assert_eq!(attempts.len(), 3, "{attempts:?}");
+    let provider_digest = &sha256_hex(format!("Bearer {PROVIDER_SECRET}").as_bytes())[..16];
+    for attempt in &attempts {
+        assert!(attempt.auth_present);
+        // The provider saw backstop's credential, never the agent's token.
+        assert_eq!(attempt.auth_sha256.as_deref(), Some(provider_digest));
+    }
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+
+    let audit = audit_export(&store_path);
+    assert!(!audit.is_empty());
+    assert!(logs
+        .text()
+        .contains("door: provider response passed through"));
+    for (place, text) in [
+        ("logs", logs.text()),
+        ("audit", audit),
+        ("responses", answers),
+    ] {
+        assert!(
+            !text.contains(PROVIDER_SECRET),
+            "the provider secret is in the {place}"
+        );
+        assert!(
+            !text.contains(AGENT_TOKEN),
+            "the agent token is in the {place}"
+        );
+    }
+}
+
+/// The request the provider sees, recorded by a minimal upstream that keeps every header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_sees_no_agent_token_no_backstop_headers_and_no_hop_by_hop_headers() {
+    use axum::{http::HeaderMap, routing::any, Router};
+    let seen: Arc<Mutex<Vec<HeaderMap>>> = Arc::default();
+    let record = seen.clone();
+    let app = Router::new().route(
+        "/{*rest}",
+        any(move |headers: HeaderMap| {
+            let record = record.clone();
+            async move {
+                record.lock().unwrap().push(headers);
+                ([("x-upstream", "yes"), ("keep-alive", "timeout=5")], "ok")
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&format!("http://{upstream}"), dir.path()).await;
+
+    let response = client()
+        .get(format!("http://{}/fake/v1/items/3?x=1", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "t-9")
+        .header("X-Backstop-Priority", "background")
+        .header("Prefer", "wait=30")
+        .header("Connection", "x-secret-hop")
+        .header("X-Secret-Hop", "1")
+        .header("Accept", "application/json")
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-upstream"], "yes");
+    assert!(response.headers().get("keep-alive").is_none());
+
+    let seen: Vec<HeaderMap> = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    let headers = &seen[0];
+    assert_eq!(
+        headers["authorization"],
+        format!("Bearer {PROVIDER_SECRET}")
+    );
+    assert_eq!(headers["host"], upstream.to_string());
+    assert_eq!(headers["accept"], "application/json");
+    for (name, value) in headers {
+        assert!(
+            !name.as_str().starts_with("x-backstop-"),
+            "{name} forwarded"
+        );
+        assert_ne!(name, "x-secret-hop");
+        assert_ne!(name, "prefer");
+        assert!(!value.to_str().unwrap_or("").contains(AGENT_TOKEN));
+    }
+    gateway.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_problems_and_nothing_is_sent() {
+    let fake = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let client = client();
+    let url = format!("http://{}/fake/v1/items/1", gateway.addr);
+    let cases = [
+        (client.get(&url), 401, "unauthorized", None),
+        (
+            client.get(&url).bearer_auth("wrong"),
+            401,
+            "unauthorized",
+            None,
+        ),
+        (
+            client
+                .get(&url)
+                .bearer_auth(AGENT_TOKEN)
+                .header("X-Backstop-Priority", "asap"),
+            400,
+            "bad_header",
+            Some("X-Backstop-Priority"),
+        ),
+        (
+            client
+                .get(&url)
+                .bearer_auth(AGENT_TOKEN)
+                .header("X-Backstop-Deadline", "next friday"),
+            400,
+            "bad_header",
+            Some("X-Backstop-Deadline"),
+        ),
+        (
+            client
+                .get(&url)
+                .bearer_auth(AGENT_TOKEN)
+                .header("Prefer", "wait=forever"),
+            400,
+            "bad_header",
+            Some("Prefer"),
+        ),
+        (
+            client
+                .get(format!("http://{}/unknown/v1/items/1", gateway.addr))
+                .bearer_auth(AGENT_TOKEN),
+            404,
+            "unknown_provider",
+            None,
+        ),
+    ];
+    for (request, status, name, header) in cases {
+        let response = request.send().await.expect("request");
+        assert_eq!(response.status(), status, "{name}");
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        assert_eq!(response.headers()["x-should-retry"], "false");
+        assert_eq!(response.headers()["backstop-attempts"], "0");
+        let body: serde_json::Value =
+            serde_json::from_str(&response.text().await.expect("body")).expect("problem json");
+        assert_eq!(body["type"], format!("urn:backstop:problem:{name}"));
+        assert_eq!(body["status"], status);
+        assert_eq!(body["sent"], false);
+        if let Some(header) = header {
+            assert_eq!(body["header"], header);
+            assert!(body["detail"].as_str().unwrap().contains(header));
+        }
+    }
+    assert!(fake.attempts().is_empty());
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+/// The curl command of docs/gateway.md ("A first call"), verbatim.
+const DOCUMENTED_CURL: &str = r#"curl -sS -i http://127.0.0.1:8080/fake/v1/items/7 -H "Authorization: Bearer $BACKSTOP_TOKEN" -H "X-Backstop-Task: run-42""#;
+
+/// The curl command of docs/gateway.md ("A first call"), run as documented.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_curl_command_works() {
+    let fake = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let base = format!("http://{}", gateway.addr);
+    let curl_found = std::process::Command::new("curl")
+        .arg("--version")
+        .output()
+        .is_ok();
+    let (status, headers, body) = if curl_found {
+        // The documented command, with the documented address replaced by this test's.
+        let command = DOCUMENTED_CURL.replace("127.0.0.1:8080", &gateway.addr.to_string());
+        let output = tokio::process::Command::new("sh")
+            .args(["-c", &command])
+            .env("BACKSTOP_TOKEN", AGENT_TOKEN)
+            .output()
+            .await
+            .expect("sh -c curl");
+        let text = String::from_utf8_lossy(&output.stdout).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+        let status: u16 = head[9..12].parse().expect("status");
+        (status, head.to_ascii_lowercase(), body.to_owned())
+    } else {
+        let response = client()
+            .get(format!("{base}/fake/v1/items/7"))
+            .header("Authorization", format!("Bearer {AGENT_TOKEN}"))
+            .header("X-Backstop-Task", "run-42")
+            .send()
+            .await
+            .expect("request");
+        let status = response.status().as_u16();
+        let headers = format!("{:?}", response.headers()).to_ascii_lowercase();
+        (status, headers, response.text().await.unwrap())
+    };
+    assert_eq!(status, 200, "{headers}{body}");
+    assert!(
+        headers.contains("backstop-attempts: 1")
+            || headers.contains("\"backstop-attempts\": \"1\""),
+        "{headers}"
+    );
+    assert!(headers.contains("backstop-task"), "{headers}");
+    let body: serde_json::Value = serde_json::from_str(&body).expect("json body");
+    assert_eq!(body["ok"], true);
+    assert_eq!(fake.attempts().len(), 1);
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}

@@ -1,0 +1,349 @@
+//! Budgets, deadlines, outcomes and the breaker through the engine (SPEC §4.2, §5, §7), with
+//! paused time; attempts are measured at the scripted transport.
+
+use std::time::Duration;
+
+use backstop_core::outcome::{NextSafe, Outcome};
+use backstop_gateway::action::Execution;
+use backstop_store::{ActionId, Store};
+use jiff::SignedDuration;
+
+use crate::engine_support::{self, advance, answer, attempts, summary, Harness, Step};
+
+fn outcome_of(execution: &Execution) -> (Outcome, backstop_core::outcome::OutcomeContext, i64) {
+    match execution {
+        Execution::Outcome {
+            outcome,
+            context,
+            receipt,
+            ..
+        } => (*outcome, context.clone(), receipt.action_id),
+        Execution::Response { response, .. } => {
+            panic!("expected an outcome, got HTTP {}", response.status())
+        }
+        Execution::InFlight { .. } => panic!("expected an outcome, got a key in flight"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_boundary_beyond_the_deadline_ends_at_once_with_wait_until() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    spec.deadline = Some(h.t0 + SignedDuration::from_secs(5));
+    let execution = h.engine.execute(spec).await;
+    let (outcome, context, id) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::DeadlineExhausted);
+    assert_eq!(h.clock_now(), h.t0, "no sleep into failure");
+    let boundary = h.t0 + SignedDuration::from_secs(10);
+    assert_eq!(context.next_safe[0], NextSafe::WaitUntil { at: boundary });
+    assert_eq!(context.boundary, Some(boundary));
+    assert!(context.sent && context.response_received);
+    assert_eq!(context.last_status, Some(429));
+    assert_eq!(context.attempts, 1);
+    assert_eq!(h.transport.sent().len(), 1);
+    let stored = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(
+        stored.outcome,
+        Some(backstop_store::Outcome::DeadlineExhausted)
+    );
+    // Nothing more leaves later either.
+    advance(Duration::from_secs(60)).await;
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn nothing_starts_after_the_deadline() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(503, &[], ""), answer(503, &[], "")],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    // Full jitter for retry 1 is up to 2 s; with a 1 ms deadline the retry cannot start.
+    spec.deadline = Some(h.t0 + SignedDuration::from_millis(1));
+    let execution = h.engine.execute(spec).await;
+    let (outcome, _, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::DeadlineExhausted);
+    let deadline = h.t0 + SignedDuration::from_millis(1);
+    for sent in h.transport.sent() {
+        assert!(sent.at < deadline, "an attempt started after the deadline");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_stop_with_budget_exhausted_after_max_attempts() {
+    let h = Harness::new();
+    h.transport
+        .script("/v1/items/1", vec![answer(503, &[], "busy"); 6]);
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(attempts(&execution), 4, "the read class allows 4 attempts");
+    assert_eq!(h.transport.sent().len(), 4);
+    assert_eq!(context.last_status, Some(503));
+    assert_eq!(context.last_signal.as_deref(), Some("unavailable"));
+    assert!(context.total_wait_ms > 0, "waits are counted");
+    // Each retry waited within the full-jitter cap min(60, 1 * 2^n) s.
+    let sent = h.transport.sent();
+    for (n, pair) in sent.windows(2).enumerate() {
+        let gap = pair[1].at.duration_since(pair[0].at).as_secs_f64();
+        let cap = f64::from(1u32 << (n + 1));
+        assert!(
+            gap <= cap + 0.001,
+            "retry {} waited {gap} s > cap {cap}",
+            n + 1
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_boundary_beyond_the_wait_budget_is_budget_exhausted_not_clamped() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "120")], "")],
+    );
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(h.clock_now(), h.t0);
+    assert_eq!(
+        context.next_safe[0],
+        NextSafe::WaitUntil {
+            at: h.t0 + SignedDuration::from_secs(120)
+        }
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn prefer_wait_caps_the_wait_budget() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/2",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let mut spec = h.get("t", "/v1/items/2");
+    spec.max_wait = Some(Duration::from_secs(5));
+    let (outcome, context, _) = outcome_of(&h.engine.execute(spec).await);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(context.boundary, Some(h.t0 + SignedDuration::from_secs(10)));
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_breaker_opens_at_the_threshold_and_sends_nothing_more() {
+    let h = Harness::new();
+    let rejection = r#"{"error":{"code":"invalid_iban"}}"#;
+    h.transport
+        .script("/v1/transfers", vec![answer(422, &[], rejection); 3]);
+    for i in 0..3 {
+        // The agent "varies the whitespace": same amount, different bytes.
+        let body = format!("{{\"amount\": 100, \"note\": \"{}\"}}", " ".repeat(i));
+        let execution = h
+            .engine
+            .execute(h.spec("t", "POST", "/v1/transfers", &body))
+            .await;
+        let Execution::Response { response, .. } = execution else {
+            panic!("a provider rejection passes through")
+        };
+        assert_eq!(response.status(), 422);
+        let body = axum::body::to_bytes(response.into_body(), 1024)
+            .await
+            .unwrap();
+        assert_eq!(
+            &body[..],
+            rejection.as_bytes(),
+            "the error body is passed on"
+        );
+    }
+    assert_eq!(h.transport.sent().len(), 3);
+    let execution = h
+        .engine
+        .execute(h.spec("t", "POST", "/v1/transfers", "{\"amount\":100}"))
+        .await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::CircuitOpen);
+    assert_eq!(context.last_status, Some(422));
+    assert!(context.next_safe.contains(&NextSafe::ChangeRequest));
+    assert_eq!(
+        h.transport.sent().len(),
+        3,
+        "0 new attempts once the circuit is open"
+    );
+    assert!(h.audit().iter().any(|e| e.kind == "circuit_opened"));
+    assert!(h
+        .metrics
+        .render()
+        .contains("backstop_breakers_opened_total{provider=\"billing\"} 1"));
+    // Another task, or another request, is not affected.
+    let other = h
+        .engine
+        .execute(h.spec("t2", "POST", "/v1/transfers", "{\"amount\":100}"))
+        .await;
+    assert_eq!(summary(&other), "200");
+    let changed = h
+        .engine
+        .execute(h.spec("t", "POST", "/v1/transfers", "{\"amount\":101}"))
+        .await;
+    assert_eq!(summary(&changed), "200");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_without_lookup_is_resent_only_under_the_same_key() {
+    // The provider honours `Idempotency-Key` and the route has no lookup: SPEC §6 allows a
+    // resend with the SAME key (the provider deduplicates), never with a new one.
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(
+            backstop_core::classify::TransportError::TimeoutAfterSend,
+        )],
+    );
+    let execution = h
+        .engine
+        .execute(h.spec("t", "POST", "/v1/transfers", "{\"amount\":5}"))
+        .await;
+    assert_eq!(summary(&execution), "200");
+    assert_eq!(h.transport.sent().len(), 2);
+    let id = match &execution {
+        Execution::Response { receipt, .. } => receipt.action_id,
+        Execution::Outcome { .. } | Execution::InFlight { .. } => unreachable!("summary was 200"),
+    };
+    let stored = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert!(!stored.idempotency_key.is_empty());
+    let events = h.store.audit_events(0, 1_000).unwrap();
+    let sent_keys: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == "action_sent" && e.action == Some(id))
+        .collect();
+    assert_eq!(sent_keys.len(), 2, "two attempts of ONE action (one key)");
+    advance(Duration::from_secs(300)).await;
+    assert_eq!(h.transport.sent().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_not_sent_failure_is_retried_and_every_attempt_is_charged() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![Step::Fail(backstop_core::classify::TransportError::Connect)],
+    );
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    assert_eq!(summary(&execution), "200");
+    assert_eq!(attempts(&execution), 2);
+    assert_eq!(h.transport.sent().len(), 2);
+    let text = h.metrics.render();
+    assert!(text.contains("disposition=\"not_sent\"} 1"), "{text}");
+    assert!(text.contains("disposition=\"success\"} 1"), "{text}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_action_whose_every_attempt_was_not_sent_says_it_was_not_sent() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![Step::Fail(backstop_core::classify::TransportError::Dns); 6],
+    );
+    let execution = h.engine.execute(h.get("t", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(context.attempts, 4, "every attempt is charged");
+    assert!(
+        !context.sent,
+        "no request bytes left the process: {context:?}"
+    );
+    assert!(!context.response_received);
+    assert_eq!(context.last_signal.as_deref(), Some("not_sent"));
+
+    // One attempt that may have left is enough for `sent`.
+    h.transport.script(
+        "/v1/items/2",
+        vec![
+            Step::Fail(backstop_core::classify::TransportError::Dns),
+            Step::Fail(backstop_core::classify::TransportError::TimeoutAfterSend),
+            Step::Fail(backstop_core::classify::TransportError::Dns),
+            Step::Fail(backstop_core::classify::TransportError::Dns),
+        ],
+    );
+    let execution = h.engine.execute(h.get("t2", "/v1/items/2")).await;
+    let (_, context, _) = outcome_of(&execution);
+    assert!(context.sent, "{context:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_scope_retry_quota_is_shared_by_every_task_of_the_scope() {
+    // Two retries' worth of tokens for the whole scope.
+    let policy = engine_support::POLICY.replace(
+        "breaker:\n  threshold: 3\n",
+        "breaker:\n  threshold: 3\nretry_quota: { capacity: 10, retry_cost: 5, timeout_cost: 10, success_refund: 1 }\n",
+    );
+    let h = Harness::with_policy(&policy);
+    h.transport
+        .script("/v1/items/1", vec![answer(503, &[], ""); 4]);
+    h.transport
+        .script("/v1/items/2", vec![answer(503, &[], ""); 4]);
+    let first = h.engine.execute(h.get("a", "/v1/items/1")).await;
+    let (outcome, context, _) = outcome_of(&first);
+    assert_eq!(outcome, Outcome::QuotaExhausted);
+    assert_eq!(
+        context.attempts, 3,
+        "two retries fit in the quota, the third does not"
+    );
+    // Another task in the same scope finds the quota empty: no retry at all.
+    let second = h.engine.execute(h.get("b", "/v1/items/2")).await;
+    assert_eq!(outcome_of(&second).0, Outcome::QuotaExhausted);
+    assert_eq!(attempts(&second), 1);
+    assert_eq!(h.transport.sent().len(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_zero_wait_never_retries_before_the_backoff_on_garbage_retry_after() {
+    // `Prefer: wait=0` against a 429 whose Retry-After is unusable: the backoff's delay does not
+    // fit the wait, so the action stops after one attempt instead of four within milliseconds.
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "soon-ish")], ""); 6],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    spec.max_wait = Some(Duration::ZERO);
+    let execution = h.engine.execute(spec).await;
+    let (outcome, context, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "no retry sooner than the backoff"
+    );
+    assert!(
+        matches!(context.next_safe[0], NextSafe::WaitUntil { at } if at > h.t0),
+        "the instant the backoff allows is given: {:?}",
+        context.next_safe
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_short_wait_never_retries_a_dropped_connection_before_the_backoff() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![Step::Fail(backstop_core::classify::TransportError::ResetAfterSend); 6],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    spec.max_wait = Some(Duration::from_millis(1_500));
+    let execution = h.engine.execute(spec).await;
+    let (outcome, _, _) = outcome_of(&execution);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    let sent = h.transport.sent();
+    // Every retry waited at least a moment, and all of them within the caller's wait.
+    for pair in sent.windows(2) {
+        let gap = pair[1].at.duration_since(pair[0].at);
+        assert!(gap > SignedDuration::from_millis(1), "retry after {gap:?}");
+    }
+    let total = sent[sent.len() - 1].at.duration_since(sent[0].at);
+    assert!(total <= SignedDuration::from_millis(1_500));
+}

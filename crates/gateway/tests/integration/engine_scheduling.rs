@@ -1,0 +1,441 @@
+//! Scheduling through the engine with paused time: dispatch order, one 429 delaying a whole
+//! scope, no attempt before a boundary, jittered release, `scope_saturated`, priorities,
+//! coalescing and cancellation before send. Attempts are measured at the scripted transport.
+
+use std::time::Duration;
+
+use backstop_core::pacing::Priority;
+use backstop_gateway::action::Execution;
+use backstop_store::Store;
+
+use crate::engine_support::{self, advance, answer, attempts, summary, Harness};
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[tokio::test(start_paused = true)]
+async fn dispatch_follows_arrival_order_when_one_slot_is_free() {
+    let h = Harness::new();
+    h.transport.hold("/v1/slow/1", SEC);
+    h.transport.hold("/v1/slow/2", SEC);
+    h.transport.hold("/v1/slow/3", SEC);
+    let mut handles = Vec::new();
+    for (i, task) in ["a", "b", "c"].iter().enumerate() {
+        handles.push(h.spawn(h.get(task, &format!("/v1/slow/{}", i + 1))));
+        advance(Duration::from_millis(10)).await;
+    }
+    for handle in handles {
+        assert_eq!(summary(&handle.await.unwrap()), "200");
+    }
+    let sent = h.transport.sent();
+    let order: Vec<&str> = sent.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(order, ["/v1/slow/1", "/v1/slow/2", "/v1/slow/3"]);
+    // One slot: each attempt leaves only when the previous one released it.
+    for pair in sent.windows(2) {
+        let gap = pair[1].at.duration_since(pair[0].at).as_secs_f64();
+        assert!(gap >= 0.99, "attempts overlapped: {gap} s apart");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_is_checked_before_the_scope_boundary_and_refuses_at_once() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let first = h.spawn(h.get("a", "/v1/items/1"));
+    advance(Duration::from_millis(100)).await;
+    // Task b's deadline (t+5 s) lies before the scope's boundary (t+10 s): SPEC §4.1 rule 1-2.
+    let mut spec = h.get("b", "/v1/items/2");
+    spec.deadline = Some(h.t0 + jiff::SignedDuration::from_secs(5));
+    let before = h.clock_now();
+    let execution = h.engine.execute(spec).await;
+    assert_eq!(summary(&execution), "deadline_exhausted");
+    assert_eq!(h.clock_now(), before, "it must not sleep into failure");
+    assert_eq!(attempts(&execution), 0);
+    let Execution::Outcome { context, .. } = &execution else {
+        panic!("an outcome")
+    };
+    assert_eq!(
+        context.boundary,
+        Some(h.t0 + jiff::SignedDuration::from_secs(10))
+    );
+    assert!(h.transport.sent_to("/v1/items/2").is_empty());
+    first.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_429_delays_all_work_of_its_scope_including_other_tasks() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let a = h.spawn(h.get("task-a", "/v1/items/1"));
+    advance(SEC).await;
+    // The scope record carries the boundary before the retry is scheduled.
+    let view = h
+        .engine
+        .scopes()
+        .into_iter()
+        .find(|v| v.scope == "account")
+        .expect("scope account");
+    assert_eq!(
+        view.next_allowed_at,
+        Some(h.t0 + jiff::SignedDuration::from_secs(10))
+    );
+    assert_eq!(view.source.as_deref(), Some("HTTP 429 Retry-After"));
+    assert_eq!(view.remaining, Some(0));
+    // Another task, another item, same scope: it has not started yet and must wait too.
+    let b = h.spawn(h.get("task-b", "/v1/items/2"));
+    let c = h.spawn(h.get("task-c", "/v1/items/3"));
+    advance(SEC).await;
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "nothing may leave before the boundary"
+    );
+    let delayed = h
+        .engine
+        .scopes()
+        .into_iter()
+        .find(|v| v.scope == "account")
+        .unwrap()
+        .delayed;
+    assert_eq!(
+        delayed, 3,
+        "the retry and the two new actions wait in the delayed queue"
+    );
+    for handle in [a, b, c] {
+        let execution = handle.await.unwrap();
+        assert_eq!(summary(&execution), "200");
+    }
+    let boundary = h.t0 + jiff::SignedDuration::from_secs(10);
+    let sent = h.transport.sent();
+    assert_eq!(
+        sent.len(),
+        4,
+        "exactly one retry plus the two reads: {sent:?}"
+    );
+    for s in &sent[1..] {
+        assert!(
+            s.at >= boundary,
+            "{} sent at {} before the boundary",
+            s.path,
+            s.at
+        );
+    }
+    // The scope update is audited before the retry is scheduled.
+    let audit = h.audit();
+    let updated = audit
+        .iter()
+        .position(|e| e.kind == "scope_updated")
+        .unwrap();
+    let scheduled = audit
+        .iter()
+        .position(|e| e.kind == "retry_scheduled")
+        .unwrap();
+    assert!(
+        updated < scheduled,
+        "scope_updated must precede retry_scheduled"
+    );
+    // The stored record survives for a restart.
+    let stored = h
+        .store
+        .scope("billing", "billing/account")
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.next_allowed_at, Some(boundary));
+    assert!(h
+        .metrics
+        .render()
+        .contains("retry_after_debt_seconds_total{scope=\"billing/account\"} 10"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn actions_released_by_one_boundary_are_spread_by_jitter() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let first = h.spawn(h.get("t0", "/v1/items/0"));
+    advance(SEC).await;
+    let mut handles = vec![first];
+    for i in 1..=2 {
+        handles.push(h.spawn(h.get(&format!("t{i}"), &format!("/v1/items/{i}"))));
+    }
+    for handle in handles {
+        assert_eq!(summary(&handle.await.unwrap()), "200");
+    }
+    let boundary = h.t0 + jiff::SignedDuration::from_secs(10);
+    let released: Vec<f64> = h.transport.sent()[1..]
+        .iter()
+        .map(|s| {
+            assert!(s.at >= boundary, "no attempt before the boundary");
+            h.secs(s.at)
+        })
+        .collect();
+    assert_eq!(released.len(), 3);
+    let mut distinct = released.clone();
+    distinct.sort_by(f64::total_cmp);
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        3,
+        "released together as one burst: {released:?}"
+    );
+    // Spread over at most the core's spread for the first retry (min(2 s, 5 s)).
+    assert!(distinct[2] <= 12.0, "{released:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn scope_saturated_past_max_delayed_requests() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "30")], "")],
+    );
+    let first = h.spawn(h.get("t0", "/v1/items/0"));
+    advance(SEC).await;
+    // The retry of t0 holds one of the 3 delayed places; two more fit.
+    let b = h.spawn(h.get("t1", "/v1/items/1"));
+    let c = h.spawn(h.get("t2", "/v1/items/2"));
+    advance(SEC).await;
+    let before = h.clock_now();
+    let refused = h.engine.execute(h.get("t3", "/v1/items/3")).await;
+    assert_eq!(summary(&refused), "scope_saturated");
+    assert_eq!(h.clock_now(), before, "refused at once, not queued");
+    assert_eq!(attempts(&refused), 0);
+    let Execution::Outcome { receipt, .. } = &refused else {
+        panic!("an outcome")
+    };
+    let action = h
+        .store
+        .action(backstop_store::ActionId(receipt.action_id))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        action.outcome,
+        Some(backstop_store::Outcome::ScopeSaturated)
+    );
+    for handle in [first, b, c] {
+        assert_eq!(summary(&handle.await.unwrap()), "200");
+    }
+    assert!(h.transport.sent_to("/v1/items/3").is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn interactive_overtakes_background_under_one_slot() {
+    let h = Harness::new();
+    for i in 0..=4 {
+        h.transport.hold(&format!("/v1/slow/{i}"), SEC);
+    }
+    let holder = h.spawn(h.get("holder", "/v1/slow/0"));
+    advance(Duration::from_millis(100)).await;
+    let mut handles = vec![holder];
+    for i in 1..=3 {
+        let mut spec = h.get(&format!("bg{i}"), &format!("/v1/slow/{i}"));
+        spec.priority = Priority::Background;
+        handles.push(h.spawn(spec));
+        advance(Duration::from_millis(10)).await;
+    }
+    let mut urgent = h.get("human", "/v1/slow/4");
+    urgent.priority = Priority::Interactive;
+    handles.push(h.spawn(urgent));
+    for handle in handles {
+        assert_eq!(summary(&handle.await.unwrap()), "200");
+    }
+    let order: Vec<String> = h.transport.sent().into_iter().map(|s| s.path).collect();
+    assert_eq!(
+        order,
+        [
+            "/v1/slow/0",
+            "/v1/slow/4",
+            "/v1/slow/1",
+            "/v1/slow/2",
+            "/v1/slow/3"
+        ],
+        "the interactive action must take the next free slot"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn identical_coalesced_reads_share_one_upstream_call() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/rates",
+        vec![engine_support::Step::Status {
+            status: 200,
+            headers: vec![("x-rate", "1.08".to_owned())],
+            body: "{\"eur_usd\":1.08}",
+            hold: SEC,
+        }],
+    );
+    let handles: Vec<_> = (0..5)
+        .map(|i| h.spawn(h.get(&format!("t{i}"), "/v1/rates")))
+        .collect();
+    let mut ids = Vec::new();
+    for handle in handles {
+        let Execution::Response { receipt, response } = handle.await.unwrap() else {
+            panic!("a response")
+        };
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-rate"], "1.08");
+        let body = axum::body::to_bytes(response.into_body(), 1024)
+            .await
+            .unwrap();
+        assert_eq!(&body[..], b"{\"eur_usd\":1.08}");
+        ids.push(receipt.action_id);
+    }
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "five identical reads, one upstream call"
+    );
+    ids.dedup();
+    assert_eq!(
+        ids.len(),
+        1,
+        "every caller carries the shared action's receipt"
+    );
+    // A read of a route without coalescing is not shared.
+    let a = h.spawn(h.get("x", "/v1/items/9"));
+    let b = h.spawn(h.get("y", "/v1/items/9"));
+    a.await.unwrap();
+    b.await.unwrap();
+    assert_eq!(h.transport.sent_to("/v1/items/9").len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn coalesced_reads_are_never_shared_across_agents_or_differing_headers() {
+    let h = Harness::new();
+    h.transport.hold("/v1/rates", SEC);
+    let with = |agent: &str, headers: &[(&'static str, &'static str)]| {
+        // Each agent its own task: task ids are not namespaced per agent yet, so bob naming
+        // alice's task would be refused once her `task_opened` committed (a race, not the
+        // coalescing under test).
+        let mut spec = h.get(&format!("t-{agent}"), "/v1/rates");
+        spec.agent = agent.to_owned();
+        for (name, value) in headers {
+            spec.request
+                .headers
+                .append(*name, http::HeaderValue::from_static(value));
+        }
+        spec
+    };
+    let calls = vec![
+        // alice and bob with identical requests: never one shared call.
+        with("alice", &[("cookie", "session=a")]),
+        with("bob", &[("cookie", "session=a")]),
+        // alice with another tenant, another cookie, a range: each its own call.
+        with("alice", &[("cookie", "session=a"), ("x-tenant", "t2")]),
+        with("alice", &[("cookie", "session=b")]),
+        with("alice", &[("cookie", "session=a"), ("range", "bytes=0-9")]),
+        // alice again, differing only in trace context: joins her first call.
+        with(
+            "alice",
+            &[("cookie", "session=a"), ("traceparent", "00-4bf9-00f0-01")],
+        ),
+    ];
+    let handles: Vec<_> = calls.into_iter().map(|spec| h.spawn(spec)).collect();
+    let mut ids = Vec::new();
+    for handle in handles {
+        let execution = handle.await.unwrap();
+        assert_eq!(summary(&execution), "200");
+        ids.push(execution.receipt().action_id);
+    }
+    assert_eq!(
+        h.transport.sent_to("/v1/rates").len(),
+        5,
+        "one call per agent and header set"
+    );
+    assert_ne!(ids[0], ids[1], "bob never carries alice's action id");
+    assert_eq!(ids[0], ids[5], "alice's trace-only twin joined her call");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_disconnecting_before_send_cancels_its_action() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let first = h.spawn(h.get("t0", "/v1/items/0"));
+    advance(SEC).await;
+    let waiting = h.spawn(h.get("t1", "/v1/items/1"));
+    advance(SEC).await;
+    waiting.abort();
+    let _ = waiting.await;
+    advance(Duration::from_millis(10)).await;
+    let view = h
+        .engine
+        .scopes()
+        .into_iter()
+        .find(|v| v.scope == "account")
+        .unwrap();
+    assert_eq!(
+        view.delayed, 1,
+        "only the 429'd retry still waits; the abandoned place is freed at once"
+    );
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(summary(&first.await.unwrap()), "200");
+    assert!(
+        h.transport.sent_to("/v1/items/1").is_empty(),
+        "a cancelled action never sends"
+    );
+    let view = h
+        .engine
+        .scopes()
+        .into_iter()
+        .find(|v| v.scope == "account")
+        .unwrap();
+    assert_eq!(
+        (view.delayed, view.in_flight),
+        (0, 0),
+        "slots and delayed places freed"
+    );
+    let audit = h.audit();
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.kind == "cancelled" && e.task.as_deref() == Some("t1")),
+        "the cancellation is audited: {:?}",
+        audit.iter().map(|e| &e.kind).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancel_task_drops_its_delayed_actions_before_they_wake() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let first = h.spawn(h.get("t0", "/v1/items/0"));
+    advance(SEC).await;
+    let a = h.spawn(h.get("doomed", "/v1/items/1"));
+    let b = h.spawn(h.get("doomed", "/v1/items/2"));
+    advance(SEC).await;
+    let report = h.engine.cancel_task("doomed", "agent-a").await.unwrap();
+    assert_eq!(report.waiting_dropped, 2);
+    for handle in [a, b] {
+        let execution = handle.await.unwrap();
+        assert_eq!(summary(&execution), "cancelled");
+        assert_eq!(attempts(&execution), 0);
+    }
+    assert!(
+        h.clock_now() < h.t0 + jiff::SignedDuration::from_secs(10),
+        "dropped before the wake"
+    );
+    assert_eq!(summary(&first.await.unwrap()), "200");
+    advance(Duration::from_secs(60)).await;
+    assert!(h.transport.sent_to("/v1/items/1").is_empty());
+    assert!(h.transport.sent_to("/v1/items/2").is_empty());
+    // A new action of the cancelled task is refused too.
+    let late = h.engine.execute(h.get("doomed", "/v1/items/3")).await;
+    assert_eq!(summary(&late), "cancelled");
+    assert!(h.transport.sent_to("/v1/items/3").is_empty());
+    // Only the owner may cancel.
+    assert!(h.engine.cancel_task("t0", "someone-else").await.is_err());
+}

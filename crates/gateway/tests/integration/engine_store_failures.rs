@@ -1,0 +1,219 @@
+//! The store failing and the gateway stopping are answered as what they are: `503
+//! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
+//! cancelled`. Attempts are measured at the scripted transport.
+
+use std::time::Duration;
+
+use backstop_gateway::action::Execution;
+use backstop_store::Store;
+use serde_json::Value;
+
+use crate::engine_support::{advance, answer, held_ok, until, Harness};
+
+/// Status, `x-should-retry`, and the problem body of an answer made as a problem response.
+async fn problem(execution: Execution) -> (u16, String, Value, u32) {
+    match execution {
+        Execution::Response { response, receipt } => {
+            let status = response.status().as_u16();
+            let retry = response
+                .headers()
+                .get("x-should-retry")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_owned();
+            let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            (status, retry, body, receipt.attempts)
+        }
+        Execution::Outcome {
+            outcome, detail, ..
+        } => panic!("expected a problem response, got outcome {outcome}: {detail}"),
+        Execution::InFlight { .. } => panic!("expected a problem response, got a key in flight"),
+    }
+}
+
+fn write(h: &Harness, task: &str, key: &str) -> backstop_gateway::action::ActionSpec {
+    let mut spec = h.spec(task, "POST", "/v1/transfers", r#"{"amount":5}"#);
+    spec.idempotency_key = Some(key.to_owned());
+    spec
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_store_answers_503_store_unavailable_for_a_read_and_nothing_is_sent() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport
+        .script("/v1/items/1", vec![answer(200, &[], "ok")]);
+    store.fail();
+    let (status, retry, body, attempts) =
+        problem(h.engine.execute(h.get("t", "/v1/items/1")).await).await;
+    assert_eq!(status, 503);
+    assert!(
+        body["type"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with(":store_unavailable"),
+        "{body}"
+    );
+    assert_eq!(body["sent"], false);
+    assert_eq!(retry, "true", "nothing was sent: a retry is safe");
+    assert_eq!(attempts, 0);
+    let detail = body["detail"].as_str().unwrap_or("");
+    assert!(
+        !detail.contains("sqlite"),
+        "internals leak into the detail: {detail}"
+    );
+    assert!(h.transport.sent().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_the_store_cannot_record_is_503_and_never_sent() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport
+        .script("/v1/transfers", vec![answer(201, &[], "{}")]);
+    store.fail();
+    let (status, retry, body, _) = problem(h.engine.execute(write(&h, "t", "k-1")).await).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["sent"], false);
+    assert_eq!(retry, "true");
+    assert!(h.transport.sent().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_failure_after_an_attempt_was_sent_does_not_invite_a_retry() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(503, &[("retry-after", "5")], ""),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(&h, "t", "k-1"));
+    assert!(
+        until(|| h.transport.sent().len() == 1).await,
+        "the first attempt left"
+    );
+    // The retry is scheduled durably before the store fails.
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    let (status, retry, body, attempts) = problem(running.await.unwrap()).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["sent"], true);
+    assert_eq!(
+        retry, "false",
+        "an attempt was sent: the agent must check first"
+    );
+    assert_eq!(attempts, 1);
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "the retry did not leave unrecorded"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_waiting_before_its_first_attempt_gets_503_shutting_down_at_stop() {
+    let h = Harness::new();
+    // The one slot of `single` is held by the first read; the second waits for it.
+    h.transport
+        .script("/v1/slow/1", vec![held_ok(Duration::from_secs(60))]);
+    h.transport
+        .script("/v1/slow/2", vec![answer(200, &[], "ok")]);
+    let _holding = h.spawn(h.get("t", "/v1/slow/1"));
+    assert!(until(|| h.transport.sent_to("/v1/slow/1").len() == 1).await);
+    let waiting = h.spawn(h.get("t", "/v1/slow/2"));
+    // Give the second read time to reach the scheduler's queue (it cannot be sent meanwhile).
+    let mut polls = 0;
+    until(|| {
+        polls += 1;
+        polls > 50
+    })
+    .await;
+    assert!(h.transport.sent_to("/v1/slow/2").is_empty());
+    h.engine.shutdown().await;
+    let (status, retry, body, attempts) = problem(waiting.await.unwrap()).await;
+    assert_eq!(status, 503);
+    assert!(
+        body["type"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with("shutting_down"),
+        "{body}"
+    );
+    assert_eq!(body["sent"], false);
+    assert_eq!(retry, "true");
+    assert_eq!(attempts, 0);
+    assert!(h.transport.sent_to("/v1/slow/2").is_empty());
+    // New work after the stop is refused the same way.
+    let (status, retry, _, _) = problem(h.engine.execute(h.get("t", "/v1/items/1")).await).await;
+    assert_eq!((status, retry.as_str()), (503, "true"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_waiting_for_its_retry_at_stop_stays_recorded_and_is_not_invited_to_resend() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(503, &[("retry-after", "20")], "")],
+    );
+    let running = h.spawn(write(&h, "t", "k-9"));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    h.engine.shutdown().await;
+    let (status, retry, body, attempts) = problem(running.await.unwrap()).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["sent"], true);
+    assert_eq!(retry, "false");
+    assert_eq!(attempts, 1);
+    let scheduled = h.store.scheduled_retries().unwrap();
+    assert_eq!(
+        scheduled.len(),
+        1,
+        "the retry stays in the store for after the restart"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gone() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(503, &[("retry-after", "20")], "")],
+    );
+    let running = h.spawn(write(&h, "t", "k-r"));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    h.engine.shutdown().await;
+    let action = running.await.unwrap().receipt().action_id;
+    // The next run over the same store re-arms the retry; nobody waits for it any more.
+    let restarted = h.restarted(7);
+    advance(Duration::from_secs(30)).await;
+    let stored = || {
+        h.store
+            .action(backstop_store::ActionId(action))
+            .unwrap()
+            .unwrap()
+    };
+    assert!(
+        until(|| stored().outcome.is_some()).await,
+        "the re-armed retry ended the action"
+    );
+    let record = stored();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(
+        context["detail"],
+        backstop_gateway::engine::RESTARTED_BEFORE_RETRY
+    );
+    assert_eq!(context["attempts"], 1);
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "nothing was sent for the gone caller"
+    );
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    restarted.shutdown().await;
+}

@@ -1,0 +1,307 @@
+//! A store that fails on demand like a damaged file or a full disk: every operation that writes
+//! answers SQLite's error while [`FailingStore::fail`] is set; reads keep working.
+
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc,
+};
+
+use backstop_store::{
+    audit::{AuditEvent, ChainHead},
+    ActionId, ActionRecord, Admission, AttemptRecord, AttemptResult, CancelReport, Completion,
+    DueRetry, EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, RouteTemplate,
+    ScopeRecord, ScopeUpdate, SqliteStore, Store, StoreError, TaskRecord, UnfinishedAttempt,
+};
+use jiff::Timestamp;
+
+/// SQLite's answer for a damaged file.
+pub fn damaged() -> StoreError {
+    StoreError::Sqlite("database disk image is malformed".to_owned())
+}
+
+/// Delegates to a real store until told to fail.
+pub struct FailingStore {
+    pub inner: Arc<SqliteStore>,
+    failing: AtomicBool,
+}
+
+impl FailingStore {
+    pub fn new(inner: Arc<SqliteStore>) -> Arc<FailingStore> {
+        Arc::new(FailingStore {
+            inner,
+            failing: AtomicBool::new(false),
+        })
+    }
+
+    /// From now on every writing operation fails.
+    pub fn fail(&self) {
+        self.failing.store(true, Ordering::SeqCst);
+    }
+
+    fn failing(&self) -> bool {
+        self.failing.load(Ordering::SeqCst)
+    }
+}
+
+impl Store for FailingStore {
+    fn open_task(&self, task: NewTask, at: Timestamp) -> Result<(), StoreError> {
+        self.inner.open_task(task, at)
+    }
+    fn record_action(&self, action: NewAction, at: Timestamp) -> Result<Admission, StoreError> {
+        self.inner.record_action(action, at)
+    }
+    fn begin_action(
+        &self,
+        task: NewTask,
+        action: NewAction,
+        at: Timestamp,
+        done: Completion<Admission>,
+    ) {
+        if self.failing() {
+            return done(Err(damaged()));
+        }
+        self.inner.begin_action(task, action, at, done)
+    }
+    fn record_read(
+        &self,
+        task: NewTask,
+        action: NewAction,
+        at: Timestamp,
+        done: Completion<()>,
+    ) -> Result<ActionId, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner.record_read(task, action, at, done)
+    }
+    fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>) {
+        if self.failing() {
+            return done(Err(damaged()));
+        }
+        self.inner.submit_attempt_sent(action, at, done)
+    }
+    fn submit_result(&self, result: AttemptResult, at: Timestamp, done: Completion<()>) {
+        if self.failing() {
+            return done(Err(damaged()));
+        }
+        self.inner.submit_result(result, at, done)
+    }
+    fn flush(&self) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner.flush()
+    }
+    fn mark_attempt_sent(&self, action: ActionId, at: Timestamp) -> Result<u32, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner.mark_attempt_sent(action, at)
+    }
+    fn record_result(&self, result: AttemptResult, at: Timestamp) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner.record_result(result, at)
+    }
+    fn finish_action(
+        &self,
+        action: ActionId,
+        finish: Finish,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner.finish_action(action, finish, at)
+    }
+    fn record_reconciled(
+        &self,
+        action: ActionId,
+        provider_operation_id: Option<String>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .record_reconciled(action, provider_operation_id, at)
+    }
+    fn schedule_retry(
+        &self,
+        action: ActionId,
+        due_at: Timestamp,
+        at: Timestamp,
+    ) -> Result<JobId, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner.schedule_retry(action, due_at, at)
+    }
+    fn claim_due(
+        &self,
+        now: Timestamp,
+        limit: usize,
+        claimed_by: &str,
+    ) -> Result<Vec<DueRetry>, StoreError> {
+        self.inner.claim_due(now, limit, claimed_by)
+    }
+    fn claim_job(
+        &self,
+        job: JobId,
+        now: Timestamp,
+        claimed_by: &str,
+    ) -> Result<Option<DueRetry>, StoreError> {
+        self.inner.claim_job(job, now, claimed_by)
+    }
+    fn scheduled_retries(&self) -> Result<Vec<DueRetry>, StoreError> {
+        self.inner.scheduled_retries()
+    }
+    fn record_reconciliation_lookup(
+        &self,
+        action: ActionId,
+        lookup: &str,
+        status: Option<u16>,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .record_reconciliation_lookup(action, lookup, status, verdict, at)
+    }
+    fn update_scope(&self, update: ScopeUpdate, at: Timestamp) -> Result<ScopeRecord, StoreError> {
+        self.inner.update_scope(update, at)
+    }
+    fn open_escalation(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        self.inner.open_escalation(action, case_file, at)
+    }
+    fn open_escalation_with_context(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        context: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        self.inner
+            .open_escalation_with_context(action, case_file, context, at)
+    }
+    fn open_escalation_beside_outcome(
+        &self,
+        action: ActionId,
+        case_file: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<EscalationId, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner
+            .open_escalation_beside_outcome(action, case_file, at)
+    }
+    fn decide_escalation(
+        &self,
+        escalation: EscalationId,
+        decision: &str,
+        decided_by: &str,
+        note: Option<&str>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .decide_escalation(escalation, decision, decided_by, note, at)
+    }
+    fn reopen_for_retry(
+        &self,
+        action: ActionId,
+        decided_by: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.inner.reopen_for_retry(action, decided_by, at)
+    }
+    fn record_access_decision(
+        &self,
+        escalation: EscalationId,
+        access: &str,
+        decided_by: &str,
+        outcome: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .record_access_decision(escalation, access, decided_by, outcome, at)
+    }
+    fn record_status_query(
+        &self,
+        escalation: EscalationId,
+        decided_by: &str,
+        verdict: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner
+            .record_status_query(escalation, decided_by, verdict, at)
+    }
+    fn cancel_task(
+        &self,
+        agent: &str,
+        task: &str,
+        at: Timestamp,
+    ) -> Result<CancelReport, StoreError> {
+        self.inner.cancel_task(agent, task, at)
+    }
+    fn record_circuit_opened(
+        &self,
+        task: &str,
+        provider: &str,
+        method: &str,
+        route: &RouteTemplate,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .record_circuit_opened(task, provider, method, route, at)
+    }
+    fn record_watchdog_finding(
+        &self,
+        action: ActionId,
+        finding: &str,
+        job: Option<JobId>,
+        due_at: Option<Timestamp>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .record_watchdog_finding(action, finding, job, due_at, at)
+    }
+    fn task(&self, agent: &str, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        self.inner.task(agent, id)
+    }
+    fn tasks_of_every_agent(&self, id: &str) -> Result<Vec<TaskRecord>, StoreError> {
+        self.inner.tasks_of_every_agent(id)
+    }
+    fn action(&self, id: ActionId) -> Result<Option<ActionRecord>, StoreError> {
+        self.inner.action(id)
+    }
+    fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError> {
+        self.inner.attempts(action)
+    }
+    fn unfinished_attempts(&self) -> Result<Vec<UnfinishedAttempt>, StoreError> {
+        self.inner.unfinished_attempts()
+    }
+    fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.inner.unsent_writes()
+    }
+    fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError> {
+        self.inner.scope(provider, scope)
+    }
+    fn escalation(&self, id: EscalationId) -> Result<Option<EscalationRecord>, StoreError> {
+        self.inner.escalation(id)
+    }
+    fn open_escalations(&self) -> Result<Vec<EscalationRecord>, StoreError> {
+        self.inner.open_escalations()
+    }
+    fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError> {
+        self.inner.audit_events(since, limit)
+    }
+    fn audit_head(&self) -> Result<Option<ChainHead>, StoreError> {
+        self.inner.audit_head()
+    }
+}

@@ -1,0 +1,318 @@
+//! Operator decisions that act: reopening an escalated write for a same-key retry, notes kept
+//! with decisions, access decisions audited apart from action decisions, and reads that carry
+//! no idempotency key.
+
+use backstop_store::{
+    ActionState, Admission, AttemptResult, Disposition, Outcome, SqliteStore, Store, StoreError,
+    ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY,
+};
+
+use crate::common::{new_action, open_task, record, t};
+
+fn store() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("backstop.db")).expect("open");
+    (dir, store)
+}
+
+/// An action whose one attempt ended uncertain and that was escalated.
+fn escalated(
+    store: &SqliteStore,
+    key: &str,
+) -> (backstop_store::ActionId, backstop_store::EscalationId) {
+    let a = record(store, "task-1", key, b"{\"amount\":1}");
+    let n = store.mark_attempt_sent(a, t(2)).expect("sent");
+    store
+        .record_result(
+            AttemptResult {
+                action: a,
+                attempt: n,
+                status: None,
+                disposition: Disposition::Uncertain,
+                boundary: None,
+                source: None,
+                provider_operation_id: None,
+                signal_headers: Vec::new(),
+                finish: None,
+            },
+            t(3),
+        )
+        .expect("result");
+    let e = store
+        .open_escalation(
+            a,
+            serde_json::json!({"reason": "side_effect_unknown"}),
+            t(4),
+        )
+        .expect("escalate");
+    (a, e)
+}
+
+#[test]
+fn reopened_write_sends_again_with_the_same_key_and_is_audited_with_who_decided() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let (a, e) = escalated(&store, "key-retry");
+    // Escalated: no further attempt may be marked sent.
+    assert!(store.mark_attempt_sent(a, t(5)).is_err());
+    store
+        .decide_escalation(
+            e,
+            "retry_same_key",
+            "alice",
+            Some("checked the ledger"),
+            t(6),
+        )
+        .expect("decide");
+    store.reopen_for_retry(a, "alice", t(7)).expect("reopen");
+    let record = store.action(a).expect("read").expect("exists");
+    assert_eq!(record.state, ActionState::Reopened);
+    assert_eq!(record.outcome, None);
+    assert_eq!(record.idempotency_key, "key-retry");
+
+    // The agent resubmitting the same key and payload finds the same action, reopened.
+    match store
+        .record_action(new_action("task-1", "key-retry", b"{\"amount\":1}"), t(8))
+        .expect("admission")
+    {
+        Admission::Existing(found) => {
+            assert_eq!(found.id, a);
+            assert_eq!(found.state, ActionState::Reopened);
+        }
+        Admission::New(id) => panic!("a second action {id:?} for the same key"),
+    }
+    assert_eq!(store.mark_attempt_sent(a, t(9)).expect("second attempt"), 2);
+
+    let events = store.audit_events(0, 1000).expect("audit");
+    let reopened = events
+        .iter()
+        .find(|e| e.kind == ACTION_REOPENED)
+        .expect("reopen audited");
+    assert_eq!(reopened.action, Some(a.0));
+    assert_eq!(reopened.decided_by.as_deref(), Some("alice"));
+    assert_eq!(reopened.idempotency_key.as_deref(), Some("key-retry"));
+    let sent: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == "action_sent" && e.action == Some(a.0))
+        .collect();
+    assert_eq!(sent.len(), 2);
+    assert!(sent
+        .iter()
+        .all(|e| e.idempotency_key.as_deref() == Some("key-retry")));
+    let escalation = store.escalation(e).expect("read").expect("exists");
+    assert_eq!(escalation.note.as_deref(), Some("checked the ledger"));
+    assert_eq!(escalation.decided_at, Some(t(6)));
+    assert!(matches!(
+        store.verify_audit(None).expect("verify"),
+        backstop_store::audit::Verdict::Intact { .. }
+    ));
+}
+
+#[test]
+fn only_escalated_actions_of_live_tasks_can_be_reopened() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let running = record(&store, "task-1", "key-running", b"x");
+    let err = store
+        .reopen_for_retry(running, "alice", t(5))
+        .expect_err("not escalated");
+    assert!(
+        err.to_string().contains("only an escalated action"),
+        "{err}"
+    );
+    assert!(matches!(
+        store.reopen_for_retry(backstop_store::ActionId(999), "alice", t(5)),
+        Err(StoreError::NotFound { .. })
+    ));
+    let (a, _) = escalated(&store, "key-cancel");
+    assert!(matches!(
+        store.reopen_for_retry(a, " ", t(5)),
+        Err(StoreError::Invalid {
+            field: "decided_by",
+            ..
+        })
+    ));
+    store
+        .cancel_task("agent-a", "task-1", t(6))
+        .expect("cancel");
+    let err = store
+        .reopen_for_retry(a, "alice", t(7))
+        .expect_err("cancelled task");
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    assert_eq!(
+        store.action(a).expect("read").expect("a").outcome,
+        Some(Outcome::Escalated)
+    );
+}
+
+#[test]
+fn an_access_decision_is_its_own_event_and_leaves_the_escalation_open() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let (a, e) = escalated(&store, "key-reveal");
+    store
+        .record_access_decision(e, "reveal_payload", "bob", "refused_not_stored", t(5))
+        .expect("audited");
+    let rec = store.escalation(e).expect("read").expect("exists");
+    assert_eq!(rec.decision, None, "access approves nothing");
+    assert_eq!(store.open_escalations().expect("open").len(), 1);
+    let events = store.audit_events(0, 1000).expect("audit");
+    let access = events
+        .iter()
+        .find(|e| e.kind == ACCESS_DECISION)
+        .expect("access audited");
+    assert_eq!(access.escalation, Some(e.0));
+    assert_eq!(access.action, Some(a.0));
+    assert_eq!(access.decision.as_deref(), Some("reveal_payload"));
+    assert_eq!(access.decided_by.as_deref(), Some("bob"));
+    assert_eq!(access.outcome.as_deref(), Some("refused_not_stored"));
+    assert!(!events.iter().any(|e| e.kind == "decision"));
+    assert!(matches!(
+        store.record_access_decision(e, "", "bob", "refused", t(6)),
+        Err(StoreError::Invalid {
+            field: "access",
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.record_access_decision(
+            backstop_store::EscalationId(77),
+            "reveal_payload",
+            "bob",
+            "refused",
+            t(6)
+        ),
+        Err(StoreError::NotFound { .. })
+    ));
+}
+
+#[test]
+fn a_status_query_is_its_own_event_and_leaves_the_escalation_open_for_a_decision() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let (a, e) = escalated(&store, "key-query");
+    store
+        .record_status_query(e, "carol", "inconclusive", t(5))
+        .expect("audited");
+    let rec = store.escalation(e).expect("read").expect("exists");
+    assert_eq!(
+        rec.decision, None,
+        "a query that found nothing decides nothing"
+    );
+    assert_eq!(store.open_escalations().expect("open").len(), 1);
+    let events = store.audit_events(0, 1000).expect("audit");
+    let query = events
+        .iter()
+        .find(|e| e.kind == STATUS_QUERY)
+        .expect("query audited");
+    assert_eq!(query.escalation, Some(e.0));
+    assert_eq!(query.action, Some(a.0));
+    assert_eq!(query.decided_by.as_deref(), Some("carol"));
+    assert_eq!(query.disposition.as_deref(), Some("inconclusive"));
+    assert!(!events.iter().any(|e| e.kind == "decision"));
+    // A later decision is still accepted; a query after it is refused.
+    store
+        .decide_escalation(e, "abort", "carol", None, t(6))
+        .expect("decided after the query");
+    assert!(matches!(
+        store.record_status_query(e, "carol", "not_found", t(7)),
+        Err(StoreError::InvalidTransition { .. })
+    ));
+    assert!(matches!(
+        store.record_status_query(e, " ", "not_found", t(7)),
+        Err(StoreError::Invalid {
+            field: "decided_by",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn an_escalation_beside_an_outcome_keeps_the_outcome_and_needs_one() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let a = record(&store, "task-1", "key-beside", b"{\"amount\":2}");
+    let refused = store
+        .open_escalation_beside_outcome(a, serde_json::json!({"reason": "x"}), t(2))
+        .expect_err("not ended yet");
+    assert!(
+        matches!(refused, StoreError::InvalidTransition { .. }),
+        "{refused}"
+    );
+    store
+        .finish_action(
+            a,
+            backstop_store::Finish {
+                outcome: Outcome::BudgetExhausted,
+                context: serde_json::json!({"sent": true}),
+                response: None,
+            },
+            t(3),
+        )
+        .expect("ended");
+    let e = store
+        .open_escalation_beside_outcome(
+            a,
+            serde_json::json!({"reason": "remaining_wait_exceeds_deadline"}),
+            t(4),
+        )
+        .expect("opened");
+    let record = store.action(a).expect("read").expect("action");
+    assert_eq!(
+        record.outcome,
+        Some(Outcome::BudgetExhausted),
+        "the outcome stands"
+    );
+    let open = store.open_escalations().expect("open");
+    assert_eq!(open.len(), 1);
+    assert_eq!((open[0].id, open[0].action), (e, a));
+    let escalated = store
+        .audit_events(0, 1000)
+        .expect("audit")
+        .into_iter()
+        .find(|ev| ev.kind == "escalated")
+        .expect("audited");
+    assert_eq!(escalated.escalation, Some(e.0));
+    assert_eq!(escalated.outcome.as_deref(), Some("budget_exhausted"));
+}
+
+#[test]
+fn reads_carry_no_key_in_the_store_or_the_audit_log() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let mut read = new_action("task-1", "", b"");
+    read.method = "GET".into();
+    read.request_class = "read".into();
+    let first = match store.record_action(read.clone(), t(1)).expect("first") {
+        Admission::New(id) => id,
+        Admission::Existing(a) => panic!("a read was found by key: {:?}", a.id),
+    };
+    // A second identical read is a new action: reads are never found again by key.
+    let second = match store.record_action(read, t(2)).expect("second") {
+        Admission::New(id) => id,
+        Admission::Existing(a) => panic!("a read was found by key: {:?}", a.id),
+    };
+    assert_ne!(first, second);
+    let n = store.mark_attempt_sent(first, t(3)).expect("sent");
+    assert_eq!(n, 1);
+    let stored = store.action(first).expect("read").expect("exists");
+    assert_eq!(stored.key(), None);
+    let unfinished = store.unfinished_attempts().expect("unfinished");
+    assert_eq!(unfinished.len(), 1);
+    assert!(unfinished[0].idempotency_key.is_empty());
+    let events = store.audit_events(0, 1000).expect("audit");
+    assert!(
+        events.iter().all(|e| e.idempotency_key.is_none()),
+        "{events:#?}"
+    );
+    // Writes still have unique keys per agent.
+    let w = record(&store, "task-1", "key-w", b"w");
+    assert_eq!(
+        store.action(w).expect("read").expect("w").key(),
+        Some("key-w")
+    );
+    assert!(matches!(
+        store.record_action(new_action("task-1", "key-w", b"other"), t(4)),
+        Err(StoreError::KeyReuse { .. })
+    ));
+}
