@@ -215,14 +215,19 @@ run_wrk() {
 median() { sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
 declare -A RPS P50 P99
-measure_rounds() { # CONNECTIONS label
-    local round p r
+# measure_rounds RUNNER LABEL: runs `RUNNER PATH` (printing "rps p50_us p99_us errors") for every
+# path, ROUNDS times alternating, and leaves each path's medians in RPS, P50 and P99; then
+# prints them as a table under "== LABEL ==".
+measure_rounds() {
+    local round p out
     for p in "${PATHS[@]}"; do RPS[$p]=""; P50[$p]=""; P99[$p]=""; done
     for round in $(seq 1 "$ROUNDS"); do
         for p in "${PATHS[@]}"; do
-            read -r rps p50 p99 errors <<<"$(run_wrk "$p" "$1" "$SECONDS_PER_RUN")"
-            [ "$errors" = 0 ] || log "warning: $p round $round ($2): $errors errors (non-2xx or socket)"
-            log "  $2 round $round $(printf '%-8s' "$p") $(printf '%9.0f req/s  p50 %7.0f µs  p99 %7.0f µs' "$rps" "$p50" "$p99")"
+            # A runner that dies stops the script here, not only its own subshell.
+            out="$("$1" "$p")" || exit 1
+            read -r rps p50 p99 errors <<<"$out"
+            [ "$errors" = 0 ] || log "warning: $p round $round: $errors errors (non-2xx or socket)"
+            log "  round $round $(printf '%-8s' "$p") $(printf '%9.0f req/s  p50 %7.0f µs  p99 %7.0f µs' "$rps" "$p50" "$p99")"
             RPS[$p]+="$rps"$'\n'; P50[$p]+="$p50"$'\n'; P99[$p]+="$p99"$'\n'
         done
     done
@@ -231,18 +236,19 @@ measure_rounds() { # CONNECTIONS label
         P50[$p]="$(printf '%s' "${P50[$p]}" | median)"
         P99[$p]="$(printf '%s' "${P99[$p]}" | median)"
     done
+    echo "== $2 =="
+    printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
+    for p in "${PATHS[@]}"; do
+        printf '%-9s %12.0f %10.0f %10.0f\n' "$p" "${RPS[$p]}" "${P50[$p]}" "${P99[$p]}"
+    done
 }
 
 log "warming up each path (2 s)"
 for p in "${PATHS[@]}"; do run_wrk "$p" "$CONNECTIONS" 2 >/dev/null; done
 
 log "saturation: wrk -t1 -c$CONNECTIONS -d${SECONDS_PER_RUN}s, $ROUNDS rounds alternating ${PATHS[*]}"
-measure_rounds "$CONNECTIONS" saturation
-echo "== saturation (wrk -t1 -c$CONNECTIONS, median of $ROUNDS alternating rounds) =="
-printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
-for p in "${PATHS[@]}"; do
-    printf '%-9s %12.0f %10.0f %10.0f\n' "$p" "${RPS[$p]}" "${P50[$p]}" "${P99[$p]}"
-done
+saturated() { run_wrk "$1" "$CONNECTIONS" "$SECONDS_PER_RUN"; }
+measure_rounds saturated "saturation (wrk -t1 -c$CONNECTIONS, median of $ROUNDS alternating rounds)"
 SAT_BACKSTOP="${RPS[backstop]}"
 awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" \
     'BEGIN { printf "throughput ratio backstop/direct = %.3f, backstop/nginx = %.3f (target >= 0.7)\n", b / d, b / n }'
@@ -274,25 +280,7 @@ PY
 }
 
 log "half saturation: $HALF_RATE req/s offered at a constant rate (oha -q, up to $HALF_CONNECTIONS connections)"
-for p in "${PATHS[@]}"; do RPS[$p]=""; P50[$p]=""; P99[$p]=""; done
-for round in $(seq 1 "$ROUNDS"); do
-    for p in "${PATHS[@]}"; do
-        read -r rps p50 p99 errors <<<"$(run_oha "$p")"
-        [ "$errors" = 0 ] || log "warning: $p round $round (half-rate): $errors errors (non-200 or socket)"
-        log "  half-rate round $round $(printf '%-8s' "$p") $(printf '%9.0f req/s  p50 %7.0f µs  p99 %7.0f µs' "$rps" "$p50" "$p99")"
-        RPS[$p]+="$rps"$'\n'; P50[$p]+="$p50"$'\n'; P99[$p]+="$p99"$'\n'
-    done
-done
-for p in "${PATHS[@]}"; do
-    RPS[$p]="$(printf '%s' "${RPS[$p]}" | median)"
-    P50[$p]="$(printf '%s' "${P50[$p]}" | median)"
-    P99[$p]="$(printf '%s' "${P99[$p]}" | median)"
-done
-echo "== half of backstop's saturation rate ($HALF_RATE req/s offered at a constant rate by oha, latency from each request's due time, median of $ROUNDS rounds) =="
-printf '%-9s %12s %10s %10s\n' path 'req/s' 'p50 µs' 'p99 µs'
-for p in "${PATHS[@]}"; do
-    printf '%-9s %12.0f %10.0f %10.0f\n' "$p" "${RPS[$p]}" "${P50[$p]}" "${P99[$p]}"
-done
+measure_rounds run_oha "half of backstop's saturation rate ($HALF_RATE req/s offered at a constant rate by oha, latency from each request's due time, median of $ROUNDS rounds)"
 awk -v b50="${P50[backstop]}" -v d50="${P50[direct]}" -v b99="${P99[backstop]}" -v d99="${P99[direct]}" \
     -v n50="${P50[nginx]}" -v n99="${P99[nginx]}" 'BEGIN {
     printf "added latency backstop - direct: p50 %.0f µs (target <= 300), p99 %.0f µs (target <= 1000)\n", b50 - d50, b99 - d99
