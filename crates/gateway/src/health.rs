@@ -548,14 +548,44 @@ impl Evidence {
     }
 
     /// Folds every event after [`Evidence::last_seq`] from the store, in pages of
-    /// [`PAGE_EVENTS`]. A malformed event is skipped with a warning (it cannot stop the fold).
+    /// [`PAGE_EVENTS`]. A malformed event is skipped with a warning (it cannot stop the fold),
+    /// and so is a stored row that cannot be decoded at all (an altered row, which `audit
+    /// verify` reports): the events around it are still folded.
     ///
     /// # Errors
     /// Storage errors.
     pub fn catch_up(&mut self, store: &dyn Store) -> Result<u64, HealthError> {
         let mut read = 0u64;
         loop {
-            let page = store.audit_events(self.last_seq, PAGE_EVENTS)?;
+            let page = match store.audit_events(self.last_seq, PAGE_EVENTS) {
+                Ok(page) => page,
+                // An altered row: fold what comes before it, then pass over it (one warning per
+                // fold that reaches it), so one damaged event does not fail every diagnosis.
+                Err(StoreError::UndecodableEvent { seq, reason }) if seq > self.last_seq => {
+                    let before = usize::try_from(seq - self.last_seq - 1).unwrap_or(usize::MAX);
+                    let page = if before == 0 {
+                        Vec::new()
+                    } else {
+                        store.audit_events(self.last_seq, before.min(PAGE_EVENTS))?
+                    };
+                    for event in &page {
+                        if let Err(e) = self.ingest(event) {
+                            tracing::warn!(error = %e, "audit event skipped by the health fold");
+                        }
+                    }
+                    read += page.len() as u64;
+                    match page.last() {
+                        // More to fold before the altered row.
+                        Some(last) if last.seq + 1 < seq => self.last_seq = last.seq,
+                        _ => {
+                            tracing::warn!(seq, %reason, "audit event skipped by the health fold: it cannot be decoded (run `backstop audit verify`)");
+                            self.last_seq = seq;
+                        }
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             let Some(last) = page.last().map(|e| e.seq) else {
                 return Ok(read);
             };

@@ -730,3 +730,31 @@ mod at_the_provider {
         fake.shutdown().await;
     }
 }
+
+#[test]
+fn an_audit_row_that_cannot_be_decoded_is_passed_over_and_later_runs_are_still_diagnosed() {
+    let (dir, store) = store();
+    let damaged = action(&store, "run-damaged", "agent-a", "k-damaged");
+    throttled(&store, damaged, 0, 200, Some(20_200));
+    let later = action(&store, "run-later", "agent-a", "k-later");
+    throttled(&store, later, 1_000, 1_200, Some(21_200));
+    let path = dir.path().join("backstop.db");
+    drop(store);
+    // One event of the first action altered behind the store's back (not the head).
+    rusqlite::Connection::open(&path)
+        .expect("open raw")
+        .execute(
+            "UPDATE audit_events SET prev = x'0102' WHERE seq = \
+             (SELECT MIN(seq) FROM audit_events WHERE action = ?1)",
+            [damaged.0],
+        )
+        .expect("tamper");
+    let store = SqliteStore::open(&path).expect("reopen");
+    let mut evidence = Evidence::new();
+    evidence
+        .catch_up(&store)
+        .expect("the fold passes over the altered row instead of failing");
+    assert!(evidence.trail(later.0).is_some(), "the later run is folded");
+    let s = snapshot(&store, later, 5_000).expect("the later run has a snapshot");
+    assert_eq!(diagnosis(&s, 5_000), Diagnosis::NoDurableWake);
+}
