@@ -557,10 +557,11 @@ impl Evidence {
     pub fn catch_up(&mut self, store: &dyn Store) -> Result<u64, HealthError> {
         let mut read = 0u64;
         loop {
-            let page = match store.audit_events(self.last_seq, PAGE_EVENTS) {
-                Ok(page) => page,
-                // An altered row: fold what comes before it, then pass over it (one warning per
-                // fold that reaches it), so one damaged event does not fail every diagnosis.
+            // An altered row at `seq`: the events before it are folded first (a page at a time),
+            // then it is passed over with a warning, so one damaged event does not fail every
+            // diagnosis.
+            let (page, altered) = match store.audit_events(self.last_seq, PAGE_EVENTS) {
+                Ok(page) => (page, None),
                 Err(StoreError::UndecodableEvent { seq, reason }) if seq > self.last_seq => {
                     let before = usize::try_from(seq - self.last_seq - 1).unwrap_or(usize::MAX);
                     let page = if before == 0 {
@@ -568,34 +569,25 @@ impl Evidence {
                     } else {
                         store.audit_events(self.last_seq, before.min(PAGE_EVENTS))?
                     };
-                    for event in &page {
-                        if let Err(e) = self.ingest(event) {
-                            tracing::warn!(error = %e, "audit event skipped by the health fold");
-                        }
-                    }
-                    read += page.len() as u64;
-                    match page.last() {
-                        // More to fold before the altered row.
-                        Some(last) if last.seq + 1 < seq => self.last_seq = last.seq,
-                        _ => {
-                            tracing::warn!(seq, %reason, "audit event skipped by the health fold: it cannot be decoded (run `backstop audit verify`)");
-                            self.last_seq = seq;
-                        }
-                    }
-                    continue;
+                    (page, (before <= PAGE_EVENTS).then_some((seq, reason)))
                 }
                 Err(e) => return Err(e.into()),
-            };
-            let Some(last) = page.last().map(|e| e.seq) else {
-                return Ok(read);
             };
             for event in &page {
                 if let Err(e) = self.ingest(event) {
                     tracing::warn!(error = %e, "audit event skipped by the health fold");
                 }
             }
-            self.last_seq = self.last_seq.max(last);
             read += page.len() as u64;
+            if let Some((seq, reason)) = altered {
+                tracing::warn!(seq, %reason, "audit event skipped by the health fold: it cannot be decoded (run `backstop audit verify`)");
+                self.last_seq = seq;
+                continue;
+            }
+            let Some(last) = page.last().map(|e| e.seq) else {
+                return Ok(read);
+            };
+            self.last_seq = self.last_seq.max(last);
             if page.len() < PAGE_EVENTS {
                 return Ok(read);
             }

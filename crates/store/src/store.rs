@@ -496,9 +496,9 @@ pub trait Store: Send + Sync {
     /// hand such a send with only its `seq`, `at`, `kind`, `action` and `attempt`: the SQLite
     /// store answers what it committed itself from memory, where a run of plain actions leaves
     /// only its latest send (see `SqliteStore`). The default reads [`Store::audit_events`] and
-    /// leaves nothing out. An event that cannot be decoded (an altered row) is left out with
-    /// a warning and still counted in the `seq` returned, so a watcher moves past it rather
-    /// than fail on it at every call; `audit verify` reports it.
+    /// leaves nothing out. The SQLite store also leaves out an event it cannot decode (an
+    /// altered row) with a warning, still counted in the `seq` returned, so a watcher moves
+    /// past it rather than fail on it at every call; `audit verify` reports it.
     ///
     /// # Errors
     /// Storage errors only.
