@@ -21,7 +21,10 @@
 # saturation, then the ratios backstop/direct and backstop/nginx; then the same paths at a
 # constant offered rate of half of backstop's own saturation rate (oha -q, latencies counted from
 # when each request was due, so a stalled path is not excused by sending less), with backstop's
-# added latency (backstop − direct) at p50 and p99. Method and caveats: BENCHMARKS.md, "Gateway
+# added latency (backstop − direct) at p50 and p99; then, for nginx and each backstop, the CPU
+# time per request and the mean run-queue wait per time slice of each of its threads during
+# those runs (from /proc/PID/task/*/schedstat: how long a runnable thread waited for a core,
+# which a request carried by it waits too). Method and caveats: BENCHMARKS.md, "Gateway
 # overhead".
 #
 # Every process it starts (upstream, nginx, backstop) is stopped on exit, also on Ctrl-C.
@@ -158,6 +161,7 @@ http {
 EOF
 nginx -p "$WORK/nginx" -e "$WORK/nginx/logs/error.log" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' >"$WORK/nginx/logs/stdout.log" 2>&1 &
 PIDS+=($!)
+declare -A PID_OF=([nginx]=$!)
 wait_listening "$NGINX_PORT" nginx
 
 BACKSTOP_PORT="$(free_port)"
@@ -167,6 +171,7 @@ BENCH_AGENT_TOKEN="$BENCH_TOKEN" BENCH_PROVIDER_KEY="bench-provider-key" \
     "$BACKSTOP" serve --config "$WORK/backstop.yaml" --listen "127.0.0.1:$BACKSTOP_PORT" \
     --store "$WORK/backstop.db" >"$WORK/backstop.log" 2>&1 &
 PIDS+=($!)
+PID_OF[backstop]=$!
 wait_listening "$BACKSTOP_PORT" backstop
 
 declare -A URL=(
@@ -188,6 +193,7 @@ if [ -n "${BENCH_BACKSTOP_ALT:-}" ]; then
             "$bin" serve --config "$WORK/backstop.yaml" --listen "127.0.0.1:$port" \
             --store "$WORK/$name.db" >"$WORK/$name.log" 2>&1 &
         PIDS+=($!)
+        PID_OF[$name]=$!
         wait_listening "$port" "$name ($bin)"
         log "$name = $bin"
         URL[$name]="http://127.0.0.1:$port/fast/v1/fast"
@@ -264,11 +270,68 @@ done
 HALF_RATE="$(awk -v s="$SAT_BACKSTOP" 'BEGIN { printf "%.0f", s / 2 }')"
 HALF_CONNECTIONS=64
 
-# run_oha PATH -> "rps p50_us p99_us errors"
+# schedstat PID -> one line per thread name of PID's process and its child processes (nginx's
+# workers, or the binary a wrapper script runs): "name cpu_ns runqueue_wait_ns timeslices",
+# summed over the threads of that name, from /proc/*/task/*/schedstat (time on a CPU, time
+# runnable but waiting for one, slices run).
+schedstat() {
+    python3 - "$1" <<'PY'
+import os, sys
+pids = [sys.argv[1]]
+for tid in os.listdir(f"/proc/{pids[0]}/task"):
+    try:
+        pids += open(f"/proc/{pids[0]}/task/{tid}/children").read().split()
+    except OSError:
+        pass
+sums = {}
+for pid in pids:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        continue
+    for tid in tids:
+        try:
+            name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+            cpu, wait, slices = (int(x) for x in open(f"/proc/{pid}/task/{tid}/schedstat").read().split())
+        except (OSError, ValueError):
+            continue
+        s = sums.setdefault(name.replace(" ", "_"), [0, 0, 0])
+        s[0] += cpu; s[1] += wait; s[2] += slices
+for name, (cpu, wait, slices) in sorted(sums.items()):
+    print(name, cpu, wait, slices)
+PY
+}
+
+# sched_delta BEFORE AFTER REQUESTS PATH: appends to $WORK/sched.txt, per thread name, the CPU
+# time per request (µs) and the mean wait on the run queue per slice run (µs).
+sched_delta() {
+    python3 - "$1" "$2" "$3" "$4" >>"$WORK/sched.txt" <<'PY'
+import sys
+def parse(text):
+    return {l.split()[0]: [int(x) for x in l.split()[1:]] for l in text.splitlines() if l.strip()}
+before, after = parse(sys.argv[1]), parse(sys.argv[2])
+requests, path = max(float(sys.argv[3]), 1.0), sys.argv[4]
+for name, (cpu, wait, slices) in after.items():
+    b = before.get(name, [0, 0, 0])
+    dcpu, dwait, dslices = cpu - b[0], wait - b[1], slices - b[2]
+    if dslices > 0:
+        print(path, name, f"{dcpu / requests / 1e3:.1f}", f"{dwait / dslices / 1e3:.1f}")
+PY
+}
+
+# run_oha PATH -> "rps p50_us p99_us errors"; for the nginx and backstop paths, their threads'
+# CPU and run-queue waits go to $WORK/sched.txt (sched_delta).
 run_oha() {
+    local before="" after requests
+    if [ -n "${PID_OF[$1]:-}" ]; then before="$(schedstat "${PID_OF[$1]}")"; fi
     "$OHA" --no-tui --output-format json -q "$HALF_RATE" --latency-correction -z "${SECONDS_PER_RUN}s" \
         -c "$HALF_CONNECTIONS" -H "Authorization: Bearer $BENCH_TOKEN" -H "X-Backstop-Task: bench-run" \
         "${URL[$1]}" >"$WORK/oha.json" 2>"$WORK/oha.err" || die "oha failed for $1: $(cat "$WORK/oha.err")"
+    if [ -n "$before" ]; then
+        after="$(schedstat "${PID_OF[$1]}")"
+        requests="$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["summary"]; print(r["requestsPerSec"] * r["total"])' "$WORK/oha.json")"
+        sched_delta "$before" "$after" "$requests" "$1"
+    fi
     python3 - "$WORK/oha.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -289,6 +352,24 @@ for a in "${ALTS[@]}"; do
     awk -v name="$a" -v a50="${P50[$a]}" -v d50="${P50[direct]}" -v a99="${P99[$a]}" -v d99="${P99[direct]}" \
         'BEGIN { printf "added latency %s - direct:     p50 %.0f µs, p99 %.0f µs\n", name, a50 - d50, a99 - d99 }'
 done
+
+# Where added latency goes: a thread that is runnable but waits for a CPU (on the run queue)
+# adds that wait to the latency of the requests it carries. Median over the rounds.
+if [ -s "$WORK/sched.txt" ]; then
+    echo "== the proxies' threads during the constant-rate runs (median of $ROUNDS rounds) =="
+    python3 - "$WORK/sched.txt" <<'PY'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    path, name, cpu, wait = line.split()
+    rows.setdefault((path, name), []).append((float(cpu), float(wait)))
+print(f"{'path':<9} {'thread':<16} {'CPU µs/request':>15} {'run-queue wait µs/slice':>24}")
+for (path, name), values in sorted(rows.items()):
+    cpu = statistics.median(v[0] for v in values)
+    wait = statistics.median(v[1] for v in values)
+    print(f"{path:<9} {name:<16} {cpu:>15.1f} {wait:>24.1f}")
+PY
+fi
 
 errors_logged="$(grep -c ' ERROR ' "$WORK/backstop.log" || true)"
 echo "backstop log: $(wc -l <"$WORK/backstop.log") lines, $errors_logged ERROR lines; store $(du -h "$WORK/backstop.db" 2>/dev/null | cut -f1) (+WAL)"
