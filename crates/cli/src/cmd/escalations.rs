@@ -86,7 +86,10 @@ pub enum EscalationsCommand {
     Decide {
         /// The escalation id.
         id: u64,
-        /// The chosen option.
+        /// The chosen option, one of: query_status (ask the provider's lookup whether the write
+        /// happened), retry_same_key (send it again with its original idempotency key), abort,
+        /// send_new (a new write with a new key; needs --confirm-second-side-effect), wait,
+        /// raise_quota, change_plan. The case file (`show`) lists the options its case offers.
         #[arg(long)]
         option: String,
         /// Confirm that `send_new` may create a second side effect (a second payment, message or

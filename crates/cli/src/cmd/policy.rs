@@ -10,6 +10,7 @@ use crate::cmd::output::{self, errln};
 #[derive(Debug, clap::Subcommand)]
 pub enum PolicyCommand {
     /// Validate a policy file; print a summary, or `FILE:LINE:COL: message` per problem (exit 2).
+    ///
     /// Warnings (valid but probably unintended settings: no agents, a provider without scopes,
     /// an `idempotent_write` PUT/DELETE relying on `idempotent_put_delete` alone) are printed on
     /// stderr as `FILE:LINE:COL: warning: message`; they do not change the exit status (0).
