@@ -295,6 +295,8 @@ struct Run<'a> {
     /// Attempts of this action sent before this run: 0, except for a write reopened for a
     /// same-key retry, which continues its count.
     prior_attempts: u32,
+    /// A read's records, which nobody awaits (`None` for a write).
+    read_records: Option<Arc<ReadRecords>>,
 }
 
 impl Run<'_> {
@@ -310,6 +312,15 @@ impl Run<'_> {
     /// The idempotency key in effect, as told to the agent: writes only.
     fn agent_key(&self) -> Option<String> {
         (!is_safe_method(&self.request.method)).then(|| self.key.clone())
+    }
+
+    /// The completion of a read's record `what` that nobody awaits (see [`ReadRecords`]).
+    fn read_completion<T: Send + 'static>(&self, what: &'static str) -> StoreCompletion<T> {
+        match &self.read_records {
+            Some(records) => records.completion(what),
+            // A write's records are awaited; this is not reached for one.
+            None => Box::new(|_| {}),
+        }
     }
 }
 
@@ -524,25 +535,61 @@ impl Inner {
     }
 }
 
-/// The completion of a read's store operation that nobody awaits (SPEC §12: reads may be
-/// recorded asynchronously): a failure is logged, since the read has gone on without it.
-fn unawaited<T: Send + 'static>(action: ActionId, what: &'static str) -> StoreCompletion<T> {
-    Box::new(move |result: Result<T, StoreError>| {
-        if let Err(e) = result {
-            read_not_recorded(Some(action), what, &e);
-        }
-    })
+/// The records of one read, which nobody awaits (SPEC §12: reads may be recorded
+/// asynchronously): the request, each attempt sent and the result. A held read's records are
+/// committed as ONE operation, so when that commit fails every completion of the read gets the
+/// same error; the loss is logged once, at ERROR, with what identifies the read (action, task,
+/// agent, provider, route) — its other steps at DEBUG. See [`ReadRecords::not_recorded`].
+struct ReadRecords {
+    /// The action id, known once the store handed it out (after the request completion was
+    /// given to the store).
+    action: std::sync::OnceLock<i64>,
+    task: String,
+    agent: String,
+    provider: String,
+    route: String,
+    /// Whether a failure of this read was logged already.
+    reported: AtomicBool,
 }
 
-/// Logs a read's record that could not be committed after the read went on: at INFO when its
-/// task was cancelled meanwhile (the cancellation is audited, the read ends there), else at
-/// ERROR — the read was answered and the audit log will not show it.
-fn read_not_recorded(action: Option<ActionId>, what: &str, e: &StoreError) {
-    let action = action.map(|a| a.0);
-    if matches!(e, StoreError::InvalidTransition { .. }) {
-        tracing::info!(action, error = %e, "a read's {what} was not recorded: its task changed meanwhile");
-    } else {
-        tracing::error!(action, error = %e, "a read was answered but its {what} could not be recorded; the audit log will not show it");
+impl ReadRecords {
+    fn new(spec: &ActionSpec) -> Arc<ReadRecords> {
+        Arc::new(ReadRecords {
+            action: std::sync::OnceLock::new(),
+            task: spec.task_id.clone(),
+            agent: spec.agent.clone(),
+            provider: spec.route.provider.clone(),
+            route: spec.route.template.clone(),
+            reported: AtomicBool::new(false),
+        })
+    }
+
+    /// The completion of the read's step `what` (`request`, `attempt`, `result`): a failure is
+    /// logged by [`ReadRecords::not_recorded`].
+    fn completion<T: Send + 'static>(self: &Arc<Self>, what: &'static str) -> StoreCompletion<T> {
+        let records = Arc::clone(self);
+        Box::new(move |result: Result<T, StoreError>| {
+            if let Err(e) = result {
+                records.not_recorded(what, &e);
+            }
+        })
+    }
+
+    /// Logs a step of the read that could not be committed after the read went on. The first
+    /// failure of the read is logged at INFO when its task was cancelled meanwhile (the
+    /// cancellation is audited, the read ends there), else at ERROR — the read is not refused
+    /// for it, and the audit log will not show it. Every later failure of the same read (the
+    /// same lost commit, as a rule) is logged at DEBUG only.
+    fn not_recorded(&self, what: &str, e: &StoreError) {
+        let action = self.action.get().copied();
+        let (task, agent, provider, route) = (&self.task, &self.agent, &self.provider, &self.route);
+        if self.reported.swap(true, Ordering::AcqRel) {
+            tracing::debug!(action, %task, %agent, %provider, %route, step = what, error = %e, "a further record of the same read was not committed either");
+        } else if matches!(e, StoreError::InvalidTransition { .. }) {
+            tracing::info!(action, %task, %agent, %provider, %route, step = what, error = %e, "a read's records were not committed: its task changed meanwhile");
+        } else {
+            tracing::error!(action, %task, %agent, %provider, %route, step = what, error = %e, "a read's records could not be committed; the read is not refused for it, but the audit log will not show it");
+        }
     }
 }
 
@@ -1139,22 +1186,23 @@ impl Engine {
         };
         // Task and action in one store operation. A write waits until both are durable; a
         // read gets its id at once and is recorded with the next group commit (SPEC §12).
-        let admission = if is_write {
-            inner
-                .queued(move |s, done| s.begin_action(task, new_action, now, done))
-                .await
-        } else {
-            let read_id = inner.store.record_read(
-                task,
-                new_action,
-                now,
-                Box::new(|result| {
-                    if let Err(e) = result {
-                        read_not_recorded(None, "request", &e);
-                    }
-                }),
-            );
-            read_id.map(StoreAdmission::New).map_err(EngineError::Store)
+        let read_records = (!is_write).then(|| ReadRecords::new(spec));
+        let admission = match &read_records {
+            None => {
+                inner
+                    .queued(move |s, done| s.begin_action(task, new_action, now, done))
+                    .await
+            }
+            Some(records) => {
+                let read_id =
+                    inner
+                        .store
+                        .record_read(task, new_action, now, records.completion("request"));
+                if let Ok(id) = &read_id {
+                    let _ = records.action.set(id.0);
+                }
+                read_id.map(StoreAdmission::New).map_err(EngineError::Store)
+            }
         };
         let (id, action_guard, prior_attempts) = match admission {
             Ok(StoreAdmission::New(id)) => {
@@ -1255,6 +1303,7 @@ impl Engine {
             reference,
             operation_id: Mutex::new(None),
             prior_attempts,
+            read_records,
         };
 
         // The per-task circuit breaker (SPEC §7).
@@ -1421,7 +1470,7 @@ impl Engine {
             let marked = if is_safe_method(&run.request.method) {
                 inner
                     .store
-                    .submit_attempt_sent(id, sent_at, unawaited(id, "attempt"));
+                    .submit_attempt_sent(id, sent_at, run.read_completion("attempt"));
                 Ok(seen.sent + 1)
             } else {
                 inner
@@ -1729,7 +1778,7 @@ impl Engine {
                     // A read's result is recorded with the next group commit (SPEC §12).
                     inner
                         .store
-                        .submit_result(result, received_at, unawaited(run.id, "result"));
+                        .submit_result(result, received_at, run.read_completion("result"));
                 } else if let Err(e) = inner
                     .queued(move |s, done| s.submit_result(result, received_at, done))
                     .await

@@ -1,6 +1,7 @@
 //! The store failing and the gateway stopping are answered as what they are: `503
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
-//! cancelled`. Attempts are measured at the scripted transport.
+//! cancelled`; what the store lost is logged once. Attempts are measured at the scripted
+//! transport.
 
 use std::time::Duration;
 
@@ -8,7 +9,12 @@ use backstop_gateway::action::Execution;
 use backstop_store::Store;
 use serde_json::Value;
 
-use crate::engine_support::{advance, answer, held_ok, until, Harness};
+use crate::{
+    engine_support::{
+        advance, answer, failing_store::FIRST_LOST_READ, held_ok, summary, until, Harness,
+    },
+    support::capture::Capture,
+};
 
 /// Status, `x-should-retry`, and the problem body of an answer made as a problem response.
 async fn problem(execution: Execution) -> (u16, String, Value, u32) {
@@ -216,4 +222,42 @@ async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gon
     );
     assert!(h.store.scheduled_retries().unwrap().is_empty());
     restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_read_whose_records_are_lost_is_logged_once_at_error_with_what_identifies_it() {
+    let (logs, _attached) = Capture::this_thread();
+    let (h, store) = Harness::with_failing_store();
+    h.transport
+        .script("/v1/items/4", vec![answer(200, &[], "ok")]);
+    store.lose_reads();
+    let execution = h
+        .engine
+        .execute(h.get("run-lost-read", "/v1/items/4"))
+        .await;
+    assert_eq!(
+        summary(&execution),
+        "200",
+        "the read is answered all the same"
+    );
+    assert_eq!(execution.receipt().action_id, FIRST_LOST_READ);
+
+    let errors = logs.lines_at("ERROR");
+    assert_eq!(errors.len(), 1, "one loss, one error: {errors:#?}");
+    let line = &errors[0];
+    for field in [
+        format!("action={FIRST_LOST_READ}"),
+        "task=run-lost-read".to_owned(),
+        "agent=agent-a".to_owned(),
+        "route=/v1/items/{id}".to_owned(),
+    ] {
+        assert!(line.contains(&field), "{field} missing: {line}");
+    }
+    // The read's other records went with the same commit: told at DEBUG only.
+    let further = logs
+        .lines_at("DEBUG")
+        .into_iter()
+        .filter(|l| l.contains("task=run-lost-read") && l.contains("not committed"))
+        .count();
+    assert_eq!(further, 2, "{}", logs.text());
 }
