@@ -1254,7 +1254,10 @@ impl Engine {
                         let id = record.id;
                         let prior = match inner.blocking(move |s| s.attempts(id)).await {
                             Ok(attempts) => u32::try_from(attempts.len()).unwrap_or(u32::MAX),
-                            Err(e) => return (self.refused_by_store(e, &spec.task_id), None),
+                            Err(e) => {
+                                let refused = self.refused_by_store(e, spec, Some(&key), Some(id));
+                                return (refused, None);
+                            }
                         };
                         if unsent_before_restart {
                             tracing::info!(
@@ -1278,7 +1281,10 @@ impl Engine {
                     }
                 }
             }
-            Err(e) => return (self.refused_by_store(e, &spec.task_id), None),
+            Err(e) => {
+                let key = is_write.then_some(key.as_str());
+                return (self.refused_by_store(e, spec, key, None), None);
+            }
         };
         if let Some(tx) = notify {
             let _ = tx.send(id.0);
@@ -1484,7 +1490,7 @@ impl Engine {
                     guard.armed = false;
                     if is_store_failure(&e) {
                         let receipt = run.receipt(seen.sent);
-                        return self.store_unavailable(receipt, seen.sent > 0, &e);
+                        return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                     }
                     let detail = match &e {
                         EngineError::Store(StoreError::InvalidTransition { reason, .. }) => {
@@ -1934,7 +1940,7 @@ impl Engine {
                         }
                         if is_store_failure(&e) {
                             let receipt = run.receipt(seen.sent);
-                            return self.store_unavailable(receipt, seen.sent > 0, &e);
+                            return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                         }
                         tracing::warn!(action = run.id.0, error = %e, "the retry could not be scheduled");
                         let context =
@@ -2483,15 +2489,23 @@ impl Engine {
 
     /// The store refused to record the action (a cancelled task, a key reused for another
     /// request, a task opened by another agent) or failed (nothing was sent either way). A
-    /// reused key is answered `422 idempotency_key_reused` saying what differs.
-    fn refused_by_store(&self, e: EngineError, task_id: &str) -> Execution {
+    /// reused key is answered `422 idempotency_key_reused` saying what differs. `key` is the
+    /// idempotency key in effect for a write (the agent's, or the one minted for it), `action`
+    /// the action when one is recorded; a store failure's answer carries both.
+    fn refused_by_store(
+        &self,
+        e: EngineError,
+        spec: &ActionSpec,
+        key: Option<&str>,
+        action: Option<ActionId>,
+    ) -> Execution {
         if is_store_failure(&e) {
             let receipt = ActionReceipt {
-                action_id: 0,
+                action_id: action.map_or(0, |a| a.0),
                 attempts: 0,
-                idempotency_key: None,
+                idempotency_key: key.map(str::to_owned),
             };
-            return self.store_unavailable(receipt, false, &e);
+            return self.store_unavailable(spec, receipt, false, &e);
         }
         match e {
             EngineError::Store(StoreError::KeyReuse { differs, bound, .. }) => {
@@ -2502,7 +2516,7 @@ impl Engine {
                 };
                 let problem =
                     Problem::key_reused(&differs, (&bound.provider, &bound.method, &bound.route))
-                        .with_extension("task", task_id.into());
+                        .with_extension("task", spec.task_id.as_str().into());
                 problem_answer(receipt, problem)
             }
             EngineError::Store(StoreError::InvalidTransition { reason, .. }) => unrecorded(
@@ -2519,7 +2533,31 @@ impl Engine {
     /// The store failed: `503 store_unavailable` saying whether an attempt was sent (a retry
     /// is invited only when nothing was), logged as an ERROR with the store's reason. While
     /// the gateway stops, a store whose writer is gone answers `503 shutting_down` instead.
-    fn store_unavailable(&self, receipt: ActionReceipt, sent: bool, e: &EngineError) -> Execution {
+    ///
+    /// Like the other answers the gateway makes for an action, the problem carries `task`,
+    /// the write's `idempotency_key` (also the receipt's, so the door answers it as the
+    /// `Idempotency-Key` header) and `action_id` — only when an action was recorded: a request
+    /// the store could not record at all has none, and its log line says so instead of naming
+    /// one.
+    fn store_unavailable(
+        &self,
+        spec: &ActionSpec,
+        receipt: ActionReceipt,
+        sent: bool,
+        e: &EngineError,
+    ) -> Execution {
+        let action = (receipt.action_id != 0).then_some(receipt.action_id);
+        let key = receipt.idempotency_key.clone();
+        let with_ids = |mut problem: Problem| {
+            problem = problem.with_extension("task", spec.task_id.as_str().into());
+            if let Some(key) = &key {
+                problem = problem.with_extension("idempotency_key", key.as_str().into());
+            }
+            if let Some(action) = action {
+                problem = problem.with_extension("action_id", action.into());
+            }
+            problem
+        };
         if self.inner.shutting_down.load(Ordering::SeqCst)
             && matches!(e, EngineError::Store(StoreError::WriterGone))
         {
@@ -2528,20 +2566,26 @@ impl Engine {
             } else {
                 "backstop is shutting down; nothing was sent for this request, so sending it again is safe"
             };
-            return problem_answer(receipt, Problem::shutting_down_during(sent, detail));
+            let problem = with_ids(Problem::shutting_down_during(sent, detail));
+            return problem_answer(receipt, problem);
         }
-        tracing::error!(
-            action = receipt.action_id,
-            sent,
-            error = %e,
-            "the store failed: the request is answered 503 store_unavailable"
-        );
+        let (task, agent, route) = (&spec.task_id, &spec.agent, &spec.route.template);
+        match action {
+            Some(action) => tracing::error!(
+                action, %task, %agent, %route, sent, error = %e,
+                "the store failed: the request is answered 503 store_unavailable"
+            ),
+            None => tracing::error!(
+                %task, %agent, %route, sent, error = %e,
+                "the store failed before the request was recorded (no action exists for it): the request is answered 503 store_unavailable"
+            ),
+        }
         let detail = if sent {
             "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again"
         } else {
             "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe"
         };
-        problem_answer(receipt, Problem::store_unavailable(sent, detail))
+        problem_answer(receipt, with_ids(Problem::store_unavailable(sent, detail)))
     }
 
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.

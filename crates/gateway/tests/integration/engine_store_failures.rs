@@ -3,17 +3,21 @@
 //! cancelled`; what the store lost is logged once. Attempts are measured at the scripted
 //! transport.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
-use backstop_gateway::action::Execution;
+use backstop_core::policy::Policy;
+use backstop_fake_api::RouteConfig;
+use backstop_gateway::{action::Execution, server};
 use backstop_store::Store;
 use serde_json::Value;
 
 use crate::{
     engine_support::{
-        advance, answer, failing_store::FIRST_LOST_READ, held_ok, summary, until, Harness,
+        advance, answer,
+        failing_store::{FailingStore, FIRST_LOST_READ},
+        held_ok, summary, until, Harness,
     },
-    support::capture::Capture,
+    support::{self, capture::Capture},
 };
 
 /// Status, `x-should-retry`, and the problem body of an answer made as a problem response.
@@ -260,4 +264,124 @@ async fn a_read_whose_records_are_lost_is_logged_once_at_error_with_what_identif
         .filter(|l| l.contains("task=run-lost-read") && l.contains("not committed"))
         .count();
     assert_eq!(further, 2, "{}", logs.text());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_503_store_unavailable_for_a_recorded_write_names_its_action_task_and_key() {
+    let (h, store) = Harness::with_failing_store();
+    store.fail_sends();
+    let answered = h.engine.execute(write(&h, "run-recorded", "k-4")).await;
+    let action = answered.receipt().action_id;
+    assert_eq!(answered.receipt().idempotency_key.as_deref(), Some("k-4"));
+    let (status, _, body, _) = problem(answered).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["action_id"], action);
+    assert_eq!(body["task"], "run-recorded");
+    assert_eq!(body["idempotency_key"], "k-4");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_the_store_cannot_record_is_answered_with_its_task_and_key_and_logged_without_an_action(
+) {
+    let (logs, _attached) = Capture::this_thread();
+    let (h, store) = Harness::with_failing_store();
+    store.fail();
+    let execution = h.engine.execute(write(&h, "run-unrecorded", "k-3")).await;
+    assert_eq!(execution.receipt().idempotency_key.as_deref(), Some("k-3"));
+    let (status, _, body, _) = problem(execution).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["task"], "run-unrecorded");
+    assert_eq!(body["idempotency_key"], "k-3");
+    assert!(body.get("action_id").is_none(), "no action exists: {body}");
+    // A write without a key: the key minted for it is told, as for every other answer.
+    let mut minted = write(&h, "run-unrecorded", "unused");
+    minted.idempotency_key = None;
+    let execution = h.engine.execute(minted).await;
+    let key = execution
+        .receipt()
+        .idempotency_key
+        .clone()
+        .expect("the minted key");
+    let (_, _, body, _) = problem(execution).await;
+    assert_eq!(body["idempotency_key"], key.as_str());
+
+    let lines: Vec<String> = logs
+        .lines_at("ERROR")
+        .into_iter()
+        .filter(|l| l.contains("store_unavailable"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    for line in &lines {
+        assert!(line.contains("task=run-unrecorded"), "{line}");
+        assert!(!line.contains("action="), "no action to name: {line}");
+        assert!(line.contains("no action exists"), "{line}");
+    }
+}
+
+const DOOR_AGENT_TOKEN: &str = "door-agent-token-5d1e";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_answers_a_write_the_store_cannot_record_with_its_idempotency_key() {
+    let fake = support::fake_with(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        support::create("transfers", "tr_"),
+    )]);
+    let yaml = support::policy_yaml(
+        &fake.url(),
+        "agents:\n  door-agent: { token_env: DOOR_AGENT_TOKEN }\n",
+        "    routes:\n      \"POST /v1/transfers\": { class: idempotent_write, scopes: [account] }\n",
+    );
+    let env = |name: &str| match name {
+        "DOOR_AGENT_TOKEN" => Some(DOOR_AGENT_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some("provider-key".to_owned()),
+        _ => None,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let policy = Policy::from_yaml_str(&yaml, "door.yaml").expect("policy");
+    let gateway = server::start(
+        policy,
+        support::serve_options(dir.path(), 7),
+        &env,
+        |mut parts| {
+            let failing = FailingStore::new(parts.store.clone());
+            failing.fail();
+            parts.store = failing as Arc<dyn Store>;
+            server::engine(parts)
+        },
+    )
+    .await
+    .expect("gateway starts");
+
+    let send = |key: Option<&str>| {
+        let mut request = support::client()
+            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+            .bearer_auth(DOOR_AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-door")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":5}"#);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        request.send()
+    };
+    for key in [Some("k-door"), None] {
+        let response = send(key).await.expect("request");
+        assert_eq!(response.status(), 503);
+        let header = response
+            .headers()
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .expect("the Idempotency-Key header");
+        if let Some(key) = key {
+            assert_eq!(header, key);
+        }
+        let (_, body) = support::json_of(response).await;
+        assert_eq!(body["sent"], false);
+        assert_eq!(body["task"], "run-door");
+        assert_eq!(body["idempotency_key"], header.as_str());
+    }
+    assert!(fake.attempts().is_empty(), "nothing was sent");
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
 }

@@ -1,5 +1,7 @@
 //! A store that fails on demand like a damaged file or a full disk. While [`FailingStore::fail`]
 //! is in force every operation that writes answers SQLite's error; reads keep working.
+//! [`FailingStore::fail_sends`] fails only the recording of an attempt sent (a write's
+//! `action_sent`: the commit that lets its bytes leave, and claims a waiting retry job).
 //! [`FailingStore::lose_reads`] hands reads their ids but never commits their records, as when
 //! the group commit of a held read fails.
 
@@ -28,8 +30,10 @@ pub fn damaged() -> StoreError {
 const WORKING: u8 = 0;
 /// Every writing operation fails.
 const FAILING: u8 = 1;
+/// Only recording an attempt sent fails.
+const FAILING_SENDS: u8 = 2;
 /// Reads' records are never committed.
-const LOSING_READS: u8 = 2;
+const LOSING_READS: u8 = 3;
 
 /// The first action id handed to a read whose records are lost (far above the real store's).
 pub const FIRST_LOST_READ: i64 = 1_000_000;
@@ -61,6 +65,12 @@ impl FailingStore {
         self.mode.store(FAILING, Ordering::SeqCst);
     }
 
+    /// From now on only recording an attempt sent fails (`submit_attempt_sent`,
+    /// `mark_attempt_sent`).
+    pub fn fail_sends(&self) {
+        self.mode.store(FAILING_SENDS, Ordering::SeqCst);
+    }
+
     /// From now on a read is handed an id (from [`FIRST_LOST_READ`] on) but none of its records
     /// is committed: when its result is submitted, every completion of the read — the request,
     /// each attempt sent, the result — is answered SQLite's error, in that order, as the real
@@ -71,6 +81,10 @@ impl FailingStore {
 
     fn failing(&self) -> bool {
         self.mode.load(Ordering::SeqCst) == FAILING
+    }
+
+    fn failing_sends(&self) -> bool {
+        matches!(self.mode.load(Ordering::SeqCst), FAILING | FAILING_SENDS)
     }
 
     fn losing_reads(&self) -> bool {
@@ -131,7 +145,7 @@ impl Store for FailingStore {
         let Some(done) = self.hold(action, done) else {
             return;
         };
-        if self.failing() {
+        if self.failing_sends() {
             return done(Err(damaged()));
         }
         self.inner.submit_attempt_sent(action, at, done)
@@ -156,7 +170,7 @@ impl Store for FailingStore {
         self.inner.flush()
     }
     fn mark_attempt_sent(&self, action: ActionId, at: Timestamp) -> Result<u32, StoreError> {
-        if self.failing() {
+        if self.failing_sends() {
             return Err(damaged());
         }
         self.inner.mark_attempt_sent(action, at)
