@@ -92,7 +92,7 @@ mod quota_escalations;
 mod writes;
 
 pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
-pub use writes::RESTARTED_BEFORE_RETRY;
+pub use writes::{RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY, UNSTARTED_RETRY_CLOSE_WINDOW};
 
 /// The reason a read cut off by a crash is closed at the next start (its action ends
 /// `cancelled`): its attempt was sent but no result was recorded, and nobody waits for it
@@ -169,9 +169,10 @@ struct Inner {
     /// run: no action records anything before, so an attempt of this run is never mistaken
     /// for one the restart interrupted.
     recovery_listed: tokio::sync::watch::Sender<bool>,
-    /// Writes the previous run recorded and never sent (see [`Store::unsent_writes`]), by
-    /// action id: the agent's resend under the same key takes one over and sends it as the same
-    /// action (listed with the unfinished attempts, before any action of this run).
+    /// Writes recorded and never sent, by action id: those the previous run left (see
+    /// [`Store::unsent_writes`], listed with the unfinished attempts, before any action of this
+    /// run), and those of this run whose first send the store could not record. The agent's
+    /// resend under the same key takes one over and sends it as the same action.
     unsent: Mutex<HashSet<i64>>,
     /// Provider credential headers for lookups made without an agent request (after a restart).
     credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
@@ -1231,15 +1232,16 @@ impl Engine {
                 // An operator reopened this escalated write for a same-key retry: this request
                 // (held by the gateway, or resubmitted by the agent under the same key) sends it
                 // again as the SAME logical action, unless another one already does.
-                // A write the previous run recorded and never sent (it stopped while the write
-                // waited for its first send): nothing left, so this resend sends it, once.
-                let unsent_before_restart = record.state == ActionState::Requested
+                // A write recorded and never sent (the previous run stopped while it waited for
+                // its first send, or the store could not record that send): nothing left, so
+                // this resend sends it, once.
+                let never_sent = record.state == ActionState::Requested
                     && inner
                         .unsent
                         .lock()
                         .unwrap_or_else(|poisoned| poisoned.into_inner())
                         .remove(&record.id.0);
-                let taken = if record.state == ActionState::Reopened || unsent_before_restart {
+                let taken = if record.state == ActionState::Reopened || never_sent {
                     match inner.flights.join_or_lead(FlightKey::Action(record.id.0)) {
                         Role::Leader(guard) => Some(guard),
                         Role::Follower(_) => None,
@@ -1255,14 +1257,22 @@ impl Engine {
                         let prior = match inner.blocking(move |s| s.attempts(id)).await {
                             Ok(attempts) => u32::try_from(attempts.len()).unwrap_or(u32::MAX),
                             Err(e) => {
+                                if never_sent {
+                                    // Not taken over after all: the next resend may take it.
+                                    inner
+                                        .unsent
+                                        .lock()
+                                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                                        .insert(id.0);
+                                }
                                 let refused = self.refused_by_store(e, spec, Some(&key), Some(id));
                                 return (refused, None);
                             }
                         };
-                        if unsent_before_restart {
+                        if never_sent {
                             tracing::info!(
                                 action = record.id.0,
-                                "a write recorded but never sent before the restart is sent now with its original idempotency key"
+                                "a write recorded but never sent (before a restart, or because the store could not record its first send) is sent now with its original idempotency key"
                             );
                         } else {
                             tracing::info!(
@@ -1395,6 +1405,9 @@ impl Engine {
         // retry not sent yet (refunded if it never leaves).
         let mut spent: Option<RetryTokens> = None;
         let mut pending: Option<RetryTokens> = None;
+        // Whether this loop scheduled a retry job (then the only way round the loop again): the
+        // next attempt's `action_sent` claims it (see `Store::mark_attempt_sent`).
+        let mut retry_job = false;
         loop {
             let acquired = inner
                 .scheduler
@@ -1489,6 +1502,20 @@ impl Engine {
                     drop(permit);
                     guard.armed = false;
                     if is_store_failure(&e) {
+                        // Nothing of this attempt left. A waiting retry keeps its job, unclaimed:
+                        // the action is closed once the store commits again, never left waiting
+                        // for a wake that nothing arms (at shutdown the next start re-arms it).
+                        // A write's first send frees its key for the agent's resend under it,
+                        // which sends it as this action.
+                        if retry_job && !inner.shutting_down.load(Ordering::SeqCst) {
+                            self.close_unstarted_retry(run, &budget, &seen);
+                        } else if seen.sent == 0 && !is_safe_method(&run.request.method) {
+                            inner
+                                .unsent
+                                .lock()
+                                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                                .insert(run.id.0);
+                        }
                         let receipt = run.receipt(seen.sent);
                         return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                     }
@@ -1966,6 +1993,7 @@ impl Engine {
                         wait_left_ms = budget.wait_remaining().as_millis() as u64,
                         "retry scheduled"
                     );
+                    retry_job = true;
                     not_before = Some(at);
                 }
             }
@@ -2389,6 +2417,41 @@ impl Engine {
         }
     }
 
+    /// A write's retry came due but the store could not record its start (the `action_sent`
+    /// that claims the retry job, [`Store::mark_attempt_sent`]): nothing of it left, and its
+    /// caller is answered `503 store_unavailable`. The action must not stay `waiting` for a wake
+    /// nothing arms any more (the watchdog's `stuck_missed_wake`, a `409` for every same-key
+    /// resend until a restart): it ends `cancelled` with [`STORE_FAILED_BEFORE_RETRY`] as soon as
+    /// the store commits again (see `Inner::close_unstarted_retry`), as a retry re-armed at a
+    /// restart does. Its context offers `query_status` when the last attempt was `uncertain`.
+    fn close_unstarted_retry(&self, run: &Run<'_>, budget: &ActionBudget, seen: &Seen) {
+        let next_safe = if seen.last_signal == Some(Disposition::Uncertain.as_str()) {
+            vec![NextSafe::QueryStatus, NextSafe::Abort]
+        } else {
+            vec![NextSafe::Abort]
+        };
+        let context = self.context(budget, seen, seen.boundary, next_safe);
+        let mut context = serde_json::to_value(&context).unwrap_or_default();
+        if let Some(members) = context.as_object_mut() {
+            members.insert("detail".into(), STORE_FAILED_BEFORE_RETRY.into());
+        }
+        let route = &run.spec.route;
+        tracing::warn!(
+            action = run.id.0,
+            task = %run.spec.task_id,
+            agent = %run.spec.agent,
+            route = %route.template,
+            attempts = seen.sent,
+            "the store could not record the start of this write's retry when it came due, so the retry was not sent; the caller is answered 503 store_unavailable and the action is closed `cancelled` as soon as the store commits again"
+        );
+        self.inner.close_unstarted_retry(
+            run.id,
+            route.provider.clone(),
+            route.class.clone(),
+            context,
+        );
+    }
+
     /// Ends the action with a gateway-made outcome (no attempt result pending).
     async fn finish(
         &self,
@@ -2580,10 +2643,10 @@ impl Engine {
                 "the store failed before the request was recorded (no action exists for it): the request is answered 503 store_unavailable"
             ),
         }
-        let detail = if sent {
-            "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again"
-        } else {
-            "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe"
+        let detail = match (sent, action) {
+            (true, _) => "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again",
+            (false, Some(_)) if key.is_some() => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
+            (false, _) => "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe",
         };
         problem_answer(receipt, with_ids(Problem::store_unavailable(sent, detail)))
     }

@@ -1,14 +1,20 @@
 //! The store failing and the gateway stopping are answered as what they are: `503
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
-//! cancelled`; what the store lost is logged once. Attempts are measured at the scripted
-//! transport.
+//! cancelled`; what the store could not record is not left waiting once it works again, and
+//! what it lost is logged once. Attempts are measured at the scripted transport, answers at the
+//! door where the header matters.
 
 use std::{sync::Arc, time::Duration};
 
 use backstop_core::policy::Policy;
 use backstop_fake_api::RouteConfig;
-use backstop_gateway::{action::Execution, server};
-use backstop_store::Store;
+use backstop_gateway::{
+    action::Execution,
+    engine::STORE_FAILED_BEFORE_RETRY,
+    server,
+    watchdog::{Watchdog, WatchdogConfig},
+};
+use backstop_store::{Outcome, Store};
 use serde_json::Value;
 
 use crate::{
@@ -229,41 +235,81 @@ async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gon
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_read_whose_records_are_lost_is_logged_once_at_error_with_what_identifies_it() {
-    let (logs, _attached) = Capture::this_thread();
+async fn a_retry_due_while_the_store_fails_is_closed_once_the_store_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(503, &[("retry-after", "5")], ""),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(&h, "t", "k-1"));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let action = h.store.scheduled_retries().unwrap()[0].action;
+    // The retry comes due while the store cannot commit: its start is not recorded, so it is
+    // not sent, and the caller is told an earlier attempt was.
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    let answered = running.await.unwrap();
+    assert_eq!(answered.receipt().action_id, action.0);
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_eq!(body["sent"], true);
+    let stored = || h.store.action(action).unwrap().unwrap();
+    assert_eq!(stored().outcome, None, "nothing can be recorded yet");
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored().outcome.is_some()).await,
+        "the action is closed once the store commits again, not left waiting"
+    );
+    let record = stored();
+    assert_eq!(record.outcome, Some(Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(context["detail"], STORE_FAILED_BEFORE_RETRY);
+    assert_eq!(context["attempts"], 1);
+    assert_eq!(context["sent"], true);
+    assert!(
+        h.store.scheduled_retries().unwrap().is_empty(),
+        "no retry job is left past due"
+    );
+    let mut watchdog = Watchdog::new(
+        h.store.clone(),
+        h.metrics.clone(),
+        WatchdogConfig::default(),
+    );
+    let findings = watchdog.check(h.clock_now()).unwrap();
+    assert!(findings.iter().all(|f| f.action != action), "{findings:?}");
+    // A resend under the same key gets the recorded outcome (not 409 in flight); nothing is
+    // sent, the retry neither.
+    let again = h.engine.execute(write(&h, "t", "k-1")).await;
+    assert_eq!(summary(&again), "cancelled");
+    assert_eq!(again.receipt().action_id, action.0);
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_first_send_the_store_could_not_record_is_sent_by_its_same_key_resend() {
     let (h, store) = Harness::with_failing_store();
     h.transport
-        .script("/v1/items/4", vec![answer(200, &[], "ok")]);
-    store.lose_reads();
-    let execution = h
-        .engine
-        .execute(h.get("run-lost-read", "/v1/items/4"))
-        .await;
-    assert_eq!(
-        summary(&execution),
-        "200",
-        "the read is answered all the same"
-    );
-    assert_eq!(execution.receipt().action_id, FIRST_LOST_READ);
+        .script("/v1/transfers", vec![answer(201, &[], "{}")]);
+    store.fail_sends();
+    let answered = h.engine.execute(write(&h, "t", "k-2")).await;
+    let action = answered.receipt().action_id;
+    assert_ne!(action, 0, "the write was recorded");
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "true", 0));
+    assert_eq!(body["sent"], false);
+    assert!(h.transport.sent().is_empty());
 
-    let errors = logs.lines_at("ERROR");
-    assert_eq!(errors.len(), 1, "one loss, one error: {errors:#?}");
-    let line = &errors[0];
-    for field in [
-        format!("action={FIRST_LOST_READ}"),
-        "task=run-lost-read".to_owned(),
-        "agent=agent-a".to_owned(),
-        "route=/v1/items/{id}".to_owned(),
-    ] {
-        assert!(line.contains(&field), "{field} missing: {line}");
-    }
-    // The read's other records went with the same commit: told at DEBUG only.
-    let further = logs
-        .lines_at("DEBUG")
-        .into_iter()
-        .filter(|l| l.contains("task=run-lost-read") && l.contains("not committed"))
-        .count();
-    assert_eq!(further, 2, "{}", logs.text());
+    store.recover();
+    let again = h.engine.execute(write(&h, "t", "k-2")).await;
+    assert_eq!(summary(&again), "201", "sent, not refused as in flight");
+    assert_eq!(again.receipt().action_id, action, "as the same action");
+    assert_eq!(h.transport.sent().len(), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -316,6 +362,44 @@ async fn a_write_the_store_cannot_record_is_answered_with_its_task_and_key_and_l
         assert!(!line.contains("action="), "no action to name: {line}");
         assert!(line.contains("no action exists"), "{line}");
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_read_whose_records_are_lost_is_logged_once_at_error_with_what_identifies_it() {
+    let (logs, _attached) = Capture::this_thread();
+    let (h, store) = Harness::with_failing_store();
+    h.transport
+        .script("/v1/items/4", vec![answer(200, &[], "ok")]);
+    store.lose_reads();
+    let execution = h
+        .engine
+        .execute(h.get("run-lost-read", "/v1/items/4"))
+        .await;
+    assert_eq!(
+        summary(&execution),
+        "200",
+        "the read is answered all the same"
+    );
+    assert_eq!(execution.receipt().action_id, FIRST_LOST_READ);
+
+    let errors = logs.lines_at("ERROR");
+    assert_eq!(errors.len(), 1, "one loss, one error: {errors:#?}");
+    let line = &errors[0];
+    for field in [
+        format!("action={FIRST_LOST_READ}"),
+        "task=run-lost-read".to_owned(),
+        "agent=agent-a".to_owned(),
+        "route=/v1/items/{id}".to_owned(),
+    ] {
+        assert!(line.contains(&field), "{field} missing: {line}");
+    }
+    // The read's other records went with the same commit: told at DEBUG only.
+    let further = logs
+        .lines_at("DEBUG")
+        .into_iter()
+        .filter(|l| l.contains("task=run-lost-read") && l.contains("not committed"))
+        .count();
+    assert_eq!(further, 2, "{}", logs.text());
 }
 
 const DOOR_AGENT_TOKEN: &str = "door-agent-token-5d1e";

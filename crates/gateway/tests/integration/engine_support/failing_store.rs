@@ -3,7 +3,7 @@
 //! [`FailingStore::fail_sends`] fails only the recording of an attempt sent (a write's
 //! `action_sent`: the commit that lets its bytes leave, and claims a waiting retry job).
 //! [`FailingStore::lose_reads`] hands reads their ids but never commits their records, as when
-//! the group commit of a held read fails.
+//! the group commit of a held read fails. [`FailingStore::recover`] ends any of these.
 
 use std::{
     collections::HashMap,
@@ -77,6 +77,11 @@ impl FailingStore {
     /// store answers a held read whose group commit failed.
     pub fn lose_reads(&self) {
         self.mode.store(LOSING_READS, Ordering::SeqCst);
+    }
+
+    /// From now on the store works again.
+    pub fn recover(&self) {
+        self.mode.store(WORKING, Ordering::SeqCst);
     }
 
     fn failing(&self) -> bool {
