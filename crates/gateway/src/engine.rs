@@ -92,7 +92,7 @@ mod quota_escalations;
 mod writes;
 
 pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
-pub use writes::RESTARTED_BEFORE_RETRY;
+pub use writes::{RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY, UNSTARTED_RETRY_CLOSE_WINDOW};
 
 /// The reason a read cut off by a crash is closed at the next start (its action ends
 /// `cancelled`): its attempt was sent but no result was recorded, and nobody waits for it
@@ -169,9 +169,10 @@ struct Inner {
     /// run: no action records anything before, so an attempt of this run is never mistaken
     /// for one the restart interrupted.
     recovery_listed: tokio::sync::watch::Sender<bool>,
-    /// Writes the previous run recorded and never sent (see [`Store::unsent_writes`]), by
-    /// action id: the agent's resend under the same key takes one over and sends it as the same
-    /// action (listed with the unfinished attempts, before any action of this run).
+    /// Writes recorded and never sent, by action id: those the previous run left (see
+    /// [`Store::unsent_writes`], listed with the unfinished attempts, before any action of this
+    /// run), and those of this run whose first send the store could not record. The agent's
+    /// resend under the same key takes one over and sends it as the same action.
     unsent: Mutex<HashSet<i64>>,
     /// Provider credential headers for lookups made without an agent request (after a restart).
     credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
@@ -295,6 +296,8 @@ struct Run<'a> {
     /// Attempts of this action sent before this run: 0, except for a write reopened for a
     /// same-key retry, which continues its count.
     prior_attempts: u32,
+    /// A read's records, which nobody awaits (`None` for a write).
+    read_records: Option<Arc<ReadRecords>>,
 }
 
 impl Run<'_> {
@@ -310,6 +313,15 @@ impl Run<'_> {
     /// The idempotency key in effect, as told to the agent: writes only.
     fn agent_key(&self) -> Option<String> {
         (!is_safe_method(&self.request.method)).then(|| self.key.clone())
+    }
+
+    /// The completion of a read's record `what` that nobody awaits (see [`ReadRecords`]).
+    fn read_completion<T: Send + 'static>(&self, what: &'static str) -> StoreCompletion<T> {
+        match &self.read_records {
+            Some(records) => records.completion(what),
+            // A write's records are awaited; this is not reached for one.
+            None => Box::new(|_| {}),
+        }
     }
 }
 
@@ -524,25 +536,61 @@ impl Inner {
     }
 }
 
-/// The completion of a read's store operation that nobody awaits (SPEC §12: reads may be
-/// recorded asynchronously): a failure is logged, since the read has gone on without it.
-fn unawaited<T: Send + 'static>(action: ActionId, what: &'static str) -> StoreCompletion<T> {
-    Box::new(move |result: Result<T, StoreError>| {
-        if let Err(e) = result {
-            read_not_recorded(Some(action), what, &e);
-        }
-    })
+/// The records of one read, which nobody awaits (SPEC §12: reads may be recorded
+/// asynchronously): the request, each attempt sent and the result. A held read's records are
+/// committed as ONE operation, so when that commit fails every completion of the read gets the
+/// same error; the loss is logged once, at ERROR, with what identifies the read (action, task,
+/// agent, provider, route) — its other steps at DEBUG. See [`ReadRecords::not_recorded`].
+struct ReadRecords {
+    /// The action id, known once the store handed it out (after the request completion was
+    /// given to the store).
+    action: std::sync::OnceLock<i64>,
+    task: String,
+    agent: String,
+    provider: String,
+    route: String,
+    /// Whether a failure of this read was logged already.
+    reported: AtomicBool,
 }
 
-/// Logs a read's record that could not be committed after the read went on: at INFO when its
-/// task was cancelled meanwhile (the cancellation is audited, the read ends there), else at
-/// ERROR — the read was answered and the audit log will not show it.
-fn read_not_recorded(action: Option<ActionId>, what: &str, e: &StoreError) {
-    let action = action.map(|a| a.0);
-    if matches!(e, StoreError::InvalidTransition { .. }) {
-        tracing::info!(action, error = %e, "a read's {what} was not recorded: its task changed meanwhile");
-    } else {
-        tracing::error!(action, error = %e, "a read was answered but its {what} could not be recorded; the audit log will not show it");
+impl ReadRecords {
+    fn new(spec: &ActionSpec) -> Arc<ReadRecords> {
+        Arc::new(ReadRecords {
+            action: std::sync::OnceLock::new(),
+            task: spec.task_id.clone(),
+            agent: spec.agent.clone(),
+            provider: spec.route.provider.clone(),
+            route: spec.route.template.clone(),
+            reported: AtomicBool::new(false),
+        })
+    }
+
+    /// The completion of the read's step `what` (`request`, `attempt`, `result`): a failure is
+    /// logged by [`ReadRecords::not_recorded`].
+    fn completion<T: Send + 'static>(self: &Arc<Self>, what: &'static str) -> StoreCompletion<T> {
+        let records = Arc::clone(self);
+        Box::new(move |result: Result<T, StoreError>| {
+            if let Err(e) = result {
+                records.not_recorded(what, &e);
+            }
+        })
+    }
+
+    /// Logs a step of the read that could not be committed after the read went on. The first
+    /// failure of the read is logged at INFO when its task was cancelled meanwhile (the
+    /// cancellation is audited, the read ends there), else at ERROR — the read is not refused
+    /// for it, and the audit log will not show it. Every later failure of the same read (the
+    /// same lost commit, as a rule) is logged at DEBUG only.
+    fn not_recorded(&self, what: &str, e: &StoreError) {
+        let action = self.action.get().copied();
+        let (task, agent, provider, route) = (&self.task, &self.agent, &self.provider, &self.route);
+        if self.reported.swap(true, Ordering::AcqRel) {
+            tracing::debug!(action, %task, %agent, %provider, %route, step = what, error = %e, "a further record of the same read was not committed either");
+        } else if matches!(e, StoreError::InvalidTransition { .. }) {
+            tracing::info!(action, %task, %agent, %provider, %route, step = what, error = %e, "a read's records were not committed: its task changed meanwhile");
+        } else {
+            tracing::error!(action, %task, %agent, %provider, %route, step = what, error = %e, "a read's records could not be committed; the read is not refused for it, but the audit log will not show it");
+        }
     }
 }
 
@@ -1139,22 +1187,23 @@ impl Engine {
         };
         // Task and action in one store operation. A write waits until both are durable; a
         // read gets its id at once and is recorded with the next group commit (SPEC §12).
-        let admission = if is_write {
-            inner
-                .queued(move |s, done| s.begin_action(task, new_action, now, done))
-                .await
-        } else {
-            let read_id = inner.store.record_read(
-                task,
-                new_action,
-                now,
-                Box::new(|result| {
-                    if let Err(e) = result {
-                        read_not_recorded(None, "request", &e);
-                    }
-                }),
-            );
-            read_id.map(StoreAdmission::New).map_err(EngineError::Store)
+        let read_records = (!is_write).then(|| ReadRecords::new(spec));
+        let admission = match &read_records {
+            None => {
+                inner
+                    .queued(move |s, done| s.begin_action(task, new_action, now, done))
+                    .await
+            }
+            Some(records) => {
+                let read_id =
+                    inner
+                        .store
+                        .record_read(task, new_action, now, records.completion("request"));
+                if let Ok(id) = &read_id {
+                    let _ = records.action.set(id.0);
+                }
+                read_id.map(StoreAdmission::New).map_err(EngineError::Store)
+            }
         };
         let (id, action_guard, prior_attempts) = match admission {
             Ok(StoreAdmission::New(id)) => {
@@ -1183,15 +1232,16 @@ impl Engine {
                 // An operator reopened this escalated write for a same-key retry: this request
                 // (held by the gateway, or resubmitted by the agent under the same key) sends it
                 // again as the SAME logical action, unless another one already does.
-                // A write the previous run recorded and never sent (it stopped while the write
-                // waited for its first send): nothing left, so this resend sends it, once.
-                let unsent_before_restart = record.state == ActionState::Requested
+                // A write recorded and never sent (the previous run stopped while it waited for
+                // its first send, or the store could not record that send): nothing left, so
+                // this resend sends it, once.
+                let never_sent = record.state == ActionState::Requested
                     && inner
                         .unsent
                         .lock()
                         .unwrap_or_else(|poisoned| poisoned.into_inner())
                         .remove(&record.id.0);
-                let taken = if record.state == ActionState::Reopened || unsent_before_restart {
+                let taken = if record.state == ActionState::Reopened || never_sent {
                     match inner.flights.join_or_lead(FlightKey::Action(record.id.0)) {
                         Role::Leader(guard) => Some(guard),
                         Role::Follower(_) => None,
@@ -1206,12 +1256,23 @@ impl Engine {
                         let id = record.id;
                         let prior = match inner.blocking(move |s| s.attempts(id)).await {
                             Ok(attempts) => u32::try_from(attempts.len()).unwrap_or(u32::MAX),
-                            Err(e) => return (self.refused_by_store(e, &spec.task_id), None),
+                            Err(e) => {
+                                if never_sent {
+                                    // Not taken over after all: the next resend may take it.
+                                    inner
+                                        .unsent
+                                        .lock()
+                                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                                        .insert(id.0);
+                                }
+                                let refused = self.refused_by_store(e, spec, Some(&key), Some(id));
+                                return (refused, None);
+                            }
                         };
-                        if unsent_before_restart {
+                        if never_sent {
                             tracing::info!(
                                 action = record.id.0,
-                                "a write recorded but never sent before the restart is sent now with its original idempotency key"
+                                "a write recorded but never sent (before a restart, or because the store could not record its first send) is sent now with its original idempotency key"
                             );
                         } else {
                             tracing::info!(
@@ -1230,7 +1291,10 @@ impl Engine {
                     }
                 }
             }
-            Err(e) => return (self.refused_by_store(e, &spec.task_id), None),
+            Err(e) => {
+                let key = is_write.then_some(key.as_str());
+                return (self.refused_by_store(e, spec, key, None), None);
+            }
         };
         if let Some(tx) = notify {
             let _ = tx.send(id.0);
@@ -1255,6 +1319,7 @@ impl Engine {
             reference,
             operation_id: Mutex::new(None),
             prior_attempts,
+            read_records,
         };
 
         // The per-task circuit breaker (SPEC §7).
@@ -1340,6 +1405,9 @@ impl Engine {
         // retry not sent yet (refunded if it never leaves).
         let mut spent: Option<RetryTokens> = None;
         let mut pending: Option<RetryTokens> = None;
+        // Whether this loop scheduled a retry job (then the only way round the loop again): the
+        // next attempt's `action_sent` claims it (see `Store::mark_attempt_sent`).
+        let mut retry_job = false;
         loop {
             let acquired = inner
                 .scheduler
@@ -1421,7 +1489,7 @@ impl Engine {
             let marked = if is_safe_method(&run.request.method) {
                 inner
                     .store
-                    .submit_attempt_sent(id, sent_at, unawaited(id, "attempt"));
+                    .submit_attempt_sent(id, sent_at, run.read_completion("attempt"));
                 Ok(seen.sent + 1)
             } else {
                 inner
@@ -1434,8 +1502,22 @@ impl Engine {
                     drop(permit);
                     guard.armed = false;
                     if is_store_failure(&e) {
+                        // Nothing of this attempt left. A waiting retry keeps its job, unclaimed:
+                        // the action is closed once the store commits again, never left waiting
+                        // for a wake that nothing arms (at shutdown the next start re-arms it).
+                        // A write's first send frees its key for the agent's resend under it,
+                        // which sends it as this action.
+                        if retry_job && !inner.shutting_down.load(Ordering::SeqCst) {
+                            self.close_unstarted_retry(run, &budget, &seen);
+                        } else if seen.sent == 0 && !is_safe_method(&run.request.method) {
+                            inner
+                                .unsent
+                                .lock()
+                                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                                .insert(run.id.0);
+                        }
                         let receipt = run.receipt(seen.sent);
-                        return self.store_unavailable(receipt, seen.sent > 0, &e);
+                        return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                     }
                     let detail = match &e {
                         EngineError::Store(StoreError::InvalidTransition { reason, .. }) => {
@@ -1729,7 +1811,7 @@ impl Engine {
                     // A read's result is recorded with the next group commit (SPEC §12).
                     inner
                         .store
-                        .submit_result(result, received_at, unawaited(run.id, "result"));
+                        .submit_result(result, received_at, run.read_completion("result"));
                 } else if let Err(e) = inner
                     .queued(move |s, done| s.submit_result(result, received_at, done))
                     .await
@@ -1885,7 +1967,7 @@ impl Engine {
                         }
                         if is_store_failure(&e) {
                             let receipt = run.receipt(seen.sent);
-                            return self.store_unavailable(receipt, seen.sent > 0, &e);
+                            return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                         }
                         tracing::warn!(action = run.id.0, error = %e, "the retry could not be scheduled");
                         let context =
@@ -1911,6 +1993,7 @@ impl Engine {
                         wait_left_ms = budget.wait_remaining().as_millis() as u64,
                         "retry scheduled"
                     );
+                    retry_job = true;
                     not_before = Some(at);
                 }
             }
@@ -2334,6 +2417,41 @@ impl Engine {
         }
     }
 
+    /// A write's retry came due but the store could not record its start (the `action_sent`
+    /// that claims the retry job, [`Store::mark_attempt_sent`]): nothing of it left, and its
+    /// caller is answered `503 store_unavailable`. The action must not stay `waiting` for a wake
+    /// nothing arms any more (the watchdog's `stuck_missed_wake`, a `409` for every same-key
+    /// resend until a restart): it ends `cancelled` with [`STORE_FAILED_BEFORE_RETRY`] as soon as
+    /// the store commits again (see `Inner::close_unstarted_retry`), as a retry re-armed at a
+    /// restart does. Its context offers `query_status` when the last attempt was `uncertain`.
+    fn close_unstarted_retry(&self, run: &Run<'_>, budget: &ActionBudget, seen: &Seen) {
+        let next_safe = if seen.last_signal == Some(Disposition::Uncertain.as_str()) {
+            vec![NextSafe::QueryStatus, NextSafe::Abort]
+        } else {
+            vec![NextSafe::Abort]
+        };
+        let context = self.context(budget, seen, seen.boundary, next_safe);
+        let mut context = serde_json::to_value(&context).unwrap_or_default();
+        if let Some(members) = context.as_object_mut() {
+            members.insert("detail".into(), STORE_FAILED_BEFORE_RETRY.into());
+        }
+        let route = &run.spec.route;
+        tracing::warn!(
+            action = run.id.0,
+            task = %run.spec.task_id,
+            agent = %run.spec.agent,
+            route = %route.template,
+            attempts = seen.sent,
+            "the store could not record the start of this write's retry when it came due, so the retry was not sent; the caller is answered 503 store_unavailable and the action is closed `cancelled` as soon as the store commits again"
+        );
+        self.inner.close_unstarted_retry(
+            run.id,
+            route.provider.clone(),
+            route.class.clone(),
+            context,
+        );
+    }
+
     /// Ends the action with a gateway-made outcome (no attempt result pending).
     async fn finish(
         &self,
@@ -2434,15 +2552,23 @@ impl Engine {
 
     /// The store refused to record the action (a cancelled task, a key reused for another
     /// request, a task opened by another agent) or failed (nothing was sent either way). A
-    /// reused key is answered `422 idempotency_key_reused` saying what differs.
-    fn refused_by_store(&self, e: EngineError, task_id: &str) -> Execution {
+    /// reused key is answered `422 idempotency_key_reused` saying what differs. `key` is the
+    /// idempotency key in effect for a write (the agent's, or the one minted for it), `action`
+    /// the action when one is recorded; a store failure's answer carries both.
+    fn refused_by_store(
+        &self,
+        e: EngineError,
+        spec: &ActionSpec,
+        key: Option<&str>,
+        action: Option<ActionId>,
+    ) -> Execution {
         if is_store_failure(&e) {
             let receipt = ActionReceipt {
-                action_id: 0,
+                action_id: action.map_or(0, |a| a.0),
                 attempts: 0,
-                idempotency_key: None,
+                idempotency_key: key.map(str::to_owned),
             };
-            return self.store_unavailable(receipt, false, &e);
+            return self.store_unavailable(spec, receipt, false, &e);
         }
         match e {
             EngineError::Store(StoreError::KeyReuse { differs, bound, .. }) => {
@@ -2453,7 +2579,7 @@ impl Engine {
                 };
                 let problem =
                     Problem::key_reused(&differs, (&bound.provider, &bound.method, &bound.route))
-                        .with_extension("task", task_id.into());
+                        .with_extension("task", spec.task_id.as_str().into());
                 problem_answer(receipt, problem)
             }
             EngineError::Store(StoreError::InvalidTransition { reason, .. }) => unrecorded(
@@ -2470,7 +2596,31 @@ impl Engine {
     /// The store failed: `503 store_unavailable` saying whether an attempt was sent (a retry
     /// is invited only when nothing was), logged as an ERROR with the store's reason. While
     /// the gateway stops, a store whose writer is gone answers `503 shutting_down` instead.
-    fn store_unavailable(&self, receipt: ActionReceipt, sent: bool, e: &EngineError) -> Execution {
+    ///
+    /// Like the other answers the gateway makes for an action, the problem carries `task`,
+    /// the write's `idempotency_key` (also the receipt's, so the door answers it as the
+    /// `Idempotency-Key` header) and `action_id` — only when an action was recorded: a request
+    /// the store could not record at all has none, and its log line says so instead of naming
+    /// one.
+    fn store_unavailable(
+        &self,
+        spec: &ActionSpec,
+        receipt: ActionReceipt,
+        sent: bool,
+        e: &EngineError,
+    ) -> Execution {
+        let action = (receipt.action_id != 0).then_some(receipt.action_id);
+        let key = receipt.idempotency_key.clone();
+        let with_ids = |mut problem: Problem| {
+            problem = problem.with_extension("task", spec.task_id.as_str().into());
+            if let Some(key) = &key {
+                problem = problem.with_extension("idempotency_key", key.as_str().into());
+            }
+            if let Some(action) = action {
+                problem = problem.with_extension("action_id", action.into());
+            }
+            problem
+        };
         if self.inner.shutting_down.load(Ordering::SeqCst)
             && matches!(e, EngineError::Store(StoreError::WriterGone))
         {
@@ -2479,20 +2629,26 @@ impl Engine {
             } else {
                 "backstop is shutting down; nothing was sent for this request, so sending it again is safe"
             };
-            return problem_answer(receipt, Problem::shutting_down_during(sent, detail));
+            let problem = with_ids(Problem::shutting_down_during(sent, detail));
+            return problem_answer(receipt, problem);
         }
-        tracing::error!(
-            action = receipt.action_id,
-            sent,
-            error = %e,
-            "the store failed: the request is answered 503 store_unavailable"
-        );
-        let detail = if sent {
-            "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again"
-        } else {
-            "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe"
+        let (task, agent, route) = (&spec.task_id, &spec.agent, &spec.route.template);
+        match action {
+            Some(action) => tracing::error!(
+                action, %task, %agent, %route, sent, error = %e,
+                "the store failed: the request is answered 503 store_unavailable"
+            ),
+            None => tracing::error!(
+                %task, %agent, %route, sent, error = %e,
+                "the store failed before the request was recorded (no action exists for it): the request is answered 503 store_unavailable"
+            ),
+        }
+        let detail = match (sent, action) {
+            (true, _) => "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again",
+            (false, Some(_)) if key.is_some() => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
+            (false, _) => "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe",
         };
-        problem_answer(receipt, Problem::store_unavailable(sent, detail))
+        problem_answer(receipt, with_ids(Problem::store_unavailable(sent, detail)))
     }
 
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.

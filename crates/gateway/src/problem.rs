@@ -351,7 +351,8 @@ impl Problem {
     /// says whether any attempt of the action had left: only when nothing was sent is a retry
     /// safe (`Retry-After: 1`, `x-should-retry: true`); otherwise `x-should-retry: false` and
     /// the agent must check the action's status (SPEC §5, §12: a write is sent only after it
-    /// is durable).
+    /// is durable). The engine adds `task`, a write's `idempotency_key` and, when an action was
+    /// recorded, its `action_id`.
     pub fn store_unavailable(sent: bool, detail: impl Into<String>) -> Problem {
         Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -55,6 +55,22 @@ use crate::{
 pub const RESTARTED_BEFORE_RETRY: &str =
     "the gateway restarted before the retry; the caller's request is gone — resubmit";
 
+/// The reason a write whose retry could not start is closed (its action ends `cancelled`): the
+/// store failed when the retry came due, so the `action_sent` that starts it was not recorded,
+/// nothing of it was sent, and its caller was answered `503 store_unavailable`.
+pub const STORE_FAILED_BEFORE_RETRY: &str = "the store could not record this write's retry when it came due, so the retry was not sent and its caller was answered 503 store_unavailable; the action is closed and nothing more is sent for it";
+
+/// How long the gateway keeps trying to close a write whose retry could not start (1 h), the
+/// store being tried again after 1 s, then after twice the previous wait, at most every
+/// [`STORE_RETRY_MAX_WAIT`]. Past it the retry is left in the store: the next start re-arms it.
+pub const UNSTARTED_RETRY_CLOSE_WINDOW: Duration = Duration::from_secs(3600);
+
+/// The first wait before the store is tried again for a retry that could not start.
+const STORE_RETRY_FIRST_WAIT: Duration = Duration::from_secs(1);
+
+/// The longest wait between two tries of the store for a retry that could not start.
+const STORE_RETRY_MAX_WAIT: Duration = Duration::from_secs(60);
+
 /// The longest a reconciliation lookup may wait for its scopes (pacing, `next_allowed_at`).
 pub(super) const LOOKUP_MAX_WAIT: Duration = Duration::from_secs(60);
 
@@ -762,6 +778,88 @@ impl Inner {
                 }
             });
         }
+    }
+}
+
+impl Inner {
+    /// Closes `action`, a write whose retry came due while the store could not commit (its
+    /// caller was answered `503 store_unavailable`, nothing of the retry left): it ends
+    /// `cancelled` with `context` (which carries [`STORE_FAILED_BEFORE_RETRY`]), which also drops
+    /// its unclaimed retry job, as soon as the store commits again. The store is tried after
+    /// [`STORE_RETRY_FIRST_WAIT`], then after doubling waits of at most
+    /// [`STORE_RETRY_MAX_WAIT`], for [`UNSTARTED_RETRY_CLOSE_WINDOW`]; each outcome is logged.
+    /// An action that ended meanwhile (its task cancelled) is left as it is; at shutdown, or
+    /// past the window, the retry stays in the store and the next start re-arms it (SPEC §12).
+    pub(super) fn close_unstarted_retry(
+        self: &std::sync::Arc<Self>,
+        action: ActionId,
+        provider: String,
+        class: String,
+        context: serde_json::Value,
+    ) {
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let mut wait = STORE_RETRY_FIRST_WAIT;
+            let mut waited = Duration::ZERO;
+            loop {
+                tokio::time::sleep(wait).await;
+                waited += wait;
+                if inner
+                    .shutting_down
+                    .load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    tracing::info!(
+                        action = action.0,
+                        "shutting down: the write whose retry could not start stays in the store; the next start re-arms its retry"
+                    );
+                    return;
+                }
+                let finish = super::Finish {
+                    outcome: backstop_store::Outcome::Cancelled,
+                    context: context.clone(),
+                    response: None,
+                };
+                let at = inner.clock.now();
+                match inner
+                    .blocking(move |s| s.finish_action(action, finish, at))
+                    .await
+                {
+                    Ok(()) => {
+                        inner.metrics.outcome(
+                            &provider,
+                            &class,
+                            backstop_core::outcome::Outcome::Cancelled,
+                        );
+                        tracing::info!(
+                            action = action.0,
+                            "the store commits again: the write whose retry could not start is closed `cancelled`; nothing more is sent for it"
+                        );
+                        return;
+                    }
+                    Err(e) if !super::is_store_failure(&e) => {
+                        tracing::debug!(action = action.0, error = %e, "the write whose retry could not start had ended meanwhile");
+                        return;
+                    }
+                    Err(e) if waited >= UNSTARTED_RETRY_CLOSE_WINDOW => {
+                        tracing::error!(
+                            action = action.0,
+                            error = %e,
+                            "the store still fails: the write whose retry could not start is not closed; its retry stays in the store and the next start re-arms it"
+                        );
+                        return;
+                    }
+                    Err(e) => {
+                        wait = (wait * 2).min(STORE_RETRY_MAX_WAIT);
+                        tracing::debug!(
+                            action = action.0,
+                            error = %e,
+                            next_try_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                            "the store still fails: the write whose retry could not start is closed later"
+                        );
+                    }
+                }
+            }
+        });
     }
 }
 

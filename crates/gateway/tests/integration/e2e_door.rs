@@ -3,105 +3,23 @@
 //! listeners, and every assertion about attempts is measured at the provider's own record.
 
 use std::{
-    cell::RefCell,
-    io::Write,
     path::Path,
-    sync::{Arc, Mutex, Once},
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
+use crate::support::{
+    self,
+    capture::{runtime_logging_into, Capture},
+    client, fake_with as fake,
+};
 use backstop_fake_api::{AttemptRecord, Fault, Handler, RouteConfig};
 use backstop_gateway::server::Running;
 use backstop_store::Store;
 use sha2::{Digest, Sha256};
-use tracing::Level;
-use tracing_subscriber::{
-    filter::DynFilterFn, fmt::writer::OptionalWriter, layer::SubscriberExt, Layer,
-};
-
-use crate::support::{self, client, fake_with as fake};
 
 const AGENT_TOKEN: &str = "agent-token-7f3a9c";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-42b1";
-
-// ---------------------------------------------------------------------------------------------
-// Log capture: the secrets test reads what its own gateway logs at debug level. The subscriber
-// is the process's (one for the whole binary, installed by the first capture), but it takes only
-// the events of threads that carry a capture: the threads of that test's runtime. The other
-// tests' gateways run alongside in this process; their events are neither captured nor
-// formatted. (A subscriber set as the default of the test's threads alone is not enough:
-// tracing caches per callsite whether anyone is interested, decided on whichever thread
-// reaches the callsite first — often another test's.)
-
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-thread_local! {
-    /// Where the events of this thread go, if anywhere.
-    static THREAD_CAPTURE: RefCell<Option<Capture>> = const { RefCell::new(None) };
-}
-
-fn thread_capture() -> Option<Capture> {
-    THREAD_CAPTURE
-        .try_with(|capture| capture.borrow().clone())
-        .ok()
-        .flatten()
-}
-
-impl Capture {
-    /// Sends the current thread's events of level debug and above here, until [`Capture::detach`].
-    fn attach(&self) {
-        static SUBSCRIBER: Once = Once::new();
-        SUBSCRIBER.call_once(|| {
-            let layer = tracing_subscriber::fmt::layer()
-                .with_ansi(false)
-                .with_writer(|| OptionalWriter::from(thread_capture()))
-                .with_filter(
-                    DynFilterFn::new(|meta, _| {
-                        *meta.level() <= Level::DEBUG && thread_capture().is_some()
-                    })
-                    .with_max_level_hint(Level::DEBUG),
-                );
-            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))
-                .expect("no other global subscriber in this test binary");
-        });
-        THREAD_CAPTURE.with(|capture| *capture.borrow_mut() = Some(self.clone()));
-    }
-
-    fn detach() {
-        THREAD_CAPTURE.with(|capture| capture.borrow_mut().take());
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
-    }
-}
-
-/// The runtime of `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]`, every thread of
-/// which (workers and blocking threads) logs into `capture`.
-fn runtime_logging_into(capture: &Capture) -> tokio::runtime::Runtime {
-    let capture = capture.clone();
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .on_thread_start(move || capture.attach())
-        .on_thread_stop(Capture::detach)
-        .build()
-        .expect("runtime")
-}
 
 // ---------------------------------------------------------------------------------------------
 // Harness

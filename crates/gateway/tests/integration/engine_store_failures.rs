@@ -1,14 +1,30 @@
 //! The store failing and the gateway stopping are answered as what they are: `503
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
-//! cancelled`. Attempts are measured at the scripted transport.
+//! cancelled`; what the store could not record is not left waiting once it works again, and
+//! what it lost is logged once. Attempts are measured at the scripted transport, answers at the
+//! door where the header matters.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
-use backstop_gateway::action::Execution;
-use backstop_store::Store;
+use backstop_core::policy::Policy;
+use backstop_fake_api::RouteConfig;
+use backstop_gateway::{
+    action::Execution,
+    engine::STORE_FAILED_BEFORE_RETRY,
+    server,
+    watchdog::{Watchdog, WatchdogConfig},
+};
+use backstop_store::{Outcome, Store};
 use serde_json::Value;
 
-use crate::engine_support::{advance, answer, held_ok, until, Harness};
+use crate::{
+    engine_support::{
+        advance, answer,
+        failing_store::{FailingStore, FIRST_LOST_READ},
+        held_ok, summary, until, Harness,
+    },
+    support::{self, capture::Capture},
+};
 
 /// Status, `x-should-retry`, and the problem body of an answer made as a problem response.
 async fn problem(execution: Execution) -> (u16, String, Value, u32) {
@@ -216,4 +232,240 @@ async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gon
     );
     assert!(h.store.scheduled_retries().unwrap().is_empty());
     restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_due_while_the_store_fails_is_closed_once_the_store_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(503, &[("retry-after", "5")], ""),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(&h, "t", "k-1"));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let action = h.store.scheduled_retries().unwrap()[0].action;
+    // The retry comes due while the store cannot commit: its start is not recorded, so it is
+    // not sent, and the caller is told an earlier attempt was.
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    let answered = running.await.unwrap();
+    assert_eq!(answered.receipt().action_id, action.0);
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_eq!(body["sent"], true);
+    let stored = || h.store.action(action).unwrap().unwrap();
+    assert_eq!(stored().outcome, None, "nothing can be recorded yet");
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored().outcome.is_some()).await,
+        "the action is closed once the store commits again, not left waiting"
+    );
+    let record = stored();
+    assert_eq!(record.outcome, Some(Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(context["detail"], STORE_FAILED_BEFORE_RETRY);
+    assert_eq!(context["attempts"], 1);
+    assert_eq!(context["sent"], true);
+    assert!(
+        h.store.scheduled_retries().unwrap().is_empty(),
+        "no retry job is left past due"
+    );
+    let mut watchdog = Watchdog::new(
+        h.store.clone(),
+        h.metrics.clone(),
+        WatchdogConfig::default(),
+    );
+    let findings = watchdog.check(h.clock_now()).unwrap();
+    assert!(findings.iter().all(|f| f.action != action), "{findings:?}");
+    // A resend under the same key gets the recorded outcome (not 409 in flight); nothing is
+    // sent, the retry neither.
+    let again = h.engine.execute(write(&h, "t", "k-1")).await;
+    assert_eq!(summary(&again), "cancelled");
+    assert_eq!(again.receipt().action_id, action.0);
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_first_send_the_store_could_not_record_is_sent_by_its_same_key_resend() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport
+        .script("/v1/transfers", vec![answer(201, &[], "{}")]);
+    store.fail_sends();
+    let answered = h.engine.execute(write(&h, "t", "k-2")).await;
+    let action = answered.receipt().action_id;
+    assert_ne!(action, 0, "the write was recorded");
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "true", 0));
+    assert_eq!(body["sent"], false);
+    assert!(h.transport.sent().is_empty());
+
+    store.recover();
+    let again = h.engine.execute(write(&h, "t", "k-2")).await;
+    assert_eq!(summary(&again), "201", "sent, not refused as in flight");
+    assert_eq!(again.receipt().action_id, action, "as the same action");
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_503_store_unavailable_for_a_recorded_write_names_its_action_task_and_key() {
+    let (h, store) = Harness::with_failing_store();
+    store.fail_sends();
+    let answered = h.engine.execute(write(&h, "run-recorded", "k-4")).await;
+    let action = answered.receipt().action_id;
+    assert_eq!(answered.receipt().idempotency_key.as_deref(), Some("k-4"));
+    let (status, _, body, _) = problem(answered).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["action_id"], action);
+    assert_eq!(body["task"], "run-recorded");
+    assert_eq!(body["idempotency_key"], "k-4");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_the_store_cannot_record_is_answered_with_its_task_and_key_and_logged_without_an_action(
+) {
+    let (logs, _attached) = Capture::this_thread();
+    let (h, store) = Harness::with_failing_store();
+    store.fail();
+    let execution = h.engine.execute(write(&h, "run-unrecorded", "k-3")).await;
+    assert_eq!(execution.receipt().idempotency_key.as_deref(), Some("k-3"));
+    let (status, _, body, _) = problem(execution).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["task"], "run-unrecorded");
+    assert_eq!(body["idempotency_key"], "k-3");
+    assert!(body.get("action_id").is_none(), "no action exists: {body}");
+    // A write without a key: the key minted for it is told, as for every other answer.
+    let mut minted = write(&h, "run-unrecorded", "unused");
+    minted.idempotency_key = None;
+    let execution = h.engine.execute(minted).await;
+    let key = execution
+        .receipt()
+        .idempotency_key
+        .clone()
+        .expect("the minted key");
+    let (_, _, body, _) = problem(execution).await;
+    assert_eq!(body["idempotency_key"], key.as_str());
+
+    let lines: Vec<String> = logs
+        .lines_at("ERROR")
+        .into_iter()
+        .filter(|l| l.contains("store_unavailable"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    for line in &lines {
+        assert!(line.contains("task=run-unrecorded"), "{line}");
+        assert!(!line.contains("action="), "no action to name: {line}");
+        assert!(line.contains("no action exists"), "{line}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_read_whose_records_are_lost_is_logged_once_at_error_with_what_identifies_it() {
+    let (logs, _attached) = Capture::this_thread();
+    let (h, store) = Harness::with_failing_store();
+    h.transport
+        .script("/v1/items/4", vec![answer(200, &[], "ok")]);
+    store.lose_reads();
+    let execution = h
+        .engine
+        .execute(h.get("run-lost-read", "/v1/items/4"))
+        .await;
+    assert_eq!(
+        summary(&execution),
+        "200",
+        "the read is answered all the same"
+    );
+    assert_eq!(execution.receipt().action_id, FIRST_LOST_READ);
+
+    let errors = logs.lines_at("ERROR");
+    assert_eq!(errors.len(), 1, "one loss, one error: {errors:#?}");
+    let line = &errors[0];
+    for field in [
+        format!("action={FIRST_LOST_READ}"),
+        "task=run-lost-read".to_owned(),
+        "agent=agent-a".to_owned(),
+        "route=/v1/items/{id}".to_owned(),
+    ] {
+        assert!(line.contains(&field), "{field} missing: {line}");
+    }
+    // The read's other records went with the same commit: told at DEBUG only.
+    let further = logs
+        .lines_at("DEBUG")
+        .into_iter()
+        .filter(|l| l.contains("task=run-lost-read") && l.contains("not committed"))
+        .count();
+    assert_eq!(further, 2, "{}", logs.text());
+}
+
+const DOOR_AGENT_TOKEN: &str = "door-agent-token-5d1e";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_answers_a_write_the_store_cannot_record_with_its_idempotency_key() {
+    let fake = support::fake_with(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        support::create("transfers", "tr_"),
+    )]);
+    let yaml = support::policy_yaml(
+        &fake.url(),
+        "agents:\n  door-agent: { token_env: DOOR_AGENT_TOKEN }\n",
+        "    routes:\n      \"POST /v1/transfers\": { class: idempotent_write, scopes: [account] }\n",
+    );
+    let env = |name: &str| match name {
+        "DOOR_AGENT_TOKEN" => Some(DOOR_AGENT_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some("provider-key".to_owned()),
+        _ => None,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let policy = Policy::from_yaml_str(&yaml, "door.yaml").expect("policy");
+    let gateway = server::start(
+        policy,
+        support::serve_options(dir.path(), 7),
+        &env,
+        |mut parts| {
+            let failing = FailingStore::new(parts.store.clone());
+            failing.fail();
+            parts.store = failing as Arc<dyn Store>;
+            server::engine(parts)
+        },
+    )
+    .await
+    .expect("gateway starts");
+
+    let send = |key: Option<&str>| {
+        let mut request = support::client()
+            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+            .bearer_auth(DOOR_AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-door")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":5}"#);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        request.send()
+    };
+    for key in [Some("k-door"), None] {
+        let response = send(key).await.expect("request");
+        assert_eq!(response.status(), 503);
+        let header = response
+            .headers()
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .expect("the Idempotency-Key header");
+        if let Some(key) = key {
+            assert_eq!(header, key);
+        }
+        let (_, body) = support::json_of(response).await;
+        assert_eq!(body["sent"], false);
+        assert_eq!(body["task"], "run-door");
+        assert_eq!(body["idempotency_key"], header.as_str());
+    }
+    assert!(fake.attempts().is_empty(), "nothing was sent");
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
 }

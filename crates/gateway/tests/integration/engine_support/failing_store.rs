@@ -1,16 +1,23 @@
-//! A store that fails on demand like a damaged file or a full disk: every operation that writes
-//! answers SQLite's error while [`FailingStore::fail`] is set; reads keep working.
+//! A store that fails on demand like a damaged file or a full disk. While [`FailingStore::fail`]
+//! is in force every operation that writes answers SQLite's error; reads keep working.
+//! [`FailingStore::fail_sends`] fails only the recording of an attempt sent (a write's
+//! `action_sent`: the commit that lets its bytes leave, and claims a waiting retry job).
+//! [`FailingStore::lose_reads`] hands reads their ids but never commits their records, as when
+//! the group commit of a held read fails. [`FailingStore::recover`] ends any of these.
 
-use std::sync::{
-    atomic::{AtomicBool, Ordering},
-    Arc,
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicI64, AtomicU8, Ordering},
+        Arc, Mutex,
+    },
 };
 
 use backstop_store::{
     audit::{AuditEvent, ChainHead},
     ActionId, ActionRecord, Admission, AttemptRecord, AttemptResult, CancelReport, Completion,
     DueRetry, EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, RouteTemplate,
-    ScopeRecord, ScopeUpdate, SqliteStore, Store, StoreError, TaskRecord, UnfinishedAttempt,
+    ScopeRecord, ScopeUpdate, Store, StoreError, TaskRecord, UnfinishedAttempt,
 };
 use jiff::Timestamp;
 
@@ -19,27 +26,86 @@ pub fn damaged() -> StoreError {
     StoreError::Sqlite("database disk image is malformed".to_owned())
 }
 
+/// The store works.
+const WORKING: u8 = 0;
+/// Every writing operation fails.
+const FAILING: u8 = 1;
+/// Only recording an attempt sent fails.
+const FAILING_SENDS: u8 = 2;
+/// Reads' records are never committed.
+const LOSING_READS: u8 = 3;
+
+/// The first action id handed to a read whose records are lost (far above the real store's).
+pub const FIRST_LOST_READ: i64 = 1_000_000;
+
+/// A completion of a lost read, waiting to be told its commit failed.
+type Pending = Box<dyn FnOnce(StoreError) + Send>;
+
 /// Delegates to a real store until told to fail.
 pub struct FailingStore {
-    pub inner: Arc<SqliteStore>,
-    failing: AtomicBool,
+    pub inner: Arc<dyn Store>,
+    mode: AtomicU8,
+    /// Reads handed an id while their records are lost: their completions so far, in order.
+    lost_reads: Mutex<HashMap<ActionId, Vec<Pending>>>,
+    next_lost_read: AtomicI64,
 }
 
 impl FailingStore {
-    pub fn new(inner: Arc<SqliteStore>) -> Arc<FailingStore> {
+    pub fn new(inner: Arc<dyn Store>) -> Arc<FailingStore> {
         Arc::new(FailingStore {
             inner,
-            failing: AtomicBool::new(false),
+            mode: AtomicU8::new(WORKING),
+            lost_reads: Mutex::new(HashMap::new()),
+            next_lost_read: AtomicI64::new(FIRST_LOST_READ),
         })
     }
 
     /// From now on every writing operation fails.
     pub fn fail(&self) {
-        self.failing.store(true, Ordering::SeqCst);
+        self.mode.store(FAILING, Ordering::SeqCst);
+    }
+
+    /// From now on only recording an attempt sent fails (`submit_attempt_sent`,
+    /// `mark_attempt_sent`).
+    pub fn fail_sends(&self) {
+        self.mode.store(FAILING_SENDS, Ordering::SeqCst);
+    }
+
+    /// From now on a read is handed an id (from [`FIRST_LOST_READ`] on) but none of its records
+    /// is committed: when its result is submitted, every completion of the read — the request,
+    /// each attempt sent, the result — is answered SQLite's error, in that order, as the real
+    /// store answers a held read whose group commit failed.
+    pub fn lose_reads(&self) {
+        self.mode.store(LOSING_READS, Ordering::SeqCst);
+    }
+
+    /// From now on the store works again.
+    pub fn recover(&self) {
+        self.mode.store(WORKING, Ordering::SeqCst);
     }
 
     fn failing(&self) -> bool {
-        self.failing.load(Ordering::SeqCst)
+        self.mode.load(Ordering::SeqCst) == FAILING
+    }
+
+    fn failing_sends(&self) -> bool {
+        matches!(self.mode.load(Ordering::SeqCst), FAILING | FAILING_SENDS)
+    }
+
+    fn losing_reads(&self) -> bool {
+        self.mode.load(Ordering::SeqCst) == LOSING_READS
+    }
+
+    /// Keeps `done` of a lost read; gives it back when `action` is not one.
+    fn hold<T: 'static>(&self, action: ActionId, done: Completion<T>) -> Option<Completion<T>> {
+        let mut lost = self.lost_reads.lock().unwrap();
+        match lost.get_mut(&action) {
+            Some(pending) => {
+                pending.push(Box::new(move |e| done(Err(e))));
+                None
+            }
+            None => Some(done),
+        }
     }
 }
 
@@ -72,15 +138,31 @@ impl Store for FailingStore {
         if self.failing() {
             return Err(damaged());
         }
+        if self.losing_reads() {
+            let id = ActionId(self.next_lost_read.fetch_add(1, Ordering::SeqCst));
+            let pending: Vec<Pending> = vec![Box::new(move |e| done(Err(e)))];
+            self.lost_reads.lock().unwrap().insert(id, pending);
+            return Ok(id);
+        }
         self.inner.record_read(task, action, at, done)
     }
     fn submit_attempt_sent(&self, action: ActionId, at: Timestamp, done: Completion<u32>) {
-        if self.failing() {
+        let Some(done) = self.hold(action, done) else {
+            return;
+        };
+        if self.failing_sends() {
             return done(Err(damaged()));
         }
         self.inner.submit_attempt_sent(action, at, done)
     }
     fn submit_result(&self, result: AttemptResult, at: Timestamp, done: Completion<()>) {
+        let lost = self.lost_reads.lock().unwrap().remove(&result.action);
+        if let Some(pending) = lost {
+            for earlier in pending {
+                earlier(damaged());
+            }
+            return done(Err(damaged()));
+        }
         if self.failing() {
             return done(Err(damaged()));
         }
@@ -93,7 +175,7 @@ impl Store for FailingStore {
         self.inner.flush()
     }
     fn mark_attempt_sent(&self, action: ActionId, at: Timestamp) -> Result<u32, StoreError> {
-        if self.failing() {
+        if self.failing_sends() {
             return Err(damaged());
         }
         self.inner.mark_attempt_sent(action, at)

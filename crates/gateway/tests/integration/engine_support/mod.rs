@@ -237,7 +237,8 @@ impl Harness {
         let clock = TokioClock::anchored_at(t0);
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(SqliteStore::open(dir.path().join("backstop.db")).unwrap());
-        let failing = wrap.then(|| failing_store::FailingStore::new(store.clone()));
+        let failing =
+            wrap.then(|| failing_store::FailingStore::new(store.clone() as Arc<dyn Store>));
         let engine_store: Arc<dyn Store> = match &failing {
             Some(f) => f.clone(),
             None => store.clone(),

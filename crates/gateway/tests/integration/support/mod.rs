@@ -2,6 +2,8 @@
 //! loopback port with a temp-dir SQLite store, in front of the controllable fake provider on
 //! another loopback port, and the HTTP helpers the tests share.
 
+pub mod capture;
+
 use std::{path::Path, time::Duration};
 
 use backstop_core::policy::Policy;
