@@ -64,6 +64,21 @@ pub enum StoreError {
         /// The database that was asked for.
         database: PathBuf,
     },
+    /// A database in WAL mode that cannot be read where it is: SQLite cannot open or create its
+    /// `-shm` file (a read-only directory or file system), and its `-wal` file holds changes
+    /// that may not be in the database file yet, so reading the database file alone
+    /// (`immutable=1`) could miss committed events.
+    #[error(
+        "{path}: cannot be read in place: SQLite cannot create or open its -shm file ({reason}), which reading a database in WAL mode needs, and its -wal file holds {wal_bytes} bytes of changes that may not be in the database file yet; copy the database together with its -wal file into a writable directory and run the command on the copy"
+    )]
+    ReadOnlyWal {
+        /// The database file.
+        path: PathBuf,
+        /// Size of the `-wal` file beside it.
+        wal_bytes: u64,
+        /// SQLite's error on the plain read-only open.
+        reason: String,
+    },
     /// A SQLite error while reading or writing.
     #[error("sqlite: {0}")]
     Sqlite(String),

@@ -1464,10 +1464,14 @@ pub struct AuditReader {
 
 impl AuditReader {
     /// Opens `path` read-only and checks it is a backstop database of this schema version.
+    /// Where SQLite cannot create the `-shm` file beside it (a read-only directory or file
+    /// system) and no `-wal` file holds changes, the file is read as `immutable=1` instead
+    /// (every commit is then in the database file).
     ///
     /// # Errors
     /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::Foreign`],
-    /// [`StoreError::TooNew`], or [`StoreError::Sqlite`] naming the file.
+    /// [`StoreError::TooNew`], [`StoreError::ReadOnlyWal`] (no `-shm` file can be had and the
+    /// `-wal` file is not empty), or [`StoreError::Sqlite`] naming the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Ok(AuditReader {
             conn: schema::open_reader(path.as_ref(), true)?,

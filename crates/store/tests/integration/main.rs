@@ -14,6 +14,7 @@ mod foreign_db;
 mod key_target;
 mod queued_operations;
 mod read_groups;
+mod read_only_dir;
 mod read_records;
 mod signal_headers;
 mod store_lock;
