@@ -6,6 +6,7 @@
 mod common;
 
 mod audit_chain;
+mod audit_edges;
 mod canary;
 mod canonical_encoding;
 mod crash;
