@@ -389,13 +389,22 @@ impl AuditEvent {
         digest
     }
 
-    /// Parses one export line.
+    /// Parses one export line. A `prev` or `hash` of 64 hex digits is read in either letter
+    /// case and kept lower-cased, as the chain writes it: the digest is the same, so an export
+    /// whose hex a tool upper-cased still verifies (anything else is kept as it is, and
+    /// verification reports it).
     ///
     /// # Errors
     /// The `serde_json` message when the line is not an audit event object (unknown members
     /// are refused: an added member is a change to the event).
     pub fn from_export_line(line: &str) -> Result<Self, String> {
-        serde_json::from_str(line).map_err(|e| e.to_string())
+        let mut event: AuditEvent = serde_json::from_str(line).map_err(|e| e.to_string())?;
+        for digest in [&mut event.prev, &mut event.hash] {
+            if digest.len() == 2 * DIGEST_BYTES && digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+                digest.make_ascii_lowercase();
+            }
+        }
+        Ok(event)
     }
 }
 
@@ -522,9 +531,12 @@ pub enum BreakKind {
     Missing,
     /// Events appear out of `seq` order.
     Reordered,
-    /// A duplicate or extra event, or an event whose own hash is valid but which does not link
-    /// to its predecessor.
+    /// A duplicate or extra event, an event outside the chain (`seq` 0 or below), or an event
+    /// whose own hash is valid but which does not link to its predecessor.
     Inserted,
+    /// The event's `prev` is not the hash of the event before it, while the rest of the event
+    /// matches its hash with the right `prev`: only the link was changed.
+    BrokenLink,
     /// The log ends before the expected head.
     Truncated,
 }
@@ -537,6 +549,7 @@ impl BreakKind {
             BreakKind::Missing => "missing",
             BreakKind::Reordered => "reordered",
             BreakKind::Inserted => "inserted",
+            BreakKind::BrokenLink => "broken link",
             BreakKind::Truncated => "truncated",
         }
     }
@@ -545,8 +558,9 @@ impl BreakKind {
 /// The first broken place in a log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChainBreak {
-    /// The first bad `seq`.
-    pub seq: u64,
+    /// The first bad `seq`. Signed: a row a database holds outside the chain may have a `seq`
+    /// of 0 or below.
+    pub seq: i64,
     /// What is wrong there.
     pub kind: BreakKind,
     /// One-line explanation.
@@ -592,8 +606,12 @@ pub enum Verdict {
 /// Rules, checked per event in order: a `seq` that occurs more than once → `inserted`; a `seq`
 /// lower than expected → `reordered`; higher than expected → `reordered` when the expected
 /// `seq` appears later (`inserted` when the `seq` is beyond the log's length), else `missing`;
-/// own hash wrong → `altered`; `prev` not the previous hash → `inserted`. An event the source
-/// cannot decode ([`StoreError::UndecodableEvent`]) → `altered` at its `seq`.
+/// `seq` 0 → `inserted` (the chain starts at 1); own hash wrong → `broken link` when the event
+/// matches its hash once its `prev` is the previous hash (only the link was changed), else
+/// `altered`; own hash right but `prev` not the previous hash → `inserted`. An event the source
+/// cannot decode ([`StoreError::UndecodableEvent`]) → `altered` at its `seq`. Hashes compare as
+/// lower-case hex (what the chain writes); a recorded hash that differs from the computed one
+/// only in letter case is said to.
 ///
 /// # Errors
 /// Whatever `events` yields as an error (an unreadable source) is passed through.
@@ -623,7 +641,7 @@ where
             // A row that cannot even be decoded was changed after it was written.
             Err(StoreError::UndecodableEvent { seq, reason }) => {
                 return Ok(Verdict::Broken(ChainBreak {
-                    seq,
+                    seq: signed(seq),
                     kind: BreakKind::Altered,
                     detail: format!("seq {seq} cannot be decoded ({reason})"),
                 }))
@@ -631,15 +649,21 @@ where
             Err(e) => return Err(e),
         };
         let event: &AuditEvent = event.borrow();
+        let broken = |kind, detail| {
+            Ok(Verdict::Broken(ChainBreak {
+                seq: signed(event.seq),
+                kind,
+                detail,
+            }))
+        };
+        if event.seq == 0 {
+            return broken(
+                BreakKind::Inserted,
+                "seq 0 lies outside the chain, which starts at seq 1".to_owned(),
+            );
+        }
         if event.seq != expected {
             let occurrences = seqs.iter().filter(|&&s| s == event.seq).count();
-            let broken = |kind, detail| {
-                Ok(Verdict::Broken(ChainBreak {
-                    seq: event.seq,
-                    kind,
-                    detail,
-                }))
-            };
             if occurrences > 1 {
                 return broken(
                     BreakKind::Inserted,
@@ -670,7 +694,7 @@ where
                 );
             }
             return Ok(Verdict::Broken(ChainBreak {
-                seq: expected,
+                seq: signed(expected),
                 kind: BreakKind::Missing,
                 detail: format!(
                     "seq {expected} is absent (the next event is seq {})",
@@ -679,28 +703,56 @@ where
             }));
         }
         let hash = event.hash_with(&mut buf);
+        let linked = event.prev == prev;
         if hash != event.hash {
-            return Ok(Verdict::Broken(ChainBreak {
-                seq: event.seq,
-                kind: BreakKind::Altered,
-                detail: {
-                    let (recorded, computed) = distinct(&event.hash, &hash);
-                    format!("content does not match its hash ({recorded} recorded, {computed} computed)")
-                },
-            }));
+            if !linked {
+                // Put the right link back: when the event then matches its hash, only its
+                // `prev` was changed, not its content.
+                let relinked = AuditEvent {
+                    prev: prev.clone(),
+                    ..event.clone()
+                };
+                if relinked.hash_with(&mut buf) == event.hash {
+                    let (recorded, expected_prev) = distinct(&event.prev, &prev);
+                    return broken(
+                        BreakKind::BrokenLink,
+                        format!(
+                            "prev {recorded} is not {} ({expected_prev}); with that prev the \
+                             event matches its hash, so its link was changed, not its content",
+                            link_target(expected),
+                        ),
+                    );
+                }
+            }
+            let (recorded, computed) = distinct(&event.hash, &hash);
+            let detail = if hash.eq_ignore_ascii_case(&event.hash) {
+                format!(
+                    "hash {recorded} differs from the computed {computed} only in letter case; \
+                     the chain writes lower-case hex"
+                )
+            } else if linked {
+                format!(
+                    "content does not match its hash ({recorded} recorded, {computed} computed)"
+                )
+            } else {
+                format!(
+                    "content does not match its hash ({recorded} recorded, {computed} computed), \
+                     and its prev is not {} either",
+                    link_target(expected),
+                )
+            };
+            return broken(BreakKind::Altered, detail);
         }
-        if event.prev != prev {
-            return Ok(Verdict::Broken(ChainBreak {
-                seq: event.seq,
-                kind: BreakKind::Inserted,
-                detail: {
-                    let (recorded, linked) = distinct(&event.prev, &prev);
-                    format!(
-                        "prev {recorded} does not link to the hash of seq {} ({linked}); an event was inserted or replaced here",
-                        expected - 1,
-                    )
-                },
-            }));
+        if !linked {
+            let (recorded, expected_prev) = distinct(&event.prev, &prev);
+            return broken(
+                BreakKind::Inserted,
+                format!(
+                    "prev {recorded} does not link to {} ({expected_prev}); an event was \
+                     inserted or replaced here",
+                    link_target(expected),
+                ),
+            );
         }
         if let Some((seq, hash)) = wanted.as_ref().filter(|_| !head_seen) {
             if *hash == event.hash {
@@ -722,7 +774,7 @@ where
             (BreakKind::Missing, "removed")
         };
         return Ok(Verdict::Broken(ChainBreak {
-            seq: found.min(*seq),
+            seq: signed(found.min(*seq)),
             kind,
             detail: format!(
                 "expected head {} is at seq {found}, not seq {seq}: events before it were {what}",
@@ -732,12 +784,14 @@ where
     }
     if !head_seen {
         return Ok(Verdict::Broken(ChainBreak {
-            seq: expected,
+            seq: signed(expected),
             kind: BreakKind::Truncated,
             detail: format!(
                 "expected head {} not found: the log (ending at seq {}) was truncated before it, \
                  or the head belongs to another log",
-                expect_head.unwrap_or_default(),
+                wanted
+                    .as_ref()
+                    .map_or(expect_head.unwrap_or_default(), |(_, hash)| hash),
                 expected - 1,
             ),
         }));
@@ -749,13 +803,19 @@ where
     Ok(Verdict::Intact { count, head })
 }
 
-/// Reads an expected chain head for `backstop audit verify --expect-head`: either the hash alone
-/// (64 hex digits) or the `SEQ HASH` line `backstop audit head` prints (a decimal `seq`,
-/// whitespace, the hash). Surrounding whitespace is ignored and the hash is lower-cased.
+/// Reads an expected chain head for `backstop audit verify --expect-head`: the hash alone (64
+/// hex digits), the `SEQ HASH` line `backstop audit head` prints (a decimal `seq`, whitespace,
+/// the hash), or the object `backstop audit head --format json` prints (`{"seq":N,"hash":"…"}`;
+/// `seq` may be left out). A leading UTF-8 byte-order mark and surrounding whitespace are
+/// ignored, and hex digits are read in either case (the hash is returned lower-cased).
 ///
 /// # Errors
-/// A one-line reason when the text is neither form.
+/// A one-line reason when the text is none of these forms.
 pub fn parse_expected_head(text: &str) -> Result<(Option<u64>, String), String> {
+    let text = text.trim_start_matches('\u{feff}').trim();
+    if text.starts_with('{') {
+        return parse_head_json(text);
+    }
     let parts: Vec<&str> = text.split_whitespace().collect();
     let (seq, hash) = match parts.as_slice() {
         [hash] => (None, *hash),
@@ -769,14 +829,53 @@ pub fn parse_expected_head(text: &str) -> Result<(Option<u64>, String), String> 
         }
         _ => {
             return Err(format!(
-                "expected 64 hex digits or `SEQ HASH` as printed by `audit head`, got {text:?}"
+                "expected 64 hex digits, `SEQ HASH` as printed by `audit head`, or its \
+                 `--format json` object, got {text:?}"
             ))
         }
     };
+    Ok((seq, head_hash(hash)?))
+}
+
+/// The hash of an expected head, lower-cased.
+fn head_hash(hash: &str) -> Result<String, String> {
     if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(format!("hash: expected 64 hex digits, got {hash:?}"));
     }
-    Ok((seq, hash.to_ascii_lowercase()))
+    Ok(hash.to_ascii_lowercase())
+}
+
+/// The `{"seq":N,"hash":"…"}` form of [`parse_expected_head`] (other members are ignored).
+fn parse_head_json(text: &str) -> Result<(Option<u64>, String), String> {
+    #[derive(Deserialize)]
+    struct Head {
+        #[serde(default)]
+        seq: Option<u64>,
+        hash: Option<String>,
+    }
+    let head: Head = serde_json::from_str(text).map_err(|e| {
+        format!("not the JSON object `audit head --format json` prints ({e}), got {text:?}")
+    })?;
+    let Some(hash) = head.hash else {
+        return Err(format!(
+            "the JSON object has no \"hash\" member (as `audit head --format json` prints), got {text:?}"
+        ));
+    };
+    Ok((head.seq, head_hash(&hash)?))
+}
+
+/// A chain position as [`ChainBreak::seq`] holds it.
+fn signed(seq: u64) -> i64 {
+    i64::try_from(seq).unwrap_or(i64::MAX)
+}
+
+/// What the `prev` of the event at `seq` must be, in words: the hash of the event before it,
+/// or the genesis value for the first.
+fn link_target(seq: u64) -> String {
+    match seq {
+        0 | 1 => "the genesis value (64 zeros)".to_owned(),
+        _ => format!("the hash of seq {}", seq - 1),
+    }
 }
 
 fn short(hash: &str) -> &str {
@@ -786,7 +885,7 @@ fn short(hash: &str) -> &str {
 /// Two digests that differ, each cut to the same length that still tells them apart: 12 hex
 /// characters, or up to the first that differs and 3 more when they share a longer prefix
 /// (whole when shorter).
-fn distinct<'a>(a: &'a str, b: &'a str) -> (&'a str, &'a str) {
+pub(crate) fn distinct<'a>(a: &'a str, b: &'a str) -> (&'a str, &'a str) {
     let common = a
         .char_indices()
         .zip(b.chars())

@@ -64,6 +64,35 @@ pub enum StoreError {
         /// The database that was asked for.
         database: PathBuf,
     },
+    /// The audit log's last event does not match its hash, does not link to the event before
+    /// it, or cannot be decoded (the file was edited or damaged). The store does not open for
+    /// writing: every new event would be sealed onto that head and extend a broken chain.
+    #[error(
+        "{path}: the audit log's last event, seq {seq}, {reason}; the store does not add events to a broken chain: run `backstop audit verify --db {path}` to find the first broken event"
+    )]
+    BrokenHead {
+        /// The database file.
+        path: PathBuf,
+        /// The last event's `seq`.
+        seq: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A database in WAL mode that cannot be read where it is: SQLite cannot open or create its
+    /// `-shm` file (a read-only directory or file system), and its `-wal` file holds changes
+    /// that may not be in the database file yet, so reading the database file alone
+    /// (`immutable=1`) could miss committed events.
+    #[error(
+        "{path}: cannot be read in place: SQLite cannot create or open its -shm file ({reason}), which reading a database in WAL mode needs, and its -wal file holds {wal_bytes} bytes of changes that may not be in the database file yet; copy the database together with its -wal file into a writable directory and run the command on the copy"
+    )]
+    ReadOnlyWal {
+        /// The database file.
+        path: PathBuf,
+        /// Size of the `-wal` file beside it.
+        wal_bytes: u64,
+        /// SQLite's error on the plain read-only open.
+        reason: String,
+    },
     /// A SQLite error while reading or writing.
     #[error("sqlite: {0}")]
     Sqlite(String),

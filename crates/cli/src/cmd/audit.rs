@@ -3,8 +3,11 @@
 //!
 //! Exit codes: 0 success (verify: the chain is intact); 1 `verify` found a break (the first bad
 //! `seq` and why is printed); 2 the input could not be read (missing file, not a backstop
-//! database, bad NDJSON line, a database given as an export file instead of with `--db`).
-//! Audit commands open databases read-only and never create one.
+//! database, bad NDJSON line, a database given as an export file instead of with `--db`, a
+//! database in a read-only directory whose `-wal` file holds changes), or `export` met a row
+//! it cannot decode (after the events before it, with the `--since` that exports past it).
+//! Audit commands open databases read-only and never create one; where SQLite cannot create
+//! the `-shm` file beside a database, they read it as immutable (see `AuditReader::open`).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -29,7 +32,7 @@ pub struct Args {
 #[derive(Debug, clap::Subcommand)]
 pub enum AuditCommand {
     /// Check the chain; exit 1 naming the first bad seq (altered, missing, reordered,
-    /// inserted, truncated).
+    /// inserted, broken link, truncated).
     Verify(VerifyArgs),
     /// Print events as NDJSON (one JSON object per line) to stdout.
     Export {
@@ -70,10 +73,11 @@ pub struct VerifyArgs {
     pub db: Option<PathBuf>,
     /// Verify an NDJSON export file (from `backstop audit export`).
     pub export: Option<PathBuf>,
-    /// A head exported earlier, either the `SEQ HASH` line printed by `audit head` (quote it)
-    /// or the 64-hex-digit hash alone: the log must still contain that hash — at that seq, when
-    /// given — which detects a cut tail (`truncated`) and events removed or added before it.
-    #[arg(long, value_name = "'SEQ HASH' | HASH")]
+    /// A head exported earlier: the `SEQ HASH` line printed by `audit head` (quote it), the
+    /// object printed by `audit head --format json`, or the 64-hex-digit hash alone (either
+    /// letter case): the log must still contain that hash — at that seq, when given — which
+    /// detects a cut tail (`truncated`) and events removed or added before it.
+    #[arg(long, value_name = "'SEQ HASH' | JSON | HASH")]
     pub expect_head: Option<String>,
 }
 
@@ -173,6 +177,17 @@ fn export(db: PathBuf, since: u64) -> Result<Printed, StoreError> {
     match written {
         // The reader closed the pipe (`| head`): stop quietly.
         Err(_) if out.broken_pipe => Ok(Printed::Done(ExitCode::SUCCESS)),
+        // A damaged row ends the export; say how to go on past it.
+        Err(StoreError::UndecodableEvent { seq, reason }) => {
+            let _ = out.flush();
+            errln!(
+                "backstop audit export: audit_events seq {seq}: the stored event cannot be decoded \
+                 ({reason}); the events before it were exported; to export the events after it, \
+                 run `backstop audit export --db {} --since {seq}`",
+                db.display()
+            );
+            Ok(Printed::Done(ExitCode::from(2)))
+        }
         Err(e) => Err(e),
         Ok(()) => Ok(Printed::Done(ExitCode::SUCCESS)),
     }

@@ -21,9 +21,13 @@
 //!
 //! A bad line (not JSON, a missing required field, a bad timestamp, an inconsistent snapshot, a
 //! `throttled_at` after `--now`) is reported on stderr as `FILE: LINE N: reason` and skipped; the
-//! rest is still processed and the exit status is 1. Blank lines are skipped silently. An input that cannot be opened or read
-//! (a directory included, refused before anything is printed), or output that cannot be
-//! written, exits with 2. A closed stdout (e.g. `| head`) ends quietly.
+//! rest is still processed and the exit status is 1. Blank lines and a leading UTF-8
+//! byte-order mark are skipped silently. Lines that are audit events (`backstop audit export`)
+//! are bad lines too, but only the first is reported, saying what the input is and where
+//! snapshots come from (`backstop snapshots export`), and the others are counted once at the
+//! end. An input that cannot be opened or read (a directory included, refused before anything
+//! is printed), a SQLite database (said as such, before anything is printed), or output that
+//! cannot be written, exits with 2. A closed stdout (e.g. `| head`) ends quietly.
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
@@ -43,6 +47,16 @@ use crate::cmd::output::{self, errln};
 
 /// Lines longer than this (1 MiB) are reported as bad and skipped, so memory stays bounded.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// The first 16 bytes of every SQLite database file (the SQLite file format, §1.3).
+const SQLITE_HEADER: &[u8] = b"SQLite format 3\0";
+
+/// The UTF-8 byte-order mark some editors put at the start of a file.
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// Where snapshots come from, said when the input is something else.
+const SNAPSHOTS_HINT: &str = "diagnose reads health snapshots; derive them from a gateway's \
+     store with `backstop snapshots export --db FILE --policy FILE`";
 
 /// How often (in lines) the progress counter is refreshed, when stderr is a terminal.
 const PROGRESS_EVERY_LINES: u64 = 100_000;
@@ -231,6 +245,22 @@ fn process(
     let mut line_no: u64 = 0;
     let mut bad: u64 = 0;
     let mut first = true;
+    // Bad lines that are audit events: reported once, then counted.
+    let mut audit_lines: u64 = 0;
+
+    // A database is not read line by line: say what it is, once.
+    let start = reader
+        .fill_buf()
+        .map_err(|e| Failure::Fatal(format!("cannot read: {e}")))?;
+    if start.starts_with(SQLITE_HEADER) {
+        let db = if name == "<stdin>" { "FILE" } else { name };
+        return Err(Failure::Fatal(format!(
+            "this is a SQLite database, not NDJSON snapshots; diagnose reads health snapshots: \
+             when it is a gateway's store, derive them with `backstop snapshots export --db {db} \
+             --policy POLICY | backstop diagnose -`, or check its audit log with `backstop audit \
+             verify --db {db}`"
+        )));
+    }
 
     match format {
         Format::Table => writeln!(
@@ -265,6 +295,9 @@ fn process(
                 errln!("{name}: LINE {line_no}: longer than {MAX_LINE_BYTES} bytes");
                 continue;
             }
+            Line::Complete if line_no == 1 => {
+                buf.strip_prefix(UTF8_BOM).unwrap_or(&buf).trim_ascii()
+            }
             Line::Complete => buf.trim_ascii(),
         };
         if bytes.is_empty() {
@@ -274,7 +307,18 @@ fn process(
             Ok(snapshot) => snapshot,
             Err(e) => {
                 bad += 1;
-                errln!("{name}: LINE {line_no}: {e}");
+                if is_audit_event(bytes) {
+                    audit_lines += 1;
+                    if audit_lines == 1 {
+                        errln!(
+                            "{name}: LINE {line_no}: this line is an audit event (as `backstop \
+                             audit export` writes), not a health snapshot; {SNAPSHOTS_HINT}; \
+                             further audit event lines are counted at the end, not listed"
+                        );
+                    }
+                } else {
+                    errln!("{name}: LINE {line_no}: {e}");
+                }
                 continue;
             }
         };
@@ -302,6 +346,9 @@ fn process(
     if progress && line_no >= PROGRESS_EVERY_LINES {
         output::stderr_raw(format_args!("\r\x1b[K"));
     }
+    if audit_lines > 1 {
+        errln!("{name}: {audit_lines} lines are audit events, not snapshots; all were skipped");
+    }
 
     match format {
         Format::Table => write_table_totals(out, &totals)?,
@@ -317,6 +364,18 @@ fn process(
         }
     }
     Ok(bad)
+}
+
+/// Whether a line that is not a snapshot is an audit event as `backstop audit export` writes
+/// it: a JSON object with `seq`, `at`, `kind`, `prev` and `hash` and no `run_id`.
+fn is_audit_event(line: &[u8]) -> bool {
+    let Ok(serde_json::Value::Object(members)) = serde_json::from_slice(line) else {
+        return false;
+    };
+    ["seq", "at", "kind", "prev", "hash"]
+        .iter()
+        .all(|name| members.contains_key(*name))
+        && !members.contains_key("run_id")
 }
 
 fn json_failure(e: serde_json::Error) -> Failure {

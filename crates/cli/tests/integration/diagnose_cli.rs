@@ -509,3 +509,77 @@ fn a_bad_grace_is_named_with_the_accepted_forms_in_our_words() {
         assert!(!err.contains("friendly"), "{err}");
     }
 }
+
+#[test]
+fn a_leading_byte_order_mark_is_skipped() {
+    let mut input = b"\xEF\xBB\xBF".to_vec();
+    input.extend(std::fs::read(fixture()).unwrap());
+    let o = backstop(&["-", "--now", NOW, "--format", "json"], Some(&input));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "");
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["snapshots"].as_array().unwrap().len(), 6);
+    assert_eq!(v["snapshots"][0]["line"], 1);
+}
+
+#[test]
+fn a_sqlite_database_is_named_as_one_before_anything_is_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("backstop.db");
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute_batch("CREATE TABLE t (x); INSERT INTO t VALUES (1);")
+        .unwrap();
+    let o = backstop(&[db.to_str().unwrap(), "--now", NOW], None);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "", "no table header for a database");
+    let err = stderr(&o);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("this is a SQLite database, not NDJSON snapshots"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("backstop snapshots export --db {}", db.display())),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_audit_export_is_named_once_not_line_by_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("backstop.db");
+    let store = backstop_store::SqliteStore::open(&db).unwrap();
+    for run in ["run-a", "run-b", "run-c", "run-d"] {
+        crate::common::sent_action(&store, run, None, "POST", "/v1/x", "idempotent_write");
+    }
+    drop(store);
+    let export = Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["audit", "export", "--db", db.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(export.status.code(), Some(0));
+    assert_eq!(export.stdout.split(|&b| b == b'\n').count(), 13);
+    let o = backstop(&["-", "--now", NOW], Some(&export.stdout));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(
+        lines[0].starts_with("<stdin>: LINE 1: this line is an audit event"),
+        "{err}"
+    );
+    assert!(lines[0].contains("backstop snapshots export"), "{err}");
+    assert_eq!(
+        lines[1],
+        "<stdin>: 12 lines are audit events, not snapshots; all were skipped"
+    );
+    // A real snapshot beside them is still diagnosed.
+    let mut mixed = std::fs::read(fixture()).unwrap();
+    mixed.extend(&export.stdout);
+    let o = backstop(&["-", "--now", NOW, "--format", "json"], Some(&mixed));
+    assert_eq!(o.status.code(), Some(1));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["snapshots"].as_array().unwrap().len(), 6);
+    assert_eq!(stderr(&o).lines().count(), 2, "{}", stderr(&o));
+}

@@ -6,6 +6,7 @@
 mod common;
 
 mod audit_cli;
+mod audit_edges_cli;
 mod classify_cli;
 mod demo_cli;
 mod diagnose_cli;

@@ -370,7 +370,9 @@ impl SqliteStore {
     /// [`StoreError::NotSqlite`], [`StoreError::Foreign`] or [`StoreError::TooNew`] when the
     /// file is not a backstop database this build can use (it is then left untouched);
     /// [`StoreError::Locked`] when another open store holds the file's write lock
-    /// (`<path>.lock`, held until this store is dropped); [`StoreError::Sqlite`] for I/O problems.
+    /// (`<path>.lock`, held until this store is dropped); [`StoreError::BrokenHead`] when the
+    /// audit log's last event does not match its hash or does not link to the event before it
+    /// (new events would extend a broken chain); [`StoreError::Sqlite`] for I/O problems.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Self::start(path.as_ref(), true)
     }
@@ -388,6 +390,7 @@ impl SqliteStore {
         let lock = lock::StoreLock::acquire(path, create)?;
         let conn = schema::open_writer(path, create)?;
         let head = rows::audit_head(&conn)?;
+        check_head(&conn, path, head.as_ref())?;
         let chain = Chain::after(head.as_ref());
         let next_id: i64 = conn
             .prepare_cached("SELECT COALESCE(MAX(id), 0) + 1 FROM actions")?
@@ -1039,7 +1042,96 @@ fn writer_loop(
     }
 }
 
+/// Refuses to continue the chain from a last event that was changed after it was written: the
+/// writer seals each new event onto the head's hash, so a head that does not match its own
+/// content, or does not link to the event before it, would be extended into a broken chain.
+/// Only the head is checked (two rows, whatever the log's length); `backstop audit verify`
+/// checks the rest.
+///
+/// # Errors
+/// [`StoreError::BrokenHead`] naming the head's `seq` and what is wrong with it; storage errors.
+fn check_head(conn: &Connection, path: &Path, head: Option<&ChainHead>) -> Result<(), StoreError> {
+    let Some(head) = head else {
+        return Ok(());
+    };
+    let broken = |reason: String| StoreError::BrokenHead {
+        path: path.to_owned(),
+        seq: head.seq,
+        reason,
+    };
+    if head.seq == 0 {
+        return Err(broken(
+            "lies outside the chain, which starts at seq 1".to_owned(),
+        ));
+    }
+    let event = match rows::audit_events(conn, head.seq - 1, 1) {
+        Ok(mut events) => events.pop(),
+        Err(StoreError::UndecodableEvent { reason, .. }) => {
+            return Err(broken(format!("cannot be decoded ({reason})")))
+        }
+        Err(e) => return Err(e),
+    };
+    let Some(event) = event else {
+        return Ok(());
+    };
+    let computed = event.compute_hash();
+    if computed != event.hash {
+        let (recorded, computed) = crate::audit::distinct(&event.hash, &computed);
+        return Err(broken(format!(
+            "does not match its hash ({recorded} recorded, {computed} computed)"
+        )));
+    }
+    let linked = if head.seq == 1 {
+        Some(Ok(crate::audit::GENESIS_PREV.to_owned()))
+    } else {
+        rows::event_hash(conn, head.seq - 1)?
+    };
+    // A missing or undecodable event before the head is a break `audit verify` names; the
+    // head itself is sound as far as it can be checked.
+    if let Some(Ok(linked)) = linked {
+        if event.prev != linked {
+            let (recorded, linked) = crate::audit::distinct(&event.prev, &linked);
+            return Err(broken(format!(
+                "does not link to the event before it (prev {recorded}, the hash of seq {} is {linked})",
+                head.seq - 1
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// How many rows outside the chain a break names by their `seq`.
+const OUTSIDE_SHOWN: usize = 5;
+
 fn verify_connection(conn: &Connection, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
+    // Rows with a seq of 0 or below come before the chain's first event, and the chain's
+    // reading (from seq 1) would never meet them.
+    let (outside, lowest) = rows::seqs_outside_chain(conn, OUTSIDE_SHOWN)?;
+    if let Some(&first) = lowest.first() {
+        let detail = if outside == 1 {
+            format!(
+                "a row with seq {first} lies outside the chain, which starts at seq 1 (the store \
+                 never writes one: it was added to the file)"
+            )
+        } else {
+            let listed: Vec<String> = lowest.iter().map(ToString::to_string).collect();
+            let more = if outside > lowest.len() as u64 {
+                ", …"
+            } else {
+                ""
+            };
+            format!(
+                "{outside} rows lie outside the chain, which starts at seq 1 (seq {}{more}; the \
+                 store never writes one: they were added to the file)",
+                listed.join(", ")
+            )
+        };
+        return Ok(Verdict::Broken(crate::audit::ChainBreak {
+            seq: first,
+            kind: crate::audit::BreakKind::Inserted,
+            detail,
+        }));
+    }
     let seqs = rows::audit_seqs(conn)?;
     let events = EventChunks {
         conn,
@@ -1464,10 +1556,14 @@ pub struct AuditReader {
 
 impl AuditReader {
     /// Opens `path` read-only and checks it is a backstop database of this schema version.
+    /// Where SQLite cannot create the `-shm` file beside it (a read-only directory or file
+    /// system) and no `-wal` file holds changes, the file is read as `immutable=1` instead
+    /// (every commit is then in the database file).
     ///
     /// # Errors
     /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::Foreign`],
-    /// [`StoreError::TooNew`], or [`StoreError::Sqlite`] naming the file.
+    /// [`StoreError::TooNew`], [`StoreError::ReadOnlyWal`] (no `-shm` file can be had and the
+    /// `-wal` file is not empty), or [`StoreError::Sqlite`] naming the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Ok(AuditReader {
             conn: schema::open_reader(path.as_ref(), true)?,

@@ -679,6 +679,39 @@ pub(crate) fn audit_seqs(conn: &Connection) -> Result<Vec<u64>, StoreError> {
     Ok(out)
 }
 
+/// How many rows lie outside the chain (`seq` 0 or below: the store never writes them), and
+/// the lowest `seq`s of them, up to `show`.
+pub(crate) fn seqs_outside_chain(
+    conn: &Connection,
+    show: usize,
+) -> Result<(u64, Vec<i64>), StoreError> {
+    let count: i64 = conn
+        .prepare_cached("SELECT count(*) FROM audit_events WHERE seq <= 0")?
+        .query_row([], |r| r.get(0))?;
+    if count == 0 {
+        return Ok((0, Vec::new()));
+    }
+    let mut stmt =
+        conn.prepare_cached("SELECT seq FROM audit_events WHERE seq <= 0 ORDER BY seq LIMIT ?1")?;
+    let rows = stmt.query_map([i64::try_from(show).unwrap_or(i64::MAX)], |r| r.get(0))?;
+    let seqs = rows.collect::<Result<Vec<i64>, _>>()?;
+    Ok((u64::try_from(count).unwrap_or(0), seqs))
+}
+
+/// The stored `hash` (hex) of the event at `seq`: `None` when there is no such row, `Some(Err)`
+/// with a reason when its digest cannot be decoded.
+pub(crate) fn event_hash(
+    conn: &Connection,
+    seq: u64,
+) -> Result<Option<Result<String, String>>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT hash FROM audit_events WHERE seq = ?1")?
+        .query_row([i64::try_from(seq).unwrap_or(i64::MAX)], |r| {
+            Ok(digest_hex(r, 0, "hash"))
+        })
+        .optional()?)
+}
+
 /// The last event's `seq` and `hash` (hex), or `None` for an empty log.
 ///
 /// # Errors

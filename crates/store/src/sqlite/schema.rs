@@ -545,7 +545,18 @@ pub(crate) fn quick_check(conn: &Connection, path: &Path) -> Result<(), StoreErr
 /// Opens a read connection on an existing backstop database (never creates a file).
 ///
 /// With `read_only`, SQLite is asked for a read-only handle (the audit commands use this so
-/// that checking evidence does not write to it).
+/// that checking evidence does not write to it). Reading a database in WAL mode needs its
+/// `-shm` file, which SQLite creates beside it; where it cannot (a read-only directory or file
+/// system) and no `-wal` file holds changes (none, or an empty one: everything committed is
+/// in the database file), the file is opened again as `immutable=1` (SQLite URI parameter: no
+/// locks, no `-shm`, no `-wal`). Nothing can be writing it meanwhile: a writer needs the same
+/// files.
+///
+/// # Errors
+/// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::Foreign`],
+/// [`StoreError::TooNew`], an older schema as [`StoreError::Sqlite`];
+/// [`StoreError::ReadOnlyWal`] when the `-shm` file cannot be had and the `-wal` file is not
+/// empty (the database file alone could lack committed events).
 pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, StoreError> {
     if !path.exists() {
         return Err(StoreError::Missing {
@@ -558,9 +569,12 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
     } else {
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX
     };
-    let conn = Connection::open_with_flags(path, flags)
-        .map_err(|e| StoreError::Sqlite(format!("{}: {e}", path.display())))?;
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    let conn = match connect(path.as_os_str(), flags) {
+        Ok(conn) => conn,
+        Err(e) if read_only && wal_index_unavailable(path, &e) => open_immutable(path, e)?,
+        Err(Failed::Open(e)) => return Err(StoreError::Sqlite(format!("{}: {e}", path.display()))),
+        Err(Failed::Query(e)) => return Err(first_query_error(path, e)),
+    };
     stable_plans(&conn)?;
     match identify(&conn, path)? {
         Identity::Backstop(v) if v == SCHEMA_VERSION => Ok(conn),
@@ -574,6 +588,95 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
             expected: APPLICATION_ID,
         }),
     }
+}
+
+/// Where [`connect`] failed.
+enum Failed {
+    /// Opening the handle.
+    Open(rusqlite::Error),
+    /// The first query (where SQLite reads the file, and its `-wal` and `-shm`).
+    Query(rusqlite::Error),
+}
+
+/// Opens `name` (a path, or a `file:` URI with [`OpenFlags::SQLITE_OPEN_URI`]) and reads the
+/// header once, so that a file SQLite cannot read fails here.
+fn connect(name: &std::ffi::OsStr, flags: OpenFlags) -> Result<Connection, Failed> {
+    let conn = Connection::open_with_flags(name, flags).map_err(Failed::Open)?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))
+        .map_err(Failed::Open)?;
+    conn.query_row("PRAGMA application_id", [], |r| r.get::<_, i64>(0))
+        .map_err(Failed::Query)?;
+    Ok(conn)
+}
+
+/// Whether a read-only open failed because SQLite could not open or create the `-shm` (or
+/// `-wal`) file of a database in WAL mode: SQLite says "unable to open database file"
+/// (`SQLITE_CANTOPEN`) or "attempt to write a readonly database" (`SQLITE_READONLY`, e.g.
+/// `SQLITE_READONLY_CANTINIT`) while the file's header says WAL (bytes 18 and 19 are 2, the
+/// SQLite file format §1.3).
+fn wal_index_unavailable(path: &Path, failed: &Failed) -> bool {
+    let (Failed::Open(e) | Failed::Query(e)) = failed;
+    let beside = matches!(
+        e.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::CannotOpen | rusqlite::ErrorCode::ReadOnly)
+    );
+    let mut header = [0u8; 20];
+    let wal_mode = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut header))
+        .is_ok()
+        && header[18] == 2
+        && header[19] == 2;
+    beside && wal_mode
+}
+
+/// The `-wal` file beside `path`.
+fn wal_path(path: &Path) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push("-wal");
+    std::path::PathBuf::from(name)
+}
+
+/// `path` as a SQLite `file:` URI opening it read-only and `immutable=1`: every byte outside
+/// the URI's unreserved characters and `/` is percent-encoded, so `?`, `#` and `%` in a name
+/// stay part of it.
+fn immutable_uri(path: &Path) -> std::ffi::OsString {
+    let mut uri = String::from("file:");
+    for &b in path.as_os_str().as_encoded_bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'.' | b'_' | b'~') {
+            uri.push(char::from(b));
+        } else {
+            uri.push_str(&format!("%{b:02X}"));
+        }
+    }
+    uri.push_str("?mode=ro&immutable=1");
+    uri.into()
+}
+
+/// Opens `path` as immutable after the plain read-only open failed with `first` (see
+/// [`open_reader`]), when its `-wal` file is absent or empty; otherwise refuses with
+/// [`StoreError::ReadOnlyWal`].
+fn open_immutable(path: &Path, first: Failed) -> Result<Connection, StoreError> {
+    let (Failed::Open(first) | Failed::Query(first)) = first;
+    match std::fs::metadata(wal_path(path)) {
+        Ok(meta) if meta.len() > 0 => {
+            return Err(StoreError::ReadOnlyWal {
+                path: path.to_owned(),
+                wal_bytes: meta.len(),
+                reason: first.to_string(),
+            })
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        // Whether it holds changes cannot be told: the first error stands.
+        Err(_) => return Err(StoreError::Sqlite(format!("{}: {first}", path.display()))),
+    }
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    connect(&immutable_uri(path), flags).map_err(|failed| match failed {
+        Failed::Open(e) => StoreError::Sqlite(format!("{}: {e}", path.display())),
+        Failed::Query(e) => first_query_error(path, e),
+    })
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ fn break_of(v: Verdict) -> backstop_store::audit::ChainBreak {
     }
 }
 
-fn broken(v: Verdict) -> (u64, BreakKind) {
+fn broken(v: Verdict) -> (i64, BreakKind) {
     let b = break_of(v);
     (b.seq, b.kind)
 }

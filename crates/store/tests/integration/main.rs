@@ -6,6 +6,7 @@
 mod common;
 
 mod audit_chain;
+mod audit_edges;
 mod canary;
 mod canonical_encoding;
 mod crash;
@@ -14,6 +15,7 @@ mod foreign_db;
 mod key_target;
 mod queued_operations;
 mod read_groups;
+mod read_only_dir;
 mod read_records;
 mod signal_headers;
 mod store_lock;

@@ -112,7 +112,7 @@ fn a_throttled_attempt_keeps_its_boundary_and_headers_and_a_plain_success_keeps_
     match verify_events(&parsed, None) {
         Verdict::Broken(b) => {
             assert_eq!(b.kind, BreakKind::Altered);
-            assert_eq!(Some(b.seq), Some(results[0].seq));
+            assert_eq!(Some(b.seq), Some(results[0].seq as i64));
         }
         other => panic!("a changed Retry-After must break the chain: {other:?}"),
     }
