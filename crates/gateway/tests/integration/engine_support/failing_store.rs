@@ -371,6 +371,9 @@ impl Store for FailingStore {
     fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError> {
         self.inner.unsent_writes()
     }
+    fn actions_between_attempts(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.inner.actions_between_attempts()
+    }
     fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError> {
         self.inner.scope(provider, scope)
     }
