@@ -1506,7 +1506,9 @@ impl Engine {
                         "shutting down: the waiting caller is answered 503"
                     );
                     let receipt = run.receipt(seen.sent);
-                    return problem_answer(receipt, Problem::shutting_down_during(sent, detail));
+                    let problem =
+                        with_ids(Problem::shutting_down_during(sent, detail), spec, &receipt);
+                    return problem_answer(receipt, problem);
                 }
             };
 

@@ -163,6 +163,13 @@ async fn a_caller_waiting_before_its_first_attempt_gets_503_shutting_down_at_sto
     assert_eq!(body["sent"], false);
     assert_eq!(retry, "true");
     assert_eq!(attempts, 0);
+    // What identifies the request, as in every other answer for an action (a read has no key).
+    assert_eq!(body["task"], "t", "{body}");
+    assert!(
+        body["action_id"].as_i64().is_some_and(|id| id > 0),
+        "{body}"
+    );
+    assert!(body.get("idempotency_key").is_none(), "{body}");
     assert!(h.transport.sent_to("/v1/slow/2").is_empty());
     // New work after the stop is refused the same way.
     let (status, retry, _, _) = problem(h.engine.execute(h.get("t", "/v1/items/1")).await).await;
@@ -179,12 +186,18 @@ async fn a_write_waiting_for_its_retry_at_stop_stays_recorded_and_is_not_invited
     let running = h.spawn(write(&h, "t", "k-9"));
     assert!(until(|| h.transport.sent().len() == 1).await);
     assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let action = h.store.scheduled_retries().unwrap()[0].action;
     h.engine.shutdown().await;
-    let (status, retry, body, attempts) = problem(running.await.unwrap()).await;
+    let answered = running.await.unwrap();
+    assert_eq!(answered.receipt().idempotency_key.as_deref(), Some("k-9"));
+    let (status, retry, body, attempts) = problem(answered).await;
     assert_eq!(status, 503);
     assert_eq!(body["sent"], true);
     assert_eq!(retry, "false");
     assert_eq!(attempts, 1);
+    assert_eq!(body["task"], "t", "{body}");
+    assert_eq!(body["idempotency_key"], "k-9", "{body}");
+    assert_eq!(body["action_id"], action.0, "{body}");
     let scheduled = h.store.scheduled_retries().unwrap();
     assert_eq!(
         scheduled.len(),
