@@ -92,7 +92,7 @@ mod quota_escalations;
 mod writes;
 
 pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
-pub use writes::{RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY, UNSTARTED_RETRY_CLOSE_WINDOW};
+pub use writes::{DEFERRED_RECORD_WINDOW, RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY};
 
 /// The reason a read cut off by a crash is closed at the next start (its action ends
 /// `cancelled`): its attempt was sent but no result was recorded, and nobody waits for it
@@ -274,6 +274,15 @@ struct Seen {
     boundary: Option<Timestamp>,
 }
 
+/// Which record of a retry the store could not commit (see `Engine::close_unrecorded_retry`).
+enum UnrecordedRetry {
+    /// Its start when it came due: the `action_sent` that claims its job.
+    Start,
+    /// Its schedule, after the last attempt's result; `result` is that result when the store
+    /// could not record it either.
+    Schedule { result: Option<Box<AttemptResult>> },
+}
+
 /// Everything fixed about one recorded action during its attempt loop.
 struct Run<'a> {
     spec: &'a ActionSpec,
@@ -323,6 +332,22 @@ impl Run<'_> {
             None => Box::new(|_| {}),
         }
     }
+}
+
+/// `problem` (a `503 store_unavailable` or `503 shutting_down` for an accepted request) with
+/// what identifies the request, as the gateway's other answers for an action carry it: `task`,
+/// the write's `idempotency_key` (the receipt's, the agent's or the one minted for it, which the
+/// door also answers as the `Idempotency-Key` header) and `action_id` when an action was
+/// recorded (a receipt's id 0 means none was).
+fn with_ids(problem: Problem, spec: &ActionSpec, receipt: &ActionReceipt) -> Problem {
+    let mut problem = problem.with_extension("task", spec.task_id.as_str().into());
+    if let Some(key) = &receipt.idempotency_key {
+        problem = problem.with_extension("idempotency_key", key.as_str().into());
+    }
+    if receipt.action_id != 0 {
+        problem = problem.with_extension("action_id", receipt.action_id.into());
+    }
+    problem
 }
 
 fn store_outcome(outcome: Outcome) -> backstop_store::Outcome {
@@ -749,6 +774,7 @@ impl Engine {
             // is its own, never one to re-arm as if its caller were gone.
             let unfinished = restore.blocking(|s| s.unfinished_attempts()).await;
             let scheduled = restore.blocking(|s| s.scheduled_retries()).await;
+            let between = restore.blocking(|s| s.actions_between_attempts()).await;
             match restore.blocking(|s| s.unsent_writes()).await {
                 Ok(unsent) if !unsent.is_empty() => {
                     tracing::info!(
@@ -803,8 +829,10 @@ impl Engine {
                 }
             }
             // Restart recovery (SPEC §12): writes sent without a result are reconciled with
-            // their original key; scheduled retries are re-armed at their due instants.
+            // their original key; actions left between two attempts are closed (an uncertain
+            // write reconciled); scheduled retries are re-armed at their due instants.
             restore.recover_unfinished(unfinished).await;
+            restore.recover_between_attempts(between).await;
             restore.rearm_scheduled(scheduled).await;
         });
         Engine { inner }
@@ -1478,7 +1506,9 @@ impl Engine {
                         "shutting down: the waiting caller is answered 503"
                     );
                     let receipt = run.receipt(seen.sent);
-                    return problem_answer(receipt, Problem::shutting_down_during(sent, detail));
+                    let problem =
+                        with_ids(Problem::shutting_down_during(sent, detail), spec, &receipt);
+                    return problem_answer(receipt, problem);
                 }
             };
 
@@ -1508,7 +1538,12 @@ impl Engine {
                         // A write's first send frees its key for the agent's resend under it,
                         // which sends it as this action.
                         if retry_job && !inner.shutting_down.load(Ordering::SeqCst) {
-                            self.close_unstarted_retry(run, &budget, &seen);
+                            self.close_unrecorded_retry(
+                                run,
+                                &budget,
+                                &seen,
+                                UnrecordedRetry::Start,
+                            );
                         } else if seen.sent == 0 && !is_safe_method(&run.request.method) {
                             inner
                                 .unsent
@@ -1672,18 +1707,34 @@ impl Engine {
                         if let Some(tokens) = pending.take() {
                             inner.scheduler.deposit(&route.scopes, Some(tokens));
                         }
-                        if let Err(e) = inner
+                        let kept = result.clone();
+                        let unrecorded = match inner
                             .blocking(move |s| s.record_result(result, received_at))
                             .await
                         {
-                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
-                        }
+                            Ok(()) => None,
+                            Err(e) => {
+                                tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                                is_store_failure(&e).then_some(kept)
+                            }
+                        };
                         let (id, op, at) = (run.id, operation_id.clone(), inner.clock.now());
                         if let Err(e) = inner
                             .blocking(move |s| s.record_reconciled(id, op, at))
                             .await
                         {
                             tracing::warn!(action = run.id.0, error = %e, "could not record the reconciliation");
+                            if is_store_failure(&e) {
+                                // The caller is told; the store is, once it commits again.
+                                inner.record_when_store_commits(writes::Deferred {
+                                    action: run.id,
+                                    result: unrecorded,
+                                    end: writes::DeferredEnd::Reconciled {
+                                        operation_id: operation_id.clone(),
+                                    },
+                                    count: None,
+                                });
+                            }
                         }
                         inner
                             .metrics
@@ -1812,11 +1863,14 @@ impl Engine {
                     inner
                         .store
                         .submit_result(result, received_at, run.read_completion("result"));
-                } else if let Err(e) = inner
-                    .queued(move |s, done| s.submit_result(result, received_at, done))
-                    .await
-                {
-                    tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                } else {
+                    let kept = result.clone();
+                    if let Err(e) = inner
+                        .queued(move |s, done| s.submit_result(result, received_at, done))
+                        .await
+                    {
+                        self.final_result_not_recorded(run, kept, &e);
+                    }
                 }
                 inner
                     .metrics
@@ -1949,11 +2003,20 @@ impl Engine {
                     return execution;
                 }
                 RetryDecision::RetryAt { at, delay, cause } => {
-                    if let Err(e) = inner
+                    // Kept while the store may fail: a result it could not record is recorded
+                    // with the action's close (see `close_unrecorded_retry`).
+                    let mut unrecorded = Some(result.clone());
+                    match inner
                         .blocking(move |s| s.record_result(result, received_at))
                         .await
                     {
-                        tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                        Ok(()) => unrecorded = None,
+                        Err(e) => {
+                            if !is_store_failure(&e) {
+                                unrecorded = None;
+                            }
+                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                        }
                     }
                     guard.in_flight = None;
                     let id = run.id;
@@ -1966,6 +2029,15 @@ impl Engine {
                             inner.scheduler.deposit(&route.scopes, Some(tokens));
                         }
                         if is_store_failure(&e) {
+                            // Nothing of the retry left; the action is closed (an uncertain
+                            // write reconciled) once the store commits again, never left open
+                            // with no retry job (at shutdown the next start finds it).
+                            if !inner.shutting_down.load(Ordering::SeqCst) {
+                                let step = UnrecordedRetry::Schedule {
+                                    result: unrecorded.map(Box::new),
+                                };
+                                self.close_unrecorded_retry(run, &budget, &seen, step);
+                            }
                             let receipt = run.receipt(seen.sent);
                             return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                         }
@@ -2257,10 +2329,7 @@ impl Engine {
                     context: serde_json::to_value(&context).unwrap_or_default(),
                     response: None,
                 });
-                let at = inner.clock.now();
-                if let Err(e) = inner.blocking(move |s| s.record_result(result, at)).await {
-                    tracing::warn!(action = run.id.0, error = %e, "could not record the result");
-                }
+                self.record_final_result(run, result).await;
                 inner
                     .metrics
                     .outcome(&route.provider, &route.class, outcome);
@@ -2417,39 +2486,143 @@ impl Engine {
         }
     }
 
-    /// A write's retry came due but the store could not record its start (the `action_sent`
-    /// that claims the retry job, [`Store::mark_attempt_sent`]): nothing of it left, and its
-    /// caller is answered `503 store_unavailable`. The action must not stay `waiting` for a wake
-    /// nothing arms any more (the watchdog's `stuck_missed_wake`, a `409` for every same-key
-    /// resend until a restart): it ends `cancelled` with [`STORE_FAILED_BEFORE_RETRY`] as soon as
-    /// the store commits again (see `Inner::close_unstarted_retry`), as a retry re-armed at a
-    /// restart does. Its context offers `query_status` when the last attempt was `uncertain`.
-    fn close_unstarted_retry(&self, run: &Run<'_>, budget: &ActionBudget, seen: &Seen) {
-        let next_safe = if seen.last_signal == Some(Disposition::Uncertain.as_str()) {
-            vec![NextSafe::QueryStatus, NextSafe::Abort]
-        } else {
-            vec![NextSafe::Abort]
+    /// The store could not record a retry of this action, and its caller is answered `503
+    /// store_unavailable`; nothing of the retry left. `step` says which record failed: the
+    /// retry's schedule (after the last attempt's result, which may have failed too) or its
+    /// start when it came due (the `action_sent` that claims its job,
+    /// [`Store::mark_attempt_sent`]). The action must not stay open for a step nothing takes
+    /// any more (the watchdog's stuck findings, a `409` for every same-key resend, and for a
+    /// retry never scheduled not even a restart would find it): as soon as the store commits
+    /// again (see `Inner::record_when_store_commits`) it ends `cancelled` with
+    /// [`STORE_FAILED_BEFORE_RETRY`] — its context offers `query_status` when the last attempt
+    /// was `uncertain` — which also drops a retry job left waiting, as a retry re-armed at a
+    /// restart does. A write whose last attempt was `uncertain` and whose retry could not be
+    /// scheduled is reconciled with its original key instead, as a write sent without a result
+    /// is at a restart (found → `succeeded`, otherwise `escalated`); it is never resent.
+    fn close_unrecorded_retry(
+        &self,
+        run: &Run<'_>,
+        budget: &ActionBudget,
+        seen: &Seen,
+        step: UnrecordedRetry,
+    ) {
+        let uncertain = seen.last_signal == Some(Disposition::Uncertain.as_str());
+        let is_write = !is_safe_method(&run.request.method);
+        let (result, reconcile, what) = match step {
+            UnrecordedRetry::Start => (
+                None,
+                false,
+                "the start of this action's retry when it came due",
+            ),
+            UnrecordedRetry::Schedule { result: None } => (
+                None,
+                is_write && uncertain,
+                "this action's retry when it was planned",
+            ),
+            UnrecordedRetry::Schedule { result } => (
+                result.map(|r| *r),
+                is_write && uncertain,
+                "the result of this action's last attempt, nor its retry when it was planned",
+            ),
         };
-        let context = self.context(budget, seen, seen.boundary, next_safe);
-        let mut context = serde_json::to_value(&context).unwrap_or_default();
-        if let Some(members) = context.as_object_mut() {
-            members.insert("detail".into(), STORE_FAILED_BEFORE_RETRY.into());
+        let route = &run.spec.route;
+        let end = if reconcile {
+            tracing::warn!(
+                action = run.id.0,
+                task = %run.spec.task_id,
+                agent = %run.spec.agent,
+                route = %route.template,
+                attempts = seen.sent,
+                "the store could not record {what}, so the retry was not sent; the caller is answered 503 store_unavailable and, as soon as the store commits again, the write (its last attempt uncertain) is reconciled with its original key and closed; nothing is resent"
+            );
+            writes::DeferredEnd::Reconcile
+        } else {
+            tracing::warn!(
+                action = run.id.0,
+                task = %run.spec.task_id,
+                agent = %run.spec.agent,
+                route = %route.template,
+                attempts = seen.sent,
+                "the store could not record {what}, so the retry was not sent; the caller is answered 503 store_unavailable and the action is closed `cancelled` as soon as the store commits again"
+            );
+            let next_safe = if uncertain {
+                vec![NextSafe::QueryStatus, NextSafe::Abort]
+            } else {
+                vec![NextSafe::Abort]
+            };
+            let context = self.context(budget, seen, seen.boundary, next_safe);
+            let mut context = serde_json::to_value(&context).unwrap_or_default();
+            if let Some(members) = context.as_object_mut() {
+                members.insert("detail".into(), STORE_FAILED_BEFORE_RETRY.into());
+            }
+            writes::DeferredEnd::Outcome(Finish {
+                outcome: backstop_store::Outcome::Cancelled,
+                context,
+                response: None,
+            })
+        };
+        self.inner.record_when_store_commits(writes::Deferred {
+            action: run.id,
+            result,
+            end,
+            count: Some((route.provider.clone(), route.class.clone())),
+        });
+    }
+
+    /// Records the last attempt's `result` together with the outcome it carries (`finish`);
+    /// when the store fails, see [`Self::final_result_not_recorded`].
+    async fn record_final_result(&self, run: &Run<'_>, result: AttemptResult) {
+        let (kept, at) = (result.clone(), self.inner.clock.now());
+        if let Err(e) = self
+            .inner
+            .blocking(move |s| s.record_result(result, at))
+            .await
+        {
+            self.final_result_not_recorded(run, kept, &e);
         }
+    }
+
+    /// The store could not record the last attempt's `result` and the outcome it carries: a
+    /// store failure is recorded later ([`Self::outcome_not_recorded`]); any other refusal (the
+    /// task was cancelled meanwhile) is logged at WARN as before.
+    fn final_result_not_recorded(&self, run: &Run<'_>, mut result: AttemptResult, e: &EngineError) {
+        match result.finish.take() {
+            Some(finish) if is_store_failure(e) => {
+                self.outcome_not_recorded(run, Some(result), finish, e);
+            }
+            _ => tracing::warn!(action = run.id.0, error = %e, "could not record the result"),
+        }
+    }
+
+    /// The store could not record how this action ended (`result`, the last attempt's result
+    /// when it is recorded with the outcome, and `finish`): the caller has its answer already,
+    /// but the action would stay open in the store — a `409` for every same-key resend. Logged
+    /// at WARN with the action; the outcome is recorded as soon as the store commits again
+    /// (see `Inner::record_when_store_commits`). The outcome was counted when the caller was
+    /// answered.
+    fn outcome_not_recorded(
+        &self,
+        run: &Run<'_>,
+        result: Option<AttemptResult>,
+        finish: Finish,
+        e: &EngineError,
+    ) {
         let route = &run.spec.route;
         tracing::warn!(
             action = run.id.0,
             task = %run.spec.task_id,
             agent = %run.spec.agent,
             route = %route.template,
-            attempts = seen.sent,
-            "the store could not record the start of this write's retry when it came due, so the retry was not sent; the caller is answered 503 store_unavailable and the action is closed `cancelled` as soon as the store commits again"
+            outcome = finish.outcome.as_str(),
+            error = %e,
+            "the store could not record this action's outcome; its caller has its answer, and the outcome is recorded as soon as the store commits again"
         );
-        self.inner.close_unstarted_retry(
-            run.id,
-            route.provider.clone(),
-            route.class.clone(),
-            context,
-        );
+        self.inner.record_when_store_commits(writes::Deferred {
+            action: run.id,
+            result,
+            end: writes::DeferredEnd::Outcome(finish),
+            count: None,
+        });
     }
 
     /// Ends the action with a gateway-made outcome (no attempt result pending).
@@ -2468,13 +2641,15 @@ impl Engine {
             context: serde_json::to_value(&context).unwrap_or_default(),
             response: None,
         };
-        let (id, at) = (run.id, inner.clock.now());
-        if let Err(e) = inner
+        let (id, at, kept) = (run.id, inner.clock.now(), finish.clone());
+        match inner
             .blocking(move |s| s.finish_action(id, finish, at))
             .await
         {
+            Ok(()) => {}
+            Err(e) if is_store_failure(&e) => self.outcome_not_recorded(run, None, kept, &e),
             // A cancelled task's actions were already ended by the store.
-            tracing::debug!(action = id.0, error = %e, "action not finished again");
+            Err(e) => tracing::debug!(action = id.0, error = %e, "action not finished again"),
         }
         self.ended(run, outcome, context, detail, attempts)
     }
@@ -2497,10 +2672,7 @@ impl Engine {
             context: serde_json::to_value(&context).unwrap_or_default(),
             response: None,
         });
-        let at = inner.clock.now();
-        if let Err(e) = inner.blocking(move |s| s.record_result(result, at)).await {
-            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
-        }
+        self.record_final_result(run, result).await;
         let boundary = context.boundary;
         let mut execution = self.ended(run, outcome, context, detail, attempts);
         // SPEC §8: repeated limits in the scope, and this action still did not fit.
@@ -2598,10 +2770,9 @@ impl Engine {
     /// the gateway stops, a store whose writer is gone answers `503 shutting_down` instead.
     ///
     /// Like the other answers the gateway makes for an action, the problem carries `task`,
-    /// the write's `idempotency_key` (also the receipt's, so the door answers it as the
-    /// `Idempotency-Key` header) and `action_id` — only when an action was recorded: a request
-    /// the store could not record at all has none, and its log line says so instead of naming
-    /// one.
+    /// the write's `idempotency_key` and `action_id` (see [`with_ids`]) — only when an action
+    /// was recorded: a request the store could not record at all has none, and its log line
+    /// says so instead of naming one.
     fn store_unavailable(
         &self,
         spec: &ActionSpec,
@@ -2610,17 +2781,7 @@ impl Engine {
         e: &EngineError,
     ) -> Execution {
         let action = (receipt.action_id != 0).then_some(receipt.action_id);
-        let key = receipt.idempotency_key.clone();
-        let with_ids = |mut problem: Problem| {
-            problem = problem.with_extension("task", spec.task_id.as_str().into());
-            if let Some(key) = &key {
-                problem = problem.with_extension("idempotency_key", key.as_str().into());
-            }
-            if let Some(action) = action {
-                problem = problem.with_extension("action_id", action.into());
-            }
-            problem
-        };
+        let has_key = receipt.idempotency_key.is_some();
         if self.inner.shutting_down.load(Ordering::SeqCst)
             && matches!(e, EngineError::Store(StoreError::WriterGone))
         {
@@ -2629,7 +2790,7 @@ impl Engine {
             } else {
                 "backstop is shutting down; nothing was sent for this request, so sending it again is safe"
             };
-            let problem = with_ids(Problem::shutting_down_during(sent, detail));
+            let problem = with_ids(Problem::shutting_down_during(sent, detail), spec, &receipt);
             return problem_answer(receipt, problem);
         }
         let (task, agent, route) = (&spec.task_id, &spec.agent, &spec.route.template);
@@ -2645,10 +2806,11 @@ impl Engine {
         }
         let detail = match (sent, action) {
             (true, _) => "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again",
-            (false, Some(_)) if key.is_some() => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
+            (false, Some(_)) if has_key => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
             (false, _) => "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe",
         };
-        problem_answer(receipt, with_ids(Problem::store_unavailable(sent, detail)))
+        let problem = with_ids(Problem::store_unavailable(sent, detail), spec, &receipt);
+        problem_answer(receipt, problem)
     }
 
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.

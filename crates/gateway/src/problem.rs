@@ -366,7 +366,8 @@ impl Problem {
     /// 503 `shutting_down` for a caller whose action was still waiting when the gateway began
     /// to stop. With `sent` false nothing left for it, so a retry is safe (`Retry-After: 1`,
     /// `x-should-retry: true`); with `sent` true an earlier attempt left, the action stays
-    /// recorded for reconciliation after the restart and `x-should-retry` is `false`.
+    /// recorded for reconciliation after the restart and `x-should-retry` is `false`. The
+    /// engine adds `task`, a write's `idempotency_key` and the action's `action_id`.
     pub fn shutting_down_during(sent: bool, detail: impl Into<String>) -> Problem {
         Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -459,6 +459,17 @@ pub trait Store: Send + Sync {
     /// Storage errors only.
     fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError>;
 
+    /// Actions left between two attempts: the last attempt has a result, but the action
+    /// neither ended nor has a waiting retry — state `attempted`, no unclaimed scheduled retry
+    /// — in id order. After a restart these are actions whose run stopped (or whose store could
+    /// not commit) after recording an attempt's result and before recording what came next: the
+    /// retry's schedule or the outcome. Nothing waits for them any more. Scans the actions
+    /// table: meant for start-up only.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn actions_between_attempts(&self) -> Result<Vec<ActionId>, StoreError>;
+
     /// Reads a scope record.
     ///
     /// # Errors

@@ -17,7 +17,10 @@
 //! result (the gateway died while the request was in flight): the attempt is recorded
 //! `uncertain`, then reconciled with its ORIGINAL key. The payload itself is never stored, so a
 //! write that must be resent after a restart is escalated instead (an operator or the agent
-//! resubmitting the same key and payload decides).
+//! resubmitting the same key and payload decides). So is a write whose last attempt was
+//! `uncertain` and that nothing followed: left between two attempts by the previous run, or whose
+//! retry the store could not schedule (once the store commits again, see
+//! [`Inner::record_when_store_commits`]).
 
 use std::time::Duration;
 
@@ -55,20 +58,23 @@ use crate::{
 pub const RESTARTED_BEFORE_RETRY: &str =
     "the gateway restarted before the retry; the caller's request is gone — resubmit";
 
-/// The reason a write whose retry could not start is closed (its action ends `cancelled`): the
-/// store failed when the retry came due, so the `action_sent` that starts it was not recorded,
-/// nothing of it was sent, and its caller was answered `503 store_unavailable`.
-pub const STORE_FAILED_BEFORE_RETRY: &str = "the store could not record this write's retry when it came due, so the retry was not sent and its caller was answered 503 store_unavailable; the action is closed and nothing more is sent for it";
+/// The reason an action whose retry the store could not record is closed (it ends
+/// `cancelled`): the store failed when the retry was planned (its schedule) or when it came due
+/// (its start, the `action_sent` that claims its job), so nothing of the retry was sent and its
+/// caller was answered `503 store_unavailable`.
+pub const STORE_FAILED_BEFORE_RETRY: &str = "the store could not record this action's retry (its schedule, or its start when it came due), so the retry was not sent and its caller was answered 503 store_unavailable; the action is closed and nothing more is sent for it";
 
-/// How long the gateway keeps trying to close a write whose retry could not start (1 h), the
-/// store being tried again after 1 s, then after twice the previous wait, at most every
-/// [`STORE_RETRY_MAX_WAIT`]. Past it the retry is left in the store: the next start re-arms it.
-pub const UNSTARTED_RETRY_CLOSE_WINDOW: Duration = Duration::from_secs(3600);
+/// How long the gateway keeps trying to record what the store could not commit for an action
+/// (its outcome, its last attempt's result, the close of a retry that could not be recorded):
+/// 1 h, the store being tried again after 1 s, then after twice the previous wait, at most
+/// every [`STORE_RETRY_MAX_WAIT`]. Past it the action is left as the store has it, and the next
+/// start recovers it (SPEC §12).
+pub const DEFERRED_RECORD_WINDOW: Duration = Duration::from_secs(3600);
 
-/// The first wait before the store is tried again for a retry that could not start.
+/// The first wait before the store is tried again for what it could not record.
 const STORE_RETRY_FIRST_WAIT: Duration = Duration::from_secs(1);
 
-/// The longest wait between two tries of the store for a retry that could not start.
+/// The longest wait between two tries of the store for what it could not record.
 const STORE_RETRY_MAX_WAIT: Duration = Duration::from_secs(60);
 
 /// The longest a reconciliation lookup may wait for its scopes (pacing, `next_allowed_at`).
@@ -118,6 +124,62 @@ pub(super) enum UncertainEnd {
         /// Why.
         reason: String,
     },
+}
+
+/// Why the payload of a write recovered from the store is gone, so that not even a resend
+/// under its same key can be made automatically (the agent or an operator decides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PayloadGone {
+    /// The gateway restarted: the payload is not kept across a restart.
+    Restart,
+    /// The store could not record the write's retry: its caller was answered
+    /// `503 store_unavailable`, and the payload went with that request.
+    StoreFailed,
+}
+
+impl PayloadGone {
+    /// The words for it in an escalation's reason.
+    fn words(self) -> &'static str {
+        match self {
+            PayloadGone::Restart => "the payload is not kept across a restart",
+            PayloadGone::StoreFailed => {
+                "the payload went with its caller's request, answered 503 store_unavailable when the store could not record the retry"
+            }
+        }
+    }
+}
+
+/// What the store could not commit for one action, recorded by
+/// [`Inner::record_when_store_commits`] as soon as it commits again.
+#[derive(Debug)]
+pub(super) struct Deferred {
+    pub(super) action: ActionId,
+    /// The last attempt's result, when the store could not record it either: recorded first,
+    /// in the same commit as a [`DeferredEnd::Outcome`].
+    pub(super) result: Option<AttemptResult>,
+    /// How the action ends.
+    pub(super) end: DeferredEnd,
+    /// The route's provider and class when the outcome is counted in the metrics only once it
+    /// is recorded (its caller was answered `503`, not the outcome); `None` when it was counted
+    /// when the caller was answered.
+    pub(super) count: Option<(String, String)>,
+}
+
+/// How an action whose records the store could not commit ends once it commits again.
+#[derive(Debug)]
+pub(super) enum DeferredEnd {
+    /// With this outcome (`finish_action`, or with the deferred result).
+    Outcome(backstop_store::Finish),
+    /// A write that reconciliation found at the provider (`record_reconciled`): `succeeded`,
+    /// with the provider's operation id when known.
+    Reconciled {
+        /// The provider's operation id.
+        operation_id: Option<String>,
+    },
+    /// A write whose last attempt is `uncertain`: reconciled with its original key and closed
+    /// as a write sent without a result is after a restart (see [`Inner::reconcile_recorded`]):
+    /// found → `succeeded`, otherwise `escalated`. Nothing is resent.
+    Reconcile,
 }
 
 /// Kept signal headers as a case file lists them (names and raw values; the case file builder
@@ -643,70 +705,163 @@ impl Inner {
                 tracing::warn!(action = id.0, error = %e, "restart recovery: cannot record the uncertain attempt");
                 continue;
             }
-            let end = self.reconcile_uncertain(&facts, None).await;
-            self.close_after_recovery(&facts, end).await;
+            if let Err(e) = self.reconcile_and_close(&facts, PayloadGone::Restart).await {
+                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the recovered write");
+            }
         }
     }
 
-    /// Ends a recovered write: found → reconciled; otherwise escalated (the payload is not kept
-    /// across a restart, so even a same-key resend needs the agent or an operator).
-    pub(super) async fn close_after_recovery(&self, facts: &WriteFacts, end: UncertainEnd) {
+    /// Restart recovery of the actions the previous run left between two attempts (see
+    /// [`backstop_store::Store::actions_between_attempts`]: an attempt's result was recorded,
+    /// then the run stopped, or its store failed, before the retry was scheduled or the outcome
+    /// recorded). Nothing waits for them any more and nothing is sent for them: a write whose
+    /// last attempt is `uncertain` is reconciled with its original key, as a write sent without
+    /// a result is ([`Inner::reconcile_and_close`]: found → `succeeded`, otherwise `escalated`);
+    /// any other action ends `cancelled` with [`RESTARTED_BEFORE_RETRY`], as a re-armed retry
+    /// does.
+    ///
+    /// `listed` is the list taken at start, before any action of this run was recorded.
+    pub(super) async fn recover_between_attempts(
+        &self,
+        listed: Result<Vec<ActionId>, EngineError>,
+    ) {
+        let listed = match listed {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::error!(error = %e, "restart recovery: cannot read the actions left between two attempts");
+                return;
+            }
+        };
+        for id in listed {
+            let record = match self.blocking(move |s| s.action(id)).await {
+                Ok(Some(record)) => record,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the action");
+                    continue;
+                }
+            };
+            let attempts = match self.blocking(move |s| s.attempts(id)).await {
+                Ok(attempts) => attempts,
+                Err(e) => {
+                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the action's attempts");
+                    continue;
+                }
+            };
+            let is_read = record.request_class == "read"
+                || matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
+            let uncertain =
+                attempts.last().and_then(|a| a.disposition) == Some(StoreDisposition::Uncertain);
+            if uncertain && !is_read {
+                tracing::info!(
+                    action = id.0,
+                    attempts = attempts.len(),
+                    "restart recovery: a write's last attempt was uncertain and nothing followed it; it is reconciled with its original key"
+                );
+                let facts = self.stored_facts(&record, None).await;
+                if let Err(e) = self.reconcile_and_close(&facts, PayloadGone::Restart).await {
+                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the recovered write");
+                }
+                continue;
+            }
+            tracing::info!(
+                action = id.0,
+                attempts = attempts.len(),
+                "restart recovery: an action was left between two attempts; its caller is gone, the action is cancelled"
+            );
+            let mut context = recovered_context(&attempts, recorded_wait_ms(&record, &attempts));
+            context.next_safe = vec![NextSafe::Abort];
+            let mut context = serde_json::to_value(&context).unwrap_or_default();
+            if let Some(members) = context.as_object_mut() {
+                members.insert("detail".into(), RESTARTED_BEFORE_RETRY.into());
+            }
+            let finish = super::Finish {
+                outcome: backstop_store::Outcome::Cancelled,
+                context,
+                response: None,
+            };
+            let at = self.clock.now();
+            if let Err(e) = self
+                .blocking(move |s| s.finish_action(id, finish, at))
+                .await
+            {
+                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the action left between two attempts");
+            }
+        }
+    }
+
+    /// Reconciles a recorded write whose last attempt is `uncertain` (its result recorded) and
+    /// ends it, as after a restart: the facts are read from the store, then
+    /// [`Inner::reconcile_and_close`].
+    ///
+    /// # Errors
+    /// The store failed to record how the write ended.
+    pub(super) async fn reconcile_recorded(
+        &self,
+        record: &ActionRecord,
+        gone: PayloadGone,
+    ) -> Result<(), EngineError> {
+        let facts = self.stored_facts(record, None).await;
+        self.reconcile_and_close(&facts, gone).await
+    }
+
+    /// Runs the SPEC §6 rule for a recorded write whose payload is gone
+    /// ([`Inner::reconcile_uncertain`], without an agent request) and ends it
+    /// ([`Inner::close_after_recovery`]). Nothing is resent.
+    ///
+    /// # Errors
+    /// The store failed to record how the write ended.
+    pub(super) async fn reconcile_and_close(
+        &self,
+        facts: &WriteFacts,
+        gone: PayloadGone,
+    ) -> Result<(), EngineError> {
+        let end = self.reconcile_uncertain(facts, None).await;
+        self.close_after_recovery(facts, end, gone).await
+    }
+
+    /// Ends a recovered write: found → reconciled; otherwise escalated (the payload is `gone`,
+    /// so even a same-key resend needs the agent or an operator).
+    ///
+    /// # Errors
+    /// The store failed to record the reconciliation or the escalation.
+    pub(super) async fn close_after_recovery(
+        &self,
+        facts: &WriteFacts,
+        end: UncertainEnd,
+        gone: PayloadGone,
+    ) -> Result<(), EngineError> {
         let id = facts.action;
-        match end {
+        let reason = match end {
             UncertainEnd::Found { operation_id } => {
                 let at = self.clock.now();
                 let op = operation_id.clone();
-                match self
-                    .blocking(move |s| s.record_reconciled(id, op, at))
-                    .await
-                {
-                    Ok(()) => {
-                        self.metrics.outcome(
-                            &facts.provider,
-                            &facts.class,
-                            backstop_core::outcome::Outcome::Succeeded,
-                        );
-                        tracing::info!(
-                            action = id.0,
-                            provider_operation_id = operation_id.as_deref().unwrap_or("-"),
-                            "reconciled: the provider has the write; nothing is resent"
-                        );
-                    }
-                    Err(e) => {
-                        tracing::warn!(action = id.0, error = %e, "could not record the reconciliation")
-                    }
-                }
+                self.blocking(move |s| s.record_reconciled(id, op, at))
+                    .await?;
+                self.metrics.outcome(
+                    &facts.provider,
+                    &facts.class,
+                    backstop_core::outcome::Outcome::Succeeded,
+                );
+                tracing::info!(
+                    action = id.0,
+                    provider_operation_id = operation_id.as_deref().unwrap_or("-"),
+                    "reconciled: the provider has the write; nothing is resent"
+                );
+                return Ok(());
             }
-            UncertainEnd::RetrySameKey => {
-                let detail = same_key_after_restart(facts.reconcile.is_some());
-                if let Err(e) = self
-                    .escalate(
-                        facts,
-                        EscalationReason::SideEffectUnknown,
-                        detail,
-                        None,
-                        None,
-                    )
-                    .await
-                {
-                    tracing::warn!(action = id.0, error = %e, "could not open the escalation");
-                }
-            }
-            UncertainEnd::Escalate { reason } => {
-                if let Err(e) = self
-                    .escalate(
-                        facts,
-                        EscalationReason::SideEffectUnknown,
-                        &reason,
-                        None,
-                        None,
-                    )
-                    .await
-                {
-                    tracing::warn!(action = id.0, error = %e, "could not open the escalation");
-                }
-            }
-        }
+            UncertainEnd::RetrySameKey => same_key_needs_operator(facts.reconcile.is_some(), gone),
+            UncertainEnd::Escalate { reason } => reason,
+        };
+        self.escalate(
+            facts,
+            EscalationReason::SideEffectUnknown,
+            &reason,
+            None,
+            None,
+        )
+        .await?;
+        Ok(())
     }
 
     /// Re-arms every scheduled retry found in the store (SPEC §12): each wakes at its due
@@ -782,23 +937,20 @@ impl Inner {
 }
 
 impl Inner {
-    /// Closes `action`, a write whose retry came due while the store could not commit (its
-    /// caller was answered `503 store_unavailable`, nothing of the retry left): it ends
-    /// `cancelled` with `context` (which carries [`STORE_FAILED_BEFORE_RETRY`]), which also drops
-    /// its unclaimed retry job, as soon as the store commits again. The store is tried after
-    /// [`STORE_RETRY_FIRST_WAIT`], then after doubling waits of at most
-    /// [`STORE_RETRY_MAX_WAIT`], for [`UNSTARTED_RETRY_CLOSE_WINDOW`]; each outcome is logged.
-    /// An action that ended meanwhile (its task cancelled) is left as it is; at shutdown, or
-    /// past the window, the retry stays in the store and the next start re-arms it (SPEC §12).
-    pub(super) fn close_unstarted_retry(
-        self: &std::sync::Arc<Self>,
-        action: ActionId,
-        provider: String,
-        class: String,
-        context: serde_json::Value,
-    ) {
+    /// Records `deferred`, what the store could not commit for one action, as soon as the store
+    /// commits again, so that the action never stays open in the store for a step nothing
+    /// takes any more (a `409 idempotency_key_in_flight` for every same-key resend, the
+    /// watchdog's stuck findings). The store is tried after [`STORE_RETRY_FIRST_WAIT`], then
+    /// after doubling waits of at most [`STORE_RETRY_MAX_WAIT`], for [`DEFERRED_RECORD_WINDOW`];
+    /// the first try that commits ends the action (see [`DeferredEnd`]), and each outcome is
+    /// logged. An action that ended meanwhile (its task cancelled) is left as it is. At
+    /// shutdown, or past the window, the action is left as the store has it, and the next start
+    /// recovers it: a retry job still waiting is re-armed, an attempt `sent` without a result is
+    /// reconciled, an action left between two attempts is closed (SPEC §12).
+    pub(super) fn record_when_store_commits(self: &std::sync::Arc<Self>, mut deferred: Deferred) {
         let inner = self.clone();
         tokio::spawn(async move {
+            let action = deferred.action.0;
             let mut wait = STORE_RETRY_FIRST_WAIT;
             let mut waited = Duration::ZERO;
             loop {
@@ -809,82 +961,140 @@ impl Inner {
                     .load(std::sync::atomic::Ordering::SeqCst)
                 {
                     tracing::info!(
-                        action = action.0,
-                        "shutting down: the write whose retry could not start stays in the store; the next start re-arms its retry"
+                        action,
+                        "shutting down: what the store could not record for this action stays unrecorded; the next start recovers the action"
                     );
                     return;
                 }
-                let finish = super::Finish {
-                    outcome: backstop_store::Outcome::Cancelled,
-                    context: context.clone(),
-                    response: None,
-                };
-                let at = inner.clock.now();
-                match inner
-                    .blocking(move |s| s.finish_action(action, finish, at))
-                    .await
-                {
+                match inner.record_deferred(&mut deferred).await {
                     Ok(()) => {
-                        inner.metrics.outcome(
-                            &provider,
-                            &class,
-                            backstop_core::outcome::Outcome::Cancelled,
-                        );
                         tracing::info!(
-                            action = action.0,
-                            "the store commits again: the write whose retry could not start is closed `cancelled`; nothing more is sent for it"
+                            action,
+                            "the store commits again: what it could not record for this action is recorded, and the action is closed"
                         );
                         return;
                     }
                     Err(e) if !super::is_store_failure(&e) => {
-                        tracing::debug!(action = action.0, error = %e, "the write whose retry could not start had ended meanwhile");
+                        tracing::debug!(action, error = %e, "the action had ended meanwhile");
                         return;
                     }
-                    Err(e) if waited >= UNSTARTED_RETRY_CLOSE_WINDOW => {
+                    Err(e) if waited >= DEFERRED_RECORD_WINDOW => {
                         tracing::error!(
-                            action = action.0,
+                            action,
                             error = %e,
-                            "the store still fails: the write whose retry could not start is not closed; its retry stays in the store and the next start re-arms it"
+                            "the store still fails: what it could not record for this action stays unrecorded; the next start recovers the action"
                         );
                         return;
                     }
                     Err(e) => {
                         wait = (wait * 2).min(STORE_RETRY_MAX_WAIT);
                         tracing::debug!(
-                            action = action.0,
+                            action,
                             error = %e,
                             next_try_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
-                            "the store still fails: the write whose retry could not start is closed later"
+                            "the store still fails: what it could not record for this action is recorded later"
                         );
                     }
                 }
             }
         });
     }
+
+    /// One try of [`Inner::record_when_store_commits`]: the deferred result first (with the
+    /// outcome in the same commit), then the end. A result that commits is not recorded again
+    /// by the next try.
+    ///
+    /// # Errors
+    /// The store failed (tried again later), or refused because the action ended meanwhile.
+    async fn record_deferred(&self, deferred: &mut Deferred) -> Result<(), EngineError> {
+        let action = deferred.action;
+        if let Some(result) = &deferred.result {
+            let mut result = result.clone();
+            if let DeferredEnd::Outcome(finish) = &deferred.end {
+                result.finish = Some(finish.clone());
+            }
+            let at = self.clock.now();
+            self.blocking(move |s| s.record_result(result, at)).await?;
+            deferred.result = None;
+            if let DeferredEnd::Outcome(finish) = &deferred.end {
+                self.count_deferred(deferred, finish);
+                return Ok(());
+            }
+        }
+        match &deferred.end {
+            DeferredEnd::Outcome(finish) => {
+                let (finish_now, at) = (finish.clone(), self.clock.now());
+                self.blocking(move |s| s.finish_action(action, finish_now, at))
+                    .await?;
+                self.count_deferred(deferred, finish);
+                Ok(())
+            }
+            DeferredEnd::Reconciled { operation_id } => {
+                let (op, at) = (operation_id.clone(), self.clock.now());
+                self.blocking(move |s| s.record_reconciled(action, op, at))
+                    .await
+            }
+            DeferredEnd::Reconcile => {
+                let record = match self.blocking(move |s| s.action(action)).await? {
+                    Some(record) if record.state != backstop_store::ActionState::Finished => record,
+                    _ => {
+                        return Err(EngineError::Store(
+                            backstop_store::StoreError::InvalidTransition {
+                                what: format!("action {action}"),
+                                reason: "already finished".into(),
+                            },
+                        ))
+                    }
+                };
+                self.reconcile_recorded(&record, PayloadGone::StoreFailed)
+                    .await
+            }
+        }
+    }
+
+    /// Counts a deferred outcome in the metrics once it is recorded, when its caller was not
+    /// told it (see [`Deferred::count`]).
+    fn count_deferred(&self, deferred: &Deferred, finish: &backstop_store::Finish) {
+        if let Some((provider, class)) = &deferred.count {
+            self.metrics
+                .outcome(provider, class, super::core_outcome(finish.outcome));
+        }
+    }
 }
 
-/// Why a write recovered after a restart, which the provider would deduplicate under its key, is
-/// handed to an operator: what the gateway learned about it (`looked_up`: a lookup of the route
-/// ran and did not find it; otherwise the route has none, so nothing is known), and that the
-/// payload is not kept across a restart, so nothing can be resent automatically.
-fn same_key_after_restart(looked_up: bool) -> &'static str {
+/// Why a recovered write, which the provider would deduplicate under its key, is handed to an
+/// operator: what the gateway learned about it (`looked_up`: a lookup of the route ran and did
+/// not find it; otherwise the route has none, so nothing is known), and that its payload is
+/// `gone`, so nothing can be resent automatically.
+fn same_key_needs_operator(looked_up: bool, gone: PayloadGone) -> String {
+    let gone = gone.words();
     if looked_up {
-        "the lookup did not find the write; a resend with the same key would be deduplicated by the provider, but the payload is not kept across a restart, so nothing can be resent automatically; an operator decides"
+        format!("the lookup did not find the write; a resend with the same key would be deduplicated by the provider, but {gone}, so nothing can be resent automatically; an operator decides")
     } else {
-        "whether the write happened is unknown: the route has no lookup to ask the provider; a resend with the same key would be deduplicated by the provider, but the payload is not kept across a restart, so nothing can be resent automatically; an operator decides"
+        format!("whether the write happened is unknown: the route has no lookup to ask the provider; a resend with the same key would be deduplicated by the provider, but {gone}, so nothing can be resent automatically; an operator decides")
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::same_key_after_restart;
+    use super::{same_key_needs_operator, PayloadGone};
 
     #[test]
     fn a_recovered_write_says_a_lookup_ran_only_when_one_did() {
-        assert!(same_key_after_restart(true).starts_with("the lookup did not find the write"));
-        let without = same_key_after_restart(false);
+        let looked_up = same_key_needs_operator(true, PayloadGone::Restart);
+        assert!(looked_up.starts_with("the lookup did not find the write"));
+        let without = same_key_needs_operator(false, PayloadGone::Restart);
         assert!(!without.contains("did not find"), "{without}");
         assert!(without.contains("has no lookup"), "{without}");
         assert!(without.contains("an operator decides"), "{without}");
+    }
+
+    #[test]
+    fn a_recovered_write_says_why_its_payload_is_gone() {
+        let restart = same_key_needs_operator(false, PayloadGone::Restart);
+        assert!(restart.contains("not kept across a restart"), "{restart}");
+        let store = same_key_needs_operator(true, PayloadGone::StoreFailed);
+        assert!(store.contains("503 store_unavailable"), "{store}");
+        assert!(!store.contains("restart"), "{store}");
     }
 }

@@ -6,22 +6,23 @@
 
 use std::{sync::Arc, time::Duration};
 
-use backstop_core::policy::Policy;
+use backstop_core::{classify::TransportError, policy::Policy};
 use backstop_fake_api::RouteConfig;
 use backstop_gateway::{
     action::Execution,
-    engine::STORE_FAILED_BEFORE_RETRY,
+    engine::{RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
     server,
     watchdog::{Watchdog, WatchdogConfig},
 };
-use backstop_store::{Outcome, Store};
+use backstop_store::{ActionId, ActionRecord, ActionState, Outcome, Store};
+use jiff::SignedDuration;
 use serde_json::Value;
 
 use crate::{
     engine_support::{
         advance, answer,
         failing_store::{FailingStore, FIRST_LOST_READ},
-        held_ok, summary, until, Harness,
+        held_ok, summary, until, Harness, Step,
     },
     support::{self, capture::Capture},
 };
@@ -162,6 +163,13 @@ async fn a_caller_waiting_before_its_first_attempt_gets_503_shutting_down_at_sto
     assert_eq!(body["sent"], false);
     assert_eq!(retry, "true");
     assert_eq!(attempts, 0);
+    // What identifies the request, as in every other answer for an action (a read has no key).
+    assert_eq!(body["task"], "t", "{body}");
+    assert!(
+        body["action_id"].as_i64().is_some_and(|id| id > 0),
+        "{body}"
+    );
+    assert!(body.get("idempotency_key").is_none(), "{body}");
     assert!(h.transport.sent_to("/v1/slow/2").is_empty());
     // New work after the stop is refused the same way.
     let (status, retry, _, _) = problem(h.engine.execute(h.get("t", "/v1/items/1")).await).await;
@@ -178,12 +186,18 @@ async fn a_write_waiting_for_its_retry_at_stop_stays_recorded_and_is_not_invited
     let running = h.spawn(write(&h, "t", "k-9"));
     assert!(until(|| h.transport.sent().len() == 1).await);
     assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let action = h.store.scheduled_retries().unwrap()[0].action;
     h.engine.shutdown().await;
-    let (status, retry, body, attempts) = problem(running.await.unwrap()).await;
+    let answered = running.await.unwrap();
+    assert_eq!(answered.receipt().idempotency_key.as_deref(), Some("k-9"));
+    let (status, retry, body, attempts) = problem(answered).await;
     assert_eq!(status, 503);
     assert_eq!(body["sent"], true);
     assert_eq!(retry, "false");
     assert_eq!(attempts, 1);
+    assert_eq!(body["task"], "t", "{body}");
+    assert_eq!(body["idempotency_key"], "k-9", "{body}");
+    assert_eq!(body["action_id"], action.0, "{body}");
     let scheduled = h.store.scheduled_retries().unwrap();
     assert_eq!(
         scheduled.len(),
@@ -400,6 +414,290 @@ async fn a_read_whose_records_are_lost_is_logged_once_at_error_with_what_identif
         .filter(|l| l.contains("task=run-lost-read") && l.contains("not committed"))
         .count();
     assert_eq!(further, 2, "{}", logs.text());
+}
+
+/// Reads action `id` from the real store beneath the failing one.
+fn stored(h: &Harness, id: ActionId) -> ActionRecord {
+    h.store.action(id).unwrap().unwrap()
+}
+
+/// Runs `write` while only scheduling a retry fails: its first attempt gets `first`, the retry
+/// cannot be scheduled, and the caller is answered 503 with `sent: true`. Returns the action,
+/// left `attempted` with no retry job.
+async fn unscheduled_retry(h: &Harness, store: &FailingStore, first: Step, key: &str) -> ActionId {
+    h.transport
+        .script("/v1/transfers", vec![first, answer(201, &[], "{}")]);
+    store.fail_schedules();
+    let answered = h.engine.execute(write(h, "t", key)).await;
+    let action = ActionId(answered.receipt().action_id);
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_eq!(body["sent"], true);
+    assert_eq!(h.transport.sent().len(), 1, "the retry did not leave");
+    assert_eq!(stored(h, action).state, ActionState::Attempted);
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    action
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_the_store_could_not_schedule_is_closed_once_the_store_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    let first = answer(503, &[("retry-after", "5")], "");
+    let action = unscheduled_retry(&h, &store, first, "k-s1").await;
+    // Now nothing commits: the action cannot be closed yet.
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the action is closed once the store commits again, not left attempted"
+    );
+    let record = stored(&h, action);
+    assert_eq!(record.outcome, Some(Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(context["detail"], STORE_FAILED_BEFORE_RETRY);
+    assert_eq!(context["attempts"], 1);
+    assert_eq!(context["sent"], true);
+    assert_eq!(
+        context["next_safe"],
+        serde_json::json!([{"option": "abort"}])
+    );
+    // A resend under the same key replays the outcome, not 409 in flight; nothing is sent.
+    let again = h.engine.execute(write(&h, "t", "k-s1")).await;
+    assert_eq!(summary(&again), "cancelled");
+    assert_eq!(again.receipt().action_id, action.0);
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_whose_retry_the_store_could_not_schedule_is_reconciled_not_resent() {
+    let (h, store) = Harness::with_failing_store();
+    // The provider honours keys and the route has no lookup: the running gateway would resend
+    // under the same key, but the payload goes with the 503.
+    let first = Step::Fail(TransportError::TimeoutAfterSend);
+    let action = unscheduled_retry(&h, &store, first, "k-s2").await;
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the write is reconciled once the store commits again"
+    );
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Escalated));
+    let escalations = h.store.open_escalations().unwrap();
+    let escalation = escalations
+        .iter()
+        .find(|e| e.action == action)
+        .expect("an escalation for the write");
+    assert_eq!(escalation.case_file["reason"], "side_effect_unknown");
+    let detail = escalation.case_file["reason_detail"].as_str().unwrap_or("");
+    assert!(detail.contains("503 store_unavailable"), "{detail}");
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    let again = h.engine.execute(write(&h, "t", "k-s2")).await;
+    assert_eq!(summary(&again), "escalated");
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_the_store_could_not_schedule_is_closed_by_the_next_start() {
+    let (h, store) = Harness::with_failing_store();
+    let first = answer(503, &[("retry-after", "5")], "");
+    let action = unscheduled_retry(&h, &store, first, "k-s3").await;
+    store.fail();
+    h.engine.shutdown().await;
+    advance(Duration::from_secs(5)).await;
+    assert_eq!(stored(&h, action).outcome, None);
+
+    // The next run over the same (working) store finds the action and closes it.
+    let restarted = h.restarted(5);
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the next start closes the action"
+    );
+    let record = stored(&h, action);
+    assert_eq!(record.outcome, Some(Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(context["detail"], RESTARTED_BEFORE_RETRY);
+    assert_eq!(context["attempts"], 1);
+    let again = restarted.execute(write(&h, "t", "k-s3")).await;
+    assert_eq!(summary(&again), "cancelled");
+    assert_eq!(h.transport.sent().len(), 1);
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_whose_retry_the_store_could_not_schedule_is_reconciled_by_the_next_start(
+) {
+    let (h, store) = Harness::with_failing_store();
+    let first = Step::Fail(TransportError::TimeoutAfterSend);
+    let action = unscheduled_retry(&h, &store, first, "k-s4").await;
+    store.fail();
+    h.engine.shutdown().await;
+    advance(Duration::from_secs(5)).await;
+
+    let restarted = h.restarted(5);
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the next start reconciles the write"
+    );
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Escalated));
+    assert!(h
+        .store
+        .open_escalations()
+        .unwrap()
+        .iter()
+        .any(|e| e.action == action));
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outcome_the_store_could_not_record_is_logged_and_recorded_once_it_commits_again() {
+    let (logs, _attached) = Capture::this_thread();
+    let (h, store) = Harness::with_failing_store();
+    store.fail_outcomes();
+    // Past its deadline: refused before any attempt, with a gateway-made outcome.
+    let mut late = write(&h, "t-late", "k-o1");
+    late.deadline = Some(h.t0 - SignedDuration::from_secs(1));
+    let answered = h.engine.execute(late.clone()).await;
+    assert_eq!(summary(&answered), "deadline_exhausted");
+    let action = ActionId(answered.receipt().action_id);
+    assert_eq!(
+        stored(&h, action).outcome,
+        None,
+        "nothing can be recorded yet"
+    );
+    let warned = logs
+        .lines_at("WARN")
+        .into_iter()
+        .any(|l| l.contains(&format!("action={}", action.0)) && l.contains("outcome"));
+    assert!(warned, "{}", logs.text());
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the outcome is recorded once the store commits again"
+    );
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::DeadlineExhausted));
+    let again = h.engine.execute(late).await;
+    assert_eq!(
+        summary(&again),
+        "deadline_exhausted",
+        "replayed, not in flight"
+    );
+    assert_eq!(again.receipt().action_id, action.0);
+    assert!(h.transport.sent().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_final_provider_answer_the_store_could_not_record_is_recorded_once_it_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(422, &[], r#"{"error":{"code":"invalid_amount"}}"#)],
+    );
+    store.fail_outcomes();
+    let answered = h.engine.execute(write(&h, "t", "k-o2")).await;
+    assert_eq!(
+        summary(&answered),
+        "422",
+        "the provider's answer is passed through"
+    );
+    let action = ActionId(answered.receipt().action_id);
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the outcome is recorded once the store commits again"
+    );
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Rejected));
+    let attempts = h.store.attempts(action).unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].status, Some(422), "with the attempt's result");
+    let again = h.engine.execute(write(&h, "t", "k-o2")).await;
+    assert_eq!(summary(&again), "rejected", "replayed, not in flight");
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_success_the_store_could_not_record_is_recorded_with_its_replay_once_it_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport
+        .script("/v1/transfers", vec![answer(201, &[], r#"{"id":"tr_7"}"#)]);
+    store.fail_outcomes();
+    let answered = h.engine.execute(write(&h, "t", "k-o3")).await;
+    assert_eq!(summary(&answered), "201");
+    let action = ActionId(answered.receipt().action_id);
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Succeeded));
+    let Execution::Response { response, .. } = h.engine.execute(write(&h, "t", "k-o3")).await
+    else {
+        panic!("the kept response is replayed")
+    };
+    assert_eq!(response.status(), 201);
+    assert_eq!(response.headers()["idempotent-replayed"], "true");
+    let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(&body[..], br#"{"id":"tr_7"}"#);
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reconciliation_the_store_could_not_record_is_recorded_once_it_commits_again() {
+    let policy = crate::engine_support::POLICY.replace(
+        r#""POST /v1/transfers": { class: idempotent_write, scopes: [account], fingerprint_fields: [/amount] }"#,
+        r#""POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        fingerprint_fields: [/amount]
+        reconcile: { by: idempotency_key, lookup: "GET /v1/transfers?key={key}", found_pointer: /data/0/id }"#,
+    );
+    assert_ne!(policy, crate::engine_support::POLICY);
+    let (h, store) = Harness::with_failing_store_and_policy(&policy);
+    let upstream = backstop_core::reconcile::upstream_idempotency_key("agent-a", "k-o4");
+    let lookup = format!("/v1/transfers?key={upstream}");
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(TransportError::TimeoutAfterSend)],
+    );
+    h.transport.script(
+        &lookup,
+        vec![answer(200, &[], r#"{"data":[{"id":"tr_8"}]}"#)],
+    );
+    store.fail_outcomes();
+    let answered = h.engine.execute(write(&h, "t", "k-o4")).await;
+    assert_eq!(summary(&answered), "succeeded", "reconciled: {answered:?}");
+    let action = ActionId(answered.receipt().action_id);
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    let record = stored(&h, action);
+    assert_eq!(record.outcome, Some(Outcome::Succeeded));
+    assert_eq!(record.provider_operation_id.as_deref(), Some("tr_8"));
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "never resent"
+    );
+    assert_eq!(h.transport.sent_to(&lookup).len(), 1, "not looked up again");
 }
 
 const DOOR_AGENT_TOKEN: &str = "door-agent-token-5d1e";

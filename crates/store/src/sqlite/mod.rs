@@ -1506,6 +1506,10 @@ impl Store for SqliteStore {
         self.read(rows::unsent_writes)
     }
 
+    fn actions_between_attempts(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.read(rows::actions_between_attempts)
+    }
+
     fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError> {
         self.read(|c| rows::scope(c, provider, scope))
     }

@@ -339,6 +339,21 @@ pub(crate) fn unsent_writes(conn: &Connection) -> Result<Vec<ActionId>, StoreErr
     Ok(out)
 }
 
+pub(crate) fn actions_between_attempts(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT a.id FROM actions a WHERE a.state = 'attempted' \
+         AND NOT EXISTS (SELECT 1 FROM scheduled_retries r \
+                         WHERE r.action_id = a.id AND r.claimed_at_ms IS NULL) \
+         ORDER BY a.id",
+    )?;
+    let ids = stmt.query_map([], |r| r.get::<_, i64>(0))?;
+    let mut out = Vec::new();
+    for id in ids {
+        out.push(ActionId(id?));
+    }
+    Ok(out)
+}
+
 pub(crate) fn scheduled_retries(conn: &Connection) -> Result<Vec<DueRetry>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT r.job_id, r.action_id, r.due_at_ms FROM scheduled_retries r \

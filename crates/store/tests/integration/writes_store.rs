@@ -1,9 +1,10 @@
 //! Store operations for writes that never duplicate: one action's own retry claimed by job id,
-//! the scheduled retries re-armed after a restart, and audited reconciliation lookups.
+//! the scheduled retries re-armed after a restart, the actions left between two attempts, and
+//! audited reconciliation lookups.
 
-use backstop_store::{SqliteStore, Store};
+use backstop_store::{Disposition, SqliteStore, Store};
 
-use crate::common::{open_task, record, t};
+use crate::common::{open_task, record, success, t};
 
 #[test]
 fn claim_job_claims_only_that_job_once_and_audits_retry_started() {
@@ -89,4 +90,60 @@ fn reconciliation_lookup_is_audited_with_template_status_and_verdict() {
             t(6)
         )
         .is_err());
+}
+
+#[test]
+fn actions_between_attempts_lists_an_attempted_action_without_a_waiting_retry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("s.db")).expect("open");
+    open_task(&store, "task-1");
+    let unavailable = |action, attempt| {
+        let mut result = success(action, attempt);
+        result.status = Some(503);
+        result.disposition = Disposition::Unavailable;
+        result.finish = None;
+        result
+    };
+    // Its result is recorded, its retry never scheduled: listed.
+    let stalled = record(&store, "task-1", "key-a", b"a");
+    store.mark_attempt_sent(stalled, t(2)).expect("sent");
+    store
+        .record_result(unavailable(stalled, 1), t(3))
+        .expect("result");
+    // Its retry waits: not listed.
+    let waiting = record(&store, "task-1", "key-b", b"b");
+    store.mark_attempt_sent(waiting, t(2)).expect("sent");
+    store
+        .record_result(unavailable(waiting, 1), t(3))
+        .expect("result");
+    store
+        .schedule_retry(waiting, t(1_000), t(3))
+        .expect("schedule");
+    // Its retry was sent (the attempt took the job) and answered: listed again.
+    let retried = record(&store, "task-1", "key-c", b"c");
+    store.mark_attempt_sent(retried, t(2)).expect("sent");
+    store
+        .record_result(unavailable(retried, 1), t(3))
+        .expect("result");
+    store
+        .schedule_retry(retried, t(10), t(3))
+        .expect("schedule");
+    store.mark_attempt_sent(retried, t(10)).expect("retry sent");
+    store
+        .record_result(unavailable(retried, 2), t(11))
+        .expect("result");
+    // In flight, finished, never sent: not listed.
+    let in_flight = record(&store, "task-1", "key-d", b"d");
+    store.mark_attempt_sent(in_flight, t(2)).expect("sent");
+    let finished = record(&store, "task-1", "key-e", b"e");
+    store.mark_attempt_sent(finished, t(2)).expect("sent");
+    store
+        .record_result(success(finished, 1), t(3))
+        .expect("result");
+    record(&store, "task-1", "key-f", b"f");
+
+    assert_eq!(
+        store.actions_between_attempts().expect("list"),
+        vec![stalled, retried]
+    );
 }

@@ -1,7 +1,10 @@
 //! A store that fails on demand like a damaged file or a full disk. While [`FailingStore::fail`]
 //! is in force every operation that writes answers SQLite's error; reads keep working.
 //! [`FailingStore::fail_sends`] fails only the recording of an attempt sent (a write's
-//! `action_sent`: the commit that lets its bytes leave, and claims a waiting retry job).
+//! `action_sent`: the commit that lets its bytes leave, and claims a waiting retry job);
+//! [`FailingStore::fail_schedules`] only the scheduling of a retry; [`FailingStore::fail_outcomes`]
+//! only what ends an action (`finish_action`, `record_reconciled`, and an attempt result
+//! carrying the outcome).
 //! [`FailingStore::lose_reads`] hands reads their ids but never commits their records, as when
 //! the group commit of a held read fails. [`FailingStore::recover`] ends any of these.
 
@@ -34,6 +37,10 @@ const FAILING: u8 = 1;
 const FAILING_SENDS: u8 = 2;
 /// Reads' records are never committed.
 const LOSING_READS: u8 = 3;
+/// Only scheduling a retry fails.
+const FAILING_SCHEDULES: u8 = 4;
+/// Only what ends an action fails.
+const FAILING_OUTCOMES: u8 = 5;
 
 /// The first action id handed to a read whose records are lost (far above the real store's).
 pub const FIRST_LOST_READ: i64 = 1_000_000;
@@ -71,6 +78,19 @@ impl FailingStore {
         self.mode.store(FAILING_SENDS, Ordering::SeqCst);
     }
 
+    /// From now on only scheduling a retry fails (`schedule_retry`): the attempt's result
+    /// before it is recorded.
+    pub fn fail_schedules(&self) {
+        self.mode.store(FAILING_SCHEDULES, Ordering::SeqCst);
+    }
+
+    /// From now on only what ends an action fails: `finish_action`, `record_reconciled`, and
+    /// recording an attempt result that carries the action's outcome (`record_result`,
+    /// `submit_result`).
+    pub fn fail_outcomes(&self) {
+        self.mode.store(FAILING_OUTCOMES, Ordering::SeqCst);
+    }
+
     /// From now on a read is handed an id (from [`FIRST_LOST_READ`] on) but none of its records
     /// is committed: when its result is submitted, every completion of the read — the request,
     /// each attempt sent, the result — is answered SQLite's error, in that order, as the real
@@ -90,6 +110,22 @@ impl FailingStore {
 
     fn failing_sends(&self) -> bool {
         matches!(self.mode.load(Ordering::SeqCst), FAILING | FAILING_SENDS)
+    }
+
+    fn failing_schedules(&self) -> bool {
+        matches!(
+            self.mode.load(Ordering::SeqCst),
+            FAILING | FAILING_SCHEDULES
+        )
+    }
+
+    /// Whether recording `finish` (an action's outcome, when `true`) fails now.
+    fn failing_outcome(&self, ends: bool) -> bool {
+        match self.mode.load(Ordering::SeqCst) {
+            FAILING => true,
+            FAILING_OUTCOMES => ends,
+            _ => false,
+        }
     }
 
     fn losing_reads(&self) -> bool {
@@ -163,7 +199,7 @@ impl Store for FailingStore {
             }
             return done(Err(damaged()));
         }
-        if self.failing() {
+        if self.failing_outcome(result.finish.is_some()) {
             return done(Err(damaged()));
         }
         self.inner.submit_result(result, at, done)
@@ -181,7 +217,7 @@ impl Store for FailingStore {
         self.inner.mark_attempt_sent(action, at)
     }
     fn record_result(&self, result: AttemptResult, at: Timestamp) -> Result<(), StoreError> {
-        if self.failing() {
+        if self.failing_outcome(result.finish.is_some()) {
             return Err(damaged());
         }
         self.inner.record_result(result, at)
@@ -192,7 +228,7 @@ impl Store for FailingStore {
         finish: Finish,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        if self.failing() {
+        if self.failing_outcome(true) {
             return Err(damaged());
         }
         self.inner.finish_action(action, finish, at)
@@ -203,6 +239,9 @@ impl Store for FailingStore {
         provider_operation_id: Option<String>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
+        if self.failing_outcome(true) {
+            return Err(damaged());
+        }
         self.inner
             .record_reconciled(action, provider_operation_id, at)
     }
@@ -212,7 +251,7 @@ impl Store for FailingStore {
         due_at: Timestamp,
         at: Timestamp,
     ) -> Result<JobId, StoreError> {
-        if self.failing() {
+        if self.failing_schedules() {
             return Err(damaged());
         }
         self.inner.schedule_retry(action, due_at, at)
@@ -244,6 +283,9 @@ impl Store for FailingStore {
         verdict: &str,
         at: Timestamp,
     ) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
         self.inner
             .record_reconciliation_lookup(action, lookup, status, verdict, at)
     }
@@ -256,6 +298,9 @@ impl Store for FailingStore {
         case_file: serde_json::Value,
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
         self.inner.open_escalation(action, case_file, at)
     }
     fn open_escalation_with_context(
@@ -265,6 +310,9 @@ impl Store for FailingStore {
         context: serde_json::Value,
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
         self.inner
             .open_escalation_with_context(action, case_file, context, at)
     }
@@ -370,6 +418,9 @@ impl Store for FailingStore {
     }
     fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError> {
         self.inner.unsent_writes()
+    }
+    fn actions_between_attempts(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.inner.actions_between_attempts()
     }
     fn scope(&self, provider: &str, scope: &str) -> Result<Option<ScopeRecord>, StoreError> {
         self.inner.scope(provider, scope)

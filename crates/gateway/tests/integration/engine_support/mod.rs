@@ -228,7 +228,15 @@ impl Harness {
 
     /// A fresh engine over [`POLICY`] whose store fails on demand (call with paused time).
     pub fn with_failing_store() -> (Harness, Arc<failing_store::FailingStore>) {
-        let (harness, failing) = Harness::build(POLICY, true);
+        Harness::with_failing_store_and_policy(POLICY)
+    }
+
+    /// A fresh engine over the given policy YAML whose store fails on demand (call with paused
+    /// time).
+    pub fn with_failing_store_and_policy(
+        yaml: &str,
+    ) -> (Harness, Arc<failing_store::FailingStore>) {
+        let (harness, failing) = Harness::build(yaml, true);
         (harness, failing.unwrap())
     }
 
