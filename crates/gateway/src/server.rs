@@ -583,14 +583,18 @@ pub async fn start(
         tracing::warn!("{error}; calls to this provider are refused (credential_unavailable) until the file exists and backstop restarts");
     }
     let providers: Vec<&str> = policy.providers.keys().map(String::as_str).collect();
+    // The runtime's own count: what `--worker-threads` (or one per core) gave.
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
     tracing::info!(
         listen = %addr,
         store = %store_path.display(),
         providers = %providers.join(","),
         tokens = state.auth.len(),
-        "backstop serve: listening on http://{addr} (store {}, providers: {})",
+        workers,
+        "backstop serve: listening on http://{addr} (store {}, providers: {}, {workers} worker thread{})",
         store_path.display(),
         if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
+        if workers == 1 { "" } else { "s" },
     );
     let (trigger, signal) = watch::channel(false);
     let app = full_router(state.clone(), store.clone());

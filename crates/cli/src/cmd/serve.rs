@@ -64,6 +64,11 @@ pub struct Args {
     /// Seed of the retry jitter (default: random).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Threads that serve requests (the async runtime's workers); default: one per CPU core.
+    /// The store's writer runs on a thread of its own beside them, so on a small machine one
+    /// worker fewer than the cores can leave it a core (BENCHMARKS.md, "Worker threads").
+    #[arg(long, value_name = "N")]
+    pub worker_threads: Option<usize>,
 }
 
 /// Runs `backstop serve` until SIGTERM or Ctrl-C. Exit 0 after a clean shutdown, 2 when it
@@ -106,6 +111,10 @@ pub fn run(args: Args) -> ExitCode {
         errln!("backstop serve: --read-timeout-seconds must be at least 1");
         return ExitCode::from(2);
     }
+    if args.worker_threads == Some(0) {
+        errln!("backstop serve: --worker-threads must be at least 1");
+        return ExitCode::from(2);
+    }
     if !secrets_resolve(&policy) {
         return ExitCode::from(2);
     }
@@ -128,10 +137,11 @@ pub fn run(args: Args) -> ExitCode {
         shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
         header_read_timeout: read_timeout,
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.worker_threads {
+        builder.worker_threads(threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             errln!("backstop serve: cannot start the async runtime: {e}");

@@ -285,3 +285,54 @@ fn a_second_serve_on_a_store_in_use_exits_naming_the_lock() {
     );
     assert_eq!(first_exit.code(), Some(0), "the first gateway kept serving");
 }
+
+#[test]
+fn zero_worker_threads_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = serve_example(dir.path())
+        .args(["--worker-threads", "0"])
+        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
+        .env("BILLING_API_KEY", "billing-secret-value")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("backstop serve: --worker-threads must be at least 1"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("b.db").exists(), "nothing was started");
+}
+
+#[cfg(unix)]
+#[test]
+fn worker_threads_sets_how_many_threads_serve_requests() {
+    for workers in [1usize, 3] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = serve_example(dir.path())
+            .args(["--worker-threads", &workers.to_string()])
+            .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
+            .env("BILLING_API_KEY", "billing-secret-value")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let mut lines = BufReader::new(stderr).lines();
+        let mut seen = String::new();
+        let addr = listening_addr(&mut lines, &mut seen);
+        std::thread::spawn(move || lines.for_each(drop));
+        let answer = exchange(
+            &addr,
+            b"GET /billing-api/v1/balance HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        );
+        let stopped = sigterm(&child).unwrap().success() && child.wait().unwrap().success();
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+        // The runtime's own worker count, as serve logs it when it listens.
+        let plural = if workers == 1 { "" } else { "s" };
+        assert!(
+            seen.contains(&format!(", {workers} worker thread{plural})")),
+            "{seen}"
+        );
+        assert!(stopped, "{seen}");
+    }
+}
