@@ -128,6 +128,20 @@ impl TransportError {
             TransportError::ResponseCut => "response-cut",
         }
     }
+
+    /// What happened, in words for a person (`could not connect`, …).
+    pub fn describe(self) -> &'static str {
+        match self {
+            TransportError::Connect => "could not connect",
+            TransportError::Dns => "could not resolve the host name",
+            TransportError::Tls => "the TLS handshake failed",
+            TransportError::TimeoutAfterSend => "no response in time after the request was sent",
+            TransportError::ResetAfterSend => {
+                "the connection was closed after the request was sent"
+            }
+            TransportError::ResponseCut => "the response was cut short",
+        }
+    }
 }
 
 impl fmt::Display for TransportError {

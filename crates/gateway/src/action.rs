@@ -55,7 +55,7 @@ pub struct ActionSpec {
 pub struct ActionReceipt {
     /// The store's action id.
     pub action_id: i64,
-    /// Attempts that left the process for this action.
+    /// Attempts made for this action, one that could not connect (nothing left) included.
     pub attempts: u32,
     /// The idempotency key in effect for a write (the agent's or the one backstop minted),
     /// answered as `Idempotency-Key` so the agent can resend with the same key; `None` for reads

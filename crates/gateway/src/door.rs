@@ -81,7 +81,8 @@ pub const DEADLINE_HEADER: &str = "x-backstop-deadline";
 /// `Backstop-Action-Id` on every answer: the store's action id (0 when refused before being
 /// recorded).
 pub const ACTION_ID_HEADER: &str = "backstop-action-id";
-/// `Backstop-Attempts` on every answer: attempts that left the process for this action.
+/// `Backstop-Attempts` on every answer: attempts made for this action, one that could not
+/// connect included (a problem body's `sent` says whether any may have reached the provider).
 pub const ATTEMPTS_HEADER: &str = "backstop-attempts";
 /// `Backstop-Task` on every answer: the task id used (echoed or minted).
 pub const TASK_ECHO_HEADER: &str = "backstop-task";

@@ -271,6 +271,8 @@ struct Seen {
     last_status: Option<u16>,
     /// The disposition of the last answer (`rate_limited`, `success`, …).
     last_signal: Option<&'static str>,
+    /// How the last attempt failed when it got no complete answer (`None` after a response).
+    last_failure: Option<TransportError>,
     boundary: Option<Timestamp>,
 }
 
@@ -332,6 +334,17 @@ impl Run<'_> {
             None => Box::new(|_| {}),
         }
     }
+}
+
+/// The `host:port` of an upstream URL (`http://api.example.com:8443/v1/x` →
+/// `api.example.com:8443`), or the URL itself when it has no authority: for messages only.
+fn upstream_authority(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    // Userinfo never belongs in a message.
+    authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host)
 }
 
 /// `problem` (a `503 store_unavailable` or `503 shutting_down` for an accepted request) with
@@ -1621,25 +1634,32 @@ impl Engine {
                             );
                             (signal, Some(http::Response::from_parts(parts, body)), kept)
                         }
-                        Err(_) => (
-                            classify(
-                                &Observed::Transport(TransportError::ResponseCut),
-                                &run.rules,
-                                received_at,
-                            ),
-                            None,
-                            kept,
-                        ),
+                        Err(_) => {
+                            seen.last_failure = Some(TransportError::ResponseCut);
+                            (
+                                classify(
+                                    &Observed::Transport(TransportError::ResponseCut),
+                                    &run.rules,
+                                    received_at,
+                                ),
+                                None,
+                                kept,
+                            )
+                        }
                     }
                 }
-                AttemptReply::Failed(e) => (
-                    classify(&Observed::Transport(e), &run.rules, received_at),
-                    None,
-                    Vec::new(),
-                ),
+                AttemptReply::Failed(e) => {
+                    seen.last_failure = Some(e);
+                    (
+                        classify(&Observed::Transport(e), &run.rules, received_at),
+                        None,
+                        Vec::new(),
+                    )
+                }
             };
             let status = response.as_ref().map(|r| r.status().as_u16());
             if status.is_some() {
+                seen.last_failure = None;
                 seen.response_received = true;
                 seen.last_status = status;
             }
@@ -1908,11 +1928,19 @@ impl Engine {
                 guard.armed = false;
                 let boundary = seen.boundary;
                 let context = self.context(&budget, &seen, boundary, wait_then_abort(boundary));
+                let last = match seen.last_failure {
+                    Some(failure) => format!(
+                        "{}: {} ({})",
+                        signal.disposition,
+                        failure.describe(),
+                        upstream_authority(&run.request.url)
+                    ),
+                    None => signal.disposition.to_string(),
+                };
                 let detail = format!(
-                    "all {} attempts of the `{}` budget are used (last: {})",
+                    "all {} attempts of the `{}` budget are used (last: {last})",
                     budget.attempts_used(),
                     route.class,
-                    signal.disposition
                 );
                 return Box::pin(self.finish_with_result(
                     run,
@@ -2958,6 +2986,20 @@ fn from_shared(shared: Shared) -> Execution {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn upstream_authority_is_host_and_port_without_userinfo() {
+        assert_eq!(
+            upstream_authority("http://127.0.0.1:9/v1/x?y=1"),
+            "127.0.0.1:9"
+        );
+        assert_eq!(
+            upstream_authority("https://user:secret@api.test/v1"),
+            "api.test"
+        );
+        assert_eq!(upstream_authority("https://api.test?q#f"), "api.test");
+        assert_eq!(upstream_authority("not a url"), "not a url");
+    }
 
     const POLICY: &str = "
 request_classes:

@@ -258,6 +258,14 @@ async fn an_action_whose_every_attempt_was_not_sent_says_it_was_not_sent() {
     );
     assert!(!context.response_received);
     assert_eq!(context.last_signal.as_deref(), Some("not_sent"));
+    // The answer says why nothing left, and where it could not go.
+    let Execution::Outcome { detail, .. } = &execution else {
+        unreachable!("outcome_of checked it")
+    };
+    assert!(
+        detail.contains("(last: not_sent: could not resolve the host name (billing.test))"),
+        "{detail}"
+    );
 
     // One attempt that may have left is enough for `sent`.
     h.transport.script(
