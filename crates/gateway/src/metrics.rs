@@ -37,6 +37,12 @@ struct OutcomeLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LookupLabels {
+    provider: String,
+    verdict: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ScopeLabels {
     scope: String,
 }
@@ -52,6 +58,7 @@ pub struct Metrics {
     registry: Registry,
     attempts: Family<AttemptLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
+    lookups: Family<LookupLabels, Counter>,
     delayed: Family<ScopeLabels, Gauge>,
     in_flight: Family<ScopeLabels, Gauge>,
     retry_after_debt: Family<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
@@ -77,7 +84,7 @@ impl Metrics {
         let attempts = Family::<AttemptLabels, Counter>::default();
         registry.register(
             "attempts",
-            "Attempts that left the process, by provider, scope, request class and disposition. An attempt is counted once for each scope of its route: sum within one scope label, never across scopes",
+            "Attempts of actions that left the process, by provider, scope, request class and disposition (reconciliation lookups are counted in backstop_reconciliation_lookups_total). An attempt is counted once for each scope of its route: sum within one scope label, never across scopes",
             attempts.clone(),
         );
         let outcomes = Family::<OutcomeLabels, Counter>::default();
@@ -85,6 +92,12 @@ impl Metrics {
             "outcomes",
             "Terminal outcomes of actions (docs/concepts.md, outcomes)",
             outcomes.clone(),
+        );
+        let lookups = Family::<LookupLabels, Counter>::default();
+        registry.register(
+            "reconciliation_lookups",
+            "Reconciliation lookups of uncertain writes, by provider and verdict (found, not_found, inconclusive; an inconclusive one may not have been sent, e.g. when its scope stayed closed)",
+            lookups.clone(),
         );
         let delayed = Family::<ScopeLabels, Gauge>::default();
         registry.register(
@@ -139,6 +152,7 @@ impl Metrics {
             registry,
             attempts,
             outcomes,
+            lookups,
             delayed,
             in_flight,
             retry_after_debt,
@@ -159,6 +173,16 @@ impl Metrics {
                 scope: scope.to_owned(),
                 class: class.to_owned(),
                 disposition: disposition.as_str().to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts one reconciliation lookup with its verdict (`found`, `not_found`, `inconclusive`).
+    pub fn lookup(&self, provider: &str, verdict: &str) {
+        self.lookups
+            .get_or_create(&LookupLabels {
+                provider: provider.to_owned(),
+                verdict: verdict.to_owned(),
             })
             .inc();
     }

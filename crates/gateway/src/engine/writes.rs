@@ -321,6 +321,7 @@ impl Inner {
         let template = lookup_template(rc);
         let (verdict, status) = self.lookup_once(facts, rc, request_headers).await;
         let (id, word, at) = (facts.action, verdict_word(&verdict), self.clock.now());
+        self.metrics.lookup(&facts.provider, word);
         let audited = template.clone();
         if let Err(e) = self
             .blocking(move |s| s.record_reconciliation_lookup(id, &audited, status, word, at))

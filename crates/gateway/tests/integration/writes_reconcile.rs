@@ -145,6 +145,21 @@ async fn stored_then_dropped_write_is_reconciled_by_key_with_one_create_and_one_
         lookups[0].auth_present,
         "the lookup carries the provider credential"
     );
+    // The one lookup is counted, apart from the action's attempts.
+    let metrics = client()
+        .get(format!("http://{}/metrics", gateway.addr))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    assert!(
+        metrics.contains(
+            r#"backstop_reconciliation_lookups_total{provider="fake",verdict="found"} 1"#
+        ),
+        "{metrics}"
+    );
 
     gateway.shutdown().await.unwrap();
     let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
