@@ -2845,11 +2845,11 @@ impl Engine {
     async fn existing(&self, record: ActionRecord) -> Execution {
         let inner = &self.inner;
         let id = record.id;
-        let attempts = inner
+        let stored_attempts = inner
             .blocking(move |s| s.attempts(id))
             .await
-            .map(|a| u32::try_from(a.len()).unwrap_or(u32::MAX))
-            .unwrap_or(0);
+            .unwrap_or_default();
+        let attempts = u32::try_from(stored_attempts.len()).unwrap_or(u32::MAX);
         let receipt = ActionReceipt {
             action_id: id.0,
             attempts,
@@ -2861,10 +2861,22 @@ impl Engine {
                 return replay(receipt, stored);
             }
             let outcome = record.outcome.map_or(Outcome::Cancelled, core_outcome);
-            let context = record
+            // A context stored without the SPEC §5 members (a write reconciled by a lookup keeps
+            // only `reconciled`) is rebuilt from the stored attempts, as the action view does.
+            let full = record
                 .outcome_context
-                .and_then(|c| serde_json::from_value(c).ok())
-                .unwrap_or_default();
+                .as_ref()
+                .is_some_and(|c| c.get("sent").is_some());
+            let context = if full {
+                record
+                    .outcome_context
+                    .clone()
+                    .and_then(|c| serde_json::from_value(c).ok())
+                    .unwrap_or_default()
+            } else {
+                let waited = writes::recorded_wait_ms(&record, &stored_attempts);
+                writes::recovered_context(&stored_attempts, waited)
+            };
             return Execution::Outcome {
                 receipt,
                 outcome,

@@ -245,12 +245,16 @@ pub(super) fn next_safe_offered(case: &CaseFile) -> Vec<NextSafe> {
         .collect()
 }
 
-/// The outcome context of a write escalated from its stored attempts alone (after a restart:
-/// the last attempt was sent and its result is unknown); `next_safe` is left empty for
-/// [`next_safe_offered`].
-fn recovered_context(attempts: &[AttemptRecord], wait_used_ms: u64) -> OutcomeContext {
+/// The outcome context of an action rebuilt from its stored attempts alone: a write escalated
+/// after a restart (the last attempt was sent and its result is unknown), or the replay of one
+/// whose stored context has no SPEC §5 members (reconciled by a lookup); `next_safe` is left
+/// empty (for [`next_safe_offered`]).
+pub(super) fn recovered_context(attempts: &[AttemptRecord], wait_used_ms: u64) -> OutcomeContext {
     OutcomeContext {
-        sent: !attempts.is_empty(),
+        // Every attempt but one that could not connect may have reached the provider.
+        sent: attempts
+            .iter()
+            .any(|a| a.disposition.is_none_or(|d| d.as_str() != "not_sent")),
         response_received: attempts.iter().any(|a| a.status.is_some()),
         attempts: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
         total_wait_ms: wait_used_ms,

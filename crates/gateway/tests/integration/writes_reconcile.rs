@@ -123,10 +123,38 @@ async fn stored_then_dropped_write_is_reconciled_by_key_with_one_create_and_one_
         .expect("request");
     let id = action_id(&response);
     let status = response.status();
+    let minted = response
+        .headers()
+        .get("idempotency-key")
+        .expect("the minted key")
+        .clone();
     let body: serde_json::Value =
         serde_json::from_slice(&response.bytes().await.expect("body")).expect("json");
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["outcome"], "succeeded", "{body}");
+
+    // The agent's resend under the minted key replays the outcome with the same account of
+    // what was sent, not an empty one.
+    let replayed = client()
+        .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-reconcile")
+        .header("Idempotency-Key", minted)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":100,"currency":"EUR"}"#)
+        .send()
+        .await
+        .expect("replay");
+    assert_eq!(action_id(&replayed), id);
+    let replayed: serde_json::Value =
+        serde_json::from_slice(&replayed.bytes().await.expect("body")).expect("json");
+    assert_eq!(replayed["outcome"], "succeeded", "{replayed}");
+    assert_eq!(replayed["context"]["sent"], true, "{replayed}");
+    assert_eq!(replayed["context"]["attempts"], 1, "{replayed}");
+    assert_eq!(
+        replayed["context"]["attempts"], body["context"]["attempts"],
+        "{replayed} vs {body}"
+    );
 
     let attempts = fake.attempts();
     let creates = on_route(&attempts, "POST", "/v1/transfers");
