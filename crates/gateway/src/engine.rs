@@ -2861,22 +2861,27 @@ impl Engine {
                 return replay(receipt, stored);
             }
             let outcome = record.outcome.map_or(Outcome::Cancelled, core_outcome);
-            // A context stored without the SPEC §5 members (a write reconciled by a lookup keeps
-            // only `reconciled`) is rebuilt from the stored attempts, as the action view does.
-            let full = record
+            // A context stored without every SPEC §5 member (a write reconciled by a lookup
+            // keeps only `reconciled`; an action closed at a restart by an older build kept
+            // `sent`, `attempts` and `next_safe`) is rebuilt from the stored attempts, as the
+            // action view does, keeping a stored `next_safe`.
+            let stored: Option<OutcomeContext> = record
                 .outcome_context
-                .as_ref()
-                .is_some_and(|c| c.get("sent").is_some());
-            let context = if full {
-                record
-                    .outcome_context
-                    .clone()
-                    .and_then(|c| serde_json::from_value(c).ok())
-                    .unwrap_or_default()
-            } else {
+                .clone()
+                .and_then(|c| serde_json::from_value(c).ok());
+            let context = stored.unwrap_or_else(|| {
                 let waited = writes::recorded_wait_ms(&record, &stored_attempts);
-                writes::recovered_context(&stored_attempts, waited)
-            };
+                let mut rebuilt = writes::recovered_context(&stored_attempts, waited);
+                if let Some(next_safe) = record
+                    .outcome_context
+                    .as_ref()
+                    .and_then(|c| c.get("next_safe"))
+                    .and_then(|n| serde_json::from_value(n.clone()).ok())
+                {
+                    rebuilt.next_safe = next_safe;
+                }
+                rebuilt
+            });
             return Execution::Outcome {
                 receipt,
                 outcome,

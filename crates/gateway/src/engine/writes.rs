@@ -897,23 +897,38 @@ impl Inner {
             );
             tokio::spawn(async move {
                 tokio::time::sleep_until(inner.clock.instant_at(retry.due_at)).await;
-                let (job, now) = (retry.job, inner.clock.now());
-                let claimed = match inner
+                let (job, id, now) = (retry.job, retry.action, inner.clock.now());
+                let claimed = inner
                     .blocking(move |s| s.claim_job(job, now, "backstop-restart"))
-                    .await
-                {
-                    Ok(Some(claimed)) => claimed,
+                    .await;
+                let stored = inner.blocking(move |s| s.attempts(id)).await;
+                let context = restarted_context(stored.as_deref().unwrap_or_default());
+                match claimed {
+                    Ok(Some(_)) => {}
                     Ok(None) => return,
                     Err(e) => {
-                        tracing::warn!(job = job.0, error = %e, "could not claim the re-armed retry");
+                        tracing::warn!(action = id.0, job = job.0, error = %e, "could not claim the re-armed retry");
+                        // Closing the action drops its job too: done once the store commits
+                        // again, rather than leaving the action waiting for a wake nobody arms.
+                        if super::is_store_failure(&e)
+                            && !inner
+                                .shutting_down
+                                .load(std::sync::atomic::Ordering::SeqCst)
+                        {
+                            inner.record_when_store_commits(Deferred {
+                                action: id,
+                                result: None,
+                                end: DeferredEnd::Outcome(super::Finish {
+                                    outcome: backstop_store::Outcome::Cancelled,
+                                    context,
+                                    response: None,
+                                }),
+                                count: None,
+                            });
+                        }
                         return;
                     }
-                };
-                let id = claimed.action;
-                let attempts = inner
-                    .blocking(move |s| s.attempts(id))
-                    .await
-                    .map_or(0, |a| a.len());
+                }
                 tracing::info!(
                     action = id.0,
                     job = job.0,
@@ -921,12 +936,7 @@ impl Inner {
                 );
                 let finish = super::Finish {
                     outcome: backstop_store::Outcome::Cancelled,
-                    context: serde_json::json!({
-                        "sent": attempts > 0,
-                        "attempts": attempts,
-                        "next_safe": [{"option": "abort"}],
-                        "detail": RESTARTED_BEFORE_RETRY,
-                    }),
+                    context: context.clone(),
                     response: None,
                 };
                 let at = inner.clock.now();
@@ -935,10 +945,46 @@ impl Inner {
                     .await
                 {
                     tracing::warn!(action = id.0, error = %e, "could not end the re-armed action");
+                    if super::is_store_failure(&e)
+                        && !inner
+                            .shutting_down
+                            .load(std::sync::atomic::Ordering::SeqCst)
+                    {
+                        inner.record_when_store_commits(Deferred {
+                            action: id,
+                            result: None,
+                            end: DeferredEnd::Outcome(super::Finish {
+                                outcome: backstop_store::Outcome::Cancelled,
+                                context,
+                                response: None,
+                            }),
+                            count: None,
+                        });
+                    }
                 }
             });
         }
     }
+}
+
+/// The outcome context of an action whose re-armed retry's caller is gone after a restart:
+/// the SPEC §5 members rebuilt from its stored `attempts`, `next_safe` `abort`, and
+/// [`RESTARTED_BEFORE_RETRY`] as its `detail`.
+fn restarted_context(attempts: &[AttemptRecord]) -> serde_json::Value {
+    let waited = attempts
+        .windows(2)
+        .filter_map(|pair| {
+            let result_at = pair[0].finished_at?;
+            u64::try_from(pair[1].started_at.duration_since(result_at).as_millis()).ok()
+        })
+        .sum();
+    let mut context = recovered_context(attempts, waited);
+    context.next_safe = vec![NextSafe::Abort];
+    let mut value = serde_json::to_value(&context).unwrap_or_default();
+    if let Some(map) = value.as_object_mut() {
+        map.insert("detail".to_owned(), RESTARTED_BEFORE_RETRY.into());
+    }
+    value
 }
 
 impl Inner {

@@ -249,6 +249,65 @@ async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gon
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_retry_re_armed_after_a_restart_while_the_store_fails_is_closed_once_it_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(503, &[("retry-after", "20")], "")],
+    );
+    let running = h.spawn(write(&h, "t", "k-rf"));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    h.engine.shutdown().await;
+    let action = running.await.unwrap().receipt().action_id;
+    let stored = || {
+        h.store
+            .action(backstop_store::ActionId(action))
+            .unwrap()
+            .unwrap()
+    };
+    // The next run starts while the store cannot commit: the re-armed retry cannot be claimed.
+    store.fail();
+    let restarted = backstop_gateway::engine::Engine::new(
+        h.policy.clone(),
+        store.clone(),
+        h.transport.clone(),
+        h.clock,
+        h.metrics.clone(),
+        8,
+    );
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(stored().outcome, None, "nothing could be recorded yet");
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored().outcome.is_some()).await,
+        "the action is closed once the store commits again, not left waiting"
+    );
+    let record = stored();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(
+        context["detail"],
+        backstop_gateway::engine::RESTARTED_BEFORE_RETRY
+    );
+    assert_eq!(context["attempts"], 1);
+    assert_eq!(context["sent"], true);
+    assert_eq!(context["last_status"], 503, "{context}");
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    // A same-key resend replays the outcome with what was sent.
+    let again = restarted.execute(write(&h, "t", "k-rf")).await;
+    assert_eq!(summary(&again), "cancelled");
+    let Execution::Outcome { context, .. } = &again else {
+        unreachable!("summary was cancelled")
+    };
+    assert!(context.sent, "{context:?}");
+    assert_eq!(context.attempts, 1);
+    assert_eq!(h.transport.sent().len(), 1, "nothing more was sent");
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_retry_due_while_the_store_fails_is_closed_once_the_store_commits_again() {
     let (h, store) = Harness::with_failing_store();
     h.transport.script(

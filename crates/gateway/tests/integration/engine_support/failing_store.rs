@@ -270,6 +270,9 @@ impl Store for FailingStore {
         now: Timestamp,
         claimed_by: &str,
     ) -> Result<Option<DueRetry>, StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
         self.inner.claim_job(job, now, claimed_by)
     }
     fn scheduled_retries(&self) -> Result<Vec<DueRetry>, StoreError> {
