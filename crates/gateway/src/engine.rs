@@ -2048,10 +2048,27 @@ impl Engine {
                     }
                     guard.in_flight = None;
                     let id = run.id;
-                    if let Err(e) = inner
+                    let scheduled = match inner
                         .blocking(move |s| s.schedule_retry(id, at, plan_now))
                         .await
                     {
+                        // A read needs no durable wake (SPEC §12: reads may be recorded
+                        // asynchronously, and nothing resumes a read after a restart): when its
+                        // records could not be committed (a full disk), it waits in memory and
+                        // is retried, as it is answered, rather than ended.
+                        Err(e) if is_safe_method(&run.request.method) => {
+                            tracing::warn!(
+                                action = run.id.0,
+                                task = %spec.task_id,
+                                route = %route.template,
+                                error = %e,
+                                "a read's retry could not be recorded; it is retried from memory"
+                            );
+                            Ok(())
+                        }
+                        other => other.map(drop),
+                    };
+                    if let Err(e) = scheduled {
                         guard.armed = false;
                         if let Some(tokens) = pending.take() {
                             inner.scheduler.deposit(&route.scopes, Some(tokens));

@@ -826,3 +826,19 @@ async fn the_door_answers_a_write_the_store_cannot_record_with_its_idempotency_k
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_read_whose_retry_cannot_be_recorded_is_retried_from_memory_not_cancelled() {
+    let (h, store) = Harness::with_failing_store();
+    // As the SQLite store on a full disk: the read is handed an id, its records never commit.
+    store.lose_reads();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(503, &[("retry-after", "1")], "")],
+    );
+    let running = h.spawn(h.get("t", "/v1/items/1"));
+    advance(Duration::from_secs(5)).await;
+    let execution = running.await.unwrap();
+    assert_eq!(summary(&execution), "200");
+    assert_eq!(h.transport.sent().len(), 2, "the retry was sent");
+}
