@@ -1086,18 +1086,26 @@ fn check_head(conn: &Connection, path: &Path, head: Option<&ChainHead>) -> Resul
     } else {
         rows::event_hash(conn, head.seq - 1)?
     };
-    // A missing or undecodable event before the head is a break `audit verify` names; the
-    // head itself is sound as far as it can be checked.
-    if let Some(Ok(linked)) = linked {
-        if event.prev != linked {
+    // Without a sound event before it, the head's link cannot be checked: the chain is broken
+    // just before its end (a deleted or altered row), and would be extended past the break.
+    match linked {
+        None => Err(broken(format!(
+            "follows a missing event (seq {} is not in the log)",
+            head.seq - 1
+        ))),
+        Some(Err(reason)) => Err(broken(format!(
+            "follows an event that cannot be decoded (seq {}: {reason})",
+            head.seq - 1
+        ))),
+        Some(Ok(linked)) if event.prev != linked => {
             let (recorded, linked) = crate::audit::distinct(&event.prev, &linked);
-            return Err(broken(format!(
+            Err(broken(format!(
                 "does not link to the event before it (prev {recorded}, the hash of seq {} is {linked})",
                 head.seq - 1
-            )));
+            )))
         }
+        Some(Ok(_)) => Ok(()),
     }
-    Ok(())
 }
 
 /// How many rows outside the chain a break names by their `seq`.

@@ -71,6 +71,22 @@ fn a_head_event_with_a_wrong_hash_of_the_right_length_is_refused_when_the_store_
 }
 
 #[test]
+fn a_head_after_a_deleted_event_is_refused_when_the_store_opens() {
+    assert_refused_after(
+        "DELETE FROM audit_events WHERE seq = {last} - 1",
+        "deleted event before the head",
+    );
+}
+
+#[test]
+fn a_head_after_an_event_whose_hash_cannot_be_read_is_refused_when_the_store_opens() {
+    assert_refused_after(
+        "UPDATE audit_events SET hash = hex(hash) WHERE seq = {last} - 1",
+        "event before the head with a hash stored as text",
+    );
+}
+
+#[test]
 fn a_head_event_with_a_changed_column_is_refused_when_the_store_opens() {
     assert_refused_after(
         "UPDATE audit_events SET route = '/v1/refunds' WHERE seq = {last}",
