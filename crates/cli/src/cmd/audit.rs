@@ -34,7 +34,9 @@ pub enum AuditCommand {
     /// Check the chain; exit 1 naming the first bad seq (altered, missing, reordered,
     /// inserted, broken link, truncated).
     Verify(VerifyArgs),
-    /// Print events as NDJSON (one JSON object per line) to stdout.
+    /// Print events as NDJSON (one JSON object per line) to stdout. Exit 2 at a row that cannot
+    /// be decoded (the events before it are printed); exit 1 when the database also holds rows
+    /// outside the chain (seq 0 or below), which are not printed.
     Export {
         /// The backstop database file.
         #[arg(long)]
@@ -189,7 +191,29 @@ fn export(db: PathBuf, since: u64) -> Result<Printed, StoreError> {
             Ok(Printed::Done(ExitCode::from(2)))
         }
         Err(e) => Err(e),
-        Ok(()) => Ok(Printed::Done(ExitCode::SUCCESS)),
+        Ok(()) => {
+            // Rows before the chain's first event are not events of the log, so they are not
+            // exported; an export that verifies must not hide that the database holds them.
+            let (outside, lowest) = reader.outside_chain()?;
+            if outside == 0 {
+                return Ok(Printed::Done(ExitCode::SUCCESS));
+            }
+            let shown: Vec<String> = lowest.iter().map(i64::to_string).collect();
+            errln!(
+                "backstop audit export: {outside} row{} of audit_events lie outside the chain \
+                 (seq {}{}), which starts at seq 1; they are not in this export; \
+                 `backstop audit verify --db {}` reports them",
+                if outside == 1 { "" } else { "s" },
+                shown.join(", "),
+                if outside > lowest.len() as u64 {
+                    ", …"
+                } else {
+                    ""
+                },
+                db.display()
+            );
+            Ok(Printed::Done(ExitCode::from(1)))
+        }
     }
 }
 

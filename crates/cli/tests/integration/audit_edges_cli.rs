@@ -229,3 +229,29 @@ fn head_and_verify_read_a_database_whose_directory_is_read_only() {
     assert_eq!(verify.status.code(), Some(0), "{}", text(&verify.stderr));
     assert!(text(&verify.stdout).starts_with("ok: 9 events"));
 }
+
+#[test]
+fn an_export_says_it_leaves_out_rows_outside_the_chain() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path());
+    // A forged copy of the first event placed before the chain.
+    tamper(
+        &db,
+        "CREATE TEMP TABLE forged AS SELECT * FROM audit_events WHERE seq = 1; \
+         UPDATE forged SET seq = -1; \
+         INSERT INTO audit_events SELECT * FROM forged",
+    );
+    let out = backstop(&["audit", "export", "--db", p(&db)]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        9,
+        "the chain's events are exported"
+    );
+    assert!(
+        stderr.contains("1 row of audit_events lie outside the chain (seq -1)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("backstop audit verify --db"), "{stderr}");
+}

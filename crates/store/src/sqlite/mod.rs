@@ -1629,6 +1629,16 @@ impl AuditReader {
     pub fn verify(&self, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
         verify_connection(&self.conn, expect_head)
     }
+
+    /// Rows outside the chain (`seq` 0 or below, which the store never writes and
+    /// [`AuditReader::export`] does not read): how many, and the lowest `seq`s of them, up to
+    /// five.
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn outside_chain(&self) -> Result<(u64, Vec<i64>), StoreError> {
+        rows::seqs_outside_chain(&self.conn, OUTSIDE_SHOWN)
+    }
 }
 
 #[cfg(test)]
