@@ -213,9 +213,12 @@ pub(super) fn recorded_wait_ms(record: &ActionRecord, attempts: &[AttemptRecord]
         .as_ref()
         .and_then(|c| c.get("total_wait_ms"))
         .and_then(serde_json::Value::as_u64);
-    if let Some(ms) = from_outcome {
-        return ms;
-    }
+    from_outcome.unwrap_or_else(|| waits_between(attempts))
+}
+
+/// The time between each recorded attempt result and the next attempt's send (the waits before
+/// retries), in milliseconds.
+fn waits_between(attempts: &[AttemptRecord]) -> u64 {
     attempts
         .windows(2)
         .filter_map(|pair| {
@@ -774,12 +777,7 @@ impl Inner {
                 attempts = attempts.len(),
                 "restart recovery: an action was left between two attempts; its caller is gone, the action is cancelled"
             );
-            let mut context = recovered_context(&attempts, recorded_wait_ms(&record, &attempts));
-            context.next_safe = vec![NextSafe::Abort];
-            let mut context = serde_json::to_value(&context).unwrap_or_default();
-            if let Some(members) = context.as_object_mut() {
-                members.insert("detail".into(), RESTARTED_BEFORE_RETRY.into());
-            }
+            let context = restarted_context(&attempts, recorded_wait_ms(&record, &attempts));
             let finish = super::Finish {
                 outcome: backstop_store::Outcome::Cancelled,
                 context,
@@ -902,7 +900,8 @@ impl Inner {
                     .blocking(move |s| s.claim_job(job, now, "backstop-restart"))
                     .await;
                 let stored = inner.blocking(move |s| s.attempts(id)).await;
-                let context = restarted_context(stored.as_deref().unwrap_or_default());
+                let attempts = stored.as_deref().unwrap_or_default();
+                let context = restarted_context(attempts, waits_between(attempts));
                 match claimed {
                     Ok(Some(_)) => {}
                     Ok(None) => return,
@@ -967,18 +966,11 @@ impl Inner {
     }
 }
 
-/// The outcome context of an action whose re-armed retry's caller is gone after a restart:
-/// the SPEC §5 members rebuilt from its stored `attempts`, `next_safe` `abort`, and
-/// [`RESTARTED_BEFORE_RETRY`] as its `detail`.
-fn restarted_context(attempts: &[AttemptRecord]) -> serde_json::Value {
-    let waited = attempts
-        .windows(2)
-        .filter_map(|pair| {
-            let result_at = pair[0].finished_at?;
-            u64::try_from(pair[1].started_at.duration_since(result_at).as_millis()).ok()
-        })
-        .sum();
-    let mut context = recovered_context(attempts, waited);
+/// The outcome context of an action whose caller is gone after a restart (a re-armed retry, an
+/// action left between two attempts): the SPEC §5 members rebuilt from its stored `attempts`
+/// with `wait_used_ms`, `next_safe` `abort`, and [`RESTARTED_BEFORE_RETRY`] as its `detail`.
+fn restarted_context(attempts: &[AttemptRecord], wait_used_ms: u64) -> serde_json::Value {
+    let mut context = recovered_context(attempts, wait_used_ms);
     context.next_safe = vec![NextSafe::Abort];
     let mut value = serde_json::to_value(&context).unwrap_or_default();
     if let Some(map) = value.as_object_mut() {
