@@ -901,65 +901,43 @@ impl Inner {
                     .await;
                 let stored = inner.blocking(move |s| s.attempts(id)).await;
                 let attempts = stored.as_deref().unwrap_or_default();
-                let context = restarted_context(attempts, waits_between(attempts));
-                match claimed {
-                    Ok(Some(_)) => {}
+                let finish = super::Finish {
+                    outcome: backstop_store::Outcome::Cancelled,
+                    context: restarted_context(attempts, waits_between(attempts)),
+                    response: None,
+                };
+                let ended = match claimed {
+                    Ok(Some(_)) => {
+                        tracing::info!(
+                            action = id.0,
+                            job = job.0,
+                            "restart recovery: the re-armed retry's caller is gone; the action is cancelled"
+                        );
+                        let (finish, at) = (finish.clone(), inner.clock.now());
+                        inner
+                            .blocking(move |s| s.finish_action(id, finish, at))
+                            .await
+                            .inspect_err(|e| tracing::warn!(action = id.0, error = %e, "could not end the re-armed action"))
+                    }
                     Ok(None) => return,
                     Err(e) => {
                         tracing::warn!(action = id.0, job = job.0, error = %e, "could not claim the re-armed retry");
-                        // Closing the action drops its job too: done once the store commits
-                        // again, rather than leaving the action waiting for a wake nobody arms.
-                        if super::is_store_failure(&e)
-                            && !inner
-                                .shutting_down
-                                .load(std::sync::atomic::Ordering::SeqCst)
-                        {
-                            inner.record_when_store_commits(Deferred {
-                                action: id,
-                                result: None,
-                                end: DeferredEnd::Outcome(super::Finish {
-                                    outcome: backstop_store::Outcome::Cancelled,
-                                    context,
-                                    response: None,
-                                }),
-                                count: None,
-                            });
-                        }
-                        return;
+                        Err(e)
                     }
-                }
-                tracing::info!(
-                    action = id.0,
-                    job = job.0,
-                    "restart recovery: the re-armed retry's caller is gone; the action is cancelled"
-                );
-                let finish = super::Finish {
-                    outcome: backstop_store::Outcome::Cancelled,
-                    context: context.clone(),
-                    response: None,
                 };
-                let at = inner.clock.now();
-                if let Err(e) = inner
-                    .blocking(move |s| s.finish_action(id, finish, at))
-                    .await
+                // Closing the action drops its job too: done once the store commits again,
+                // rather than leaving the action waiting for a wake nobody arms.
+                if ended.is_err_and(|e| super::is_store_failure(&e))
+                    && !inner
+                        .shutting_down
+                        .load(std::sync::atomic::Ordering::SeqCst)
                 {
-                    tracing::warn!(action = id.0, error = %e, "could not end the re-armed action");
-                    if super::is_store_failure(&e)
-                        && !inner
-                            .shutting_down
-                            .load(std::sync::atomic::Ordering::SeqCst)
-                    {
-                        inner.record_when_store_commits(Deferred {
-                            action: id,
-                            result: None,
-                            end: DeferredEnd::Outcome(super::Finish {
-                                outcome: backstop_store::Outcome::Cancelled,
-                                context,
-                                response: None,
-                            }),
-                            count: None,
-                        });
-                    }
+                    inner.record_when_store_commits(Deferred {
+                        action: id,
+                        result: None,
+                        end: DeferredEnd::Outcome(finish),
+                        count: None,
+                    });
                 }
             });
         }
