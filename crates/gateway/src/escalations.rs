@@ -158,7 +158,7 @@ impl ApiProblem {
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "Operator token required",
-            "escalations are read and decided with an operator token in `Authorization: Bearer …`"
+            "escalations are read and decided with an operator token in `Authorization: Bearer …`; this request carried none, or one that matches no operator"
                 .to_owned(),
         )
     }

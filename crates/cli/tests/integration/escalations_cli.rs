@@ -295,7 +295,7 @@ fn a_wrong_or_missing_token_is_one_line_and_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         text(&out.stderr).lines().collect::<Vec<_>>(),
-        ["backstop escalations list: HTTP 401 unauthorized: escalations are read and decided with an operator token in `Authorization: Bearer …`"]
+        ["backstop escalations list: HTTP 401 unauthorized: escalations are read and decided with an operator token in `Authorization: Bearer …`; this request carried none, or one that matches no operator"]
     );
 
     let out = backstop(&["escalations", "list", "--url", &g.url]);
