@@ -16,7 +16,7 @@ use crate::cmd::output::errln;
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// YAML config of the fake provider (see examples/fake-api.yaml).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, short = 'c', value_name = "FILE")]
     pub config: PathBuf,
     /// Address to listen on (port 0 picks a free port, printed at start).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8081")]

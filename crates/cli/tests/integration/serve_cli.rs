@@ -336,3 +336,24 @@ fn worker_threads_sets_how_many_threads_serve_requests() {
         assert!(stopped, "{seen}");
     }
 }
+
+#[test]
+fn fake_api_takes_its_config_as_c_like_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.yaml");
+    let out = backstop()
+        .args(["fake-api", "-c"])
+        .arg(&missing)
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "backstop fake-api: cannot read {}",
+            missing.display()
+        )),
+        "{stderr}"
+    );
+}
