@@ -1734,7 +1734,7 @@ impl Engine {
                         {
                             Ok(()) => None,
                             Err(e) => {
-                                tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                                tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                                 is_store_failure(&e).then_some(kept)
                             }
                         };
@@ -1743,7 +1743,7 @@ impl Engine {
                             .blocking(move |s| s.record_reconciled(id, op, at))
                             .await
                         {
-                            tracing::warn!(action = run.id.0, error = %e, "could not record the reconciliation");
+                            tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the reconciliation");
                             if is_store_failure(&e) {
                                 // The caller is told; the store is, once it commits again.
                                 inner.record_when_store_commits(writes::Deferred {
@@ -1800,7 +1800,7 @@ impl Engine {
                             .blocking(move |s| s.record_result(result, received_at))
                             .await
                         {
-                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                            tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                         }
                         guard.in_flight = None;
                         return Box::pin(
@@ -2043,7 +2043,7 @@ impl Engine {
                             if !is_store_failure(&e) {
                                 unrecorded = None;
                             }
-                            tracing::warn!(action = run.id.0, error = %e, "could not record the result");
+                            tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                         }
                     }
                     guard.in_flight = None;
@@ -2635,7 +2635,9 @@ impl Engine {
             Some(finish) if is_store_failure(e) => {
                 self.outcome_not_recorded(run, Some(result), finish, e);
             }
-            _ => tracing::warn!(action = run.id.0, error = %e, "could not record the result"),
+            _ => {
+                tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result")
+            }
         }
     }
 
