@@ -1931,8 +1931,10 @@ fn validate_provider(
             );
         }
         let r = &route.value;
+        // An unknown class is reported and the route's other members are still checked, so
+        // that one run names every problem; the route itself is then left out.
         let class = match &r.class {
-            Some(c) if classes.contains_key(&c.value) => c.value.clone(),
+            Some(c) if classes.contains_key(&c.value) => Some(c.value.clone()),
             Some(c) => {
                 ctx.err(
                     &c.referenced,
@@ -1942,7 +1944,7 @@ fn validate_provider(
                         classes.keys().cloned().collect::<Vec<_>>().join(", ")
                     ),
                 );
-                continue;
+                None
             }
             None => {
                 let provider_stub = Provider {
@@ -1965,7 +1967,7 @@ fn validate_provider(
                     default_scopes: Vec::new(),
                     routes: Vec::new(),
                 };
-                default_class(&provider_stub, &method).to_owned()
+                Some(default_class(&provider_stub, &method).to_owned())
             }
         };
         if let Some(c) = r.class.as_ref().filter(|c| c.value == "idempotent_write") {
@@ -1996,7 +1998,9 @@ fn validate_provider(
         };
         let coalesce = r.coalesce.as_ref().is_some_and(|c| c.value);
         if let Some(c) = r.coalesce.as_ref().filter(|c| c.value) {
-            if !matches!(method.as_str(), "GET" | "HEAD") || class != "read" {
+            if !matches!(method.as_str(), "GET" | "HEAD")
+                || class.as_deref().is_some_and(|c| c != "read")
+            {
                 ctx.err(
                     &c.referenced,
                     format!("{route_path}.coalesce: only safe reads (GET/HEAD of class `read`) may be coalesced"),
@@ -2025,6 +2029,9 @@ fn validate_provider(
                 ctx,
             )
         });
+        let Some(class) = class else {
+            continue;
+        };
         routes.push(Route {
             method,
             template,
@@ -2438,6 +2445,19 @@ mod tests {
             .iter()
             .map(|e| format!("{}:{}: {}", e.line, e.column, e.message))
             .collect()
+    }
+
+    #[test]
+    fn a_route_with_an_unknown_class_still_has_its_scopes_checked_in_the_same_run() {
+        let errors = problems(
+            "providers:\n  fake:\n    base_url: http://127.0.0.1:1\n    scopes:\n      account: { limit: 10, window_seconds: 60 }\n    routes:\n      \"GET /v1/x\": { class: reed, scopes: [acount] }\n",
+        );
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(
+            errors[0].contains("unknown request class `reed`"),
+            "{errors:?}"
+        );
+        assert!(errors[1].contains("unknown scope `acount`"), "{errors:?}");
     }
 
     #[test]
