@@ -2571,25 +2571,22 @@ impl Engine {
             ),
         };
         let route = &run.spec.route;
+        let then = if reconcile {
+            ", as soon as the store commits again, the write (its last attempt uncertain) is reconciled with its original key and closed; nothing is resent"
+        } else {
+            " the action is closed `cancelled` as soon as the store commits again"
+        };
+        tracing::warn!(
+            action = run.id.0,
+            task = %run.spec.task_id,
+            agent = %run.spec.agent,
+            route = %route.template,
+            attempts = seen.sent,
+            "the store could not record {what}, so the retry was not sent; the caller is answered 503 store_unavailable and{then}"
+        );
         let end = if reconcile {
-            tracing::warn!(
-                action = run.id.0,
-                task = %run.spec.task_id,
-                agent = %run.spec.agent,
-                route = %route.template,
-                attempts = seen.sent,
-                "the store could not record {what}, so the retry was not sent; the caller is answered 503 store_unavailable and, as soon as the store commits again, the write (its last attempt uncertain) is reconciled with its original key and closed; nothing is resent"
-            );
             writes::DeferredEnd::Reconcile
         } else {
-            tracing::warn!(
-                action = run.id.0,
-                task = %run.spec.task_id,
-                agent = %run.spec.agent,
-                route = %route.template,
-                attempts = seen.sent,
-                "the store could not record {what}, so the retry was not sent; the caller is answered 503 store_unavailable and the action is closed `cancelled` as soon as the store commits again"
-            );
             let next_safe = if uncertain {
                 vec![NextSafe::QueryStatus, NextSafe::Abort]
             } else {

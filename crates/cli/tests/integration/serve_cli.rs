@@ -41,13 +41,19 @@ fn serve_example_without_secrets(dir: &std::path::Path) -> std::process::Output 
         .unwrap()
 }
 
-/// [`serve_example`] with the example's two environment secrets set, spawned with stderr
-/// piped.
+/// [`serve_example`] with the example's two environment secrets set.
+fn serve_example_with_secrets(dir: &std::path::Path) -> Command {
+    let mut command = serve_example(dir);
+    command
+        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
+        .env("BILLING_API_KEY", "billing-secret-value");
+    command
+}
+
+/// [`serve_example_with_secrets`], spawned with stderr piped.
 #[cfg(unix)]
 fn spawn_example(dir: &std::path::Path) -> std::process::Child {
-    serve_example(dir)
-        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
-        .env("BILLING_API_KEY", "billing-secret-value")
+    serve_example_with_secrets(dir)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
@@ -289,10 +295,8 @@ fn a_second_serve_on_a_store_in_use_exits_naming_the_lock() {
 #[test]
 fn zero_worker_threads_is_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
-    let out = serve_example(dir.path())
+    let out = serve_example_with_secrets(dir.path())
         .args(["--worker-threads", "0"])
-        .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
-        .env("BILLING_API_KEY", "billing-secret-value")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
@@ -309,10 +313,8 @@ fn zero_worker_threads_is_refused_before_anything_starts() {
 fn worker_threads_sets_how_many_threads_serve_requests() {
     for workers in [1usize, 3] {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = serve_example(dir.path())
+        let mut child = serve_example_with_secrets(dir.path())
             .args(["--worker-threads", &workers.to_string()])
-            .env("BACKSTOP_AGENT_INVOICE_TOKEN", "invoice-token")
-            .env("BILLING_API_KEY", "billing-secret-value")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();

@@ -676,17 +676,10 @@ impl Inner {
         };
         for attempt in unfinished {
             let id = attempt.action;
-            let record = match self.blocking(move |s| s.action(id)).await {
-                Ok(Some(record)) => record,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the action");
-                    continue;
-                }
+            let Some(record) = self.recovered_action(id).await else {
+                continue;
             };
-            let is_read = attempt.request_class == "read"
-                || matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
-            if is_read {
+            if stored_read(&attempt.request_class, &record.method) {
                 self.cancel_interrupted_read(id, attempt.attempt).await;
                 continue;
             }
@@ -741,13 +734,8 @@ impl Inner {
             }
         };
         for id in listed {
-            let record = match self.blocking(move |s| s.action(id)).await {
-                Ok(Some(record)) => record,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the action");
-                    continue;
-                }
+            let Some(record) = self.recovered_action(id).await else {
+                continue;
             };
             let attempts = match self.blocking(move |s| s.attempts(id)).await {
                 Ok(attempts) => attempts,
@@ -756,8 +744,7 @@ impl Inner {
                     continue;
                 }
             };
-            let is_read = record.request_class == "read"
-                || matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS");
+            let is_read = stored_read(&record.request_class, &record.method);
             let uncertain =
                 attempts.last().and_then(|a| a.disposition) == Some(StoreDisposition::Uncertain);
             if uncertain && !is_read {
@@ -789,6 +776,18 @@ impl Inner {
                 .await
             {
                 tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the action left between two attempts");
+            }
+        }
+    }
+
+    /// The stored action `id` for restart recovery; `None` (logged) when it is gone or cannot
+    /// be read.
+    async fn recovered_action(&self, id: ActionId) -> Option<ActionRecord> {
+        match self.blocking(move |s| s.action(id)).await {
+            Ok(record) => record,
+            Err(e) => {
+                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the action");
+                None
             }
         }
     }
@@ -942,6 +941,12 @@ impl Inner {
             });
         }
     }
+}
+
+/// Whether a stored action of `class` sent with `method` is a read (nothing of it needs
+/// reconciling after a restart).
+fn stored_read(class: &str, method: &str) -> bool {
+    class == "read" || matches!(method, "GET" | "HEAD" | "OPTIONS")
 }
 
 /// The outcome context of an action whose caller is gone after a restart (a re-armed retry, an

@@ -324,34 +324,31 @@ pub(crate) fn unfinished_attempts(conn: &Connection) -> Result<Vec<UnfinishedAtt
 }
 
 pub(crate) fn unsent_writes(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
-    let mut stmt = conn.prepare_cached(
+    action_ids(
+        conn,
         "SELECT a.id FROM actions a \
          WHERE a.state = 'requested' AND a.idempotency_key IS NOT NULL \
          AND NOT EXISTS (SELECT 1 FROM attempts t WHERE t.action_id = a.id) \
          AND NOT EXISTS (SELECT 1 FROM scheduled_retries r WHERE r.action_id = a.id) \
          ORDER BY a.id",
-    )?;
-    let ids = stmt.query_map([], |r| r.get::<_, i64>(0))?;
-    let mut out = Vec::new();
-    for id in ids {
-        out.push(ActionId(id?));
-    }
-    Ok(out)
+    )
 }
 
 pub(crate) fn actions_between_attempts(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
-    let mut stmt = conn.prepare_cached(
+    action_ids(
+        conn,
         "SELECT a.id FROM actions a WHERE a.state = 'attempted' \
          AND NOT EXISTS (SELECT 1 FROM scheduled_retries r \
                          WHERE r.action_id = a.id AND r.claimed_at_ms IS NULL) \
          ORDER BY a.id",
-    )?;
-    let ids = stmt.query_map([], |r| r.get::<_, i64>(0))?;
-    let mut out = Vec::new();
-    for id in ids {
-        out.push(ActionId(id?));
-    }
-    Ok(out)
+    )
+}
+
+/// The action ids `sql` (one `id` column, no parameters) lists, in its order.
+fn action_ids(conn: &Connection, sql: &str) -> Result<Vec<ActionId>, StoreError> {
+    let mut stmt = conn.prepare_cached(sql)?;
+    let ids = stmt.query_map([], |r| r.get::<_, i64>(0).map(ActionId))?;
+    Ok(ids.collect::<Result<_, _>>()?)
 }
 
 pub(crate) fn scheduled_retries(conn: &Connection) -> Result<Vec<DueRetry>, StoreError> {
