@@ -323,25 +323,31 @@ pub(crate) fn unfinished_attempts(conn: &Connection) -> Result<Vec<UnfinishedAtt
     Ok(out)
 }
 
+/// Writes recorded but never sent and with no retry scheduled: the start-up scan that hands
+/// them back to the gateway. Reads the `actions_open` index (schema 9): the redundant
+/// `state != 'finished'` is the index's own condition, which SQLite must find in the query to
+/// use a partial index.
+pub(crate) const UNSENT_WRITES_SQL: &str = "SELECT a.id FROM actions a \
+     WHERE a.state != 'finished' AND a.state = 'requested' \
+     AND a.idempotency_key IS NOT NULL \
+     AND NOT EXISTS (SELECT 1 FROM attempts t WHERE t.action_id = a.id) \
+     AND NOT EXISTS (SELECT 1 FROM scheduled_retries r WHERE r.action_id = a.id) \
+     ORDER BY a.id";
+
+/// Actions between two attempts with no retry waiting to be claimed (the start-up scan); reads
+/// the `actions_open` index as [`UNSENT_WRITES_SQL`] does.
+pub(crate) const ACTIONS_BETWEEN_ATTEMPTS_SQL: &str = "SELECT a.id FROM actions a \
+     WHERE a.state != 'finished' AND a.state = 'attempted' \
+     AND NOT EXISTS (SELECT 1 FROM scheduled_retries r \
+                     WHERE r.action_id = a.id AND r.claimed_at_ms IS NULL) \
+     ORDER BY a.id";
+
 pub(crate) fn unsent_writes(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
-    action_ids(
-        conn,
-        "SELECT a.id FROM actions a \
-         WHERE a.state = 'requested' AND a.idempotency_key IS NOT NULL \
-         AND NOT EXISTS (SELECT 1 FROM attempts t WHERE t.action_id = a.id) \
-         AND NOT EXISTS (SELECT 1 FROM scheduled_retries r WHERE r.action_id = a.id) \
-         ORDER BY a.id",
-    )
+    action_ids(conn, UNSENT_WRITES_SQL)
 }
 
 pub(crate) fn actions_between_attempts(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
-    action_ids(
-        conn,
-        "SELECT a.id FROM actions a WHERE a.state = 'attempted' \
-         AND NOT EXISTS (SELECT 1 FROM scheduled_retries r \
-                         WHERE r.action_id = a.id AND r.claimed_at_ms IS NULL) \
-         ORDER BY a.id",
-    )
+    action_ids(conn, ACTIONS_BETWEEN_ATTEMPTS_SQL)
 }
 
 /// The action ids `sql` (one `id` column, no parameters) lists, in its order.

@@ -328,6 +328,13 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE attempts_v8 RENAME TO attempts;
     CREATE INDEX attempts_unfinished ON attempts(state) WHERE state = 'sent';
     "#,
+    // 8 -> 9: the start-up scans for open actions (writes recorded but never sent, actions
+    // between two attempts) read an index of the actions that are not finished instead of the
+    // whole table, which holds every action ever answered. Finished actions (every answered
+    // read is written finished) have no entry, so the index stays as small as the open work.
+    r#"
+    CREATE INDEX actions_open ON actions(state, id) WHERE state != 'finished';
+    "#,
 ];
 
 /// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
@@ -1243,6 +1250,33 @@ mod tests {
                 assert!(b.detail.contains("hash is 64 bytes"), "{}", b.detail);
             }
             other => panic!("the edit went unreported: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn start_up_scans_read_the_open_actions_index_not_the_whole_table() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let conn = open_writer(&dir.path().join("b.db"), true).expect("open");
+        for sql in [
+            crate::sqlite::rows::UNSENT_WRITES_SQL,
+            crate::sqlite::rows::ACTIONS_BETWEEN_ATTEMPTS_SQL,
+        ] {
+            let mut stmt = conn
+                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .expect("plan");
+            let plan: Vec<String> = stmt
+                .query_map([], |r| r.get::<_, String>(3))
+                .expect("query")
+                .collect::<Result<_, _>>()
+                .expect("rows");
+            let actions = plan
+                .iter()
+                .find(|step| step.starts_with("SEARCH a ") || step.starts_with("SCAN a"))
+                .unwrap_or_else(|| panic!("no step reads actions in {plan:?}"));
+            assert!(
+                actions.starts_with("SEARCH a USING") && actions.contains("INDEX actions_open"),
+                "{sql}\nplan: {plan:?}"
+            );
         }
     }
 
