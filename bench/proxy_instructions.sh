@@ -16,6 +16,9 @@
 #   BENCH_WARMUP [500]      requests sent before the counters are zeroed
 #   BENCH_CONNECTIONS [8]   keep-alive connections
 #   BENCH_KEEP [unset]      a directory to keep the callgrind output in
+#   BENCH_TASK [unset]      a task id sent as `X-Backstop-Task` on every request (as the
+#                           half-rate runs of bench/proxy.sh do); unset, each request opens a
+#                           task of its own
 #
 # Prints the instructions per request over all threads, and split into the tokio workers
 # (door, engine, upstream client), the store writer thread and everything else (watchdog,
@@ -35,6 +38,8 @@ BACKSTOP="${1:-$TARGET_DIR/release/backstop}"
 REQUESTS="${BENCH_REQUESTS:-3000}"
 WARMUP="${BENCH_WARMUP:-500}"
 CONNECTIONS="${BENCH_CONNECTIONS:-8}"
+TASK_HEADER=()
+[ -n "${BENCH_TASK:-}" ] && TASK_HEADER=(-H "X-Backstop-Task: $BENCH_TASK")
 
 die() { printf 'proxy_instructions.sh: %s\n' "$*" >&2; exit 1; }
 if [ "$CPU" = 1 ]; then
@@ -110,9 +115,10 @@ if [ "$CPU" = 1 ]; then
             echo "$comm $(awk '{print $14, $15}' "/proc/$VG/task/$tid/stat")"
         done
     }
-    wrk -t1 -c32 -d2s -H "Authorization: Bearer $TOKEN" "$URL" >/dev/null
+    wrk -t1 -c32 -d2s -H "Authorization: Bearer $TOKEN" "${TASK_HEADER[@]}" "$URL" >/dev/null
     threads >"$WORK/before"
-    wrk -t1 -c32 -d"${BENCH_SECONDS:-8}s" -H "Authorization: Bearer $TOKEN" "$URL" >"$WORK/wrk.txt"
+    wrk -t1 -c32 -d"${BENCH_SECONDS:-8}s" -H "Authorization: Bearer $TOKEN" "${TASK_HEADER[@]}" \
+        "$URL" >"$WORK/wrk.txt"
     threads >"$WORK/after"
     python3 - "$WORK" "$(getconf CLK_TCK)" <<'PY'
 import re, sys
@@ -145,10 +151,12 @@ PY
     exit 0
 fi
 
-ab -q -k -c "$CONNECTIONS" -n "$WARMUP" -H "Authorization: Bearer $TOKEN" "$URL" >"$WORK/warmup.txt" 2>&1
+ab -q -k -c "$CONNECTIONS" -n "$WARMUP" -H "Authorization: Bearer $TOKEN" "${TASK_HEADER[@]}" \
+    "$URL" >"$WORK/warmup.txt" 2>&1
 sleep 2
 callgrind_control -z "$VG" >/dev/null 2>&1
-ab -k -c "$CONNECTIONS" -n "$REQUESTS" -H "Authorization: Bearer $TOKEN" "$URL" >"$WORK/ab.txt" 2>&1
+ab -k -c "$CONNECTIONS" -n "$REQUESTS" -H "Authorization: Bearer $TOKEN" "${TASK_HEADER[@]}" \
+    "$URL" >"$WORK/ab.txt" 2>&1
 # Let the store writer commit what the measured requests queued.
 sleep 3
 callgrind_control -d "$VG" >/dev/null 2>&1
