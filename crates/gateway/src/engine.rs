@@ -465,15 +465,22 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
     }
 }
 
-/// Ends an action `cancelled` (audited) when its `execute` future is dropped mid-way.
+/// Closes an action (audited) when its `execute` future is dropped mid-way (the client
+/// disconnected): as every action nothing sends again is closed (`writes::Closing`), a write
+/// whose last attempt is `uncertain` — or still in flight, so its answer is unknown — is
+/// reconciled with its original key; any other action ends `cancelled`.
 struct ActionGuard<'a> {
     inner: Arc<Inner>,
     id: ActionId,
     /// The route's provider and class, copied for the metrics only if the action is cancelled.
     provider: &'a str,
     class: &'a str,
+    /// Whether the action is a read (safe method).
+    read: bool,
     sent: u32,
     in_flight: Option<u32>,
+    /// The disposition of the last attempt's answer, once one came back.
+    last_signal: Option<&'static str>,
     armed: bool,
 }
 
@@ -487,6 +494,38 @@ impl Drop for ActionGuard<'_> {
         };
         let inner = self.inner.clone();
         let (id, in_flight, sent) = (self.id, self.in_flight, self.sent);
+        let last = match in_flight {
+            Some(_) => Some(Disposition::Uncertain.as_str()),
+            None => self.last_signal,
+        };
+        if writes::Closing::of(self.read, last) == writes::Closing::Reconcile {
+            tracing::info!(
+                action = id.0,
+                sent,
+                "client disconnected: the write's last attempt is uncertain, so it is reconciled with its original key; it never sends again"
+            );
+            let result = in_flight.map(|attempt| AttemptResult {
+                action: id,
+                attempt,
+                status: None,
+                disposition: backstop_store::Disposition::Uncertain,
+                boundary: None,
+                source: Some("client disconnected during the attempt".to_owned()),
+                provider_operation_id: None,
+                signal_headers: Vec::new(),
+                finish: None,
+            });
+            let close = writes::Deferred {
+                action: id,
+                result,
+                end: writes::DeferredEnd::Reconcile {
+                    gone: writes::PayloadGone::CallerGone,
+                },
+                count: None,
+            };
+            runtime.spawn(async move { inner.record_or_defer(close).await });
+            return;
+        }
         let (provider, class) = (self.provider.to_owned(), self.class.to_owned());
         tracing::info!(
             action = id.0,
@@ -1345,8 +1384,10 @@ impl Engine {
             id,
             provider: &route.provider,
             class: &route.class,
+            read: !is_write,
             sent: prior_attempts,
             in_flight: None,
+            last_signal: None,
             armed: true,
         };
         let run = Run {
@@ -1667,6 +1708,7 @@ impl Engine {
                 seen.left += 1;
             }
             seen.last_signal = Some(signal.disposition.as_str());
+            guard.last_signal = seen.last_signal;
             seen.boundary = signal.boundary.retry_not_before();
             // One count per scope of the route, or one under `-` for a route without scopes.
             let scope_labels = std::iter::once("-")
@@ -2538,12 +2580,12 @@ impl Engine {
     /// [`Store::mark_attempt_sent`]). The action must not stay open for a step nothing takes
     /// any more (the watchdog's stuck findings, a `409` for every same-key resend, and for a
     /// retry never scheduled not even a restart would find it): as soon as the store commits
-    /// again (see `Inner::record_when_store_commits`) it ends `cancelled` with
-    /// [`STORE_FAILED_BEFORE_RETRY`] — its context offers `query_status` when the last attempt
-    /// was `uncertain` — which also drops a retry job left waiting, as a retry re-armed at a
-    /// restart does. A write whose last attempt was `uncertain` and whose retry could not be
-    /// scheduled is reconciled with its original key instead, as a write sent without a result
-    /// is at a restart (found → `succeeded`, otherwise `escalated`); it is never resent.
+    /// again (see `Inner::record_when_store_commits`) it is closed as every action nothing
+    /// sends again is (`writes::Closing`): a write whose last attempt was `uncertain` is
+    /// reconciled with its original key, as a write sent without a result is at a restart
+    /// (found → `succeeded`, otherwise `escalated`), and never resent; any other action ends
+    /// `cancelled` with [`STORE_FAILED_BEFORE_RETRY`]. Either close also drops a retry job left
+    /// waiting, as a retry re-armed at a restart does.
     fn close_unrecorded_retry(
         &self,
         run: &Run<'_>,
@@ -2551,30 +2593,21 @@ impl Engine {
         seen: &Seen,
         step: UnrecordedRetry,
     ) {
-        let uncertain = seen.last_signal == Some(Disposition::Uncertain.as_str());
-        let is_write = !is_safe_method(&run.request.method);
-        let (result, reconcile, what) = match step {
-            UnrecordedRetry::Start => (
-                None,
-                false,
-                "the start of this action's retry when it came due",
-            ),
-            UnrecordedRetry::Schedule { result: None } => (
-                None,
-                is_write && uncertain,
-                "this action's retry when it was planned",
-            ),
+        let closing = writes::Closing::of(is_safe_method(&run.request.method), seen.last_signal);
+        let (result, what) = match step {
+            UnrecordedRetry::Start => (None, "the start of this action's retry when it came due"),
+            UnrecordedRetry::Schedule { result: None } => {
+                (None, "this action's retry when it was planned")
+            }
             UnrecordedRetry::Schedule { result } => (
                 result.map(|r| *r),
-                is_write && uncertain,
                 "the result of this action's last attempt, nor its retry when it was planned",
             ),
         };
         let route = &run.spec.route;
-        let then = if reconcile {
-            ", as soon as the store commits again, the write (its last attempt uncertain) is reconciled with its original key and closed; nothing is resent"
-        } else {
-            " the action is closed `cancelled` as soon as the store commits again"
+        let then = match closing {
+            writes::Closing::Reconcile => ", as soon as the store commits again, the write (its last attempt uncertain) is reconciled with its original key and closed; nothing is resent",
+            writes::Closing::Cancel => " the action is closed `cancelled` as soon as the store commits again",
         };
         tracing::warn!(
             action = run.id.0,
@@ -2584,25 +2617,18 @@ impl Engine {
             attempts = seen.sent,
             "the store could not record {what}, so the retry was not sent; the caller is answered 503 store_unavailable and{then}"
         );
-        let end = if reconcile {
-            writes::DeferredEnd::Reconcile
-        } else {
-            let next_safe = if uncertain {
-                vec![NextSafe::QueryStatus, NextSafe::Abort]
-            } else {
-                vec![NextSafe::Abort]
-            };
-            let context = self.context(budget, seen, seen.boundary, next_safe);
+        let end = writes::DeferredEnd::closing(closing, writes::PayloadGone::StoreFailed, || {
+            let context = self.context(budget, seen, seen.boundary, vec![NextSafe::Abort]);
             let mut context = serde_json::to_value(&context).unwrap_or_default();
             if let Some(members) = context.as_object_mut() {
                 members.insert("detail".into(), STORE_FAILED_BEFORE_RETRY.into());
             }
-            writes::DeferredEnd::Outcome(Finish {
+            Finish {
                 outcome: backstop_store::Outcome::Cancelled,
                 context,
                 response: None,
-            })
-        };
+            }
+        });
         self.inner.record_when_store_commits(writes::Deferred {
             action: run.id,
             result,

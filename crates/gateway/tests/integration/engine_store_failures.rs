@@ -1,8 +1,9 @@
 //! The store failing and the gateway stopping are answered as what they are: `503
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
-//! cancelled`; what the store could not record is not left waiting once it works again, and
-//! what it lost is logged once. Attempts are measured at the scripted transport, answers at the
-//! door where the header matters.
+//! cancelled`; what the store could not record is not left waiting once it works again (a write
+//! whose last attempt was uncertain reconciled, never cancelled), and what it lost is logged
+//! once. Attempts are measured at the scripted transport, answers at the door where the header
+//! matters.
 
 use std::{sync::Arc, time::Duration};
 
@@ -10,7 +11,7 @@ use backstop_core::{classify::TransportError, policy::Policy};
 use backstop_fake_api::RouteConfig;
 use backstop_gateway::{
     action::Execution,
-    engine::{RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
+    engine::{Engine, RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
     server,
     watchdog::{Watchdog, WatchdogConfig},
 };
@@ -841,4 +842,118 @@ async fn a_read_whose_retry_cannot_be_recorded_is_retried_from_memory_not_cancel
     let execution = running.await.unwrap();
     assert_eq!(summary(&execution), "200");
     assert_eq!(h.transport.sent().len(), 2, "the retry was sent");
+}
+
+/// Runs a write under `key` until its first attempt timed out after its bytes left (uncertain)
+/// and its same-key retry is scheduled: the provider honours keys and the route has no lookup.
+/// Returns the running write and its action.
+async fn uncertain_and_waiting(
+    h: &Harness,
+    key: &str,
+) -> (tokio::task::JoinHandle<Execution>, ActionId) {
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            Step::Fail(TransportError::TimeoutAfterSend),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(h, "t", key));
+    assert!(
+        until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await,
+        "the same-key retry is scheduled"
+    );
+    let action = h.store.scheduled_retries().unwrap()[0].action;
+    assert_eq!(h.transport.sent().len(), 1);
+    (running, action)
+}
+
+/// Asserts the stored `action` ended `escalated` as a side effect nobody knows — reconciled,
+/// never `cancelled` — with `why` in the case file's reason.
+fn assert_reconciled_into_an_escalation(h: &Harness, action: ActionId, why: &str) {
+    assert_eq!(
+        stored(h, action).outcome,
+        Some(Outcome::Escalated),
+        "reconciled, not cancelled"
+    );
+    let escalations = h.store.open_escalations().unwrap();
+    let case = &escalations
+        .iter()
+        .find(|e| e.action == action)
+        .expect("an escalation for the write")
+        .case_file;
+    assert_eq!(case["reason"], "side_effect_unknown");
+    let detail = case["reason_detail"].as_str().unwrap_or("");
+    assert!(detail.contains(why), "{detail}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_whose_retry_start_the_store_could_not_record_is_reconciled_not_cancelled(
+) {
+    let (h, store) = Harness::with_failing_store();
+    let (running, action) = uncertain_and_waiting(&h, "k-u1").await;
+    // The retry comes due while the store cannot commit: its start is not recorded.
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    let (status, retry, body, attempts) = problem(running.await.unwrap()).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_eq!(body["sent"], true);
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    assert_reconciled_into_an_escalation(&h, action, "503 store_unavailable");
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    let again = h.engine.execute(write(&h, "t", "k-u1")).await;
+    assert_eq!(summary(&again), "escalated");
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_whose_retry_is_re_armed_after_a_restart_is_reconciled_not_cancelled() {
+    let h = Harness::new();
+    let (running, action) = uncertain_and_waiting(&h, "k-u2").await;
+    h.engine.shutdown().await;
+    let _ = running.await.unwrap();
+    let restarted = h.restarted(7);
+    advance(Duration::from_secs(30)).await;
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the re-armed retry closed the action"
+    );
+    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_re_armed_while_the_store_fails_is_reconciled_once_it_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    let (running, action) = uncertain_and_waiting(&h, "k-u3").await;
+    h.engine.shutdown().await;
+    let _ = running.await.unwrap();
+    // The next run starts while the store cannot commit: the re-armed retry cannot be claimed.
+    store.fail();
+    let restarted = Engine::new(
+        h.policy.clone(),
+        store.clone(),
+        h.transport.clone(),
+        h.clock,
+        h.metrics.clone(),
+        8,
+    );
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(
+        stored(&h, action).outcome,
+        None,
+        "nothing could be recorded yet"
+    );
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    restarted.shutdown().await;
 }
