@@ -318,6 +318,7 @@ impl Run<'_> {
             action_id: self.id.0,
             idempotency_key: self.agent_key(),
             attempts,
+            provider_operation_id: None,
         }
     }
 
@@ -1020,6 +1021,7 @@ impl Engine {
                     action_id: 0,
                     attempts: 0,
                     idempotency_key: None,
+                    provider_operation_id: None,
                 },
                 Problem::shutting_down(),
             );
@@ -1809,8 +1811,13 @@ impl Engine {
                             "reconciled: the provider has the write; nothing is resent"
                         );
                         let context = self.context(&budget, &seen, None, Vec::new());
+                        // The id is told with the answer, whether or not the store has it yet.
+                        let receipt = ActionReceipt {
+                            provider_operation_id: operation_id.clone(),
+                            ..run.receipt(seen.sent)
+                        };
                         return Execution::Outcome {
-                            receipt: run.receipt(seen.sent),
+                            receipt,
                             outcome: Outcome::Succeeded,
                             context,
                             detail: match operation_id {
@@ -2785,6 +2792,7 @@ impl Engine {
                 action_id: run.id.0,
                 idempotency_key: run.agent_key(),
                 attempts,
+                provider_operation_id: None,
             },
             outcome,
             context,
@@ -2809,6 +2817,7 @@ impl Engine {
                 action_id: action.map_or(0, |a| a.0),
                 attempts: 0,
                 idempotency_key: key.map(str::to_owned),
+                provider_operation_id: None,
             };
             return self.store_unavailable(spec, receipt, false, &e);
         }
@@ -2818,6 +2827,7 @@ impl Engine {
                     action_id: 0,
                     attempts: 0,
                     idempotency_key: None,
+                    provider_operation_id: None,
                 };
                 let problem =
                     Problem::key_reused(&differs, (&bound.provider, &bound.method, &bound.route))
@@ -2897,6 +2907,7 @@ impl Engine {
             attempts,
             idempotency_key: (!matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS"))
                 .then(|| record.idempotency_key.clone()),
+            provider_operation_id: record.provider_operation_id.clone(),
         };
         if record.state == ActionState::Finished {
             if let Some(stored) = record.response {
@@ -2956,6 +2967,7 @@ fn unrecorded(outcome: Outcome, detail: String) -> Execution {
             action_id: 0,
             attempts: 0,
             idempotency_key: None,
+            provider_operation_id: None,
         },
         outcome,
         context: OutcomeContext {

@@ -2,13 +2,13 @@
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
 //! cancelled`; what the store could not record is not left waiting once it works again (a write
 //! whose last attempt was uncertain reconciled, never cancelled), and what it lost is logged
-//! once. Attempts are measured at the scripted transport, answers at the door where the header
-//! matters.
+//! once. Attempts are measured at the scripted transport or at the fake provider, answers at the
+//! door where the header or the JSON matters.
 
 use std::{sync::Arc, time::Duration};
 
 use backstop_core::{classify::TransportError, policy::Policy};
-use backstop_fake_api::RouteConfig;
+use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::{
     action::Execution,
     engine::{Engine, RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
@@ -956,4 +956,97 @@ async fn an_uncertain_write_re_armed_while_the_store_fails_is_reconciled_once_it
     assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
     assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
     restarted.shutdown().await;
+}
+
+/// A write route that reconciles by idempotency key through `GET /v1/transfers`.
+const RECONCILED_TRANSFERS: &str = r#"    routes:
+      "POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/transfers?idempotency_key={key}"
+          found_pointer: /data/0/id
+      "GET /v1/transfers": { class: read, scopes: [account] }
+"#;
+
+/// The fake provider: transfers are created under their idempotency key, the first one's
+/// connection dropped with `first`, and looked up by key.
+fn transfers_fake(first: Fault) -> backstop_fake_api::RunningFake {
+    support::start_fake(
+        FakeConfig::default()
+            .with_route(
+                RouteConfig::new("POST /v1/transfers", support::create("transfers", "tr_"))
+                    .with_idempotency()
+                    .with_fault(FaultRule::on_calls([1], first)),
+            )
+            .with_route(RouteConfig::new(
+                "GET /v1/transfers",
+                support::lookup("transfers"),
+            )),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_names_the_operation_id_of_a_reconciliation_the_store_could_not_record() {
+    // The provider stores the transfer, then drops the connection: the lookup finds it.
+    let fake = transfers_fake(Fault::StoreThenDrop { hold_ms: 0 });
+    let yaml = support::policy_yaml(
+        &fake.url(),
+        "agents:\n  door-agent: { token_env: DOOR_AGENT_TOKEN }\n",
+        RECONCILED_TRANSFERS,
+    );
+    let env = |name: &str| match name {
+        "DOOR_AGENT_TOKEN" => Some(DOOR_AGENT_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some("provider-key".to_owned()),
+        _ => None,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let policy = Policy::from_yaml_str(&yaml, "door.yaml").expect("policy");
+    let gateway = server::start(
+        policy,
+        support::serve_options(dir.path(), 7),
+        &env,
+        |mut parts| {
+            let failing = FailingStore::new(parts.store.clone());
+            // What ends an action cannot be recorded: the reconciliation waits for the store.
+            failing.fail_outcomes();
+            parts.store = failing as Arc<dyn Store>;
+            server::engine(parts)
+        },
+    )
+    .await
+    .expect("gateway starts");
+
+    let response = support::client()
+        .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+        .bearer_auth(DOOR_AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-door-reconciled")
+        .header("Idempotency-Key", "k-door-reconciled")
+        .header("content-type", "application/json")
+        .body(r#"{"amount":5}"#)
+        .send()
+        .await
+        .expect("request");
+    let (status, body) = support::json_of(response).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["outcome"], "succeeded", "{body}");
+    assert_eq!(body["reconciled"], true, "{body}");
+    let id = body["provider_operation_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("the answer names the provider's id: {body}"));
+    assert!(id.starts_with("tr_"), "{body}");
+    let detail = body["detail"].as_str().unwrap_or("");
+    assert!(detail.contains(id), "detail and id agree: {body}");
+    let attempts = fake.attempts();
+    assert_eq!(
+        support::on_route(&attempts, "POST", "/v1/transfers").len(),
+        1
+    );
+    assert_eq!(
+        support::on_route(&attempts, "GET", "/v1/transfers").len(),
+        1
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
 }
