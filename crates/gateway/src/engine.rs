@@ -1373,6 +1373,9 @@ impl Engine {
                     }
                 }
             }
+            Err(e) if is_write && is_store_failure(&e) => {
+                return (Box::pin(self.write_not_admitted(e, spec, &key)).await, None);
+            }
             Err(e) => {
                 let key = is_write.then_some(key.as_str());
                 return (self.refused_by_store(e, spec, key, None), None);
@@ -2860,8 +2863,25 @@ impl Engine {
         sent: bool,
         e: &EngineError,
     ) -> Execution {
+        let recorded = receipt.action_id != 0;
+        let detail = match (sent, recorded) {
+            (true, _) => "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again",
+            (false, true) if receipt.idempotency_key.is_some() => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
+            (false, _) => "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe",
+        };
+        self.store_unavailable_saying(spec, receipt, sent, e, detail)
+    }
+
+    /// [`Self::store_unavailable`] with its `detail`.
+    fn store_unavailable_saying(
+        &self,
+        spec: &ActionSpec,
+        receipt: ActionReceipt,
+        sent: bool,
+        e: &EngineError,
+        detail: &str,
+    ) -> Execution {
         let action = (receipt.action_id != 0).then_some(receipt.action_id);
-        let has_key = receipt.idempotency_key.is_some();
         if self.inner.shutting_down.load(Ordering::SeqCst)
             && matches!(e, EngineError::Store(StoreError::WriterGone))
         {
@@ -2884,13 +2904,56 @@ impl Engine {
                 "the store failed before the request was recorded (no action exists for it): the request is answered 503 store_unavailable"
             ),
         }
-        let detail = match (sent, action) {
-            (true, _) => "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again",
-            (false, Some(_)) if has_key => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
-            (false, _) => "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe",
-        };
         let problem = with_ids(Problem::store_unavailable(sent, detail), spec, &receipt);
         problem_answer(receipt, problem)
+    }
+
+    /// A write whose admission the store could not commit (a damaged file, a full disk):
+    /// `503 store_unavailable`. When the agent's own key already names its action for this
+    /// same request (a same-key resend; the action is read, which needs no commit), this
+    /// request was not sent again, but earlier attempts of the action may have been: the answer
+    /// carries that action's id and attempts (the receipt), `sent` for the action as a whole,
+    /// and says so instead of "nothing was sent". A new key, or an action that cannot be read,
+    /// is answered as [`Self::refused_by_store`] answers.
+    async fn write_not_admitted(&self, e: EngineError, spec: &ActionSpec, key: &str) -> Execution {
+        if spec.idempotency_key.is_none() {
+            // A key minted for this request names nothing yet.
+            return self.refused_by_store(e, spec, Some(key), None);
+        }
+        let (agent, by) = (spec.agent.clone(), key.to_owned());
+        let route = &spec.route;
+        let record = match self
+            .inner
+            .blocking(move |s| s.action_by_key(&agent, &by))
+            .await
+        {
+            Ok(Some(record))
+                if record.provider == route.provider
+                    && record.method == route.method
+                    && record.route == route.template
+                    && record.payload_digest == spec.payload_digest =>
+            {
+                record
+            }
+            _ => return self.refused_by_store(e, spec, Some(key), None),
+        };
+        let id = record.id;
+        let Ok(attempts) = self.inner.blocking(move |s| s.attempts(id)).await else {
+            return self.refused_by_store(e, spec, Some(key), None);
+        };
+        let facts = writes::recovered_context(&attempts, 0);
+        let receipt = ActionReceipt {
+            action_id: id.0,
+            attempts: facts.attempts,
+            idempotency_key: Some(key.to_owned()),
+            provider_operation_id: record.provider_operation_id,
+        };
+        let detail = if facts.sent {
+            "backstop's store cannot commit, so this request was not sent again; earlier attempts of the action under this Idempotency-Key were sent (Backstop-Attempts counts them), so check the action's status before sending it again: it is never resent blindly"
+        } else {
+            "backstop's store cannot commit, so this request was not sent; nothing was sent for the action under this Idempotency-Key either, so sending it again later with the same key is safe"
+        };
+        self.store_unavailable_saying(spec, receipt, facts.sent, &e, detail)
     }
 
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.

@@ -958,6 +958,42 @@ async fn an_uncertain_write_re_armed_while_the_store_fails_is_reconciled_once_it
     restarted.shutdown().await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_same_key_resend_while_the_store_fails_is_told_the_actions_earlier_attempts_were_sent() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(503, &[("retry-after", "5")], ""),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(&h, "t", "k-again"));
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let action = h.store.scheduled_retries().unwrap()[0].action;
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    let (status, _, body, _) = problem(running.await.unwrap()).await;
+    assert_eq!((status, &body["sent"]), (503, &Value::Bool(true)));
+
+    // The agent sends the same key again while the store still cannot commit.
+    let again = h.engine.execute(write(&h, "t", "k-again")).await;
+    assert_eq!(again.receipt().action_id, action.0, "the key's action");
+    let (status, retry, body, attempts) = problem(again).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_eq!(
+        body["sent"], true,
+        "an attempt of the action was sent: {body}"
+    );
+    assert_eq!(body["action_id"], action.0, "{body}");
+    assert_eq!(body["idempotency_key"], "k-again", "{body}");
+    let detail = body["detail"].as_str().unwrap_or("");
+    assert!(detail.contains("not sent again"), "{detail}");
+    assert!(detail.contains("earlier attempts"), "{detail}");
+    assert!(!detail.contains("nothing was sent"), "{detail}");
+    assert_eq!(h.transport.sent().len(), 1, "nothing more was sent");
+}
+
 /// A write route that reconciles by idempotency key through `GET /v1/transfers`.
 const RECONCILED_TRANSFERS: &str = r#"    routes:
       "POST /v1/transfers":
