@@ -521,6 +521,7 @@ impl Drop for ActionGuard<'_> {
                 result,
                 end: writes::DeferredEnd::Reconcile {
                     gone: writes::PayloadGone::CallerGone,
+                    verdict: None,
                 },
                 count: None,
             };

@@ -234,6 +234,10 @@ pub(super) enum DeferredEnd {
     Reconcile {
         /// Why its payload is gone (words of the escalation's reason).
         gone: PayloadGone,
+        /// Where the SPEC §6 rule ended, once a try got that far: kept, so that a try whose
+        /// recording fails does not ask the provider's lookup again — only the recording is
+        /// tried again.
+        verdict: Option<UncertainEnd>,
     },
 }
 
@@ -246,7 +250,10 @@ impl DeferredEnd {
         cancelled: impl FnOnce() -> backstop_store::Finish,
     ) -> DeferredEnd {
         match closing {
-            Closing::Reconcile => DeferredEnd::Reconcile { gone },
+            Closing::Reconcile => DeferredEnd::Reconcile {
+                gone,
+                verdict: None,
+            },
             Closing::Cancel => DeferredEnd::Outcome(cancelled()),
         }
     }
@@ -1124,7 +1131,8 @@ impl Inner {
 
     /// One try of [`Inner::record_when_store_commits`]: the deferred result first (with the
     /// outcome in the same commit), then the end. A result that commits is not recorded again
-    /// by the next try.
+    /// by the next try, and a reconciliation's verdict, once obtained, is kept: a later try
+    /// records it without asking the provider's lookup again.
     ///
     /// # Errors
     /// The store failed (tried again later), or refused because the action ended meanwhile.
@@ -1143,7 +1151,7 @@ impl Inner {
                 return Ok(());
             }
         }
-        match &deferred.end {
+        match &mut deferred.end {
             DeferredEnd::Outcome(finish) => {
                 let (finish_now, at) = (finish.clone(), self.clock.now());
                 self.blocking(move |s| s.finish_action(action, finish_now, at))
@@ -1156,7 +1164,7 @@ impl Inner {
                 self.blocking(move |s| s.record_reconciled(action, op, at))
                     .await
             }
-            DeferredEnd::Reconcile { gone } => {
+            DeferredEnd::Reconcile { gone, verdict } => {
                 let record = match self.blocking(move |s| s.action(action)).await? {
                     Some(record) if record.state != backstop_store::ActionState::Finished => record,
                     _ => {
@@ -1169,7 +1177,14 @@ impl Inner {
                     }
                 };
                 let facts = self.stored_facts(&record, None).await;
-                self.reconcile_and_close(&facts, *gone).await
+                // The provider is asked once; a try whose recording fails keeps the verdict.
+                let end = match verdict {
+                    Some(end) => end.clone(),
+                    None => verdict
+                        .insert(self.reconcile_uncertain(&facts, None).await)
+                        .clone(),
+                };
+                self.close_after_recovery(&facts, end, *gone).await
             }
         }
     }

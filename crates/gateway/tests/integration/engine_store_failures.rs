@@ -1,21 +1,27 @@
 //! The store failing and the gateway stopping are answered as what they are: `503
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
 //! cancelled`; what the store could not record is not left waiting once it works again (a write
-//! whose last attempt was uncertain reconciled, never cancelled), and what it lost is logged
-//! once. Attempts are measured at the scripted transport or at the fake provider, answers at the
-//! door where the header or the JSON matters.
+//! whose last attempt was uncertain reconciled, never cancelled, its lookup asked once), and
+//! what it lost is logged once. Attempts are measured at the scripted transport or at the fake
+//! provider, answers at the door where the header or the JSON matters.
 
 use std::{sync::Arc, time::Duration};
 
-use backstop_core::{classify::TransportError, policy::Policy};
+use backstop_core::{classify::TransportError, pacing::Priority, policy::Policy};
 use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::{
-    action::Execution,
+    action::{ActionSpec, Execution},
+    clock::TokioClock,
     engine::{Engine, RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
+    metrics::Metrics,
     server,
+    transport::AttemptRequest,
+    upstream::{Upstream, UpstreamConfig},
     watchdog::{Watchdog, WatchdogConfig},
 };
-use backstop_store::{ActionId, ActionRecord, ActionState, Outcome, Store};
+use backstop_store::{
+    ActionId, ActionRecord, ActionState, Outcome, PayloadDigest, SqliteStore, Store,
+};
 use jiff::SignedDuration;
 use serde_json::Value;
 
@@ -1084,5 +1090,101 @@ async fn the_door_names_the_operation_id_of_a_reconciliation_the_store_could_not
         1
     );
     gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deferred_reconciliation_asks_the_provider_once_while_the_store_cannot_record_it() {
+    let (logs, _attached) = Capture::this_thread();
+    // The provider drops the connection before doing anything: the write is uncertain, and its
+    // lookup finds nothing.
+    let fake = transfers_fake(Fault::Drop);
+    let yaml = support::policy_yaml(&fake.url(), "", RECONCILED_TRANSFERS);
+    let policy = Arc::new(Policy::from_yaml_str(&yaml, "deferred.yaml").expect("policy"));
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = Arc::new(SqliteStore::open(dir.path().join("backstop.db")).unwrap());
+    let store = FailingStore::new(sqlite.clone() as Arc<dyn Store>);
+    let upstream = Upstream::new(UpstreamConfig::default()).expect("upstream client");
+    let t0: jiff::Timestamp = crate::engine_support::T0.parse().unwrap();
+    let engine = Engine::new(
+        policy.clone(),
+        store.clone(),
+        Arc::new(upstream),
+        TokioClock::anchored_at(t0),
+        Arc::new(Metrics::new()),
+        3,
+    );
+    let body = r#"{"amount":5}"#;
+    let spec = ActionSpec {
+        task_id: "t".to_owned(),
+        agent: "agent-a".to_owned(),
+        priority: Priority::Normal,
+        deadline: None,
+        max_wait: None,
+        route: policy.route("fake", "POST", "/v1/transfers").unwrap(),
+        request: AttemptRequest {
+            method: http::Method::POST,
+            url: format!("{}/v1/transfers", fake.url()),
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::from_static(body.as_bytes()),
+        },
+        single_attempt: false,
+        idempotency_key: Some("k-once".to_owned()),
+        payload_digest: PayloadDigest::of(body.as_bytes()).as_str().to_owned(),
+        target_digest: None,
+        desired_outcome: None,
+    };
+    let lookups = || support::on_route(&fake.attempts(), "GET", "/v1/transfers").len();
+
+    // The retry the provider's key would allow cannot be scheduled: the write is reconciled
+    // once the store commits again. Polled, never slept: virtual time stands still while the
+    // requests are on the loopback.
+    store.fail_schedules();
+    let running = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.execute(spec).await }
+    });
+    assert!(until(|| running.is_finished()).await);
+    let (status, _, answered, attempts) = problem(running.await.unwrap()).await;
+    assert_eq!((status, attempts), (503, 1), "{answered}");
+    assert_eq!(answered["sent"], true);
+    assert_eq!(lookups(), 1, "the running write asked once");
+    let action = ActionId(answered["action_id"].as_i64().expect("the action"));
+
+    // Nothing commits now. The store is tried after 1 s, then after 2, 4, 8 and 16 s.
+    store.fail();
+    let tries = || {
+        logs.lines_at("DEBUG")
+            .iter()
+            .filter(|l| l.contains("is recorded later"))
+            .count()
+    };
+    let mut wait = Duration::from_secs(1);
+    for n in 1..=5 {
+        advance(wait).await;
+        assert!(until(|| tries() == n).await, "try {n}: {}", logs.text());
+        wait *= 2;
+    }
+    assert_eq!(
+        lookups(),
+        2,
+        "asked once for the deferred close, not at each try"
+    );
+    assert_eq!(sqlite.action(action).unwrap().unwrap().outcome, None);
+
+    store.recover();
+    advance(wait).await;
+    assert!(until(|| sqlite.action(action).unwrap().unwrap().outcome.is_some()).await);
+    assert_eq!(
+        sqlite.action(action).unwrap().unwrap().outcome,
+        Some(Outcome::Escalated)
+    );
+    assert_eq!(lookups(), 2, "the kept verdict is the one recorded");
+    assert_eq!(
+        support::on_route(&fake.attempts(), "POST", "/v1/transfers").len(),
+        1,
+        "never resent"
+    );
+    engine.shutdown().await;
     fake.shutdown().await;
 }
