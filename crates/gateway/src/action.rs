@@ -61,6 +61,10 @@ pub struct ActionReceipt {
     /// answered as `Idempotency-Key` so the agent can resend with the same key; `None` for reads
     /// and for requests refused before being recorded.
     pub idempotency_key: Option<String>,
+    /// The provider's operation id of a write reconciliation found at the provider (SPEC §6),
+    /// when the lookup named one: told with the answer as soon as the lookup found it, even
+    /// while the store cannot record it yet; replays carry the stored one. `None` otherwise.
+    pub provider_operation_id: Option<String>,
 }
 
 /// The executor's answer.

@@ -529,7 +529,18 @@ async fn show_inner(
                 body["response"] = kept;
             }
             Completion::Response { .. } => {}
-            Completion::Outcome { detail, .. } => body["detail"] = Value::String(detail.clone()),
+            Completion::Outcome {
+                receipt, detail, ..
+            } => {
+                body["detail"] = Value::String(detail.clone());
+                // A reconciliation the store could not record yet: its answer named the id.
+                if let (Value::Null, Some(id)) = (
+                    &body["provider_operation_id"],
+                    &receipt.provider_operation_id,
+                ) {
+                    body["provider_operation_id"] = Value::String(id.clone());
+                }
+            }
         }
     }
     Ok(body)

@@ -994,6 +994,7 @@ pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response
                 action_id: id,
                 attempts: 0,
                 idempotency_key: key,
+                provider_operation_id: None,
             };
             receipt_headers(&mut response, &receipt, &task_id, single);
             response
@@ -1036,64 +1037,24 @@ async fn execute(state: &AppState, spec: ActionSpec, before_engine: Duration) ->
             "door: layered retry refused, the key's action is in flight"
         ),
     }
-    let operation_id = reconciled_operation_id(state, &execution).await;
-    let response = render_with(state, execution, &task_id, single, operation_id);
+    let response = render(state, execution, &task_id, single);
     state
         .metrics
         .observe_overhead((before_engine + answered.elapsed()).as_secs_f64());
     response
 }
 
-/// The provider's operation id of a gateway-made `succeeded` outcome (a reconciled write), read
-/// from the store; `None` for every other answer or when it is unknown.
-fn reconciled_operation_id(
-    state: &AppState,
-    execution: &Execution,
-) -> impl std::future::Future<Output = Option<String>> + Send + 'static {
-    let id = match execution {
-        Execution::Outcome {
-            receipt,
-            outcome: Outcome::Succeeded,
-            ..
-        } if receipt.action_id != 0 => Some(receipt.action_id),
-        _ => None,
-    };
-    let engine = id.and_then(|_| state.executor.engine());
-    async move {
-        let (id, engine) = (id?, engine?);
-        match engine.action_view(id).await {
-            Ok(Some((record, _))) => record.provider_operation_id,
-            Ok(None) => None,
-            Err(e) => {
-                tracing::warn!(action = id, error = %e, "the reconciled action's operation id could not be read");
-                None
-            }
-        }
-    }
-}
-
-/// Renders an [`Execution`] for the agent without a known provider operation id; see
-/// [`render_with`].
+/// Renders an [`Execution`] for the agent: the provider's response; for a write found at the
+/// provider by reconciliation, `200` JSON `{outcome: "succeeded", reconciled: true,
+/// provider_operation_id (string or null), idempotency_key, action_id, detail, context}`; or a
+/// problem. Every answer carries the receipt headers and, for a write, `Idempotency-Key` (also
+/// `idempotency_key` in problem bodies). The provider's operation id is the receipt's: known from
+/// the lookup that found the write, even while the store cannot record it yet.
 pub(crate) fn render(
     state: &AppState,
     execution: Execution,
     task_id: &str,
     single: bool,
-) -> Response {
-    render_with(state, execution, task_id, single, None)
-}
-
-/// Renders an [`Execution`] for the agent: the provider's response; for a write found at the
-/// provider by reconciliation, `200` JSON `{outcome: "succeeded", reconciled: true,
-/// provider_operation_id (string or null), idempotency_key, action_id, detail, context}`; or a
-/// problem. Every answer carries the receipt headers and, for a write, `Idempotency-Key` (also
-/// `idempotency_key` in problem bodies).
-pub(crate) fn render_with(
-    state: &AppState,
-    execution: Execution,
-    task_id: &str,
-    single: bool,
-    provider_operation_id: Option<String>,
 ) -> Response {
     match execution {
         Execution::Response {
@@ -1118,7 +1079,7 @@ pub(crate) fn render_with(
                 let body = serde_json::json!({
                     "outcome": outcome.as_str(),
                     "reconciled": true,
-                    "provider_operation_id": provider_operation_id,
+                    "provider_operation_id": receipt.provider_operation_id,
                     "detail": detail,
                     "context": context,
                     "action_id": receipt.action_id,

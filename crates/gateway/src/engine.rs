@@ -318,6 +318,7 @@ impl Run<'_> {
             action_id: self.id.0,
             idempotency_key: self.agent_key(),
             attempts,
+            provider_operation_id: None,
         }
     }
 
@@ -465,15 +466,22 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
     }
 }
 
-/// Ends an action `cancelled` (audited) when its `execute` future is dropped mid-way.
+/// Closes an action (audited) when its `execute` future is dropped mid-way (the client
+/// disconnected): as every action nothing sends again is closed (`writes::Closing`), a write
+/// whose last attempt is `uncertain` — or still in flight, so its answer is unknown — is
+/// reconciled with its original key; any other action ends `cancelled`.
 struct ActionGuard<'a> {
     inner: Arc<Inner>,
     id: ActionId,
     /// The route's provider and class, copied for the metrics only if the action is cancelled.
     provider: &'a str,
     class: &'a str,
+    /// Whether the action is a read (safe method).
+    read: bool,
     sent: u32,
     in_flight: Option<u32>,
+    /// The disposition of the last attempt's answer, once one came back.
+    last_signal: Option<&'static str>,
     armed: bool,
 }
 
@@ -487,6 +495,39 @@ impl Drop for ActionGuard<'_> {
         };
         let inner = self.inner.clone();
         let (id, in_flight, sent) = (self.id, self.in_flight, self.sent);
+        let last = match in_flight {
+            Some(_) => Some(Disposition::Uncertain.as_str()),
+            None => self.last_signal,
+        };
+        if writes::Closing::of(self.read, last) == writes::Closing::Reconcile {
+            tracing::info!(
+                action = id.0,
+                sent,
+                "client disconnected: the write's last attempt is uncertain, so it is reconciled with its original key; it never sends again"
+            );
+            let result = in_flight.map(|attempt| AttemptResult {
+                action: id,
+                attempt,
+                status: None,
+                disposition: backstop_store::Disposition::Uncertain,
+                boundary: None,
+                source: Some("client disconnected during the attempt".to_owned()),
+                provider_operation_id: None,
+                signal_headers: Vec::new(),
+                finish: None,
+            });
+            let close = writes::Deferred {
+                action: id,
+                result,
+                end: writes::DeferredEnd::Reconcile {
+                    gone: writes::PayloadGone::CallerGone,
+                    verdict: None,
+                },
+                count: None,
+            };
+            runtime.spawn(async move { inner.record_or_defer(close).await });
+            return;
+        }
         let (provider, class) = (self.provider.to_owned(), self.class.to_owned());
         tracing::info!(
             action = id.0,
@@ -981,6 +1022,7 @@ impl Engine {
                     action_id: 0,
                     attempts: 0,
                     idempotency_key: None,
+                    provider_operation_id: None,
                 },
                 Problem::shutting_down(),
             );
@@ -1332,6 +1374,9 @@ impl Engine {
                     }
                 }
             }
+            Err(e) if is_write && is_store_failure(&e) => {
+                return (Box::pin(self.write_not_admitted(e, spec, &key)).await, None);
+            }
             Err(e) => {
                 let key = is_write.then_some(key.as_str());
                 return (self.refused_by_store(e, spec, key, None), None);
@@ -1345,8 +1390,10 @@ impl Engine {
             id,
             provider: &route.provider,
             class: &route.class,
+            read: !is_write,
             sent: prior_attempts,
             in_flight: None,
+            last_signal: None,
             armed: true,
         };
         let run = Run {
@@ -1667,6 +1714,7 @@ impl Engine {
                 seen.left += 1;
             }
             seen.last_signal = Some(signal.disposition.as_str());
+            guard.last_signal = seen.last_signal;
             seen.boundary = signal.boundary.retry_not_before();
             // One count per scope of the route, or one under `-` for a route without scopes.
             let scope_labels = std::iter::once("-")
@@ -1767,8 +1815,13 @@ impl Engine {
                             "reconciled: the provider has the write; nothing is resent"
                         );
                         let context = self.context(&budget, &seen, None, Vec::new());
+                        // The id is told with the answer, whether or not the store has it yet.
+                        let receipt = ActionReceipt {
+                            provider_operation_id: operation_id.clone(),
+                            ..run.receipt(seen.sent)
+                        };
                         return Execution::Outcome {
-                            receipt: run.receipt(seen.sent),
+                            receipt,
                             outcome: Outcome::Succeeded,
                             context,
                             detail: match operation_id {
@@ -2538,12 +2591,12 @@ impl Engine {
     /// [`Store::mark_attempt_sent`]). The action must not stay open for a step nothing takes
     /// any more (the watchdog's stuck findings, a `409` for every same-key resend, and for a
     /// retry never scheduled not even a restart would find it): as soon as the store commits
-    /// again (see `Inner::record_when_store_commits`) it ends `cancelled` with
-    /// [`STORE_FAILED_BEFORE_RETRY`] — its context offers `query_status` when the last attempt
-    /// was `uncertain` — which also drops a retry job left waiting, as a retry re-armed at a
-    /// restart does. A write whose last attempt was `uncertain` and whose retry could not be
-    /// scheduled is reconciled with its original key instead, as a write sent without a result
-    /// is at a restart (found → `succeeded`, otherwise `escalated`); it is never resent.
+    /// again (see `Inner::record_when_store_commits`) it is closed as every action nothing
+    /// sends again is (`writes::Closing`): a write whose last attempt was `uncertain` is
+    /// reconciled with its original key, as a write sent without a result is at a restart
+    /// (found → `succeeded`, otherwise `escalated`), and never resent; any other action ends
+    /// `cancelled` with [`STORE_FAILED_BEFORE_RETRY`]. Either close also drops a retry job left
+    /// waiting, as a retry re-armed at a restart does.
     fn close_unrecorded_retry(
         &self,
         run: &Run<'_>,
@@ -2551,30 +2604,21 @@ impl Engine {
         seen: &Seen,
         step: UnrecordedRetry,
     ) {
-        let uncertain = seen.last_signal == Some(Disposition::Uncertain.as_str());
-        let is_write = !is_safe_method(&run.request.method);
-        let (result, reconcile, what) = match step {
-            UnrecordedRetry::Start => (
-                None,
-                false,
-                "the start of this action's retry when it came due",
-            ),
-            UnrecordedRetry::Schedule { result: None } => (
-                None,
-                is_write && uncertain,
-                "this action's retry when it was planned",
-            ),
+        let closing = writes::Closing::of(is_safe_method(&run.request.method), seen.last_signal);
+        let (result, what) = match step {
+            UnrecordedRetry::Start => (None, "the start of this action's retry when it came due"),
+            UnrecordedRetry::Schedule { result: None } => {
+                (None, "this action's retry when it was planned")
+            }
             UnrecordedRetry::Schedule { result } => (
                 result.map(|r| *r),
-                is_write && uncertain,
                 "the result of this action's last attempt, nor its retry when it was planned",
             ),
         };
         let route = &run.spec.route;
-        let then = if reconcile {
-            ", as soon as the store commits again, the write (its last attempt uncertain) is reconciled with its original key and closed; nothing is resent"
-        } else {
-            " the action is closed `cancelled` as soon as the store commits again"
+        let then = match closing {
+            writes::Closing::Reconcile => ", as soon as the store commits again, the write (its last attempt uncertain) is reconciled with its original key and closed; nothing is resent",
+            writes::Closing::Cancel => " the action is closed `cancelled` as soon as the store commits again",
         };
         tracing::warn!(
             action = run.id.0,
@@ -2584,25 +2628,18 @@ impl Engine {
             attempts = seen.sent,
             "the store could not record {what}, so the retry was not sent; the caller is answered 503 store_unavailable and{then}"
         );
-        let end = if reconcile {
-            writes::DeferredEnd::Reconcile
-        } else {
-            let next_safe = if uncertain {
-                vec![NextSafe::QueryStatus, NextSafe::Abort]
-            } else {
-                vec![NextSafe::Abort]
-            };
-            let context = self.context(budget, seen, seen.boundary, next_safe);
+        let end = writes::DeferredEnd::closing(closing, writes::PayloadGone::StoreFailed, || {
+            let context = self.context(budget, seen, seen.boundary, vec![NextSafe::Abort]);
             let mut context = serde_json::to_value(&context).unwrap_or_default();
             if let Some(members) = context.as_object_mut() {
                 members.insert("detail".into(), STORE_FAILED_BEFORE_RETRY.into());
             }
-            writes::DeferredEnd::Outcome(Finish {
+            Finish {
                 outcome: backstop_store::Outcome::Cancelled,
                 context,
                 response: None,
-            })
-        };
+            }
+        });
         self.inner.record_when_store_commits(writes::Deferred {
             action: run.id,
             result,
@@ -2759,6 +2796,7 @@ impl Engine {
                 action_id: run.id.0,
                 idempotency_key: run.agent_key(),
                 attempts,
+                provider_operation_id: None,
             },
             outcome,
             context,
@@ -2783,6 +2821,7 @@ impl Engine {
                 action_id: action.map_or(0, |a| a.0),
                 attempts: 0,
                 idempotency_key: key.map(str::to_owned),
+                provider_operation_id: None,
             };
             return self.store_unavailable(spec, receipt, false, &e);
         }
@@ -2792,6 +2831,7 @@ impl Engine {
                     action_id: 0,
                     attempts: 0,
                     idempotency_key: None,
+                    provider_operation_id: None,
                 };
                 let problem =
                     Problem::key_reused(&differs, (&bound.provider, &bound.method, &bound.route))
@@ -2824,8 +2864,25 @@ impl Engine {
         sent: bool,
         e: &EngineError,
     ) -> Execution {
+        let recorded = receipt.action_id != 0;
+        let detail = match (sent, recorded) {
+            (true, _) => "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again",
+            (false, true) if receipt.idempotency_key.is_some() => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
+            (false, _) => "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe",
+        };
+        self.store_unavailable_saying(spec, receipt, sent, e, detail)
+    }
+
+    /// [`Self::store_unavailable`] with its `detail`.
+    fn store_unavailable_saying(
+        &self,
+        spec: &ActionSpec,
+        receipt: ActionReceipt,
+        sent: bool,
+        e: &EngineError,
+        detail: &str,
+    ) -> Execution {
         let action = (receipt.action_id != 0).then_some(receipt.action_id);
-        let has_key = receipt.idempotency_key.is_some();
         if self.inner.shutting_down.load(Ordering::SeqCst)
             && matches!(e, EngineError::Store(StoreError::WriterGone))
         {
@@ -2848,13 +2905,56 @@ impl Engine {
                 "the store failed before the request was recorded (no action exists for it): the request is answered 503 store_unavailable"
             ),
         }
-        let detail = match (sent, action) {
-            (true, _) => "backstop's store failed after an attempt of this action was sent; check the action's status before sending it again",
-            (false, Some(_)) if has_key => "backstop's store could not record this write's first send, so nothing was sent; sending it again later with the same Idempotency-Key sends it as this action",
-            (false, _) => "backstop's store could not record this request durably, so nothing was sent; sending it again later is safe",
-        };
         let problem = with_ids(Problem::store_unavailable(sent, detail), spec, &receipt);
         problem_answer(receipt, problem)
+    }
+
+    /// A write whose admission the store could not commit (a damaged file, a full disk):
+    /// `503 store_unavailable`. When the agent's own key already names its action for this
+    /// same request (a same-key resend; the action is read, which needs no commit), this
+    /// request was not sent again, but earlier attempts of the action may have been: the answer
+    /// carries that action's id and attempts (the receipt), `sent` for the action as a whole,
+    /// and says so instead of "nothing was sent". A new key, or an action that cannot be read,
+    /// is answered as [`Self::refused_by_store`] answers.
+    async fn write_not_admitted(&self, e: EngineError, spec: &ActionSpec, key: &str) -> Execution {
+        if spec.idempotency_key.is_none() {
+            // A key minted for this request names nothing yet.
+            return self.refused_by_store(e, spec, Some(key), None);
+        }
+        let (agent, by) = (spec.agent.clone(), key.to_owned());
+        let route = &spec.route;
+        let record = match self
+            .inner
+            .blocking(move |s| s.action_by_key(&agent, &by))
+            .await
+        {
+            Ok(Some(record))
+                if record.provider == route.provider
+                    && record.method == route.method
+                    && record.route == route.template
+                    && record.payload_digest == spec.payload_digest =>
+            {
+                record
+            }
+            _ => return self.refused_by_store(e, spec, Some(key), None),
+        };
+        let id = record.id;
+        let Ok(attempts) = self.inner.blocking(move |s| s.attempts(id)).await else {
+            return self.refused_by_store(e, spec, Some(key), None);
+        };
+        let facts = writes::recovered_context(&attempts, 0);
+        let receipt = ActionReceipt {
+            action_id: id.0,
+            attempts: facts.attempts,
+            idempotency_key: Some(key.to_owned()),
+            provider_operation_id: record.provider_operation_id,
+        };
+        let detail = if facts.sent {
+            "backstop's store cannot commit, so this request was not sent again; earlier attempts of the action under this Idempotency-Key were sent (Backstop-Attempts counts them), so check the action's status before sending it again: it is never resent blindly"
+        } else {
+            "backstop's store cannot commit, so this request was not sent; nothing was sent for the action under this Idempotency-Key either, so sending it again later with the same key is safe"
+        };
+        self.store_unavailable_saying(spec, receipt, facts.sent, &e, detail)
     }
 
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.
@@ -2871,6 +2971,7 @@ impl Engine {
             attempts,
             idempotency_key: (!matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS"))
                 .then(|| record.idempotency_key.clone()),
+            provider_operation_id: record.provider_operation_id.clone(),
         };
         if record.state == ActionState::Finished {
             if let Some(stored) = record.response {
@@ -2930,6 +3031,7 @@ fn unrecorded(outcome: Outcome, detail: String) -> Execution {
             action_id: 0,
             attempts: 0,
             idempotency_key: None,
+            provider_operation_id: None,
         },
         outcome,
         context: OutcomeContext {

@@ -1070,6 +1070,7 @@ mod tests {
                 action_id: 7,
                 attempts: 2,
                 idempotency_key: Some("k-7".into()),
+                provider_operation_id: None,
             },
             response: http::Response::builder()
                 .status(200)
@@ -1087,6 +1088,7 @@ mod tests {
                 action_id: 9,
                 attempts: 4,
                 idempotency_key: None,
+                provider_operation_id: None,
             },
             outcome: Outcome::BudgetExhausted,
             context: OutcomeContext {

@@ -436,6 +436,19 @@ pub trait Store: Send + Sync {
     /// Storage errors only.
     fn action(&self, id: ActionId) -> Result<Option<ActionRecord>, StoreError>;
 
+    /// Reads the write `agent` recorded under `idempotency_key` (keys are namespaced per agent,
+    /// SPEC §6), without writing anything: what a same-key request names when the store cannot
+    /// commit its admission ([`Store::begin_action`]). An empty key names no action (reads are
+    /// stored without one).
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn action_by_key(
+        &self,
+        agent: &str,
+        idempotency_key: &str,
+    ) -> Result<Option<ActionRecord>, StoreError>;
+
     /// Reads the attempts of an action, in order.
     ///
     /// # Errors

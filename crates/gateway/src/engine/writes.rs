@@ -17,10 +17,12 @@
 //! result (the gateway died while the request was in flight): the attempt is recorded
 //! `uncertain`, then reconciled with its ORIGINAL key. The payload itself is never stored, so a
 //! write that must be resent after a restart is escalated instead (an operator or the agent
-//! resubmitting the same key and payload decides). So is a write whose last attempt was
-//! `uncertain` and that nothing followed: left between two attempts by the previous run, or whose
-//! retry the store could not schedule (once the store commits again, see
-//! [`Inner::record_when_store_commits`]).
+//! resubmitting the same key and payload decides). So is every other write whose last attempt was
+//! `uncertain` and that nothing will send again ([`Closing`], the one decision for all of them):
+//! left between two attempts by the previous run, a retry re-armed after a restart, a retry whose
+//! schedule or start the store could not record (once the store commits again, see
+//! [`Inner::record_when_store_commits`]), or one whose caller disconnected. Such a write never
+//! ends `cancelled`: the provider may have acted on it.
 
 use std::time::Duration;
 
@@ -54,14 +56,17 @@ use crate::{
     transport::{AttemptReply, AttemptRequest},
 };
 
-/// The reason a re-armed retry is closed after a restart (its action ends `cancelled`).
+/// The reason a re-armed retry, or an action left between two attempts, is closed after a
+/// restart (its action ends `cancelled`): any action but a write whose last attempt was
+/// `uncertain`, which is reconciled instead ([`Closing`]).
 pub const RESTARTED_BEFORE_RETRY: &str =
     "the gateway restarted before the retry; the caller's request is gone — resubmit";
 
 /// The reason an action whose retry the store could not record is closed (it ends
 /// `cancelled`): the store failed when the retry was planned (its schedule) or when it came due
 /// (its start, the `action_sent` that claims its job), so nothing of the retry was sent and its
-/// caller was answered `503 store_unavailable`.
+/// caller was answered `503 store_unavailable`. A write whose last attempt was `uncertain` is
+/// reconciled instead ([`Closing`]).
 pub const STORE_FAILED_BEFORE_RETRY: &str = "the store could not record this action's retry (its schedule, or its start when it came due), so the retry was not sent and its caller was answered 503 store_unavailable; the action is closed and nothing more is sent for it";
 
 /// How long the gateway keeps trying to record what the store could not commit for an action
@@ -135,6 +140,9 @@ pub(super) enum PayloadGone {
     /// The store could not record the write's retry: its caller was answered
     /// `503 store_unavailable`, and the payload went with that request.
     StoreFailed,
+    /// The write's caller disconnected before its outcome was known, and the payload went with
+    /// its request.
+    CallerGone,
 }
 
 impl PayloadGone {
@@ -145,7 +153,50 @@ impl PayloadGone {
             PayloadGone::StoreFailed => {
                 "the payload went with its caller's request, answered 503 store_unavailable when the store could not record the retry"
             }
+            PayloadGone::CallerGone => {
+                "the payload went with its caller's request, which was dropped (the client disconnected) before the write's outcome was known"
+            }
         }
+    }
+}
+
+/// How an action is closed when nothing more will be sent for it and no caller waits for its
+/// outcome: a retry re-armed after a restart, an action the previous run left between two
+/// attempts, a retry whose schedule or start the store could not record, an action whose caller
+/// disconnected. Every one of these paths takes this one decision (SPEC §6, §12): a write whose
+/// last attempt was `uncertain` — sent, and no answer known — may have been acted on by the
+/// provider, so it is reconciled with its original key (found → `succeeded`, otherwise
+/// `escalated`), never ended `cancelled` as if nothing had happened; any other action ends
+/// `cancelled` with the path's reason. Nothing is sent either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Closing {
+    /// Reconcile the write with its original key, then close it.
+    Reconcile,
+    /// End the action `cancelled`, with a reason.
+    Cancel,
+}
+
+impl Closing {
+    /// The closing of a read (`is_read`) or a write whose last attempt ended with the
+    /// disposition `last` (`uncertain`, `rate_limited`, …; `None` when no attempt has a
+    /// result).
+    pub(super) fn of(is_read: bool, last: Option<&str>) -> Closing {
+        if !is_read && last == Some(StoreDisposition::Uncertain.as_str()) {
+            Closing::Reconcile
+        } else {
+            Closing::Cancel
+        }
+    }
+
+    /// The closing of a stored action from its stored `attempts`: a last attempt recorded as
+    /// sent without a result is `uncertain` (SPEC §12).
+    pub(super) fn of_stored(record: &ActionRecord, attempts: &[AttemptRecord]) -> Closing {
+        let last = attempts.last().map(|a| {
+            a.disposition
+                .unwrap_or(StoreDisposition::Uncertain)
+                .as_str()
+        });
+        Closing::of(stored_read(&record.request_class, &record.method), last)
     }
 }
 
@@ -176,10 +227,36 @@ pub(super) enum DeferredEnd {
         /// The provider's operation id.
         operation_id: Option<String>,
     },
-    /// A write whose last attempt is `uncertain`: reconciled with its original key and closed
-    /// as a write sent without a result is after a restart (see [`Inner::reconcile_recorded`]):
-    /// found → `succeeded`, otherwise `escalated`. Nothing is resent.
-    Reconcile,
+    /// A write whose last attempt is `uncertain` ([`Closing::Reconcile`]): reconciled with its
+    /// original key and closed as a write sent without a result is after a restart (see
+    /// [`Inner::close_after_recovery`]): found → `succeeded`, otherwise `escalated`. Nothing is
+    /// resent.
+    Reconcile {
+        /// Why its payload is gone (words of the escalation's reason).
+        gone: PayloadGone,
+        /// Where the SPEC §6 rule ended, once a try got that far: kept, so that a try whose
+        /// recording fails does not ask the provider's lookup again — only the recording is
+        /// tried again.
+        verdict: Option<UncertainEnd>,
+    },
+}
+
+impl DeferredEnd {
+    /// How an action ends as `closing` decides: reconciled (a write whose payload is `gone`),
+    /// or with the `cancelled` outcome that `cancelled` builds (its reason in the context).
+    pub(super) fn closing(
+        closing: Closing,
+        gone: PayloadGone,
+        cancelled: impl FnOnce() -> backstop_store::Finish,
+    ) -> DeferredEnd {
+        match closing {
+            Closing::Reconcile => DeferredEnd::Reconcile {
+                gone,
+                verdict: None,
+            },
+            Closing::Cancel => DeferredEnd::Outcome(cancelled()),
+        }
+    }
 }
 
 /// Kept signal headers as a case file lists them (names and raw values; the case file builder
@@ -715,11 +792,11 @@ impl Inner {
     /// Restart recovery of the actions the previous run left between two attempts (see
     /// [`backstop_store::Store::actions_between_attempts`]: an attempt's result was recorded,
     /// then the run stopped, or its store failed, before the retry was scheduled or the outcome
-    /// recorded). Nothing waits for them any more and nothing is sent for them: a write whose
-    /// last attempt is `uncertain` is reconciled with its original key, as a write sent without
-    /// a result is ([`Inner::reconcile_and_close`]: found → `succeeded`, otherwise `escalated`);
-    /// any other action ends `cancelled` with [`RESTARTED_BEFORE_RETRY`], as a re-armed retry
-    /// does.
+    /// recorded). Nothing waits for them any more and nothing is sent for them: each is closed
+    /// as [`restarted_end`] decides — a write whose last attempt is `uncertain` reconciled with
+    /// its original key, as a write sent without a result is (found → `succeeded`, otherwise
+    /// `escalated`); any other action `cancelled` with [`RESTARTED_BEFORE_RETRY`], as a
+    /// re-armed retry is.
     ///
     /// `listed` is the list taken at start, before any action of this run was recorded.
     pub(super) async fn recover_between_attempts(
@@ -744,37 +821,27 @@ impl Inner {
                     continue;
                 }
             };
-            let is_read = stored_read(&record.request_class, &record.method);
-            let uncertain =
-                attempts.last().and_then(|a| a.disposition) == Some(StoreDisposition::Uncertain);
-            if uncertain && !is_read {
+            let end = restarted_end(&record, &attempts);
+            if matches!(end, DeferredEnd::Reconcile { .. }) {
                 tracing::info!(
                     action = id.0,
                     attempts = attempts.len(),
                     "restart recovery: a write's last attempt was uncertain and nothing followed it; it is reconciled with its original key"
                 );
-                let facts = self.stored_facts(&record, None).await;
-                if let Err(e) = self.reconcile_and_close(&facts, PayloadGone::Restart).await {
-                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the recovered write");
-                }
-                continue;
+            } else {
+                tracing::info!(
+                    action = id.0,
+                    attempts = attempts.len(),
+                    "restart recovery: an action was left between two attempts; its caller is gone, the action is cancelled"
+                );
             }
-            tracing::info!(
-                action = id.0,
-                attempts = attempts.len(),
-                "restart recovery: an action was left between two attempts; its caller is gone, the action is cancelled"
-            );
-            let context = restarted_context(&attempts, recorded_wait_ms(&record, &attempts));
-            let finish = super::Finish {
-                outcome: backstop_store::Outcome::Cancelled,
-                context,
-                response: None,
+            let mut close = Deferred {
+                action: id,
+                result: None,
+                end,
+                count: None,
             };
-            let at = self.clock.now();
-            if let Err(e) = self
-                .blocking(move |s| s.finish_action(id, finish, at))
-                .await
-            {
+            if let Err(e) = self.record_deferred(&mut close).await {
                 tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the action left between two attempts");
             }
         }
@@ -790,21 +857,6 @@ impl Inner {
                 None
             }
         }
-    }
-
-    /// Reconciles a recorded write whose last attempt is `uncertain` (its result recorded) and
-    /// ends it, as after a restart: the facts are read from the store, then
-    /// [`Inner::reconcile_and_close`].
-    ///
-    /// # Errors
-    /// The store failed to record how the write ended.
-    pub(super) async fn reconcile_recorded(
-        &self,
-        record: &ActionRecord,
-        gone: PayloadGone,
-    ) -> Result<(), EngineError> {
-        let facts = self.stored_facts(record, None).await;
-        self.reconcile_and_close(&facts, gone).await
     }
 
     /// Runs the SPEC §6 rule for a recorded write whose payload is gone
@@ -868,9 +920,15 @@ impl Inner {
 
     /// Re-arms every scheduled retry found in the store (SPEC §12): each wakes at its due
     /// instant, is claimed by its job id (audited `retry_started`) and, because the caller's
-    /// request (and its payload) did not survive the restart, ends `cancelled` with the reason
-    /// [`RESTARTED_BEFORE_RETRY`] in its context: the budget was not used up, the caller went
-    /// away. A retry of a cancelled task or a finished action is not claimed.
+    /// request (and its payload) did not survive the restart, is closed without sending, as
+    /// [`restarted_end`] decides from the action's stored attempts, read before the claim: a
+    /// write whose last attempt was `uncertain` is reconciled with its original key (found →
+    /// `succeeded`, otherwise `escalated`); any other action ends `cancelled` with the reason
+    /// [`RESTARTED_BEFORE_RETRY`] in its context (the budget was not used up, the caller went
+    /// away). A retry of a cancelled task or a finished action is not claimed. When the store
+    /// cannot commit the claim or the close (a full disk), the close is recorded as soon as it
+    /// commits again ([`Inner::record_when_store_commits`]); when the action cannot be read, its
+    /// retry is left unclaimed for the next start.
     ///
     /// `scheduled` is the list read at start, before this run recorded anything.
     pub(super) async fn rearm_scheduled(
@@ -894,49 +952,57 @@ impl Inner {
             );
             tokio::spawn(async move {
                 tokio::time::sleep_until(inner.clock.instant_at(retry.due_at)).await;
-                let (job, id, now) = (retry.job, retry.action, inner.clock.now());
-                let claimed = inner
-                    .blocking(move |s| s.claim_job(job, now, "backstop-restart"))
-                    .await;
-                let stored = inner.blocking(move |s| s.attempts(id)).await;
-                let attempts = stored.as_deref().unwrap_or_default();
-                let finish = super::Finish {
-                    outcome: backstop_store::Outcome::Cancelled,
-                    context: restarted_context(attempts, waits_between(attempts)),
-                    response: None,
+                let id = retry.action;
+                let Some(record) = inner.recovered_action(id).await else {
+                    return;
                 };
-                let ended = match claimed {
-                    Ok(Some(_)) => {
-                        tracing::info!(
-                            action = id.0,
-                            job = job.0,
-                            "restart recovery: the re-armed retry's caller is gone; the action is cancelled"
-                        );
-                        let (finish, at) = (finish.clone(), inner.clock.now());
-                        inner
-                            .blocking(move |s| s.finish_action(id, finish, at))
-                            .await
-                            .inspect_err(|e| tracing::warn!(action = id.0, error = %e, "could not end the re-armed action"))
+                let attempts = match inner.blocking(move |s| s.attempts(id)).await {
+                    Ok(attempts) => attempts,
+                    Err(e) => {
+                        tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the re-armed action's attempts; its retry is left for the next start");
+                        return;
                     }
-                    Ok(None) => return,
+                };
+                let close = Deferred {
+                    action: id,
+                    result: None,
+                    end: restarted_end(&record, &attempts),
+                    count: None,
+                };
+                let (job, now) = (retry.job, inner.clock.now());
+                match inner
+                    .blocking(move |s| s.claim_job(job, now, "backstop-restart"))
+                    .await
+                {
+                    Ok(Some(_)) => {
+                        if matches!(close.end, DeferredEnd::Reconcile { .. }) {
+                            tracing::info!(
+                                action = id.0,
+                                job = job.0,
+                                "restart recovery: the re-armed retry's caller is gone and the write's last attempt was uncertain; it is reconciled with its original key"
+                            );
+                        } else {
+                            tracing::info!(
+                                action = id.0,
+                                job = job.0,
+                                "restart recovery: the re-armed retry's caller is gone; the action is cancelled"
+                            );
+                        }
+                        inner.record_or_defer(close).await;
+                    }
+                    Ok(None) => {}
                     Err(e) => {
                         tracing::warn!(action = id.0, job = job.0, error = %e, "could not claim the re-armed retry");
-                        Err(e)
+                        // Closing the action drops its job too: done once the store commits
+                        // again, rather than leaving the action waiting for a wake nobody arms.
+                        if super::is_store_failure(&e)
+                            && !inner
+                                .shutting_down
+                                .load(std::sync::atomic::Ordering::SeqCst)
+                        {
+                            inner.record_when_store_commits(close);
+                        }
                     }
-                };
-                // Closing the action drops its job too: done once the store commits again,
-                // rather than leaving the action waiting for a wake nobody arms.
-                if ended.is_err_and(|e| super::is_store_failure(&e))
-                    && !inner
-                        .shutting_down
-                        .load(std::sync::atomic::Ordering::SeqCst)
-                {
-                    inner.record_when_store_commits(Deferred {
-                        action: id,
-                        result: None,
-                        end: DeferredEnd::Outcome(finish),
-                        count: None,
-                    });
                 }
             });
         }
@@ -947,6 +1013,21 @@ impl Inner {
 /// reconciling after a restart).
 fn stored_read(class: &str, method: &str) -> bool {
     class == "read" || matches!(method, "GET" | "HEAD" | "OPTIONS")
+}
+
+/// How an action whose caller is gone after a restart (a re-armed retry, an action left between
+/// two attempts) is closed, as [`Closing::of_stored`] decides from its stored `attempts`:
+/// reconciled (its payload gone with the restart), or `cancelled` with [`restarted_context`].
+fn restarted_end(record: &ActionRecord, attempts: &[AttemptRecord]) -> DeferredEnd {
+    DeferredEnd::closing(
+        Closing::of_stored(record, attempts),
+        PayloadGone::Restart,
+        || super::Finish {
+            outcome: backstop_store::Outcome::Cancelled,
+            context: restarted_context(attempts, recorded_wait_ms(record, attempts)),
+            response: None,
+        },
+    )
 }
 
 /// The outcome context of an action whose caller is gone after a restart (a re-armed retry, an
@@ -1026,13 +1107,36 @@ impl Inner {
         });
     }
 
+    /// Records `close`, how an action nothing will send again ends, at once; when the store
+    /// cannot commit it, as soon as it commits again ([`Inner::record_when_store_commits`]),
+    /// unless the gateway is stopping (the next start recovers the action then). An action that
+    /// ended meanwhile is left as it is.
+    pub(super) async fn record_or_defer(self: &std::sync::Arc<Self>, mut close: Deferred) {
+        let action = close.action.0;
+        match self.record_deferred(&mut close).await {
+            Ok(()) => {}
+            Err(e)
+                if super::is_store_failure(&e)
+                    && !self.shutting_down.load(std::sync::atomic::Ordering::SeqCst) =>
+            {
+                tracing::warn!(action, error = %e, "the store could not record how this action ends; it is recorded as soon as the store commits again");
+                self.record_when_store_commits(close);
+            }
+            Err(e) if super::is_store_failure(&e) => {
+                tracing::warn!(action, error = %e, "the store could not record how this action ends; the next start recovers the action");
+            }
+            Err(e) => tracing::debug!(action, error = %e, "the action had ended meanwhile"),
+        }
+    }
+
     /// One try of [`Inner::record_when_store_commits`]: the deferred result first (with the
     /// outcome in the same commit), then the end. A result that commits is not recorded again
-    /// by the next try.
+    /// by the next try, and a reconciliation's verdict, once obtained, is kept: a later try
+    /// records it without asking the provider's lookup again.
     ///
     /// # Errors
     /// The store failed (tried again later), or refused because the action ended meanwhile.
-    async fn record_deferred(&self, deferred: &mut Deferred) -> Result<(), EngineError> {
+    pub(super) async fn record_deferred(&self, deferred: &mut Deferred) -> Result<(), EngineError> {
         let action = deferred.action;
         if let Some(result) = &deferred.result {
             let mut result = result.clone();
@@ -1043,16 +1147,16 @@ impl Inner {
             self.blocking(move |s| s.record_result(result, at)).await?;
             deferred.result = None;
             if let DeferredEnd::Outcome(finish) = &deferred.end {
-                self.count_deferred(deferred, finish);
+                self.count_deferred(&deferred.count, finish);
                 return Ok(());
             }
         }
-        match &deferred.end {
+        match &mut deferred.end {
             DeferredEnd::Outcome(finish) => {
                 let (finish_now, at) = (finish.clone(), self.clock.now());
                 self.blocking(move |s| s.finish_action(action, finish_now, at))
                     .await?;
-                self.count_deferred(deferred, finish);
+                self.count_deferred(&deferred.count, finish);
                 Ok(())
             }
             DeferredEnd::Reconciled { operation_id } => {
@@ -1060,7 +1164,7 @@ impl Inner {
                 self.blocking(move |s| s.record_reconciled(action, op, at))
                     .await
             }
-            DeferredEnd::Reconcile => {
+            DeferredEnd::Reconcile { gone, verdict } => {
                 let record = match self.blocking(move |s| s.action(action)).await? {
                     Some(record) if record.state != backstop_store::ActionState::Finished => record,
                     _ => {
@@ -1072,16 +1176,23 @@ impl Inner {
                         ))
                     }
                 };
-                self.reconcile_recorded(&record, PayloadGone::StoreFailed)
-                    .await
+                let facts = self.stored_facts(&record, None).await;
+                // The provider is asked once; a try whose recording fails keeps the verdict.
+                let end = match verdict {
+                    Some(end) => end.clone(),
+                    None => verdict
+                        .insert(self.reconcile_uncertain(&facts, None).await)
+                        .clone(),
+                };
+                self.close_after_recovery(&facts, end, *gone).await
             }
         }
     }
 
     /// Counts a deferred outcome in the metrics once it is recorded, when its caller was not
     /// told it (see [`Deferred::count`]).
-    fn count_deferred(&self, deferred: &Deferred, finish: &backstop_store::Finish) {
-        if let Some((provider, class)) = &deferred.count {
+    fn count_deferred(&self, count: &Option<(String, String)>, finish: &backstop_store::Finish) {
+        if let Some((provider, class)) = count {
             self.metrics
                 .outcome(provider, class, super::core_outcome(finish.outcome));
         }

@@ -63,6 +63,7 @@ impl Executor for Stand {
                     action_id: 1,
                     attempts: 1,
                     idempotency_key: None,
+                    provider_operation_id: None,
                 },
                 response: http::Response::builder()
                     .status(200)

@@ -1,14 +1,18 @@
 //! Scheduling through the engine with paused time: dispatch order, one 429 delaying a whole
 //! scope, no attempt before a boundary, jittered release, `scope_saturated`, priorities,
-//! coalescing and cancellation before send. Attempts are measured at the scripted transport.
+//! coalescing, cancellation before send, and a write whose client disconnects after an
+//! uncertain attempt (reconciled, never cancelled). Attempts are measured at the scripted
+//! transport.
 
 use std::time::Duration;
 
-use backstop_core::pacing::Priority;
+use backstop_core::{classify::TransportError, pacing::Priority};
 use backstop_gateway::action::Execution;
-use backstop_store::Store;
+use backstop_store::{ActionId, Disposition, Outcome, Store};
 
-use crate::engine_support::{self, advance, answer, attempts, summary, Harness};
+use crate::engine_support::{
+    self, advance, answer, attempts, held_ok, summary, until, Harness, Step,
+};
 
 const SEC: Duration = Duration::from_secs(1);
 
@@ -438,4 +442,81 @@ async fn cancel_task_drops_its_delayed_actions_before_they_wake() {
     assert!(h.transport.sent_to("/v1/items/3").is_empty());
     // Only the owner may cancel.
     assert!(h.engine.cancel_task("t0", "someone-else").await.is_err());
+}
+
+/// A write of `task` under `key`, as the agent sends it.
+fn write(h: &Harness, key: &str) -> backstop_gateway::action::ActionSpec {
+    let mut spec = h.spec("t", "POST", "/v1/transfers", r#"{"amount":5}"#);
+    spec.idempotency_key = Some(key.to_owned());
+    spec
+}
+
+/// Waits until the stored action `id` ended, then asserts it was escalated as a side effect
+/// nobody knows (never `cancelled`), its reason naming the client that went away.
+async fn assert_escalated_for_the_gone_client(h: &Harness, id: ActionId) {
+    let outcome = || h.store.action(id).unwrap().unwrap().outcome;
+    assert!(until(|| outcome().is_some()).await, "the action is closed");
+    assert_eq!(
+        outcome(),
+        Some(Outcome::Escalated),
+        "reconciled, not cancelled"
+    );
+    let escalations = h.store.open_escalations().unwrap();
+    let case = &escalations
+        .iter()
+        .find(|e| e.action == id)
+        .expect("an escalation for the write")
+        .case_file;
+    assert_eq!(case["reason"], "side_effect_unknown");
+    let detail = case["reason_detail"].as_str().unwrap_or("");
+    assert!(detail.contains("client disconnected"), "{detail}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_client_disconnects_after_an_uncertain_attempt_is_reconciled_not_cancelled() {
+    let h = Harness::new();
+    // The provider honours keys and the route has no lookup: the running write waits for its
+    // same-key retry when its caller goes away.
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            Step::Fail(TransportError::TimeoutAfterSend),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let waiting = h.spawn(write(&h, "k-gone-1"));
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let id = h.store.scheduled_retries().unwrap()[0].action;
+    waiting.abort();
+    let _ = waiting.await;
+    assert_escalated_for_the_gone_client(&h, id).await;
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    let again = h.engine.execute(write(&h, "k-gone-1")).await;
+    assert_eq!(summary(&again), "escalated");
+    assert_eq!(h.transport.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_client_disconnects_during_its_attempt_is_reconciled_not_cancelled() {
+    let h = Harness::new();
+    h.transport
+        .script("/v1/transfers", vec![held_ok(Duration::from_secs(60))]);
+    let sending = h.spawn(write(&h, "k-gone-2"));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    let id = ActionId(
+        h.audit()
+            .iter()
+            .find(|e| e.kind == "action_sent")
+            .and_then(|e| e.action)
+            .expect("the attempt was recorded sent"),
+    );
+    sending.abort();
+    let _ = sending.await;
+    assert_escalated_for_the_gone_client(&h, id).await;
+    let recorded = h.store.attempts(id).unwrap();
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(recorded[0].disposition, Some(Disposition::Uncertain));
+    advance(Duration::from_secs(90)).await;
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
 }

@@ -1,20 +1,27 @@
 //! The store failing and the gateway stopping are answered as what they are: `503
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
-//! cancelled`; what the store could not record is not left waiting once it works again, and
-//! what it lost is logged once. Attempts are measured at the scripted transport, answers at the
-//! door where the header matters.
+//! cancelled`; what the store could not record is not left waiting once it works again (a write
+//! whose last attempt was uncertain reconciled, never cancelled, its lookup asked once), and
+//! what it lost is logged once. Attempts are measured at the scripted transport or at the fake
+//! provider, answers at the door where the header or the JSON matters.
 
 use std::{sync::Arc, time::Duration};
 
-use backstop_core::{classify::TransportError, policy::Policy};
-use backstop_fake_api::RouteConfig;
+use backstop_core::{classify::TransportError, pacing::Priority, policy::Policy};
+use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::{
-    action::Execution,
-    engine::{RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
+    action::{ActionSpec, Execution},
+    clock::TokioClock,
+    engine::{Engine, RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
+    metrics::Metrics,
     server,
+    transport::AttemptRequest,
+    upstream::{Upstream, UpstreamConfig},
     watchdog::{Watchdog, WatchdogConfig},
 };
-use backstop_store::{ActionId, ActionRecord, ActionState, Outcome, Store};
+use backstop_store::{
+    ActionId, ActionRecord, ActionState, Outcome, PayloadDigest, SqliteStore, Store,
+};
 use jiff::SignedDuration;
 use serde_json::Value;
 
@@ -841,4 +848,343 @@ async fn a_read_whose_retry_cannot_be_recorded_is_retried_from_memory_not_cancel
     let execution = running.await.unwrap();
     assert_eq!(summary(&execution), "200");
     assert_eq!(h.transport.sent().len(), 2, "the retry was sent");
+}
+
+/// Runs a write under `key` until its first attempt timed out after its bytes left (uncertain)
+/// and its same-key retry is scheduled: the provider honours keys and the route has no lookup.
+/// Returns the running write and its action.
+async fn uncertain_and_waiting(
+    h: &Harness,
+    key: &str,
+) -> (tokio::task::JoinHandle<Execution>, ActionId) {
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            Step::Fail(TransportError::TimeoutAfterSend),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(h, "t", key));
+    assert!(
+        until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await,
+        "the same-key retry is scheduled"
+    );
+    let action = h.store.scheduled_retries().unwrap()[0].action;
+    assert_eq!(h.transport.sent().len(), 1);
+    (running, action)
+}
+
+/// Asserts the stored `action` ended `escalated` as a side effect nobody knows — reconciled,
+/// never `cancelled` — with `why` in the case file's reason.
+fn assert_reconciled_into_an_escalation(h: &Harness, action: ActionId, why: &str) {
+    assert_eq!(
+        stored(h, action).outcome,
+        Some(Outcome::Escalated),
+        "reconciled, not cancelled"
+    );
+    let escalations = h.store.open_escalations().unwrap();
+    let case = &escalations
+        .iter()
+        .find(|e| e.action == action)
+        .expect("an escalation for the write")
+        .case_file;
+    assert_eq!(case["reason"], "side_effect_unknown");
+    let detail = case["reason_detail"].as_str().unwrap_or("");
+    assert!(detail.contains(why), "{detail}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_whose_retry_start_the_store_could_not_record_is_reconciled_not_cancelled(
+) {
+    let (h, store) = Harness::with_failing_store();
+    let (running, action) = uncertain_and_waiting(&h, "k-u1").await;
+    // The retry comes due while the store cannot commit: its start is not recorded.
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    let (status, retry, body, attempts) = problem(running.await.unwrap()).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_eq!(body["sent"], true);
+    assert_eq!(stored(&h, action).outcome, None);
+
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    assert_reconciled_into_an_escalation(&h, action, "503 store_unavailable");
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    let again = h.engine.execute(write(&h, "t", "k-u1")).await;
+    assert_eq!(summary(&again), "escalated");
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_whose_retry_is_re_armed_after_a_restart_is_reconciled_not_cancelled() {
+    let h = Harness::new();
+    let (running, action) = uncertain_and_waiting(&h, "k-u2").await;
+    h.engine.shutdown().await;
+    let _ = running.await.unwrap();
+    let restarted = h.restarted(7);
+    advance(Duration::from_secs(30)).await;
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the re-armed retry closed the action"
+    );
+    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    assert!(h.store.scheduled_retries().unwrap().is_empty());
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_re_armed_while_the_store_fails_is_reconciled_once_it_commits_again() {
+    let (h, store) = Harness::with_failing_store();
+    let (running, action) = uncertain_and_waiting(&h, "k-u3").await;
+    h.engine.shutdown().await;
+    let _ = running.await.unwrap();
+    // The next run starts while the store cannot commit: the re-armed retry cannot be claimed.
+    store.fail();
+    let restarted = Engine::new(
+        h.policy.clone(),
+        store.clone(),
+        h.transport.clone(),
+        h.clock,
+        h.metrics.clone(),
+        8,
+    );
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(
+        stored(&h, action).outcome,
+        None,
+        "nothing could be recorded yet"
+    );
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_same_key_resend_while_the_store_fails_is_told_the_actions_earlier_attempts_were_sent() {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(503, &[("retry-after", "5")], ""),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(&h, "t", "k-again"));
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let action = h.store.scheduled_retries().unwrap()[0].action;
+    store.fail();
+    advance(Duration::from_secs(30)).await;
+    let (status, _, body, _) = problem(running.await.unwrap()).await;
+    assert_eq!((status, &body["sent"]), (503, &Value::Bool(true)));
+
+    // The agent sends the same key again while the store still cannot commit.
+    let again = h.engine.execute(write(&h, "t", "k-again")).await;
+    assert_eq!(again.receipt().action_id, action.0, "the key's action");
+    let (status, retry, body, attempts) = problem(again).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_eq!(
+        body["sent"], true,
+        "an attempt of the action was sent: {body}"
+    );
+    assert_eq!(body["action_id"], action.0, "{body}");
+    assert_eq!(body["idempotency_key"], "k-again", "{body}");
+    let detail = body["detail"].as_str().unwrap_or("");
+    assert!(detail.contains("not sent again"), "{detail}");
+    assert!(detail.contains("earlier attempts"), "{detail}");
+    assert!(!detail.contains("nothing was sent"), "{detail}");
+    assert_eq!(h.transport.sent().len(), 1, "nothing more was sent");
+}
+
+/// A write route that reconciles by idempotency key through `GET /v1/transfers`.
+const RECONCILED_TRANSFERS: &str = r#"    routes:
+      "POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/transfers?idempotency_key={key}"
+          found_pointer: /data/0/id
+      "GET /v1/transfers": { class: read, scopes: [account] }
+"#;
+
+/// The fake provider: transfers are created under their idempotency key, the first one's
+/// connection dropped with `first`, and looked up by key.
+fn transfers_fake(first: Fault) -> backstop_fake_api::RunningFake {
+    support::start_fake(
+        FakeConfig::default()
+            .with_route(
+                RouteConfig::new("POST /v1/transfers", support::create("transfers", "tr_"))
+                    .with_idempotency()
+                    .with_fault(FaultRule::on_calls([1], first)),
+            )
+            .with_route(RouteConfig::new(
+                "GET /v1/transfers",
+                support::lookup("transfers"),
+            )),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_names_the_operation_id_of_a_reconciliation_the_store_could_not_record() {
+    // The provider stores the transfer, then drops the connection: the lookup finds it.
+    let fake = transfers_fake(Fault::StoreThenDrop { hold_ms: 0 });
+    let yaml = support::policy_yaml(
+        &fake.url(),
+        "agents:\n  door-agent: { token_env: DOOR_AGENT_TOKEN }\n",
+        RECONCILED_TRANSFERS,
+    );
+    let env = |name: &str| match name {
+        "DOOR_AGENT_TOKEN" => Some(DOOR_AGENT_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some("provider-key".to_owned()),
+        _ => None,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let policy = Policy::from_yaml_str(&yaml, "door.yaml").expect("policy");
+    let gateway = server::start(
+        policy,
+        support::serve_options(dir.path(), 7),
+        &env,
+        |mut parts| {
+            let failing = FailingStore::new(parts.store.clone());
+            // What ends an action cannot be recorded: the reconciliation waits for the store.
+            failing.fail_outcomes();
+            parts.store = failing as Arc<dyn Store>;
+            server::engine(parts)
+        },
+    )
+    .await
+    .expect("gateway starts");
+
+    let response = support::client()
+        .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+        .bearer_auth(DOOR_AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-door-reconciled")
+        .header("Idempotency-Key", "k-door-reconciled")
+        .header("content-type", "application/json")
+        .body(r#"{"amount":5}"#)
+        .send()
+        .await
+        .expect("request");
+    let (status, body) = support::json_of(response).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["outcome"], "succeeded", "{body}");
+    assert_eq!(body["reconciled"], true, "{body}");
+    let id = body["provider_operation_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("the answer names the provider's id: {body}"));
+    assert!(id.starts_with("tr_"), "{body}");
+    let detail = body["detail"].as_str().unwrap_or("");
+    assert!(detail.contains(id), "detail and id agree: {body}");
+    let attempts = fake.attempts();
+    assert_eq!(
+        support::on_route(&attempts, "POST", "/v1/transfers").len(),
+        1
+    );
+    assert_eq!(
+        support::on_route(&attempts, "GET", "/v1/transfers").len(),
+        1
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deferred_reconciliation_asks_the_provider_once_while_the_store_cannot_record_it() {
+    let (logs, _attached) = Capture::this_thread();
+    // The provider drops the connection before doing anything: the write is uncertain, and its
+    // lookup finds nothing.
+    let fake = transfers_fake(Fault::Drop);
+    let yaml = support::policy_yaml(&fake.url(), "", RECONCILED_TRANSFERS);
+    let policy = Arc::new(Policy::from_yaml_str(&yaml, "deferred.yaml").expect("policy"));
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = Arc::new(SqliteStore::open(dir.path().join("backstop.db")).unwrap());
+    let store = FailingStore::new(sqlite.clone() as Arc<dyn Store>);
+    let upstream = Upstream::new(UpstreamConfig::default()).expect("upstream client");
+    let t0: jiff::Timestamp = crate::engine_support::T0.parse().unwrap();
+    let engine = Engine::new(
+        policy.clone(),
+        store.clone(),
+        Arc::new(upstream),
+        TokioClock::anchored_at(t0),
+        Arc::new(Metrics::new()),
+        3,
+    );
+    let body = r#"{"amount":5}"#;
+    let spec = ActionSpec {
+        task_id: "t".to_owned(),
+        agent: "agent-a".to_owned(),
+        priority: Priority::Normal,
+        deadline: None,
+        max_wait: None,
+        route: policy.route("fake", "POST", "/v1/transfers").unwrap(),
+        request: AttemptRequest {
+            method: http::Method::POST,
+            url: format!("{}/v1/transfers", fake.url()),
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::from_static(body.as_bytes()),
+        },
+        single_attempt: false,
+        idempotency_key: Some("k-once".to_owned()),
+        payload_digest: PayloadDigest::of(body.as_bytes()).as_str().to_owned(),
+        target_digest: None,
+        desired_outcome: None,
+    };
+    let lookups = || support::on_route(&fake.attempts(), "GET", "/v1/transfers").len();
+
+    // The retry the provider's key would allow cannot be scheduled: the write is reconciled
+    // once the store commits again. Polled, never slept: virtual time stands still while the
+    // requests are on the loopback.
+    store.fail_schedules();
+    let running = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.execute(spec).await }
+    });
+    assert!(until(|| running.is_finished()).await);
+    let (status, _, answered, attempts) = problem(running.await.unwrap()).await;
+    assert_eq!((status, attempts), (503, 1), "{answered}");
+    assert_eq!(answered["sent"], true);
+    assert_eq!(lookups(), 1, "the running write asked once");
+    let action = ActionId(answered["action_id"].as_i64().expect("the action"));
+
+    // Nothing commits now. The store is tried after 1 s, then after 2, 4, 8 and 16 s.
+    store.fail();
+    let tries = || {
+        logs.lines_at("DEBUG")
+            .iter()
+            .filter(|l| l.contains("is recorded later"))
+            .count()
+    };
+    let mut wait = Duration::from_secs(1);
+    for n in 1..=5 {
+        advance(wait).await;
+        assert!(until(|| tries() == n).await, "try {n}: {}", logs.text());
+        wait *= 2;
+    }
+    assert_eq!(
+        lookups(),
+        2,
+        "asked once for the deferred close, not at each try"
+    );
+    assert_eq!(sqlite.action(action).unwrap().unwrap().outcome, None);
+
+    store.recover();
+    advance(wait).await;
+    assert!(until(|| sqlite.action(action).unwrap().unwrap().outcome.is_some()).await);
+    assert_eq!(
+        sqlite.action(action).unwrap().unwrap().outcome,
+        Some(Outcome::Escalated)
+    );
+    assert_eq!(lookups(), 2, "the kept verdict is the one recorded");
+    assert_eq!(
+        support::on_route(&fake.attempts(), "POST", "/v1/transfers").len(),
+        1,
+        "never resent"
+    );
+    engine.shutdown().await;
+    fake.shutdown().await;
 }

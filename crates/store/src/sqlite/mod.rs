@@ -1502,6 +1502,14 @@ impl Store for SqliteStore {
         self.read(|c| rows::action(c, id))
     }
 
+    fn action_by_key(
+        &self,
+        agent: &str,
+        idempotency_key: &str,
+    ) -> Result<Option<ActionRecord>, StoreError> {
+        self.read(|c| rows::action_by_key(c, agent, idempotency_key))
+    }
+
     fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError> {
         self.read(|c| rows::attempts(c, action))
     }

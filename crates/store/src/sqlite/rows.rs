@@ -221,6 +221,25 @@ pub(crate) fn action(conn: &Connection, id: ActionId) -> Result<Option<ActionRec
     raw.map(decode_action).transpose()
 }
 
+/// The write action `agent` recorded under `idempotency_key`, if any.
+pub(crate) fn action_by_key(
+    conn: &Connection,
+    agent: &str,
+    idempotency_key: &str,
+) -> Result<Option<ActionRecord>, StoreError> {
+    let raw = conn
+        .prepare_cached(&SELECT_ACTION_BY_KEY)?
+        .query_row(params![agent, idempotency_key], raw_action)
+        .optional()?;
+    raw.map(decode_action).transpose()
+}
+
+/// The action lookup by agent and idempotency key (the `actions_by_agent_key` index), built
+/// once from [`ACTION_COLUMNS`].
+static SELECT_ACTION_BY_KEY: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!("SELECT {ACTION_COLUMNS} FROM actions WHERE agent = ?1 AND idempotency_key = ?2")
+});
+
 pub(crate) fn attempts(
     conn: &Connection,
     action: ActionId,

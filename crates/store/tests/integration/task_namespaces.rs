@@ -145,3 +145,42 @@ fn cancelling_an_id_the_agent_never_opened_is_not_found_even_if_another_agent_di
         .expect_err("bob has no shared-1 to record under");
     assert!(!err.to_string().contains("alice"), "{err}");
 }
+
+#[test]
+fn a_write_is_read_by_its_agent_and_key_and_reading_writes_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("s.db")).expect("open");
+    for agent in ["alice", "bob"] {
+        store
+            .open_task(task(agent, Priority::Normal), t(0))
+            .expect("open");
+    }
+    let alice = record(&store, "alice", "pay-1");
+    let bob = record(&store, "bob", "pay-1");
+    let events = store.audit_events(0, 100).expect("audit").len();
+
+    // Keys are per agent: the same key names each agent's own write.
+    let of = |agent: &str, key: &str| store.action_by_key(agent, key).expect("read").map(|a| a.id);
+    assert_eq!(of("alice", "pay-1"), Some(alice));
+    assert_eq!(of("bob", "pay-1"), Some(bob));
+    assert_eq!(of("carol", "pay-1"), None);
+    assert_eq!(of("alice", "pay-2"), None);
+    // A read is stored without a key: the empty key names no action.
+    store
+        .record_action(
+            NewAction {
+                idempotency_key: String::new(),
+                method: "GET".into(),
+                request_class: "read".into(),
+                ..write("alice", "")
+            },
+            t(2),
+        )
+        .expect("a read");
+    assert_eq!(of("alice", ""), None);
+    assert_eq!(
+        store.audit_events(0, 100).expect("audit").len(),
+        events + 1,
+        "only the read's request was recorded; reading by key wrote nothing"
+    );
+}

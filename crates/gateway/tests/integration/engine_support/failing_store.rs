@@ -413,6 +413,13 @@ impl Store for FailingStore {
     fn action(&self, id: ActionId) -> Result<Option<ActionRecord>, StoreError> {
         self.inner.action(id)
     }
+    fn action_by_key(
+        &self,
+        agent: &str,
+        idempotency_key: &str,
+    ) -> Result<Option<ActionRecord>, StoreError> {
+        self.inner.action_by_key(agent, idempotency_key)
+    }
     fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError> {
         self.inner.attempts(action)
     }
