@@ -1396,7 +1396,7 @@ impl Engine {
             read_records,
         };
 
-        // The per-task circuit breaker (SPEC §7), at the instant the action was recorded.
+        // The per-task circuit breaker (SPEC §7), as of `now`, read when the action was recorded.
         let open = inner
             .breakers
             .lock()
