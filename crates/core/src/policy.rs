@@ -228,11 +228,25 @@ impl BackoffPolicy {
     }
 }
 
-/// Circuit breaker parameters (`breaker`).
+/// Circuit breaker parameters (`breaker`, SPEC §7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct BreakerPolicy {
     /// Identical failures that open the path for a task (default 3).
     pub threshold: u32,
+    /// `forget_after_seconds`: a task's breaker without a failure for this long is forgotten,
+    /// open paths included, so the same failure then needs `threshold` tries again to open
+    /// (default 86,400 s, 24 h; must be positive). See [`crate::breaker::TaskBreakers`].
+    pub forget_after: Duration,
+}
+
+impl Default for BreakerPolicy {
+    /// Threshold 3, forget after 24 h.
+    fn default() -> Self {
+        BreakerPolicy {
+            threshold: 3,
+            forget_after: Duration::from_secs(86_400),
+        }
+    }
 }
 
 /// Where an agent's or operator's token is found. Never the token itself.
@@ -852,6 +866,7 @@ struct RawBackoff {
 #[serde(deny_unknown_fields)]
 struct RawBreaker {
     threshold: Option<S<Num>>,
+    forget_after_seconds: Option<S<Num>>,
 }
 
 #[derive(Deserialize)]
@@ -1501,12 +1516,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
     };
 
     let backoff = validate_backoff(raw.backoff.as_ref(), ctx);
-    let breaker = BreakerPolicy {
-        threshold: match &raw.breaker {
-            Some(b) => ctx.at_least_one(&b.value.threshold, "breaker.threshold", 3),
-            None => 3,
-        },
-    };
+    let breaker = validate_breaker(raw.breaker.as_ref(), ctx);
     let retry_quota = validate_retry_quota(raw.retry_quota.as_ref(), ctx);
 
     let agents = validate_principals(raw.agents, "agents", ctx);
@@ -1615,6 +1625,36 @@ fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> BackoffPolicy
         );
     }
     policy
+}
+
+fn validate_breaker(raw: Option<&S<RawBreaker>>, ctx: &mut Ctx) -> BreakerPolicy {
+    let defaults = BreakerPolicy::default();
+    let Some(raw) = raw else {
+        return defaults;
+    };
+    let b = &raw.value;
+    let threshold = ctx.at_least_one(&b.threshold, "breaker.threshold", defaults.threshold);
+    let forget_after = ctx.seconds(
+        &b.forget_after_seconds,
+        "breaker.forget_after_seconds",
+        defaults.forget_after,
+    );
+    if let Some(s) = &b.forget_after_seconds {
+        if forget_after.is_zero() {
+            ctx.err(
+                &s.referenced,
+                "breaker.forget_after_seconds: must be positive (a breaker forgotten at once could never open)",
+            );
+        }
+    }
+    BreakerPolicy {
+        threshold,
+        forget_after: if forget_after.is_zero() {
+            defaults.forget_after
+        } else {
+            forget_after
+        },
+    }
 }
 
 fn validate_retry_quota(raw: Option<&S<RawRetryQuota>>, ctx: &mut Ctx) -> RetryQuotaConfig {
@@ -2527,6 +2567,32 @@ mod tests {
         assert_eq!(
             problems("backoff:\n  base_seconds: one\n"),
             ["2:17: backoff.base_seconds: expected a finite number, got \"one\""]
+        );
+    }
+
+    #[test]
+    fn breaker_forget_after_is_read_defaulted_and_must_be_positive() {
+        let policy = Policy::from_yaml_str(
+            "breaker:\n  threshold: 2\n  forget_after_seconds: 3600\n",
+            "p.yaml",
+        )
+        .expect("valid");
+        assert_eq!(policy.breaker.threshold, 2);
+        assert_eq!(policy.breaker.forget_after, Duration::from_secs(3600));
+        let defaulted =
+            Policy::from_yaml_str("breaker:\n  threshold: 2\n", "p.yaml").expect("valid");
+        assert_eq!(defaulted.breaker.forget_after, Duration::from_secs(86_400));
+        assert_eq!(
+            problems("breaker:\n  forget_after_seconds: 0\n"),
+            ["2:25: breaker.forget_after_seconds: must be positive (a breaker forgotten at once could never open)"]
+        );
+        assert_eq!(
+            problems("breaker:\n  forget_after_seconds: -5\n"),
+            ["2:25: breaker.forget_after_seconds: must be a non-negative number of seconds, got -5"]
+        );
+        assert_eq!(
+            problems("breaker:\n  forget_after_seconds: a day\n"),
+            ["2:25: breaker.forget_after_seconds: expected a finite number, got \"a day\""]
         );
     }
 

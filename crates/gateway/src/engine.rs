@@ -49,7 +49,7 @@ use axum::{
 };
 use backstop_core::{
     backoff::{plan_retry, RetryDecision, RetryInput},
-    breaker::{RequestFingerprint, TaskBreaker},
+    breaker::{RequestFingerprint, TaskBreakers},
     budget::{ActionBudget, ClassBudget, RetryCause},
     classify::{
         classify, ClassifyRules, Disposition, Observed, ResponseView, Signal, TransportError,
@@ -161,8 +161,11 @@ struct Inner {
     metrics: Arc<Metrics>,
     scheduler: SchedulerHandle,
     rng: Mutex<crate::scheduler::SplitMix64>,
-    /// Circuit breakers per task, by agent, then task id (looked up without copying either).
-    breakers: Mutex<HashMap<String, HashMap<String, TaskBreaker>>>,
+    /// Circuit breakers per task, by agent, then task id (looked up without copying either);
+    /// the core forgets those with nothing left to say (see [`TaskBreakers`]).
+    breakers: Mutex<TaskBreakers>,
+    /// `backstop_task_breakers`: the number of task breakers held, set on every change.
+    breakers_gauge: prometheus_client::metrics::gauge::Gauge,
     flights: Arc<Flights>,
     shutting_down: AtomicBool,
     /// `true` once restart recovery has listed the attempts left unfinished by the previous
@@ -383,6 +386,11 @@ fn store_priority(p: Priority) -> backstop_store::Priority {
         Priority::Normal => backstop_store::Priority::Normal,
         Priority::Background => backstop_store::Priority::Background,
     }
+}
+
+/// A count as a gauge value (saturating).
+fn gauge_value(count: usize) -> i64 {
+    i64::try_from(count).unwrap_or(i64::MAX)
 }
 
 fn wait_ms(budget: &ActionBudget) -> u64 {
@@ -798,6 +806,8 @@ impl Engine {
         let scheduler = SchedulerHandle::spawn(&policy, clock, metrics.clone(), seed);
         let rules = rule_table(&policy);
         let fingerprints = route_fingerprints(&policy);
+        let breakers = TaskBreakers::new(policy.breaker.threshold, policy.breaker.forget_after);
+        let breakers_gauge = metrics.task_breakers_gauge();
         let inner = Arc::new(Inner {
             policy,
             store,
@@ -808,7 +818,8 @@ impl Engine {
             rng: Mutex::new(crate::scheduler::SplitMix64::new(
                 seed ^ 0xA076_1D64_78BD_642F,
             )),
-            breakers: Mutex::new(HashMap::new()),
+            breakers: Mutex::new(breakers),
+            breakers_gauge,
             flights: Arc::new(Flights::default()),
             shutting_down: AtomicBool::new(false),
             recovery_listed: tokio::sync::watch::Sender::new(false),
@@ -908,6 +919,18 @@ impl Engine {
         self.inner.scheduler.scopes()
     }
 
+    /// The number of per-task circuit breakers held in memory (SPEC §7), for metrics and
+    /// diagnostics: tasks with a failure streak not yet ended by a success, not cancelled, and
+    /// not forgotten (`breaker.forget_after_seconds`) — plus forgotten ones a sweep has not
+    /// reclaimed yet. Also exported as `backstop_task_breakers`.
+    pub fn breakers_held(&self) -> usize {
+        self.inner
+            .breakers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .len()
+    }
+
     /// Stops taking new work: later [`Engine::execute`] calls end `cancelled` without being
     /// recorded, waiting actions are released without a final outcome (their scheduled retries
     /// stay in the store, recoverable after a restart), and the scheduler task ends.
@@ -982,6 +1005,16 @@ impl Engine {
             let report = inner
                 .blocking(move |s| s.cancel_task(&agent, &id, now))
                 .await?;
+            // The task takes no new actions: its breaker has nothing left to refuse.
+            {
+                let mut breakers = inner
+                    .breakers
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                if breakers.forget_task(&owner, task_id) {
+                    inner.breakers_gauge.set(gauge_value(breakers.len()));
+                }
+            }
             tracing::info!(
                 task = %task_id,
                 agent = %owner,
@@ -1410,17 +1443,13 @@ impl Engine {
             read_records,
         };
 
-        // The per-task circuit breaker (SPEC §7).
-        let open = {
-            let breakers = inner
-                .breakers
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            breakers
-                .get(&spec.agent)
-                .and_then(|tasks| tasks.get(&spec.task_id))
-                .and_then(|b| b.check(&run.fingerprint).err())
-        };
+        // The per-task circuit breaker (SPEC §7), as of `now`, read when the action was recorded.
+        let open = inner
+            .breakers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .check(&spec.agent, &spec.task_id, &run.fingerprint, now)
+            .err();
         if let Some(open) = open {
             guard.armed = false;
             let context = OutcomeContext {
@@ -2507,34 +2536,37 @@ impl Engine {
     }
 
     fn breaker_success(&self, run: &Run<'_>) {
-        let mut breakers = self
-            .inner
+        let inner = &self.inner;
+        let mut breakers = inner
             .breakers
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(breaker) = breakers
-            .get_mut(&run.spec.agent)
-            .and_then(|tasks| tasks.get_mut(&run.spec.task_id))
-        {
-            breaker.record_success(&run.fingerprint);
+        if breakers.is_empty() {
+            return;
         }
+        let now = inner.clock.now();
+        breakers.record_success(&run.spec.agent, &run.spec.task_id, &run.fingerprint, now);
+        inner.breakers_gauge.set(gauge_value(breakers.len()));
     }
 
     async fn breaker_failure(&self, run: &Run<'_>, code: &str, status: Option<u16>) {
         let inner = &self.inner;
+        let at = inner.clock.now();
         let opened = {
             let mut breakers = inner
                 .breakers
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            let breaker = breakers
-                .entry(run.spec.agent.clone())
-                .or_default()
-                .entry(run.spec.task_id.clone())
-                .or_insert_with(|| TaskBreaker::new(inner.policy.breaker.threshold));
-            let was_open = breaker.check(&run.fingerprint).is_err();
-            let now_open = breaker.record_failure(&run.fingerprint, code, status);
-            now_open.filter(|_| !was_open)
+            let opened = breakers.record_failure(
+                &run.spec.agent,
+                &run.spec.task_id,
+                &run.fingerprint,
+                code,
+                status,
+                at,
+            );
+            inner.breakers_gauge.set(gauge_value(breakers.len()));
+            opened
         };
         if let Some(open) = opened {
             let route = &run.spec.route;
@@ -2551,7 +2583,6 @@ impl Engine {
                 route.provider.clone(),
                 route.method.clone(),
             );
-            let at = inner.clock.now();
             if let Ok(template) = RouteTemplate::try_new(&route.template) {
                 if let Err(e) = inner
                     .blocking(move |s| {

@@ -4,8 +4,8 @@
 //! Attempts are counted by the disposition the core gave them (so `unavailable` 503s stay apart
 //! from `rate_limited` 429s, SPEC §2.1), outcomes by their SPEC §5 name, queue depth and in-flight
 //! work per scope as gauges, the retry-after debt (time deliberately yielded to providers, SPEC
-//! §10) per scope, layered retries that were joined (SPEC §4.3), breakers opened (SPEC §7), and
-//! the gateway's own overhead per attempt.
+//! §10) per scope, layered retries that were joined (SPEC §4.3), breakers opened (SPEC §7) and
+//! held, and the gateway's own overhead per attempt.
 
 use std::sync::Mutex;
 
@@ -64,6 +64,7 @@ pub struct Metrics {
     retry_after_debt: Family<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     layered_retries_joined: Family<ProviderLabels, Counter>,
     breakers_opened: Family<ProviderLabels, Counter>,
+    task_breakers: Gauge,
     missed_wakes: Counter,
     early_retries: Counter,
     overhead: Histogram,
@@ -130,6 +131,12 @@ impl Metrics {
             "Per-task circuit breakers opened after repeated identical failures",
             breakers_opened.clone(),
         );
+        let task_breakers = Gauge::default();
+        registry.register(
+            "task_breakers",
+            "Per-task circuit breakers held in memory: tasks with a failure streak not ended by a success, not cancelled and not yet forgotten (breaker.forget_after_seconds after their last failure)",
+            task_breakers.clone(),
+        );
         let missed_wakes = Counter::default();
         registry.register(
             "missed_wakes",
@@ -158,6 +165,7 @@ impl Metrics {
             retry_after_debt,
             layered_retries_joined,
             breakers_opened,
+            task_breakers,
             missed_wakes,
             early_retries,
             overhead,
@@ -244,6 +252,12 @@ impl Metrics {
                 provider: provider.to_owned(),
             })
             .inc();
+    }
+
+    /// The gauge of per-task circuit breakers held (`backstop_task_breakers`), kept by the
+    /// engine and set with [`Gauge::set`] whenever the number changes.
+    pub fn task_breakers_gauge(&self) -> Gauge {
+        self.task_breakers.clone()
     }
 
     /// Counts a missed wake found by the watchdog.

@@ -1013,7 +1013,13 @@ struct State {
     slot_waiters: Vec<u32>,
     /// Reused buffer of one pump: (order, slot).
     batch: Vec<(u64, u32)>,
-    /// Cancelled tasks.
+    /// Cancelled tasks, kept while the process runs (the SQLite store keeps its own list too).
+    /// An entry is NOT done with once no waiter of its task is queued: an action of the task
+    /// that was in flight when it was cancelled (or between its store record and its first
+    /// `acquire`) still comes here for its next attempt, and for a read nothing else refuses it —
+    /// a read's attempt is recorded without waiting, and a read's retry the store refuses to
+    /// schedule is retried from memory. Dropping an entry safely needs every action to hold its
+    /// task from before its store record to its end, which no one tracks yet.
     cancelled_tasks: HashSet<Arc<TaskKey>>,
     rng: SplitMix64,
     clock: TokioClock,

@@ -94,7 +94,7 @@ fn yaml_alias_error_is_printed_whole_with_one_position() {
     assert_eq!(
         lines[0],
         format!(
-            "{name}:3:10: unknown field `base_seconds`, expected one of threshold \
+            "{name}:3:10: unknown field `base_seconds`, expected one of threshold, forget_after_seconds \
              (the value comes from the anchor at 2:3)"
         ),
         "{stderr}"

@@ -4,6 +4,10 @@ use backstop_core::breaker::{normalize_error_code, RequestFingerprint, TaskBreak
 use backstop_core::outcome::Outcome;
 use serde_json::json;
 
+fn now() -> jiff::Timestamp {
+    "2026-01-01T00:00:00Z".parse().expect("instant")
+}
+
 fn fields() -> Vec<String> {
     vec!["/amount".into(), "/currency".into(), "/destination".into()]
 }
@@ -77,14 +81,14 @@ fn same_failure_three_times_opens_the_circuit() {
     let fp = RequestFingerprint::compute("POST", "/v1/transfers", Some(&payload), &fields());
     let mut breaker = TaskBreaker::new(3);
     assert!(breaker
-        .record_failure(&fp, "invalid_iban", Some(422))
+        .record_failure(&fp, "invalid_iban", Some(422), now())
         .is_none());
     assert!(breaker
-        .record_failure(&fp, "Invalid-IBAN", Some(422))
+        .record_failure(&fp, "Invalid-IBAN", Some(422), now())
         .is_none());
     breaker.check(&fp).expect("still closed after two");
     let opened = breaker
-        .record_failure(&fp, "INVALID_IBAN", Some(422))
+        .record_failure(&fp, "INVALID_IBAN", Some(422), now())
         .expect("third identical failure opens");
     assert_eq!(opened.failures, 3);
     assert_eq!(opened.last_status, Some(422));
@@ -101,18 +105,18 @@ fn same_failure_three_times_opens_the_circuit() {
 fn a_different_error_or_a_success_restarts_the_count() {
     let fp = RequestFingerprint::compute("POST", "/v1/messages", None, &[]);
     let mut breaker = TaskBreaker::new(3);
-    breaker.record_failure(&fp, "unauthorized", Some(401));
-    breaker.record_failure(&fp, "unauthorized", Some(401));
-    breaker.record_failure(&fp, "forbidden", Some(403));
+    breaker.record_failure(&fp, "unauthorized", Some(401), now());
+    breaker.record_failure(&fp, "unauthorized", Some(401), now());
+    breaker.record_failure(&fp, "forbidden", Some(403), now());
     breaker
         .check(&fp)
         .expect("a different error restarts the streak");
-    breaker.record_failure(&fp, "forbidden", Some(403));
+    breaker.record_failure(&fp, "forbidden", Some(403), now());
     breaker.record_success(&fp);
-    breaker.record_failure(&fp, "forbidden", Some(403));
-    breaker.record_failure(&fp, "forbidden", Some(403));
+    breaker.record_failure(&fp, "forbidden", Some(403), now());
+    breaker.record_failure(&fp, "forbidden", Some(403), now());
     breaker.check(&fp).expect("success cleared the streak");
     assert!(breaker
-        .record_failure(&fp, "forbidden", Some(403))
+        .record_failure(&fp, "forbidden", Some(403), now())
         .is_some());
 }

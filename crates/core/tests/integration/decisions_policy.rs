@@ -54,6 +54,7 @@ fn seed_fragment_loads_unchanged() {
     assert_eq!(policy.backoff.min_delay.as_secs(), 1);
     assert_eq!(policy.backoff.retry_after_ceiling.as_secs(), 86_400);
     assert_eq!(policy.breaker.threshold, 3);
+    assert_eq!(policy.breaker.forget_after.as_secs(), 86_400);
     assert_eq!(policy.retry_quota.capacity, 500);
     assert_eq!(policy.retry_quota.retry_cost, 5);
     assert_eq!(policy.retry_quota.timeout_cost, 10);

@@ -192,6 +192,120 @@ async fn the_breaker_opens_at_the_threshold_and_sends_nothing_more() {
     assert_eq!(summary(&changed), "200");
 }
 
+/// [`engine_support::POLICY`] with breakers forgotten after an hour without a failure.
+fn forgetting_policy() -> String {
+    engine_support::POLICY.replace(
+        "breaker:\n  threshold: 3\n",
+        "breaker:\n  threshold: 3\n  forget_after_seconds: 3600\n",
+    )
+}
+
+/// The value of the unlabelled gauge `backstop_task_breakers` in the metrics text.
+fn task_breakers_gauge(h: &Harness) -> Option<i64> {
+    h.metrics
+        .render()
+        .lines()
+        .find_map(|line| line.strip_prefix("backstop_task_breakers ")?.parse().ok())
+}
+
+/// Sends `POST /v1/transfers` `{"amount":100}` in `task`; the status or outcome name.
+async fn transfer(h: &Harness, task: &str) -> String {
+    let execution = h
+        .engine
+        .execute(h.spec(task, "POST", "/v1/transfers", "{\"amount\":100}"))
+        .await;
+    summary(&execution)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_breaker_without_failures_for_the_forget_window_is_swept_and_opens_again_only_at_the_threshold(
+) {
+    let h = Harness::with_policy(&forgetting_policy());
+    let rejection = r#"{"error":{"code":"invalid_iban"}}"#;
+    h.transport
+        .script("/v1/transfers", vec![answer(422, &[], rejection); 6]);
+    for _ in 0..3 {
+        assert_eq!(transfer(&h, "t").await, "422");
+    }
+    assert_eq!(transfer(&h, "t").await, "circuit_open");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 3);
+    // Five more tasks fail once each (404s of reads), as calls without a task header do.
+    for n in 0..5 {
+        let path = format!("/v1/items/{n}");
+        h.transport.script(&path, vec![answer(404, &[], "")]);
+        let execution = h.engine.execute(h.get(&format!("other-{n}"), &path)).await;
+        assert_eq!(summary(&execution), "404");
+    }
+    assert_eq!(h.engine.breakers_held(), 6);
+    assert_eq!(task_breakers_gauge(&h), Some(6));
+
+    // Just under an hour after the last failure the circuit is still open.
+    advance(Duration::from_secs(3599)).await;
+    assert_eq!(transfer(&h, "t").await, "circuit_open");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 3);
+
+    // An hour without a failure: the next failure of another task sweeps the six.
+    advance(Duration::from_secs(2)).await;
+    h.transport
+        .script("/v1/items/late", vec![answer(404, &[], "")]);
+    let late = h.engine.execute(h.get("late", "/v1/items/late")).await;
+    assert_eq!(summary(&late), "404");
+    assert_eq!(h.engine.breakers_held(), 1, "only the new failure's task");
+    assert_eq!(task_breakers_gauge(&h), Some(1));
+
+    // The same failure in `t` needs the threshold again: three more reach the provider.
+    for _ in 0..3 {
+        assert_eq!(transfer(&h, "t").await, "422");
+    }
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 6);
+    assert_eq!(transfer(&h, "t").await, "circuit_open");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 6);
+    assert_eq!(
+        h.audit()
+            .iter()
+            .filter(|e| e.kind == "circuit_opened")
+            .count(),
+        2,
+        "opened, forgotten, opened again"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_a_task_drops_its_breaker() {
+    let h = Harness::new();
+    let rejection = r#"{"error":{"code":"invalid_iban"}}"#;
+    h.transport
+        .script("/v1/transfers", vec![answer(422, &[], rejection); 4]);
+    for _ in 0..3 {
+        assert_eq!(transfer(&h, "doomed").await, "422");
+    }
+    assert_eq!(transfer(&h, "kept").await, "422");
+    assert_eq!(h.engine.breakers_held(), 2);
+    h.engine.cancel_task("doomed", "agent-a").await.unwrap();
+    assert_eq!(h.engine.breakers_held(), 1, "`kept` is not cancelled");
+    assert_eq!(task_breakers_gauge(&h), Some(1));
+    // The cancelled task takes no new action: nothing reaches the provider.
+    assert_eq!(transfer(&h, "doomed").await, "cancelled");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 4);
+    assert_eq!(h.engine.breakers_held(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_breaker_whose_failures_all_ended_in_success_is_dropped() {
+    let h = Harness::new();
+    let rejection = r#"{"error":{"code":"invalid_iban"}}"#;
+    h.transport
+        .script("/v1/transfers", vec![answer(422, &[], rejection); 2]);
+    assert_eq!(transfer(&h, "t").await, "422");
+    assert_eq!(transfer(&h, "t").await, "422");
+    assert_eq!(h.engine.breakers_held(), 1);
+    // The script is used up: the provider answers 200.
+    assert_eq!(transfer(&h, "t").await, "200");
+    assert_eq!(h.engine.breakers_held(), 0);
+    assert_eq!(task_breakers_gauge(&h), Some(0));
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 3);
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_uncertain_write_without_lookup_is_resent_only_under_the_same_key() {
     // The provider honours `Idempotency-Key` and the route has no lookup: SPEC §6 allows a

@@ -520,3 +520,39 @@ async fn a_write_whose_client_disconnects_during_its_attempt_is_reconciled_not_c
     advance(Duration::from_secs(90)).await;
     assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_read_in_flight_when_its_task_is_cancelled_is_not_retried_after_its_answer() {
+    // While the attempt is out, nothing of the task waits in the scheduler, and a read's retry
+    // is not held back by the store (it is retried from memory when its job cannot be
+    // recorded): the scheduler's record of the cancelled task is what stops the retry.
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![
+            engine_support::Step::Status {
+                status: 503,
+                headers: Vec::new(),
+                body: "busy",
+                hold: 5 * SEC,
+            },
+            answer(200, &[], "ok"),
+        ],
+    );
+    let read = h.spawn(h.get("doomed", "/v1/items/1"));
+    assert!(engine_support::until(|| h.transport.sent_to("/v1/items/1").len() == 1).await);
+    let report = h.engine.cancel_task("doomed", "agent-a").await.unwrap();
+    assert_eq!(
+        report.waiting_dropped, 0,
+        "the read is in flight, not waiting"
+    );
+    advance(Duration::from_secs(120)).await;
+    let execution = read.await.unwrap();
+    assert_eq!(summary(&execution), "cancelled");
+    assert_eq!(attempts(&execution), 1);
+    assert_eq!(
+        h.transport.sent_to("/v1/items/1").len(),
+        1,
+        "the 503 is not retried for a cancelled task"
+    );
+}
