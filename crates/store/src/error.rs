@@ -147,11 +147,12 @@ pub enum StoreError {
     },
     /// An audit event row whose columns cannot be decoded (a value of the wrong type or out of
     /// range, e.g. edited by hand): verification reports it as an altered event.
-    #[error("audit_events seq {seq}: the stored event cannot be decoded ({reason})")]
+    #[error("audit_events seq {seq} cannot be decoded: {reason}; the row was changed or damaged after it was written (`backstop audit verify` names the first broken event)")]
     UndecodableEvent {
         /// The row's `seq`.
         seq: u64,
-        /// What could not be decoded.
+        /// Which column holds what instead of what it should hold, e.g. `column status holds
+        /// the text "oops", expected an integer from 0 to 65535, or NULL`.
         reason: String,
     },
     /// The writer thread is gone (the store is shutting down or crashed).
