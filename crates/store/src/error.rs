@@ -15,12 +15,24 @@ pub enum StoreError {
         /// The path that was asked for.
         path: PathBuf,
     },
-    /// The file exists but is not a SQLite database (random bytes, truncated header, …).
+    /// The file exists but is not a SQLite database at all: it does not start with the SQLite
+    /// header (random bytes, a text file, fewer than 16 bytes, …).
     #[error("{path}: not a SQLite database ({reason})")]
     NotSqlite {
         /// The offending file.
         path: PathBuf,
         /// SQLite's own explanation.
+        reason: String,
+    },
+    /// The file starts with the SQLite header, but SQLite cannot read it: it was cut short (a
+    /// copy or download that stopped early, a full disk) or its first pages are damaged.
+    #[error("{path}: the file is damaged or truncated: {reason}; restore it from a backup or move it aside")]
+    DamagedFile {
+        /// The offending file.
+        path: PathBuf,
+        /// What the header says against the file's length (e.g. `it has 1000 bytes, but its
+        /// header gives 22 pages of 4096 bytes (90112 bytes)`), when it does, and SQLite's own
+        /// explanation.
         reason: String,
     },
     /// The file is a SQLite database written by another application.

@@ -313,3 +313,52 @@ fn a_row_with_a_value_of_the_wrong_type_is_named_by_seq_column_expected_and_foun
          was written\n"
     );
 }
+
+#[test]
+fn a_truncated_database_is_called_damaged_or_truncated_not_foreign_to_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path());
+    let bytes = std::fs::read(&db).expect("read");
+    let page = usize::from(u16::from_be_bytes([bytes[16], bytes[17]]));
+    assert!(bytes.len() >= 3 * page, "the fixture has several pages");
+    // The first 1000 bytes (inside the first page), and a cut in the middle of a later page.
+    let cuts = [
+        ("first-1000.db", 1000),
+        ("mid-page.db", bytes.len() - page - page / 2),
+    ];
+    for (name, len) in cuts {
+        let cut = dir.path().join(name);
+        std::fs::write(&cut, &bytes[..len]).expect("write");
+        for command in ["verify", "head", "export"] {
+            let out = backstop(&["audit", command, "--db", p(&cut)]);
+            assert_eq!(out.status.code(), Some(2), "{command} {name}");
+            let stderr = text(&out.stderr);
+            assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+            assert!(
+                stderr.contains(&format!(
+                    "{}: the file is damaged or truncated: it has {len} bytes, but its header \
+                     gives {} pages of {page} bytes",
+                    p(&cut),
+                    bytes.len() / page
+                )),
+                "{command} {name}: {stderr}"
+            );
+            assert!(!stderr.contains("not a SQLite database"), "{stderr}");
+        }
+        assert_eq!(
+            std::fs::read(&cut).expect("read").len(),
+            len,
+            "the audit commands left the file as it was"
+        );
+    }
+    // A file that is no SQLite database at all is still called that.
+    let other = dir.path().join("notes.db");
+    std::fs::write(&other, "these are notes, not a database\n".repeat(40)).expect("write");
+    let out = backstop(&["audit", "verify", "--db", p(&other)]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("notes.db: not a SQLite database"),
+        "{stderr}"
+    );
+}

@@ -367,8 +367,9 @@ impl SqliteStore {
     /// Opens (creating if missing) and migrates a store at `path`, and starts its writer thread.
     ///
     /// # Errors
-    /// [`StoreError::NotSqlite`], [`StoreError::Foreign`] or [`StoreError::TooNew`] when the
-    /// file is not a backstop database this build can use (it is then left untouched);
+    /// [`StoreError::NotSqlite`], [`StoreError::DamagedFile`] (a SQLite file cut short or
+    /// damaged), [`StoreError::Foreign`] or [`StoreError::TooNew`] when the file is not a
+    /// backstop database this build can use (it is then left untouched);
     /// [`StoreError::Locked`] when another open store holds the file's write lock
     /// (`<path>.lock`, held until this store is dropped); [`StoreError::BrokenHead`] when the
     /// audit log's last event does not match its hash or does not link to the event before it
@@ -1573,9 +1574,10 @@ impl AuditReader {
     /// (every commit is then in the database file).
     ///
     /// # Errors
-    /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::Foreign`],
-    /// [`StoreError::TooNew`], [`StoreError::ReadOnlyWal`] (no `-shm` file can be had and the
-    /// `-wal` file is not empty), or [`StoreError::Sqlite`] naming the file.
+    /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::DamagedFile`],
+    /// [`StoreError::Foreign`], [`StoreError::TooNew`], [`StoreError::ReadOnlyWal`] (no `-shm`
+    /// file can be had and the `-wal` file is not empty), or [`StoreError::Sqlite`] naming the
+    /// file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Ok(AuditReader {
             conn: schema::open_reader(path.as_ref(), true)?,
