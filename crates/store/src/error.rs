@@ -77,16 +77,17 @@ pub enum StoreError {
         database: PathBuf,
     },
     /// The audit log's last event does not match its hash, does not link to the event before
-    /// it, or cannot be decoded (the file was edited or damaged). The store does not open for
-    /// writing: every new event would be sealed onto that head and extend a broken chain.
+    /// it, lies outside the chain (`seq` 0 or below), or cannot be decoded, its own hash
+    /// included (e.g. stored as text: the file was edited or damaged). The store does not open
+    /// for writing: every new event would be sealed onto that head and extend a broken chain.
     #[error(
         "{path}: the audit log's last event, seq {seq}, {reason}; the store does not add events to a broken chain: run `backstop audit verify --db {path}` to find the first broken event"
     )]
     BrokenHead {
         /// The database file.
         path: PathBuf,
-        /// The last event's `seq`.
-        seq: u64,
+        /// The last event's `seq` (negative only in a file edited by hand).
+        seq: i64,
         /// What is wrong with it.
         reason: String,
     },

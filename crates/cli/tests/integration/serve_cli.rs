@@ -424,3 +424,31 @@ fn a_truncated_store_is_refused_as_damaged_or_truncated_naming_it() {
         "left as it was"
     );
 }
+
+#[test]
+fn a_store_whose_last_event_keeps_its_hash_as_text_is_refused_pointing_to_audit_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_with_one_action(dir.path());
+    // The digest as hex text (the form before schema 8), as a hand edit could leave it.
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch("UPDATE audit_events SET hash = lower(hex(hash)) WHERE seq = 3")
+        .unwrap();
+    let out = run_to_exit(&mut serve_example_with_secrets(dir.path()));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "the audit log's last event, seq 3, cannot be decoded (hash is stored as text"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "run `backstop audit verify --db {}`",
+            path.display()
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("corrupt record"), "{stderr}");
+}

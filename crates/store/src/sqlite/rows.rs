@@ -802,27 +802,36 @@ pub(crate) fn event_hash(
         .optional()?)
 }
 
+/// The last row of the audit log as stored: its `seq`, and its `hash` as hex or the reason the
+/// stored hash cannot be read (see [`digest_hex`]).
+pub(crate) type HeadRow = (i64, Result<String, String>);
+
+/// The [`HeadRow`] of the last event; `None` for an empty log.
+pub(crate) fn head_row(conn: &Connection) -> Result<Option<HeadRow>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT seq, hash FROM audit_events ORDER BY seq DESC LIMIT 1")?
+        .query_row([], |r| Ok((r.get::<_, i64>(0)?, digest_hex(r, 1, "hash"))))
+        .optional()?)
+}
+
 /// The last event's `seq` and `hash` (hex), or `None` for an empty log.
 ///
 /// # Errors
 /// [`StoreError::Corrupt`] naming the `seq` when it is negative or its stored hash is not a
 /// 32-byte digest: the writer cannot continue a chain from it.
 pub(crate) fn audit_head(conn: &Connection) -> Result<Option<ChainHead>, StoreError> {
-    let row = conn
-        .prepare_cached("SELECT seq, hash FROM audit_events ORDER BY seq DESC LIMIT 1")?
-        .query_row([], |r| Ok((r.get::<_, i64>(0)?, digest_hex(r, 1, "hash"))))
-        .optional()?;
-    row.map(|(seq, hash)| {
-        let corrupt = |reason: String| StoreError::Corrupt {
-            table: "audit_events",
-            reason: format!("seq {seq}: {reason}"),
-        };
-        Ok(ChainHead {
-            seq: u64::try_from(seq).map_err(|_| corrupt("negative seq".to_owned()))?,
-            hash: hash.map_err(corrupt)?,
+    head_row(conn)?
+        .map(|(seq, hash)| {
+            let corrupt = |reason: String| StoreError::Corrupt {
+                table: "audit_events",
+                reason: format!("seq {seq}: {reason}"),
+            };
+            Ok(ChainHead {
+                seq: u64::try_from(seq).map_err(|_| corrupt("negative seq".to_owned()))?,
+                hash: hash.map_err(corrupt)?,
+            })
         })
-    })
-    .transpose()
+        .transpose()
 }
 
 /// The event insert, built once (not per event) from [`EVENT_COLUMNS`].
