@@ -44,8 +44,10 @@ mod quota;
 mod rng;
 mod server;
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -59,7 +61,7 @@ pub use server::Observer;
 
 use compiled::Compiled;
 use provider::ProviderState;
-use server::Shared;
+use server::{Shared, Stop};
 
 /// Everything that can go wrong starting or configuring the fake provider.
 #[derive(Debug, thiserror::Error)]
@@ -151,7 +153,7 @@ impl FakeApi {
             state: Mutex::new(state),
             observer,
         });
-        let (shutdown, shutdown_rx) = watch::channel(false);
+        let (shutdown, shutdown_rx) = watch::channel(Stop::Running);
         let task = runtime.spawn(server::accept_loop(
             listener,
             server::router(Arc::clone(&shared)),
@@ -170,8 +172,17 @@ impl FakeApi {
 pub struct RunningFake {
     addr: SocketAddr,
     shared: Arc<Shared>,
-    shutdown: watch::Sender<bool>,
-    task: Option<JoinHandle<()>>,
+    shutdown: watch::Sender<Stop>,
+    /// The listener task; it ends with the number of connections it closed at once.
+    task: Option<JoinHandle<usize>>,
+}
+
+/// How a graceful stop ([`RunningFake::shutdown_gracefully`]) ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopped {
+    /// Connections still answering a request when the grace ended, closed without finishing
+    /// their response; 0 when every response in progress finished.
+    pub cut: usize,
 }
 
 impl std::fmt::Debug for RunningFake {
@@ -204,24 +215,53 @@ impl RunningFake {
         self.shared.lock().reset(&self.shared.compiled);
     }
 
-    /// Stops accepting, closes open connections and waits for the listener task to end.
+    /// Stops accepting, closes open connections (responses in progress included) and waits
+    /// for the listener task to end.
     pub async fn shutdown(mut self) {
-        let _ = self.shutdown.send(true);
+        let _ = self.shutdown.send(Stop::Now);
         if let Some(task) = self.task.take() {
             let _ = task.await;
+        }
+    }
+
+    /// Stops gracefully: accepts no new connection, closes idle (kept-alive) connections at
+    /// once, and lets every response in progress finish, for at most `grace`; whatever is
+    /// still answering then is closed ([`Stopped::cut`]). Resolves when the listener and every
+    /// connection are gone.
+    pub async fn shutdown_gracefully(self, grace: Duration) -> Stopped {
+        self.shutdown_gracefully_until(tokio::time::sleep(grace))
+            .await
+    }
+
+    /// [`RunningFake::shutdown_gracefully`], with the grace ending when `cut` resolves.
+    async fn shutdown_gracefully_until(mut self, cut: impl Future<Output = ()>) -> Stopped {
+        let _ = self.shutdown.send(Stop::Graceful);
+        let Some(mut task) = self.task.take() else {
+            return Stopped { cut: 0 };
+        };
+        tokio::select! {
+            done = &mut task => return Stopped { cut: done.unwrap_or(0) },
+            () = cut => {}
+        }
+        let _ = self.shutdown.send(Stop::Now);
+        Stopped {
+            cut: task.await.unwrap_or(0),
         }
     }
 }
 
 impl Drop for RunningFake {
     fn drop(&mut self) {
-        let _ = self.shutdown.send(true);
+        let _ = self.shutdown.send(Stop::Now);
     }
 }
 
 /// Runs a fake provider on its own tokio runtime until Ctrl-C or SIGTERM (for
-/// `backstop fake-api`). `on_ready` gets the bound address once listening; `observer` is
-/// called once per attempt.
+/// `backstop fake-api`), then stops gracefully (see [`RunningFake::shutdown_gracefully`]):
+/// idle connections are closed at once, responses in progress may finish for up to `grace`,
+/// or until a second Ctrl-C or SIGTERM. `on_ready` gets the bound address once listening and
+/// the signals are handled (a signal sent after it stops the fake as described, never the
+/// process at once); `observer` is called once per attempt.
 ///
 /// # Errors
 /// As [`FakeApi::start`], plus [`Error::Runtime`] when the runtime or the signal handler
@@ -230,8 +270,9 @@ pub fn run_until_signal(
     config: FakeConfig,
     addr: SocketAddr,
     observer: Observer,
+    grace: Duration,
     on_ready: impl FnOnce(SocketAddr),
-) -> Result<(), Error> {
+) -> Result<Stopped, Error> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -239,24 +280,62 @@ pub fn run_until_signal(
         .map_err(Error::Runtime)?;
     runtime.block_on(async move {
         let fake = FakeApi::start_with_observer(config, addr, observer)?;
+        // Handled from here on: a signal sent once the address is known is never lost.
+        let mut signals = Signals::register()?;
         on_ready(fake.addr());
-        wait_for_signal().await?;
-        fake.shutdown().await;
-        Ok(())
+        signals.recv().await;
+        let cut = async {
+            tokio::select! {
+                () = tokio::time::sleep(grace) => {}
+                // A second signal: stop now.
+                () = signals.recv() => {}
+            }
+        };
+        Ok(fake.shutdown_gracefully_until(cut).await)
     })
 }
 
+/// The stop signals of [`run_until_signal`], handled from [`Signals::register`] on.
 #[cfg(unix)]
-async fn wait_for_signal() -> Result<(), Error> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = signal(SignalKind::terminate()).map_err(Error::Runtime)?;
-    tokio::select! {
-        result = tokio::signal::ctrl_c() => result.map_err(Error::Runtime),
-        _ = terminate.recv() => Ok(()),
+struct Signals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+#[cfg(unix)]
+impl Signals {
+    /// Installs the handlers of SIGINT (Ctrl-C) and SIGTERM.
+    fn register() -> Result<Signals, Error> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            interrupt: signal(SignalKind::interrupt()).map_err(Error::Runtime)?,
+            terminate: signal(SignalKind::terminate()).map_err(Error::Runtime)?,
+        })
+    }
+
+    /// Resolves at the next SIGINT or SIGTERM received since the last call.
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
     }
 }
 
+/// The stop signal of [`run_until_signal`]: Ctrl-C.
 #[cfg(not(unix))]
-async fn wait_for_signal() -> Result<(), Error> {
-    tokio::signal::ctrl_c().await.map_err(Error::Runtime)
+struct Signals;
+
+#[cfg(not(unix))]
+impl Signals {
+    fn register() -> Result<Signals, Error> {
+        Ok(Signals)
+    }
+
+    /// Resolves at the next Ctrl-C; never, when it cannot be listened for.
+    async fn recv(&mut self) {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }

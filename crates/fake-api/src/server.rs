@@ -161,15 +161,40 @@ async fn drop_connection(control: Option<ConnControl>) -> Response {
     }
 }
 
-/// Accepts connections until `shutdown` flips (or its sender is dropped).
+/// What the listener is told to do: keep serving, stop gracefully, or stop at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// Serve.
+    Running,
+    /// Accept nothing more, close idle (kept-alive) connections now, and let every response
+    /// in progress finish before its connection closes.
+    Graceful,
+    /// Close every connection now, responses in progress included.
+    Now,
+}
+
+/// Accepts connections until `stop` leaves [`Stop::Running`] (or its sender is dropped), then
+/// waits for the open connections: with [`Stop::Graceful`] each idle one is closed at once and
+/// each one answering a request is closed after its response (hyper's graceful shutdown of an
+/// HTTP/1.1 connection); [`Stop::Now`] (or the sender dropped) closes them all at once.
+///
+/// Returns how many connections were still open (answering) when they were closed at once.
 pub(crate) async fn accept_loop(
     listener: TcpListener,
     router: Router,
-    mut shutdown: watch::Receiver<bool>,
-) {
+    mut stop: watch::Receiver<Stop>,
+) -> usize {
+    let mut connections = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
-            _ = shutdown.changed() => break,
+            changed = stop.changed() => {
+                if changed.is_err() || *stop.borrow() != Stop::Running {
+                    break;
+                }
+                continue;
+            }
+            // Reap finished connection tasks as they end.
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             accepted = listener.accept() => accepted,
         };
         let (stream, _peer): (_, SocketAddr) = match accepted {
@@ -181,25 +206,60 @@ pub(crate) async fn accept_loop(
             }
         };
         let _ = stream.set_nodelay(true);
-        let router = router.clone();
-        let mut shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let abort = Arc::new(Notify::new());
-            let control = ConnControl {
-                abort: Arc::clone(&abort),
-            };
-            let service = hyper::service::service_fn(move |mut request: Request<_>| {
-                request.extensions_mut().insert(control.clone());
-                let mut router = router.clone();
-                async move { tower_service::Service::call(&mut router, request.map(Body::new)).await }
-            });
-            let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                _ = abort.notified() => {}
-                _ = shutdown.changed() => {}
+        connections.spawn(serve_connection(stream, router.clone(), stop.clone()));
+    }
+    // Nothing more is accepted.
+    drop(listener);
+    // Each connection ends by itself (gracefully, or at once on `Stop::Now`) and says whether it
+    // was closed with a response still in progress.
+    let mut cut = 0;
+    while let Some(joined) = connections.join_next().await {
+        if matches!(joined, Ok(true)) {
+            cut += 1;
+        }
+    }
+    cut
+}
+
+/// Serves one accepted connection until it ends, a handler drops it, or `stop` says so (see
+/// [`accept_loop`]); `true` when it was closed by [`Stop::Now`] (or the sender dropped) while
+/// still open.
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    router: Router,
+    mut stop: watch::Receiver<Stop>,
+) -> bool {
+    let abort = Arc::new(Notify::new());
+    let control = ConnControl {
+        abort: Arc::clone(&abort),
+    };
+    let service = hyper::service::service_fn(move |mut request: Request<_>| {
+        request.extensions_mut().insert(control.clone());
+        let mut router = router.clone();
+        async move { tower_service::Service::call(&mut router, request.map(Body::new)).await }
+    });
+    let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    // A stop that came before this connection's first poll is seen too.
+    let mut graceful = false;
+    loop {
+        let current = *stop.borrow_and_update();
+        match current {
+            Stop::Now => return true,
+            Stop::Graceful if !graceful => {
+                graceful = true;
+                connection.as_mut().graceful_shutdown();
             }
-        });
+            _ => {}
+        }
+        tokio::select! {
+            _ = connection.as_mut() => return false,
+            _ = abort.notified() => return false,
+            changed = stop.changed() => {
+                if changed.is_err() {
+                    return true;
+                }
+            }
+        }
     }
 }

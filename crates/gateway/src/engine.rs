@@ -931,9 +931,11 @@ impl Engine {
             .len()
     }
 
-    /// Stops taking new work: later [`Engine::execute`] calls end `cancelled` without being
-    /// recorded, waiting actions are released without a final outcome (their scheduled retries
-    /// stay in the store, recoverable after a restart), and the scheduler task ends.
+    /// Stops taking new work: later [`Engine::execute`] calls are answered `503 shutting_down`
+    /// without being recorded (with `sent: false`, the `task` and, for a write, the
+    /// `idempotency_key`), waiting actions are released without a final outcome (their
+    /// scheduled retries stay in the store, recoverable after a restart), and the scheduler
+    /// task ends.
     pub async fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
         self.inner.scheduler.shutdown().await;
@@ -1050,15 +1052,25 @@ impl Engine {
         notify: Option<oneshot::Sender<i64>>,
     ) -> Execution {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
-            return problem_answer(
-                ActionReceipt {
-                    action_id: 0,
-                    attempts: 0,
-                    idempotency_key: None,
-                    provider_operation_id: None,
-                },
-                Problem::shutting_down(),
+            // Nothing is recorded: the answer names the task and, for a write, the key in
+            // effect (the agent's, or one minted for it to send again with), as the other
+            // `503 shutting_down` and `store_unavailable` answers do.
+            let receipt = ActionReceipt {
+                action_id: 0,
+                attempts: 0,
+                idempotency_key: self.unrecorded_key(&spec),
+                provider_operation_id: None,
+            };
+            let problem = with_ids(
+                Problem::shutting_down_during(
+                    false,
+                    "backstop is shutting down and takes no new work; nothing was sent for this \
+                     request, so sending it again is safe",
+                ),
+                &spec,
+                &receipt,
             );
+            return problem_answer(receipt, problem);
         }
         if !*self.inner.recovery_listed.borrow() {
             // Only right after start: wait until restart recovery has listed what it owns.
@@ -1082,6 +1094,19 @@ impl Engine {
             }
         }
         self.lead(spec, None, notify).await
+    }
+
+    /// The idempotency key a write answered before anything is recorded carries: the agent's
+    /// (when it is usable: a key the door would refuse is not echoed) or one minted for it,
+    /// as [`Engine::run`] would have; `None` for a read.
+    fn unrecorded_key(&self, spec: &ActionSpec) -> Option<String> {
+        if is_safe_method(&spec.request.method) {
+            return None;
+        }
+        match &spec.idempotency_key {
+            Some(supplied) => validate_idempotency_key(supplied).ok().map(str::to_owned),
+            None => Some(mint_idempotency_key(self.inner.random_16())),
+        }
     }
 
     /// Runs the action and shares its result with whoever joined it.

@@ -643,7 +643,10 @@ where
                 return Ok(Verdict::Broken(ChainBreak {
                     seq: signed(seq),
                     kind: BreakKind::Altered,
-                    detail: format!("seq {seq} cannot be decoded ({reason})"),
+                    detail: format!(
+                        "seq {seq} cannot be decoded: {reason}; the row was changed or damaged \
+                         after it was written"
+                    ),
                 }))
             }
             Err(e) => return Err(e),

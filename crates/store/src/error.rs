@@ -15,12 +15,24 @@ pub enum StoreError {
         /// The path that was asked for.
         path: PathBuf,
     },
-    /// The file exists but is not a SQLite database (random bytes, truncated header, …).
+    /// The file exists but is not a SQLite database at all: it does not start with the SQLite
+    /// header (random bytes, a text file, fewer than 16 bytes, …).
     #[error("{path}: not a SQLite database ({reason})")]
     NotSqlite {
         /// The offending file.
         path: PathBuf,
         /// SQLite's own explanation.
+        reason: String,
+    },
+    /// The file starts with the SQLite header, but SQLite cannot read it: it was cut short (a
+    /// copy or download that stopped early, a full disk) or its first pages are damaged.
+    #[error("{path}: the file is damaged or truncated: {reason}; restore it from a backup or move it aside")]
+    DamagedFile {
+        /// The offending file.
+        path: PathBuf,
+        /// What the header says against the file's length (e.g. `it has 1000 bytes, but its
+        /// header gives 22 pages of 4096 bytes (90112 bytes)`), when it does, and SQLite's own
+        /// explanation.
         reason: String,
     },
     /// The file is a SQLite database written by another application.
@@ -65,16 +77,17 @@ pub enum StoreError {
         database: PathBuf,
     },
     /// The audit log's last event does not match its hash, does not link to the event before
-    /// it, or cannot be decoded (the file was edited or damaged). The store does not open for
-    /// writing: every new event would be sealed onto that head and extend a broken chain.
+    /// it, lies outside the chain (`seq` 0 or below), or cannot be decoded, its own hash
+    /// included (e.g. stored as text: the file was edited or damaged). The store does not open
+    /// for writing: every new event would be sealed onto that head and extend a broken chain.
     #[error(
         "{path}: the audit log's last event, seq {seq}, {reason}; the store does not add events to a broken chain: run `backstop audit verify --db {path}` to find the first broken event"
     )]
     BrokenHead {
         /// The database file.
         path: PathBuf,
-        /// The last event's `seq`.
-        seq: u64,
+        /// The last event's `seq` (negative only in a file edited by hand).
+        seq: i64,
         /// What is wrong with it.
         reason: String,
     },
@@ -147,11 +160,12 @@ pub enum StoreError {
     },
     /// An audit event row whose columns cannot be decoded (a value of the wrong type or out of
     /// range, e.g. edited by hand): verification reports it as an altered event.
-    #[error("audit_events seq {seq}: the stored event cannot be decoded ({reason})")]
+    #[error("audit_events seq {seq} cannot be decoded: {reason}; the row was changed or damaged after it was written (`backstop audit verify` names the first broken event)")]
     UndecodableEvent {
         /// The row's `seq`.
         seq: u64,
-        /// What could not be decoded.
+        /// Which column holds what instead of what it should hold, e.g. `column status holds
+        /// the text "oops", expected an integer from 0 to 65535, or NULL`.
         reason: String,
     },
     /// The writer thread is gone (the store is shutting down or crashed).

@@ -29,8 +29,8 @@ impl RunRecordsReader {
     ///
     /// # Errors
     /// As [`AuditReader::open`]: [`StoreError::Missing`], [`StoreError::NotSqlite`],
-    /// [`StoreError::Foreign`], [`StoreError::TooNew`], or [`StoreError::Sqlite`] naming the
-    /// file.
+    /// [`StoreError::DamagedFile`], [`StoreError::Foreign`], [`StoreError::TooNew`], or
+    /// [`StoreError::Sqlite`] naming the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let path = path.as_ref();
         let audit = AuditReader::open(path)?;

@@ -2,10 +2,11 @@
 //! (SPEC §9) offline, without any secret.
 //!
 //! Exit codes: 0 success (verify: the chain is intact); 1 `verify` found a break (the first bad
-//! `seq` and why is printed); 2 the input could not be read (missing file, not a backstop
-//! database, bad NDJSON line, a database given as an export file instead of with `--db`, a
-//! database in a read-only directory whose `-wal` file holds changes), or `export` met a row
-//! it cannot decode (after the events before it, with the `--since` that exports past it).
+//! `seq` and why is printed); 2 the input could not be read (missing file, not a SQLite file,
+//! a SQLite file damaged or cut short, not a backstop database, bad NDJSON line, a database
+//! given as an export file instead of with `--db`, a database in a read-only directory whose
+//! `-wal` file holds changes), or `export` met a row it cannot decode (after the events before
+//! it, naming the row's column and what it holds, with the `--since` that exports past it).
 //! Audit commands open databases read-only and never create one; where SQLite cannot create
 //! the `-shm` file beside a database, they read it as immutable (see `AuditReader::open`).
 
@@ -183,10 +184,11 @@ fn export(db: PathBuf, since: u64) -> Result<Printed, StoreError> {
         Err(StoreError::UndecodableEvent { seq, reason }) => {
             let _ = out.flush();
             errln!(
-                "backstop audit export: audit_events seq {seq}: the stored event cannot be decoded \
-                 ({reason}); the events before it were exported; to export the events after it, \
-                 run `backstop audit export --db {} --since {seq}`",
-                db.display()
+                "backstop audit export: audit_events seq {seq} cannot be decoded: {reason}; the \
+                 row was changed or damaged after it was written (`backstop audit verify --db {db}` \
+                 names the first broken event); the events before it were exported; to export \
+                 the events after it, run `backstop audit export --db {db} --since {seq}`",
+                db = db.display()
             );
             Ok(Printed::Done(ExitCode::from(2)))
         }

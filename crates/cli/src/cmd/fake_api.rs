@@ -1,14 +1,18 @@
 //! `backstop fake-api`: run the controllable fake provider (SPEC §13) from a YAML config.
 //!
 //! Logs one line per attempt to stderr (never the credential, only whether it was present) and
-//! stops on Ctrl-C or SIGTERM. The attempt record is also served at `GET /__fake/attempts`.
+//! stops on Ctrl-C or SIGTERM: no new connection is accepted, idle kept-alive connections are
+//! closed at once, and responses in progress may finish for up to `--shutdown-grace-seconds`
+//! (a second Ctrl-C or SIGTERM ends the grace); then one line says it stopped. The attempt
+//! record is also served at `GET /__fake/attempts`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
-use backstop_fake_api::{AttemptOutcome, AttemptRecord, FakeConfig};
+use backstop_fake_api::{AttemptOutcome, AttemptRecord, FakeConfig, Stopped};
 
 use crate::cmd::output::errln;
 
@@ -24,6 +28,24 @@ pub struct Args {
     /// Seed of the fake's pseudo-random generator; overrides the config's `seed`.
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+    /// On Ctrl-C or SIGTERM, most seconds that responses in progress (a held request, a
+    /// stream) may take to finish; idle connections are closed at once, and a second Ctrl-C or
+    /// SIGTERM stops at once.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5)]
+    pub shutdown_grace_seconds: u64,
+}
+
+/// The one line printed when the fake has stopped.
+fn stopped_line(stopped: Stopped, grace: Duration) -> String {
+    match stopped.cut {
+        0 => "backstop fake-api: stopped".to_owned(),
+        cut => format!(
+            "backstop fake-api: stopped; closed {cut} connection{} whose response had not ended \
+             within the {} s grace",
+            if cut == 1 { "" } else { "s" },
+            grace.as_secs(),
+        ),
+    }
 }
 
 /// One stderr line for one attempt, e.g.
@@ -78,11 +100,16 @@ pub fn run(args: Args) -> ExitCode {
         config.seed = seed;
     }
     let observer = Arc::new(|record: &AttemptRecord| errln!("{}", log_line(record)));
-    let result = backstop_fake_api::run_until_signal(config, args.listen, observer, |addr| {
-        errln!("backstop fake-api: listening on http://{addr} (attempts at /__fake/attempts)");
-    });
+    let grace = Duration::from_secs(args.shutdown_grace_seconds);
+    let result =
+        backstop_fake_api::run_until_signal(config, args.listen, observer, grace, |addr| {
+            errln!("backstop fake-api: listening on http://{addr} (attempts at /__fake/attempts)");
+        });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(stopped) => {
+            errln!("{}", stopped_line(stopped, grace));
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             errln!("backstop fake-api: {e}");
             ExitCode::FAILURE

@@ -255,3 +255,110 @@ fn an_export_says_it_leaves_out_rows_outside_the_chain() {
     );
     assert!(stderr.contains("backstop audit verify --db"), "{stderr}");
 }
+
+#[test]
+fn a_row_with_a_value_of_the_wrong_type_is_named_by_seq_column_expected_and_found() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path());
+    // Text where the store writes a JSON array of header pairs, as an editor might leave it.
+    tamper(
+        &db,
+        "UPDATE audit_events SET signal_headers = '{\"retry-after\": \"5\"}' WHERE seq = 4",
+    );
+    let verify = backstop(&["audit", "verify", "--db", p(&db)]);
+    assert_eq!(verify.status.code(), Some(1), "{}", text(&verify.stderr));
+    let stdout = text(&verify.stdout);
+    assert!(stdout.starts_with("broken: seq 4: altered: "), "{stdout}");
+    for part in [
+        "column signal_headers holds the text \"{\\\"retry-after\\\": \\\"5\\\"}\"",
+        "expected NULL or JSON text: an array of [name, value] string pairs",
+        "the row was changed or damaged after it was written",
+    ] {
+        assert!(stdout.contains(part), "missing {part:?} in {stdout}");
+    }
+    let export = backstop(&["audit", "export", "--db", p(&db)]);
+    assert_eq!(export.status.code(), Some(2), "{}", text(&export.stderr));
+    let stderr = text(&export.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    for part in [
+        "audit_events seq 4 cannot be decoded: column signal_headers holds the text",
+        "expected NULL or JSON text",
+        &format!(
+            "`backstop audit verify --db {}` names the first broken event",
+            p(&db)
+        ),
+        &format!("backstop audit export --db {} --since 4", p(&db)),
+    ] {
+        assert!(stderr.contains(part), "missing {part:?} in {stderr}");
+    }
+    // SQLite's and the JSON parser's own wording are not the message.
+    for out in [&stdout, &stderr] {
+        assert!(!out.contains("Conversion error"), "{out}");
+        assert!(!out.contains("index: 27"), "{out}");
+    }
+
+    // An integer column holding text names the column and the range it must be in (seq 4
+    // had no signal headers: NULL restores it).
+    tamper(
+        &db,
+        "UPDATE audit_events SET signal_headers = NULL WHERE seq = 4;
+         UPDATE audit_events SET status = 'oops' WHERE seq = 6",
+    );
+    let verify = backstop(&["audit", "verify", "--db", p(&db)]);
+    assert_eq!(verify.status.code(), Some(1), "{}", text(&verify.stderr));
+    assert_eq!(
+        text(&verify.stdout),
+        "broken: seq 6: altered: seq 6 cannot be decoded: column status holds the text \"oops\", \
+         expected an integer from 0 to 65535, or NULL; the row was changed or damaged after it \
+         was written\n"
+    );
+}
+
+#[test]
+fn a_truncated_database_is_called_damaged_or_truncated_not_foreign_to_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path());
+    let bytes = std::fs::read(&db).expect("read");
+    let page = usize::from(u16::from_be_bytes([bytes[16], bytes[17]]));
+    assert!(bytes.len() >= 3 * page, "the fixture has several pages");
+    // The first 1000 bytes (inside the first page), and a cut in the middle of a later page.
+    let cuts = [
+        ("first-1000.db", 1000),
+        ("mid-page.db", bytes.len() - page - page / 2),
+    ];
+    for (name, len) in cuts {
+        let cut = dir.path().join(name);
+        std::fs::write(&cut, &bytes[..len]).expect("write");
+        for command in ["verify", "head", "export"] {
+            let out = backstop(&["audit", command, "--db", p(&cut)]);
+            assert_eq!(out.status.code(), Some(2), "{command} {name}");
+            let stderr = text(&out.stderr);
+            assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+            assert!(
+                stderr.contains(&format!(
+                    "{}: the file is damaged or truncated: it has {len} bytes, but its header \
+                     gives {} pages of {page} bytes",
+                    p(&cut),
+                    bytes.len() / page
+                )),
+                "{command} {name}: {stderr}"
+            );
+            assert!(!stderr.contains("not a SQLite database"), "{stderr}");
+        }
+        assert_eq!(
+            std::fs::read(&cut).expect("read").len(),
+            len,
+            "the audit commands left the file as it was"
+        );
+    }
+    // A file that is no SQLite database at all is still called that.
+    let other = dir.path().join("notes.db");
+    std::fs::write(&other, "these are notes, not a database\n".repeat(40)).expect("write");
+    let out = backstop(&["audit", "verify", "--db", p(&other)]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("notes.db: not a SQLite database"),
+        "{stderr}"
+    );
+}

@@ -11,6 +11,7 @@ mod classify_cli;
 mod demo_cli;
 mod diagnose_cli;
 mod escalations_cli;
+mod fake_api_cli;
 mod output_cli;
 mod policy_cli;
 mod restart_recovery;

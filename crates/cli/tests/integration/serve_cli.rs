@@ -93,6 +93,47 @@ fn exchange(addr: &str, request: &[u8]) -> String {
     answer
 }
 
+/// Runs `command` to its end (stdout and stderr captured), killing it and failing when it is
+/// still running after 60 s (a serve that should have refused to start but serves).
+#[allow(clippy::disallowed_methods)]
+fn run_to_exit(command: &mut Command) -> std::process::Output {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "still running after 60 s:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A closed backstop database at `dir/b.db` (where [`serve_example`] keeps its store) with
+/// one action: its last audit event has seq 3.
+fn store_with_one_action(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("b.db");
+    let store = backstop_store::SqliteStore::open(&path).unwrap();
+    crate::common::sent_action(
+        &store,
+        "run-a",
+        None,
+        "POST",
+        "/v1/transfers",
+        "idempotent_write",
+    );
+    drop(store);
+    path
+}
+
 /// Sends SIGTERM to `child` with `kill -TERM`; the exit status of `kill`.
 #[cfg(unix)]
 fn sigterm(child: &std::process::Child) -> std::io::Result<std::process::ExitStatus> {
@@ -358,4 +399,56 @@ fn fake_api_takes_its_config_as_c_like_serve() {
         )),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_truncated_store_is_refused_as_damaged_or_truncated_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_with_one_action(dir.path());
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..1000]).unwrap();
+    let out = run_to_exit(&mut serve_example_with_secrets(dir.path()));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "{}: the file is damaged or truncated: it has 1000 bytes",
+            path.display()
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("not a SQLite database"), "{stderr}");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        &bytes[..1000],
+        "left as it was"
+    );
+}
+
+#[test]
+fn a_store_whose_last_event_keeps_its_hash_as_text_is_refused_pointing_to_audit_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_with_one_action(dir.path());
+    // The digest as hex text (the form before schema 8), as a hand edit could leave it.
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch("UPDATE audit_events SET hash = lower(hex(hash)) WHERE seq = 3")
+        .unwrap();
+    let out = run_to_exit(&mut serve_example_with_secrets(dir.path()));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "the audit log's last event, seq 3, cannot be decoded (hash is stored as text"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "run `backstop audit verify --db {}`",
+            path.display()
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("corrupt record"), "{stderr}");
 }

@@ -184,6 +184,67 @@ async fn a_caller_waiting_before_its_first_attempt_gets_503_shutting_down_at_sto
 }
 
 #[tokio::test(start_paused = true)]
+async fn work_arriving_after_the_stop_is_answered_with_its_task_and_a_writes_key() {
+    let h = Harness::new();
+    h.engine.shutdown().await;
+
+    // A write with the agent's key: the answer names the task and that key.
+    let answered = h.engine.execute(write(&h, "t-late", "k-late")).await;
+    assert_eq!(
+        answered.receipt().idempotency_key.as_deref(),
+        Some("k-late")
+    );
+    assert_eq!(answered.receipt().action_id, 0, "nothing was recorded");
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!(status, 503);
+    assert!(
+        body["type"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with("shutting_down"),
+        "{body}"
+    );
+    assert_eq!((retry.as_str(), attempts), ("true", 0));
+    assert_eq!(body["sent"], false, "{body}");
+    assert_eq!(body["task"], "t-late", "{body}");
+    assert_eq!(body["idempotency_key"], "k-late", "{body}");
+    assert!(
+        body.get("action_id").is_none(),
+        "nothing was recorded: {body}"
+    );
+
+    // A write without one: the key minted for it, the same in the receipt and the body.
+    let answered = h
+        .engine
+        .execute(h.spec("t-late", "POST", "/v1/transfers", r#"{"amount":5}"#))
+        .await;
+    let minted = answered
+        .receipt()
+        .idempotency_key
+        .clone()
+        .expect("a write's answer carries a key");
+    let (status, _, body, _) = problem(answered).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["idempotency_key"], minted.as_str(), "{body}");
+    assert_eq!(body["task"], "t-late", "{body}");
+
+    // A read: the task, no key.
+    let answered = h.engine.execute(h.get("t-read", "/v1/items/1")).await;
+    assert_eq!(answered.receipt().idempotency_key, None);
+    let (status, _, body, _) = problem(answered).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["task"], "t-read", "{body}");
+    assert!(body.get("idempotency_key").is_none(), "{body}");
+    assert!(h.transport.sent().is_empty(), "nothing was sent");
+    assert!(
+        h.audit()
+            .iter()
+            .all(|e| e.task.as_deref() != Some("t-late")),
+        "nothing was recorded"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_write_waiting_for_its_retry_at_stop_stays_recorded_and_is_not_invited_to_resend() {
     let h = Harness::new();
     h.transport.script(
@@ -827,6 +888,84 @@ async fn the_door_answers_a_write_the_store_cannot_record_with_its_idempotency_k
         let (_, body) = support::json_of(response).await;
         assert_eq!(body["sent"], false);
         assert_eq!(body["task"], "run-door");
+        assert_eq!(body["idempotency_key"], header.as_str());
+    }
+    assert!(fake.attempts().is_empty(), "nothing was sent");
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_answers_a_write_arriving_as_the_engine_stops_with_its_task_and_key() {
+    let fake = support::fake_with(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        support::create("transfers", "tr_"),
+    )]);
+    let yaml = support::policy_yaml(
+        &fake.url(),
+        "agents:\n  door-agent: { token_env: DOOR_AGENT_TOKEN }\n",
+        "    routes:\n      \"POST /v1/transfers\": { class: idempotent_write, scopes: [account] }\n",
+    );
+    let env = |name: &str| match name {
+        "DOOR_AGENT_TOKEN" => Some(DOOR_AGENT_TOKEN.to_owned()),
+        "FAKE_API_KEY" => Some("provider-key".to_owned()),
+        _ => None,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let policy = Policy::from_yaml_str(&yaml, "door.yaml").expect("policy");
+    let engine = Arc::new(std::sync::Mutex::new(None));
+    let slot = Arc::clone(&engine);
+    let gateway = server::start(
+        policy,
+        support::serve_options(dir.path(), 7),
+        &env,
+        move |parts| {
+            let executor = server::engine(parts);
+            *slot.lock().unwrap() = executor.engine();
+            executor
+        },
+    )
+    .await
+    .expect("gateway starts");
+    // The engine stops while the door still takes requests: the window between a request's
+    // acceptance at the door and its hand-over to the engine.
+    let stopped = engine.lock().unwrap().take().expect("the engine");
+    stopped.shutdown().await;
+
+    let send = |key: Option<&str>| {
+        let mut request = support::client()
+            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+            .bearer_auth(DOOR_AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-late")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":5}"#);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        request.send()
+    };
+    for key in [Some("k-late"), None] {
+        let response = send(key).await.expect("request");
+        assert_eq!(response.status(), 503);
+        let header = response
+            .headers()
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .expect("the Idempotency-Key header");
+        if let Some(key) = key {
+            assert_eq!(header, key);
+        }
+        let (_, body) = support::json_of(response).await;
+        assert!(
+            body["type"]
+                .as_str()
+                .unwrap_or("")
+                .ends_with("shutting_down"),
+            "{body}"
+        );
+        assert_eq!(body["sent"], false);
+        assert_eq!(body["task"], "run-late");
         assert_eq!(body["idempotency_key"], header.as_str());
     }
     assert!(fake.attempts().is_empty(), "nothing was sent");

@@ -367,12 +367,14 @@ impl SqliteStore {
     /// Opens (creating if missing) and migrates a store at `path`, and starts its writer thread.
     ///
     /// # Errors
-    /// [`StoreError::NotSqlite`], [`StoreError::Foreign`] or [`StoreError::TooNew`] when the
-    /// file is not a backstop database this build can use (it is then left untouched);
+    /// [`StoreError::NotSqlite`], [`StoreError::DamagedFile`] (a SQLite file cut short or
+    /// damaged), [`StoreError::Foreign`] or [`StoreError::TooNew`] when the file is not a
+    /// backstop database this build can use (it is then left untouched);
     /// [`StoreError::Locked`] when another open store holds the file's write lock
     /// (`<path>.lock`, held until this store is dropped); [`StoreError::BrokenHead`] when the
-    /// audit log's last event does not match its hash or does not link to the event before it
-    /// (new events would extend a broken chain); [`StoreError::Sqlite`] for I/O problems.
+    /// audit log's last event does not match its hash, cannot be decoded (its hash included)
+    /// or does not link to the event before it (new events would extend a broken chain);
+    /// [`StoreError::Sqlite`] for I/O problems.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Self::start(path.as_ref(), true)
     }
@@ -389,8 +391,7 @@ impl SqliteStore {
         // One writer per file: refused before the file is opened or migrated.
         let lock = lock::StoreLock::acquire(path, create)?;
         let conn = schema::open_writer(path, create)?;
-        let head = rows::audit_head(&conn)?;
-        check_head(&conn, path, head.as_ref())?;
+        let head = checked_head(&conn, path)?;
         let chain = Chain::after(head.as_ref());
         let next_id: i64 = conn
             .prepare_cached("SELECT COALESCE(MAX(id), 0) + 1 FROM actions")?
@@ -1042,28 +1043,45 @@ fn writer_loop(
     }
 }
 
-/// Refuses to continue the chain from a last event that was changed after it was written: the
-/// writer seals each new event onto the head's hash, so a head that does not match its own
-/// content, or does not link to the event before it, would be extended into a broken chain.
-/// Only the head is checked (two rows, whatever the log's length); `backstop audit verify`
-/// checks the rest.
+/// The audit log's last event, read to continue the chain from it; refuses a last event that
+/// was changed after it was written: the writer seals each new event onto the head's hash, so
+/// a head that does not match its own content, does not link to the event before it, or whose
+/// stored hash cannot be read (e.g. kept as text instead of its 32 bytes), would be extended
+/// into a broken chain. Only the head is checked (two rows, whatever the log's length);
+/// `backstop audit verify` checks the rest.
 ///
 /// # Errors
 /// [`StoreError::BrokenHead`] naming the head's `seq` and what is wrong with it; storage errors.
-fn check_head(conn: &Connection, path: &Path, head: Option<&ChainHead>) -> Result<(), StoreError> {
-    let Some(head) = head else {
-        return Ok(());
+fn checked_head(conn: &Connection, path: &Path) -> Result<Option<ChainHead>, StoreError> {
+    let Some((seq, hash)) = rows::head_row(conn)? else {
+        return Ok(None);
     };
     let broken = |reason: String| StoreError::BrokenHead {
         path: path.to_owned(),
-        seq: head.seq,
+        seq,
         reason,
     };
-    if head.seq == 0 {
-        return Err(broken(
-            "lies outside the chain, which starts at seq 1".to_owned(),
-        ));
-    }
+    let seq = match u64::try_from(seq) {
+        Ok(seq) if seq > 0 => seq,
+        _ => {
+            return Err(broken(
+                "lies outside the chain, which starts at seq 1".to_owned(),
+            ))
+        }
+    };
+    let hash = hash.map_err(|reason| broken(format!("cannot be decoded ({reason})")))?;
+    let head = ChainHead { seq, hash };
+    check_head(conn, &head, broken)?;
+    Ok(Some(head))
+}
+
+/// The checks of [`checked_head`] that read the head's whole row and the hash before it;
+/// `broken` makes the error naming the head.
+fn check_head(
+    conn: &Connection,
+    head: &ChainHead,
+    broken: impl Fn(String) -> StoreError,
+) -> Result<(), StoreError> {
     let event = match rows::audit_events(conn, head.seq - 1, 1) {
         Ok(mut events) => events.pop(),
         Err(StoreError::UndecodableEvent { reason, .. }) => {
@@ -1581,9 +1599,10 @@ impl AuditReader {
     /// (every commit is then in the database file).
     ///
     /// # Errors
-    /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::Foreign`],
-    /// [`StoreError::TooNew`], [`StoreError::ReadOnlyWal`] (no `-shm` file can be had and the
-    /// `-wal` file is not empty), or [`StoreError::Sqlite`] naming the file.
+    /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::DamagedFile`],
+    /// [`StoreError::Foreign`], [`StoreError::TooNew`], [`StoreError::ReadOnlyWal`] (no `-shm`
+    /// file can be had and the `-wal` file is not empty), or [`StoreError::Sqlite`] naming the
+    /// file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Ok(AuditReader {
             conn: schema::open_reader(path.as_ref(), true)?,

@@ -534,9 +534,87 @@ fn digest_hex(r: &Row<'_>, i: usize, name: &str) -> Result<String, String> {
     }
 }
 
+/// The columns of [`EVENT_COLUMNS`] in its order, each with what it must hold: the words a
+/// message uses when a stored row holds something else (see [`event_column`]).
+const EVENT_COLUMN_SPECS: [(&str, &str); 28] = [
+    ("seq", "an integer"),
+    ("at", "text"),
+    ("kind", "text"),
+    ("task", "text or NULL"),
+    ("action", "an integer or NULL"),
+    ("attempt", "an integer from 0 to 4294967295, or NULL"),
+    ("escalation", "an integer or NULL"),
+    ("provider", "text or NULL"),
+    ("scope", "text or NULL"),
+    ("route", "text or NULL"),
+    ("method", "text or NULL"),
+    ("request_class", "text or NULL"),
+    ("idempotency_key", "text or NULL"),
+    ("payload_digest", "text or NULL"),
+    ("status", "an integer from 0 to 65535, or NULL"),
+    ("disposition", "text or NULL"),
+    ("boundary", "text or NULL"),
+    ("source", "text or NULL"),
+    ("outcome", "text or NULL"),
+    ("job", "an integer or NULL"),
+    ("due_at", "text or NULL"),
+    ("remaining", "an integer or NULL"),
+    ("limit_", "an integer or NULL"),
+    ("decision", "text or NULL"),
+    ("decided_by", "text or NULL"),
+    ("prev", "a 32-byte BLOB (a SHA-256 digest)"),
+    ("hash", "a 32-byte BLOB (a SHA-256 digest)"),
+    (
+        "signal_headers",
+        "NULL or JSON text: an array of [name, value] string pairs",
+    ),
+];
+
+/// What a stored value is, for a message: its SQLite storage class and, for a scalar, the
+/// value itself (text cut at 40 characters; audit events hold no secrets, SPEC §9).
+fn stored_value(value: rusqlite::types::ValueRef<'_>) -> String {
+    use rusqlite::types::ValueRef;
+    match value {
+        ValueRef::Null => "NULL".to_owned(),
+        ValueRef::Integer(n) => format!("the integer {n}"),
+        ValueRef::Real(x) => format!("the real number {x}"),
+        ValueRef::Text(bytes) => match std::str::from_utf8(bytes) {
+            Ok(text) if text.chars().count() > 40 => {
+                let cut: String = text.chars().take(40).collect();
+                format!("the text {cut:?}… ({} bytes)", bytes.len())
+            }
+            Ok(text) => format!("the text {text:?}"),
+            Err(_) => format!("{} bytes of text that is not UTF-8", bytes.len()),
+        },
+        ValueRef::Blob(bytes) => format!("a {}-byte BLOB", bytes.len()),
+    }
+}
+
+/// Why column `i` of an event row cannot be read as what [`EVENT_COLUMN_SPECS`] says it
+/// holds: `column NAME holds FOUND, expected EXPECTED`, with `detail` (e.g. a JSON parser's
+/// finding) appended when there is one.
+fn wrong_column(r: &Row<'_>, i: usize, detail: Option<&str>) -> String {
+    let (name, expected) = EVENT_COLUMN_SPECS[i];
+    let found = r.get_ref(i).map_or_else(
+        |e| format!("a value SQLite cannot give ({e})"),
+        stored_value,
+    );
+    match detail {
+        Some(detail) => format!("column {name} holds {found}, expected {expected} ({detail})"),
+        None => format!("column {name} holds {found}, expected {expected}"),
+    }
+}
+
+/// Column `i` of an event row as `T`; a value of another type or out of `T`'s range is the
+/// one-line reason of [`wrong_column`] (read only on that path: a sound row costs nothing more).
+fn event_column<T: rusqlite::types::FromSql>(r: &Row<'_>, i: usize) -> Result<T, String> {
+    r.get(i).map_err(|_| wrong_column(r, i, None))
+}
+
 /// Decodes one row of [`EVENT_COLUMNS`]; a row that cannot be decoded is
-/// [`StoreError::UndecodableEvent`] naming its `seq` (or [`StoreError::Corrupt`] when even the
-/// `seq` cannot be read).
+/// [`StoreError::UndecodableEvent`] naming its `seq` and the first column that holds what the
+/// store never writes there, with what it holds and what was expected (or
+/// [`StoreError::Corrupt`] when even the `seq` cannot be read).
 fn decode_event(r: &Row<'_>) -> Result<AuditEvent, StoreError> {
     let undecodable = |reason: String| match r.get::<_, i64>(0) {
         // The row exists but a column has a wrong type or size: an altered event, named by seq.
@@ -549,7 +627,7 @@ fn decode_event(r: &Row<'_>) -> Result<AuditEvent, StoreError> {
             reason,
         },
     };
-    let mut event = event_row(r).map_err(|e| undecodable(e.to_string()))?;
+    let mut event = event_row(r).map_err(undecodable)?;
     event.prev = digest_hex(r, 25, "prev").map_err(undecodable)?;
     event.hash = digest_hex(r, 26, "hash").map_err(undecodable)?;
     Ok(event)
@@ -557,49 +635,49 @@ fn decode_event(r: &Row<'_>) -> Result<AuditEvent, StoreError> {
 
 /// The columns of one event row but its digests (`prev` and `hash` are left empty, see
 /// [`decode_event`]).
-fn event_row(r: &Row<'_>) -> rusqlite::Result<AuditEvent> {
-    let seq: i64 = r.get(0)?;
-    let remaining: Option<i64> = r.get(21)?;
-    let limit: Option<i64> = r.get(22)?;
+///
+/// # Errors
+/// The reason of [`wrong_column`] for the first column that cannot be decoded.
+fn event_row(r: &Row<'_>) -> Result<AuditEvent, String> {
+    let seq: i64 = event_column(r, 0)?;
+    let remaining: Option<i64> = event_column(r, 21)?;
+    let limit: Option<i64> = event_column(r, 22)?;
     Ok(AuditEvent {
         // A negative seq or count can only come from a hand-edited file; it then fails the
         // chain check as `altered` (u64::MAX never matches).
         seq: u64::try_from(seq).unwrap_or(u64::MAX),
-        at: r.get(1)?,
-        kind: r.get(2)?,
-        task: r.get(3)?,
-        action: r.get(4)?,
-        attempt: r.get(5)?,
-        escalation: r.get(6)?,
-        provider: r.get(7)?,
-        scope: r.get(8)?,
-        route: r.get(9)?,
-        method: r.get(10)?,
-        request_class: r.get(11)?,
-        idempotency_key: r.get(12)?,
-        payload_digest: r.get(13)?,
-        status: r.get(14)?,
-        disposition: r.get(15)?,
-        boundary: r.get(16)?,
-        source: r.get(17)?,
-        outcome: r.get(18)?,
-        job: r.get(19)?,
-        due_at: r.get(20)?,
+        at: event_column(r, 1)?,
+        kind: event_column(r, 2)?,
+        task: event_column(r, 3)?,
+        action: event_column(r, 4)?,
+        attempt: event_column(r, 5)?,
+        escalation: event_column(r, 6)?,
+        provider: event_column(r, 7)?,
+        scope: event_column(r, 8)?,
+        route: event_column(r, 9)?,
+        method: event_column(r, 10)?,
+        request_class: event_column(r, 11)?,
+        idempotency_key: event_column(r, 12)?,
+        payload_digest: event_column(r, 13)?,
+        status: event_column(r, 14)?,
+        disposition: event_column(r, 15)?,
+        boundary: event_column(r, 16)?,
+        source: event_column(r, 17)?,
+        outcome: event_column(r, 18)?,
+        job: event_column(r, 19)?,
+        due_at: event_column(r, 20)?,
         remaining: remaining.map(|v| u64::try_from(v).unwrap_or(u64::MAX)),
         limit: limit.map(|v| u64::try_from(v).unwrap_or(u64::MAX)),
-        decision: r.get(23)?,
-        decided_by: r.get(24)?,
+        decision: event_column(r, 23)?,
+        decided_by: event_column(r, 24)?,
         prev: String::new(),
         hash: String::new(),
-        signal_headers: match r.get::<_, Option<String>>(27)? {
+        signal_headers: match event_column::<Option<String>>(r, 27)? {
             None => None,
-            Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
-                rusqlite::Error::FromSqlConversionFailure(
-                    27,
-                    rusqlite::types::Type::Text,
-                    Box::new(e),
-                )
-            })?),
+            Some(text) => Some(
+                serde_json::from_str(&text)
+                    .map_err(|e| wrong_column(r, 27, Some(&e.to_string())))?,
+            ),
         },
     })
 }
@@ -749,27 +827,36 @@ pub(crate) fn event_hash(
         .optional()?)
 }
 
+/// The last row of the audit log as stored: its `seq`, and its `hash` as hex or the reason the
+/// stored hash cannot be read (see [`digest_hex`]).
+pub(crate) type HeadRow = (i64, Result<String, String>);
+
+/// The [`HeadRow`] of the last event; `None` for an empty log.
+pub(crate) fn head_row(conn: &Connection) -> Result<Option<HeadRow>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT seq, hash FROM audit_events ORDER BY seq DESC LIMIT 1")?
+        .query_row([], |r| Ok((r.get::<_, i64>(0)?, digest_hex(r, 1, "hash"))))
+        .optional()?)
+}
+
 /// The last event's `seq` and `hash` (hex), or `None` for an empty log.
 ///
 /// # Errors
 /// [`StoreError::Corrupt`] naming the `seq` when it is negative or its stored hash is not a
 /// 32-byte digest: the writer cannot continue a chain from it.
 pub(crate) fn audit_head(conn: &Connection) -> Result<Option<ChainHead>, StoreError> {
-    let row = conn
-        .prepare_cached("SELECT seq, hash FROM audit_events ORDER BY seq DESC LIMIT 1")?
-        .query_row([], |r| Ok((r.get::<_, i64>(0)?, digest_hex(r, 1, "hash"))))
-        .optional()?;
-    row.map(|(seq, hash)| {
-        let corrupt = |reason: String| StoreError::Corrupt {
-            table: "audit_events",
-            reason: format!("seq {seq}: {reason}"),
-        };
-        Ok(ChainHead {
-            seq: u64::try_from(seq).map_err(|_| corrupt("negative seq".to_owned()))?,
-            hash: hash.map_err(corrupt)?,
+    head_row(conn)?
+        .map(|(seq, hash)| {
+            let corrupt = |reason: String| StoreError::Corrupt {
+                table: "audit_events",
+                reason: format!("seq {seq}: {reason}"),
+            };
+            Ok(ChainHead {
+                seq: u64::try_from(seq).map_err(|_| corrupt("negative seq".to_owned()))?,
+                hash: hash.map_err(corrupt)?,
+            })
         })
-    })
-    .transpose()
+        .transpose()
 }
 
 /// The event insert, built once (not per event) from [`EVENT_COLUMNS`].
@@ -856,4 +943,16 @@ pub(crate) fn insert_event(
     bind_set(stmt, 28, headers)?;
     stmt.raw_execute()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_column_specs_name_the_event_columns_in_their_order() {
+        let names: Vec<&str> = EVENT_COLUMN_SPECS.iter().map(|(name, _)| *name).collect();
+        let listed: Vec<&str> = EVENT_COLUMNS.split(',').map(str::trim).collect();
+        assert_eq!(names, listed);
+    }
 }

@@ -337,18 +337,96 @@ const MIGRATIONS: &[&str] = &[
     "#,
 ];
 
-/// Maps an error of the first query on a file to "not SQLite" when SQLite says so.
+/// Maps an error of the first query on a file to "not SQLite" or "damaged or truncated" when
+/// SQLite says it cannot read the file: a file that starts with the SQLite header is a
+/// database that was cut short or damaged ([`StoreError::DamagedFile`], with what its header
+/// says about its length), any other file is not a SQLite database at all
+/// ([`StoreError::NotSqlite`]).
 fn first_query_error(path: &Path, e: rusqlite::Error) -> StoreError {
     let reason = e.to_string();
     match e.sqlite_error_code() {
         Some(rusqlite::ErrorCode::NotADatabase) | Some(rusqlite::ErrorCode::DatabaseCorrupt) => {
-            StoreError::NotSqlite {
-                path: path.to_owned(),
-                reason,
+            match header_findings(path) {
+                Some(findings) => StoreError::DamagedFile {
+                    path: path.to_owned(),
+                    reason: if findings.is_empty() {
+                        format!("SQLite says: {reason}")
+                    } else {
+                        format!("{findings} (SQLite says: {reason})")
+                    },
+                },
+                None => StoreError::NotSqlite {
+                    path: path.to_owned(),
+                    reason,
+                },
             }
         }
         _ => StoreError::Sqlite(format!("{}: {reason}", path.display())),
     }
+}
+
+/// The first 16 bytes of every SQLite database file (the SQLite file format, §1.3 "The
+/// Database Header").
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+
+/// The length of the SQLite database header (the file format, §1.3).
+const SQLITE_HEADER_BYTES: usize = 100;
+
+/// What the database header at the start of `path` says against the file's length: `None` when
+/// the file does not start with [`SQLITE_MAGIC`] (it is no SQLite database; a shorter file
+/// that is the start of it counts as a cut header), else one line that is empty when the
+/// header and the length agree (the damage is elsewhere). Reads the file format's §1.3
+/// fields: the page size (offset 16, 2 bytes, `1` meaning 65,536), and the database size in
+/// pages (offset 28, 4 bytes), which counts only while the version-valid-for number (offset 92)
+/// equals the change counter (offset 24).
+fn header_findings(path: &Path) -> Option<String> {
+    use std::io::Read as _;
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let mut header = Vec::with_capacity(SQLITE_HEADER_BYTES);
+    file.by_ref()
+        .take(SQLITE_HEADER_BYTES as u64)
+        .read_to_end(&mut header)
+        .ok()?;
+    if !header.is_empty() && header.len() < SQLITE_MAGIC.len() && SQLITE_MAGIC.starts_with(&header)
+    {
+        return Some(format!(
+            "it has {len} bytes, only the start of the SQLite header"
+        ));
+    }
+    if !header.starts_with(SQLITE_MAGIC) {
+        return None;
+    }
+    if header.len() < SQLITE_HEADER_BYTES {
+        return Some(format!(
+            "it has {len} bytes, fewer than the {SQLITE_HEADER_BYTES} of a SQLite database header"
+        ));
+    }
+    let be32 = |at: usize| {
+        u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
+    let page_size = match u16::from_be_bytes([header[16], header[17]]) {
+        1 => 65_536u64,
+        n if n >= 512 && n.is_power_of_two() => u64::from(n),
+        n => {
+            return Some(format!(
+                "its header gives {n} as the page size, which SQLite never writes"
+            ))
+        }
+    };
+    let pages = u64::from(be32(28));
+    if pages > 0 && be32(24) == be32(92) && pages * page_size > len {
+        return Some(format!(
+            "it has {len} bytes, but its header gives {pages} pages of {page_size} bytes ({} bytes)",
+            pages * page_size
+        ));
+    }
+    if len % page_size != 0 {
+        return Some(format!(
+            "it has {len} bytes, not a whole number of {page_size}-byte pages"
+        ));
+    }
+    Some(String::new())
 }
 
 /// What [`identify`] found.
@@ -560,8 +638,8 @@ pub(crate) fn quick_check(conn: &Connection, path: &Path) -> Result<(), StoreErr
 /// files.
 ///
 /// # Errors
-/// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::Foreign`],
-/// [`StoreError::TooNew`], an older schema as [`StoreError::Sqlite`];
+/// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::DamagedFile`],
+/// [`StoreError::Foreign`], [`StoreError::TooNew`], an older schema as [`StoreError::Sqlite`];
 /// [`StoreError::ReadOnlyWal`] when the `-shm` file cannot be had and the `-wal` file is not
 /// empty (the database file alone could lack committed events).
 pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, StoreError> {

@@ -87,6 +87,14 @@ fn a_head_after_an_event_whose_hash_cannot_be_read_is_refused_when_the_store_ope
 }
 
 #[test]
+fn a_head_event_whose_own_hash_is_stored_as_text_is_refused_when_the_store_opens() {
+    assert_refused_after(
+        "UPDATE audit_events SET hash = lower(hex(hash)) WHERE seq = {last}",
+        "head with its hash stored as text",
+    );
+}
+
+#[test]
 fn a_head_event_with_a_changed_column_is_refused_when_the_store_opens() {
     assert_refused_after(
         "UPDATE audit_events SET route = '/v1/refunds' WHERE seq = {last}",

@@ -127,3 +127,41 @@ fn a_damaged_database_is_refused_when_the_store_opens() {
         "{text}"
     );
 }
+
+#[test]
+fn a_truncated_database_is_damaged_or_truncated_not_foreign_to_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 50);
+    drop(store);
+    let bytes = std::fs::read(&path).expect("read");
+    let page_size = 4096;
+    let pages = bytes.len() / page_size;
+    assert!(pages > 2, "the fixture has several pages");
+    for len in [1000, 2 * page_size + 100, 20] {
+        std::fs::write(&path, &bytes[..len]).expect("write");
+        let writer = SqliteStore::open(&path).expect_err("a truncated file must not open");
+        let reader = AuditReader::open(&path).expect_err("a truncated file must not be read");
+        for err in [writer, reader] {
+            assert!(
+                matches!(err, StoreError::DamagedFile { .. }),
+                "{len}: {err}"
+            );
+            let text = err.to_string();
+            assert!(
+                text.contains("backstop.db: the file is damaged or truncated: "),
+                "{text}"
+            );
+            let said = if len < 100 {
+                format!("it has {len} bytes, fewer than the 100 of a SQLite database header")
+            } else {
+                format!("it has {len} bytes, but its header gives {pages} pages of 4096 bytes")
+            };
+            assert!(text.contains(&said), "{text}");
+        }
+        assert_eq!(
+            std::fs::read(&path).expect("read"),
+            &bytes[..len],
+            "untouched"
+        );
+    }
+}
