@@ -47,6 +47,12 @@ use backstop_gateway::scheduler::{AcquireRequest, Acquired, SchedulerHandle};
 use jiff::{SignedDuration, Timestamp};
 use tokio::sync::oneshot;
 
+/// The allocator the `backstop` binary ships with (crates/cli/src/main.rs): resident memory per
+/// delayed action and the cost of freeing each released task are the allocator's as much as
+/// the scheduler's, so the bench measures them with the one in use.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const WAVES: u64 = 10;
 const WAVE_GAP: Duration = Duration::from_secs(1);
 /// Distinct task ids among the actions (a run has many actions).
