@@ -491,10 +491,19 @@ pub async fn open_sqlite(path: PathBuf) -> Result<Arc<dyn Store>, StartError> {
         })?;
     match opened {
         Ok(store) => Ok(Arc::new(store)),
-        Err(e) => Err(StartError::Store {
-            path: for_error,
-            reason: e.to_string(),
-        }),
+        Err(e) => {
+            // Most store errors begin with the file's path already: named once, not twice.
+            let reason = e.to_string();
+            let named = format!("{}: ", for_error.display());
+            let reason = reason
+                .strip_prefix(&named)
+                .map(str::to_owned)
+                .unwrap_or(reason);
+            Err(StartError::Store {
+                path: for_error,
+                reason,
+            })
+        }
     }
 }
 
@@ -1171,6 +1180,29 @@ mod tests {
             assert!(!names_a_provider(&policy, path), "{path}");
         }
     }
+    #[tokio::test]
+    async fn a_store_that_cannot_be_opened_is_named_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("not-sqlite.db");
+        std::fs::write(
+            &path,
+            b"this is not a database, just some text of a few bytes",
+        )
+        .unwrap();
+        let message = match open_sqlite(path.clone()).await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a text file opened as a store"),
+        };
+        let shown = path.display().to_string();
+        assert_eq!(message.matches(&shown).count(), 1, "{message}");
+        assert!(
+            message.starts_with(&format!(
+                "cannot open the store {shown}: not a SQLite database"
+            )),
+            "{message}"
+        );
+    }
+
     #[tokio::test]
     async fn door_builds_the_action_and_passes_the_response_through() {
         let (state, executor) = state(ok_answer, true);

@@ -362,3 +362,42 @@ fn a_truncated_database_is_called_damaged_or_truncated_not_foreign_to_sqlite() {
         "{stderr}"
     );
 }
+
+#[test]
+fn head_of_a_damaged_last_event_points_to_audit_verify_and_prints_no_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    // The digest as hex text (the form before schema 8), as a hand edit could leave it.
+    tamper(
+        &db,
+        "UPDATE audit_events SET hash = lower(hex(hash)) WHERE seq = 9",
+    );
+    let out = backstop(&["audit", "head", "--db", p(&db)]);
+    assert_ne!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains(
+            "the audit log's last event, seq 9, cannot be decoded (hash is stored as text"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("`backstop audit verify --db {}`", p(&db))),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+
+    // A last event whose content was changed after it was sealed is not printed for
+    // anchoring either.
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    tamper(&db, "UPDATE audit_events SET task = 'run-z' WHERE seq = 9");
+    let out = backstop(&["audit", "head", "--db", p(&db)]);
+    assert_ne!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("seq 9, does not match its hash"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+}

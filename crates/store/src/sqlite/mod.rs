@@ -1590,6 +1590,8 @@ impl Store for SqliteStore {
 #[derive(Debug)]
 pub struct AuditReader {
     conn: Connection,
+    /// The database file, named in errors.
+    path: std::path::PathBuf,
 }
 
 impl AuditReader {
@@ -1606,15 +1608,20 @@ impl AuditReader {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Ok(AuditReader {
             conn: schema::open_reader(path.as_ref(), true)?,
+            path: path.as_ref().to_owned(),
         })
     }
 
     /// The chain head, or `None` for an empty log.
     ///
     /// # Errors
-    /// Storage errors.
+    /// [`StoreError::BrokenHead`] (with the pointer to `backstop audit verify`) when the last
+    /// event lies outside the chain, cannot be decoded (a hash stored as text, say), does not
+    /// match its hash or does not link to the event before it: the same checks as the store
+    /// makes before it continues the chain, so a damaged head is never printed for anchoring;
+    /// storage errors.
     pub fn head(&self) -> Result<Option<ChainHead>, StoreError> {
-        rows::audit_head(&self.conn)
+        checked_head(&self.conn, &self.path)
     }
 
     /// Writes every event with `seq > since` as NDJSON to `out`; returns how many.

@@ -437,8 +437,13 @@ fn a_damaged_head_digest_is_refused_naming_its_seq() {
     );
     let err = reader.head().expect_err("no head from a damaged digest");
     assert!(
-        err.to_string()
-            .contains(&format!("seq {last}: hash is 31 bytes, not the 32")),
+        err.to_string().contains(&format!(
+            "seq {last}, cannot be decoded (hash is 31 bytes, not the 32"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("backstop audit verify --db"),
         "{err}"
     );
     drop(reader);
