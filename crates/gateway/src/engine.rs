@@ -2175,6 +2175,36 @@ impl Engine {
                         }
                         other => other.map(drop),
                     };
+                    // The store failed on the result and worked again for the schedule (a disk
+                    // that hiccuped): the result is recorded now, before the retry may leave,
+                    // so the attempt does not stay `sent` without a result (read as uncertain
+                    // after a restart) and the log does not lack its `action_result`.
+                    let scheduled = match (scheduled, unrecorded.take()) {
+                        (Ok(()), Some(result)) => {
+                            let kept = result.clone();
+                            match inner
+                                .blocking(move |s| s.record_result(result, received_at))
+                                .await
+                            {
+                                Ok(()) => Ok(()),
+                                // A read is retried from memory all the same (as above).
+                                Err(e) if is_safe_method(&run.request.method) => {
+                                    tracing::warn!(action = run.id.0, task = %spec.task_id, route = %route.template, error = %e, "a read's attempt result could not be recorded; it is retried from memory");
+                                    Ok(())
+                                }
+                                Err(e) => {
+                                    if is_store_failure(&e) {
+                                        unrecorded = Some(kept);
+                                    }
+                                    Err(e)
+                                }
+                            }
+                        }
+                        (scheduled, kept) => {
+                            unrecorded = kept;
+                            scheduled
+                        }
+                    };
                     if let Err(e) = scheduled {
                         guard.armed = false;
                         if let Some(tokens) = pending.take() {

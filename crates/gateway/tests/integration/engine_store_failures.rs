@@ -567,6 +567,36 @@ async fn unscheduled_retry(h: &Harness, store: &FailingStore, first: Step, key: 
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_result_the_store_could_not_record_before_a_retry_it_scheduled_is_recorded_and_the_retry_goes(
+) {
+    // The store fails once, on the first attempt's result, and works again when the retry is
+    // scheduled: the result is recorded then, so the retry may send, instead of being refused
+    // as "an attempt still in flight" and the write ending `cancelled`.
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(503, &[("retry-after", "5")], ""),
+            answer(201, &[], "{}"),
+        ],
+    );
+    store.fail_next_result();
+    let answered = h.engine.execute(write(&h, "t", "k-r1")).await;
+    let action = ActionId(answered.receipt().action_id);
+    assert_eq!(summary(&answered), "201");
+    assert_eq!(h.transport.sent().len(), 2, "the retry left once");
+    let record = stored(&h, action);
+    assert_eq!(record.outcome, Some(Outcome::Succeeded));
+    let attempts = h.store.attempts(action).unwrap();
+    assert_eq!(attempts.len(), 2);
+    assert_eq!(
+        attempts[0].status,
+        Some(503),
+        "the first result is recorded"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_retry_the_store_could_not_schedule_is_closed_once_the_store_commits_again() {
     let (h, store) = Harness::with_failing_store();
     let first = answer(503, &[("retry-after", "5")], "");

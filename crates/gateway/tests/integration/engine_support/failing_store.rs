@@ -5,6 +5,8 @@
 //! [`FailingStore::fail_schedules`] only the scheduling of a retry; [`FailingStore::fail_outcomes`]
 //! only what ends an action (`finish_action`, `record_reconciled`, and an attempt result
 //! carrying the outcome).
+//! [`FailingStore::fail_next_result`] only the next attempt result that does not end its action
+//! (then the store works again, as a disk that hiccups once).
 //! [`FailingStore::lose_reads`] hands reads their ids but never commits their records, as when
 //! the group commit of a held read fails. [`FailingStore::recover`] ends any of these.
 
@@ -41,6 +43,8 @@ const LOSING_READS: u8 = 3;
 const FAILING_SCHEDULES: u8 = 4;
 /// Only what ends an action fails.
 const FAILING_OUTCOMES: u8 = 5;
+/// Only the next attempt result that does not end its action fails, once.
+const FAILING_NEXT_RESULT: u8 = 6;
 
 /// The first action id handed to a read whose records are lost (far above the real store's).
 pub const FIRST_LOST_READ: i64 = 1_000_000;
@@ -89,6 +93,12 @@ impl FailingStore {
     /// `submit_result`).
     pub fn fail_outcomes(&self) {
         self.mode.store(FAILING_OUTCOMES, Ordering::SeqCst);
+    }
+
+    /// The next attempt result that does not end its action (`record_result` of a result
+    /// followed by a retry) fails; everything before and after it works.
+    pub fn fail_next_result(&self) {
+        self.mode.store(FAILING_NEXT_RESULT, Ordering::SeqCst);
     }
 
     /// From now on a read is handed an id (from [`FIRST_LOST_READ`] on) but none of its records
@@ -218,6 +228,19 @@ impl Store for FailingStore {
     }
     fn record_result(&self, result: AttemptResult, at: Timestamp) -> Result<(), StoreError> {
         if self.failing_outcome(result.finish.is_some()) {
+            return Err(damaged());
+        }
+        if result.finish.is_none()
+            && self
+                .mode
+                .compare_exchange(
+                    FAILING_NEXT_RESULT,
+                    WORKING,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok()
+        {
             return Err(damaged());
         }
         self.inner.record_result(result, at)
