@@ -57,7 +57,7 @@
 //! here, first-try successes deposit the refund.
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     future::Future,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -544,7 +544,7 @@ impl SchedulerHandle {
             ready: Vec::new(),
             slot_waiters: Vec::new(),
             batch: Vec::new(),
-            cancelled_tasks: HashSet::new(),
+            cancelled_tasks: HashMap::new(),
             rng: SplitMix64::new(seed),
             clock,
             metrics,
@@ -607,10 +607,7 @@ impl SchedulerHandle {
         if due
             || !state.slot_waiters.is_empty()
             || request.not_before.is_some_and(|at| at > now)
-            || (!state.cancelled_tasks.is_empty()
-                && state
-                    .cancelled_tasks
-                    .contains(&(request.agent.clone(), request.task_id.clone())))
+            || is_cancelled(&state.cancelled_tasks, &request.agent, &request.task_id)
         {
             return None;
         }
@@ -1020,7 +1017,9 @@ struct State {
     /// a read's attempt is recorded without waiting, and a read's retry the store refuses to
     /// schedule is retried from memory. Dropping an entry safely needs every action to hold its
     /// task from before its store record to its end, which no one tracks yet.
-    cancelled_tasks: HashSet<Arc<TaskKey>>,
+    /// By agent, then task id: looked up from borrowed strings, so an admission checks it
+    /// without copying the request's agent and task id.
+    cancelled_tasks: HashMap<String, HashSet<String>>,
     rng: SplitMix64,
     clock: TokioClock,
     metrics: Arc<Metrics>,
@@ -1177,6 +1176,15 @@ fn handle_counted(shared: &Shared, state: &mut State, msg: Msg) -> bool {
     stop
 }
 
+/// Whether `agent`'s task `task_id` is among `cancelled` (a map lookup only once a task was
+/// cancelled; nothing is copied).
+fn is_cancelled(cancelled: &HashMap<String, HashSet<String>>, agent: &str, task_id: &str) -> bool {
+    !cancelled.is_empty()
+        && cancelled
+            .get(agent)
+            .is_some_and(|tasks| tasks.contains(task_id))
+}
+
 impl State {
     /// Stops for good: every waiting action is answered `Stopped` (its waiter drops) and every
     /// later `acquire` too.
@@ -1312,7 +1320,10 @@ impl State {
             } => {
                 let key: TaskKey = (agent, task_id);
                 let task = self.tasks.get(&key).unwrap_or_else(|| Arc::new(key));
-                self.cancelled_tasks.insert(task.clone());
+                self.cancelled_tasks
+                    .entry(task.0.clone())
+                    .or_default()
+                    .insert(task.1.clone());
                 let slots: Vec<u32> = self
                     .slots
                     .iter()
@@ -1611,8 +1622,7 @@ impl State {
                 return;
             }
         }
-        let cancelled =
-            !self.cancelled_tasks.is_empty() && self.cancelled_tasks.contains(&waiter.task);
+        let cancelled = is_cancelled(&self.cancelled_tasks, &waiter.task.0, &waiter.task.1);
         let request = AdmitRequest {
             cancelled,
             priority: waiter.priority,
