@@ -741,7 +741,7 @@ impl Inner {
     ///
     /// `unfinished` is the list taken at start, before any action of this run was recorded.
     pub(super) async fn recover_unfinished(
-        &self,
+        self: &std::sync::Arc<Self>,
         unfinished: Result<Vec<backstop_store::UnfinishedAttempt>, super::EngineError>,
     ) {
         let unfinished = match unfinished {
@@ -779,8 +779,24 @@ impl Inner {
                 signal_headers: Vec::new(),
                 finish: None,
             };
+            let kept = result.clone();
             if let Err(e) = self.blocking(move |s| s.record_result(result, now)).await {
-                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot record the uncertain attempt");
+                // A store that cannot commit (a full disk) at start: the uncertain attempt and
+                // the write's reconciliation are recorded as soon as it commits again, not
+                // left to the next start.
+                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot record the uncertain attempt yet");
+                let deferred = Deferred {
+                    action: id,
+                    result: Some(kept),
+                    end: DeferredEnd::Reconcile {
+                        gone: PayloadGone::Restart,
+                        verdict: None,
+                    },
+                    count: None,
+                };
+                if super::is_store_failure(&e) {
+                    self.record_or_defer(deferred).await;
+                }
                 continue;
             }
             if let Err(e) = self.reconcile_and_close(&facts, PayloadGone::Restart).await {
@@ -800,7 +816,7 @@ impl Inner {
     ///
     /// `listed` is the list taken at start, before any action of this run was recorded.
     pub(super) async fn recover_between_attempts(
-        &self,
+        self: &std::sync::Arc<Self>,
         listed: Result<Vec<ActionId>, EngineError>,
     ) {
         let listed = match listed {
@@ -835,15 +851,14 @@ impl Inner {
                     "restart recovery: an action was left between two attempts; its caller is gone, the action is cancelled"
                 );
             }
-            let mut close = Deferred {
+            // Recorded at once, or as soon as the store commits again (a full disk at start).
+            self.record_or_defer(Deferred {
                 action: id,
                 result: None,
                 end,
                 count: None,
-            };
-            if let Err(e) = self.record_deferred(&mut close).await {
-                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the action left between two attempts");
-            }
+            })
+            .await;
         }
     }
 

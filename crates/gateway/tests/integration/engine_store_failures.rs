@@ -20,7 +20,8 @@ use backstop_gateway::{
     watchdog::{Watchdog, WatchdogConfig},
 };
 use backstop_store::{
-    ActionId, ActionRecord, ActionState, Outcome, PayloadDigest, SqliteStore, Store,
+    ActionId, ActionRecord, ActionState, Admission, NewAction, NewTask, Outcome, PayloadDigest,
+    RouteTemplate, SqliteStore, Store,
 };
 use jiff::SignedDuration;
 use serde_json::Value;
@@ -1356,4 +1357,81 @@ async fn a_deferred_reconciliation_asks_the_provider_once_while_the_store_cannot
     );
     engine.shutdown().await;
     fake.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_sent_without_a_result_found_at_a_start_the_store_cannot_commit_is_reconciled_once_it_can(
+) {
+    let (h, store) = Harness::with_failing_store();
+    // What the previous run left: a write's attempt recorded sent, and no result.
+    let now = backstop_core::clock::Clock::now(&h.clock);
+    h.store
+        .open_task(
+            NewTask {
+                id: "t".into(),
+                agent: "agent-a".into(),
+                priority: backstop_store::Priority::Normal,
+                deadline: None,
+            },
+            now,
+        )
+        .unwrap();
+    let Admission::New(action) = h
+        .store
+        .record_action(
+            NewAction {
+                task_id: "t".into(),
+                agent: "agent-a".into(),
+                provider: "billing".into(),
+                method: "POST".into(),
+                route: RouteTemplate::try_new("/v1/transfers").unwrap(),
+                request_class: "idempotent_write".into(),
+                payload_digest: PayloadDigest::of(br#"{"amount":5}"#),
+                target_digest: None,
+                idempotency_key: "k-start".into(),
+                external_reference: None,
+                desired_outcome: None,
+                fingerprint: None,
+            },
+            now,
+        )
+        .unwrap()
+    else {
+        panic!("a fresh key was taken as existing");
+    };
+    h.store.mark_attempt_sent(action, now).unwrap();
+
+    // The next run starts while the store cannot commit.
+    store.fail();
+    let restarted = Engine::new(
+        h.policy.clone(),
+        store.clone(),
+        h.transport.clone(),
+        h.clock,
+        h.metrics.clone(),
+        9,
+    );
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(
+        stored(&h, action).outcome,
+        None,
+        "nothing could be recorded yet"
+    );
+
+    // Once it commits again the write is reconciled, without another start.
+    store.recover();
+    advance(Duration::from_secs(120)).await;
+    assert!(
+        until(|| stored(&h, action).outcome.is_some()).await,
+        "the write is reconciled once the store commits again, not left to the next start"
+    );
+    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    let attempts = h.store.attempts(action).unwrap();
+    assert_eq!(
+        attempts[0].disposition,
+        Some(backstop_store::Disposition::Uncertain),
+        "the attempt is recorded uncertain"
+    );
+    assert!(h.transport.sent().is_empty(), "nothing was sent");
+    restarted.shutdown().await;
 }
