@@ -100,6 +100,13 @@ pub use writes::{DEFERRED_RECORD_WINDOW, RESTARTED_BEFORE_RETRY, STORE_FAILED_BE
 pub const RESTARTED_DURING_READ: &str =
     "the gateway restarted while this read was in flight; the caller's request is gone — resubmit";
 
+/// The reason a read recorded but never sent is closed at the next start (its action ends
+/// `cancelled`): the gateway stopped or crashed while it waited for its first attempt (its
+/// caller was answered `503 shutting_down`, or went away with the crash). Nothing was sent;
+/// resubmitting the read is safe.
+pub const RESTARTED_BEFORE_READ_SENT: &str =
+    "the gateway stopped before this read was sent; nothing was sent and the caller's request is gone — resubmit";
+
 pub use actions::{
     Completion, DecisionApplied, KeptResponse, LookupAnswer, DECISION_WAIT, KEPT_ACTIONS,
     KEPT_BODY_LIMIT,
@@ -840,6 +847,7 @@ impl Engine {
             let unfinished = restore.blocking(|s| s.unfinished_attempts()).await;
             let scheduled = restore.blocking(|s| s.scheduled_retries()).await;
             let between = restore.blocking(|s| s.actions_between_attempts()).await;
+            let unsent_reads = restore.blocking(|s| s.unsent_reads()).await;
             match restore.blocking(|s| s.unsent_writes()).await {
                 Ok(unsent) if !unsent.is_empty() => {
                     tracing::info!(
@@ -898,6 +906,7 @@ impl Engine {
             // write reconciled); scheduled retries are re-armed at their due instants.
             restore.recover_unfinished(unfinished).await;
             restore.recover_between_attempts(between).await;
+            restore.close_unsent_reads(unsent_reads).await;
             restore.rearm_scheduled(scheduled).await;
         });
         Engine { inner }

@@ -472,6 +472,17 @@ pub trait Store: Send + Sync {
     /// Storage errors only.
     fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError>;
 
+    /// Reads (actions without idempotency key) that were recorded and never sent: state
+    /// `requested`, no attempt and no scheduled retry, in id order. After a restart these are
+    /// reads a stopped or crashed gateway held before their first send (pacing, a full scope,
+    /// a stop answered `503 shutting_down`); nothing resumes a read after a restart, so the
+    /// gateway closes them. Reads the `actions_open` index, not the whole table: meant for
+    /// start-up only.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn unsent_reads(&self) -> Result<Vec<ActionId>, StoreError>;
+
     /// Actions left between two attempts: the last attempt has a result, but the action
     /// neither ended nor has a waiting retry — state `attempted`, no unclaimed scheduled retry
     /// — in id order. After a restart these are actions whose run stopped (or whose store could

@@ -862,6 +862,49 @@ impl Inner {
         }
     }
 
+    /// Restart recovery of the reads the previous run recorded and never sent (see
+    /// [`backstop_store::Store::unsent_reads`]): nothing resumes a read after a restart, so
+    /// each ends `cancelled` with [`super::RESTARTED_BEFORE_READ_SENT`] — at once, or as soon as
+    /// the store commits again.
+    ///
+    /// `listed` is the list taken at start, before any action of this run was recorded.
+    pub(super) async fn close_unsent_reads(
+        self: &std::sync::Arc<Self>,
+        listed: Result<Vec<ActionId>, EngineError>,
+    ) {
+        let listed = match listed {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::error!(error = %e, "restart recovery: cannot read the reads never sent");
+                return;
+            }
+        };
+        if !listed.is_empty() {
+            tracing::info!(
+                reads = listed.len(),
+                "restart recovery: reads recorded but never sent before the stop are cancelled; nothing was sent for them"
+            );
+        }
+        for id in listed {
+            let context = serde_json::json!({
+                "sent": false, "response_received": false, "attempts": 0,
+                "next_safe": [{"option": "abort"}],
+                "detail": super::RESTARTED_BEFORE_READ_SENT,
+            });
+            self.record_or_defer(Deferred {
+                action: id,
+                result: None,
+                end: DeferredEnd::Outcome(super::Finish {
+                    outcome: backstop_store::Outcome::Cancelled,
+                    context,
+                    response: None,
+                }),
+                count: None,
+            })
+            .await;
+        }
+    }
+
     /// The stored action `id` for restart recovery; `None` (logged) when it is gone or cannot
     /// be read.
     async fn recovered_action(&self, id: ActionId) -> Option<ActionRecord> {

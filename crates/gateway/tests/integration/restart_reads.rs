@@ -3,7 +3,7 @@
 //! not `budget_exhausted`, whose budget it never used up. Nothing is sent again; sends are
 //! counted at the scripted transport.
 
-use backstop_gateway::engine::RESTARTED_DURING_READ;
+use backstop_gateway::engine::{RESTARTED_BEFORE_READ_SENT, RESTARTED_DURING_READ};
 use backstop_store::{
     ActionId, Admission, AttemptState, Disposition, NewAction, NewTask, Outcome, PayloadDigest,
     Priority, RouteTemplate, Store,
@@ -14,6 +14,14 @@ use crate::engine_support::{until, Harness};
 /// Records a read of `/v1/items/7` in task `t` and its first attempt as sent, as a gateway
 /// that crashed before the answer would have left the store.
 fn interrupted_read(h: &Harness) -> ActionId {
+    let id = recorded(h, "GET", "/v1/items/{id}", "read", "");
+    assert_eq!(h.store.mark_attempt_sent(id, h.t0).unwrap(), 1);
+    id
+}
+
+/// Records an action of task `t` (a write when `key` is not empty) and nothing else, as a
+/// gateway that stopped while the action waited for its first attempt.
+fn recorded(h: &Harness, method: &str, route: &str, class: &str, key: &str) -> ActionId {
     let at = h.t0;
     h.store
         .open_task(
@@ -33,12 +41,12 @@ fn interrupted_read(h: &Harness) -> ActionId {
                 task_id: "t".into(),
                 agent: "agent-a".into(),
                 provider: "billing".into(),
-                method: "GET".into(),
-                route: RouteTemplate::try_new("/v1/items/{id}").unwrap(),
-                request_class: "read".into(),
+                method: method.into(),
+                route: RouteTemplate::try_new(route).unwrap(),
+                request_class: class.into(),
                 payload_digest: PayloadDigest::of(b""),
                 target_digest: Some(PayloadDigest::of(b"/v1/items/7")),
-                idempotency_key: String::new(),
+                idempotency_key: key.into(),
                 external_reference: None,
                 desired_outcome: None,
                 fingerprint: None,
@@ -47,10 +55,38 @@ fn interrupted_read(h: &Harness) -> ActionId {
         )
         .unwrap();
     let Admission::New(id) = admission else {
-        panic!("a read is always a new action")
+        panic!("a fresh action was taken as existing")
     };
-    assert_eq!(h.store.mark_attempt_sent(id, at).unwrap(), 1);
     id
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_read_recorded_but_never_sent_before_a_stop_is_cancelled_at_restart() {
+    let h = Harness::new();
+    // The stop answered its caller `503 shutting_down` while it waited for its first attempt.
+    let read = recorded(&h, "GET", "/v1/items/{id}", "read", "");
+    // A write in the same state waits for its agent's resend under its key instead.
+    let write = recorded(&h, "POST", "/v1/transfers", "idempotent_write", "k-wait");
+    let restarted = h.restarted(7);
+    let stored = |id| h.store.action(id).unwrap().unwrap();
+    assert!(
+        until(|| stored(read).outcome.is_some()).await,
+        "restart recovery ended the read"
+    );
+    let record = stored(read);
+    assert_eq!(record.outcome, Some(Outcome::Cancelled));
+    let context = record.outcome_context.unwrap();
+    assert_eq!(context["detail"], RESTARTED_BEFORE_READ_SENT, "{context}");
+    assert_eq!(context["sent"], false, "{context}");
+    assert_eq!(context["attempts"], 0, "{context}");
+    assert!(h.store.attempts(read).unwrap().is_empty());
+    assert_eq!(
+        stored(write).outcome,
+        None,
+        "the write waits for its resend"
+    );
+    assert!(h.transport.sent().is_empty(), "{:?}", h.transport.sent());
+    restarted.shutdown().await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -1540,6 +1540,10 @@ impl Store for SqliteStore {
         self.read(rows::unsent_writes)
     }
 
+    fn unsent_reads(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.read(rows::unsent_reads)
+    }
+
     fn actions_between_attempts(&self) -> Result<Vec<ActionId>, StoreError> {
         self.read(rows::actions_between_attempts)
     }

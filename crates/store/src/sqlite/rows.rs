@@ -353,6 +353,15 @@ pub(crate) const UNSENT_WRITES_SQL: &str = "SELECT a.id FROM actions a \
      AND NOT EXISTS (SELECT 1 FROM scheduled_retries r WHERE r.action_id = a.id) \
      ORDER BY a.id";
 
+/// Reads recorded but never sent and with no retry scheduled (the start-up scan); reads the
+/// `actions_open` index as [`UNSENT_WRITES_SQL`] does.
+pub(crate) const UNSENT_READS_SQL: &str = "SELECT a.id FROM actions a \
+     WHERE a.state != 'finished' AND a.state = 'requested' \
+     AND a.idempotency_key IS NULL \
+     AND NOT EXISTS (SELECT 1 FROM attempts t WHERE t.action_id = a.id) \
+     AND NOT EXISTS (SELECT 1 FROM scheduled_retries r WHERE r.action_id = a.id) \
+     ORDER BY a.id";
+
 /// Actions between two attempts with no retry waiting to be claimed (the start-up scan); reads
 /// the `actions_open` index as [`UNSENT_WRITES_SQL`] does.
 pub(crate) const ACTIONS_BETWEEN_ATTEMPTS_SQL: &str = "SELECT a.id FROM actions a \
@@ -363,6 +372,10 @@ pub(crate) const ACTIONS_BETWEEN_ATTEMPTS_SQL: &str = "SELECT a.id FROM actions 
 
 pub(crate) fn unsent_writes(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
     action_ids(conn, UNSENT_WRITES_SQL)
+}
+
+pub(crate) fn unsent_reads(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {
+    action_ids(conn, UNSENT_READS_SQL)
 }
 
 pub(crate) fn actions_between_attempts(conn: &Connection) -> Result<Vec<ActionId>, StoreError> {

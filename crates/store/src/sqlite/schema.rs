@@ -1337,6 +1337,7 @@ mod tests {
         let conn = open_writer(&dir.path().join("b.db"), true).expect("open");
         for sql in [
             crate::sqlite::rows::UNSENT_WRITES_SQL,
+            crate::sqlite::rows::UNSENT_READS_SQL,
             crate::sqlite::rows::ACTIONS_BETWEEN_ATTEMPTS_SQL,
         ] {
             let mut stmt = conn

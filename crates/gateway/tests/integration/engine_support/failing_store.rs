@@ -452,6 +452,9 @@ impl Store for FailingStore {
     fn unsent_writes(&self) -> Result<Vec<ActionId>, StoreError> {
         self.inner.unsent_writes()
     }
+    fn unsent_reads(&self) -> Result<Vec<ActionId>, StoreError> {
+        self.inner.unsent_reads()
+    }
     fn actions_between_attempts(&self) -> Result<Vec<ActionId>, StoreError> {
         self.inner.actions_between_attempts()
     }
