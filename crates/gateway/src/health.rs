@@ -344,6 +344,13 @@ impl ActionTrail {
             .find(|w| w.seq > result_seq && w.seq < until)
     }
 
+    /// Whether the action was throttled (an attempt got a 429 or another limit signal) and then
+    /// ended `cancelled`: [`derive_snapshot`] gives it no snapshot, since a cancelled action waits
+    /// for nothing; an export says so rather than "none throttled".
+    pub fn throttled_then_cancelled(&self) -> bool {
+        self.outcome.as_deref() == Some("cancelled") && self.chosen_throttle().is_some()
+    }
+
     /// The throttle a snapshot is built from (see the module docs).
     fn chosen_throttle(&self) -> Option<u32> {
         let throttles: Vec<u32> = self

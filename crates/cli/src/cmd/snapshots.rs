@@ -119,11 +119,16 @@ fn export(args: ExportArgs) -> ExitCode {
     let mut written = Ok(());
     // Actions of the task asked for, snapshots written, and snapshots named by provider only.
     let (mut of_task, mut exported, mut by_provider) = (0usize, 0usize, 0usize);
+    // Actions of the task asked for that were throttled and then cancelled (no snapshot).
+    let mut cancelled_throttled = 0usize;
     for trail in evidence.trails() {
         if args.task.as_deref().is_some_and(|t| t != trail.task) {
             continue;
         }
         of_task += 1;
+        if trail.throttled_then_cancelled() {
+            cancelled_throttled += 1;
+        }
         let deadline = match deadlines.get(&trail.task) {
             Some(deadline) => *deadline,
             // The audit trail names the task id only; this offline operator view considers
@@ -166,6 +171,12 @@ fn export(args: ExportArgs) -> ExitCode {
         if of_task == 0 {
             errln!("backstop snapshots export: {place}: no action of task `{task}` was found");
             code = ExitCode::from(1);
+        } else if exported == 0 && cancelled_throttled > 0 {
+            errln!(
+                "backstop snapshots export: {place}: task `{task}` has {of_task} action{}; {cancelled_throttled} of them {} throttled and then cancelled, and a cancelled action waits for nothing, so it has no snapshot: nothing to export",
+                if of_task == 1 { "" } else { "s" },
+                if cancelled_throttled == 1 { "was" } else { "were" }
+            );
         } else if exported == 0 {
             errln!(
                 "backstop snapshots export: {place}: task `{task}` has {of_task} action{}, none throttled: nothing to export",

@@ -47,6 +47,11 @@ fn database(dir: &Path) -> PathBuf {
     let store = SqliteStore::open(&path).unwrap();
     action(&store, "run-throttled", true);
     action(&store, "run-fine", false);
+    // Throttled, then its task was cancelled: a cancelled action has no snapshot.
+    action(&store, "run-stopped", true);
+    store
+        .cancel_task("agent-a", "run-stopped", at(1_000))
+        .unwrap();
     path
 }
 
@@ -97,6 +102,20 @@ fn a_task_with_no_action_is_said_and_exits_1() {
         "{}",
         stderr(&out)
     );
+
+    // A task whose only action was throttled and then cancelled: said as such, not "none
+    // throttled".
+    let out = export_task(db, "run-stopped");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(out.stdout.is_empty());
+    assert!(
+        stderr(&out).contains(
+            "task `run-stopped` has 1 action; 1 of them was throttled and then cancelled, and a cancelled action waits for nothing, so it has no snapshot: nothing to export"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!stderr(&out).contains("none throttled"), "{}", stderr(&out));
 }
 
 #[test]
