@@ -100,6 +100,14 @@ pub use writes::{DEFERRED_RECORD_WINDOW, RESTARTED_BEFORE_RETRY, STORE_FAILED_BE
 pub const RESTARTED_DURING_READ: &str =
     "the gateway restarted while this read was in flight; the caller's request is gone — resubmit";
 
+/// The `source` of an attempt result recorded `uncertain` when the client went away while the
+/// attempt was in flight.
+const DISCONNECTED_DURING_ATTEMPT: &str = "client disconnected during the attempt";
+
+/// The `source` of an attempt result recorded `uncertain` at restart: the attempt was sent and
+/// the previous run stopped before its result was recorded.
+const RESTARTED_BEFORE_RESULT: &str = "the gateway restarted before the result was recorded";
+
 /// The reason a read recorded but never sent is closed at the next start (its action ends
 /// `cancelled`): the gateway stopped or crashed while it waited for its first attempt (its
 /// caller was answered `503 shutting_down`, or went away with the crash). Nothing was sent;
@@ -500,6 +508,27 @@ struct ActionGuard<'a> {
     armed: bool,
 }
 
+/// The result of attempt `attempt` of `action` whose answer is not known (sent, no response
+/// recorded): `uncertain`, with `source` saying why, and `finish` when it also ends the action.
+fn uncertain_result(
+    action: ActionId,
+    attempt: u32,
+    source: &str,
+    finish: Option<Finish>,
+) -> AttemptResult {
+    AttemptResult {
+        action,
+        attempt,
+        status: None,
+        disposition: backstop_store::Disposition::Uncertain,
+        boundary: None,
+        source: Some(source.to_owned()),
+        provider_operation_id: None,
+        signal_headers: Vec::new(),
+        finish,
+    }
+}
+
 impl Drop for ActionGuard<'_> {
     fn drop(&mut self) {
         if !self.armed {
@@ -520,17 +549,8 @@ impl Drop for ActionGuard<'_> {
                 sent,
                 "client disconnected: the write's last attempt is uncertain, so it is reconciled with its original key; it never sends again"
             );
-            let result = in_flight.map(|attempt| AttemptResult {
-                action: id,
-                attempt,
-                status: None,
-                disposition: backstop_store::Disposition::Uncertain,
-                boundary: None,
-                source: Some("client disconnected during the attempt".to_owned()),
-                provider_operation_id: None,
-                signal_headers: Vec::new(),
-                finish: None,
-            });
+            let result = in_flight
+                .map(|attempt| uncertain_result(id, attempt, DISCONNECTED_DURING_ATTEMPT, None));
             let close = writes::Deferred {
                 action: id,
                 result,
@@ -568,17 +588,8 @@ impl Drop for ActionGuard<'_> {
             let now = inner.clock.now();
             let result = match in_flight {
                 Some(attempt) => {
-                    let result = AttemptResult {
-                        action: id,
-                        attempt,
-                        status: None,
-                        disposition: backstop_store::Disposition::Uncertain,
-                        boundary: None,
-                        source: Some("client disconnected during the attempt".to_owned()),
-                        provider_operation_id: None,
-                        signal_headers: Vec::new(),
-                        finish: Some(finish),
-                    };
+                    let result =
+                        uncertain_result(id, attempt, DISCONNECTED_DURING_ATTEMPT, Some(finish));
                     inner.blocking(move |s| s.record_result(result, now)).await
                 }
                 None => {
@@ -699,16 +710,11 @@ impl Inner {
             attempt,
             "restart recovery: a read was sent without a recorded result; its caller is gone, the read is cancelled"
         );
-        let result = AttemptResult {
+        let result = uncertain_result(
             action,
             attempt,
-            status: None,
-            disposition: backstop_store::Disposition::Uncertain,
-            boundary: None,
-            source: Some("the gateway restarted before the result was recorded".to_owned()),
-            provider_operation_id: None,
-            signal_headers: Vec::new(),
-            finish: Some(Finish {
+            RESTARTED_BEFORE_RESULT,
+            Some(Finish {
                 outcome: backstop_store::Outcome::Cancelled,
                 context: serde_json::json!({
                     "sent": true, "response_received": false, "attempts": attempt,
@@ -717,7 +723,7 @@ impl Inner {
                 }),
                 response: None,
             }),
-        };
+        );
         let now = self.clock.now();
         if let Err(e) = self.blocking(move |s| s.record_result(result, now)).await {
             tracing::warn!(action = action.0, error = %e, "restart recovery: cannot end the interrupted read");
@@ -2188,31 +2194,31 @@ impl Engine {
                     // that hiccuped): the result is recorded now, before the retry may leave,
                     // so the attempt does not stay `sent` without a result (read as uncertain
                     // after a restart) and the log does not lack its `action_result`.
-                    let scheduled = match (scheduled, unrecorded.take()) {
+                    let scheduled = match (scheduled, &unrecorded) {
                         (Ok(()), Some(result)) => {
-                            let kept = result.clone();
+                            let result = result.clone();
                             match inner
                                 .blocking(move |s| s.record_result(result, received_at))
                                 .await
                             {
-                                Ok(()) => Ok(()),
+                                Ok(()) => {
+                                    unrecorded = None;
+                                    Ok(())
+                                }
                                 // A read is retried from memory all the same (as above).
                                 Err(e) if is_safe_method(&run.request.method) => {
                                     tracing::warn!(action = run.id.0, task = %spec.task_id, route = %route.template, error = %e, "a read's attempt result could not be recorded; it is retried from memory");
                                     Ok(())
                                 }
                                 Err(e) => {
-                                    if is_store_failure(&e) {
-                                        unrecorded = Some(kept);
+                                    if !is_store_failure(&e) {
+                                        unrecorded = None;
                                     }
                                     Err(e)
                                 }
                             }
                         }
-                        (scheduled, kept) => {
-                            unrecorded = kept;
-                            scheduled
-                        }
+                        (scheduled, _) => scheduled,
                     };
                     if let Err(e) = scheduled {
                         guard.armed = false;

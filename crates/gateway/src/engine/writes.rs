@@ -742,14 +742,10 @@ impl Inner {
     /// `unfinished` is the list taken at start, before any action of this run was recorded.
     pub(super) async fn recover_unfinished(
         self: &std::sync::Arc<Self>,
-        unfinished: Result<Vec<backstop_store::UnfinishedAttempt>, super::EngineError>,
+        unfinished: Result<Vec<backstop_store::UnfinishedAttempt>, EngineError>,
     ) {
-        let unfinished = match unfinished {
-            Ok(list) => list,
-            Err(e) => {
-                tracing::error!(error = %e, "restart recovery: cannot read unfinished attempts");
-                return;
-            }
+        let Some(unfinished) = listed_at_start(unfinished, "unfinished attempts") else {
+            return;
         };
         for attempt in unfinished {
             let id = attempt.action;
@@ -760,7 +756,6 @@ impl Inner {
                 self.cancel_interrupted_read(id, attempt.attempt).await;
                 continue;
             }
-            let facts = self.stored_facts(&record, None).await;
             tracing::info!(
                 action = id.0,
                 attempt = attempt.attempt,
@@ -768,17 +763,8 @@ impl Inner {
                 "restart recovery: an attempt was sent without a recorded result"
             );
             let now = self.clock.now();
-            let result = AttemptResult {
-                action: id,
-                attempt: attempt.attempt,
-                status: None,
-                disposition: StoreDisposition::Uncertain,
-                boundary: None,
-                source: Some("the gateway restarted before the result was recorded".to_owned()),
-                provider_operation_id: None,
-                signal_headers: Vec::new(),
-                finish: None,
-            };
+            let result =
+                super::uncertain_result(id, attempt.attempt, super::RESTARTED_BEFORE_RESULT, None);
             let kept = result.clone();
             if let Err(e) = self.blocking(move |s| s.record_result(result, now)).await {
                 // A store that cannot commit (a full disk) at start: the uncertain attempt and
@@ -795,10 +781,11 @@ impl Inner {
                     count: None,
                 };
                 if super::is_store_failure(&e) {
-                    self.record_or_defer(deferred).await;
+                    self.record_when_store_commits(deferred);
                 }
                 continue;
             }
+            let facts = self.stored_facts(&record, None).await;
             if let Err(e) = self.reconcile_and_close(&facts, PayloadGone::Restart).await {
                 tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the recovered write");
             }
@@ -819,12 +806,8 @@ impl Inner {
         self: &std::sync::Arc<Self>,
         listed: Result<Vec<ActionId>, EngineError>,
     ) {
-        let listed = match listed {
-            Ok(list) => list,
-            Err(e) => {
-                tracing::error!(error = %e, "restart recovery: cannot read the actions left between two attempts");
-                return;
-            }
+        let Some(listed) = listed_at_start(listed, "the actions left between two attempts") else {
+            return;
         };
         for id in listed {
             let Some(record) = self.recovered_action(id).await else {
@@ -872,12 +855,8 @@ impl Inner {
         self: &std::sync::Arc<Self>,
         listed: Result<Vec<ActionId>, EngineError>,
     ) {
-        let listed = match listed {
-            Ok(list) => list,
-            Err(e) => {
-                tracing::error!(error = %e, "restart recovery: cannot read the reads never sent");
-                return;
-            }
+        let Some(listed) = listed_at_start(listed, "the reads never sent") else {
+            return;
         };
         if !listed.is_empty() {
             tracing::info!(
@@ -1071,6 +1050,14 @@ impl Inner {
 /// reconciling after a restart).
 fn stored_read(class: &str, method: &str) -> bool {
     class == "read" || matches!(method, "GET" | "HEAD" | "OPTIONS")
+}
+
+/// A list restart recovery took at start, or `None` when it could not be read (logged at ERROR
+/// naming `what`: that recovery step is skipped, and the next start tries again).
+fn listed_at_start<T>(listed: Result<Vec<T>, EngineError>, what: &str) -> Option<Vec<T>> {
+    listed
+        .inspect_err(|e| tracing::error!(error = %e, "restart recovery: cannot read {what}"))
+        .ok()
 }
 
 /// How an action whose caller is gone after a restart (a re-armed retry, an action left between

@@ -20,8 +20,7 @@ use backstop_gateway::{
     watchdog::{Watchdog, WatchdogConfig},
 };
 use backstop_store::{
-    ActionId, ActionRecord, ActionState, Admission, NewAction, NewTask, Outcome, PayloadDigest,
-    RouteTemplate, SqliteStore, Store,
+    ActionId, ActionRecord, ActionState, Outcome, PayloadDigest, SqliteStore, Store,
 };
 use jiff::SignedDuration;
 use serde_json::Value;
@@ -892,31 +891,8 @@ async fn the_door_answers_a_write_the_store_cannot_record_with_its_idempotency_k
     .await
     .expect("gateway starts");
 
-    let send = |key: Option<&str>| {
-        let mut request = support::client()
-            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
-            .bearer_auth(DOOR_AGENT_TOKEN)
-            .header("X-Backstop-Task", "run-door")
-            .header("content-type", "application/json")
-            .body(r#"{"amount":5}"#);
-        if let Some(key) = key {
-            request = request.header("Idempotency-Key", key);
-        }
-        request.send()
-    };
     for key in [Some("k-door"), None] {
-        let response = send(key).await.expect("request");
-        assert_eq!(response.status(), 503);
-        let header = response
-            .headers()
-            .get("idempotency-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-            .expect("the Idempotency-Key header");
-        if let Some(key) = key {
-            assert_eq!(header, key);
-        }
-        let (_, body) = support::json_of(response).await;
+        let (header, body) = unrecorded_503(gateway.addr, "run-door", key).await;
         assert_eq!(body["sent"], false);
         assert_eq!(body["task"], "run-door");
         assert_eq!(body["idempotency_key"], header.as_str());
@@ -924,6 +900,38 @@ async fn the_door_answers_a_write_the_store_cannot_record_with_its_idempotency_k
     assert!(fake.attempts().is_empty(), "nothing was sent");
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
+}
+
+/// Sends `POST /fake/v1/transfers` through the door at `addr` for task `task`, with `key` as
+/// its `Idempotency-Key` when given; checks the answer is a 503 carrying an `Idempotency-Key`
+/// header (the agent's key when one was sent) and returns that header and the problem body.
+async fn unrecorded_503(
+    addr: std::net::SocketAddr,
+    task: &str,
+    key: Option<&str>,
+) -> (String, Value) {
+    let mut request = support::client()
+        .post(format!("http://{addr}/fake/v1/transfers"))
+        .bearer_auth(DOOR_AGENT_TOKEN)
+        .header("X-Backstop-Task", task)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":5}"#);
+    if let Some(key) = key {
+        request = request.header("Idempotency-Key", key);
+    }
+    let response = request.send().await.expect("request");
+    assert_eq!(response.status(), 503);
+    let header = response
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .expect("the Idempotency-Key header");
+    if let Some(key) = key {
+        assert_eq!(header, key);
+    }
+    let (_, body) = support::json_of(response).await;
+    (header, body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -963,31 +971,8 @@ async fn the_door_answers_a_write_arriving_as_the_engine_stops_with_its_task_and
     let stopped = engine.lock().unwrap().take().expect("the engine");
     stopped.shutdown().await;
 
-    let send = |key: Option<&str>| {
-        let mut request = support::client()
-            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
-            .bearer_auth(DOOR_AGENT_TOKEN)
-            .header("X-Backstop-Task", "run-late")
-            .header("content-type", "application/json")
-            .body(r#"{"amount":5}"#);
-        if let Some(key) = key {
-            request = request.header("Idempotency-Key", key);
-        }
-        request.send()
-    };
     for key in [Some("k-late"), None] {
-        let response = send(key).await.expect("request");
-        assert_eq!(response.status(), 503);
-        let header = response
-            .headers()
-            .get("idempotency-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-            .expect("the Idempotency-Key header");
-        if let Some(key) = key {
-            assert_eq!(header, key);
-        }
-        let (_, body) = support::json_of(response).await;
+        let (header, body) = unrecorded_503(gateway.addr, "run-late", key).await;
         assert!(
             body["type"]
                 .as_str()
@@ -1364,42 +1349,8 @@ async fn a_write_sent_without_a_result_found_at_a_start_the_store_cannot_commit_
 ) {
     let (h, store) = Harness::with_failing_store();
     // What the previous run left: a write's attempt recorded sent, and no result.
-    let now = backstop_core::clock::Clock::now(&h.clock);
-    h.store
-        .open_task(
-            NewTask {
-                id: "t".into(),
-                agent: "agent-a".into(),
-                priority: backstop_store::Priority::Normal,
-                deadline: None,
-            },
-            now,
-        )
-        .unwrap();
-    let Admission::New(action) = h
-        .store
-        .record_action(
-            NewAction {
-                task_id: "t".into(),
-                agent: "agent-a".into(),
-                provider: "billing".into(),
-                method: "POST".into(),
-                route: RouteTemplate::try_new("/v1/transfers").unwrap(),
-                request_class: "idempotent_write".into(),
-                payload_digest: PayloadDigest::of(br#"{"amount":5}"#),
-                target_digest: None,
-                idempotency_key: "k-start".into(),
-                external_reference: None,
-                desired_outcome: None,
-                fingerprint: None,
-            },
-            now,
-        )
-        .unwrap()
-    else {
-        panic!("a fresh key was taken as existing");
-    };
-    h.store.mark_attempt_sent(action, now).unwrap();
+    let action = h.recorded_action("POST", "/v1/transfers", "idempotent_write", "k-start");
+    h.store.mark_attempt_sent(action, h.t0).unwrap();
 
     // The next run starts while the store cannot commit.
     store.fail();

@@ -4,59 +4,15 @@
 //! counted at the scripted transport.
 
 use backstop_gateway::engine::{RESTARTED_BEFORE_READ_SENT, RESTARTED_DURING_READ};
-use backstop_store::{
-    ActionId, Admission, AttemptState, Disposition, NewAction, NewTask, Outcome, PayloadDigest,
-    Priority, RouteTemplate, Store,
-};
+use backstop_store::{ActionId, AttemptState, Disposition, Outcome, Store};
 
 use crate::engine_support::{until, Harness};
 
 /// Records a read of `/v1/items/7` in task `t` and its first attempt as sent, as a gateway
 /// that crashed before the answer would have left the store.
 fn interrupted_read(h: &Harness) -> ActionId {
-    let id = recorded(h, "GET", "/v1/items/{id}", "read", "");
+    let id = h.recorded_action("GET", "/v1/items/{id}", "read", "");
     assert_eq!(h.store.mark_attempt_sent(id, h.t0).unwrap(), 1);
-    id
-}
-
-/// Records an action of task `t` (a write when `key` is not empty) and nothing else, as a
-/// gateway that stopped while the action waited for its first attempt.
-fn recorded(h: &Harness, method: &str, route: &str, class: &str, key: &str) -> ActionId {
-    let at = h.t0;
-    h.store
-        .open_task(
-            NewTask {
-                id: "t".into(),
-                agent: "agent-a".into(),
-                priority: Priority::Normal,
-                deadline: None,
-            },
-            at,
-        )
-        .unwrap();
-    let admission = h
-        .store
-        .record_action(
-            NewAction {
-                task_id: "t".into(),
-                agent: "agent-a".into(),
-                provider: "billing".into(),
-                method: method.into(),
-                route: RouteTemplate::try_new(route).unwrap(),
-                request_class: class.into(),
-                payload_digest: PayloadDigest::of(b""),
-                target_digest: Some(PayloadDigest::of(b"/v1/items/7")),
-                idempotency_key: key.into(),
-                external_reference: None,
-                desired_outcome: None,
-                fingerprint: None,
-            },
-            at,
-        )
-        .unwrap();
-    let Admission::New(id) = admission else {
-        panic!("a fresh action was taken as existing")
-    };
     id
 }
 
@@ -64,9 +20,9 @@ fn recorded(h: &Harness, method: &str, route: &str, class: &str, key: &str) -> A
 async fn a_read_recorded_but_never_sent_before_a_stop_is_cancelled_at_restart() {
     let h = Harness::new();
     // The stop answered its caller `503 shutting_down` while it waited for its first attempt.
-    let read = recorded(&h, "GET", "/v1/items/{id}", "read", "");
+    let read = h.recorded_action("GET", "/v1/items/{id}", "read", "");
     // A write in the same state waits for its agent's resend under its key instead.
-    let write = recorded(&h, "POST", "/v1/transfers", "idempotent_write", "k-wait");
+    let write = h.recorded_action("POST", "/v1/transfers", "idempotent_write", "k-wait");
     let restarted = h.restarted(7);
     let stored = |id| h.store.action(id).unwrap().unwrap();
     assert!(

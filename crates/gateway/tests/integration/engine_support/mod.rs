@@ -20,7 +20,10 @@ use backstop_gateway::{
     metrics::Metrics,
     transport::{AttemptReply, AttemptRequest, Transport},
 };
-use backstop_store::{audit::AuditEvent, PayloadDigest, SqliteStore, Store};
+use backstop_store::{
+    audit::AuditEvent, ActionId, Admission, NewAction, NewTask, PayloadDigest, RouteTemplate,
+    SqliteStore, Store,
+};
 use bytes::Bytes;
 use jiff::Timestamp;
 
@@ -297,6 +300,47 @@ impl Harness {
             target_digest: Some(PayloadDigest::of(path.as_bytes()).as_str().to_owned()),
             desired_outcome: None,
         }
+    }
+
+    /// Records an action of task `t` of `agent-a` at provider `billing` in the real store (a
+    /// write when `key` is not empty) and nothing else, as a previous run left an action
+    /// waiting for its first attempt; a test marks attempts on it to leave other states.
+    pub fn recorded_action(&self, method: &str, route: &str, class: &str, key: &str) -> ActionId {
+        self.store
+            .open_task(
+                NewTask {
+                    id: "t".into(),
+                    agent: "agent-a".into(),
+                    priority: backstop_store::Priority::Normal,
+                    deadline: None,
+                },
+                self.t0,
+            )
+            .unwrap();
+        let admission = self
+            .store
+            .record_action(
+                NewAction {
+                    task_id: "t".into(),
+                    agent: "agent-a".into(),
+                    provider: "billing".into(),
+                    method: method.into(),
+                    route: RouteTemplate::try_new(route).unwrap(),
+                    request_class: class.into(),
+                    payload_digest: PayloadDigest::of(b""),
+                    target_digest: Some(PayloadDigest::of(b"/v1/items/7")),
+                    idempotency_key: key.into(),
+                    external_reference: None,
+                    desired_outcome: None,
+                    fingerprint: None,
+                },
+                self.t0,
+            )
+            .unwrap();
+        let Admission::New(id) = admission else {
+            panic!("a fresh action was taken as existing")
+        };
+        id
     }
 
     /// The next run of the gateway over the same store, transport, clock and metrics (after
