@@ -1092,6 +1092,7 @@ impl Engine {
             let mut listed = self.inner.recovery_listed.subscribe();
             let _ = listed.wait_for(|listed| *listed).await;
         }
+        let mut read_guard = None;
         if spec.route.coalesce && is_safe_method(&spec.request.method) {
             let key = FlightKey::Read(coalesce_key(&spec));
             loop {
@@ -1104,11 +1105,16 @@ impl Engine {
                         // The leader went away without a result: start over.
                         Err(_) => continue,
                     },
-                    Role::Leader(guard) => return self.lead(spec, Some(guard), notify).await,
+                    Role::Leader(guard) => {
+                        read_guard = Some(guard);
+                        break;
+                    }
                 }
             }
         }
-        self.lead(spec, None, notify).await
+        // One call site: each `.await` of the same future holds storage of its own in this
+        // future, which every call boxes (about 10 KB more per action with two).
+        self.lead(spec, read_guard, notify).await
     }
 
     /// The idempotency key a write answered before anything is recorded carries: the agent's
