@@ -1056,14 +1056,17 @@ impl Engine {
     /// (up to [`SHARED_BODY_LIMIT`]) and every caller gets a copy, joined to the leader's action
     /// (its receipt). Reads of different agents are never shared.
     pub async fn execute(&self, spec: ActionSpec) -> Execution {
-        self.execute_notifying(spec, None).await
+        self.execute_notifying(&spec, None).await
     }
 
     /// [`Engine::execute`], telling `notify` the action id as soon as the action is recorded
     /// (or found under the agent's key).
-    async fn execute_notifying(
+    ///
+    /// The action's spec is borrowed all the way down: each async fn that took it by value
+    /// would keep a copy of its own (672 bytes) in the future every action holds while it waits.
+    pub(crate) async fn execute_notifying(
         &self,
-        spec: ActionSpec,
+        spec: &ActionSpec,
         notify: Option<oneshot::Sender<i64>>,
     ) -> Execution {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
@@ -1073,7 +1076,7 @@ impl Engine {
             let receipt = ActionReceipt {
                 action_id: 0,
                 attempts: 0,
-                idempotency_key: self.unrecorded_key(&spec),
+                idempotency_key: self.unrecorded_key(spec),
                 provider_operation_id: None,
             };
             let problem = with_ids(
@@ -1082,7 +1085,7 @@ impl Engine {
                     "backstop is shutting down and takes no new work; nothing was sent for this \
                      request, so sending it again is safe",
                 ),
-                &spec,
+                spec,
                 &receipt,
             );
             return problem_answer(receipt, problem);
@@ -1094,7 +1097,7 @@ impl Engine {
         }
         let mut read_guard = None;
         if spec.route.coalesce && is_safe_method(&spec.request.method) {
-            let key = FlightKey::Read(coalesce_key(&spec));
+            let key = FlightKey::Read(coalesce_key(spec));
             loop {
                 match self.inner.flights.join_or_lead(key.clone()) {
                     Role::Follower(mut rx) => match rx.recv().await {
@@ -1133,11 +1136,11 @@ impl Engine {
     /// Runs the action and shares its result with whoever joined it.
     async fn lead(
         &self,
-        spec: ActionSpec,
+        spec: &ActionSpec,
         read_guard: Option<LeaderGuard>,
         notify: Option<oneshot::Sender<i64>>,
     ) -> Execution {
-        let (execution, action_guard) = self.run(&spec, notify).await;
+        let (execution, action_guard) = self.run(spec, notify).await;
         let senders: Vec<_> = [read_guard, action_guard]
             .into_iter()
             .flatten()

@@ -96,7 +96,8 @@ pub trait Executor: Send + Sync + 'static {
 impl Executor for crate::engine::Engine {
     fn execute(&self, spec: ActionSpec) -> BoxFuture<Execution> {
         let engine = self.clone();
-        Box::pin(async move { crate::engine::Engine::execute(&engine, spec).await })
+        // The spec lives here once; the engine borrows it (see `Engine::execute_notifying`).
+        Box::pin(async move { engine.execute_notifying(&spec, None).await })
     }
 
     /// Each scope record with `name`: the full scope name `provider/scope`

@@ -153,7 +153,7 @@ impl Engine {
         let (refused_tx, refused_rx) = oneshot::channel();
         let engine = self.clone();
         tokio::spawn(async move {
-            let execution = engine.execute_notifying(spec, Some(id_tx)).await;
+            let execution = engine.execute_notifying(&spec, Some(id_tx)).await;
             let id = execution.receipt().action_id;
             if id == 0 {
                 let _ = refused_tx.send(execution);
