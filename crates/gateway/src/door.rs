@@ -656,20 +656,17 @@ fn upstream_headers(
     // redoes, backstop's own headers, or `Prefer` (forwarded below without backstop's
     // preferences).
     let listed = connection_listed(incoming);
-    let mut headers = HeaderMap::with_capacity(incoming.keys_len());
-    for (name, value) in incoming {
-        let dropped = is_hop_by_hop(name)
+    let forwarded = |name: &HeaderName| {
+        !(is_hop_by_hop(name)
             || *name == header::HOST
             || *name == header::AUTHORIZATION
             || *name == header::CONTENT_LENGTH
             || *name == header::EXPECT
             || *name == PREFER
             || name.as_str().starts_with("x-backstop-")
-            || listed.contains(name);
-        if !dropped {
-            headers.append(name.clone(), value.clone());
-        }
-    }
+            || listed.contains(name))
+    };
+    let mut headers = owned_values(incoming, forwarded);
     if let Some(prefer) = forwarded_prefer(incoming) {
         headers.insert(PREFER, prefer);
     }
@@ -701,6 +698,48 @@ fn upstream_headers(
         }
     }
     Ok((headers, key))
+}
+
+/// The headers of `incoming` that `forwarded` keeps, in order, their values copied into one
+/// buffer of their own.
+///
+/// hyper hands out header values as slices of the connection's read buffer (8 KB and more),
+/// and a slice keeps the whole buffer alive. An action holds its upstream headers for as long
+/// as it waits — an hour, for a delayed one — so values borrowed from that buffer would pin
+/// 8 KB per waiting action (measured in BENCHMARKS.md, "Memory per delayed action in the whole
+/// process"). One allocation of the values' own length holds them instead.
+fn owned_values(incoming: &HeaderMap, forwarded: impl Fn(&HeaderName) -> bool) -> HeaderMap {
+    let (mut count, mut length) = (0, 0);
+    for (name, value) in incoming {
+        if forwarded(name) {
+            count += 1;
+            length += value.len();
+        }
+    }
+    let mut buffer = BytesMut::with_capacity(length);
+    for (name, value) in incoming {
+        if forwarded(name) {
+            buffer.extend_from_slice(value.as_bytes());
+        }
+    }
+    let buffer = buffer.freeze();
+    // Room for the `Prefer` and the credential added next.
+    let mut headers = HeaderMap::with_capacity(count + 2);
+    let mut start = 0;
+    for (name, value) in incoming {
+        if !forwarded(name) {
+            continue;
+        }
+        let end = start + value.len();
+        // The bytes are a valid value's, so this cannot fail; the borrowed value is kept if it
+        // ever did.
+        let mut copy = HeaderValue::from_maybe_shared(buffer.slice(start..end))
+            .unwrap_or_else(|_| value.clone());
+        copy.set_sensitive(value.is_sensitive());
+        headers.append(name.clone(), copy);
+        start = end;
+    }
+    headers
 }
 
 /// An agent's idempotency key given under the header `header`, checked by
@@ -1486,6 +1525,41 @@ mod tests {
         let mut left: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
         left.sort();
         assert_eq!(left, ["accept", "prefer", "x-request-id"]);
+    }
+
+    #[test]
+    fn upstream_header_values_do_not_keep_the_connections_read_buffer_alive() {
+        // As hyper parses them: every value a slice of the connection's read buffer.
+        let read_buffer = Bytes::from(
+            "GET /p/x HTTP/1.1\r\naccept: application/json\r\nx-request-id: r-1\r\n\r\n".to_owned()
+                + &" ".repeat(8000),
+        );
+        let slice = |text: &str| {
+            let at = read_buffer
+                .windows(text.len())
+                .position(|w| w == text.as_bytes())
+                .unwrap();
+            HeaderValue::from_maybe_shared(read_buffer.slice(at..at + text.len())).unwrap()
+        };
+        let mut incoming = HeaderMap::new();
+        incoming.append("accept", slice("application/json"));
+        incoming.append("x-request-id", slice("r-1"));
+        let mut secret = slice("r-1");
+        secret.set_sensitive(true);
+        incoming.append("x-api-token", secret);
+        let (out, _) = upstream_headers(&incoming, &Method::GET, &provider(None), None).unwrap();
+        let buffer = read_buffer.as_ptr_range();
+        for (name, value) in &out {
+            assert!(
+                !buffer.contains(&value.as_bytes().as_ptr()),
+                "`{name}` still points into the read buffer"
+            );
+        }
+        assert_eq!(out["accept"], "application/json");
+        assert_eq!(out["x-request-id"], "r-1");
+        assert_eq!(out["x-api-token"], "r-1");
+        assert!(out["x-api-token"].is_sensitive(), "sensitivity is kept");
+        assert!(!out["accept"].is_sensitive());
     }
 
     #[tokio::test]
