@@ -1547,7 +1547,12 @@ mod tests {
         let mut secret = slice("r-1");
         secret.set_sensitive(true);
         incoming.append("x-api-token", secret);
+        // An empty value and one with obs-text (RFC 9110 §5.5) come through as they were.
+        incoming.append("x-empty", HeaderValue::from_static(""));
+        incoming.append("x-latin", HeaderValue::from_bytes(b"caf\xe9").unwrap());
         let (out, _) = upstream_headers(&incoming, &Method::GET, &provider(None), None).unwrap();
+        assert_eq!(out["x-empty"], "");
+        assert_eq!(out["x-latin"].as_bytes(), b"caf\xe9");
         let buffer = read_buffer.as_ptr_range();
         for (name, value) in &out {
             assert!(
