@@ -21,8 +21,9 @@
 #                          (BENCH_FILL + BENCH_ACTIONS) / 20 s: keep it under an hour)
 #   BENCH_WARMUP [500]     actions submitted before the first reading
 #
-# Needs oha (as `bench/proxy.sh` installs it: BENCH_OHA or `oha` on PATH) and the upstream bench
-# binary (`cargo build --profile bench -p backstop-gateway --bench upstream`).
+# Needs oha (BENCH_OHA, else `oha` on PATH, else installed once from crates.io as
+# `bench/proxy.sh` does), curl, python3 and the upstream bench binary
+# (`cargo build --profile bench -p backstop-gateway --bench upstream`).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,11 +35,20 @@ WARMUP="${BENCH_WARMUP:-500}"
 
 die() { printf 'delayed_memory.sh: %s\n' "$*" >&2; exit 1; }
 OHA="${BENCH_OHA:-$(command -v oha || true)}"
-[ -x "$OHA" ] || OHA="$TARGET_DIR/bench-tools/bin/oha"
-[ -x "$OHA" ] || die "needs oha: set BENCH_OHA, or run bench/proxy.sh once (it installs it)"
+if [ -z "$OHA" ]; then
+    # The same place bench/proxy.sh installs it to.
+    OHA="$TARGET_DIR/bench-tools/bin/oha"
+    if [ ! -x "$OHA" ]; then
+        echo "delayed_memory.sh: installing oha from crates.io into $TARGET_DIR/bench-tools (once)" >&2
+        cargo install --quiet --locked oha --no-default-features --features native-tls \
+            --root "$TARGET_DIR/bench-tools" || die "could not install oha (set BENCH_OHA to a binary)"
+    fi
+fi
+[ -x "$OHA" ] || die "BENCH_OHA: no executable at $OHA"
 UPSTREAM_BIN="$(ls -t "$TARGET_DIR"/release/deps/upstream-* 2>/dev/null | grep -v '\.d$' | head -n1)"
 [ -x "$UPSTREAM_BIN" ] || die "no upstream bench binary under $TARGET_DIR/release/deps"
 command -v python3 >/dev/null || die "needs python3"
+command -v curl >/dev/null || die "needs curl"
 
 WORK="$(mktemp -d /tmp/backstop-delayed-memory.XXXXXX)"
 PIDS=()
