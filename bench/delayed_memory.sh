@@ -34,17 +34,9 @@ WARMUP="${BENCH_WARMUP:-500}"
 [ "$#" -gt 0 ] || set -- "$TARGET_DIR/release/backstop"
 
 die() { printf 'delayed_memory.sh: %s\n' "$*" >&2; exit 1; }
-OHA="${BENCH_OHA:-$(command -v oha || true)}"
-if [ -z "$OHA" ]; then
-    # The same place bench/proxy.sh installs it to.
-    OHA="$TARGET_DIR/bench-tools/bin/oha"
-    if [ ! -x "$OHA" ]; then
-        echo "delayed_memory.sh: installing oha from crates.io into $TARGET_DIR/bench-tools (once)" >&2
-        cargo install --quiet --locked oha --no-default-features --features native-tls \
-            --root "$TARGET_DIR/bench-tools" || die "could not install oha (set BENCH_OHA to a binary)"
-    fi
-fi
-[ -x "$OHA" ] || die "BENCH_OHA: no executable at $OHA"
+# shellcheck source=bench/lib.sh
+. "$ROOT/bench/lib.sh"
+OHA="$(find_oha "$TARGET_DIR")"
 UPSTREAM_BIN="$(ls -t "$TARGET_DIR"/release/deps/upstream-* 2>/dev/null | grep -v '\.d$' | head -n1)"
 [ -x "$UPSTREAM_BIN" ] || die "no upstream bench binary under $TARGET_DIR/release/deps"
 command -v python3 >/dev/null || die "needs python3"
@@ -60,24 +52,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() {
-    local port
-    for _ in $(seq 1 200); do
-        port=$((20000 + RANDOM % 40000))
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-            echo "$port"
-            return 0
-        fi
-    done
-    die "no free port found"
-}
-wait_listening() {
-    for _ in $(seq 1 200); do
-        if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
-        sleep 0.05
-    done
-    die "$2 did not start listening on port $1 (logs in $WORK)"
-}
 rss_kib() { awk '/^RssAnon:/ {print $2}' "/proc/$1/status"; }
 
 UP_PORT="$(free_port)"

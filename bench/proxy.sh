@@ -65,20 +65,9 @@ command -v nginx >/dev/null || die "nginx is not installed"
 
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 
-# oha: a load generator that offers a constant rate (wrk only closes the loop: each connection
-# waits for its answer, so a slower path is offered less).
-OHA="${BENCH_OHA:-$(command -v oha || true)}"
-if [ -z "$OHA" ]; then
-    OHA="$TARGET_DIR/bench-tools/bin/oha"
-    if [ ! -x "$OHA" ]; then
-        log "installing oha from crates.io into $TARGET_DIR/bench-tools (once)"
-        # Plain HTTP is all it needs here; its TLS through the system's OpenSSL keeps the build
-        # free of cmake.
-        cargo install --quiet --locked oha --no-default-features --features native-tls \
-            --root "$TARGET_DIR/bench-tools" || die "could not install oha (set BENCH_OHA to a binary)"
-    fi
-fi
-[ -x "$OHA" ] || die "BENCH_OHA: no executable at $OHA"
+# shellcheck source=bench/lib.sh
+. "$ROOT/bench/lib.sh"
+OHA="$(find_oha "$TARGET_DIR")"
 BACKSTOP="$TARGET_DIR/release/backstop"
 if [ "${BENCH_NO_BUILD:-}" = 1 ]; then
     UPSTREAM_BIN="$(ls -t "$TARGET_DIR"/release/deps/upstream-* 2>/dev/null | grep -v '\.d$' | head -n1)"
@@ -106,26 +95,6 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-
-free_port() {
-    local port
-    for _ in $(seq 1 200); do
-        port=$((20000 + RANDOM % 40000))
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-            echo "$port"
-            return 0
-        fi
-    done
-    die "no free port found"
-}
-
-wait_listening() { # port name
-    for _ in $(seq 1 200); do
-        if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
-        sleep 0.05
-    done
-    die "$2 did not start listening on port $1 (logs in $WORK)"
-}
 
 UP_PORT="$(free_port)"
 "$UPSTREAM_BIN" --listen "127.0.0.1:$UP_PORT" --threads 1 >"$WORK/upstream.log" 2>&1 &
