@@ -706,8 +706,9 @@ fn upstream_headers(
 /// hyper hands out header values as slices of the connection's read buffer (8 KB and more),
 /// and a slice keeps the whole buffer alive. An action holds its upstream headers for as long
 /// as it waits — an hour, for a delayed one — so values borrowed from that buffer would pin
-/// 8 KB per waiting action (measured in BENCHMARKS.md, "Memory per delayed action in the whole
-/// process"). One allocation of the values' own length holds them instead.
+/// 8 KB per waiting action (measured in BENCHMARKS.md, "The action's future, and memory per
+/// delayed action in the whole process"). One allocation of the values' own length holds them
+/// instead.
 fn owned_values(incoming: &HeaderMap, forwarded: impl Fn(&HeaderName) -> bool) -> HeaderMap {
     let (mut count, mut length) = (0, 0);
     for (name, value) in incoming {
