@@ -570,39 +570,56 @@ impl Drop for ActionGuard<'_> {
             "client disconnected: the action is cancelled and never sends again"
         );
         runtime.spawn(async move {
-            let context = OutcomeContext {
-                sent: sent > 0,
-                attempts: sent,
-                next_safe: if in_flight.is_some() {
-                    vec![NextSafe::QueryStatus, NextSafe::Abort]
-                } else {
-                    vec![NextSafe::Abort]
-                },
-                ..OutcomeContext::default()
-            };
-            let finish = Finish {
-                outcome: backstop_store::Outcome::Cancelled,
-                context: serde_json::to_value(&context).unwrap_or_default(),
-                response: None,
-            };
-            let now = inner.clock.now();
-            let result = match in_flight {
-                Some(attempt) => {
-                    let result =
-                        uncertain_result(id, attempt, DISCONNECTED_DURING_ATTEMPT, Some(finish));
-                    inner.blocking(move |s| s.record_result(result, now)).await
-                }
-                None => {
-                    inner
-                        .blocking(move |s| s.finish_action(id, finish, now))
-                        .await
-                }
-            };
-            if let Err(e) = result {
-                tracing::warn!(action = id.0, error = %e, "could not record the cancellation");
-            }
-            inner.metrics.outcome(&provider, &class, Outcome::Cancelled);
+            inner
+                .cancel_for_gone_client(id, sent, in_flight, &provider, &class)
+                .await
         });
+    }
+}
+
+impl Inner {
+    /// Ends action `id` `cancelled` because its caller went away: `sent` attempts had left,
+    /// `in_flight` is the attempt whose answer never came (recorded `uncertain` with the
+    /// outcome). Store errors are logged; nothing is retried.
+    async fn cancel_for_gone_client(
+        &self,
+        id: ActionId,
+        sent: u32,
+        in_flight: Option<u32>,
+        provider: &str,
+        class: &str,
+    ) {
+        let context = OutcomeContext {
+            sent: sent > 0,
+            attempts: sent,
+            next_safe: if in_flight.is_some() {
+                vec![NextSafe::QueryStatus, NextSafe::Abort]
+            } else {
+                vec![NextSafe::Abort]
+            },
+            ..OutcomeContext::default()
+        };
+        let finish = Finish {
+            outcome: backstop_store::Outcome::Cancelled,
+            context: serde_json::to_value(&context).unwrap_or_default(),
+            response: None,
+        };
+        let now = self.clock.now();
+        let result = match in_flight {
+            Some(attempt) => {
+                let result =
+                    uncertain_result(id, attempt, DISCONNECTED_DURING_ATTEMPT, Some(finish));
+                self.blocking(move |s| s.record_result(result, now)).await
+            }
+            None => {
+                self.blocking(move |s| s.finish_action(id, finish, now))
+                    .await
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(action = id.0, error = %e, "could not record the cancellation");
+        }
+        self.metrics.outcome(provider, class, Outcome::Cancelled);
     }
 }
 
@@ -627,16 +644,75 @@ impl Inner {
         T: Send + 'static,
         F: FnOnce(&dyn Store, StoreCompletion<T>),
     {
+        self.queued_or_else(f, |_| ()).await
+    }
+
+    /// [`Inner::queued`], handing the operation's result to `orphaned` instead when nobody
+    /// takes it (the awaiting future was dropped before the result was read: before the
+    /// commit, or after it but before it was polled again). Exactly one of the two gets the
+    /// result. `orphaned` runs on the store's writer thread or where the future is dropped: it
+    /// must not block.
+    async fn queued_or_else<T, F, O>(&self, f: F, orphaned: O) -> Result<T, EngineError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&dyn Store, StoreCompletion<T>),
+        O: FnOnce(Result<T, StoreError>) + Send + 'static,
+    {
         let (tx, rx) = oneshot::channel();
+        let orphaned = Arc::new(Mutex::new(Some(orphaned)));
+        let unread = orphaned.clone();
         f(
             self.store.as_ref(),
             Box::new(move |result| {
-                let _ = tx.send(result);
+                if let Err(unawaited) = tx.send(result) {
+                    if let Some(orphaned) = unread
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .take()
+                    {
+                        orphaned(unawaited);
+                    }
+                }
             }),
         );
-        match rx.await {
+        let mut awaiting = Awaiting {
+            rx,
+            orphaned,
+            read: false,
+        };
+        let result = (&mut awaiting.rx).await;
+        awaiting.read = true;
+        match result {
             Ok(result) => result.map_err(EngineError::Store),
             Err(_) => Err(EngineError::Store(StoreError::WriterGone)),
+        }
+    }
+}
+
+/// The receiving end of [`Inner::queued_or_else`]: dropped before its result was read, it
+/// closes the channel (a later send fails, and the sender hands the result to `orphaned`) and
+/// hands over a result already sent.
+struct Awaiting<T, O: FnOnce(Result<T, StoreError>)> {
+    rx: oneshot::Receiver<Result<T, StoreError>>,
+    orphaned: Arc<Mutex<Option<O>>>,
+    read: bool,
+}
+
+impl<T, O: FnOnce(Result<T, StoreError>)> Drop for Awaiting<T, O> {
+    fn drop(&mut self) {
+        if self.read {
+            return;
+        }
+        self.rx.close();
+        if let Ok(result) = self.rx.try_recv() {
+            if let Some(orphaned) = self
+                .orphaned
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take()
+            {
+                orphaned(result);
+            }
         }
     }
 }
@@ -1356,8 +1432,33 @@ impl Engine {
         let read_records = (!is_write).then(|| ReadRecords::new(spec));
         let admission = match &read_records {
             None => {
+                // The caller may go away while the write's record commits (its fsync). The
+                // record is durable all the same, and nothing would close it: the new action
+                // would stay `requested`, its key answering `409 in flight` to every resend.
+                // So an admission nobody awaits any more cancels the action it created, as a
+                // caller gone before the first send does.
+                let orphaned = {
+                    let (inner, runtime) = (inner.clone(), tokio::runtime::Handle::current());
+                    let (provider, class) = (route.provider.clone(), route.class.clone());
+                    move |admission: Result<StoreAdmission, StoreError>| {
+                        if let Ok(StoreAdmission::New(id)) = admission {
+                            tracing::info!(
+                                action = id.0,
+                                "client disconnected while the write was being recorded: the action is cancelled and never sends"
+                            );
+                            runtime.spawn(async move {
+                                inner
+                                    .cancel_for_gone_client(id, 0, None, &provider, &class)
+                                    .await
+                            });
+                        }
+                    }
+                };
                 inner
-                    .queued(move |s, done| s.begin_action(task, new_action, now, done))
+                    .queued_or_else(
+                        move |s, done| s.begin_action(task, new_action, now, done),
+                        orphaned,
+                    )
                     .await
             }
             Some(records) => {

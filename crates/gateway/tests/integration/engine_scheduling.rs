@@ -472,6 +472,58 @@ async fn assert_escalated_for_the_gone_client(h: &Harness, id: ActionId) {
     assert!(detail.contains("client disconnected"), "{detail}");
 }
 
+/// A write whose caller goes away while it waits for its first send is cancelled: nothing was
+/// sent. Its key stays bound to that cancelled action — a same-key resend replays `cancelled`
+/// (saying nothing was sent) and sends nothing — and a new key is safe to send.
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_client_disconnects_before_its_first_send_is_cancelled_under_its_key() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let first = h.spawn(h.get("t0", "/v1/items/0"));
+    advance(SEC).await;
+    let waiting = h.spawn(write(&h, "key-gone"));
+    advance(SEC).await;
+    waiting.abort();
+    let _ = waiting.await;
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(summary(&first.await.unwrap()), "200");
+    assert!(
+        h.transport.sent_to("/v1/transfers").is_empty(),
+        "nothing was sent"
+    );
+
+    for id in 1..4 {
+        if let Ok(Some(a)) = h.store.action(ActionId(id)) {
+            eprintln!(
+                "STORED {:?} {:?} {:?} {:?}",
+                a.id, a.state, a.outcome, a.idempotency_key
+            );
+        }
+    }
+    let agent = write(&h, "key-gone").agent;
+    let closed = || {
+        h.store
+            .action_by_key(&agent, "key-gone")
+            .unwrap()
+            .is_some_and(|a| a.outcome == Some(Outcome::Cancelled))
+    };
+    assert!(until(closed).await, "the write is closed `cancelled`");
+    let again = h.engine.execute(write(&h, "key-gone")).await;
+    assert_eq!(summary(&again), "cancelled", "the key's action is replayed");
+    let Execution::Outcome { context, .. } = &again else {
+        panic!("expected an outcome");
+    };
+    assert!(!context.sent, "the replay says nothing was sent");
+    assert!(h.transport.sent_to("/v1/transfers").is_empty());
+
+    let fresh = h.engine.execute(write(&h, "key-new")).await;
+    assert_eq!(summary(&fresh), "200");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_write_whose_client_disconnects_after_an_uncertain_attempt_is_reconciled_not_cancelled() {
     let h = Harness::new();
