@@ -2,18 +2,34 @@
 //!
 //! Why this matters: backstop is the single owner of retries (SPEC §4.3). An HTTP client that
 //! quietly re-sends a request on a fresh connection when a pooled one turns out dead would make
-//! one counted attempt into two real ones — for a payment, a duplicate. [`Upstream`] is
-//! hyper-util's legacy `Client` configured so that this cannot happen:
+//! one counted attempt into two real ones — for a payment, a duplicate. [`Upstream`] is a small
+//! client of its own over hyper's HTTP/1.1 connection API (`hyper::client::conn::http1`), so
+//! there is no re-send path to switch off:
 //!
-//! - `retry_canceled_requests(false)`: hyper-util's only re-send path (a request queued on a
-//!   reused connection that died before a byte was written) is off; such a request surfaces as
-//!   an error here. Its `Canceled` kind means the request was handed back unwritten, so it is
-//!   reported as [`TransportError::Connect`] (not sent). Checkout of a closed pooled connection
-//!   is likewise reported, not retried.
+//! - one attempt hands its request to exactly one connection, once, with
+//!   `SendRequest::try_send_request`. If hyper hands the request back unwritten (the connection
+//!   failed while the request was still queued), the attempt is reported as
+//!   [`TransportError::Connect`] (not sent) — it is never offered to another connection.
+//! - a pooled connection is checked *before* a request is handed to it: one poll of its
+//!   connection future (a closed or failed connection is then finished) and the sender's
+//!   `is_closed` / `is_ready`. A connection that fails the check is dropped and the next idle one
+//!   (or a new one) is taken; no request was involved yet, so this is not a re-send.
 //! - no redirect following, no decompression, no middleware: a 3xx is an answer, bodies pass
 //!   through as bytes arrive.
-//! - connection pooling stays on (idle connections are kept 90 s); HTTP/1.1 over TCP or TLS
-//!   (rustls with the `ring` provider and the webpki roots).
+//!
+//! Connections are driven inline, by whoever waits on them, never by a task of their own. While
+//! an attempt waits for the response head, it polls the connection future and the response
+//! future together; the response body handed back ([`AttemptReply::Response`]) owns the
+//! connection and polls it before hyper's body channel, so a streaming body (SSE) keeps flowing
+//! with only its reader polling it. When the body reaches its end and the connection is ready for
+//! another request, the connection goes back to the pool; a body dropped before its end, or a
+//! connection that cannot be reused, closes the socket.
+//!
+//! The pool is keyed by (scheme, host, port) and holds idle connections with the instant they
+//! became idle (HTTP/1.1 over TCP or TLS: rustls with the `ring` provider and the webpki roots).
+//! Checkout takes the most recently idle connection and discards those idle longer than
+//! `pool_idle_timeout` (default 90 s). A sweep every `pool_idle_timeout` drops expired idle
+//! connections, so a host no longer called does not keep sockets open.
 //!
 //! The end-to-end test `e2e_no_library_retry` proves the property at a raw socket: an upstream
 //! that accepts a pooled connection and closes it without answering sees exactly one request per
@@ -29,17 +45,30 @@
 //! doubt, the conservative answer. The attempt timeout covers the response *head*; a streaming
 //! body (SSE) may run as long as the provider keeps sending.
 
-use std::{error::Error as StdError, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    error::Error as StdError,
+    future::{poll_fn, Future},
+    pin::{pin, Pin},
+    sync::{Arc, Mutex, MutexGuard, Weak},
+    task::{Context, Poll, Waker},
+    time::Duration,
+};
 
 use axum::body::Body;
 use backstop_core::classify::TransportError;
 use bytes::Bytes;
+use http::uri::{Scheme, Uri};
+use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::Full;
-use hyper_rustls::HttpsConnector;
-use hyper_util::{
-    client::legacy::{connect::HttpConnector, Client},
-    rt::{TokioExecutor, TokioTimer},
+use hyper::{
+    body::Incoming,
+    client::conn::{http1, TrySendError},
 };
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
+use hyper_util::{client::legacy::connect::HttpConnector, rt::TokioIo};
+use tokio::{net::TcpStream, time::Instant};
+use tower_service::Service;
 
 use crate::transport::{AttemptReply, AttemptRequest, Transport};
 
@@ -73,10 +102,21 @@ pub enum UpstreamError {
     Tls(#[from] rustls::Error),
 }
 
-/// The production [`Transport`]: hyper-util's pooled client over HTTP/1.1, TCP or rustls.
+/// The socket of one upstream connection: TCP, or TLS over TCP.
+type Io = MaybeHttpsStream<TokioIo<TcpStream>>;
+/// The request side of one HTTP/1.1 connection.
+type Sender = http1::SendRequest<Full<Bytes>>;
+/// The state machine of one HTTP/1.1 connection: reads, writes, and notices hang-ups only while
+/// polled.
+type Connection = http1::Connection<Io, Full<Bytes>>;
+
+/// The production [`Transport`]: HTTP/1.1 over TCP or rustls, with a pool of connections that
+/// are driven inline by the attempt and the response body using them (see the module docs).
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    connector: HttpsConnector<HttpConnector>,
+    handshake: http1::Builder,
+    pool: Arc<Pool>,
     config: UpstreamConfig,
 }
 
@@ -89,7 +129,7 @@ impl std::fmt::Debug for Upstream {
 }
 
 impl Upstream {
-    /// Builds the client. Call inside a tokio runtime (the pool spawns its idle reaper).
+    /// Builds the client. Call inside a tokio runtime (the pool spawns its idle sweep).
     ///
     /// # Errors
     /// [`UpstreamError::Tls`] when rustls refuses the ring provider's protocol versions.
@@ -98,17 +138,19 @@ impl Upstream {
         http.enforce_http(false);
         http.set_nodelay(true);
         http.set_connect_timeout(Some(config.connect_timeout.min(config.attempt_timeout)));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_provider_and_webpki_roots(Arc::new(rustls::crypto::ring::default_provider()))?
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .retry_canceled_requests(false)
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .pool_timer(TokioTimer::new())
-            .build(https);
-        Ok(Upstream { client, config })
+        let pool = Arc::new(Pool::new(config.pool_idle_timeout));
+        Pool::spawn_sweep(&pool);
+        Ok(Upstream {
+            connector,
+            handshake: http1::Builder::new(),
+            pool,
+            config,
+        })
     }
 
     /// The configured timeouts.
@@ -117,6 +159,7 @@ impl Upstream {
     }
 
     async fn send_once(&self, request: AttemptRequest) -> AttemptReply {
+        let url = without_query(&request.url);
         let empty_content = request.body.is_empty() && defines_content(&request.method);
         let mut builder = http::Request::builder()
             .method(request.method)
@@ -132,31 +175,100 @@ impl Upstream {
                 );
             }
         }
-        let http_request = match builder.body(Full::new(request.body)) {
-            Ok(r) => r,
+        let prepared = builder
+            .body(Full::new(request.body))
+            .map_err(|error| error.to_string())
+            .and_then(|mut http_request| {
+                let destination = Destination::of(http_request.uri())?;
+                to_origin_form(&mut http_request)?;
+                Ok((destination, http_request))
+            });
+        let (destination, http_request) = match prepared {
+            Ok(prepared) => prepared,
             Err(error) => {
-                // A URL the client cannot parse never leaves the process.
-                tracing::warn!(url = %without_query(&request.url), %error, "upstream request could not be built");
+                // A URL the client cannot use never leaves the process.
+                tracing::warn!(%url, %error, "upstream request could not be built");
                 return AttemptReply::Failed(TransportError::Connect);
             }
         };
-        match tokio::time::timeout(
-            self.config.attempt_timeout,
-            self.client.request(http_request),
-        )
-        .await
-        {
+        let attempt = self.exchange(destination, http_request);
+        match tokio::time::timeout(self.config.attempt_timeout, attempt).await {
             Err(_elapsed) => AttemptReply::Failed(TransportError::TimeoutAfterSend),
-            Ok(Err(error)) => {
-                let kind = classify_client_error(&error);
+            Ok(Ok(response)) => AttemptReply::Response(response),
+            Ok(Err(failure)) => {
                 // At info: the cause (a DNS name that does not resolve, a response hyper could
                 // not parse, such as one with more than 100 headers) is what explains the
                 // disposition the engine logs next.
-                tracing::info!(url = %without_query(&request.url), error = %error_chain(&error), kind = %kind, "upstream attempt failed");
-                AttemptReply::Failed(kind)
+                tracing::info!(%url, error = %failure.chain, kind = %failure.kind, "upstream attempt failed");
+                AttemptReply::Failed(failure.kind)
             }
-            Ok(Ok(response)) => AttemptReply::Response(response.map(Body::new)),
         }
+    }
+
+    /// Hands `request` to one connection (pooled or new) and waits for the response head,
+    /// driving the connection meanwhile.
+    async fn exchange(
+        &self,
+        destination: Destination,
+        request: http::Request<Full<Bytes>>,
+    ) -> Result<http::Response<Body>, Failure> {
+        let (mut sender, connection) = match self.pool.checkout(&destination.key) {
+            Some(pair) => pair,
+            None => self.connect(destination.connect_to).await?,
+        };
+        let mut connection = Some(connection);
+        let mut response = pin!(sender.try_send_request(request));
+        let result = poll_fn(|cx| {
+            // The connection first: it writes the request and reads the response head.
+            if let Some(polled) = connection.as_mut() {
+                if let Poll::Ready(outcome) = Pin::new(polled).poll(cx) {
+                    if let Err(error) = outcome {
+                        tracing::debug!(error = %error_chain(&error), "upstream connection failed");
+                    }
+                    // Finished: dropping it fails whatever request it still holds, which
+                    // completes the response future below.
+                    connection = None;
+                }
+            }
+            response.as_mut().poll(cx)
+        })
+        .await;
+        match result {
+            Ok(response) => {
+                let held = connection.map(|connection| Held {
+                    sender,
+                    connection,
+                    key: destination.key,
+                    pool: Arc::downgrade(&self.pool),
+                });
+                Ok(response.map(|incoming| Body::new(UpstreamBody { incoming, held })))
+            }
+            Err(error) => Err(Failure {
+                kind: classify_send_error(&error),
+                chain: error_chain(error.error()),
+            }),
+        }
+    }
+
+    /// Opens a new connection: TCP (and TLS) through the connector, then the HTTP/1.1 handshake.
+    async fn connect(&self, connect_to: Uri) -> Result<(Sender, Connection), Failure> {
+        let mut connector = self.connector.clone();
+        let io = async {
+            poll_fn(|cx| connector.poll_ready(cx)).await?;
+            connector.call(connect_to).await
+        }
+        .await
+        .map_err(|error| Failure {
+            kind: classify_connect_error(&*error),
+            chain: error_chain(&*error),
+        })?;
+        self.handshake
+            .handshake(io)
+            .await
+            .map_err(|error| Failure {
+                kind: TransportError::Connect,
+                chain: error_chain(&error),
+            })
     }
 }
 
@@ -167,28 +279,329 @@ impl Transport for Upstream {
     }
 }
 
+/// Why an attempt failed: its SPEC §2.1 kind and the error chain for the log line.
+struct Failure {
+    kind: TransportError,
+    chain: String,
+}
+
+/// Where a request goes: its pool key and the URI the connector opens.
+struct Destination {
+    key: PoolKey,
+    /// `scheme://authority/`: what the connector resolves, connects to and names in TLS.
+    connect_to: Uri,
+}
+
+impl Destination {
+    fn of(uri: &Uri) -> Result<Destination, String> {
+        let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
+            return Err("the upstream URL is not absolute".to_owned());
+        };
+        let connect_to = Uri::builder()
+            .scheme(scheme.clone())
+            .authority(authority.clone())
+            .path_and_query("/")
+            .build()
+            .map_err(|error| error.to_string())?;
+        let key = PoolKey {
+            scheme: scheme.clone(),
+            host: authority.host().to_ascii_lowercase(),
+            port: authority
+                .port_u16()
+                .unwrap_or(if is_secure(scheme) { 443 } else { 80 }),
+        };
+        Ok(Destination { key, connect_to })
+    }
+}
+
+fn is_secure(scheme: &Scheme) -> bool {
+    *scheme == Scheme::HTTPS || scheme.as_str().eq_ignore_ascii_case("wss")
+}
+
+/// Rewrites an absolute-form request for an origin server (RFC 9112 §3.2): `Host` from the
+/// authority (with the port when it is not the scheme's default), the target in origin form.
+fn to_origin_form(request: &mut http::Request<Full<Bytes>>) -> Result<(), String> {
+    let uri = request.uri().clone();
+    if !request.headers().contains_key(http::header::HOST) {
+        let host = uri.host().unwrap_or_default();
+        let default_port = if uri.scheme().is_some_and(is_secure) {
+            443
+        } else {
+            80
+        };
+        let value = match uri.port_u16() {
+            Some(port) if port != default_port => format!("{host}:{port}"),
+            _ => host.to_owned(),
+        };
+        let value = http::HeaderValue::try_from(value).map_err(|error| error.to_string())?;
+        request.headers_mut().insert(http::header::HOST, value);
+    }
+    let origin = match uri.path_and_query() {
+        Some(path) if path.as_str() != "/" => {
+            let mut parts = http::uri::Parts::default();
+            parts.path_and_query = Some(path.clone());
+            Uri::from_parts(parts).map_err(|error| error.to_string())?
+        }
+        _ => Uri::from_static("/"),
+    };
+    *request.uri_mut() = origin;
+    Ok(())
+}
+
+/// Which connections may serve a request.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct PoolKey {
+    scheme: Scheme,
+    /// Lower-cased.
+    host: String,
+    /// Explicit, or the scheme's default.
+    port: u16,
+}
+
+/// A connection nobody uses, and since when.
+struct Idle {
+    sender: Sender,
+    connection: Connection,
+    since: Instant,
+}
+
+/// Idle connections by destination. Each list is in the order the connections became idle.
+struct Pool {
+    idle: Mutex<HashMap<PoolKey, Vec<Idle>>>,
+    idle_timeout: Duration,
+}
+
+impl Pool {
+    fn new(idle_timeout: Duration) -> Pool {
+        Pool {
+            idle: Mutex::new(HashMap::new()),
+            idle_timeout,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<PoolKey, Vec<Idle>>> {
+        self.idle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Drops expired idle connections every `idle_timeout`, for as long as the pool lives.
+    fn spawn_sweep(pool: &Arc<Pool>) {
+        let period = pool.idle_timeout;
+        if period.is_zero() {
+            return; // nothing is ever pooled
+        }
+        let pool = Arc::downgrade(pool);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                let Some(pool) = pool.upgrade() else {
+                    return;
+                };
+                pool.sweep();
+            }
+        });
+    }
+
+    fn expired(&self, idle: &Idle, now: Instant) -> bool {
+        now.saturating_duration_since(idle.since) > self.idle_timeout
+    }
+
+    fn sweep(&self) {
+        let now = Instant::now();
+        let mut expired = Vec::new();
+        {
+            let mut map = self.lock();
+            map.retain(|_, list| {
+                // Oldest first: the expired ones are a prefix.
+                let keep_from = list.partition_point(|idle| self.expired(idle, now));
+                expired.extend(list.drain(..keep_from));
+                !list.is_empty()
+            });
+        }
+        // Closes the sockets outside the lock.
+        drop(expired);
+    }
+
+    /// The most recently idle connection to `key` that is still usable, if any. Expired and
+    /// closed connections met on the way are dropped.
+    fn checkout(&self, key: &PoolKey) -> Option<(Sender, Connection)> {
+        loop {
+            let now = Instant::now();
+            let mut discarded = Vec::new();
+            let found = {
+                let mut map = self.lock();
+                let list = map.get_mut(key)?;
+                let found = list.pop();
+                if found.as_ref().is_some_and(|idle| self.expired(idle, now)) {
+                    // The most recent is expired, so all are.
+                    discarded.append(list);
+                }
+                if list.is_empty() {
+                    map.remove(key);
+                }
+                found
+            };
+            drop(discarded);
+            let mut idle = found?;
+            if self.expired(&idle, now) {
+                return None;
+            }
+            if usable(&idle.sender, &mut idle.connection) {
+                return Some((idle.sender, idle.connection));
+            }
+        }
+    }
+
+    /// Keeps a connection whose last exchange is complete for the next request to `key`.
+    fn put(&self, key: PoolKey, sender: Sender, connection: Connection) {
+        if self.idle_timeout.is_zero() {
+            return;
+        }
+        let mut map = self.lock();
+        let since = Instant::now();
+        map.entry(key).or_default().push(Idle {
+            sender,
+            connection,
+            since,
+        });
+    }
+}
+
+/// Whether an idle connection can take a request: one poll of its connection future (without a
+/// waker: nobody waits on an idle connection) lets it notice a close or an error from the peer.
+fn usable(sender: &Sender, connection: &mut Connection) -> bool {
+    let mut cx = Context::from_waker(Waker::noop());
+    if Pin::new(connection).poll(&mut cx).is_ready() {
+        return false;
+    }
+    !sender.is_closed() && sender.is_ready()
+}
+
+/// A connection lent to one response body.
+struct Held {
+    sender: Sender,
+    connection: Connection,
+    key: PoolKey,
+    pool: Weak<Pool>,
+}
+
+impl Held {
+    /// Polls the connection: `false` once it has finished (closed, failed).
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        match Pin::new(&mut self.connection).poll(cx) {
+            Poll::Pending => true,
+            Poll::Ready(outcome) => {
+                if let Err(error) = outcome {
+                    tracing::debug!(error = %error_chain(&error), "upstream connection failed");
+                }
+                false
+            }
+        }
+    }
+
+    /// The exchange is over: back to the pool if the connection is ready for another request,
+    /// otherwise closed (dropped).
+    fn release(mut self, cx: &mut Context<'_>) {
+        if self.drive(cx) && !self.sender.is_closed() && self.sender.is_ready() {
+            if let Some(pool) = self.pool.upgrade() {
+                pool.put(self.key, self.sender, self.connection);
+            }
+        }
+    }
+}
+
+/// A response body that drives its own connection: each poll polls the connection first, then
+/// hyper's body channel, so no other task is needed for the bytes to arrive.
+struct UpstreamBody {
+    incoming: Incoming,
+    /// `None` once the connection finished or was released.
+    held: Option<Held>,
+}
+
+impl UpstreamBody {
+    fn release(&mut self, cx: &mut Context<'_>) {
+        if let Some(held) = self.held.take() {
+            held.release(cx);
+        }
+    }
+}
+
+impl http_body::Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        if let Some(held) = this.held.as_mut() {
+            if !held.drive(cx) {
+                // Finished: what it read is in the body channel already.
+                this.held = None;
+            }
+        }
+        let frame = match Pin::new(&mut this.incoming).poll_frame(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(frame) => frame,
+        };
+        match &frame {
+            None => this.release(cx),
+            Some(Ok(_)) if this.incoming.is_end_stream() => this.release(cx),
+            Some(Ok(_)) => {}
+            // A broken body: the connection is not reused.
+            Some(Err(_)) => this.held = None,
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.incoming.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.incoming.size_hint()
+    }
+}
+
+impl Drop for UpstreamBody {
+    fn drop(&mut self) {
+        // A reader may stop at `is_end_stream` (an empty body, or the last chunk of a
+        // `Content-Length` body) without polling for the end: the exchange is complete all the
+        // same. Any other body dropped early takes its connection with it (the socket closes).
+        if self.held.is_some() && self.incoming.is_end_stream() {
+            self.release(&mut Context::from_waker(Waker::noop()));
+        }
+    }
+}
+
 /// `url` without its query, which may carry a credential (`?key=…`): what a log line names.
 fn without_query(url: &str) -> &str {
     url.split_once('?').map_or(url, |(before, _)| before)
 }
 
-/// Maps a client error to its SPEC §2.1 transport kind (see the module docs).
-pub fn classify_client_error(error: &hyper_util::client::legacy::Error) -> TransportError {
-    if error.is_connect() {
-        if chain(error).any(is_tls_error) {
-            return TransportError::Tls;
-        }
-        if chain(error).any(|e| e.to_string() == "dns error") {
-            return TransportError::Dns;
-        }
+/// Maps a failure to open a connection (the connector's error: DNS, TCP, TLS) to its SPEC §2.1
+/// transport kind; all are `not_sent`.
+pub fn classify_connect_error(error: &(dyn StdError + 'static)) -> TransportError {
+    if chain(error).any(is_tls_error) {
+        return TransportError::Tls;
+    }
+    if chain(error).any(|e| e.to_string() == "dns error") {
+        return TransportError::Dns;
+    }
+    TransportError::Connect
+}
+
+/// Maps a failure of `SendRequest::try_send_request` to its SPEC §2.1 transport kind: a request
+/// hyper hands back unwritten → [`TransportError::Connect`] (not sent); otherwise the connection
+/// had the request → [`TransportError::TimeoutAfterSend`] for a timeout,
+/// [`TransportError::ResetAfterSend`] for anything else (both uncertain).
+pub fn classify_send_error<T>(error: &TrySendError<T>) -> TransportError {
+    if error.message().is_some() {
         return TransportError::Connect;
     }
-    // hyper-util hands an unwritten request back as `Canceled` (see `retry_canceled_requests`):
-    // nothing of it reached the provider.
-    if error.to_string() == "client error (Canceled)" {
-        return TransportError::Connect;
-    }
-    let timed_out = chain(error).any(|e| {
+    let timed_out = chain(error.error()).any(|e| {
         e.downcast_ref::<hyper::Error>()
             .is_some_and(|h| h.is_timeout())
             || e.downcast_ref::<std::io::Error>()
