@@ -262,13 +262,10 @@ impl Upstream {
             kind: classify_connect_error(&*error),
             chain: error_chain(&*error),
         })?;
-        self.handshake
-            .handshake(io)
-            .await
-            .map_err(|error| Failure {
-                kind: TransportError::Connect,
-                chain: error_chain(&error),
-            })
+        self.handshake.handshake(io).await.map_err(|error| Failure {
+            kind: TransportError::Connect,
+            chain: error_chain(&error),
+        })
     }
 }
 
@@ -800,5 +797,272 @@ mod tests {
         let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
         let kind = failed(upstream.send(request(format!("http://{addr}/x"))).await);
         assert_eq!(kind, TransportError::ResetAfterSend);
+    }
+
+    /// What a counting upstream answers to request `request` (0-based) on connection
+    /// `connection` (0-based), and whether (after how long) it then closes the connection.
+    type Script = fn(connection: usize, request: usize) -> (&'static [u8], Option<Duration>);
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    /// What a counting upstream saw, per connection in accept order.
+    #[derive(Default)]
+    struct Seen {
+        /// Requests read on each connection.
+        requests: Vec<usize>,
+        /// Whether each connection has been closed (by either side).
+        closed: Vec<bool>,
+    }
+
+    /// A raw HTTP/1.1 upstream that counts connections and the requests read on each.
+    async fn counting_upstream(script: Script) -> (String, Arc<Mutex<Seen>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let shared = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut socket, _)) = listener.accept().await else {
+                    return;
+                };
+                let connection = {
+                    let mut seen = shared.lock().unwrap();
+                    seen.requests.push(0);
+                    seen.closed.push(false);
+                    seen.requests.len() - 1
+                };
+                let seen = shared.clone();
+                tokio::spawn(async move {
+                    let mut request = 0;
+                    while read_request_head(&mut socket).await {
+                        seen.lock().unwrap().requests[connection] += 1;
+                        let (answer, close) = script(connection, request);
+                        let _ = socket.write_all(answer).await;
+                        request += 1;
+                        if let Some(after) = close {
+                            tokio::time::sleep(after).await;
+                            break;
+                        }
+                    }
+                    drop(socket);
+                    seen.lock().unwrap().closed[connection] = true;
+                });
+            }
+        });
+        (format!("http://{addr}"), seen)
+    }
+
+    /// Reads one request head (the test requests have no body). `false` on EOF or error.
+    async fn read_request_head(socket: &mut tokio::net::TcpStream) -> bool {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            match socket.read(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => {
+                    seen.extend_from_slice(&buf[..n]);
+                    if seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                        return true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends a GET and reads the whole answer, which must be a 200.
+    async fn answered(upstream: &Upstream, url: &str) -> Bytes {
+        match upstream.send(request(format!("{url}/x"))).await {
+            AttemptReply::Response(response) => {
+                assert_eq!(response.status(), 200);
+                axum::body::to_bytes(response.into_body(), 1 << 20)
+                    .await
+                    .unwrap()
+            }
+            AttemptReply::Failed(kind) => panic!("the attempt failed: {kind}"),
+        }
+    }
+
+    /// Waits (up to 3 s) until `done` holds for what the upstream saw.
+    async fn until(seen: &Mutex<Seen>, done: impl Fn(&Seen) -> bool) {
+        for _ in 0..300 {
+            if done(&seen.lock().unwrap()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn sequential_requests_to_one_host_reuse_one_connection() {
+        let (url, seen) = counting_upstream(|_, _| (OK, None)).await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.requests, vec![2], "two requests on one connection");
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_before_its_end_closes_its_connection() {
+        // The first connection's answer promises 1000 bytes and sends 5.
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\nhello",
+                None,
+            ),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        match upstream.send(request(format!("{url}/x"))).await {
+            AttemptReply::Response(response) => {
+                assert_eq!(response.status(), 200);
+                drop(response);
+            }
+            AttemptReply::Failed(kind) => panic!("the attempt failed: {kind}"),
+        }
+        until(&seen, |seen| seen.closed == [true]).await;
+        assert_eq!(
+            seen.lock().unwrap().closed,
+            vec![true],
+            "the upstream saw the connection close"
+        );
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        let seen = seen.lock().unwrap();
+        assert_eq!(
+            seen.requests,
+            vec![1, 1],
+            "the second request on a new connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_closed_while_idle_is_noticed_at_checkout() {
+        // Every connection is closed by the upstream 100 ms after its first answer: by then the
+        // connection is idle in the pool.
+        let (url, seen) = counting_upstream(|_, _| (OK, Some(Duration::from_millis(100)))).await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        until(&seen, |seen| seen.closed == [true]).await;
+        // Let the runtime's I/O driver see the FIN.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let seen = seen.lock().unwrap();
+        assert_eq!(
+            seen.requests,
+            vec![1, 1],
+            "the second request went out once, on a new connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_streaming_body_flows_chunk_by_chunk_with_only_its_reader_polling() {
+        use http_body_util::BodyExt;
+        // A blocking upstream on a thread of its own (none of its work is a task of this
+        // runtime): it sends each chunk only after the reader got the previous one.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (got, got_rx) = std::sync::mpsc::channel::<()>();
+        let server = std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let (mut socket, _) = listener.accept().unwrap();
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buf).unwrap();
+                assert!(n > 0);
+                seen.extend_from_slice(&buf[..n]);
+            }
+            socket
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                .unwrap();
+            for chunk in ["data: 1\n\n", "data: 2\n\n", "data: 3\n\n"] {
+                std::thread::sleep(Duration::from_millis(100));
+                write!(socket, "{:x}\r\n{chunk}\r\n", chunk.len()).unwrap();
+                socket.flush().unwrap();
+                got_rx
+                    .recv_timeout(Duration::from_secs(5))
+                    .expect("the reader got the chunk");
+            }
+            socket.write_all(b"0\r\n\r\n").unwrap();
+        });
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let tasks = tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks();
+        let mut body = match upstream
+            .send(request(format!("http://{addr}/events")))
+            .await
+        {
+            AttemptReply::Response(response) => response.into_body(),
+            AttemptReply::Failed(kind) => panic!("the attempt failed: {kind}"),
+        };
+        for expected in ["data: 1\n\n", "data: 2\n\n", "data: 3\n\n"] {
+            let frame = tokio::time::timeout(Duration::from_secs(5), body.frame())
+                .await
+                .expect("the chunk arrived")
+                .expect("a frame")
+                .unwrap();
+            assert_eq!(frame.into_data().unwrap(), expected.as_bytes());
+            assert_eq!(
+                tokio::runtime::Handle::current()
+                    .metrics()
+                    .num_alive_tasks(),
+                tasks,
+                "no task drives the connection"
+            );
+            got.send(()).unwrap();
+        }
+        let end = tokio::time::timeout(Duration::from_secs(5), body.frame())
+            .await
+            .expect("the end arrived");
+        assert!(end.is_none());
+        server.join().unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_older_than_the_idle_timeout_is_not_reused() {
+        let (url, seen) = counting_upstream(|_, _| (OK, None)).await;
+        let config = UpstreamConfig::default();
+        let upstream = Upstream::new(config).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        // Age the pooled connection past the idle timeout (the sweep runs only every 90 s).
+        {
+            let mut pool = upstream.pool.lock();
+            let idle: Vec<&mut Idle> = pool.values_mut().flatten().collect();
+            assert_eq!(idle.len(), 1);
+            for idle in idle {
+                idle.since -= config.pool_idle_timeout + Duration::from_secs(1);
+            }
+        }
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        until(&seen, |seen| seen.closed.first() == Some(&true)).await;
+        let seen = seen.lock().unwrap();
+        assert_eq!(
+            seen.requests,
+            vec![1, 1],
+            "the second request on a new connection"
+        );
+        assert_eq!(seen.closed, vec![true, false], "the expired one was closed");
+    }
+
+    #[tokio::test]
+    async fn the_sweep_closes_connections_idle_past_the_timeout() {
+        let (url, seen) = counting_upstream(|_, _| (OK, None)).await;
+        let upstream = Upstream::new(UpstreamConfig {
+            pool_idle_timeout: Duration::from_millis(100),
+            ..UpstreamConfig::default()
+        })
+        .unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        until(&seen, |seen| seen.closed == [true]).await;
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.requests, vec![1]);
+        assert_eq!(
+            seen.closed,
+            vec![true],
+            "the idle connection was closed with no request"
+        );
     }
 }
