@@ -155,9 +155,11 @@ async fn post_actions_accepts_json_and_cancel_over_http_stops_a_delayed_retry() 
     );
     let body: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     let id = body["id"].as_i64().unwrap();
-    // Wait for the first attempt (503, retry scheduled 2 s later).
-    for _ in 0..50 {
-        if !provider.attempts().is_empty() {
+    // Wait for the first attempt (503, retry scheduled 2 s later) and its durable retry: the
+    // provider seeing the request is not enough, the 503 may still be on its way back.
+    for _ in 0..100 {
+        let (_, view) = get_json(format!("{base}/v1/actions/{id}"), AGENT).await;
+        if view["state"] == "waiting" {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
