@@ -498,9 +498,11 @@ impl Held {
     }
 
     /// The exchange is over: back to the pool if the connection is ready for another request,
-    /// otherwise closed (dropped).
-    fn release(mut self, cx: &mut Context<'_>) {
-        if self.drive(cx) && !self.sender.is_closed() && self.sender.is_ready() {
+    /// otherwise closed (dropped). The last poll registers no waker: the reader is done with the
+    /// connection and must not be woken by what happens to it while idle.
+    fn release(mut self) {
+        let mut cx = Context::from_waker(Waker::noop());
+        if self.drive(&mut cx) && !self.sender.is_closed() && self.sender.is_ready() {
             if let Some(pool) = self.pool.upgrade() {
                 pool.put(self.key, self.sender, self.connection);
             }
@@ -517,9 +519,9 @@ struct UpstreamBody {
 }
 
 impl UpstreamBody {
-    fn release(&mut self, cx: &mut Context<'_>) {
+    fn release(&mut self) {
         if let Some(held) = self.held.take() {
-            held.release(cx);
+            held.release();
         }
     }
 }
@@ -544,8 +546,8 @@ impl http_body::Body for UpstreamBody {
             Poll::Ready(frame) => frame,
         };
         match &frame {
-            None => this.release(cx),
-            Some(Ok(_)) if this.incoming.is_end_stream() => this.release(cx),
+            None => this.release(),
+            Some(Ok(_)) if this.incoming.is_end_stream() => this.release(),
             Some(Ok(_)) => {}
             // A broken body: the connection is not reused.
             Some(Err(_)) => this.held = None,
@@ -568,7 +570,7 @@ impl Drop for UpstreamBody {
         // `Content-Length` body) without polling for the end: the exchange is complete all the
         // same. Any other body dropped early takes its connection with it (the socket closes).
         if self.held.is_some() && self.incoming.is_end_stream() {
-            self.release(&mut Context::from_waker(Waker::noop()));
+            self.release();
         }
     }
 }
