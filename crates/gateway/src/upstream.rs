@@ -818,6 +818,16 @@ mod tests {
 
     /// A raw HTTP/1.1 upstream that counts connections and the requests read on each.
     async fn counting_upstream(script: Script) -> (String, Arc<Mutex<Seen>>) {
+        paced_upstream(script, usize::MAX, Duration::ZERO).await
+    }
+
+    /// [`counting_upstream`] writing each answer in writes of at most `piece` bytes, `pause`
+    /// apart.
+    async fn paced_upstream(
+        script: Script,
+        piece: usize,
+        pause: Duration,
+    ) -> (String, Arc<Mutex<Seen>>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Seen::default()));
@@ -839,7 +849,12 @@ mod tests {
                     while read_request_head(&mut socket).await {
                         seen.lock().unwrap().requests[connection] += 1;
                         let (answer, close) = script(connection, request);
-                        let _ = socket.write_all(answer).await;
+                        for (i, bytes) in answer.chunks(piece).enumerate() {
+                            if i > 0 {
+                                tokio::time::sleep(pause).await;
+                            }
+                            let _ = socket.write_all(bytes).await;
+                        }
                         request += 1;
                         if let Some(after) = close {
                             tokio::time::sleep(after).await;
@@ -1066,5 +1081,356 @@ mod tests {
             vec![true],
             "the idle connection was closed with no request"
         );
+    }
+
+    // Unusual upstream behaviour: what the upstream saw (connections, requests on each) and what
+    // the caller got.
+
+    /// The response to `method url/x`, which must not be a transport failure.
+    async fn response_to(upstream: &Upstream, method: http::Method, url: &str) -> http::Response<Body> {
+        let mut attempt = request(format!("{url}/x"));
+        attempt.method = method;
+        match tokio::time::timeout(Duration::from_secs(5), upstream.send(attempt)).await {
+            Ok(AttemptReply::Response(response)) => response,
+            Ok(AttemptReply::Failed(kind)) => panic!("the attempt failed: {kind}"),
+            Err(_) => panic!("no answer within 5 s"),
+        }
+    }
+
+    /// The whole body, or its error; within 5 s.
+    async fn read_body(response: http::Response<Body>) -> Result<Bytes, axum::Error> {
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            axum::body::to_bytes(response.into_body(), 1 << 20),
+        )
+        .await
+        .expect("the body ended within 5 s")
+    }
+
+    #[tokio::test]
+    async fn a_head_answer_with_a_content_length_has_no_body_and_its_connection_is_reused() {
+        let (url, seen) = counting_upstream(|_, request| match request {
+            0 | 1 => (b"HTTP/1.1 200 OK\r\ncontent-length: 1234\r\n\r\n", None),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let head = response_to(&upstream, http::Method::HEAD, &url).await;
+        assert_eq!(head.status(), 200);
+        assert_eq!(&read_body(head).await.unwrap()[..], b"");
+        // Dropped unread: an empty body is a complete exchange all the same.
+        drop(response_to(&upstream, http::Method::HEAD, &url).await);
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(seen.lock().unwrap().requests, vec![3], "one connection");
+    }
+
+    #[tokio::test]
+    async fn answers_204_and_304_have_no_body_and_their_connection_is_reused() {
+        let (url, seen) = counting_upstream(|_, request| match request {
+            0 => (b"HTTP/1.1 204 No Content\r\n\r\n", None),
+            // The length of the representation that was not sent (RFC 9110 §8.6).
+            1 => (
+                b"HTTP/1.1 304 Not Modified\r\netag: \"a\"\r\ncontent-length: 50\r\n\r\n",
+                None,
+            ),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let no_content = response_to(&upstream, http::Method::GET, &url).await;
+        assert_eq!(no_content.status(), 204);
+        assert_eq!(&read_body(no_content).await.unwrap()[..], b"");
+        let not_modified = response_to(&upstream, http::Method::GET, &url).await;
+        assert_eq!(not_modified.status(), 304);
+        assert_eq!(&read_body(not_modified).await.unwrap()[..], b"");
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(seen.lock().unwrap().requests, vec![3], "one connection");
+    }
+
+    #[tokio::test]
+    async fn a_connection_close_answer_is_read_whole_and_its_connection_is_not_reused() {
+        // The upstream says `connection: close` but keeps reading: a request it then read on
+        // the first connection would be counted there.
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (
+                b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 5\r\n\r\nhello",
+                None,
+            ),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"hello");
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        until(&seen, |seen| seen.closed.first() == Some(&true)).await;
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.requests, vec![1, 1], "the second request on a new connection");
+        assert_eq!(seen.closed, vec![true, false], "the client closed the first");
+    }
+
+    #[tokio::test]
+    async fn a_body_delimited_by_the_close_is_read_whole() {
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (b"HTTP/1.1 200 OK\r\n\r\nuntil the end", Some(Duration::ZERO)),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"until the end");
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(seen.lock().unwrap().requests, vec![1, 1]);
+    }
+
+    const CHUNKED_WITH_TRAILERS: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\n\r\n5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nx-sum: 42\r\n\r\n";
+
+    #[tokio::test]
+    async fn a_chunked_body_with_trailers_is_read_whole_and_its_connection_is_reused() {
+        use http_body_util::BodyExt;
+        let (url, seen) = counting_upstream(|_, _| (CHUNKED_WITH_TRAILERS, None)).await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        for _ in 0..2 {
+            let response = response_to(&upstream, http::Method::GET, &url).await;
+            let collected = tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                collected.trailers().and_then(|t| t.get("x-sum")).map(|v| v.as_bytes()),
+                Some(&b"42"[..])
+            );
+            assert_eq!(&collected.to_bytes()[..], b"hello world");
+        }
+        assert_eq!(seen.lock().unwrap().requests, vec![2], "one connection");
+    }
+
+    #[tokio::test]
+    async fn an_answer_in_one_byte_writes_is_read_whole_and_its_connection_is_reused() {
+        let (url, seen) =
+            paced_upstream(|_, _| (CHUNKED_WITH_TRAILERS, None), 1, Duration::from_millis(1))
+                .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"hello world");
+        assert_eq!(&answered(&upstream, &url).await[..], b"hello world");
+        assert_eq!(seen.lock().unwrap().requests, vec![2], "one connection");
+    }
+
+    #[tokio::test]
+    async fn a_close_in_the_middle_of_a_body_is_an_error_and_the_next_request_goes_once() {
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\nhello",
+                Some(Duration::ZERO),
+            ),
+            1 => (
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+                Some(Duration::ZERO),
+            ),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        for _ in 0..2 {
+            let response = response_to(&upstream, http::Method::GET, &url).await;
+            assert_eq!(response.status(), 200);
+            assert!(read_body(response).await.is_err(), "not a silent truncation");
+        }
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(seen.lock().unwrap().requests, vec![1, 1, 1]);
+    }
+
+    const INTERIM_THEN_OK: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    #[tokio::test]
+    async fn interim_answers_are_skipped_and_the_connection_is_reused() {
+        for piece in [usize::MAX, 7] {
+            let (url, seen) =
+                paced_upstream(|_, _| (INTERIM_THEN_OK, None), piece, Duration::from_millis(5))
+                    .await;
+            let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+            assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+            assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+            assert_eq!(seen.lock().unwrap().requests, vec![2], "one connection");
+        }
+    }
+
+    #[tokio::test]
+    async fn bytes_after_an_answer_never_answer_the_next_request() {
+        // A second, unasked-for answer right behind the first, in the same write.
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\ngarbage",
+                None,
+            ),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.requests, vec![1, 1], "the second request on a new connection");
+    }
+
+    #[tokio::test]
+    async fn bytes_that_arrive_while_idle_close_the_connection() {
+        // The unasked-for answer comes 50 ms after the first, while the connection is idle.
+        let (url, seen) = paced_upstream(
+            |connection, _| match connection {
+                0 => (
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\ngarbage",
+                    None,
+                ),
+                _ => (OK, None),
+            },
+            40,
+            Duration::from_millis(50),
+        )
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.requests, vec![1, 1], "the second request on a new connection");
+    }
+
+    #[tokio::test]
+    async fn a_held_body_keeps_its_connection_while_other_requests_use_others() {
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            // Half of its body, and the connection stays open.
+            0 => (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello", None),
+            // Its whole body, never read until the end of the test.
+            1 => (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nwhole", None),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let half = response_to(&upstream, http::Method::GET, &url).await;
+        let whole = response_to(&upstream, http::Method::GET, &url).await;
+        for _ in 0..3 {
+            assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        }
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..4 {
+            let upstream = upstream.clone();
+            let url = url.clone();
+            tasks.spawn(async move { answered(&upstream, &url).await });
+        }
+        while let Some(body) = tasks.join_next().await {
+            assert_eq!(&body.unwrap()[..], b"ok");
+        }
+        {
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.requests[..2], [1, 1], "the held ones took no other request");
+            assert_eq!(seen.requests.iter().sum::<usize>(), 9);
+        }
+        // Read at last, the whole body hands its connection back to the pool; the half body,
+        // dropped, closes its own.
+        assert_eq!(&read_body(whole).await.unwrap()[..], b"whole");
+        drop(half);
+        until(&seen, |seen| seen.closed[0]).await;
+        let seen = seen.lock().unwrap();
+        assert!(seen.closed[0]);
+        assert!(!seen.closed[1]);
+    }
+
+    #[tokio::test]
+    async fn fifty_concurrent_requests_are_each_sent_once() {
+        let (url, seen) = counting_upstream(|_, _| (OK, None)).await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        for wave in 1..=2 {
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..50 {
+                let upstream = upstream.clone();
+                let url = url.clone();
+                tasks.spawn(async move { answered(&upstream, &url).await });
+            }
+            while let Some(body) = tasks.join_next().await {
+                assert_eq!(&body.unwrap()[..], b"ok");
+            }
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.requests.iter().sum::<usize>(), 50 * wave);
+            assert!(seen.requests.len() <= 50, "{} connections", seen.requests.len());
+        }
+    }
+
+    #[tokio::test]
+    async fn an_answer_before_the_whole_request_body_is_read_goes_out_once() {
+        // The upstream reads the request head only, answers 413 and closes, with most of a
+        // 4 MiB body unread.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(Mutex::new(0usize));
+        let accepted = connections.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut socket, _)) = listener.accept().await else {
+                    return;
+                };
+                *accepted.lock().unwrap() += 1;
+                tokio::spawn(async move {
+                    if read_request_head(&mut socket).await {
+                        let _ = socket
+                            .write_all(b"HTTP/1.1 413 Content Too Large\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+                            .await;
+                    }
+                });
+            }
+        });
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        for _ in 0..2 {
+            let mut attempt = request(format!("http://{addr}/upload"));
+            attempt.method = http::Method::POST;
+            attempt.body = Bytes::from(vec![b'x'; 4 << 20]);
+            let reply = tokio::time::timeout(Duration::from_secs(5), upstream.send(attempt))
+                .await
+                .expect("an answer within 5 s");
+            match reply {
+                AttemptReply::Response(response) => {
+                    assert_eq!(response.status(), 413);
+                    let _ = read_body(response).await;
+                }
+                // The head went out: if anything fails now, it is uncertain.
+                AttemptReply::Failed(kind) => assert_eq!(kind, TransportError::ResetAfterSend),
+            }
+        }
+        assert_eq!(*connections.lock().unwrap(), 2, "one connection per attempt");
+    }
+
+    #[tokio::test]
+    async fn an_http_1_0_answer_without_keep_alive_is_not_reused() {
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (b"HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\nhello", None),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        assert_eq!(&answered(&upstream, &url).await[..], b"hello");
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(seen.lock().unwrap().requests, vec![1, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_switching_protocols_answer_to_a_plain_request_is_not_reused() {
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n", None),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let mut attempt = request(format!("{url}/x"));
+        attempt.method = http::Method::GET;
+        let reply = tokio::time::timeout(Duration::from_secs(5), upstream.send(attempt))
+            .await
+            .expect("an answer within 5 s");
+        match reply {
+            AttemptReply::Response(response) => {
+                assert_eq!(response.status(), 101);
+                let _ = read_body(response).await;
+            }
+            AttemptReply::Failed(kind) => assert!(kind.maybe_delivered(), "{kind}"),
+        }
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(seen.lock().unwrap().requests, vec![1, 1]);
     }
 }
