@@ -1087,7 +1087,11 @@ mod tests {
     // the caller got.
 
     /// The response to `method url/x`, which must not be a transport failure.
-    async fn response_to(upstream: &Upstream, method: http::Method, url: &str) -> http::Response<Body> {
+    async fn response_to(
+        upstream: &Upstream,
+        method: http::Method,
+        url: &str,
+    ) -> http::Response<Body> {
         let mut attempt = request(format!("{url}/x"));
         attempt.method = method;
         match tokio::time::timeout(Duration::from_secs(5), upstream.send(attempt)).await {
@@ -1164,14 +1168,25 @@ mod tests {
         assert_eq!(&answered(&upstream, &url).await[..], b"ok");
         until(&seen, |seen| seen.closed.first() == Some(&true)).await;
         let seen = seen.lock().unwrap();
-        assert_eq!(seen.requests, vec![1, 1], "the second request on a new connection");
-        assert_eq!(seen.closed, vec![true, false], "the client closed the first");
+        assert_eq!(
+            seen.requests,
+            vec![1, 1],
+            "the second request on a new connection"
+        );
+        assert_eq!(
+            seen.closed,
+            vec![true, false],
+            "the client closed the first"
+        );
     }
 
     #[tokio::test]
     async fn a_body_delimited_by_the_close_is_read_whole() {
         let (url, seen) = counting_upstream(|connection, _| match connection {
-            0 => (b"HTTP/1.1 200 OK\r\n\r\nuntil the end", Some(Duration::ZERO)),
+            0 => (
+                b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
+                Some(Duration::ZERO),
+            ),
             _ => (OK, None),
         })
         .await;
@@ -1190,12 +1205,16 @@ mod tests {
         let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
         for _ in 0..2 {
             let response = response_to(&upstream, http::Method::GET, &url).await;
-            let collected = tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
-                .await
-                .unwrap()
-                .unwrap();
+            let collected =
+                tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
+                    .await
+                    .unwrap()
+                    .unwrap();
             assert_eq!(
-                collected.trailers().and_then(|t| t.get("x-sum")).map(|v| v.as_bytes()),
+                collected
+                    .trailers()
+                    .and_then(|t| t.get("x-sum"))
+                    .map(|v| v.as_bytes()),
                 Some(&b"42"[..])
             );
             assert_eq!(&collected.to_bytes()[..], b"hello world");
@@ -1205,9 +1224,12 @@ mod tests {
 
     #[tokio::test]
     async fn an_answer_in_one_byte_writes_is_read_whole_and_its_connection_is_reused() {
-        let (url, seen) =
-            paced_upstream(|_, _| (CHUNKED_WITH_TRAILERS, None), 1, Duration::from_millis(1))
-                .await;
+        let (url, seen) = paced_upstream(
+            |_, _| (CHUNKED_WITH_TRAILERS, None),
+            1,
+            Duration::from_millis(1),
+        )
+        .await;
         let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
         assert_eq!(&answered(&upstream, &url).await[..], b"hello world");
         assert_eq!(&answered(&upstream, &url).await[..], b"hello world");
@@ -1232,7 +1254,10 @@ mod tests {
         for _ in 0..2 {
             let response = response_to(&upstream, http::Method::GET, &url).await;
             assert_eq!(response.status(), 200);
-            assert!(read_body(response).await.is_err(), "not a silent truncation");
+            assert!(
+                read_body(response).await.is_err(),
+                "not a silent truncation"
+            );
         }
         assert_eq!(&answered(&upstream, &url).await[..], b"ok");
         assert_eq!(seen.lock().unwrap().requests, vec![1, 1, 1]);
@@ -1243,9 +1268,12 @@ mod tests {
     #[tokio::test]
     async fn interim_answers_are_skipped_and_the_connection_is_reused() {
         for piece in [usize::MAX, 7] {
-            let (url, seen) =
-                paced_upstream(|_, _| (INTERIM_THEN_OK, None), piece, Duration::from_millis(5))
-                    .await;
+            let (url, seen) = paced_upstream(
+                |_, _| (INTERIM_THEN_OK, None),
+                piece,
+                Duration::from_millis(5),
+            )
+            .await;
             let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
             assert_eq!(&answered(&upstream, &url).await[..], b"ok");
             assert_eq!(&answered(&upstream, &url).await[..], b"ok");
@@ -1255,7 +1283,7 @@ mod tests {
 
     #[tokio::test]
     async fn bytes_after_an_answer_never_answer_the_next_request() {
-        // A second, unasked-for answer right behind the first, in the same write.
+        // Right behind the first answer, in the same write: a second, unasked-for answer.
         let (url, seen) = counting_upstream(|connection, _| match connection {
             0 => (
                 b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\ngarbage",
@@ -1268,7 +1296,36 @@ mod tests {
         assert_eq!(&answered(&upstream, &url).await[..], b"ok");
         assert_eq!(&answered(&upstream, &url).await[..], b"ok");
         let seen = seen.lock().unwrap();
-        assert_eq!(seen.requests, vec![1, 1], "the second request on a new connection");
+        assert_eq!(
+            seen.requests,
+            vec![1, 1],
+            "the second request on a new connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_sent_with_a_204_never_answers_the_next_request() {
+        // A 204 has no body (RFC 9110 §15.3.5), whatever its Content-Length says: the bytes
+        // after its head are not a response to anything.
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (
+                b"HTTP/1.1 204 No Content\r\ncontent-length: 40\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno",
+                None,
+            ),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let no_content = response_to(&upstream, http::Method::GET, &url).await;
+        assert_eq!(no_content.status(), 204);
+        assert_eq!(&read_body(no_content).await.unwrap()[..], b"");
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        let seen = seen.lock().unwrap();
+        assert_eq!(
+            seen.requests,
+            vec![1, 1],
+            "the second request on a new connection"
+        );
     }
 
     #[tokio::test]
@@ -1291,7 +1348,11 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert_eq!(&answered(&upstream, &url).await[..], b"ok");
         let seen = seen.lock().unwrap();
-        assert_eq!(seen.requests, vec![1, 1], "the second request on a new connection");
+        assert_eq!(
+            seen.requests,
+            vec![1, 1],
+            "the second request on a new connection"
+        );
     }
 
     #[tokio::test]
@@ -1321,7 +1382,11 @@ mod tests {
         }
         {
             let seen = seen.lock().unwrap();
-            assert_eq!(seen.requests[..2], [1, 1], "the held ones took no other request");
+            assert_eq!(
+                seen.requests[..2],
+                [1, 1],
+                "the held ones took no other request"
+            );
             assert_eq!(seen.requests.iter().sum::<usize>(), 9);
         }
         // Read at last, the whole body hands its connection back to the pool; the half body,
@@ -1348,9 +1413,9 @@ mod tests {
             while let Some(body) = tasks.join_next().await {
                 assert_eq!(&body.unwrap()[..], b"ok");
             }
+            // The first wave opens a connection each; the second finds them all in the pool.
             let seen = seen.lock().unwrap();
-            assert_eq!(seen.requests.iter().sum::<usize>(), 50 * wave);
-            assert!(seen.requests.len() <= 50, "{} connections", seen.requests.len());
+            assert_eq!(seen.requests, vec![wave; 50]);
         }
     }
 
@@ -1394,7 +1459,11 @@ mod tests {
                 AttemptReply::Failed(kind) => assert_eq!(kind, TransportError::ResetAfterSend),
             }
         }
-        assert_eq!(*connections.lock().unwrap(), 2, "one connection per attempt");
+        assert_eq!(
+            *connections.lock().unwrap(),
+            2,
+            "one connection per attempt"
+        );
     }
 
     #[tokio::test]
@@ -1413,7 +1482,10 @@ mod tests {
     #[tokio::test]
     async fn a_switching_protocols_answer_to_a_plain_request_is_not_reused() {
         let (url, seen) = counting_upstream(|connection, _| match connection {
-            0 => (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n", None),
+            0 => (
+                b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n",
+                None,
+            ),
             _ => (OK, None),
         })
         .await;
