@@ -1520,4 +1520,78 @@ mod tests {
         assert_eq!(&answered(&upstream, &url).await[..], b"ok");
         assert_eq!(seen.lock().unwrap().requests, vec![1, 1]);
     }
+
+    #[tokio::test]
+    async fn an_echo_that_answers_while_the_request_body_is_still_on_its_way_flows_both_ways() {
+        // The upstream answers the head at once, then echoes the request body as it reads it:
+        // the rest of the request goes out only while the reader of the answer drives the
+        // connection. 8 MiB is more than the socket buffers hold.
+        const LEN: usize = 8 << 20;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(Mutex::new(Vec::<usize>::new()));
+        let seen = requests.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut socket, _)) = listener.accept().await else {
+                    return;
+                };
+                let connection = {
+                    let mut seen = seen.lock().unwrap();
+                    seen.push(0);
+                    seen.len() - 1
+                };
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    loop {
+                        let mut head = Vec::new();
+                        let mut byte = [0u8; 1];
+                        while !head.ends_with(b"\r\n\r\n") {
+                            match socket.read(&mut byte).await {
+                                Ok(1) => head.push(byte[0]),
+                                _ => return,
+                            }
+                        }
+                        seen.lock().unwrap()[connection] += 1;
+                        let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                        let length: usize = head
+                            .split("\r\n")
+                            .find_map(|line| line.strip_prefix("content-length: "))
+                            .map_or(0, |n| n.parse().unwrap());
+                        let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {length}\r\n\r\n");
+                        socket.write_all(answer.as_bytes()).await.unwrap();
+                        let mut left = length;
+                        let mut buf = vec![0u8; 64 << 10];
+                        while left > 0 {
+                            let n = socket.read(&mut buf[..left.min(64 << 10)]).await.unwrap();
+                            assert!(n > 0, "the request body ended early");
+                            socket.write_all(&buf[..n]).await.unwrap();
+                            left -= n;
+                        }
+                    }
+                });
+            }
+        });
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        for _ in 0..2 {
+            let mut attempt = request(format!("http://{addr}/echo"));
+            attempt.method = http::Method::POST;
+            attempt.body = Bytes::from(vec![b'e'; LEN]);
+            let response =
+                match tokio::time::timeout(Duration::from_secs(5), upstream.send(attempt)).await {
+                    Ok(AttemptReply::Response(response)) => response,
+                    Ok(AttemptReply::Failed(kind)) => panic!("the attempt failed: {kind}"),
+                    Err(_) => panic!("no answer within 5 s"),
+                };
+            let body = tokio::time::timeout(
+                Duration::from_secs(10),
+                axum::body::to_bytes(response.into_body(), LEN),
+            )
+            .await
+            .expect("the echo ended within 10 s")
+            .unwrap();
+            assert_eq!(body.len(), LEN);
+        }
+        assert_eq!(*requests.lock().unwrap(), vec![2], "one connection");
+    }
 }
