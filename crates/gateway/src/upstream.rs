@@ -1594,4 +1594,30 @@ mod tests {
         }
         assert_eq!(*requests.lock().unwrap(), vec![2], "one connection");
     }
+
+    #[tokio::test]
+    async fn a_dead_idle_connection_is_passed_over_for_the_next_idle_one() {
+        // The first connection is closed by the upstream 100 ms after its answer.
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (OK, Some(Duration::from_millis(100))),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        // The first answer is held while the second is read: the second connection becomes
+        // idle first, the first one last (the one checkout tries first).
+        let first = response_to(&upstream, http::Method::GET, &url).await;
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(&read_body(first).await.unwrap()[..], b"ok");
+        until(&seen, |seen| seen.closed.first() == Some(&true)).await;
+        // Let the runtime's I/O driver see the FIN.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        let seen = seen.lock().unwrap();
+        assert_eq!(
+            seen.requests,
+            vec![1, 2],
+            "the third request on the second connection"
+        );
+    }
 }
