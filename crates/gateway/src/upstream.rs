@@ -1620,4 +1620,18 @@ mod tests {
             "the third request on the second connection"
         );
     }
+
+    #[tokio::test]
+    async fn an_answer_that_is_not_http_is_an_uncertain_reset() {
+        let (url, seen) = counting_upstream(|connection, _| match connection {
+            0 => (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", None),
+            _ => (OK, None),
+        })
+        .await;
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let kind = failed(upstream.send(request(format!("{url}/x"))).await);
+        assert_eq!(kind, TransportError::ResetAfterSend);
+        assert_eq!(&answered(&upstream, &url).await[..], b"ok");
+        assert_eq!(seen.lock().unwrap().requests, vec![1, 1]);
+    }
 }
