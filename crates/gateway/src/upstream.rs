@@ -1634,4 +1634,31 @@ mod tests {
         assert_eq!(&answered(&upstream, &url).await[..], b"ok");
         assert_eq!(seen.lock().unwrap().requests, vec![1, 1]);
     }
+
+    #[tokio::test]
+    async fn a_long_body_delimited_by_the_close_is_read_whole() {
+        // 4 MiB and then the close: the end of the body is the end of the connection, which
+        // finishes while the last bytes may still wait in the body channel for the reader.
+        const LEN: usize = 4 << 20;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            assert!(read_request_head(&mut socket).await);
+            socket.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+            socket.write_all(&vec![b'b'; LEN]).await.unwrap();
+        });
+        let upstream = Upstream::new(UpstreamConfig::default()).unwrap();
+        let response = response_to(&upstream, http::Method::GET, &format!("http://{addr}")).await;
+        // The reader starts late: as much as the socket buffers hold is already there.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let body = tokio::time::timeout(
+            Duration::from_secs(10),
+            axum::body::to_bytes(response.into_body(), LEN),
+        )
+        .await
+        .expect("the body ended within 10 s")
+        .unwrap();
+        assert_eq!(body.len(), LEN);
+    }
 }
