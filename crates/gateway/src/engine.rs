@@ -505,7 +505,21 @@ struct ActionGuard<'a> {
     in_flight: Option<u32>,
     /// The disposition of the last attempt's answer, once one came back.
     last_signal: Option<&'static str>,
+    /// The HTTP status of the last response, once one came back.
+    last_status: Option<u16>,
     armed: bool,
+}
+
+/// What an action whose caller went away had done: what its `cancelled` context says.
+#[derive(Debug, Default, Clone, Copy)]
+struct GoneClient {
+    /// Attempts that left.
+    sent: u32,
+    /// The attempt whose answer never came, if the caller left during one.
+    in_flight: Option<u32>,
+    /// The last response's status and the last attempt's disposition, once one came back.
+    last_status: Option<u16>,
+    last_signal: Option<&'static str>,
 }
 
 /// The result of attempt `attempt` of `action` whose answer is not known (sent, no response
@@ -569,29 +583,43 @@ impl Drop for ActionGuard<'_> {
             sent,
             "client disconnected: the action is cancelled and never sends again"
         );
+        let gone = GoneClient {
+            sent,
+            in_flight,
+            last_status: self.last_status,
+            last_signal: self.last_signal,
+        };
         runtime.spawn(async move {
             inner
-                .cancel_for_gone_client(id, sent, in_flight, &provider, &class)
+                .cancel_for_gone_client(id, gone, &provider, &class)
                 .await
         });
     }
 }
 
 impl Inner {
-    /// Ends action `id` `cancelled` because its caller went away: `sent` attempts had left,
-    /// `in_flight` is the attempt whose answer never came (recorded `uncertain` with the
-    /// outcome). Store errors are logged; nothing is retried.
+    /// Ends action `id` `cancelled` because its caller went away; `gone` says what it had done
+    /// (an attempt in flight is recorded `uncertain` with the outcome). Store errors are logged;
+    /// nothing is retried.
     async fn cancel_for_gone_client(
         &self,
         id: ActionId,
-        sent: u32,
-        in_flight: Option<u32>,
+        gone: GoneClient,
         provider: &str,
         class: &str,
     ) {
+        let GoneClient {
+            sent, in_flight, ..
+        } = gone;
         let context = OutcomeContext {
             sent: sent > 0,
             attempts: sent,
+            response_received: gone.last_status.is_some(),
+            last_status: gone.last_status,
+            last_signal: match in_flight {
+                Some(_) => Some(Disposition::Uncertain.as_str().to_owned()),
+                None => gone.last_signal.map(str::to_owned),
+            },
             next_safe: if in_flight.is_some() {
                 vec![NextSafe::QueryStatus, NextSafe::Abort]
             } else {
@@ -1448,7 +1476,12 @@ impl Engine {
                             );
                             runtime.spawn(async move {
                                 inner
-                                    .cancel_for_gone_client(id, 0, None, &provider, &class)
+                                    .cancel_for_gone_client(
+                                        id,
+                                        GoneClient::default(),
+                                        &provider,
+                                        &class,
+                                    )
                                     .await
                             });
                         }
@@ -1578,6 +1611,7 @@ impl Engine {
             sent: prior_attempts,
             in_flight: None,
             last_signal: None,
+            last_status: None,
             armed: true,
         };
         let run = Run {
@@ -1895,6 +1929,7 @@ impl Engine {
             }
             seen.last_signal = Some(signal.disposition.as_str());
             guard.last_signal = seen.last_signal;
+            guard.last_status = seen.last_status;
             seen.boundary = signal.boundary.retry_not_before();
             // One count per scope of the route, or one under `-` for a route without scopes.
             let scope_labels = std::iter::once("-")

@@ -409,6 +409,44 @@ async fn a_client_disconnecting_before_send_cancels_its_action() {
     );
 }
 
+/// A caller that goes away while its action waits for a retry leaves a `cancelled` context that
+/// still says what the provider last answered.
+#[tokio::test(start_paused = true)]
+async fn a_client_gone_while_its_retry_waits_leaves_the_last_answer_in_the_context() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let waiting = h.spawn(h.get("t1", "/v1/items/1"));
+    advance(SEC).await;
+    assert_eq!(h.transport.sent_to("/v1/items/1").len(), 1);
+    waiting.abort();
+    let _ = waiting.await;
+    let id = ActionId(1);
+    let outcome = || h.store.action(id).unwrap().unwrap().outcome;
+    assert!(until(|| outcome().is_some()).await, "the action is closed");
+    assert_eq!(outcome(), Some(Outcome::Cancelled));
+    let context = h
+        .store
+        .action(id)
+        .unwrap()
+        .unwrap()
+        .outcome_context
+        .unwrap();
+    assert_eq!(context["sent"], true, "{context}");
+    assert_eq!(context["attempts"], 1, "{context}");
+    assert_eq!(context["response_received"], true, "{context}");
+    assert_eq!(context["last_status"], 429, "{context}");
+    assert_eq!(context["last_signal"], "rate_limited", "{context}");
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(
+        h.transport.sent_to("/v1/items/1").len(),
+        1,
+        "never sent again"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn cancel_task_drops_its_delayed_actions_before_they_wake() {
     let h = Harness::new();
