@@ -609,16 +609,19 @@ impl Inner {
         class: &str,
     ) {
         let GoneClient {
-            sent, in_flight, ..
+            sent,
+            in_flight,
+            last_status,
+            last_signal,
         } = gone;
         let context = OutcomeContext {
             sent: sent > 0,
             attempts: sent,
-            response_received: gone.last_status.is_some(),
-            last_status: gone.last_status,
+            response_received: last_status.is_some(),
+            last_status,
             last_signal: match in_flight {
                 Some(_) => Some(Disposition::Uncertain.as_str().to_owned()),
-                None => gone.last_signal.map(str::to_owned),
+                None => last_signal.map(str::to_owned),
             },
             next_safe: if in_flight.is_some() {
                 vec![NextSafe::QueryStatus, NextSafe::Abort]
@@ -649,9 +652,7 @@ impl Inner {
         }
         self.metrics.outcome(provider, class, Outcome::Cancelled);
     }
-}
 
-impl Inner {
     /// Runs a blocking store call off the async workers.
     async fn blocking<T, F>(&self, f: F) -> Result<T, EngineError>
     where

@@ -58,7 +58,7 @@ use std::{
 use axum::body::Body;
 use backstop_core::classify::TransportError;
 use bytes::Bytes;
-use http::uri::{Scheme, Uri};
+use http::uri::{Authority, Scheme, Uri};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::{
@@ -214,7 +214,7 @@ impl Upstream {
     ) -> Result<http::Response<Body>, Failure> {
         let (mut sender, connection) = match self.pool.checkout(&destination.key) {
             Some(pair) => pair,
-            None => self.connect(destination.connect_to).await?,
+            None => self.connect(destination.connect_to()?).await?,
         };
         let mut connection = Some(connection);
         let mut response = pin!(sender.try_send_request(request));
@@ -282,11 +282,10 @@ struct Failure {
     chain: String,
 }
 
-/// Where a request goes: its pool key and the URI the connector opens.
+/// Where a request goes: its pool key, and the authority a new connection opens.
 struct Destination {
     key: PoolKey,
-    /// `scheme://authority/`: what the connector resolves, connects to and names in TLS.
-    connect_to: Uri,
+    authority: Authority,
 }
 
 impl Destination {
@@ -294,12 +293,6 @@ impl Destination {
         let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
             return Err("the upstream URL is not absolute".to_owned());
         };
-        let connect_to = Uri::builder()
-            .scheme(scheme.clone())
-            .authority(authority.clone())
-            .path_and_query("/")
-            .build()
-            .map_err(|error| error.to_string())?;
         let key = PoolKey {
             scheme: scheme.clone(),
             host: authority.host().to_ascii_lowercase(),
@@ -307,7 +300,24 @@ impl Destination {
                 .port_u16()
                 .unwrap_or(if is_secure(scheme) { 443 } else { 80 }),
         };
-        Ok(Destination { key, connect_to })
+        Ok(Destination {
+            key,
+            authority: authority.clone(),
+        })
+    }
+
+    /// `scheme://authority/`: what the connector resolves, connects to and names in TLS. Built
+    /// only when no pooled connection serves the request.
+    fn connect_to(&self) -> Result<Uri, Failure> {
+        Uri::builder()
+            .scheme(self.key.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query("/")
+            .build()
+            .map_err(|error| Failure {
+                kind: TransportError::Connect,
+                chain: error.to_string(),
+            })
     }
 }
 
@@ -888,15 +898,9 @@ mod tests {
 
     /// Sends a GET and reads the whole answer, which must be a 200.
     async fn answered(upstream: &Upstream, url: &str) -> Bytes {
-        match upstream.send(request(format!("{url}/x"))).await {
-            AttemptReply::Response(response) => {
-                assert_eq!(response.status(), 200);
-                axum::body::to_bytes(response.into_body(), 1 << 20)
-                    .await
-                    .unwrap()
-            }
-            AttemptReply::Failed(kind) => panic!("the attempt failed: {kind}"),
-        }
+        let response = response_to(upstream, http::Method::GET, url).await;
+        assert_eq!(response.status(), 200);
+        read_body(response).await.unwrap()
     }
 
     /// Waits (up to 3 s) until `done` holds for what the upstream saw.
