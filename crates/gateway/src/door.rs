@@ -957,18 +957,33 @@ fn encoded_slash_keeps_the_route(
     normalized: &str,
     route: &backstop_core::policy::RouteMatch,
 ) -> Result<(), Problem> {
-    let refused = || {
+    // What a reading reaches, named for the refusal: a configured route, or none.
+    let reach = |r: &backstop_core::policy::RouteMatch| {
+        if r.configured {
+            format!(
+                "route `{} {}` of provider `{}`",
+                method, r.template, r.provider
+            )
+        } else {
+            format!("no configured route of provider `{}`", r.provider)
+        }
+    };
+    let refused = |decoded_reaches: &str| {
         Problem::bad_request(format!(
-            "path `{}`: an encoded `/` (%2F) here would match another route if decoded; send the path with plain `/` or without %2F",
-            clip(normalized)
+            "path `{}`: an encoded `/` (%2F) here is ambiguous: as written it reaches {}, decoded it would reach {decoded_reaches}; send the path with plain `/` or without %2F",
+            clip(normalized),
+            reach(route),
         ))
     };
-    let decoded = normalize_path(&normalized.replace("%2F", "/")).map_err(|_| refused())?;
+    let decoded = normalize_path(&normalized.replace("%2F", "/"))
+        .map_err(|_| refused("a path above the root"))?;
     let Some((provider, rest)) = split_provider(&decoded) else {
-        return Err(refused());
+        return Err(refused("no provider"));
     };
     let Ok(other) = policy.route(provider, method, &rest) else {
-        return Err(refused());
+        return Err(refused(&format!(
+            "`{provider}`, which is not a provider here"
+        )));
     };
     let key = |r: &backstop_core::policy::RouteMatch| {
         (
@@ -986,7 +1001,7 @@ fn encoded_slash_keeps_the_route(
     if key(&other) == key(route) {
         Ok(())
     } else {
-        Err(refused())
+        Err(refused(&reach(&other)))
     }
 }
 

@@ -1397,7 +1397,20 @@ mod tests {
                 .unwrap();
             let (parts, body) = call(state, request).await;
             assert_eq!(parts.status, 400, "{path}");
-            assert_eq!(json(&body)["type"], "urn:backstop:problem:bad_request");
+            let body = json(&body);
+            assert_eq!(body["type"], "urn:backstop:problem:bad_request");
+            if path.contains("%2F") {
+                // The refusal names what each reading reaches.
+                let detail = body["detail"].as_str().unwrap();
+                assert!(
+                    detail.contains(
+                        "as written it reaches no configured route of provider `billing`"
+                    ) && detail.contains(
+                        "decoded it would reach route `POST /v1/transfers` of provider `billing`"
+                    ),
+                    "{detail}"
+                );
+            }
             assert!(executor.seen.lock().unwrap().is_empty());
         }
         // %2F inside an id segment matches the same route either way: forwarded as written.

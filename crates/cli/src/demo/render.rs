@@ -288,7 +288,8 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
 fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {
     let _ = writeln!(out, "\n{}", style.bold("Summary"));
     // Per task: logical actions, requests sent, status queries (reconciliation lookups). A status
-    // query is an attempt of the write it reconciles, so attempts = requests + status queries.
+    // query is a call to the provider but not an attempt of the write it reconciles (the write's
+    // answer counts its attempts only), so calls = requests + status queries.
     let mut tasks: BTreeMap<String, [usize; 3]> = BTreeMap::new();
     for e in &report.events {
         if let Some(task) = &e.task {
@@ -304,7 +305,7 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
     let _ = writeln!(
         out,
         "{:<12} {:>15} {:>13} {:>14} {:>8}  answers the agent got",
-        "task", "logical actions", "requests sent", "status queries", "attempts"
+        "task", "logical actions", "requests sent", "status queries", "calls"
     );
     for (task, [actions, sent, queries]) in &tasks {
         let answers: Vec<String> = report
@@ -337,15 +338,15 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
     let logical: usize = tasks.values().map(|t| t[0]).sum();
     let sent: usize = tasks.values().map(|t| t[1]).sum();
     let queries: usize = tasks.values().map(|t| t[2]).sum();
-    let attempts = sent + queries;
+    let calls = sent + queries;
     let _ = writeln!(
         out,
-        "{:<12} {logical:>15} {sent:>13} {queries:>14} {attempts:>8}",
+        "{:<12} {logical:>15} {sent:>13} {queries:>14} {calls:>8}",
         "total"
     );
     let _ = writeln!(
         out,
-        "(a status query asks the provider whether a write happened; it is an attempt of the write it reconciles)"
+        "(a status query asks the provider whether a write happened: a call to the provider, counted and audited apart from the write's attempts)"
     );
     let seen = report.attempts.len();
     let mut by_route: BTreeMap<String, (usize, usize)> = BTreeMap::new();
@@ -358,21 +359,21 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             entry.1 += 1;
         }
     }
-    let agreement = if seen == attempts {
+    let agreement = if seen == calls {
         format!("= {sent} requests + {queries} status queries above")
     } else {
-        format!("backstop recorded {attempts}: {sent} requests + {queries} status queries")
+        format!("backstop recorded {calls}: {sent} requests + {queries} status queries")
     };
     let _ = writeln!(
         out,
         "\nThe provider saw {} ({agreement}) for {}:",
-        count(seen, "attempt"),
+        count(seen, "call"),
         count(logical, "logical action")
     );
     for (route, (count, throttled)) in &by_route {
         let _ = writeln!(
             out,
-            "  {route:<28} {count:>3} attempt{} ({throttled} answered 429)",
+            "  {route:<28} {count:>3} call{} ({throttled} answered 429)",
             if *count == 1 { "" } else { "s" }
         );
     }

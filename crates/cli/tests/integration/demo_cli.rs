@@ -128,7 +128,7 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         "the output cites the specification"
     );
 
-    // The table: logical actions vs attempts the provider saw.
+    // The table: logical actions vs calls the provider saw.
     assert!(line_with(&[
         "research-a",
         " 2 ",
@@ -139,8 +139,8 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         "research-c",
         "GET /v1/reports/2 → 410 cancelled (0 attempts)"
     ]));
-    // logical actions, requests sent, status queries, attempts: the attempts add up to what the
-    // provider saw.
+    // logical actions, requests sent, status queries, calls: the calls add up to what the
+    // provider saw; a status query is not an attempt of the write it reconciles.
     let total: Vec<&str> = stdout
         .lines()
         .find(|l| l.starts_with("total"))
@@ -148,18 +148,21 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         .unwrap_or_default();
     assert_eq!(total, ["total", "8", "8", "2", "10"], "{stdout}");
     assert!(stdout.contains(
-        "The provider saw 10 attempts (= 8 requests + 2 status queries above) for 8 logical actions"
+        "The provider saw 10 calls (= 8 requests + 2 status queries above) for 8 logical actions"
     ));
     assert!(line_with(&[
         "GET /v1/items/{id}",
-        "4 attempts (1 answered 429)"
+        "4 calls (1 answered 429)"
     ]));
-    assert!(line_with(&["POST /v1/transfers", "2 attempts"]));
+    assert!(line_with(&["POST /v1/transfers", "2 calls"]));
     assert!(line_with(&[
         "GET /v1/reports/{id}",
-        "  1 attempt (1 answered 429)"
+        "  1 call (1 answered 429)"
     ]));
-    assert!(!stdout.contains(" 1 attempts"), "{stdout}");
+    assert!(
+        !stdout.contains(" 1 attempts") && !stdout.contains(" 1 calls"),
+        "{stdout}"
+    );
     assert!(!stdout.contains("(s)"), "{stdout}");
     assert!(line_with(&["retry after 2.", "Retry-After"]));
     assert!(line_with(&[
