@@ -141,6 +141,10 @@ pub enum EngineError {
     /// A blocking store call could not run to completion.
     #[error("store call aborted: {0}")]
     Aborted(String),
+    /// The gateway is shutting down: what needed the provider (a reconciliation lookup) was
+    /// not sent, and the action is left as the store has it for the next start.
+    #[error("the gateway is shutting down")]
+    ShuttingDown,
 }
 
 /// What [`Engine::cancel_task`] changed.
@@ -1055,7 +1059,9 @@ impl Engine {
     /// without being recorded (with `sent: false`, the `task` and, for a write, the
     /// `idempotency_key`), waiting actions are released without a final outcome (their
     /// scheduled retries stay in the store, recoverable after a restart), and the scheduler
-    /// task ends.
+    /// task ends. A write whose answer never comes (`uncertain`) after this is not reconciled
+    /// now — its lookup would need the stopped scheduler — but left sent without a result for
+    /// the next start to reconcile with its original key (SPEC §12).
     pub async fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
         self.inner.scheduler.shutdown().await;
@@ -1982,8 +1988,32 @@ impl Engine {
             if signal.disposition == Disposition::Uncertain && !is_safe_method(&run.request.method)
             {
                 let facts = self.write_facts(run, &budget);
-                match Box::pin(inner.reconcile_uncertain(&facts, Some(&run.request.headers))).await
-                {
+                let Ok(end) =
+                    Box::pin(inner.reconcile_uncertain(&facts, Some(&run.request.headers))).await
+                else {
+                    // The gateway is stopping: no lookup left, so nothing is known of the write
+                    // and nothing is recorded for it. Its attempt stays `sent` without a result,
+                    // which the next start reconciles with its original key (SPEC §12); our own
+                    // stop is no reason to escalate it.
+                    guard.armed = false;
+                    if let Some(tokens) = pending.take() {
+                        inner.scheduler.deposit(&route.scopes, Some(tokens));
+                    }
+                    tracing::info!(
+                        action = run.id.0,
+                        attempt,
+                        "shutting down: the write's attempt was sent and its answer never came; it stays sent without a result, and the next start reconciles it with its original key"
+                    );
+                    let detail = format!(
+                        "backstop is shutting down: this write was sent and no answer came back (uncertain), and no reconciliation lookup can be sent any more, so it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{}) instead of sending it again, and never send it under a new key — the provider may have acted on it",
+                        run.id.0
+                    );
+                    let receipt = run.receipt(seen.sent);
+                    let problem =
+                        with_ids(Problem::shutting_down_during(true, detail), spec, &receipt);
+                    return problem_answer(receipt, problem);
+                };
+                match end {
                     writes::UncertainEnd::Found { operation_id } => {
                         guard.armed = false;
                         self.breaker_success(run);
@@ -3315,7 +3345,7 @@ fn is_store_failure(e: &EngineError) -> bool {
                 | StoreError::NotFound { .. }
                 | StoreError::Invalid { .. }
         ),
-        EngineError::UnknownTask(_) => false,
+        EngineError::UnknownTask(_) | EngineError::ShuttingDown => false,
     }
 }
 

@@ -312,7 +312,19 @@ impl Engine {
                 let facts = inner
                     .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
                     .await;
-                let verdict = inner.lookup(&facts, None).await;
+                let Ok(verdict) = inner.lookup(&facts, None).await else {
+                    // Nothing was asked: the status query is recorded as not run.
+                    return DecisionApplied {
+                        lookup: Some(LookupAnswer {
+                            verdict: "not_run".to_owned(),
+                            reason: Some(
+                                "backstop is shutting down; no lookup was sent".to_owned(),
+                            ),
+                            provider_operation_id: None,
+                        }),
+                        ..not("backstop is shutting down: no lookup was sent; the action stays escalated and the escalation stays open")
+                    };
+                };
                 match verdict {
                     backstop_core::reconcile::LookupVerdict::Found { operation_id } => {
                         let now = backstop_core::clock::Clock::now(&inner.clock);

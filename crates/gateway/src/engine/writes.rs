@@ -85,6 +85,14 @@ const STORE_RETRY_MAX_WAIT: Duration = Duration::from_secs(60);
 /// The longest a reconciliation lookup may wait for its scopes (pacing, `next_allowed_at`).
 pub(super) const LOOKUP_MAX_WAIT: Duration = Duration::from_secs(60);
 
+/// A reconciliation lookup that was never sent because the gateway is shutting down (its
+/// scheduler takes no more work). Nothing is audited or counted for it, and the write it was
+/// for is left as the store has it — an attempt sent without a result, or one recorded
+/// `uncertain` — for the next start to reconcile with its original key (SPEC §12): our own stop
+/// is no evidence about the write, so it never escalates one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct LookupNotSent;
+
 /// Everything about one write that reconciliation and a case file need (no payload).
 #[derive(Debug, Clone)]
 pub(super) struct WriteFacts {
@@ -392,18 +400,33 @@ impl Inner {
     /// Sends the route's lookup once (a safe read in the write's scopes) and interprets it.
     /// A transport failure, a refused permit or an unusable template is `inconclusive`.
     /// Audits `reconciliation_lookup` with the template, the status and the verdict.
+    ///
+    /// # Errors
+    /// [`LookupNotSent`] when the gateway is shutting down: nothing was sent, audited or
+    /// counted.
     pub(super) async fn lookup(
         &self,
         facts: &WriteFacts,
         request_headers: Option<&HeaderMap>,
-    ) -> LookupVerdict {
+    ) -> Result<LookupVerdict, LookupNotSent> {
         let Some(rc) = facts.reconcile.as_ref() else {
-            return LookupVerdict::Inconclusive {
+            return Ok(LookupVerdict::Inconclusive {
                 reason: "the route has no reconciliation lookup".to_owned(),
-            };
+            });
         };
         let template = lookup_template(rc);
-        let (verdict, status) = self.lookup_once(facts, rc, request_headers).await;
+        let (verdict, status) = match self.lookup_once(facts, rc, request_headers).await {
+            Ok(answered) => answered,
+            Err(LookupNotSent) => {
+                tracing::info!(
+                    action = facts.action.0,
+                    task = %facts.task_id,
+                    lookup = %template,
+                    "shutting down: the reconciliation lookup was not sent; the write is left for the next start to reconcile"
+                );
+                return Err(LookupNotSent);
+            }
+        };
         let (id, word, at) = (facts.action, verdict_word(&verdict), self.clock.now());
         self.metrics.lookup(&facts.provider, word);
         let audited = template.clone();
@@ -421,16 +444,18 @@ impl Inner {
             verdict = word,
             "reconciliation lookup answered"
         );
-        verdict
+        Ok(verdict)
     }
 
+    /// One lookup of [`Inner::lookup`]: its verdict and the provider's status, or
+    /// [`LookupNotSent`] when the scheduler has stopped.
     async fn lookup_once(
         &self,
         facts: &WriteFacts,
         rc: &Reconcile,
         request_headers: Option<&HeaderMap>,
-    ) -> (LookupVerdict, Option<u16>) {
-        let inconclusive = |reason: String| (LookupVerdict::Inconclusive { reason }, None);
+    ) -> Result<(LookupVerdict, Option<u16>), LookupNotSent> {
+        let inconclusive = |reason: String| Ok((LookupVerdict::Inconclusive { reason }, None));
         let filled = match lookup_request(
             rc,
             Some(&facts.upstream_key),
@@ -483,9 +508,7 @@ impl Inner {
             Acquired::Refused { detail, .. } => {
                 return inconclusive(format!("the lookup could not be sent: {detail}"))
             }
-            Acquired::Stopped { .. } => {
-                return inconclusive("the gateway is shutting down".to_owned())
-            }
+            Acquired::Stopped { .. } => return Err(LookupNotSent),
         };
         let reply = self.transport.send(request).await;
         drop(permit);
@@ -512,33 +535,38 @@ impl Inner {
                         };
                     }
                 }
-                (verdict, Some(status))
+                Ok((verdict, Some(status)))
             }
         }
     }
 
     /// Runs the SPEC §6 rule to its end for an uncertain write: lookup when configured, then
     /// found / resend with the same key / escalate.
+    ///
+    /// # Errors
+    /// [`LookupNotSent`] when the lookup the rule asks for could not be sent because the
+    /// gateway is shutting down: the rule did not end, and the write is left for the next
+    /// start.
     pub(super) async fn reconcile_uncertain(
         &self,
         facts: &WriteFacts,
         request_headers: Option<&HeaderMap>,
-    ) -> UncertainEnd {
+    ) -> Result<UncertainEnd, LookupNotSent> {
         let honours = self.honours_key(&facts.provider);
         let has_lookup = facts.reconcile.is_some();
         let mut step = next_step_after_uncertain(honours, has_lookup, None);
         if step == UncertainNextStep::Lookup {
-            let verdict = self.lookup(facts, request_headers).await;
+            let verdict = self.lookup(facts, request_headers).await?;
             step = next_step_after_uncertain(honours, has_lookup, Some(&verdict));
         }
-        match step {
+        Ok(match step {
             UncertainNextStep::Succeeded { operation_id } => UncertainEnd::Found { operation_id },
             UncertainNextStep::RetrySameKey => UncertainEnd::RetrySameKey,
             UncertainNextStep::Escalate { reason } => UncertainEnd::Escalate { reason },
             UncertainNextStep::Lookup => UncertainEnd::Escalate {
                 reason: "the reconciliation rule asked for a second lookup".to_owned(),
             },
-        }
+        })
     }
 
     /// Escalates a write whose attempt result is already recorded: builds its sanitized case
@@ -786,8 +814,15 @@ impl Inner {
                 continue;
             }
             let facts = self.stored_facts(&record, None).await;
-            if let Err(e) = self.reconcile_and_close(&facts, PayloadGone::Restart).await {
-                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the recovered write");
+            match self.reconcile_and_close(&facts, PayloadGone::Restart).await {
+                Ok(()) => {}
+                Err(EngineError::ShuttingDown) => tracing::info!(
+                    action = id.0,
+                    "restart recovery: the gateway is shutting down before the write was reconciled; the next start reconciles it"
+                ),
+                Err(e) => {
+                    tracing::warn!(action = id.0, error = %e, "restart recovery: cannot end the recovered write");
+                }
             }
         }
     }
@@ -901,13 +936,17 @@ impl Inner {
     /// ([`Inner::close_after_recovery`]). Nothing is resent.
     ///
     /// # Errors
-    /// The store failed to record how the write ended.
+    /// The store failed to record how the write ended, or [`EngineError::ShuttingDown`]: the
+    /// lookup was not sent, and the write is left as it is for the next start.
     pub(super) async fn reconcile_and_close(
         &self,
         facts: &WriteFacts,
         gone: PayloadGone,
     ) -> Result<(), EngineError> {
-        let end = self.reconcile_uncertain(facts, None).await;
+        let end = self
+            .reconcile_uncertain(facts, None)
+            .await
+            .map_err(|LookupNotSent| EngineError::ShuttingDown)?;
         self.close_after_recovery(facts, end, gone).await
     }
 
@@ -1126,6 +1165,13 @@ impl Inner {
                         );
                         return;
                     }
+                    Err(EngineError::ShuttingDown) => {
+                        tracing::info!(
+                            action,
+                            "shutting down: the write's reconciliation lookup was not sent; the next start recovers the action"
+                        );
+                        return;
+                    }
                     Err(e) if !super::is_store_failure(&e) => {
                         tracing::debug!(action, error = %e, "the action had ended meanwhile");
                         return;
@@ -1160,6 +1206,10 @@ impl Inner {
         let action = close.action.0;
         match self.record_deferred(&mut close).await {
             Ok(()) => {}
+            Err(EngineError::ShuttingDown) => tracing::info!(
+                action,
+                "shutting down: the write's reconciliation lookup was not sent; the next start recovers the action"
+            ),
             Err(e)
                 if super::is_store_failure(&e)
                     && !self.shutting_down.load(std::sync::atomic::Ordering::SeqCst) =>
@@ -1180,7 +1230,9 @@ impl Inner {
     /// records it without asking the provider's lookup again.
     ///
     /// # Errors
-    /// The store failed (tried again later), or refused because the action ended meanwhile.
+    /// The store failed (tried again later), or refused because the action ended meanwhile,
+    /// or [`EngineError::ShuttingDown`]: a reconciliation's lookup was not sent, and the action
+    /// is left (with the deferred result, when it was recorded) for the next start.
     pub(super) async fn record_deferred(&self, deferred: &mut Deferred) -> Result<(), EngineError> {
         let action = deferred.action;
         if let Some(result) = &deferred.result {
@@ -1225,9 +1277,13 @@ impl Inner {
                 // The provider is asked once; a try whose recording fails keeps the verdict.
                 let end = match verdict {
                     Some(end) => end.clone(),
-                    None => verdict
-                        .insert(self.reconcile_uncertain(&facts, None).await)
-                        .clone(),
+                    None => {
+                        let end = self
+                            .reconcile_uncertain(&facts, None)
+                            .await
+                            .map_err(|LookupNotSent| EngineError::ShuttingDown)?;
+                        verdict.insert(end).clone()
+                    }
                 };
                 self.close_after_recovery(&facts, end, *gone).await
             }

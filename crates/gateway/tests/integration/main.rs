@@ -23,6 +23,7 @@ mod quota_escalations;
 mod restart_reads;
 mod restart_unsent_writes;
 mod scenario_reference;
+mod shutdown_writes;
 mod signal_evidence;
 mod task_namespaces;
 mod watchdog_reads;
