@@ -1775,20 +1775,18 @@ impl Engine {
                 }
                 Acquired::Stopped { .. } => {
                     guard.armed = false;
-                    let sent = seen.sent > 0;
-                    let detail = if sent {
-                        "backstop is shutting down while this action waited for its next attempt; an earlier attempt was sent, so the action stays recorded and is reconciled after the restart: check its status before sending it again"
-                    } else {
-                        "backstop is shutting down; nothing was sent for this request, so sending it again is safe"
-                    };
                     tracing::info!(
                         action = run.id.0,
                         attempts = seen.sent,
                         "shutting down: the waiting caller is answered 503"
                     );
+                    if seen.sent > 0 {
+                        return self.stopped_after_sending(run, &seen, true);
+                    }
+                    let detail = "backstop is shutting down; nothing was sent for this request, so sending it again is safe";
                     let receipt = run.receipt(seen.sent);
                     let problem =
-                        with_ids(Problem::shutting_down_during(sent, detail), spec, &receipt);
+                        with_ids(Problem::shutting_down_during(false, detail), spec, &receipt);
                     return problem_answer(receipt, problem);
                 }
             };
@@ -2004,14 +2002,7 @@ impl Engine {
                         attempt,
                         "shutting down: the write's attempt was sent and its answer never came; it stays sent without a result, and the next start reconciles it with its original key"
                     );
-                    let detail = format!(
-                        "backstop is shutting down: this write was sent and no answer came back (uncertain), and no reconciliation lookup can be sent any more, so it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{}) instead of sending it again, and never send it under a new key — the provider may have acted on it",
-                        run.id.0
-                    );
-                    let receipt = run.receipt(seen.sent);
-                    let problem =
-                        with_ids(Problem::shutting_down_during(true, detail), spec, &receipt);
-                    return problem_answer(receipt, problem);
+                    return self.stopped_after_sending(run, &seen, false);
                 };
                 match end {
                     writes::UncertainEnd::Found { operation_id } => {
@@ -2444,6 +2435,55 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// The `503 shutting_down` for the caller of an action of which an attempt was sent, when
+    /// the gateway stops before the action ends: while it `waited` for its next attempt, or
+    /// (`waited` false) when its write's attempt got no answer and no reconciliation lookup
+    /// could be sent any more (left sent without a result). `sent: true`, `x-should-retry:
+    /// false`, and what the next start does with the action — the `after_restart` member (see
+    /// [`AfterRestart`]) and the `detail` — with the last attempt's `last_status` and
+    /// `last_signal`.
+    fn stopped_after_sending(&self, run: &Run<'_>, seen: &Seen, waited: bool) -> Execution {
+        let is_read = is_safe_method(&run.request.method);
+        let after = if run.prior_attempts > 0 && seen.sent == run.prior_attempts {
+            // Reopened by an operator for a same-key retry, and not sent again yet.
+            AfterRestart::RetrySameKey
+        } else {
+            match writes::Closing::of(is_read, seen.last_signal) {
+                writes::Closing::Reconcile => AfterRestart::Reconcile,
+                writes::Closing::Cancel => AfterRestart::Cancel,
+            }
+        };
+        let id = run.id.0;
+        let detail = match after {
+            AfterRestart::Reconcile if !waited => format!(
+                "backstop is shutting down: this write was sent and no answer came back (uncertain), and no reconciliation lookup can be sent any more, so it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+            ),
+            AfterRestart::Reconcile => format!(
+                "backstop is shutting down while this write waited for its next attempt. Its last attempt was sent and no answer came back (uncertain), so it stays recorded: after the restart, when its retry falls due, it is reconciled with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and nothing is resent automatically. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, then with that outcome: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+            ),
+            AfterRestart::Cancel if is_read => format!(
+                "backstop is shutting down while this read waited for its retry, and nothing more is sent for it: after the restart its action (GET /v1/actions/{id}) ends cancelled when the retry falls due. A read changes nothing at the provider, so send it again once backstop is back"
+            ),
+            AfterRestart::Cancel => format!(
+                "backstop is shutting down while this write waited for its retry. {}, so there is nothing to reconcile, but the request is not kept across a restart: after the restart its retry is not sent, and the action ends cancelled when the retry falls due. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, and after that 410 with the cancelled outcome; nothing more is sent under it. To have the write done, check its status (GET /v1/actions/{id}) and submit it again under a new Idempotency-Key",
+                last_attempt(seen)
+            ),
+            AfterRestart::RetrySameKey => format!(
+                "backstop is shutting down before this write was sent again: an operator reopened it for a retry under its same Idempotency-Key, and nothing more was sent now. It stays reopened across the restart: sending it again with the same Idempotency-Key and payload sends it as this action (GET /v1/actions/{id}), under that key; never send it under a new key — an earlier attempt may have been acted on"
+            ),
+        };
+        let receipt = run.receipt(seen.sent);
+        let problem = with_ids(
+            Problem::shutting_down_during(true, detail),
+            run.spec,
+            &receipt,
+        )
+        .with_extension("after_restart", after.as_str().into())
+        .with_extension("last_status", serde_json::json!(seen.last_status))
+        .with_extension("last_signal", serde_json::json!(seen.last_signal));
+        problem_answer(receipt, problem)
     }
 
     /// The facts of the running write for reconciliation and case files.
@@ -3299,6 +3339,49 @@ impl Engine {
             "layered retry refused: the action is still in flight"
         );
         Execution::InFlight { receipt }
+    }
+}
+
+/// What the next start does with an action whose caller was answered `503 shutting_down` after
+/// an attempt of it was sent: the answer's `after_restart` member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AfterRestart {
+    /// `reconcile`: a write whose last attempt is `uncertain` is reconciled with its original
+    /// key — at start when it was left sent without a result, else when its retry falls due
+    /// (found → `succeeded`, otherwise `escalated`); nothing is resent.
+    Reconcile,
+    /// `cancel`: its retry is not sent (the request did not survive the restart) and the action
+    /// ends `cancelled` when the retry falls due — a read, or a write whose last attempt got the
+    /// provider's answer or never reached it.
+    Cancel,
+    /// `retry_same_key`: a write reopened by an operator for a same-key retry stays reopened;
+    /// the agent's resend under the same key sends it as the same action.
+    RetrySameKey,
+}
+
+impl AfterRestart {
+    fn as_str(self) -> &'static str {
+        match self {
+            AfterRestart::Reconcile => "reconcile",
+            AfterRestart::Cancel => "cancel",
+            AfterRestart::RetrySameKey => "retry_same_key",
+        }
+    }
+}
+
+/// How the last attempt ended, as a sentence of [`Engine::stopped_after_sending`]: the
+/// provider's status, or that it never reached the provider.
+fn last_attempt(seen: &Seen) -> String {
+    match (seen.last_signal, seen.last_failure, seen.last_status) {
+        (Some("not_sent"), _, _) => {
+            "Its last attempt could not be sent (`not_sent`): it never reached the provider"
+                .to_owned()
+        }
+        (Some(signal), None, Some(status)) => {
+            format!("The provider answered its last attempt with HTTP {status} (`{signal}`)")
+        }
+        (Some(signal), _, _) => format!("Its last attempt ended `{signal}`"),
+        (None, _, _) => "Its last attempt's result is recorded".to_owned(),
     }
 }
 

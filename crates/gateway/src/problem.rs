@@ -363,11 +363,14 @@ impl Problem {
         .with_sent(sent)
     }
 
-    /// 503 `shutting_down` for a caller whose action was still waiting when the gateway began
-    /// to stop. With `sent` false nothing left for it, so a retry is safe (`Retry-After: 1`,
-    /// `x-should-retry: true`); with `sent` true an earlier attempt left, the action stays
-    /// recorded for reconciliation after the restart and `x-should-retry` is `false`. The
-    /// engine adds `task`, a write's `idempotency_key` and the action's `action_id`.
+    /// 503 `shutting_down` for a caller whose action was still waiting (or whose write's
+    /// answer never came) when the gateway began to stop. With `sent` false nothing left for
+    /// it, so a retry is safe (`Retry-After: 1`, `x-should-retry: true`); with `sent` true an
+    /// attempt left, the action stays recorded and `x-should-retry` is `false`. The engine adds
+    /// `task`, a write's `idempotency_key` and the action's `action_id`, and with `sent` true
+    /// what the next start does with the action (`after_restart`: `reconcile`, `cancel` or
+    /// `retry_same_key`, said in `detail` too) and the last attempt's `last_status` and
+    /// `last_signal`.
     pub fn shutting_down_during(sent: bool, detail: impl Into<String>) -> Problem {
         Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,

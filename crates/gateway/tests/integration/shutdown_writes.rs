@@ -1,16 +1,26 @@
 //! Writes caught by a clean stop (`Running::shutdown`, what SIGTERM runs): a write whose attempt
 //! is in flight when the gateway stops is left recorded as sent without a result — no lookup is
 //! faked, nothing is escalated because of the stop — and the next start reconciles it with its
-//! original key (SPEC §12). Sends are counted at the fake provider.
+//! original key (SPEC §12); sends are counted at the fake provider. A write waiting for its
+//! retry is told what the next start will really do with it — reconcile it when its last
+//! attempt is uncertain, cancel it otherwise — and the restart then does just that (sends
+//! counted at the scripted transport).
 
 use std::{path::Path, time::Duration};
 
-use backstop_core::reconcile::upstream_idempotency_key;
+use backstop_core::{classify::TransportError, reconcile::upstream_idempotency_key};
 use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
-use backstop_gateway::server::Running;
-use backstop_store::{ActionId, SqliteStore, Store};
+use backstop_gateway::{
+    action::{ActionSpec, Execution},
+    server::Running,
+};
+use backstop_store::{ActionId, Outcome, SqliteStore, Store};
+use serde_json::Value;
 
-use crate::support::{self, action_id, client, lookup, on_route};
+use crate::{
+    engine_support::{advance, answer, summary, until, Harness, Step},
+    support::{self, action_id, client, lookup, on_route},
+};
 
 const AGENT_TOKEN: &str = "agent-token-shutdown-writes";
 
@@ -101,6 +111,8 @@ async fn a_write_in_flight_at_a_clean_stop_stays_sent_and_the_next_start_reconci
     assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
     assert_eq!(body["sent"], true, "{body}");
     assert_eq!(body["action_id"], id, "{body}");
+    assert_eq!(body["after_restart"], "reconcile", "{body}");
+    assert_eq!(body["last_signal"], "uncertain", "{body}");
 
     // Nothing was asked of the provider and nothing was decided: the attempt is sent without a
     // result, the action open, no lookup audited, nothing escalated.
@@ -198,4 +210,121 @@ fn transfer(
         .header("content-type", "application/json")
         .body(r#"{"amount":40}"#)
         .send()
+}
+
+/// The transfer of task `t` under the agent's key `key`.
+fn keyed_write(h: &Harness, key: &str) -> ActionSpec {
+    let mut spec = h.spec("t", "POST", "/v1/transfers", r#"{"amount":5}"#);
+    spec.idempotency_key = Some(key.to_owned());
+    spec
+}
+
+/// Runs a write under `key` whose first attempt is answered `first`, stops the engine while the
+/// write waits for its retry, and returns the action and the problem its caller got (with
+/// `x-should-retry`).
+async fn stopped_while_waiting_for_the_retry(h: &Harness, key: &str, first: Step) -> (i64, Value) {
+    h.transport.script("/v1/transfers", vec![first]);
+    let running = h.spawn(keyed_write(h, key));
+    assert!(until(|| h.transport.sent().len() == 1).await);
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    h.engine.shutdown().await;
+    let Execution::Response { receipt, response } = running.await.unwrap() else {
+        panic!("a problem answer")
+    };
+    assert_eq!(response.status(), 503);
+    assert_eq!(response.headers()["x-should-retry"], "false");
+    assert_eq!(receipt.attempts, 1);
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    let body: Value = serde_json::from_slice(&bytes).expect("a problem document");
+    assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
+    assert_eq!(body["sent"], true, "{body}");
+    assert_eq!(body["idempotency_key"], key, "{body}");
+    assert_eq!(body["action_id"], receipt.action_id, "{body}");
+    (receipt.action_id, body)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_answered_by_the_provider_and_waiting_for_its_retry_is_told_the_restart_cancels_it()
+{
+    let h = Harness::new();
+    let (action, body) = stopped_while_waiting_for_the_retry(
+        &h,
+        "k-answered",
+        answer(503, &[("retry-after", "20")], ""),
+    )
+    .await;
+    assert_eq!(body["after_restart"], "cancel", "{body}");
+    assert_eq!(body["last_status"], 503, "{body}");
+    assert_eq!(body["last_signal"], "unavailable", "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    for said in [
+        "HTTP 503 (`unavailable`)",
+        "nothing to reconcile",
+        "ends cancelled when the retry falls due",
+        "409 idempotency_key_in_flight",
+        "410",
+        "under a new Idempotency-Key",
+        &format!("GET /v1/actions/{action}"),
+    ] {
+        assert!(detail.contains(said), "`{said}` missing: {detail}");
+    }
+    assert!(!detail.contains("reconciled"), "{detail}");
+
+    // What the restart does is what the answer said: the same key is in flight until the retry
+    // falls due, then the action is cancelled and the key replays that; nothing is sent.
+    let restarted = h.restarted(3);
+    let early = restarted.execute(keyed_write(&h, "k-answered")).await;
+    assert_eq!(summary(&early), "in_flight", "{early:?}");
+    advance(Duration::from_secs(30)).await;
+    let stored = || h.store.action(ActionId(action)).unwrap().unwrap();
+    assert!(until(|| stored().outcome.is_some()).await);
+    assert_eq!(stored().outcome, Some(Outcome::Cancelled));
+    let late = restarted.execute(keyed_write(&h, "k-answered")).await;
+    assert_eq!(summary(&late), "cancelled", "{late:?}");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_left_uncertain_and_waiting_for_its_retry_is_told_the_restart_reconciles_it() {
+    // The provider honours the key and the route has no lookup: the uncertain attempt is
+    // retried under the same key, and the stop comes while that retry waits.
+    let h = Harness::new();
+    let (action, body) = stopped_while_waiting_for_the_retry(
+        &h,
+        "k-uncertain",
+        Step::Fail(TransportError::TimeoutAfterSend),
+    )
+    .await;
+    assert_eq!(body["after_restart"], "reconcile", "{body}");
+    assert_eq!(body["last_status"], Value::Null, "{body}");
+    assert_eq!(body["last_signal"], "uncertain", "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    for said in [
+        "no answer came back (uncertain)",
+        "reconciled with its original Idempotency-Key",
+        "409 idempotency_key_in_flight",
+        "never send it under a new key",
+        &format!("GET /v1/actions/{action}"),
+    ] {
+        assert!(detail.contains(said), "`{said}` missing: {detail}");
+    }
+    assert!(!detail.contains("410"), "{detail}");
+    assert!(!detail.contains("cancelled"), "{detail}");
+
+    // The restart reconciles it when its retry falls due: without a lookup, and with the
+    // payload gone, an operator decides — never cancelled, never resent.
+    let restarted = h.restarted(3);
+    let early = restarted.execute(keyed_write(&h, "k-uncertain")).await;
+    assert_eq!(summary(&early), "in_flight", "{early:?}");
+    advance(Duration::from_secs(30)).await;
+    let stored = || h.store.action(ActionId(action)).unwrap().unwrap();
+    assert!(until(|| stored().outcome.is_some()).await);
+    assert_eq!(stored().outcome, Some(Outcome::Escalated));
+    let late = restarted.execute(keyed_write(&h, "k-uncertain")).await;
+    assert_eq!(summary(&late), "escalated", "{late:?}");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    restarted.shutdown().await;
 }
