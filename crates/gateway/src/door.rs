@@ -51,7 +51,7 @@ use backstop_core::{
     outcome::Outcome,
     pacing::Priority,
     policy::{Policy, Provider},
-    reconcile::{validate_idempotency_key, ReconcileError},
+    reconcile::{mint_idempotency_key, validate_idempotency_key, ReconcileError},
 };
 use backstop_store::audit::push_lower_hex;
 use bytes::{Bytes, BytesMut};
@@ -149,23 +149,7 @@ pub struct BackstopHeaders {
 /// deadline that is not an RFC 3339 instant with an offset; a `wait` that is not
 /// delay-seconds (RFC 7240 §4.3); or any of them given twice.
 pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Problem> {
-    let task_id = single(headers, &TASK, "X-Backstop-Task")?
-        .map(|value| {
-            if value.is_empty() || value.len() > MAX_TASK_ID_BYTES {
-                return Err(Problem::bad_header(
-                    "X-Backstop-Task",
-                    format!("a task id must be 1 to {MAX_TASK_ID_BYTES} characters"),
-                ));
-            }
-            if !value.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err(Problem::bad_header(
-                    "X-Backstop-Task",
-                    "a task id must be visible ASCII without spaces",
-                ));
-            }
-            Ok(value.to_owned())
-        })
-        .transpose()?;
+    let task_id = task_header(headers)?;
     let priority = match single(headers, &PRIORITY, "X-Backstop-Priority")? {
         None => Priority::Normal,
         Some(value) => match value.to_ascii_lowercase().as_str() {
@@ -196,6 +180,31 @@ pub fn parse_backstop_headers(headers: &HeaderMap) -> Result<BackstopHeaders, Pr
         deadline,
         max_wait,
     })
+}
+
+/// `X-Backstop-Task`, if given.
+///
+/// # Errors
+/// A 400 [`Problem`] for a task id that is empty, longer than [`MAX_TASK_ID_BYTES`], not
+/// visible ASCII, or given twice.
+fn task_header(headers: &HeaderMap) -> Result<Option<String>, Problem> {
+    single(headers, &TASK, "X-Backstop-Task")?
+        .map(|value| {
+            if value.is_empty() || value.len() > MAX_TASK_ID_BYTES {
+                return Err(Problem::bad_header(
+                    "X-Backstop-Task",
+                    format!("a task id must be 1 to {MAX_TASK_ID_BYTES} characters"),
+                ));
+            }
+            if !value.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(Problem::bad_header(
+                    "X-Backstop-Task",
+                    "a task id must be visible ASCII without spaces",
+                ));
+            }
+            Ok(value.to_owned())
+        })
+        .transpose()
 }
 
 /// Reads an RFC 3339 instant (`2026-01-01T12:00:00Z`, `…+01:00`). Fractional seconds beyond
@@ -675,13 +684,8 @@ fn upstream_headers(
     }
     let mut key = None;
     if !is_safe(method) {
-        // The agent's key arrives under the provider's idempotency header, or under the IETF
-        // draft's `Idempotency-Key` when the provider has none (backstop's own idempotency).
         // A missing key is minted by the engine (one place), never here.
-        let name = provider
-            .idempotency_header
-            .as_deref()
-            .unwrap_or("Idempotency-Key");
+        let name = key_header(Some(provider));
         let header_name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
             Problem::bad_request(format!(
                 "the provider's idempotency header `{name}` is not a valid header name"
@@ -698,6 +702,15 @@ fn upstream_headers(
         }
     }
     Ok((headers, key))
+}
+
+/// The header an agent's idempotency key arrives under: the provider's idempotency header, or
+/// the IETF draft's `Idempotency-Key` when the provider has none (backstop's own idempotency)
+/// or is not known.
+fn key_header(provider: Option<&Provider>) -> &str {
+    provider
+        .and_then(|p| p.idempotency_header.as_deref())
+        .unwrap_or("Idempotency-Key")
 }
 
 /// The headers of `incoming` that `forwarded` keeps, in order, their values copied into one
@@ -771,7 +784,11 @@ fn receipt_headers(response: &mut Response, receipt: &ActionReceipt, task_id: &s
     {
         headers.insert(IDEMPOTENCY, key);
     }
-    if let Ok(task) = HeaderValue::from_str(task_id) {
+    // An empty task id is none: a drain answer whose task header was malformed.
+    if let Some(task) = HeaderValue::from_str(task_id)
+        .ok()
+        .filter(|_| !task_id.is_empty())
+    {
         headers.insert(TASK_ECHO, task);
     }
     if single {
@@ -789,6 +806,59 @@ pub fn refusal(problem: Problem) -> Response {
     response
 }
 
+/// The `503 shutting_down` of a proxy-door request that arrives while the gateway drains,
+/// answered before authentication and before the engine sees it: nothing was recorded or sent
+/// (`sent: false`, `Retry-After: 1`, `x-should-retry: true`). Like the engine's answer to a
+/// request that reaches it after it stopped, it names what identifies the request: the task —
+/// `Backstop-Task` and `task`, the `X-Backstop-Task` given or one minted as the door mints one —
+/// and for a write its key — `Idempotency-Key` and `idempotency_key`, the agent's key (under the
+/// provider's idempotency header) or one minted to send the request again with. No action
+/// exists: `Backstop-Action-Id: 0`, `Backstop-Attempts: 0` and no `action_id` member, as for the
+/// door's other refusals. A task or key header the door would refuse as malformed is not
+/// echoed, and nothing is minted in its place.
+pub fn draining(policy: &Policy, method: &Method, path: &str, headers: &HeaderMap) -> Response {
+    let task = match task_header(headers) {
+        Ok(Some(task)) => Some(task),
+        Ok(None) => Some(mint_id("task-")),
+        Err(_) => None,
+    };
+    let key = if is_safe(method) {
+        None
+    } else {
+        let provider = split_provider(path).and_then(|(name, _)| policy.providers.get(name));
+        let name = key_header(provider);
+        match HeaderName::from_bytes(name.as_bytes()) {
+            Ok(header_name) => match single(headers, &header_name, name) {
+                Ok(Some(value)) => checked_idempotency_key(name, value).ok().map(str::to_owned),
+                Ok(None) => Some(mint_idempotency_key(*uuid::Uuid::now_v7().as_bytes())),
+                Err(_) => None,
+            },
+            Err(_) => None,
+        }
+    };
+    let mut problem = Problem::shutting_down();
+    if let Some(task) = &task {
+        problem = problem.with_extension("task", task.as_str().into());
+    }
+    if let Some(key) = &key {
+        problem = problem.with_extension("idempotency_key", key.as_str().into());
+    }
+    let mut response = problem.into_response();
+    let receipt = ActionReceipt {
+        action_id: 0,
+        attempts: 0,
+        idempotency_key: key,
+        provider_operation_id: None,
+    };
+    receipt_headers(
+        &mut response,
+        &receipt,
+        task.as_deref().unwrap_or(""),
+        false,
+    );
+    response
+}
+
 /// The proxy door handler: the fallback of the router in [`crate::server`], which each
 /// connection also calls directly, under the same edge layer, for a path whose first segment
 /// names a provider.
@@ -798,6 +868,10 @@ pub fn refusal(problem: Problem) -> Response {
 /// reaches the engine synchronously; refusals and `respond-async` submissions are not.
 pub async fn proxy(state: std::sync::Arc<AppState>, request: Request<Body>) -> Response {
     let arrived = tokio::time::Instant::now();
+    if !state.accepting() {
+        let (method, path) = (request.method(), request.uri().path());
+        return draining(&state.policy, method, path, request.headers());
+    }
     let respond_async = prefers_respond_async(request.headers());
     match prepare(&state, request).await {
         Err(problem) => refusal(problem),
@@ -810,9 +884,6 @@ pub async fn proxy(state: std::sync::Arc<AppState>, request: Request<Body>) -> R
 }
 
 async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec, Problem> {
-    if !state.accepting() {
-        return Err(Problem::shutting_down());
-    }
     let caller = state.auth.authenticate(request.headers()).map_err(|e| {
         tracing::info!(reason = %e, "door: refused an unauthenticated request");
         Problem::from(e)

@@ -334,6 +334,8 @@ impl Problem {
 
     /// 503: the gateway is shutting down and takes no new work. Nothing was sent, so a retry
     /// (against this or another instance) is safe: `Retry-After: 1`, `x-should-retry: true`.
+    /// The proxy door adds the request's `task` and a write's `idempotency_key`
+    /// ([`crate::door::draining`]).
     pub fn shutting_down() -> Problem {
         let mut problem = Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -785,9 +785,15 @@ impl hyper::service::Service<Request<hyper::body::Incoming>> for ConnectionServi
         let request = request.map(Body::new);
         Box::pin(async move {
             let door_state = state.clone();
-            let response = edge_around(state, request, move |request| {
-                door::proxy(door_state, request)
-            })
+            let response = edge_around(
+                state,
+                request,
+                |state, request| {
+                    let (method, path) = (request.method(), request.uri().path());
+                    door::draining(&state.policy, method, path, request.headers())
+                },
+                move |request| door::proxy(door_state, request),
+            )
             .await;
             Ok(response)
         })
@@ -892,7 +898,8 @@ pub struct ProviderResponse;
 
 /// The edge layer around every route of [`full_router`]:
 /// - while shutting down, every request is answered `503 shutting_down` with
-///   `Connection: close` (nothing sent);
+///   `Connection: close` (nothing sent); on the proxy door naming its task and a write's key
+///   ([`door::draining`]);
 /// - each request is counted in flight until its response body ends (the drain waits on it);
 /// - the request body must arrive within [`DoorConfig::body_read_timeout`] of the head, else
 ///   `408 request_timeout`;
@@ -901,18 +908,32 @@ pub struct ProviderResponse;
 ///   rejection's text as `detail` and the `Allow` header kept; provider responses
 ///   ([`ProviderResponse`]) pass unchanged.
 async fn edge(State(state): State<Arc<AppState>>, request: Request<Body>, next: Next) -> Response {
-    edge_around(state, request, |request| next.run(request)).await
+    edge_around(
+        state,
+        request,
+        |_, _| Problem::shutting_down().into_response(),
+        |request| next.run(request),
+    )
+    .await
 }
 
 /// The edge layer (see [`edge`]) around `handler`: the router's middleware, and the proxy
-/// door's when [`ConnectionService`] sends a request to it directly.
-async fn edge_around<F, Fut>(state: Arc<AppState>, request: Request<Body>, handler: F) -> Response
+/// door's when [`ConnectionService`] sends a request to it directly. While shutting down the
+/// request is answered by `draining` instead (the door's names the request's task and key, see
+/// [`door::draining`]).
+async fn edge_around<D, F, Fut>(
+    state: Arc<AppState>,
+    request: Request<Body>,
+    draining: D,
+    handler: F,
+) -> Response
 where
+    D: FnOnce(&AppState, &Request<Body>) -> Response,
     F: FnOnce(Request<Body>) -> Fut,
     Fut: Future<Output = Response>,
 {
     if !state.accepting() {
-        return closing(Problem::shutting_down().into_response());
+        return closing(draining(&state, &request));
     }
     let in_flight = InFlight::enter(state.clone());
     let limit = state.door.body_read_timeout;
