@@ -67,7 +67,7 @@ use backstop_core::{
     signal_headers::{carries_retry_after, select_signal_headers},
 };
 use backstop_store::{
-    ActionId, ActionRecord, ActionState, Admission as StoreAdmission, AttemptResult,
+    ActionId, ActionRecord, ActionState, Admission as StoreAdmission, AttemptRecord, AttemptResult,
     Boundary as StoreBoundary, Completion as StoreCompletion, Finish, NewAction, NewTask,
     PayloadDigest, RouteTemplate, ScopeUpdate, Store, StoreError, StoredResponse,
 };
@@ -507,9 +507,10 @@ struct ActionGuard<'a> {
     read: bool,
     sent: u32,
     in_flight: Option<u32>,
-    /// The disposition of the last attempt's answer, once one came back.
+    /// The disposition of the last attempt's answer, once one came back (for a write taken over
+    /// by a same-key resend, its last stored attempt's until this run sends).
     last_signal: Option<&'static str>,
-    /// The HTTP status of the last response, once one came back.
+    /// The HTTP status of the last response, once one came back (likewise).
     last_status: Option<u16>,
     armed: bool,
 }
@@ -524,6 +525,25 @@ struct GoneClient {
     /// The last response's status and the last attempt's disposition, once one came back.
     last_status: Option<u16>,
     last_signal: Option<&'static str>,
+}
+
+impl GoneClient {
+    /// What the stored `attempts` of a write say it had done before this run took it over (a
+    /// same-key resend of a reopened or never sent write): as [`writes::Closing::of_stored`]
+    /// reads them, a last attempt sent without a result is `uncertain`.
+    fn of_stored(attempts: &[AttemptRecord]) -> GoneClient {
+        let last = attempts.last();
+        GoneClient {
+            sent: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
+            in_flight: None,
+            last_status: last.and_then(|a| a.status),
+            last_signal: last.map(|a| {
+                a.disposition
+                    .unwrap_or(backstop_store::Disposition::Uncertain)
+                    .as_str()
+            }),
+        }
+    }
 }
 
 /// The result of attempt `attempt` of `action` whose answer is not known (sent, no response
@@ -1512,7 +1532,9 @@ impl Engine {
                 read_id.map(StoreAdmission::New).map_err(EngineError::Store)
             }
         };
-        let (id, action_guard, prior_attempts) = match admission {
+        // What the action had done before this run: nothing, except for a write taken over by a
+        // same-key resend (see below).
+        let (id, action_guard, earlier) = match admission {
             Ok(StoreAdmission::New(id)) => {
                 // A layered retry finds a write again under its key and joins it; a read has no
                 // key, so nothing can follow it and it is not registered.
@@ -1524,7 +1546,7 @@ impl Engine {
                 } else {
                     None
                 };
-                (id, guard, 0)
+                (id, guard, GoneClient::default())
             }
             Ok(StoreAdmission::Existing(record)) => {
                 if record.agent != spec.agent {
@@ -1559,10 +1581,13 @@ impl Engine {
                 match taken {
                     Some(guard) => {
                         // Its earlier attempts count: receipts and the outcome's context number
-                        // attempts like the store does, from the first one ever sent.
+                        // attempts like the store does, from the first one ever sent. And they
+                        // decide how it is closed if its caller goes away before this run
+                        // sends: a reopened write whose last attempt was `uncertain` may have
+                        // been acted on, so it is reconciled, never `cancelled`.
                         let id = record.id;
-                        let prior = match inner.blocking(move |s| s.attempts(id)).await {
-                            Ok(attempts) => u32::try_from(attempts.len()).unwrap_or(u32::MAX),
+                        let earlier = match inner.blocking(move |s| s.attempts(id)).await {
+                            Ok(attempts) => GoneClient::of_stored(&attempts),
                             Err(e) => {
                                 if never_sent {
                                     // Not taken over after all: the next resend may take it.
@@ -1584,11 +1609,11 @@ impl Engine {
                         } else {
                             tracing::info!(
                                 action = record.id.0,
-                                prior_attempts = prior,
+                                prior_attempts = earlier.sent,
                                 "reopened write sent again with its original idempotency key"
                             );
                         }
-                        (record.id, Some(guard), prior)
+                        (record.id, Some(guard), earlier)
                     }
                     None => {
                         if let Some(tx) = notify {
@@ -1609,6 +1634,7 @@ impl Engine {
         if let Some(tx) = notify {
             let _ = tx.send(id.0);
         }
+        let prior_attempts = earlier.sent;
         let mut guard = ActionGuard {
             inner: inner.clone(),
             id,
@@ -1617,8 +1643,8 @@ impl Engine {
             read: !is_write,
             sent: prior_attempts,
             in_flight: None,
-            last_signal: None,
-            last_status: None,
+            last_signal: earlier.last_signal,
+            last_status: earlier.last_status,
             armed: true,
         };
         let run = Run {

@@ -1,14 +1,14 @@
 //! Scheduling through the engine with paused time: dispatch order, one 429 delaying a whole
 //! scope, no attempt before a boundary, jittered release, `scope_saturated`, priorities,
 //! coalescing, cancellation before send, and a write whose client disconnects after an
-//! uncertain attempt (reconciled, never cancelled). Attempts are measured at the scripted
-//! transport.
+//! uncertain attempt — in this run, or before a reopened write's new send (reconciled, never
+//! cancelled). Attempts are measured at the scripted transport.
 
 use std::time::Duration;
 
-use backstop_core::{classify::TransportError, pacing::Priority};
+use backstop_core::{classify::TransportError, escalation::DecisionEffect, pacing::Priority};
 use backstop_gateway::action::Execution;
-use backstop_store::{ActionId, Disposition, Outcome, Store};
+use backstop_store::{ActionId, ActionState, Disposition, Outcome, Store};
 
 use crate::engine_support::{
     self, advance, answer, attempts, held_ok, summary, until, Harness, Step,
@@ -609,6 +609,88 @@ async fn a_write_whose_client_disconnects_during_its_attempt_is_reconciled_not_c
     assert_eq!(recorded[0].disposition, Some(Disposition::Uncertain));
     advance(Duration::from_secs(90)).await;
     assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+}
+
+/// A write escalated after an uncertain attempt and reopened by an operator's `retry_same_key`
+/// (after a restart, so the agent resubmits under the same key) whose caller goes away before
+/// the new send: its first attempt may have taken effect, so it is reconciled with its original
+/// key as any write whose last attempt is uncertain — escalated again, never `cancelled`.
+#[tokio::test(start_paused = true)]
+async fn a_reopened_write_whose_client_disconnects_before_its_new_send_is_reconciled_not_cancelled()
+{
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(TransportError::TimeoutAfterSend)],
+    );
+    let mut first = write(&h, "k-reopened");
+    first.single_attempt = true;
+    let escalated = h.engine.execute(first).await;
+    assert_eq!(summary(&escalated), "escalated", "{escalated:?}");
+    let id = ActionId(escalated.receipt().action_id);
+    h.engine.shutdown().await;
+
+    // The next run: the operator decides `retry_same_key`; the request is not held any more,
+    // so the action is reopened and waits for the agent's resubmission under the same key.
+    let engine = h.restarted(5);
+    let escalation = h.store.open_escalations().unwrap()[0].id;
+    let at = h.clock_now();
+    h.store
+        .decide_escalation(escalation, "retry_same_key", "operator", None, at)
+        .unwrap();
+    let applied = engine
+        .apply_decision(
+            id,
+            &DecisionEffect::RetrySameKey {
+                idempotency_key: "k-reopened".to_owned(),
+            },
+            "operator",
+        )
+        .await;
+    assert!(applied.request_not_held, "{}", applied.detail);
+    assert_eq!(
+        h.store.action(id).unwrap().unwrap().state,
+        ActionState::Reopened
+    );
+
+    // The scope waits out a 429, so the resubmission waits before its send; its caller leaves.
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let throttled = {
+        let engine = engine.clone();
+        let read = h.get("t0", "/v1/items/0");
+        tokio::spawn(async move { engine.execute(read).await })
+    };
+    assert!(until(|| h.transport.sent_to("/v1/items/0").len() == 1).await);
+    let resubmitted = {
+        let engine = engine.clone();
+        let again = write(&h, "k-reopened");
+        tokio::spawn(async move { engine.execute(again).await })
+    };
+    let waiting = || {
+        engine
+            .scopes()
+            .into_iter()
+            .any(|v| v.scope == "account" && v.delayed == 2)
+    };
+    assert!(until(waiting).await, "the resubmission waits for the scope");
+    resubmitted.abort();
+    let _ = resubmitted.await;
+
+    assert_escalated_for_the_gone_client(&h, id).await;
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(summary(&throttled.await.unwrap()), "200");
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "the write was never sent again"
+    );
+    let again = engine.execute(write(&h, "k-reopened")).await;
+    assert_eq!(summary(&again), "escalated");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    engine.shutdown().await;
 }
 
 #[tokio::test(start_paused = true)]
