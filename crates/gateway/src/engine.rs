@@ -575,13 +575,44 @@ impl Drop for ActionGuard<'_> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let inner = self.inner.clone();
-        let (id, in_flight, sent) = (self.id, self.in_flight, self.sent);
+        let gone = GoneClient {
+            sent: self.sent,
+            in_flight: self.in_flight,
+            last_status: self.last_status,
+            last_signal: self.last_signal,
+        };
+        self.inner.close_for_gone_client(
+            &runtime,
+            self.id,
+            self.read,
+            gone,
+            (self.provider, self.class),
+        );
+    }
+}
+
+impl Inner {
+    /// Closes action `id` (a read when `read`) because its caller went away, on `runtime`; `gone`
+    /// says what it had done. As every action nothing sends again is closed
+    /// ([`writes::Closing`]): a write whose last attempt is `uncertain` — or still in flight, so
+    /// its answer is unknown — is reconciled with its original key; any other action ends
+    /// `cancelled` ([`Inner::cancel_for_gone_client`]). `provider` and `class` are the route's,
+    /// for the metrics. Nothing is sent either way.
+    fn close_for_gone_client(
+        self: &Arc<Self>,
+        runtime: &tokio::runtime::Handle,
+        id: ActionId,
+        read: bool,
+        gone: GoneClient,
+        (provider, class): (&str, &str),
+    ) {
+        let inner = self.clone();
+        let (in_flight, sent) = (gone.in_flight, gone.sent);
         let last = match in_flight {
             Some(_) => Some(Disposition::Uncertain.as_str()),
-            None => self.last_signal,
+            None => gone.last_signal,
         };
-        if writes::Closing::of(self.read, last) == writes::Closing::Reconcile {
+        if writes::Closing::of(read, last) == writes::Closing::Reconcile {
             tracing::info!(
                 action = id.0,
                 sent,
@@ -601,18 +632,12 @@ impl Drop for ActionGuard<'_> {
             runtime.spawn(async move { inner.record_or_defer(close).await });
             return;
         }
-        let (provider, class) = (self.provider.to_owned(), self.class.to_owned());
+        let (provider, class) = (provider.to_owned(), class.to_owned());
         tracing::info!(
             action = id.0,
             sent,
             "client disconnected: the action is cancelled and never sends again"
         );
-        let gone = GoneClient {
-            sent,
-            in_flight,
-            last_status: self.last_status,
-            last_signal: self.last_signal,
-        };
         runtime.spawn(async move {
             inner
                 .cancel_for_gone_client(id, gone, &provider, &class)
@@ -688,6 +713,27 @@ impl Inner {
             Ok(result) => result.map_err(EngineError::Store),
             Err(e) => Err(EngineError::Aborted(e.to_string())),
         }
+    }
+
+    /// [`Inner::blocking`], handing the result to `orphaned` instead when nobody takes it (the
+    /// awaiting future was dropped before the result was read), as [`Inner::queued_or_else`]
+    /// does: exactly one of the two gets the result. `orphaned` runs on the blocking thread or
+    /// where the future is dropped: it must not block. A call that never completes (the
+    /// runtime stopping before it ran) is answered as the writer's absence is.
+    async fn blocking_or_else<T, F, O>(&self, f: F, orphaned: O) -> Result<T, EngineError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&dyn Store) -> Result<T, StoreError> + Send + 'static,
+        O: FnOnce(Result<T, StoreError>) + Send + 'static,
+    {
+        let store = self.store.clone();
+        self.queued_or_else(
+            move |_, done| {
+                tokio::task::spawn_blocking(move || done(f(store.as_ref())));
+            },
+            orphaned,
+        )
+        .await
     }
 
     /// Queues a store operation and awaits its completion (called after its commit is
@@ -1586,7 +1632,45 @@ impl Engine {
                         // sends: a reopened write whose last attempt was `uncertain` may have
                         // been acted on, so it is reconciled, never `cancelled`.
                         let id = record.id;
-                        let earlier = match inner.blocking(move |s| s.attempts(id)).await {
+                        // The caller may go away while they are read. Nothing would close the
+                        // write then: a never sent one would stay `requested`, out of the
+                        // resumable set, its key answering `409 in flight` to every resend.
+                        // So a read nobody awaits any more closes the write as its caller
+                        // going away does (never sent → `cancelled`; reopened after an
+                        // `uncertain` attempt → reconciled); one that failed puts a never sent
+                        // write back for the next resend, and leaves a reopened one reopened.
+                        let orphaned = {
+                            let (inner, runtime) =
+                                (inner.clone(), tokio::runtime::Handle::current());
+                            let (provider, class) = (route.provider.clone(), route.class.clone());
+                            move |attempts: Result<Vec<AttemptRecord>, StoreError>| match attempts {
+                                Ok(attempts) => {
+                                    tracing::info!(
+                                        action = id.0,
+                                        "client disconnected while its same-key resend took the write over, before the resend sent anything"
+                                    );
+                                    inner.close_for_gone_client(
+                                        &runtime,
+                                        id,
+                                        false,
+                                        GoneClient::of_stored(&attempts),
+                                        (&provider, &class),
+                                    );
+                                }
+                                Err(_) if never_sent => {
+                                    inner
+                                        .unsent
+                                        .lock()
+                                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                                        .insert(id.0);
+                                }
+                                Err(_) => {}
+                            }
+                        };
+                        let earlier = match inner
+                            .blocking_or_else(move |s| s.attempts(id), orphaned)
+                            .await
+                        {
                             Ok(attempts) => GoneClient::of_stored(&attempts),
                             Err(e) => {
                                 if never_sent {

@@ -1,13 +1,16 @@
 //! The store failing and the gateway stopping are answered as what they are: `503
 //! store_unavailable` / `503 shutting_down`, saying whether anything was sent, never `410
 //! cancelled`; what the store could not record is not left waiting once it works again (a write
-//! whose last attempt was uncertain reconciled, never cancelled, its lookup asked once), and
-//! what it lost is logged once. Attempts are measured at the scripted transport or at the fake
+//! whose last attempt was uncertain reconciled, never cancelled, its lookup asked once), nor is
+//! a write whose same-key resend took it over and lost its caller while reading it, and what it
+//! lost is logged once. Attempts are measured at the scripted transport or at the fake
 //! provider, answers at the door where the header or the JSON matters.
 
 use std::{sync::Arc, time::Duration};
 
-use backstop_core::{classify::TransportError, pacing::Priority, policy::Policy};
+use backstop_core::{
+    classify::TransportError, escalation::DecisionEffect, pacing::Priority, policy::Policy,
+};
 use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::{
     action::{ActionSpec, Execution},
@@ -451,6 +454,121 @@ async fn a_write_whose_first_send_the_store_could_not_record_is_sent_by_its_same
     assert_eq!(summary(&again), "201", "sent, not refused as in flight");
     assert_eq!(again.receipt().action_id, action, "as the same action");
     assert_eq!(h.transport.sent().len(), 1);
+}
+
+/// A same-key resend takes over a write whose first send the store could not record, and its
+/// own caller goes away while the write's earlier attempts are read: nothing was sent, so the
+/// write ends `cancelled` under its key as a write whose caller leaves before its first send
+/// does — not left `requested`, its key answering `409 in flight` to every later resend.
+#[tokio::test(start_paused = true)]
+async fn a_resend_taking_over_an_unsent_write_whose_caller_leaves_while_it_reads_the_attempts_cancels_it(
+) {
+    let (h, store) = Harness::with_failing_store();
+    store.fail_sends();
+    let answered = h.engine.execute(write(&h, "t", "k-5")).await;
+    let action = ActionId(answered.receipt().action_id);
+    assert_ne!(action.0, 0, "the write was recorded");
+    assert_eq!(summary(&answered), "503");
+    store.recover();
+
+    store.hold_attempts();
+    let resend = tokio::spawn({
+        let (engine, spec) = (h.engine.clone(), write(&h, "t", "k-5"));
+        async move { engine.execute(spec).await }
+    });
+    assert!(
+        until(|| store.attempts_held() == 1).await,
+        "the resend takes the write over and reads its attempts"
+    );
+    resend.abort();
+    let _ = resend.await;
+    store.release_attempts();
+
+    let outcome = || stored(&h, action).outcome;
+    assert!(until(|| outcome().is_some()).await, "the write is closed");
+    assert_eq!(outcome(), Some(Outcome::Cancelled));
+    let again = h.engine.execute(write(&h, "t", "k-5")).await;
+    assert_eq!(summary(&again), "cancelled", "replayed, not 409 in flight");
+    assert_eq!(again.receipt().action_id, action.0);
+    let Execution::Outcome { context, .. } = &again else {
+        panic!("the replayed outcome: {again:?}")
+    };
+    assert!(!context.sent, "the replay says nothing was sent");
+    assert!(h.transport.sent().is_empty(), "nothing was ever sent");
+}
+
+/// The same window for a write an operator reopened (`retry_same_key` after a restart, so the
+/// agent resubmits under the same key): its last attempt was uncertain, so when the
+/// resubmission's caller goes away while the attempts are read the write is reconciled with its
+/// original key — escalated again, never `cancelled` — as when its caller leaves later, before
+/// the new send.
+#[tokio::test(start_paused = true)]
+async fn a_resubmission_taking_over_a_reopened_write_whose_caller_leaves_while_it_reads_the_attempts_reconciles_it(
+) {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(TransportError::TimeoutAfterSend)],
+    );
+    let mut first = write(&h, "t", "k-6");
+    first.single_attempt = true;
+    let escalated = h.engine.execute(first).await;
+    assert_eq!(summary(&escalated), "escalated", "{escalated:?}");
+    let action = ActionId(escalated.receipt().action_id);
+    h.engine.shutdown().await;
+    let engine = Engine::new(
+        h.policy.clone(),
+        store.clone(),
+        h.transport.clone(),
+        h.clock,
+        h.metrics.clone(),
+        5,
+    );
+    let escalation = h.store.open_escalations().unwrap()[0].id;
+    let at = h.clock_now();
+    h.store
+        .decide_escalation(escalation, "retry_same_key", "operator", None, at)
+        .unwrap();
+    let effect = DecisionEffect::RetrySameKey {
+        idempotency_key: "k-6".to_owned(),
+    };
+    let applied = engine.apply_decision(action, &effect, "operator").await;
+    assert!(applied.request_not_held, "{}", applied.detail);
+
+    store.hold_attempts();
+    let resubmitted = tokio::spawn({
+        let (engine, spec) = (engine.clone(), write(&h, "t", "k-6"));
+        async move { engine.execute(spec).await }
+    });
+    assert!(
+        until(|| store.attempts_held() == 1).await,
+        "the resubmission takes the write over and reads its attempts"
+    );
+    resubmitted.abort();
+    let _ = resubmitted.await;
+    store.release_attempts();
+
+    let outcome = || stored(&h, action).outcome;
+    assert!(until(|| outcome().is_some()).await, "the write is closed");
+    assert_eq!(
+        outcome(),
+        Some(Outcome::Escalated),
+        "reconciled, not cancelled"
+    );
+    let escalations = h.store.open_escalations().unwrap();
+    let case = &escalations
+        .iter()
+        .find(|e| e.action == action)
+        .expect("a new escalation for the write")
+        .case_file;
+    let detail = case["reason_detail"].as_str().unwrap_or("");
+    assert!(detail.contains("client disconnected"), "{detail}");
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "the write was never sent again"
+    );
+    engine.shutdown().await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -9,12 +9,14 @@
 //! (then the store works again, as a disk that hiccups once).
 //! [`FailingStore::lose_reads`] hands reads their ids but never commits their records, as when
 //! the group commit of a held read fails. [`FailingStore::recover`] ends any of these.
+//! [`FailingStore::hold_attempts`] holds every read of an action's attempts (on the thread that
+//! reads) until [`FailingStore::release_attempts`], so a test can act while one is under way.
 
 use std::{
     collections::HashMap,
     sync::{
         atomic::{AtomicI64, AtomicU8, Ordering},
-        Arc, Mutex,
+        Arc, Condvar, Mutex,
     },
 };
 
@@ -59,6 +61,16 @@ pub struct FailingStore {
     /// Reads handed an id while their records are lost: their completions so far, in order.
     lost_reads: Mutex<HashMap<ActionId, Vec<Pending>>>,
     next_lost_read: AtomicI64,
+    /// Whether reads of attempts are held, and how many are waiting now.
+    attempts_gate: Mutex<Gate>,
+    attempts_released: Condvar,
+}
+
+/// The state of [`FailingStore::hold_attempts`].
+#[derive(Default)]
+struct Gate {
+    holding: bool,
+    waiting: usize,
 }
 
 impl FailingStore {
@@ -68,7 +80,26 @@ impl FailingStore {
             mode: AtomicU8::new(WORKING),
             lost_reads: Mutex::new(HashMap::new()),
             next_lost_read: AtomicI64::new(FIRST_LOST_READ),
+            attempts_gate: Mutex::new(Gate::default()),
+            attempts_released: Condvar::new(),
         })
+    }
+
+    /// From now on every read of an action's attempts (`attempts`) waits, blocking the thread
+    /// that reads, until [`FailingStore::release_attempts`]; the store works otherwise.
+    pub fn hold_attempts(&self) {
+        self.attempts_gate.lock().unwrap().holding = true;
+    }
+
+    /// How many reads of attempts are held now.
+    pub fn attempts_held(&self) -> usize {
+        self.attempts_gate.lock().unwrap().waiting
+    }
+
+    /// Lets every held read of attempts, and every later one, go on.
+    pub fn release_attempts(&self) {
+        self.attempts_gate.lock().unwrap().holding = false;
+        self.attempts_released.notify_all();
     }
 
     /// From now on every writing operation fails.
@@ -444,6 +475,16 @@ impl Store for FailingStore {
         self.inner.action_by_key(agent, idempotency_key)
     }
     fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError> {
+        {
+            let mut gate = self.attempts_gate.lock().unwrap();
+            if gate.holding {
+                gate.waiting += 1;
+                while gate.holding {
+                    gate = self.attempts_released.wait(gate).unwrap();
+                }
+                gate.waiting -= 1;
+            }
+        }
         self.inner.attempts(action)
     }
     fn unfinished_attempts(&self) -> Result<Vec<UnfinishedAttempt>, StoreError> {
