@@ -533,14 +533,6 @@ async fn a_write_whose_client_disconnects_before_its_first_send_is_cancelled_und
         "nothing was sent"
     );
 
-    for id in 1..4 {
-        if let Ok(Some(a)) = h.store.action(ActionId(id)) {
-            eprintln!(
-                "STORED {:?} {:?} {:?} {:?}",
-                a.id, a.state, a.outcome, a.idempotency_key
-            );
-        }
-    }
     let agent = write(&h, "key-gone").agent;
     let closed = || {
         h.store
