@@ -23,4 +23,6 @@ pub mod store;
 pub use error::{BoundRequest, StoreError};
 pub use model::*;
 pub use sqlite::{AuditReader, SqliteStore, WriterStats};
-pub use store::{Completion, Store, ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
+pub use store::{
+    Completion, Store, ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, STATUS_QUERY,
+};

@@ -131,7 +131,8 @@ vocabulary! {
         /// An operator decided to send again with the same idempotency key after an escalation
         /// (`retry_same_key`): the action waits for its request, held in memory by the gateway or
         /// resubmitted by the agent under the same key, and then sends as the same logical
-        /// action.
+        /// action. Also a finished write the agent resent under its key when its answer said it
+        /// may (`Store::reopen_for_resend`), while that resend takes it over.
         Reopened => "reopened",
         /// Ended with an outcome (see [`Outcome`]).
         Finished => "finished",

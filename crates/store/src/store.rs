@@ -36,9 +36,14 @@ use crate::model::{
     ScopeUpdate, TaskRecord, UnfinishedAttempt,
 };
 
-/// Audit event kind of [`Store::reopen_for_retry`]: an operator's `retry_same_key` decision
-/// let an escalated write send again under its original key.
+/// Audit event kind of [`Store::reopen_for_retry`] (an operator's `retry_same_key` decision let
+/// an escalated write send again under its original key) and of [`Store::reopen_for_resend`]
+/// (the agent resent a finished write under its key when its answer said it may).
 pub const ACTION_REOPENED: &str = "action_reopened";
+
+/// The `source` of an [`ACTION_REOPENED`] event written by [`Store::reopen_for_resend`].
+pub const REOPENED_BY_RESEND: &str =
+    "the agent resent the write under the same idempotency key when its answer said it may";
 
 /// Audit event kind of [`Store::record_access_decision`]: an operator's decision about access to
 /// an escalation's evidence (e.g. `reveal_payload`), recorded apart from decisions on the action
@@ -338,6 +343,33 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<(), StoreError>;
 
+    /// Lets a finished write send again as the SAME logical action because its agent resent it
+    /// under its key when backstop's own answer said it may (SPEC §5, §6): the outcome's
+    /// `next_safe` advised `wait_until` and that instant has come (`advised`), or an operator
+    /// decided `wait`, `raise_quota` or `change_plan` on the escalation opened beside the
+    /// outcome (`escalation`). The caller judges that; the store checks the action ended with an
+    /// outcome such a resend can follow (`budget_exhausted`, `deadline_exhausted`,
+    /// `quota_exhausted`, `scope_saturated`), carries a key and its task is not cancelled. The
+    /// action leaves `finished` for [`ActionState::Reopened`] (outcome and context cleared) as
+    /// with [`Store::reopen_for_retry`]. Audits [`ACTION_REOPENED`] with `decision`
+    /// `retry_same_key`, no `decided_by` (no person decided), `outcome` the outcome set aside,
+    /// `boundary` the advised instant and `escalation` the decided escalation when given, and
+    /// `source` saying it was the agent's resend.
+    ///
+    /// [`ActionState::Reopened`]: crate::model::ActionState::Reopened
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action; [`StoreError::InvalidTransition`] for an
+    /// action that is not finished with one of those outcomes, carries no key, or whose task is
+    /// cancelled.
+    fn reopen_for_resend(
+        &self,
+        action: ActionId,
+        advised: Option<Timestamp>,
+        escalation: Option<EscalationId>,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
     /// Audits an operator's access decision about an escalation's evidence as its own event
     /// ([`ACCESS_DECISION`]): `access` names what was asked (`reveal_payload`), `outcome` what
     /// came of it (e.g. `refused_not_stored`). The escalation stays as it is: access is never an
@@ -511,6 +543,12 @@ pub trait Store: Send + Sync {
     /// # Errors
     /// Storage errors only.
     fn open_escalations(&self) -> Result<Vec<EscalationRecord>, StoreError>;
+
+    /// Every escalation of `action`, open or decided, oldest first.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn escalations_of_action(&self, action: ActionId) -> Result<Vec<EscalationRecord>, StoreError>;
 
     /// Audit events with `seq > since`, in order, at most `limit`.
     ///

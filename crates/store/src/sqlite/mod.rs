@@ -1434,6 +1434,16 @@ impl Store for SqliteStore {
         self.submit(move |tx| tx.reopen_for_retry(action, &decided_by, at))
     }
 
+    fn reopen_for_resend(
+        &self,
+        action: ActionId,
+        advised: Option<Timestamp>,
+        escalation: Option<EscalationId>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.submit(move |tx| tx.reopen_for_resend(action, advised, escalation, at))
+    }
+
     fn record_access_decision(
         &self,
         escalation: EscalationId,
@@ -1558,6 +1568,10 @@ impl Store for SqliteStore {
 
     fn open_escalations(&self) -> Result<Vec<EscalationRecord>, StoreError> {
         self.read(rows::open_escalations)
+    }
+
+    fn escalations_of_action(&self, action: ActionId) -> Result<Vec<EscalationRecord>, StoreError> {
+        self.read(|c| rows::escalations_of_action(c, action))
     }
 
     fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError> {

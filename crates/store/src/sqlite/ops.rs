@@ -16,7 +16,7 @@ use crate::model::{
     EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome, PayloadDigest,
     RouteTemplate, ScopeRecord, ScopeUpdate,
 };
-use crate::store::{ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY};
+use crate::store::{ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, STATUS_QUERY};
 
 /// What happened to a read after it was recorded, in order (see [`WriteTx::record_held_read`]).
 #[allow(clippy::large_enum_variant)] // a held read has two steps, each moved once
@@ -1186,6 +1186,69 @@ impl WriteTx<'_> {
                 f.outcome.map_or("none", |o| o.as_str())
             )));
         }
+        let mut e = self.reopen(action, f, at)?;
+        e.decided_by = Some(decided_by.to_owned());
+        self.append(e)
+    }
+
+    pub(crate) fn reopen_for_resend(
+        &mut self,
+        action: ActionId,
+        advised: Option<Timestamp>,
+        escalation: Option<EscalationId>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let f = self.facts(action)?;
+        let refuse = |reason: String| StoreError::InvalidTransition {
+            what: format!("action {action}"),
+            reason,
+        };
+        if f.cancelled {
+            return Err(refuse(format!(
+                "task {:?} is cancelled; it never sends again",
+                f.task
+            )));
+        }
+        if f.idempotency_key.is_none() {
+            return Err(refuse(
+                "it carries no idempotency key, so it cannot be sent again as the same action"
+                    .into(),
+            ));
+        }
+        let resendable = matches!(
+            f.outcome,
+            Some(
+                Outcome::BudgetExhausted
+                    | Outcome::DeadlineExhausted
+                    | Outcome::QuotaExhausted
+                    | Outcome::ScopeSaturated
+            )
+        );
+        if f.state != ActionState::Finished || !resendable {
+            return Err(refuse(format!(
+                "only a write that ended budget_exhausted, deadline_exhausted, quota_exhausted or scope_saturated may be reopened by a resend (state {}, outcome {})",
+                f.state,
+                f.outcome.map_or("none", |o| o.as_str())
+            )));
+        }
+        let set_aside = f.outcome.map(|o| o.as_str().to_owned());
+        let mut e = self.reopen(action, f, at)?;
+        e.outcome = set_aside;
+        e.boundary = advised.map(format_instant);
+        e.escalation = escalation.map(|id| id.0);
+        e.source = Some(REOPENED_BY_RESEND.to_owned());
+        self.append(e)
+    }
+
+    /// Moves a finished `action` (its facts `f`) to `reopened`, its outcome and context cleared,
+    /// and returns its [`ACTION_REOPENED`] event (class, key, `decision: retry_same_key`) for
+    /// the caller to complete and append.
+    fn reopen(
+        &mut self,
+        action: ActionId,
+        f: ActionFacts,
+        at: Timestamp,
+    ) -> Result<AuditEvent, StoreError> {
         self.conn
             .prepare_cached(
                 "UPDATE actions SET state = 'reopened', outcome = NULL, outcome_context = NULL, \
@@ -1197,8 +1260,7 @@ impl WriteTx<'_> {
         e.request_class = Some(f.request_class);
         e.idempotency_key = f.idempotency_key;
         e.decision = Some("retry_same_key".to_owned());
-        e.decided_by = Some(decided_by.to_owned());
-        self.append(e)
+        Ok(e)
     }
 
     pub(crate) fn record_access_decision(

@@ -506,6 +506,21 @@ pub(crate) fn escalation(
     .transpose()
 }
 
+pub(crate) fn escalations_of_action(
+    conn: &Connection,
+    action: ActionId,
+) -> Result<Vec<EscalationRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {ESCALATION_COLUMNS} FROM escalations WHERE action_id = ?1 ORDER BY id"
+    ))?;
+    let rows = stmt.query_map(params![action.0], raw_escalation)?;
+    let mut out = Vec::new();
+    for row in rows {
+        out.push(decode_escalation(row?)?);
+    }
+    Ok(out)
+}
+
 pub(crate) fn open_escalations(conn: &Connection) -> Result<Vec<EscalationRecord>, StoreError> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {ESCALATION_COLUMNS} FROM escalations WHERE state = 'open' ORDER BY id"

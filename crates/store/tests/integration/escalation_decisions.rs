@@ -4,7 +4,7 @@
 
 use backstop_store::{
     ActionState, Admission, AttemptResult, Disposition, Outcome, SqliteStore, Store, StoreError,
-    ACCESS_DECISION, ACTION_REOPENED, STATUS_QUERY,
+    ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, STATUS_QUERY,
 };
 
 use crate::common::{new_action, open_task, record, t};
@@ -142,6 +142,144 @@ fn only_escalated_actions_of_live_tasks_can_be_reopened() {
     assert_eq!(
         store.action(a).expect("read").expect("a").outcome,
         Some(Outcome::Escalated)
+    );
+}
+
+/// A write whose one attempt was answered 429 and that ended `outcome` with `context`.
+fn ended(
+    store: &SqliteStore,
+    key: &str,
+    outcome: Outcome,
+    context: serde_json::Value,
+) -> backstop_store::ActionId {
+    let a = record(store, "task-1", key, b"{\"amount\":1}");
+    let n = store.mark_attempt_sent(a, t(2)).expect("sent");
+    store
+        .record_result(
+            AttemptResult {
+                action: a,
+                attempt: n,
+                status: Some(429),
+                disposition: Disposition::RateLimited,
+                boundary: None,
+                source: None,
+                provider_operation_id: None,
+                signal_headers: Vec::new(),
+                finish: Some(backstop_store::Finish {
+                    outcome,
+                    context,
+                    response: None,
+                }),
+            },
+            t(3),
+        )
+        .expect("result");
+    a
+}
+
+#[test]
+fn a_write_told_to_come_back_is_reopened_by_its_resend_and_audited_as_such() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let context = serde_json::json!({"sent": true, "next_safe": [{"option": "wait_until", "at": "2026-01-01T00:00:11Z"}]});
+    let a = ended(&store, "key-wait", Outcome::BudgetExhausted, context);
+    let e = store
+        .open_escalation_beside_outcome(
+            a,
+            serde_json::json!({"reason": "remaining_wait_exceeds_deadline"}),
+            t(4),
+        )
+        .expect("beside");
+    assert_eq!(
+        store
+            .escalations_of_action(a)
+            .expect("read")
+            .iter()
+            .map(|x| x.id)
+            .collect::<Vec<_>>(),
+        vec![e]
+    );
+    store
+        .reopen_for_resend(a, Some(t(11)), Some(e), t(12))
+        .expect("reopen");
+    let record = store.action(a).expect("read").expect("exists");
+    assert_eq!(record.state, ActionState::Reopened);
+    assert_eq!((record.outcome, record.outcome_context), (None, None));
+    assert_eq!(
+        store.mark_attempt_sent(a, t(13)).expect("second attempt"),
+        2
+    );
+
+    let events = store.audit_events(0, 1000).expect("audit");
+    let reopened = events
+        .iter()
+        .find(|e| e.kind == ACTION_REOPENED)
+        .expect("reopen audited");
+    assert_eq!(reopened.action, Some(a.0));
+    assert_eq!(reopened.decided_by, None, "no person decided");
+    assert_eq!(reopened.decision.as_deref(), Some("retry_same_key"));
+    assert_eq!(reopened.outcome.as_deref(), Some("budget_exhausted"));
+    assert_eq!(reopened.escalation, Some(e.0));
+    assert_eq!(reopened.source.as_deref(), Some(REOPENED_BY_RESEND));
+    assert_eq!(
+        reopened.boundary.as_deref(),
+        Some(backstop_store::audit::format_instant(t(11)).as_str())
+    );
+    assert_eq!(reopened.idempotency_key.as_deref(), Some("key-wait"));
+    assert!(matches!(
+        store.verify_audit(None).expect("verify"),
+        backstop_store::audit::Verdict::Intact { .. }
+    ));
+}
+
+#[test]
+fn a_resend_reopens_only_a_write_that_ended_waiting_in_a_live_task() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let running = record(&store, "task-1", "key-running", b"x");
+    assert!(store.reopen_for_resend(running, None, None, t(5)).is_err());
+    let done = ended(
+        &store,
+        "key-done",
+        Outcome::Succeeded,
+        serde_json::json!({}),
+    );
+    let err = store
+        .reopen_for_resend(done, None, None, t(5))
+        .expect_err("succeeded");
+    assert!(err.to_string().contains("budget_exhausted"), "{err}");
+    for outcome in [Outcome::Rejected, Outcome::Cancelled, Outcome::Escalated] {
+        let a = ended(
+            &store,
+            &format!("key-{}", outcome.as_str()),
+            outcome,
+            serde_json::json!({}),
+        );
+        assert!(matches!(
+            store.reopen_for_resend(a, None, None, t(5)),
+            Err(StoreError::InvalidTransition { .. })
+        ));
+    }
+    assert!(matches!(
+        store.reopen_for_resend(backstop_store::ActionId(999), None, None, t(5)),
+        Err(StoreError::NotFound { .. })
+    ));
+    let quota = ended(
+        &store,
+        "key-quota",
+        Outcome::QuotaExhausted,
+        serde_json::json!({}),
+    );
+    store
+        .cancel_task("agent-a", "task-1", t(6))
+        .expect("cancel");
+    let err = store
+        .reopen_for_resend(quota, None, None, t(7))
+        .expect_err("cancelled task");
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    assert_eq!(
+        store.action(quota).expect("read").expect("a").outcome,
+        Some(Outcome::QuotaExhausted)
     );
 }
 

@@ -404,6 +404,19 @@ impl Store for FailingStore {
     ) -> Result<(), StoreError> {
         self.inner.reopen_for_retry(action, decided_by, at)
     }
+    fn reopen_for_resend(
+        &self,
+        action: ActionId,
+        advised: Option<Timestamp>,
+        escalation: Option<EscalationId>,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(damaged());
+        }
+        self.inner
+            .reopen_for_resend(action, advised, escalation, at)
+    }
     fn record_access_decision(
         &self,
         escalation: EscalationId,
@@ -507,6 +520,9 @@ impl Store for FailingStore {
     }
     fn open_escalations(&self) -> Result<Vec<EscalationRecord>, StoreError> {
         self.inner.open_escalations()
+    }
+    fn escalations_of_action(&self, action: ActionId) -> Result<Vec<EscalationRecord>, StoreError> {
+        self.inner.escalations_of_action(action)
     }
     fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError> {
         self.inner.audit_events(since, limit)
