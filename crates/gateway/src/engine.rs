@@ -89,6 +89,7 @@ pub use crate::scheduler::ScopeView;
 
 mod actions;
 mod quota_escalations;
+mod resend;
 mod writes;
 
 pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
@@ -1623,6 +1624,23 @@ impl Engine {
                     }
                 } else {
                     None
+                };
+                // A finished write whose answer said to send it again under this key, once that
+                // is due (see `resend`): reopened and taken over here, or answered.
+                let taken = match taken {
+                    None if is_write && record.state == ActionState::Finished => {
+                        match Box::pin(self.take_finished(spec, &request, &key, &record)).await {
+                            resend::Taken::Send(guard) => Some(guard),
+                            resend::Taken::Answer(execution, guard) => {
+                                if let Some(tx) = notify {
+                                    let _ = tx.send(record.id.0);
+                                }
+                                return (execution, guard);
+                            }
+                            resend::Taken::Replay => None,
+                        }
+                    }
+                    taken => taken,
                 };
                 match taken {
                     Some(guard) => {

@@ -23,6 +23,21 @@
 //! | `escalated`               | 424    | never 429 (a human decides)                                |
 //! | `succeeded` (reconciled)  | 200    | — (plain JSON, not a problem)                              |
 //!
+//! **What the 429 promises a write.** The answer says "send this again after `Retry-After`",
+//! and SDKs do exactly that, under the same `Idempotency-Key`. So such a finished write (its
+//! instant: [`resend_advised_at`]) is not replayed forever: a same-key, same-payload resend
+//! before the instant replays the outcome with the `Retry-After` left; from the instant on the
+//! action is reopened (audited `action_reopened`) and this request is sent as the same action
+//! under the same key. When its last attempt was `uncertain`, the SPEC §6 rule runs first and
+//! nothing is sent blindly: a route with a lookup asks the provider (found → `succeeded`,
+//! nothing sent); the request is sent under the same key only where the provider honours it;
+//! otherwise the write is escalated and nothing is sent. An escalation opened beside a
+//! `budget_exhausted`, `deadline_exhausted` or `quota_exhausted` outcome and decided `wait`
+//! (from its `retry_not_before`, when it names one), `raise_quota` or `change_plan` reopens the
+//! write the same way, once per decision; decided `abort`, the outcome stays, and its replay
+//! drops `wait_until` (not 429, `x-should-retry: false`). Every other finished outcome —
+//! `succeeded`, `rejected`, `conflict`, `cancelled`, `escalated`, … — is replayed as it is.
+//!
 //! Problems of the door itself (the request never became an action, nothing was sent):
 //! missing or unknown agent token → 401; a malformed `X-Backstop-*` or `Prefer` header → 400
 //! naming the header; unknown provider → 404; the provider's `secret_file` could not be read at
@@ -406,18 +421,8 @@ impl Problem {
         detail: impl Into<String>,
         now: Timestamp,
     ) -> Problem {
-        let wait_until = context.next_safe.iter().find_map(|option| match option {
-            NextSafe::WaitUntil { at } => Some(*at),
-            _ => None,
-        });
-        let may_wait = matches!(
-            outcome,
-            Outcome::BudgetExhausted | Outcome::QuotaExhausted | Outcome::ScopeSaturated
-        );
-        let retry_after_seconds = match wait_until {
-            Some(at) if may_wait => Some(seconds_until(now, at)),
-            _ => None,
-        };
+        let retry_after_seconds =
+            resend_advised_at(outcome, context).map(|at| seconds_until(now, at));
         let status = match (retry_after_seconds, outcome) {
             (Some(_), _) => StatusCode::TOO_MANY_REQUESTS,
             (None, outcome) => outcome_status(outcome),
@@ -505,6 +510,27 @@ impl IntoResponse for Problem {
         }
         response
     }
+}
+
+/// The instant from which a gateway-made outcome tells the agent to send the same request again
+/// (a write under the same `Idempotency-Key`): the `wait_until` of its context's `next_safe`,
+/// for the outcomes the module table answers `429` with one (`budget_exhausted`,
+/// `quota_exhausted`, `scope_saturated`); `None` for any other outcome or context. Exactly
+/// the answers [`Problem::from_outcome`] makes `429` + `Retry-After` + `x-should-retry: true`,
+/// and the finished writes a same-key resend reopens once the instant has come (see the module
+/// docs).
+pub fn resend_advised_at(outcome: Outcome, context: &OutcomeContext) -> Option<Timestamp> {
+    let may_wait = matches!(
+        outcome,
+        Outcome::BudgetExhausted | Outcome::QuotaExhausted | Outcome::ScopeSaturated
+    );
+    if !may_wait {
+        return None;
+    }
+    context.next_safe.iter().find_map(|option| match option {
+        NextSafe::WaitUntil { at } => Some(*at),
+        _ => None,
+    })
 }
 
 /// The status of an outcome without a safe later retry (the module table).

@@ -30,3 +30,4 @@ mod watchdog_reads;
 mod writes_decisions;
 mod writes_first_use;
 mod writes_reconcile;
+mod writes_resend;

@@ -102,6 +102,8 @@ pub struct Sent {
     pub path: String,
     /// Virtual time it arrived at the transport.
     pub at: Timestamp,
+    /// The `Idempotency-Key` header it carried (the key the provider sees), if any.
+    pub idempotency_key: Option<String>,
 }
 
 /// A transport answering from per-path scripts (200 "ok" when a script is empty) and recording
@@ -162,6 +164,11 @@ impl Transport for Scripted {
         self.log.lock().unwrap().push(Sent {
             path: path.clone(),
             at: self.clock.now(),
+            idempotency_key: request
+                .headers
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
         });
         let step = self
             .scripts

@@ -1,0 +1,654 @@
+//! A same-key resend of a finished write that backstop's own answer told to come back (`429` +
+//! `Retry-After` + `x-should-retry: true`, or an operator's `wait` on the escalation opened
+//! beside its outcome): replayed before the advised instant, reopened and sent as the same
+//! action under the same key from it on — after the SPEC §6 rule when the last attempt is
+//! uncertain — and replayed as before for every other outcome. Sends are counted at the scripted
+//! transport (virtual time) and, over loopback, at the fake provider.
+
+use std::{path::Path, sync::Arc, time::Duration};
+
+use backstop_core::{
+    outcome::{NextSafe, Outcome, OutcomeContext},
+    policy::Policy,
+    reconcile::upstream_idempotency_key,
+};
+use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
+use backstop_gateway::{action::ActionSpec, action::Execution, engine::Engine, problem::Problem};
+use backstop_store::{ActionId, Store, ACTION_REOPENED, REOPENED_BY_RESEND};
+use jiff::{SignedDuration, Timestamp};
+use serde_json::json;
+
+use crate::engine_support::{advance, answer, summary, until, Harness, Step, POLICY};
+use crate::support::{self, client, create, json_of, lookup, on_route};
+
+/// The transfer of task `t` under the agent key `key`, with `Prefer: wait=0`.
+fn transfer(h: &Harness, key: &str) -> ActionSpec {
+    let mut spec = h.spec("t", "POST", "/v1/transfers", r#"{"amount":5}"#);
+    spec.idempotency_key = Some(key.to_owned());
+    spec.max_wait = Some(Duration::ZERO);
+    spec
+}
+
+/// The key the provider sees for `key` of the harness's agent.
+fn upstream(key: &str) -> String {
+    upstream_idempotency_key("agent-a", key)
+}
+
+/// The outcome, context and detail of a gateway-made answer; panics on anything else.
+fn outcome_of(execution: &Execution) -> (Outcome, OutcomeContext, String) {
+    match execution {
+        Execution::Outcome {
+            outcome,
+            context,
+            detail,
+            ..
+        } => (*outcome, context.clone(), detail.clone()),
+        Execution::Response { response, .. } => {
+            panic!("expected an outcome, got HTTP {}", response.status())
+        }
+        Execution::InFlight { .. } => panic!("expected an outcome, got a key in flight"),
+    }
+}
+
+/// The `wait_until` among `context`'s safe options.
+fn wait_until(context: &OutcomeContext) -> Option<Timestamp> {
+    context.next_safe.iter().find_map(|o| match o {
+        NextSafe::WaitUntil { at } => Some(*at),
+        _ => None,
+    })
+}
+
+/// The problem the door renders for `execution` at `now`.
+fn problem(execution: &Execution, now: Timestamp) -> Problem {
+    let (outcome, context, detail) = outcome_of(execution);
+    Problem::from_outcome(outcome, &context, detail, now)
+}
+
+/// The status of a provider response passed through, and whether it is a replay.
+fn response_of(execution: &Execution) -> (u16, bool) {
+    match execution {
+        Execution::Response { response, .. } => (
+            response.status().as_u16(),
+            response.headers().contains_key("idempotent-replayed"),
+        ),
+        other => panic!("expected a provider response, got {}", summary(other)),
+    }
+}
+
+/// The `action_reopened` events of `action`.
+fn reopens(h: &Harness, action: i64) -> Vec<backstop_store::audit::AuditEvent> {
+    h.audit()
+        .into_iter()
+        .filter(|e| e.action == Some(action) && e.kind == ACTION_REOPENED)
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_told_to_wait_is_sent_again_under_its_key_once_the_instant_has_come() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(429, &[("retry-after", "11")], ""),
+            answer(201, &[], r#"{"id":"tr_1"}"#),
+        ],
+    );
+    let first = h.engine.execute(transfer(&h, "k-wait")).await;
+    let id = first.receipt().action_id;
+    let (outcome, context, _) = outcome_of(&first);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    let advised = h.t0 + SignedDuration::from_secs(11);
+    assert_eq!(wait_until(&context), Some(advised));
+    let told = problem(&first, h.clock_now());
+    assert_eq!(
+        (
+            told.status.as_u16(),
+            told.retry_after_seconds,
+            told.should_retry
+        ),
+        (429, Some(11), true)
+    );
+
+    // Before the instant: the outcome is replayed with the Retry-After left; nothing is sent.
+    advance(Duration::from_secs(5)).await;
+    let early = h.engine.execute(transfer(&h, "k-wait")).await;
+    let (outcome, _, detail) = outcome_of(&early);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert!(detail.starts_with("replayed"), "{detail}");
+    let told = problem(&early, h.clock_now());
+    assert_eq!(
+        (told.status.as_u16(), told.retry_after_seconds),
+        (429, Some(6))
+    );
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    assert!(reopens(&h, id).is_empty());
+
+    // From the instant on: sent once more, as the same action under the same key.
+    advance(Duration::from_secs(7)).await;
+    let resent = h.engine.execute(transfer(&h, "k-wait")).await;
+    assert_eq!(response_of(&resent), (201, false));
+    assert_eq!(resent.receipt().action_id, id, "the same action");
+    assert_eq!(resent.receipt().attempts, 2, "its earlier attempt counts");
+    let sent = h.transport.sent_to("/v1/transfers");
+    assert_eq!(sent.len(), 2);
+    assert!(
+        sent.iter()
+            .all(|s| s.idempotency_key.as_deref() == Some(upstream("k-wait").as_str())),
+        "the same key upstream: {sent:?}"
+    );
+    let record = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Succeeded));
+
+    // The reopen is audited: what was set aside, the advised instant, why; no person decided.
+    let reopened = reopens(&h, id);
+    assert_eq!(reopened.len(), 1, "{reopened:?}");
+    let event = &reopened[0];
+    assert_eq!(event.outcome.as_deref(), Some("budget_exhausted"));
+    assert_eq!(event.decision.as_deref(), Some("retry_same_key"));
+    assert_eq!(event.decided_by, None);
+    assert_eq!(event.source.as_deref(), Some(REOPENED_BY_RESEND));
+    assert_eq!(
+        event
+            .boundary
+            .as_deref()
+            .map(|b| b.parse::<Timestamp>().unwrap()),
+        Some(advised)
+    );
+    let sends = h
+        .audit()
+        .into_iter()
+        .filter(|e| e.action == Some(id) && e.kind == "action_sent")
+        .count();
+    assert_eq!(sends, 2, "every attempt audited");
+
+    // A third resend replays the success; nothing is sent.
+    let third = h.engine.execute(transfer(&h, "k-wait")).await;
+    assert_eq!(response_of(&third), (201, true));
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn resends_at_once_after_the_instant_send_the_write_once() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(429, &[("retry-after", "11")], ""),
+            Step::Status {
+                status: 201,
+                headers: Vec::new(),
+                body: r#"{"id":"tr_2"}"#,
+                hold: Duration::from_secs(2),
+            },
+        ],
+    );
+    let first = h.engine.execute(transfer(&h, "k-twice")).await;
+    let id = first.receipt().action_id;
+    assert_eq!(summary(&first), "budget_exhausted");
+    advance(Duration::from_secs(12)).await;
+
+    let a = h.spawn(transfer(&h, "k-twice"));
+    let b = h.spawn(transfer(&h, "k-twice"));
+    advance(Duration::from_secs(3)).await;
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    for answered in [&a, &b] {
+        assert_eq!(summary(answered), "201", "{answered:?}");
+        assert_eq!(answered.receipt().action_id, id);
+    }
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        2,
+        "one more send for both resends"
+    );
+    assert_eq!(reopens(&h, id).len(), 1);
+    let joined = h.metrics.render();
+    assert!(
+        joined.lines().any(|l| l.contains("layered_retries_joined")
+            && l.contains("billing")
+            && l.ends_with(" 1")),
+        "the second resend joined the first: {joined}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_operators_abort_keeps_the_outcome_and_the_resend_is_not_told_to_come_back() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(429, &[("retry-after", "11")], "")],
+    );
+    let first = h.engine.execute(transfer(&h, "k-abort")).await;
+    let id = first.receipt().action_id;
+    assert_eq!(summary(&first), "budget_exhausted");
+    // The provider's boundary lies beyond the wait budget: an escalation opened beside it.
+    let open = h.store.open_escalations().unwrap();
+    let escalation = open
+        .iter()
+        .find(|e| e.action == ActionId(id))
+        .expect("an escalation beside the outcome")
+        .id;
+    h.store
+        .decide_escalation(escalation, "abort", "oncall", None, h.clock_now())
+        .unwrap();
+
+    advance(Duration::from_secs(12)).await;
+    let resent = h.engine.execute(transfer(&h, "k-abort")).await;
+    let (outcome, context, _) = outcome_of(&resent);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!(wait_until(&context), None, "{context:?}");
+    let told = problem(&resent, h.clock_now());
+    assert_eq!((told.status.as_u16(), told.should_retry), (424, false));
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    assert!(reopens(&h, id).is_empty());
+}
+
+/// [`POLICY`] with a reconciliation lookup by key on `POST /v1/transfers`.
+fn policy_with_lookup() -> String {
+    let policy = POLICY.replace(
+        r#""POST /v1/transfers": { class: idempotent_write, scopes: [account], fingerprint_fields: [/amount] }"#,
+        r#""POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        fingerprint_fields: [/amount]
+        reconcile: { by: idempotency_key, lookup: "GET /v1/transfers?key={key}", found_pointer: /data/0/id }"#,
+    );
+    assert_ne!(policy, POLICY);
+    policy
+}
+
+/// Sends the transfer under `key` once: its attempt is uncertain, and the provider honours the
+/// key, so its retry under the same key is planned — and refused by `Prefer: wait=0`. Returns
+/// the action id and the instant its answer advised.
+async fn uncertain_then_told_to_wait(h: &Harness, key: &str) -> (i64, Timestamp) {
+    let first = h.engine.execute(transfer(h, key)).await;
+    let (outcome, context, _) = outcome_of(&first);
+    assert_eq!(outcome, Outcome::BudgetExhausted, "{first:?}");
+    assert_eq!(context.last_signal.as_deref(), Some("uncertain"));
+    let advised = wait_until(&context).expect("a retry under the same key was advised");
+    let told = problem(&first, h.clock_now());
+    assert_eq!((told.status.as_u16(), told.should_retry), (429, true));
+    (first.receipt().action_id, advised)
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_is_looked_up_before_its_resend_and_found_is_not_sent_again() {
+    let h = Harness::with_policy(&policy_with_lookup());
+    let lookup = format!("/v1/transfers?key={}", upstream("k-found"));
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(
+            backstop_core::classify::TransportError::TimeoutAfterSend,
+        )],
+    );
+    h.transport.script(
+        &lookup,
+        vec![
+            answer(200, &[], r#"{"data":[]}"#),
+            answer(200, &[], r#"{"data":[{"id":"tr_9"}]}"#),
+        ],
+    );
+    let (id, advised) = uncertain_then_told_to_wait(&h, "k-found").await;
+    assert_eq!(h.transport.sent_to(&lookup).len(), 1);
+
+    advance(Duration::try_from(advised.duration_since(h.clock_now())).unwrap()).await;
+    let resent = h.engine.execute(transfer(&h, "k-found")).await;
+    let (outcome, _, detail) = outcome_of(&resent);
+    assert_eq!(outcome, Outcome::Succeeded, "{detail}");
+    assert_eq!(
+        resent.receipt().provider_operation_id.as_deref(),
+        Some("tr_9")
+    );
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "found: not sent again"
+    );
+    assert_eq!(h.transport.sent_to(&lookup).len(), 2, "looked up first");
+    let record = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Succeeded));
+    assert_eq!(record.provider_operation_id.as_deref(), Some("tr_9"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_not_found_is_resent_under_the_same_key() {
+    let h = Harness::with_policy(&policy_with_lookup());
+    let lookup = format!("/v1/transfers?key={}", upstream("k-absent"));
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            Step::Fail(backstop_core::classify::TransportError::TimeoutAfterSend),
+            answer(201, &[], r#"{"id":"tr_3"}"#),
+        ],
+    );
+    h.transport.script(
+        &lookup,
+        vec![
+            answer(200, &[], r#"{"data":[]}"#),
+            answer(200, &[], r#"{"data":[]}"#),
+        ],
+    );
+    let (id, advised) = uncertain_then_told_to_wait(&h, "k-absent").await;
+    advance(Duration::try_from(advised.duration_since(h.clock_now())).unwrap()).await;
+    let resent = h.engine.execute(transfer(&h, "k-absent")).await;
+    assert_eq!(response_of(&resent), (201, false));
+    assert_eq!(resent.receipt().action_id, id);
+    let sent = h.transport.sent_to("/v1/transfers");
+    assert_eq!(sent.len(), 2);
+    assert!(sent
+        .iter()
+        .all(|s| s.idempotency_key.as_deref() == Some(upstream("k-absent").as_str())));
+    // Looked up before the resend, as the attempt loop does.
+    let lookups = h.transport.sent_to(&lookup);
+    assert_eq!(lookups.len(), 2);
+    assert!(lookups[1].at <= sent[1].at);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncertain_write_without_key_support_or_lookup_is_escalated_not_resent() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(
+            backstop_core::classify::TransportError::TimeoutAfterSend,
+        )],
+    );
+    let (id, advised) = uncertain_then_told_to_wait(&h, "k-nokey").await;
+
+    // The next run's policy no longer sends the provider a key (so the route is an
+    // `uncertain_write`), and it has no lookup.
+    h.engine.shutdown().await;
+    let without_keys = POLICY
+        .replace("    idempotency_header: Idempotency-Key\n", "")
+        .replace(
+            r#""POST /v1/transfers": { class: idempotent_write"#,
+            r#""POST /v1/transfers": { class: uncertain_write"#,
+        );
+    assert!(
+        !without_keys.contains("idempotency_header")
+            && without_keys.contains("uncertain_write, scopes")
+    );
+    let policy = Arc::new(Policy::from_yaml_str(&without_keys, "nokeys.yaml").unwrap());
+    let engine = Engine::new(
+        policy.clone(),
+        h.store.clone(),
+        h.transport.clone(),
+        h.clock,
+        h.metrics.clone(),
+        7,
+    );
+    advance(Duration::try_from(advised.duration_since(h.clock_now())).unwrap()).await;
+    let mut resend = transfer(&h, "k-nokey");
+    resend.route = policy.route("billing", "POST", "/v1/transfers").unwrap();
+    let answered = engine.execute(resend).await;
+    let (outcome, context, detail) = outcome_of(&answered);
+    assert_eq!(outcome, Outcome::Escalated, "{detail}");
+    assert!(!context.next_safe.contains(&NextSafe::ResendSameKey));
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "never resent blindly"
+    );
+    let record = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Escalated));
+    assert!(reopens(&h, id).is_empty(), "not reopened");
+    let open = h.store.open_escalations().unwrap();
+    let case = &open
+        .iter()
+        .find(|e| e.action == ActionId(id))
+        .expect("an open escalation")
+        .case_file;
+    assert_eq!(case["reason"], "side_effect_unknown");
+    // The next resend replays the escalation; still nothing is sent.
+    let mut again = transfer(&h, "k-nokey");
+    again.route = policy.route("billing", "POST", "/v1/transfers").unwrap();
+    assert_eq!(summary(&engine.execute(again).await), "escalated");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reopened_uncertain_write_whose_caller_leaves_before_the_send_is_reconciled() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(
+            backstop_core::classify::TransportError::TimeoutAfterSend,
+        )],
+    );
+    let (id, advised) = uncertain_then_told_to_wait(&h, "k-gone").await;
+    advance(Duration::try_from(advised.duration_since(h.clock_now())).unwrap()).await;
+    // A 429 on the scope holds the resend back before its send.
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "10")], "")],
+    );
+    let throttled = h.spawn(h.get("t-read", "/v1/items/1"));
+    advance(Duration::from_millis(100)).await;
+    let mut resend = transfer(&h, "k-gone");
+    resend.max_wait = None;
+    let resending = h.spawn(resend);
+    assert!(
+        until(|| h.store.action(ActionId(id)).unwrap().unwrap().state
+            == backstop_store::ActionState::Reopened)
+        .await,
+        "reopened"
+    );
+    advance(Duration::from_millis(100)).await;
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "waiting for the scope"
+    );
+    // Its caller goes away before anything is sent.
+    resending.abort();
+    let _ = resending.await;
+    assert!(
+        until(|| h
+            .store
+            .action(ActionId(id))
+            .unwrap()
+            .unwrap()
+            .outcome
+            .is_some())
+        .await,
+        "the action is closed"
+    );
+    let record = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(
+        record.outcome,
+        Some(backstop_store::Outcome::Escalated),
+        "the last attempt was uncertain: reconciled (here escalated), never cancelled"
+    );
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "nothing sent"
+    );
+    throttled.abort();
+}
+
+// ---- over loopback, counted at the fake provider ----
+
+const AGENT_TOKEN: &str = "agent-token-resend-4e1f";
+const OPERATOR_TOKEN: &str = "operator-token-resend-2b7c";
+
+fn policy_yaml(base_url: &str) -> String {
+    support::policy_yaml(
+        base_url,
+        &format!(
+            "{}{}",
+            support::RETRYING_CLASSES,
+            support::TEST_AGENT_AND_ONCALL
+        ),
+        r#"    error_code_pointer: /error/code
+    routes:
+      "POST /v1/transfers": { class: idempotent_write, scopes: [account] }
+      "POST /v1/orders": { class: idempotent_write, scopes: [account] }
+"#,
+    )
+}
+
+fn env(name: &str) -> Option<String> {
+    support::agent_oncall_secret(name, AGENT_TOKEN, OPERATOR_TOKEN, "sk-fake-resend-5678")
+}
+
+async fn start_gateway(base_url: &str, dir: &Path) -> backstop_gateway::server::Running {
+    let options = support::serve_options(dir, 61);
+    support::start_gateway(&policy_yaml(base_url), "resend.yaml", &env, options).await
+}
+
+/// The fake: a transfer is stored and its connection dropped on the first call; an order meets
+/// `429 insufficient_quota` on the first call. Both honour idempotency keys.
+fn fake() -> backstop_fake_api::RunningFake {
+    let config = FakeConfig::default()
+        .with_route(
+            RouteConfig::new("POST /v1/transfers", create("transfers", "tr_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::StoreThenDrop { hold_ms: 0 },
+                )),
+        )
+        .with_route(RouteConfig::new("GET /v1/transfers", lookup("transfers")))
+        .with_route(
+            RouteConfig::new("POST /v1/orders", create("orders", "or_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::ErrorCode {
+                        status: 429,
+                        code: "insufficient_quota".into(),
+                        message: "You exceeded your current quota".into(),
+                    },
+                )),
+        );
+    support::start_fake(config)
+}
+
+async fn post(
+    gateway: &backstop_gateway::server::Running,
+    path: &str,
+    key: &str,
+) -> reqwest::Response {
+    client()
+        .post(format!("http://{}/fake{path}", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-resend")
+        .header("Idempotency-Key", key)
+        .header("Prefer", "wait=0")
+        .header("content-type", "application/json")
+        .body(r#"{"amount":100}"#)
+        .send()
+        .await
+        .expect("request")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncertain_write_resent_after_the_advised_delay_goes_out_under_the_same_key() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let first = post(&gateway, "/v1/transfers", "tr-same-1").await;
+    assert_eq!(first.status(), 429);
+    assert_eq!(first.headers()["x-should-retry"], "true");
+    let wait: u64 = first.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (_, body) = json_of(first).await;
+    assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+    assert_eq!(body["last_signal"], "uncertain", "{body}");
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/transfers").len(), 1);
+
+    // As an SDK does: wait the Retry-After, then send the same request under the same key.
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    let resent = post(&gateway, "/v1/transfers", "tr-same-1").await;
+    assert_eq!(resent.status(), 201, "{:?}", resent.headers());
+    let attempts = fake.attempts();
+    let creates = on_route(&attempts, "POST", "/v1/transfers");
+    assert_eq!(creates.len(), 2, "exactly one more send: {attempts:?}");
+    let key = upstream_idempotency_key("test-agent", "tr-same-1");
+    assert!(
+        creates
+            .iter()
+            .all(|c| c.idempotency_key.as_deref() == Some(key.as_str())),
+        "the SAME key: {creates:?}"
+    );
+    assert!(creates[1].replayed, "the provider deduplicated it");
+    // One stored object at the provider.
+    let (status, stored) = json_of(
+        client()
+            .get(format!("{}/v1/transfers?idempotency_key={key}", fake.url()))
+            .bearer_auth("sk-fake-resend-5678")
+            .send()
+            .await
+            .expect("lookup"),
+    )
+    .await;
+    assert_eq!(status, 200, "{stored}");
+    assert_eq!(stored["data"].as_array().map(Vec::len), Some(1), "{stored}");
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_wait_on_an_exhausted_quota_lets_the_same_key_resend_go_out() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let first = post(&gateway, "/v1/orders", "order-wait-1").await;
+    assert_eq!(first.status(), 403);
+    let id = support::action_id(&first);
+    let (_, body) = json_of(first).await;
+    assert_eq!(body["outcome"], "quota_exhausted", "{body}");
+    let escalation = support::open_escalation_of(&gateway, OPERATOR_TOKEN, id).await;
+    assert_eq!(escalation["reason"], "shared_quota_exhausted");
+    let escalation = escalation["id"].as_i64().expect("id");
+
+    // Undecided: the resend replays the outcome, nothing is sent.
+    let early = post(&gateway, "/v1/orders", "order-wait-1").await;
+    assert_eq!(early.status(), 403);
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 1);
+
+    let (status, decided) = support::decide(
+        &gateway,
+        OPERATOR_TOKEN,
+        escalation,
+        json!({"option": "wait"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{decided}");
+
+    // The case file said: resubmit under the same key. It is sent, as the same action.
+    let resent = post(&gateway, "/v1/orders", "order-wait-1").await;
+    assert_eq!(resent.status(), 201);
+    assert_eq!(support::action_id(&resent), id);
+    let attempts = fake.attempts();
+    let creates = on_route(&attempts, "POST", "/v1/orders");
+    assert_eq!(creates.len(), 2, "{attempts:?}");
+    let key = upstream_idempotency_key("test-agent", "order-wait-1");
+    assert!(creates
+        .iter()
+        .all(|c| c.idempotency_key.as_deref() == Some(key.as_str())));
+    // The decision was used: the next resend replays the success.
+    let again = post(&gateway, "/v1/orders", "order-wait-1").await;
+    assert_eq!(again.status(), 201);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 2);
+
+    gateway.shutdown().await.expect("shutdown");
+    let store =
+        backstop_store::SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let reopened: Vec<_> = store
+        .audit_events(0, 10_000)
+        .expect("audit")
+        .into_iter()
+        .filter(|e| e.action == Some(id) && e.kind == ACTION_REOPENED)
+        .collect();
+    assert_eq!(reopened.len(), 1);
+    assert_eq!(reopened[0].escalation, Some(escalation));
+    assert_eq!(reopened[0].outcome.as_deref(), Some("quota_exhausted"));
+    fake.shutdown().await;
+}
