@@ -424,6 +424,12 @@ pub enum Admission {
         outcome: Outcome,
         /// A one-line reason.
         detail: String,
+        /// The instant the action would have waited for — a scope's `next_allowed_at` or its
+        /// local pacing — when that wait is what lies beyond the deadline or the remaining wait
+        /// budget; `None` for a refusal no instant would lift (cancelled, attempts or deadline
+        /// spent).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        not_before: Option<Timestamp>,
     },
 }
 
@@ -432,8 +438,9 @@ pub enum Admission {
 /// Order: (1) cancelled → `Refuse(cancelled)`; attempts or deadline spent →
 /// `Refuse(budget_exhausted | deadline_exhausted)`; (2) the latest `next_allowed_at` of all
 /// scopes in the future → `WaitUntil` — or `Refuse` when that instant lies beyond the deadline
-/// or the remaining wait budget (never sleep into failure); (3) pacing of every scope →
-/// `WaitUntil` the latest [`NotUntil`] (same budget rule); (4) a concurrency slot in every scope
+/// or the remaining wait budget (never sleep into failure), naming the instant as
+/// `not_before`; (3) pacing of every scope → `WaitUntil` the latest [`NotUntil`] (same budget
+/// rule, same `not_before`); (4) a concurrency slot in every scope
 /// → `WaitForSlot`. Only on [`Admission::Go`] are the attempt, the pacing emissions and the
 /// slots charged; the caller returns the slots with [`ScopeRecord::release`]. Putting a waiting
 /// action into the delayed queue is the caller's step ([`ScopeRecord::try_delay`]).
@@ -447,12 +454,14 @@ pub fn admit(
         return Admission::Refuse {
             outcome: Outcome::Cancelled,
             detail: "the action or its task was cancelled".to_owned(),
+            not_before: None,
         };
     }
     if let Err(refusal) = budget.check(now) {
         return Admission::Refuse {
             outcome: refusal.outcome(),
             detail: refusal.to_string(),
+            not_before: None,
         };
     }
 
@@ -508,6 +517,7 @@ pub fn admit(
         return Admission::Refuse {
             outcome: refusal.outcome(),
             detail: refusal.to_string(),
+            not_before: None,
         };
     }
     for (scope, tat) in scopes.iter_mut().zip(new_tats) {
@@ -530,6 +540,7 @@ fn wait_or_refuse(
             return Admission::Refuse {
                 outcome: Outcome::DeadlineExhausted,
                 detail: format!("must wait until {at}, past the task deadline {deadline}"),
+                not_before: Some(at),
             };
         }
     }
@@ -542,6 +553,7 @@ fn wait_or_refuse(
                 wait.as_millis(),
                 budget.wait_remaining().as_millis()
             ),
+            not_before: Some(at),
         };
     }
     Admission::WaitUntil { at, reason }

@@ -1877,6 +1877,7 @@ impl Engine {
                     detail,
                     budget: charged,
                     boundary,
+                    not_before,
                 } => {
                     budget = charged;
                     guard.armed = false;
@@ -1884,9 +1885,11 @@ impl Engine {
                         inner.scheduler.deposit(&route.scopes, Some(tokens));
                     }
                     let boundary = boundary.or(seen.boundary.filter(|b| *b > inner.clock.now()));
+                    // Safe to send again from the later of the provider's boundary and the
+                    // instant the dispatch check would have waited for (local pacing too).
                     let next_safe = match outcome {
                         Outcome::Cancelled => vec![NextSafe::Abort],
-                        _ => wait_then_abort(boundary),
+                        _ => wait_then_abort(boundary.max(not_before)),
                     };
                     let context = self.context(&budget, &seen, boundary, next_safe);
                     if outcome == Outcome::Cancelled {

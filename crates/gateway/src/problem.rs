@@ -23,6 +23,12 @@
 //! | `escalated`               | 424    | never 429 (a human decides)                                |
 //! | `succeeded` (reconciled)  | 200    | — (plain JSON, not a problem)                              |
 //!
+//! `wait_until` is the provider's boundary, or — when the action was refused before a send
+//! because its scopes would have made it wait past its deadline or remaining wait budget (a
+//! caller's `Prefer: wait`, the class's `max_wait`) — the instant they would have let it go,
+//! local pacing included: a write never sent because pacing asked for 486 ms and the caller
+//! allowed `Prefer: wait=0` is `429` + `Retry-After: 1`, not a `424` with only `abort`.
+//!
 //! **What the 429 promises a write.** The answer says "send this again after `Retry-After`",
 //! and SDKs do exactly that, under the same `Idempotency-Key`. So such a finished write (its
 //! instant: [`resend_advised_at`]) is not replayed forever: a same-key, same-payload resend

@@ -176,6 +176,10 @@ pub enum Acquired {
         budget: ActionBudget,
         /// The latest future `next_allowed_at` of the action's scopes, when one held it back.
         boundary: Option<Timestamp>,
+        /// The instant the dispatch check would have waited for — a scope's `next_allowed_at`
+        /// or its local pacing — when the action was refused because that wait lies beyond its
+        /// deadline or remaining wait budget (see [`Admission::Refuse`]); `None` otherwise.
+        not_before: Option<Timestamp>,
     },
     /// The scheduler has stopped (shutdown): no attempt was charged, the action stays as stored.
     Stopped {
@@ -318,6 +322,7 @@ struct Refusal {
     detail: String,
     budget: ActionBudget,
     boundary: Option<Timestamp>,
+    not_before: Option<Timestamp>,
 }
 
 /// An `acquire` on its way to the scheduler. Dropped unread (the scheduler stopped), it answers
@@ -479,6 +484,7 @@ impl Future for AcquireFuture {
                 detail: refusal.detail,
                 budget: refusal.budget,
                 boundary: refusal.boundary,
+                not_before: refusal.not_before,
             },
             Ok(Answer::Stopped { budget }) => Acquired::Stopped { budget },
             // Every reply sender answers before it drops (`PendingAcquire` and `Waiter`
@@ -1537,10 +1543,22 @@ impl State {
 
     fn refuse(
         &mut self,
+        waiter: Waiter,
+        outcome: Outcome,
+        detail: String,
+        boundary: Option<Timestamp>,
+    ) {
+        self.refuse_until(waiter, outcome, detail, boundary, None);
+    }
+
+    /// [`State::refuse`], naming the instant the waiter would have waited for (`not_before`).
+    fn refuse_until(
+        &mut self,
         mut waiter: Waiter,
         outcome: Outcome,
         detail: String,
         boundary: Option<Timestamp>,
+        not_before: Option<Timestamp>,
     ) {
         undelay(&mut self.scopes, &waiter);
         tracing::info!(
@@ -1558,6 +1576,7 @@ impl State {
                 detail,
                 budget: waiter.budget,
                 boundary,
+                not_before,
             })));
         }
     }
@@ -1710,10 +1729,14 @@ impl State {
                 );
                 self.slot_waiters.push(slot);
             }
-            Admission::Refuse { outcome, detail } => {
+            Admission::Refuse {
+                outcome,
+                detail,
+                not_before,
+            } => {
                 let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
                 if let Some(waiter) = self.remove(slot) {
-                    self.refuse(waiter, outcome, detail, boundary);
+                    self.refuse_until(waiter, outcome, detail, boundary, not_before);
                 }
             }
         }

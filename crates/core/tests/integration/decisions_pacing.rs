@@ -292,6 +292,67 @@ fn admission_is_all_or_nothing_across_scopes() {
 }
 
 #[test]
+fn a_refusal_for_a_wait_beyond_the_budget_names_the_instant_waited_for() {
+    // Local pacing: one request per 10 s, the second asked for at 1 s with no wait allowed.
+    let slow = PacerConfig::try_new(1, Duration::from_secs(10), 1.0, 0.0).expect("valid");
+    let mut paced = scope("p/paced", Some(Pacer::new(slow)));
+    let no_wait = || {
+        ActionBudget::new(
+            ClassBudget {
+                max_attempts: 4,
+                max_wait: Duration::ZERO,
+            },
+            None,
+        )
+    };
+    assert_eq!(
+        admit(request(), &mut no_wait(), &mut [&mut paced], t0()),
+        Admission::Go
+    );
+    paced.record.release();
+    match admit(request(), &mut no_wait(), &mut [&mut paced], at_ms(1_000)) {
+        Admission::Refuse {
+            outcome: Outcome::BudgetExhausted,
+            not_before,
+            ..
+        } => assert_eq!(not_before, Some(at_ms(10_000)), "the pacer's instant"),
+        other => panic!("expected a budget refusal, got {other:?}"),
+    }
+    // A provider boundary beyond the deadline names the boundary.
+    let mut limited = scope("p/limited", None);
+    limited
+        .record
+        .observe_429(at_ms(5_000), "HTTP 429 Retry-After");
+    let mut late = ActionBudget::new(
+        ClassBudget {
+            max_attempts: 4,
+            max_wait: Duration::from_secs(90),
+        },
+        Some(at_ms(2_000)),
+    );
+    match admit(request(), &mut late, &mut [&mut limited], t0()) {
+        Admission::Refuse {
+            outcome: Outcome::DeadlineExhausted,
+            not_before,
+            ..
+        } => assert_eq!(not_before, Some(at_ms(5_000))),
+        other => panic!("expected a deadline refusal, got {other:?}"),
+    }
+    // A cancelled action is refused with no instant: none would lift it.
+    let cancelled = AdmitRequest {
+        cancelled: true,
+        ..request()
+    };
+    assert!(matches!(
+        admit(cancelled, &mut no_wait(), &mut [&mut limited], t0()),
+        Admission::Refuse {
+            not_before: None,
+            ..
+        }
+    ));
+}
+
+#[test]
 fn delayed_queue_saturates_into_scope_saturated() {
     let mut record = ScopeRecord::new("p/s", 2, 2);
     record.try_delay().expect("first");

@@ -405,6 +405,58 @@ async fn an_uncertain_write_without_key_support_or_lookup_is_escalated_not_resen
     assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
 }
 
+/// [`POLICY`] with a paced scope (one request per second, no headroom) and a write route in it.
+fn paced_policy() -> String {
+    let policy = POLICY
+        .replace(
+            "      single: { max_concurrent_requests: 1 }\n",
+            "      single: { max_concurrent_requests: 1 }\n      paced: { limit: 1, window_seconds: 1, headroom: 1.0 }\n",
+        )
+        .replace(
+            "    routes:\n",
+            "    routes:\n      \"POST /v1/paced\": { class: idempotent_write, scopes: [paced] }\n",
+        );
+    assert!(policy.contains("paced: {") && policy.contains("POST /v1/paced"));
+    policy
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_refused_by_pacing_alone_is_told_when_and_sent_by_its_resend_then() {
+    let h = Harness::with_policy(&paced_policy());
+    let paced = |key: &str| {
+        let mut spec = h.spec("t", "POST", "/v1/paced", r#"{"amount":5}"#);
+        spec.idempotency_key = Some(key.to_owned());
+        spec.max_wait = Some(Duration::ZERO);
+        spec
+    };
+    // Use up the pacer: writes under new keys until one is refused for want of waiting.
+    let mut refused = None;
+    for n in 0..5 {
+        let key = format!("k-paced-{n}");
+        let answered = h.engine.execute(paced(&key)).await;
+        if let Execution::Outcome { .. } = answered {
+            refused = Some((key, answered));
+            break;
+        }
+    }
+    let (key, answered) = refused.expect("pacing refused a write that may not wait");
+    let sent_before = h.transport.sent_to("/v1/paced").len();
+    let (outcome, context, detail) = outcome_of(&answered);
+    assert_eq!(outcome, Outcome::BudgetExhausted, "{detail}");
+    assert!(!context.sent, "nothing was sent");
+    assert_eq!(context.boundary, None, "no provider boundary");
+    let at = wait_until(&context).expect("the pacer's instant is known");
+    assert!(at > h.clock_now());
+    let told = problem(&answered, h.clock_now());
+    assert_eq!((told.status.as_u16(), told.should_retry), (429, true));
+
+    advance(Duration::try_from(at.duration_since(h.clock_now())).unwrap()).await;
+    let resent = h.engine.execute(paced(&key)).await;
+    assert_eq!(summary(&resent), "200", "{resent:?}");
+    assert_eq!(resent.receipt().action_id, answered.receipt().action_id);
+    assert_eq!(h.transport.sent_to("/v1/paced").len(), sent_before + 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_reopened_uncertain_write_whose_caller_leaves_before_the_send_is_reconciled() {
     let h = Harness::new();
