@@ -285,7 +285,26 @@ impl Engine {
         if uncertain {
             // SPEC §6 before anything is sent: the rule the attempt loop follows.
             let facts = inner.stored_facts(&fresh, Some(spec.priority)).await;
-            match Box::pin(inner.reconcile_uncertain(&facts, Some(&request.headers))).await {
+            let Ok(end) = Box::pin(inner.reconcile_uncertain(&facts, Some(&request.headers))).await
+            else {
+                // The gateway is stopping: no lookup was sent, the action stays finished as it
+                // was, and this request is not sent.
+                tracing::info!(
+                    action = id.0,
+                    "shutting down: a same-key resend of an uncertain write is not reconciled now; nothing was sent"
+                );
+                let receipt = Self::stored_receipt(&fresh, &attempts);
+                let problem = super::with_ids(
+                    crate::problem::Problem::shutting_down_during(
+                        true,
+                        "backstop is shutting down: this write's last attempt was sent and its answer is unknown, and no reconciliation lookup can be sent any more, so this resend was not sent. Send it again with the same Idempotency-Key once backstop is back: it is reconciled first, never resent blindly",
+                    ),
+                    spec,
+                    &receipt,
+                );
+                return Taken::Answer(super::problem_answer(receipt, problem), Some(guard));
+            };
+            match end {
                 writes::UncertainEnd::RetrySameKey => {}
                 writes::UncertainEnd::Found { operation_id } => {
                     if let Err(answer) = self
