@@ -294,6 +294,9 @@ struct Seen {
     last_status: Option<u16>,
     /// The disposition of the last answer (`rate_limited`, `success`, …).
     last_signal: Option<&'static str>,
+    /// Whether an attempt (this run's or an earlier one's) may have been acted on and no later
+    /// answer settled it ([`writes::still_unsettled`]).
+    unsettled: bool,
     /// How the last attempt failed when it got no complete answer (`None` after a response).
     last_failure: Option<TransportError>,
     boundary: Option<Timestamp>,
@@ -330,6 +333,8 @@ struct Run<'a> {
     /// Attempts of this action sent before this run: 0, except for a write reopened for a
     /// same-key retry, which continues its count.
     prior_attempts: u32,
+    /// Whether those earlier attempts left the write unsettled ([`writes::unsettled_in`]).
+    prior_unsettled: bool,
     /// A read's records, which nobody awaits (`None` for a write).
     read_records: Option<Arc<ReadRecords>>,
 }
@@ -513,6 +518,8 @@ struct ActionGuard<'a> {
     last_signal: Option<&'static str>,
     /// The HTTP status of the last response, once one came back (likewise).
     last_status: Option<u16>,
+    /// Whether an attempt may have been acted on and no later answer settled it (likewise).
+    unsettled: bool,
     armed: bool,
 }
 
@@ -526,6 +533,9 @@ struct GoneClient {
     /// The last response's status and the last attempt's disposition, once one came back.
     last_status: Option<u16>,
     last_signal: Option<&'static str>,
+    /// Whether an attempt may have been acted on and no later answer settled it
+    /// ([`writes::still_unsettled`]): such a write is reconciled, never `cancelled`.
+    unsettled: bool,
 }
 
 impl GoneClient {
@@ -543,6 +553,7 @@ impl GoneClient {
                     .unwrap_or(backstop_store::Disposition::Uncertain)
                     .as_str()
             }),
+            unsettled: writes::unsettled_in(attempts),
         }
     }
 }
@@ -581,6 +592,7 @@ impl Drop for ActionGuard<'_> {
             in_flight: self.in_flight,
             last_status: self.last_status,
             last_signal: self.last_signal,
+            unsettled: self.unsettled,
         };
         self.inner.close_for_gone_client(
             &runtime,
@@ -609,15 +621,13 @@ impl Inner {
     ) {
         let inner = self.clone();
         let (in_flight, sent) = (gone.in_flight, gone.sent);
-        let last = match in_flight {
-            Some(_) => Some(Disposition::Uncertain.as_str()),
-            None => gone.last_signal,
-        };
-        if writes::Closing::of(read, last) == writes::Closing::Reconcile {
+        // An attempt in flight has no answer: it may have been acted on.
+        let unsettled = in_flight.is_some() || gone.unsettled;
+        if writes::Closing::of(read, unsettled) == writes::Closing::Reconcile {
             tracing::info!(
                 action = id.0,
                 sent,
-                "client disconnected: the write's last attempt is uncertain, so it is reconciled with its original key; it never sends again"
+                "client disconnected: an attempt of the write may have been acted on and nothing settled it, so it is reconciled with its original key; it never sends again"
             );
             let result = in_flight
                 .map(|attempt| uncertain_result(id, attempt, DISCONNECTED_DURING_ATTEMPT, None));
@@ -663,6 +673,7 @@ impl Inner {
             in_flight,
             last_status,
             last_signal,
+            unsettled: _,
         } = gone;
         let context = OutcomeContext {
             sent: sent > 0,
@@ -1747,6 +1758,7 @@ impl Engine {
             in_flight: None,
             last_signal: earlier.last_signal,
             last_status: earlier.last_status,
+            unsettled: earlier.unsettled,
             armed: true,
         };
         let run = Run {
@@ -1760,6 +1772,7 @@ impl Engine {
             reference,
             operation_id: Mutex::new(None),
             prior_attempts,
+            prior_unsettled: earlier.unsettled,
             read_records,
         };
 
@@ -1835,6 +1848,7 @@ impl Engine {
         let mut seen = Seen {
             sent: run.prior_attempts,
             left: run.prior_attempts,
+            unsettled: run.prior_unsettled,
             ..Seen::default()
         };
         let mut not_before: Option<Timestamp> = None;
@@ -2064,7 +2078,9 @@ impl Engine {
                 seen.left += 1;
             }
             seen.last_signal = Some(signal.disposition.as_str());
+            seen.unsettled = writes::still_unsettled(seen.unsettled, signal.disposition.as_str());
             guard.last_signal = seen.last_signal;
+            guard.unsettled = seen.unsettled;
             guard.last_status = seen.last_status;
             seen.boundary = signal.boundary.retry_not_before();
             // One count per scope of the route, or one under `-` for a route without scopes.
@@ -2581,7 +2597,7 @@ impl Engine {
             // Reopened by an operator for a same-key retry, and not sent again yet.
             AfterRestart::RetrySameKey
         } else {
-            match writes::Closing::of(is_read, seen.last_signal) {
+            match writes::Closing::of(is_read, seen.unsettled) {
                 writes::Closing::Reconcile => AfterRestart::Reconcile,
                 writes::Closing::Cancel => AfterRestart::Cancel,
             }
@@ -3041,8 +3057,9 @@ impl Engine {
     /// any more (the watchdog's stuck findings, a `409` for every same-key resend, and for a
     /// retry never scheduled not even a restart would find it): as soon as the store commits
     /// again (see `Inner::record_when_store_commits`) it is closed as every action nothing
-    /// sends again is (`writes::Closing`): a write whose last attempt was `uncertain` is
-    /// reconciled with its original key, as a write sent without a result is at a restart
+    /// sends again is (`writes::Closing`): a write one of whose attempts may have been acted on
+    /// with nothing settling it since is reconciled with its original key, as a write sent
+    /// without a result is at a restart
     /// (found → `succeeded`, otherwise `escalated`), and never resent; any other action ends
     /// `cancelled` with [`STORE_FAILED_BEFORE_RETRY`]. Either close also drops a retry job left
     /// waiting, as a retry re-armed at a restart does.
@@ -3053,7 +3070,7 @@ impl Engine {
         seen: &Seen,
         step: UnrecordedRetry,
     ) {
-        let closing = writes::Closing::of(is_safe_method(&run.request.method), seen.last_signal);
+        let closing = writes::Closing::of(is_safe_method(&run.request.method), seen.unsettled);
         let (result, what) = match step {
             UnrecordedRetry::Start => (None, "the start of this action's retry when it came due"),
             UnrecordedRetry::Schedule { result: None } => {

@@ -58,10 +58,7 @@ use backstop_core::{
     escalation::{CaseFile, DecisionOption, EscalationReason},
     outcome::{NextSafe, Outcome, OutcomeContext},
 };
-use backstop_store::{
-    ActionRecord, ActionState, AttemptRecord, Disposition as StoreDisposition, EscalationId,
-    EscalationRecord,
-};
+use backstop_store::{ActionRecord, ActionState, AttemptRecord, EscalationId, EscalationRecord};
 use jiff::Timestamp;
 
 use super::{core_outcome, from_shared, is_store_failure, writes, Engine, HELD_REQUESTS};
@@ -279,10 +276,9 @@ impl Engine {
                 return Taken::Answer(without_wait(replayed), Some(guard));
             }
         };
-        let uncertain = attempts.last().is_some_and(|a| {
-            a.disposition.unwrap_or(StoreDisposition::Uncertain) == StoreDisposition::Uncertain
-        });
-        if uncertain {
+        // An attempt that may have been acted on, and no later answer settled it (the last
+        // one `uncertain`, or a `429`/`5xx` to a same-key resend after one).
+        if writes::unsettled_in(&attempts) {
             // SPEC §6 before anything is sent: the rule the attempt loop follows.
             let facts = inner.stored_facts(&fresh, Some(spec.priority)).await;
             let Ok(end) = Box::pin(inner.reconcile_uncertain(&facts, Some(&request.headers))).await
@@ -577,7 +573,7 @@ mod tests {
             n: 1,
             state: backstop_store::AttemptState::Finished,
             status: Some(429),
-            disposition: Some(StoreDisposition::QuotaExhausted),
+            disposition: Some(backstop_store::Disposition::QuotaExhausted),
             started_at: at(started),
             finished_at: Some(at(started)),
             boundary: None,

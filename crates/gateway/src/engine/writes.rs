@@ -171,9 +171,9 @@ impl PayloadGone {
 /// How an action is closed when nothing more will be sent for it and no caller waits for its
 /// outcome: a retry re-armed after a restart, an action the previous run left between two
 /// attempts, a retry whose schedule or start the store could not record, an action whose caller
-/// disconnected. Every one of these paths takes this one decision (SPEC §6, §12): a write whose
-/// last attempt was `uncertain` — sent, and no answer known — may have been acted on by the
-/// provider, so it is reconciled with its original key (found → `succeeded`, otherwise
+/// disconnected. Every one of these paths takes this one decision (SPEC §6, §12): a write with
+/// an unsettled attempt — sent, no answer known, and no later answer under the same key that
+/// settles it ([`still_unsettled`]) — may have been acted on by the provider, so it is reconciled with its original key (found → `succeeded`, otherwise
 /// `escalated`), never ended `cancelled` as if nothing had happened; any other action ends
 /// `cancelled` with the path's reason. Nothing is sent either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,27 +185,60 @@ pub(super) enum Closing {
 }
 
 impl Closing {
-    /// The closing of a read (`is_read`) or a write whose last attempt ended with the
-    /// disposition `last` (`uncertain`, `rate_limited`, …; `None` when no attempt has a
-    /// result).
-    pub(super) fn of(is_read: bool, last: Option<&str>) -> Closing {
-        if !is_read && last == Some(StoreDisposition::Uncertain.as_str()) {
+    /// The closing of a read (`is_read`) or a write, `unsettled` when one of its attempts may
+    /// have been acted on and no later answer settled it (see [`still_unsettled`]).
+    pub(super) fn of(is_read: bool, unsettled: bool) -> Closing {
+        if !is_read && unsettled {
             Closing::Reconcile
         } else {
             Closing::Cancel
         }
     }
 
-    /// The closing of a stored action from its stored `attempts`: a last attempt recorded as
-    /// sent without a result is `uncertain` (SPEC §12).
+    /// The closing of a stored action from its stored `attempts`: an attempt recorded as sent
+    /// without a result is `uncertain` (SPEC §12).
     pub(super) fn of_stored(record: &ActionRecord, attempts: &[AttemptRecord]) -> Closing {
-        let last = attempts.last().map(|a| {
+        Closing::of(
+            stored_read(&record.request_class, &record.method),
+            unsettled_in(attempts),
+        )
+    }
+}
+
+/// Whether a write may have been acted on and nothing has settled it, after one more attempt
+/// ended with the disposition `answer` (`uncertain`, `rate_limited`, …), given whether it was
+/// so before (`unsettled`).
+///
+/// An `uncertain` attempt leaves the write unsettled: the provider may have acted on it. Only
+/// a definite answer to a later attempt under the same key settles it — `success` (the
+/// provider did it, once: a provider that honours the key answers a resend with the first
+/// request's result) or `rejected` (the request as such is refused). A `429`, a `5xx`, a
+/// `409` (a key whose first request is still being processed) or a `not_sent` says nothing
+/// about the earlier attempt: the write stays unsettled, so it is reconciled, never closed as
+/// if nothing had happened (SPEC §6), even when the last attempt's own answer was definite.
+pub(super) fn still_unsettled(unsettled: bool, answer: &str) -> bool {
+    if answer == StoreDisposition::Uncertain.as_str() {
+        true
+    } else if answer == StoreDisposition::Success.as_str()
+        || answer == StoreDisposition::Rejected.as_str()
+    {
+        false
+    } else {
+        unsettled
+    }
+}
+
+/// [`still_unsettled`] over stored `attempts`, oldest first (one sent without a result is
+/// `uncertain`).
+pub(super) fn unsettled_in(attempts: &[AttemptRecord]) -> bool {
+    attempts.iter().fold(false, |unsettled, a| {
+        still_unsettled(
+            unsettled,
             a.disposition
                 .unwrap_or(StoreDisposition::Uncertain)
-                .as_str()
-        });
-        Closing::of(stored_read(&record.request_class, &record.method), last)
-    }
+                .as_str(),
+        )
+    })
 }
 
 /// What the store could not commit for one action, recorded by
@@ -1315,7 +1348,39 @@ fn same_key_needs_operator(looked_up: bool, gone: PayloadGone) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{same_key_needs_operator, PayloadGone};
+    use super::{same_key_needs_operator, still_unsettled, PayloadGone};
+
+    /// Folds `answers` (dispositions, oldest first) as the engine does after each attempt.
+    fn unsettled_after(answers: &[&str]) -> bool {
+        answers.iter().fold(false, |u, a| still_unsettled(u, a))
+    }
+
+    #[test]
+    fn only_a_definite_answer_to_a_later_attempt_settles_an_uncertain_one() {
+        assert!(!unsettled_after(&[]));
+        assert!(!unsettled_after(&["rate_limited", "transient"]));
+        assert!(unsettled_after(&["uncertain"]));
+        // Answers that say nothing of the earlier attempt leave it open.
+        for answer in [
+            "rate_limited",
+            "quota_exhausted",
+            "unavailable",
+            "transient",
+            "not_sent",
+            "conflict",
+        ] {
+            assert!(unsettled_after(&["uncertain", answer]), "{answer}");
+        }
+        // A success or a rejection under the same key settles it, until the next uncertain one.
+        assert!(!unsettled_after(&["uncertain", "success"]));
+        assert!(!unsettled_after(&["uncertain", "rate_limited", "rejected"]));
+        assert!(unsettled_after(&[
+            "uncertain",
+            "success",
+            "uncertain",
+            "transient"
+        ]));
+    }
 
     #[test]
     fn a_recovered_write_says_a_lookup_ran_only_when_one_did() {

@@ -685,6 +685,58 @@ async fn a_reopened_write_whose_client_disconnects_before_its_new_send_is_reconc
     engine.shutdown().await;
 }
 
+/// A write whose first attempt timed out after its bytes left (`uncertain`) is resent under its
+/// key (the provider honours it); that resend is answered `429`, which says nothing about the
+/// first attempt. Its caller leaving while the retry waits must not close it `cancelled` as if
+/// nothing had happened: the first attempt may have been acted on, so it is reconciled.
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_same_key_resend_got_a_429_after_an_uncertain_attempt_is_reconciled_when_its_client_leaves(
+) {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            Step::Fail(TransportError::TimeoutAfterSend),
+            answer(429, &[("retry-after", "10")], ""),
+        ],
+    );
+    let waiting = h.spawn(write(&h, "k-unsettled"));
+    let agent = write(&h, "k-unsettled").agent;
+    let recorded = || h.store.action_by_key(&agent, "k-unsettled").unwrap();
+    assert!(
+        until(|| recorded().is_some()).await,
+        "the write is recorded"
+    );
+    let id = recorded().unwrap().id;
+    let dispositions = || -> Vec<Option<Disposition>> {
+        let attempts = h.store.attempts(id).unwrap();
+        attempts.iter().map(|a| a.disposition).collect()
+    };
+    // The resend follows the timeout after a short backoff, and is answered 429.
+    for _ in 0..20 {
+        if dispositions().len() == 2 && dispositions()[1].is_some() {
+            break;
+        }
+        advance(Duration::from_millis(250)).await;
+    }
+    assert_eq!(
+        dispositions(),
+        [Some(Disposition::Uncertain), Some(Disposition::RateLimited)],
+        "an uncertain attempt, then a same-key resend answered 429 whose retry waits"
+    );
+    let sent = h.transport.sent().len();
+    waiting.abort();
+    let _ = waiting.await;
+
+    assert_escalated_for_the_gone_client(&h, id).await;
+    advance(Duration::from_secs(30)).await;
+    assert_eq!(
+        h.transport.sent().len(),
+        sent,
+        "nothing is sent after the caller left"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_read_in_flight_when_its_task_is_cancelled_is_not_retried_after_its_answer() {
     // While the attempt is out, nothing of the task waits in the scheduler, and a read's retry
