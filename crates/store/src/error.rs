@@ -55,6 +55,19 @@ pub enum StoreError {
         /// The newest version this build can migrate to.
         supported: i64,
     },
+    /// The schema version is older than [`crate::sqlite::OLDEST_READABLE_VERSION`], the oldest
+    /// that read-only access (`backstop audit …`, `backstop snapshots export`) reads as it is:
+    /// a later migration changed what those commands read, and they never migrate a file. The
+    /// gateway upgrades it when it opens it.
+    #[error("{path}: schema version {found} is older than version {oldest}, the oldest the read-only commands read; upgrade the file (or a copy of it, to keep the original as it is) by starting the gateway on it once: `backstop serve --config POLICY --store {path}`, then stop it (Ctrl-C) and run this command on the upgraded file")]
+    TooOld {
+        /// The offending file.
+        path: PathBuf,
+        /// The version found in the file.
+        found: i64,
+        /// The oldest version read without migrating.
+        oldest: i64,
+    },
     /// `PRAGMA quick_check` found the file damaged when the store opened (e.g. "database disk
     /// image is malformed", a page referenced twice): the gateway must not serve on it.
     #[error(

@@ -3,7 +3,7 @@
 //! Why a separate reader: exporting health snapshots is an offline, operator-side read of a
 //! database that a running gateway may be writing. [`RunRecordsReader::open`] never creates,
 //! migrates or writes a file: it first checks the file through [`AuditReader::open`] (a backstop
-//! database of this schema version, opened read-only), then keeps one more read-only connection
+//! database this build reads, opened read-only), then keeps one more read-only connection
 //! for task records. Both are plain SQLite readers, so a concurrent writer (WAL) is not blocked.
 
 use std::path::Path;
@@ -29,8 +29,8 @@ impl RunRecordsReader {
     ///
     /// # Errors
     /// As [`AuditReader::open`]: [`StoreError::Missing`], [`StoreError::NotSqlite`],
-    /// [`StoreError::DamagedFile`], [`StoreError::Foreign`], [`StoreError::TooNew`], or
-    /// [`StoreError::Sqlite`] naming the file.
+    /// [`StoreError::DamagedFile`], [`StoreError::Foreign`], [`StoreError::TooNew`],
+    /// [`StoreError::TooOld`], or [`StoreError::Sqlite`] naming the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let path = path.as_ref();
         let audit = AuditReader::open(path)?;

@@ -3,7 +3,9 @@
 //!
 //! Exit codes: 0 success (verify: the chain is intact); 1 `verify` found a break (the first bad
 //! `seq` and why is printed); 2 the input could not be read (missing file, not a SQLite file,
-//! a SQLite file damaged or cut short, not a backstop database, bad NDJSON line, a database
+//! a SQLite file damaged or cut short, not a backstop database, a schema version older than
+//! the oldest read as it is (the message names the command that upgrades it; version 8 and
+//! later are read without migrating), bad NDJSON line, a database
 //! given as an export file instead of with `--db`, a database in a read-only directory whose
 //! `-wal` file holds changes), or `export` met a row it cannot decode (after the events before
 //! it, naming the row's column and what it holds, with the `--since` that exports past it).

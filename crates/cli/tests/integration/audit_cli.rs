@@ -276,3 +276,72 @@ fn a_database_given_without_db_is_named_as_a_database() {
     );
     assert!(out.stdout.is_empty());
 }
+
+/// `path` taken back to schema version `version` as the previous build left it: version 9 only
+/// added the `actions_open` index, so without it (and with the older number) the file is what a
+/// version-8 build wrote.
+fn at_version(path: &Path, version: i64) {
+    let conn = rusqlite::Connection::open(path).expect("open raw");
+    conn.execute_batch("DROP INDEX actions_open;")
+        .expect("drop the version 9 index");
+    conn.pragma_update(None, "user_version", version)
+        .expect("version");
+}
+
+#[test]
+fn a_version_8_store_is_read_without_migrating_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 3);
+    let head = backstop(&["audit", "head", "--db", p(&db)]);
+    assert_eq!(head.status.code(), Some(0), "{}", text(&head.stderr));
+    let export = backstop(&["audit", "export", "--db", p(&db)]);
+    assert_eq!(export.status.code(), Some(0), "{}", text(&export.stderr));
+    at_version(&db, 8);
+
+    let verify = backstop(&["audit", "verify", "--db", p(&db)]);
+    assert_eq!(verify.status.code(), Some(0), "{}", text(&verify.stderr));
+    assert!(
+        text(&verify.stdout).starts_with("ok: 7 events"),
+        "{}",
+        text(&verify.stdout)
+    );
+    let head_8 = backstop(&["audit", "head", "--db", p(&db)]);
+    assert_eq!(head_8.status.code(), Some(0), "{}", text(&head_8.stderr));
+    assert_eq!(text(&head_8.stdout), text(&head.stdout));
+    let export_8 = backstop(&["audit", "export", "--db", p(&db)]);
+    assert_eq!(
+        export_8.status.code(),
+        Some(0),
+        "{}",
+        text(&export_8.stderr)
+    );
+    assert_eq!(export_8.stdout, export.stdout);
+
+    let conn = rusqlite::Connection::open(&db).expect("open raw");
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .expect("version");
+    assert_eq!(version, 8, "the read-only commands do not migrate");
+}
+
+#[test]
+fn an_older_store_is_refused_with_the_command_that_upgrades_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 1);
+    at_version(&db, 7);
+    for command in ["verify", "head", "export"] {
+        let out = backstop(&["audit", command, "--db", p(&db)]);
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        let stderr = text(&out.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains("schema version 7 is older than version 8")
+                && stderr.contains(&format!(
+                    "`backstop serve --config POLICY --store {}`",
+                    db.display()
+                )),
+            "{command}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{command}: {}", text(&out.stdout));
+    }
+}

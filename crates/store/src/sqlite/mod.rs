@@ -97,7 +97,7 @@ use std::time::{Duration, Instant};
 use jiff::Timestamp;
 use rusqlite::Connection;
 
-pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
+pub use schema::{APPLICATION_ID, OLDEST_READABLE_VERSION, SCHEMA_VERSION};
 
 use crate::audit::{verify_chain, AuditEvent, Chain, ChainHead, Verdict};
 use crate::error::StoreError;
@@ -1613,16 +1613,17 @@ pub struct AuditReader {
 }
 
 impl AuditReader {
-    /// Opens `path` read-only and checks it is a backstop database of this schema version.
-    /// Where SQLite cannot create the `-shm` file beside it (a read-only directory or file
+    /// Opens `path` read-only and checks it is a backstop database this build reads: of this
+    /// schema version, or of an older one from [`OLDEST_READABLE_VERSION`] on (the audit log
+    /// reads the same; the file is left at its version). Where SQLite cannot create the `-shm` file beside it (a read-only directory or file
     /// system) and no `-wal` file holds changes, the file is read as `immutable=1` instead
     /// (every commit is then in the database file).
     ///
     /// # Errors
     /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::DamagedFile`],
-    /// [`StoreError::Foreign`], [`StoreError::TooNew`], [`StoreError::ReadOnlyWal`] (no `-shm`
-    /// file can be had and the `-wal` file is not empty), or [`StoreError::Sqlite`] naming the
-    /// file.
+    /// [`StoreError::Foreign`], [`StoreError::TooNew`], [`StoreError::TooOld`] (saying what to
+    /// run to upgrade it), [`StoreError::ReadOnlyWal`] (no `-shm` file can be had and the `-wal`
+    /// file is not empty), or [`StoreError::Sqlite`] naming the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Ok(AuditReader {
             conn: schema::open_reader(path.as_ref(), true)?,

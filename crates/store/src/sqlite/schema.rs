@@ -18,6 +18,16 @@ pub const APPLICATION_ID: i64 = 0x4253_5450;
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
+/// The oldest schema version the read-only openers ([`open_reader`]: `backstop audit
+/// verify|export|head`, `backstop snapshots export`) read as it is, without migrating it. Every
+/// migration after it left the tables and columns they read unchanged: 8 -> 9 only adds the
+/// index `actions_open`, which nothing but the gateway's start-up scans uses. A migration that
+/// changes anything a reader reads (a table, a column, how a value is stored) must raise this
+/// to its own version; the test `migrations_after_the_oldest_readable_version_only_add_indexes`
+/// fails until it does.
+pub const OLDEST_READABLE_VERSION: i64 = 8;
+const _: () = assert!(OLDEST_READABLE_VERSION <= SCHEMA_VERSION);
+
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1: the first schema.
     r#"
@@ -627,7 +637,9 @@ pub(crate) fn quick_check(conn: &Connection, path: &Path) -> Result<(), StoreErr
     Err(damaged(findings.join("; ")))
 }
 
-/// Opens a read connection on an existing backstop database (never creates a file).
+/// Opens a read connection on an existing backstop database (never creates a file): one at
+/// [`SCHEMA_VERSION`], or at an older version from [`OLDEST_READABLE_VERSION`] on, which reads
+/// the same (it is left at its version: a reader never migrates).
 ///
 /// With `read_only`, SQLite is asked for a read-only handle (the audit commands use this so
 /// that checking evidence does not write to it). Reading a database in WAL mode needs its
@@ -639,8 +651,8 @@ pub(crate) fn quick_check(conn: &Connection, path: &Path) -> Result<(), StoreErr
 ///
 /// # Errors
 /// [`StoreError::Missing`], [`StoreError::NotSqlite`], [`StoreError::DamagedFile`],
-/// [`StoreError::Foreign`], [`StoreError::TooNew`], an older schema as [`StoreError::Sqlite`];
-/// [`StoreError::ReadOnlyWal`] when the `-shm` file cannot be had and the `-wal` file is not
+/// [`StoreError::Foreign`], [`StoreError::TooNew`], [`StoreError::TooOld`] (older than
+/// [`OLDEST_READABLE_VERSION`]); [`StoreError::ReadOnlyWal`] when the `-shm` file cannot be had and the `-wal` file is not
 /// empty (the database file alone could lack committed events).
 pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, StoreError> {
     if !path.exists() {
@@ -662,11 +674,12 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
     };
     stable_plans(&conn)?;
     match identify(&conn, path)? {
-        Identity::Backstop(v) if v == SCHEMA_VERSION => Ok(conn),
-        Identity::Backstop(v) => Err(StoreError::Sqlite(format!(
-            "{}: schema version {v} is older than {SCHEMA_VERSION}; open it with the gateway once to migrate",
-            path.display()
-        ))),
+        Identity::Backstop(v) if v >= OLDEST_READABLE_VERSION => Ok(conn),
+        Identity::Backstop(v) => Err(StoreError::TooOld {
+            path: path.to_owned(),
+            found: v,
+            oldest: OLDEST_READABLE_VERSION,
+        }),
         Identity::Empty => Err(StoreError::Foreign {
             path: path.to_owned(),
             application_id: 0,
@@ -1288,6 +1301,118 @@ mod tests {
                 assert_eq!(head.hash, events[0].hash);
             }
             other => panic!("expected six intact events, got {other:?}"),
+        }
+    }
+
+    /// A version-8 database made by the real scripts: [`version_7`]'s rows and chain, taken to
+    /// version 8 by its migration alone, as the previous build left it (no `actions_open`
+    /// index). Returns the events.
+    fn version_8(path: &Path) -> Vec<crate::audit::AuditEvent> {
+        let events = version_7(path);
+        let mut conn = Connection::open(path).expect("open");
+        conn.pragma_update(None, "foreign_keys", "OFF")
+            .expect("fk off");
+        let tx = conn.transaction().expect("transaction");
+        tx.execute_batch(MIGRATIONS[7]).expect("7 -> 8");
+        tx.pragma_update(None, "user_version", 8).expect("version");
+        tx.commit().expect("commit");
+        events
+    }
+
+    /// The schema version and whether the `actions_open` index exists, read without migrating.
+    fn version_and_open_index(path: &Path) -> (i64, bool) {
+        let conn =
+            Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY).expect("open raw");
+        let version = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        let index: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = 'actions_open'",
+                [],
+                |r| r.get(0),
+            )
+            .expect("index");
+        (version, index == 1)
+    }
+
+    #[test]
+    fn a_version_8_file_is_read_by_the_read_only_commands_as_it_is() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v8.db");
+        let events = version_8(&path);
+        assert_eq!(version_and_open_index(&path), (8, false));
+        let head = crate::audit::ChainHead {
+            seq: 5,
+            hash: events[4].hash.clone(),
+        };
+        let reader = crate::AuditReader::open(&path).expect("a version 8 file is read");
+        assert_eq!(
+            reader.verify(Some(&head.hash)).expect("verify"),
+            crate::audit::Verdict::Intact {
+                count: 5,
+                head: Some(head.clone()),
+            }
+        );
+        assert_eq!(reader.head().expect("head"), Some(head));
+        let mut export = Vec::new();
+        assert_eq!(reader.export(0, &mut export).expect("export"), 5);
+        let exported =
+            crate::audit::parse_export("v8.db", std::str::from_utf8(&export).expect("utf-8"))
+                .expect("parse");
+        assert_eq!(exported, events);
+        drop(reader);
+        let records =
+            crate::snapshots::RunRecordsReader::open(&path).expect("snapshot reader on version 8");
+        assert_eq!(records.audit_events().expect("events"), events);
+        assert!(records.task("alice", "t").expect("task").is_some());
+        drop(records);
+        // Reading neither migrated nor wrote the file.
+        assert_eq!(version_and_open_index(&path), (8, false));
+    }
+
+    #[test]
+    fn a_file_older_than_the_oldest_readable_version_is_refused_saying_how_to_upgrade_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v7.db");
+        version_7(&path);
+        let err = crate::AuditReader::open(&path).expect_err("version 7 is refused");
+        assert_eq!(
+            err,
+            StoreError::TooOld {
+                path: path.clone(),
+                found: 7,
+                oldest: OLDEST_READABLE_VERSION,
+            }
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains(&format!(
+                "`backstop serve --config POLICY --store {}`",
+                path.display()
+            )),
+            "{message}"
+        );
+        assert_eq!(version_and_open_index(&path).0, 7, "left as it was");
+    }
+
+    #[test]
+    fn migrations_after_the_oldest_readable_version_only_add_indexes() {
+        for (i, script) in MIGRATIONS
+            .iter()
+            .enumerate()
+            .skip(OLDEST_READABLE_VERSION as usize)
+        {
+            for statement in script.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                assert!(
+                    statement.starts_with("CREATE INDEX")
+                        || statement.starts_with("CREATE UNIQUE INDEX"),
+                    "migration {i} -> {} changes what the read-only commands read \
+                     (raise OLDEST_READABLE_VERSION to {}): {statement}",
+                    i + 1,
+                    i + 1
+                );
+            }
         }
     }
 
