@@ -228,6 +228,13 @@ impl BackoffPolicy {
     }
 }
 
+/// The shortest `breaker.forget_after_seconds` a policy may set (1 s). A task's breaker is
+/// forgotten that long after its last failure; the same request fails again no sooner than a
+/// retry's delay (`backoff.min_delay_seconds`, 1 s by default) or the agent's next try, so a
+/// shorter window (`1e-9`, `0.5`) forgets every failure before the next one and the circuit
+/// never opens: the breaker would be off while the policy says it is on.
+pub const MIN_FORGET_AFTER: Duration = Duration::from_secs(1);
+
 /// Circuit breaker parameters (`breaker`, SPEC §7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct BreakerPolicy {
@@ -235,7 +242,8 @@ pub struct BreakerPolicy {
     pub threshold: u32,
     /// `forget_after_seconds`: a task's breaker without a failure for this long is forgotten,
     /// open paths included, so the same failure then needs `threshold` tries again to open
-    /// (default 86,400 s, 24 h; must be positive). See [`crate::breaker::TaskBreakers`].
+    /// (default 86,400 s, 24 h; at least [`MIN_FORGET_AFTER`]). See
+    /// [`crate::breaker::TaskBreakers`].
     pub forget_after: Duration,
 }
 
@@ -1639,17 +1647,22 @@ fn validate_breaker(raw: Option<&S<RawBreaker>>, ctx: &mut Ctx) -> BreakerPolicy
         "breaker.forget_after_seconds",
         defaults.forget_after,
     );
-    if let Some(s) = &b.forget_after_seconds {
-        if forget_after.is_zero() {
-            ctx.err(
-                &s.referenced,
-                "breaker.forget_after_seconds: must be positive (a breaker forgotten at once could never open)",
-            );
-        }
+    let too_short = forget_after < MIN_FORGET_AFTER;
+    if let (Some(s), true) = (&b.forget_after_seconds, too_short) {
+        ctx.err(
+            &s.referenced,
+            format!(
+                "breaker.forget_after_seconds: must be at least {} second, got {} (a breaker \
+                 forgotten sooner after a failure is forgotten before the same request can \
+                 fail again, so its circuit would never open)",
+                MIN_FORGET_AFTER.as_secs(),
+                s.value
+            ),
+        );
     }
     BreakerPolicy {
         threshold,
-        forget_after: if forget_after.is_zero() {
+        forget_after: if too_short {
             defaults.forget_after
         } else {
             forget_after
@@ -2571,7 +2584,7 @@ mod tests {
     }
 
     #[test]
-    fn breaker_forget_after_is_read_defaulted_and_must_be_positive() {
+    fn breaker_forget_after_is_read_defaulted_and_at_least_one_second() {
         let policy = Policy::from_yaml_str(
             "breaker:\n  threshold: 2\n  forget_after_seconds: 3600\n",
             "p.yaml",
@@ -2582,10 +2595,28 @@ mod tests {
         let defaulted =
             Policy::from_yaml_str("breaker:\n  threshold: 2\n", "p.yaml").expect("valid");
         assert_eq!(defaulted.breaker.forget_after, Duration::from_secs(86_400));
+        let too_short = |got: &str| {
+            format!(
+                "2:25: breaker.forget_after_seconds: must be at least 1 second, got {got} (a \
+                 breaker forgotten sooner after a failure is forgotten before the same request \
+                 can fail again, so its circuit would never open)"
+            )
+        };
         assert_eq!(
             problems("breaker:\n  forget_after_seconds: 0\n"),
-            ["2:25: breaker.forget_after_seconds: must be positive (a breaker forgotten at once could never open)"]
+            [too_short("0")]
         );
+        assert_eq!(
+            problems("breaker:\n  forget_after_seconds: 1e-9\n"),
+            [too_short("0.000000001")]
+        );
+        assert_eq!(
+            problems("breaker:\n  forget_after_seconds: 0.999\n"),
+            [too_short("0.999")]
+        );
+        let shortest = Policy::from_yaml_str("breaker:\n  forget_after_seconds: 1\n", "p.yaml")
+            .expect("one second is allowed");
+        assert_eq!(shortest.breaker.forget_after, MIN_FORGET_AFTER);
         assert_eq!(
             problems("breaker:\n  forget_after_seconds: -5\n"),
             ["2:25: breaker.forget_after_seconds: must be a non-negative number of seconds, got -5"]

@@ -197,3 +197,28 @@ fn shipped_example_marks_required_keys_and_documents_every_default() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_forget_window_under_one_second_fails_the_check_naming_its_place_and_why() {
+    let (_dir, file, out) = check(
+        "forget.yaml",
+        "agents:\n  bot: { token_env: BOT_TOKEN }\nbreaker:\n  threshold: 3\n  forget_after_seconds: 1e-9\n",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let name = file.display().to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "{name}:5:25: breaker.forget_after_seconds: must be at least 1 second, got 0.000000001 ("
+        )) && lines[0].contains("its circuit would never open"),
+        "{stderr}"
+    );
+    assert_eq!(lines[1], format!("{name}: 1 problem"));
+}
