@@ -55,7 +55,8 @@ fn count(n: usize, noun: &str) -> String {
     }
 }
 
-/// The short summary printed for a valid policy: counts, then one line per class, scope and route.
+/// The short summary printed for a valid policy: counts, then one line per class, the circuit
+/// breaker's settings, then one line per scope and route.
 fn summary(policy: &Policy) -> String {
     let scopes: Vec<_> = policy.scopes().collect();
     let routes = policy
@@ -86,6 +87,11 @@ fn summary(policy: &Policy) -> String {
             class.retry_statuses
         ));
     }
+    out.push_str(&format!(
+        "breaker: threshold {}, forget_after {} s\n",
+        policy.breaker.threshold,
+        policy.breaker.forget_after.as_secs_f64()
+    ));
     for scope in scopes {
         match scope.limit {
             Some(limit) => out.push_str(&format!(

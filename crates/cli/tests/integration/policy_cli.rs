@@ -199,6 +199,37 @@ fn shipped_example_marks_required_keys_and_documents_every_default() {
 }
 
 #[test]
+fn summary_prints_the_resolved_breaker_settings() {
+    let (_dir, _file, out) = check(
+        "breaker.yaml",
+        "agents:\n  bot: { token_env: BOT_TOKEN }\nbreaker:\n  threshold: 5\n  forget_after_seconds: 90.5\n",
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    let class = lines
+        .iter()
+        .rposition(|l| l.starts_with("class "))
+        .expect("class lines");
+    assert_eq!(
+        lines[class + 1],
+        "breaker: threshold 5, forget_after 90.5 s",
+        "{stdout}"
+    );
+    // Without a `breaker` section, its defaults.
+    let (_dir, _file, out) = check(
+        "defaults.yaml",
+        "agents:\n  bot: { token_env: BOT_TOKEN }\n",
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("\nbreaker: threshold 3, forget_after 86400 s\n"),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn a_forget_window_under_one_second_fails_the_check_naming_its_place_and_why() {
     let (_dir, file, out) = check(
         "forget.yaml",
