@@ -770,7 +770,14 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for SpannedMap<V> {
 }
 
 type S<T> = Spanned<T>;
+/// A key that would hold a secret in clear: read only to be refused with its own message
+/// ([`Ctx::trap`]). Its name is one of [`REFUSED_SECRET_KEYS`].
 type Trap = Option<S<IgnoredAny>>;
+
+/// The names of every [`Trap`] field: keys that would hold a secret in clear, refused
+/// wherever they appear. They are not settings, so the list of keys an unknown key's message
+/// says are expected leaves them out (see [`PolicyMessages`]); no setting may be named like one.
+const REFUSED_SECRET_KEYS: [&str; 5] = ["secret", "value", "token", "api_key", "password"];
 
 /// A number as written in the file, read permissively so that validation — not the YAML
 /// library — reports a wrong sign, size or type together with the key path
@@ -1157,7 +1164,8 @@ impl serde_saphyr::Localizer for NoLocationSuffix {
     }
 }
 
-/// The YAML library's end-user wording, with backstop's own text for duplicate keys.
+/// The YAML library's end-user wording, with backstop's own text for duplicate keys, and
+/// without the refused secret keys among the keys an unknown key's message lists as expected.
 struct PolicyMessages;
 
 impl serde_saphyr::MessageFormatter for PolicyMessages {
@@ -1172,6 +1180,22 @@ impl serde_saphyr::MessageFormatter for PolicyMessages {
             }
             serde_saphyr::Error::DuplicateMappingKey { key: None, .. } => {
                 "duplicate key (each key may appear once per mapping)".into()
+            }
+            // The raw types list the refused secret keys as fields (to refuse them by name);
+            // they are not among the keys a mapping expects.
+            serde_saphyr::Error::SerdeUnknownField {
+                field, expected, ..
+            } => {
+                let expected: Vec<&str> = expected
+                    .iter()
+                    .copied()
+                    .filter(|name| !REFUSED_SECRET_KEYS.contains(name))
+                    .collect();
+                format!(
+                    "unknown field `{field}`, expected one of {}",
+                    expected.join(", ")
+                )
+                .into()
             }
             other => serde_saphyr::UserMessageFormatter.format_message(other),
         }
@@ -2624,6 +2648,40 @@ mod tests {
         assert_eq!(
             problems("breaker:\n  forget_after_seconds: a day\n"),
             ["2:25: breaker.forget_after_seconds: expected a finite number, got \"a day\""]
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_lists_the_expected_keys_without_the_refused_secret_keys() {
+        assert_eq!(
+            problems("agents:\n  bot: { tokenenv: X }\n"),
+            ["2:10: unknown field `tokenenv`, expected one of token_env, token_file, token_sha256"]
+        );
+        assert_eq!(
+            problems("operators:\n  ops: { tokenfile: X }\n"),
+            ["2:10: unknown field `tokenfile`, expected one of token_env, token_file, token_sha256"]
+        );
+        assert_eq!(
+            problems("providers:\n  a:\n    base_url: https://a.example\n    credential: { secret_envv: X }\n"),
+            ["4:19: unknown field `secret_envv`, expected one of secret_env, secret_file, header, scheme"]
+        );
+        let provider =
+            problems("providers:\n  a:\n    base_url: https://a.example\n    apikey: 1\n");
+        assert_eq!(provider.len(), 1, "{provider:?}");
+        assert!(
+            provider[0].starts_with("4:5: unknown field `apikey`, expected one of base_url, ")
+                && provider[0].ends_with(", default_scopes, routes"),
+            "{provider:?}"
+        );
+        let (_, listed) = provider[0].split_once("expected one of ").expect("a list");
+        assert!(
+            !listed.split(", ").any(|k| REFUSED_SECRET_KEYS.contains(&k)),
+            "{listed}"
+        );
+        // The refused keys themselves are still refused with their own message.
+        assert_eq!(
+            problems("agents:\n  bot: { token: abc }\n"),
+            ["2:17: agents.bot.token: literal secret; secrets are referenced, never written into the policy (use token_env, token_file or token_sha256)"]
         );
     }
 

@@ -253,3 +253,24 @@ fn a_forget_window_under_one_second_fails_the_check_naming_its_place_and_why() {
     );
     assert_eq!(lines[1], format!("{name}: 1 problem"));
 }
+
+#[test]
+fn an_unknown_key_is_not_told_to_use_a_key_that_is_refused() {
+    let (_dir, file, out) = check(
+        "typo.yaml",
+        "providers:\n  a:\n    base_url: https://a.example\n    credential: { secret_envv: A_KEY }\n",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.lines().next(),
+        Some(
+            format!(
+                "{}:4:19: unknown field `secret_envv`, expected one of secret_env, secret_file, header, scheme",
+                file.display()
+            )
+            .as_str()
+        ),
+        "{stderr}"
+    );
+}
