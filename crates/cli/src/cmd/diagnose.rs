@@ -4,11 +4,17 @@
 //! per snapshot with its bounded action, headroom and retry-after debt, then totals by scope, by
 //! diagnosis, by run and overall.
 //!
+//! Nothing partial is printed: the whole input is checked before anything reaches stdout. Each
+//! result is formatted as soon as it is computed into a [`Spool`] — memory up to
+//! [`SPOOL_MEMORY_BYTES`], then an unnamed temporary file (`TMPDIR`) — which is copied to stdout
+//! only once the last line turned out valid. At the first bad line the spool is dropped and
+//! the rest of the input is only checked, so that every bad line is named.
+//!
 //! Memory: the input is read line by line into one reused buffer (lines longer than
-//! [`MAX_LINE_BYTES`] are rejected and skipped without being held), and every format writes each
-//! result as soon as it is computed — `json` too: the `snapshots` array is streamed element by
-//! element and closed at the end, so no format holds the snapshots or the results. Only the
-//! [`Totals`] grow, with the number of distinct runs and scopes.
+//! [`MAX_LINE_BYTES`] are rejected without being held), and the output is held in memory only
+//! up to [`SPOOL_MEMORY_BYTES`]; no format holds the snapshots or the results (`json` streams
+//! its `snapshots` array element by element into the spool). Only the [`Totals`] grow, with the
+//! number of distinct runs and scopes.
 //!
 //! Output shapes (each result is [`DiagnosisReport`] plus the input `line` number; the four proofs
 //! are nested as `"proofs": {"limit", "wake", "authority", "outcome"}`, each `true`, `false` or
@@ -20,14 +26,16 @@
 //! - `ndjson`: one result per input snapshot, then one final `{"totals":{…}}` line.
 //!
 //! A bad line (not JSON, a missing required field, a bad timestamp, an inconsistent snapshot, a
-//! `throttled_at` after `--now`) is reported on stderr as `FILE: LINE N: reason` and skipped; the
-//! rest is still processed and the exit status is 1. Blank lines and a leading UTF-8
-//! byte-order mark are skipped silently. Lines that are audit events (`backstop audit export`)
-//! are bad lines too, but only the first is reported, saying what the input is and where
-//! snapshots come from (`backstop snapshots export`), and the others are counted once at the
-//! end. An input that cannot be opened or read (a directory included, refused before anything
-//! is printed), a SQLite database (said as such, before anything is printed), or output that
-//! cannot be written, exits with 2. A closed stdout (e.g. `| head`) ends quietly.
+//! `throttled_at` after `--now`, longer than [`MAX_LINE_BYTES`]) is reported on stderr as
+//! `FILE: LINE N: reason`; the rest of the input is still checked, every bad line is reported,
+//! a last line says that nothing was printed, stdout stays empty and the exit status is 1.
+//! Blank lines and a leading UTF-8 byte-order mark are skipped silently. Lines that are audit
+//! events (`backstop audit export`) are bad lines too, but only the first is reported, saying
+//! what the input is and where snapshots come from (`backstop snapshots export`), and the
+//! others are counted once at the end. An input that cannot be opened or read (a directory
+//! included), a SQLite database (said as such), or output that cannot be written (or held until
+//! the input is checked), exits with 2, with nothing printed. A closed stdout (e.g. `| head`)
+//! ends quietly.
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
@@ -47,6 +55,10 @@ use crate::cmd::output::{self, errln};
 
 /// Lines longer than this (1 MiB) are reported as bad and skipped, so memory stays bounded.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// Output held in memory until the input is checked; beyond it, the rest goes to a temporary
+/// file (8 MiB: about 60,000 table rows or 15,000 JSON results).
+pub const SPOOL_MEMORY_BYTES: usize = 8 << 20;
 
 /// The first 16 bytes of every SQLite database file (the SQLite file format, §1.3).
 const SQLITE_HEADER: &[u8] = b"SQLite format 3\0";
@@ -230,14 +242,119 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-/// Streams the input through the diagnosis; returns the number of bad lines.
+/// The output of a run held until the whole input is checked: in memory up to
+/// [`SPOOL_MEMORY_BYTES`], then in an unnamed temporary file, which the operating system
+/// removes when it is closed.
+enum Spool {
+    /// Held in memory while it fits in `limit` bytes.
+    Memory {
+        bytes: Vec<u8>,
+        limit: usize,
+    },
+    File(BufWriter<File>),
+}
+
+impl Spool {
+    /// A spool that holds up to `limit` bytes in memory.
+    fn new(limit: usize) -> Self {
+        Spool::Memory {
+            bytes: Vec::with_capacity(limit.min(64 * 1024)),
+            limit,
+        }
+    }
+
+    /// Copies everything held to `out`.
+    fn copy_to(self, out: &mut impl Write) -> Result<(), Failure> {
+        match self {
+            Spool::Memory { bytes, .. } => out.write_all(&bytes)?,
+            Spool::File(writer) => {
+                let mut file = writer
+                    .into_inner()
+                    .map_err(|e| spool_failure(e.into_error()))?;
+                io::Seek::rewind(&mut file).map_err(spool_failure)?;
+                let mut held = BufReader::with_capacity(64 * 1024, file);
+                loop {
+                    let chunk = held.fill_buf().map_err(spool_failure)?;
+                    if chunk.is_empty() {
+                        break;
+                    }
+                    let len = chunk.len();
+                    out.write_all(chunk)?;
+                    held.consume(len);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A failure of the temporary file that holds the output: exit 2.
+fn spool_failure(e: io::Error) -> Failure {
+    Failure::Fatal(format!(
+        "cannot hold the output in a temporary file until every line is checked: {e}"
+    ))
+}
+
+impl Write for Spool {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if let Spool::Memory { bytes, limit } = self {
+            if bytes.len() + buf.len() <= *limit {
+                bytes.extend_from_slice(buf);
+                return Ok(buf.len());
+            }
+            let mut file = BufWriter::with_capacity(64 * 1024, tempfile::tempfile()?);
+            file.write_all(bytes)?;
+            *self = Spool::File(file);
+        }
+        match self {
+            Spool::File(file) => file.write(buf),
+            Spool::Memory { .. } => unreachable!("moved to a file above"),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Spool::Memory { .. } => Ok(()),
+            Spool::File(file) => file.flush(),
+        }
+    }
+}
+
+/// Streams the input through the diagnosis into a [`Spool`], and copies it to `out` only when
+/// every line was a valid snapshot; returns the number of bad lines (nothing was written to
+/// `out` when it is not 0, and a last stderr line says so).
 fn process(
-    mut reader: Box<dyn BufRead>,
+    reader: Box<dyn BufRead>,
     name: &str,
     now: Timestamp,
     opts: &DiagnoseOptions,
     format: Format,
     out: &mut impl Write,
+) -> Result<u64, Failure> {
+    let mut spool = Some(Spool::new(SPOOL_MEMORY_BYTES));
+    let bad = check_and_diagnose(reader, name, now, opts, format, &mut spool)?;
+    match spool {
+        Some(spool) if bad == 0 => spool.copy_to(out)?,
+        _ => errln!(
+            "{name}: {bad} bad line{}; nothing was printed: diagnose prints its results only \
+             when every line is a valid snapshot",
+            if bad == 1 { "" } else { "s" }
+        ),
+    }
+    Ok(bad)
+}
+
+/// Checks every line of the input and, while all of them are valid, diagnoses each and writes
+/// the results (and at the end the totals) to `spool`; at the first bad line `spool` is dropped
+/// (set to `None`) and the rest is only checked, each bad line reported on stderr. Returns the
+/// number of bad lines.
+fn check_and_diagnose(
+    mut reader: Box<dyn BufRead>,
+    name: &str,
+    now: Timestamp,
+    opts: &DiagnoseOptions,
+    format: Format,
+    spool: &mut Option<Spool>,
 ) -> Result<u64, Failure> {
     let progress = io::stderr().is_terminal();
     let mut totals = Totals::default();
@@ -262,14 +379,8 @@ fn process(
         )));
     }
 
-    match format {
-        Format::Table => writeln!(
-            out,
-            "{:>6}  {:<24} {:<36} {:<DIAGNOSIS_WIDTH$} {:<ACTION_WIDTH$} {:>12} {:>12}",
-            "LINE", "RUN", "SCOPE", "DIAGNOSIS", "ACTION", "HEADROOM_MS", "DEBT_MS"
-        )?,
-        Format::Json => out.write_all(b"{\"snapshots\":[")?,
-        Format::Ndjson => {}
+    if let Some(out) = spool.as_mut() {
+        write_header(out, format).map_err(spool_failure)?;
     }
 
     loop {
@@ -292,6 +403,7 @@ fn process(
         let bytes = match line {
             Line::TooLong => {
                 bad += 1;
+                *spool = None;
                 errln!("{name}: LINE {line_no}: longer than {MAX_LINE_BYTES} bytes");
                 continue;
             }
@@ -307,6 +419,7 @@ fn process(
             Ok(snapshot) => snapshot,
             Err(e) => {
                 bad += 1;
+                *spool = None;
                 if is_audit_event(bytes) {
                     audit_lines += 1;
                     if audit_lines == 1 {
@@ -322,48 +435,75 @@ fn process(
                 continue;
             }
         };
+        // After a bad line nothing will be printed: the rest is only checked.
+        let Some(out) = spool.as_mut() else {
+            continue;
+        };
         let report = diagnose_owned(snapshot, now, opts);
         totals.add(&report);
         let row = Row {
             line: line_no,
             report: &report,
         };
-        match format {
-            Format::Table => write_table_row(out, &row)?,
-            Format::Json => {
-                if !first {
-                    out.write_all(b",")?;
-                }
-                serde_json::to_writer(&mut *out, &row).map_err(json_failure)?;
-            }
-            Format::Ndjson => {
-                serde_json::to_writer(&mut *out, &row).map_err(json_failure)?;
-                out.write_all(b"\n")?;
-            }
-        }
+        write_row(out, format, &row, first).map_err(spool_failure)?;
         first = false;
     }
     if progress && line_no >= PROGRESS_EVERY_LINES {
         output::stderr_raw(format_args!("\r\x1b[K"));
     }
     if audit_lines > 1 {
-        errln!("{name}: {audit_lines} lines are audit events, not snapshots; all were skipped");
+        errln!("{name}: {audit_lines} lines are audit events, not snapshots");
     }
-
-    match format {
-        Format::Table => write_table_totals(out, &totals)?,
-        Format::Json => {
-            out.write_all(b"],\"totals\":")?;
-            serde_json::to_writer(&mut *out, &totals).map_err(json_failure)?;
-            out.write_all(b"}\n")?;
-        }
-        Format::Ndjson => {
-            serde_json::to_writer(&mut *out, &TotalsLine { totals: &totals })
-                .map_err(json_failure)?;
-            out.write_all(b"\n")?;
-        }
+    if let Some(out) = spool.as_mut() {
+        write_totals(out, format, &totals).map_err(spool_failure)?;
     }
     Ok(bad)
+}
+
+/// What comes before the first result: the table's header, the JSON document's opening.
+fn write_header(out: &mut impl Write, format: Format) -> io::Result<()> {
+    match format {
+        Format::Table => writeln!(
+            out,
+            "{:>6}  {:<24} {:<36} {:<DIAGNOSIS_WIDTH$} {:<ACTION_WIDTH$} {:>12} {:>12}",
+            "LINE", "RUN", "SCOPE", "DIAGNOSIS", "ACTION", "HEADROOM_MS", "DEBT_MS"
+        ),
+        Format::Json => out.write_all(b"{\"snapshots\":["),
+        Format::Ndjson => Ok(()),
+    }
+}
+
+/// One result; `first` says whether it is the first (JSON separates the others by a comma).
+fn write_row(out: &mut impl Write, format: Format, row: &Row<'_>, first: bool) -> io::Result<()> {
+    match format {
+        Format::Table => write_table_row(out, row),
+        Format::Json => {
+            if !first {
+                out.write_all(b",")?;
+            }
+            serde_json::to_writer(&mut *out, row).map_err(io::Error::from)
+        }
+        Format::Ndjson => {
+            serde_json::to_writer(&mut *out, row).map_err(io::Error::from)?;
+            out.write_all(b"\n")
+        }
+    }
+}
+
+/// The totals after the last result, closing the JSON document.
+fn write_totals(out: &mut impl Write, format: Format, totals: &Totals) -> io::Result<()> {
+    match format {
+        Format::Table => write_table_totals(out, totals),
+        Format::Json => {
+            out.write_all(b"],\"totals\":")?;
+            serde_json::to_writer(&mut *out, totals).map_err(io::Error::from)?;
+            out.write_all(b"}\n")
+        }
+        Format::Ndjson => {
+            serde_json::to_writer(&mut *out, &TotalsLine { totals }).map_err(io::Error::from)?;
+            out.write_all(b"\n")
+        }
+    }
 }
 
 /// Whether a line that is not a snapshot is an audit event as `backstop audit export` writes
@@ -376,13 +516,6 @@ fn is_audit_event(line: &[u8]) -> bool {
         .iter()
         .all(|name| members.contains_key(*name))
         && !members.contains_key("run_id")
-}
-
-fn json_failure(e: serde_json::Error) -> Failure {
-    match e.io_error_kind() {
-        Some(io::ErrorKind::BrokenPipe) => Failure::BrokenPipe,
-        _ => Failure::Fatal(format!("cannot write output: {e}")),
-    }
 }
 
 /// What [`read_line_capped`] put in the buffer.
@@ -527,4 +660,29 @@ fn write_table_totals(out: &mut impl Write, totals: &Totals) -> io::Result<()> {
         out,
         "(debt is time deliberately yielded to provider backpressure, read beside the diagnosis, not a score)"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spool_moves_to_a_file_past_its_limit_and_gives_everything_back_in_order() {
+        let mut spool = Spool::new(10);
+        spool.write_all(b"0123456").unwrap();
+        assert!(matches!(spool, Spool::Memory { .. }));
+        spool.write_all(b"789abc").unwrap();
+        assert!(matches!(spool, Spool::File(_)), "past 10 bytes");
+        spool.write_all(b"def").unwrap();
+        let mut out = Vec::new();
+        assert!(spool.copy_to(&mut out).is_ok());
+        assert_eq!(out, b"0123456789abcdef");
+
+        let mut small = Spool::new(10);
+        small.write_all(b"0123456789").unwrap();
+        assert!(matches!(small, Spool::Memory { .. }), "exactly the limit");
+        let mut out = Vec::new();
+        assert!(small.copy_to(&mut out).is_ok());
+        assert_eq!(out, b"0123456789");
+    }
 }

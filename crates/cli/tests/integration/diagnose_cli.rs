@@ -23,11 +23,15 @@ fn backstop(args: &[&str], stdin: Option<&[u8]>) -> Output {
         .spawn()
         .unwrap();
     let mut pipe = child.stdin.take().unwrap();
-    if let Some(bytes) = stdin {
-        pipe.write_all(bytes).unwrap();
-    }
-    drop(pipe);
-    child.wait_with_output().unwrap()
+    let input = stdin.map(<[u8]>::to_vec).unwrap_or_default();
+    // Fed from another thread while the output is read: a command that writes before it has
+    // read all its input must not block on a full pipe.
+    let feeder = std::thread::spawn(move || {
+        let _ = pipe.write_all(&input);
+    });
+    let output = child.wait_with_output().unwrap();
+    feeder.join().unwrap();
+    output
 }
 
 fn stdout(o: &Output) -> String {
@@ -152,7 +156,7 @@ fn six_case_audit_as_table_from_stdin() {
 }
 
 #[test]
-fn bad_lines_are_reported_with_numbers_and_the_rest_is_processed() {
+fn bad_lines_are_all_reported_with_numbers_and_nothing_is_printed() {
     let good: Vec<String> = std::fs::read_to_string(fixture())
         .unwrap()
         .lines()
@@ -171,38 +175,96 @@ fn bad_lines_are_reported_with_numbers_and_the_rest_is_processed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("snapshots.ndjson");
     std::fs::write(&path, input).unwrap();
-    let o = backstop(
-        &[path.to_str().unwrap(), "--now", NOW, "--format", "ndjson"],
-        None,
-    );
-    assert_eq!(o.status.code(), Some(1));
-    let err = stderr(&o);
-    let name = path.display().to_string();
-    assert!(err.contains(&format!("{name}: LINE 2: ")), "{err}");
-    assert!(
-        err.contains(&format!("{name}: LINE 4: ")) && err.contains("throttled_at"),
-        "{err}"
-    );
-    assert!(
-        err.contains(&format!("{name}: LINE 5: throttled_at")),
-        "{err}"
-    );
-    assert_eq!(err.lines().count(), 3, "{err}");
-    let lines: Vec<Value> = stdout(&o)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 3);
-    assert_eq!(lines[0]["line"], 1);
-    assert_eq!(lines[0]["diagnosis"], "waiting_backpressure");
-    assert_eq!(lines[1]["line"], 7);
-    assert_eq!(lines[1]["diagnosis"], "recovered");
-    assert_eq!(lines[2]["totals"]["snapshots"], 2);
-    assert_eq!(lines[2]["totals"]["retry_after_debt_ms"], 90_000);
+    for format in ["table", "json", "ndjson"] {
+        let o = backstop(
+            &[path.to_str().unwrap(), "--now", NOW, "--format", format],
+            None,
+        );
+        assert_eq!(o.status.code(), Some(1), "{format}");
+        assert_eq!(stdout(&o), "", "{format}: nothing partial is printed");
+        let err = stderr(&o);
+        let name = path.display().to_string();
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 4, "{format}: {err}");
+        assert!(lines[0].starts_with(&format!("{name}: LINE 2: ")), "{err}");
+        assert!(
+            lines[1].starts_with(&format!("{name}: LINE 4: ")) && lines[1].contains("throttled_at"),
+            "{err}"
+        );
+        assert!(
+            lines[2].starts_with(&format!("{name}: LINE 5: throttled_at")),
+            "{err}"
+        );
+        assert_eq!(
+            lines[3],
+            format!(
+                "{name}: 3 bad lines; nothing was printed: diagnose prints its results only when \
+                 every line is a valid snapshot"
+            )
+        );
+    }
 }
 
 #[test]
-fn an_overlong_line_is_bad_and_skipped() {
+fn one_bad_line_prints_no_header_no_rows_and_no_totals() {
+    // Only bad lines: before, the table's header and empty totals were printed.
+    let o = backstop(&["--now", NOW], Some(b"not a snapshot\n"));
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(stdout(&o), "", "no empty table");
+    let err = stderr(&o);
+    assert!(err.starts_with("<stdin>: LINE 1: "), "{err}");
+    assert!(err.ends_with("<stdin>: 1 bad line; nothing was printed: diagnose prints its results only when every line is a valid snapshot\n"), "{err}");
+
+    // A bad last line after valid ones: none of the valid ones is printed either.
+    let mut input = std::fs::read(fixture()).unwrap();
+    input.extend_from_slice(b"{\"run_id\": \"r\"}\n");
+    for format in ["table", "json", "ndjson"] {
+        let o = backstop(&["--now", NOW, "--format", format], Some(&input));
+        assert_eq!(o.status.code(), Some(1), "{format}");
+        assert_eq!(stdout(&o), "", "{format}");
+        assert!(
+            stderr(&o).starts_with("<stdin>: LINE 7: missing field `quota_scope`"),
+            "{format}: {}",
+            stderr(&o)
+        );
+    }
+}
+
+#[test]
+fn an_output_larger_than_the_memory_spool_is_printed_whole_or_not_at_all() {
+    // 20,000 results of about 500 bytes in JSON: more than the 8 MiB held in memory.
+    let first = std::fs::read_to_string(fixture())
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .to_string();
+    let mut input = String::with_capacity(20_000 * (first.len() + 1) + 64);
+    for _ in 0..20_000 {
+        input.push_str(&first);
+        input.push('\n');
+    }
+    let o = backstop(&["--now", NOW, "--format", "json"], Some(input.as_bytes()));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(o.stdout.len() > 8 << 20, "{} bytes", o.stdout.len());
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["snapshots"].as_array().unwrap().len(), 20_000);
+    assert_eq!(doc["snapshots"][19_999]["line"], 20_000);
+    assert_eq!(doc["totals"]["snapshots"], 20_000);
+
+    input.push_str("{}\n");
+    let o = backstop(&["--now", NOW, "--format", "json"], Some(input.as_bytes()));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(o.stdout.is_empty(), "{} bytes printed", o.stdout.len());
+    assert!(
+        stderr(&o).starts_with("<stdin>: LINE 20001: "),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn an_overlong_line_is_bad_and_nothing_is_printed() {
     let good = std::fs::read_to_string(fixture()).unwrap();
     let first = good.lines().next().unwrap();
     let input = format!("{}\n{first}\n", "x".repeat(1 << 21));
@@ -216,7 +278,7 @@ fn an_overlong_line_is_bad_and_skipped() {
         "{}",
         stderr(&o)
     );
-    assert_eq!(stdout(&o).lines().count(), 2);
+    assert_eq!(stdout(&o), "", "the valid line 2 is not printed either");
 }
 
 #[test]
@@ -312,12 +374,7 @@ fn snapshot_throttled_after_now_is_a_bad_line() {
             && err.contains("is after now"),
         "{err}"
     );
-    let lines: Vec<Value> = stdout(&o)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 1, "only the totals line");
-    assert_eq!(lines[0]["totals"]["snapshots"], 0);
+    assert_eq!(stdout(&o), "", "not even a totals line");
 }
 
 #[test]
@@ -564,7 +621,7 @@ fn an_audit_export_is_named_once_not_line_by_line() {
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let err = stderr(&o);
     let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 2, "{err}");
+    assert_eq!(lines.len(), 3, "{err}");
     assert!(
         lines[0].starts_with("<stdin>: LINE 1: this line is an audit event"),
         "{err}"
@@ -572,14 +629,23 @@ fn an_audit_export_is_named_once_not_line_by_line() {
     assert!(lines[0].contains("backstop snapshots export"), "{err}");
     assert_eq!(
         lines[1],
-        "<stdin>: 12 lines are audit events, not snapshots; all were skipped"
+        "<stdin>: 12 lines are audit events, not snapshots"
     );
-    // A real snapshot beside them is still diagnosed.
+    assert!(
+        lines[2].starts_with("<stdin>: 12 bad lines; nothing was printed"),
+        "{err}"
+    );
+    assert_eq!(stdout(&o), "");
+    // Real snapshots beside them are not diagnosed either: nothing partial is printed.
     let mut mixed = std::fs::read(fixture()).unwrap();
     mixed.extend(&export.stdout);
     let o = backstop(&["-", "--now", NOW, "--format", "json"], Some(&mixed));
     assert_eq!(o.status.code(), Some(1));
-    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
-    assert_eq!(v["snapshots"].as_array().unwrap().len(), 6);
-    assert_eq!(stderr(&o).lines().count(), 2, "{}", stderr(&o));
+    assert_eq!(stdout(&o), "");
+    let err = stderr(&o);
+    assert_eq!(err.lines().count(), 3, "{err}");
+    assert!(
+        err.starts_with("<stdin>: LINE 7: this line is an audit event"),
+        "{err}"
+    );
 }
