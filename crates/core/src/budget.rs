@@ -107,7 +107,8 @@ impl ActionBudget {
         self.class.max_attempts.saturating_sub(self.attempts_used)
     }
 
-    /// Time waited between attempts so far.
+    /// Time waited so far: before the first attempt and between attempts (whatever
+    /// [`ActionBudget::withdraw_wait`] was charged).
     pub const fn waited(&self) -> Duration {
         self.waited
     }
@@ -151,7 +152,8 @@ impl ActionBudget {
         Ok(())
     }
 
-    /// Withdraws `waited` of wait budget (time spent waiting before a retry).
+    /// Withdraws `waited` of wait budget (time spent waiting before an attempt: the first, for
+    /// pacing or a scope's boundary, or a retry).
     ///
     /// # Errors
     /// [`BudgetRefusal::WaitSpent`] if the wait exceeds what is left; the wait is still recorded

@@ -117,7 +117,8 @@ pub struct OutcomeContext {
     pub response_received: bool,
     /// Attempts made (every attempt that left the process counts).
     pub attempts: u32,
-    /// Total time waited between attempts, in milliseconds.
+    /// Total time the action waited, in milliseconds: what its wait budget was charged, before
+    /// its first attempt (pacing, a scope's boundary) and between attempts.
     pub total_wait_ms: u64,
     /// The last HTTP status received, if any.
     pub last_status: Option<u16>,

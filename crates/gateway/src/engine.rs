@@ -2170,9 +2170,19 @@ impl Engine {
                                 is_store_failure(&e).then_some(kept)
                             }
                         };
+                        // The context the caller is answered with is the one stored, so that
+                        // the action's view and a same-key replay say the same (its
+                        // `total_wait_ms` is the budget's count, which the attempts alone
+                        // cannot rebuild: the waits before the first send are not in them).
+                        let context = self.context(&budget, &seen, None, Vec::new());
+                        let stored = serde_json::to_value(&context)
+                            .unwrap_or_else(|_| serde_json::json!({}));
                         let (id, op, at) = (run.id, operation_id.clone(), inner.clock.now());
+                        let kept_context = stored.clone();
                         if let Err(e) = inner
-                            .blocking(move |s| s.record_reconciled(id, op, at))
+                            .blocking(move |s| {
+                                s.record_reconciled_with_context(id, op, kept_context, at)
+                            })
                             .await
                         {
                             tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the reconciliation");
@@ -2183,6 +2193,7 @@ impl Engine {
                                     result: unrecorded,
                                     end: writes::DeferredEnd::Reconciled {
                                         operation_id: operation_id.clone(),
+                                        context: stored,
                                     },
                                     count: None,
                                 });
@@ -2198,7 +2209,6 @@ impl Engine {
                             provider_operation_id = operation_id.as_deref().unwrap_or("-"),
                             "reconciled: the provider has the write; nothing is resent"
                         );
-                        let context = self.context(&budget, &seen, None, Vec::new());
                         // The id is told with the answer, whether or not the store has it yet.
                         let receipt = ActionReceipt {
                             provider_operation_id: operation_id.clone(),

@@ -194,6 +194,23 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<(), StoreError>;
 
+    /// [`Store::record_reconciled`] keeping the outcome's SPEC §5 context with the action:
+    /// `context` (a JSON object: `sent`, `attempts`, `total_wait_ms`, `next_safe`, …; no bodies
+    /// or credentials) is stored as the action's outcome context with the member `reconciled`
+    /// (`true`) added, so whoever reads the action later (its view, a same-key replay, a case
+    /// file) sees the context its caller was answered with, not one rebuilt from the attempts.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action; [`StoreError::Invalid`] when `context`
+    /// is not a JSON object.
+    fn record_reconciled_with_context(
+        &self,
+        action: ActionId,
+        provider_operation_id: Option<String>,
+        context: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
     /// Schedules a retry of an action at `due_at` (a scheduler receipt; audits
     /// `retry_scheduled`). Returns the job id. An action has at most one waiting job: one not
     /// taken yet is superseded (marked claimed by `superseded`), and the next attempt of the

@@ -262,11 +262,14 @@ pub(super) struct Deferred {
 pub(super) enum DeferredEnd {
     /// With this outcome (`finish_action`, or with the deferred result).
     Outcome(backstop_store::Finish),
-    /// A write that reconciliation found at the provider (`record_reconciled`): `succeeded`,
-    /// with the provider's operation id when known.
+    /// A write that reconciliation found at the provider (`record_reconciled_with_context`):
+    /// `succeeded`, with the provider's operation id when known and the outcome context its
+    /// caller was answered with.
     Reconciled {
         /// The provider's operation id.
         operation_id: Option<String>,
+        /// The SPEC §5 context of the answer (a JSON object).
+        context: serde_json::Value,
     },
     /// A write whose last attempt is `uncertain` ([`Closing::Reconcile`]): reconciled with its
     /// original key and closed as a write sent without a result is after a restart (see
@@ -1289,9 +1292,12 @@ impl Inner {
                 self.count_deferred(&deferred.count, finish);
                 Ok(())
             }
-            DeferredEnd::Reconciled { operation_id } => {
-                let (op, at) = (operation_id.clone(), self.clock.now());
-                self.blocking(move |s| s.record_reconciled(action, op, at))
+            DeferredEnd::Reconciled {
+                operation_id,
+                context,
+            } => {
+                let (op, context, at) = (operation_id.clone(), context.clone(), self.clock.now());
+                self.blocking(move |s| s.record_reconciled_with_context(action, op, context, at))
                     .await
             }
             DeferredEnd::Reconcile { gone, verdict } => {

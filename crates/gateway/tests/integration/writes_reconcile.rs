@@ -492,3 +492,117 @@ async fn a_key_reused_on_another_route_method_or_provider_is_422_and_sends_nothi
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+/// A reconciled write's `total_wait_ms` is its wait budget's count — here the wait for the
+/// scope's boundary before its first send — in the caller's answer, in `GET /v1/actions/{id}`
+/// and in a same-key replay alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconciled_write_reports_the_same_total_wait_to_its_caller_and_in_its_view() {
+    let policy = support::policy_yaml(
+        "BASE_URL",
+        r#"agents:
+  test-agent: { token_env: TEST_AGENT_TOKEN }
+request_classes:
+  one_shot: { max_attempts: 1, max_wait_seconds: 0, retry_statuses: [] }
+"#,
+        r#"    routes:
+      "GET /v1/limits": { class: one_shot, scopes: [account] }
+      "POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        reconcile:
+          by: idempotency_key
+          lookup: "GET /v1/transfers?idempotency_key={key}"
+          found_pointer: /data/0/id
+          operation_id_pointer: /id
+      "GET /v1/transfers": { class: read, scopes: [account] }
+"#,
+    );
+    let fake =
+        support::fake_with(vec![
+            RouteConfig::new("GET /v1/limits", lookup("limits"))
+                .with_fault(support::status_on_calls([1], 429, Some("2"))),
+            RouteConfig::new("POST /v1/transfers", create("transfers", "tr_", None))
+                .with_idempotency()
+                .with_fault(backstop_fake_api::FaultRule::on_calls(
+                    [1],
+                    Fault::StoreThenDrop { hold_ms: 0 },
+                )),
+            RouteConfig::new("GET /v1/transfers", lookup("transfers")),
+        ]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = support::start_gateway(
+        &policy.replace("BASE_URL", &fake.url()),
+        "wait.yaml",
+        &env,
+        support::serve_options(dir.path(), 5),
+    )
+    .await;
+
+    // A 429 with `Retry-After: 2` holds the whole scope for two seconds.
+    let limited = client()
+        .get(format!("http://{}/fake/v1/limits", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-wait")
+        .send()
+        .await
+        .expect("limited read");
+    assert_eq!(limited.status(), 429, "the provider's 429 is passed on");
+    // The write waits for that boundary before its first send, is dropped after the provider
+    // stored it, and is found by the lookup.
+    let send = |key: Option<String>| {
+        let mut request = client()
+            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-wait")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":3}"#);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        request.send()
+    };
+    let answer = send(None).await.expect("write");
+    let id = action_id(&answer);
+    let key = answer.headers()["idempotency-key"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let (status, answer) = support::json_of(answer).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["reconciled"], true, "{answer}");
+    let waited = answer["context"]["total_wait_ms"]
+        .as_u64()
+        .expect("a total wait");
+    assert!(
+        waited >= 1_500,
+        "the wait for the scope's boundary is counted: {answer}"
+    );
+
+    let (status, view) = support::json_of(
+        client()
+            .get(format!("http://{}/v1/actions/{id}", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .send()
+            .await
+            .expect("view"),
+    )
+    .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["reconciled"], true, "{view}");
+    assert_eq!(view["context"], answer["context"], "{view} vs {answer}");
+
+    // The same key and payload again: the recorded outcome is replayed, with the same context.
+    let (status, replayed) = support::json_of(send(Some(key)).await.expect("replay")).await;
+    assert_eq!(status, 200, "{replayed}");
+    assert_eq!(
+        replayed["context"], answer["context"],
+        "{replayed} vs {answer}"
+    );
+
+    let attempts = fake.attempts();
+    assert_eq!(on_route(&attempts, "POST", "/v1/transfers").len(), 1);
+    assert_eq!(on_route(&attempts, "GET", "/v1/transfers").len(), 1);
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}

@@ -1321,7 +1321,25 @@ impl Store for SqliteStore {
         provider_operation_id: Option<String>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        self.submit(move |tx| tx.record_reconciled(action, provider_operation_id, at))
+        self.submit(move |tx| tx.record_reconciled(action, provider_operation_id, None, at))
+    }
+
+    fn record_reconciled_with_context(
+        &self,
+        action: ActionId,
+        provider_operation_id: Option<String>,
+        context: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if !context.is_object() {
+            return Err(StoreError::Invalid {
+                field: "outcome_context",
+                reason: "a reconciled action's outcome context must be a JSON object".into(),
+            });
+        }
+        self.submit(move |tx| {
+            tx.record_reconciled(action, provider_operation_id, Some(context), at)
+        })
     }
 
     fn schedule_retry(

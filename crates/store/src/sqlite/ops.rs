@@ -826,21 +826,33 @@ impl WriteTx<'_> {
         self.append(e)
     }
 
+    /// Ends `action` `succeeded` as reconciled. Its outcome context becomes `context` with
+    /// `reconciled: true` added when one is given; otherwise a context already stored (an
+    /// escalation's, when an operator's status query found the write) is kept, and an action
+    /// without one gets only the marker `{"reconciled": true}`.
     pub(crate) fn record_reconciled(
         &mut self,
         action: ActionId,
         provider_operation_id: Option<String>,
+        context: Option<serde_json::Value>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
         let f = self.facts(action)?;
+        let context = match context {
+            Some(serde_json::Value::Object(mut map)) => {
+                map.insert("reconciled".into(), serde_json::Value::Bool(true));
+                Some(serde_json::Value::Object(map).to_string())
+            }
+            _ => None,
+        };
         self.conn
             .prepare_cached(
                 "UPDATE actions SET state = 'finished', outcome = 'succeeded', \
                  provider_operation_id = COALESCE(?2, provider_operation_id), \
-                 outcome_context = COALESCE(outcome_context, '{\"reconciled\":true}'), \
+                 outcome_context = COALESCE(?4, outcome_context, '{\"reconciled\":true}'), \
                  updated_at_ms = ?3 WHERE id = ?1",
             )?
-            .execute(params![action.0, provider_operation_id, ms(at)])?;
+            .execute(params![action.0, provider_operation_id, ms(at), context])?;
         let mut e = Self::action_event(EventKind::Reconciled, &format_instant(at), action, &f);
         e.outcome = Some(Outcome::Succeeded.as_str().to_owned());
         e.idempotency_key = f.idempotency_key;

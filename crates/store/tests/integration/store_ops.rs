@@ -356,6 +356,46 @@ fn escalations_open_and_are_decided_once() {
 }
 
 #[test]
+fn a_reconciliation_keeps_the_context_its_caller_was_answered_with() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let a = record(&store, "task-1", "k-a", b"a");
+    store.mark_attempt_sent(a, t(1)).expect("sent");
+    let context = serde_json::json!({
+        "sent": true, "response_received": false, "attempts": 1, "total_wait_ms": 1985,
+        "last_status": null, "last_signal": "uncertain", "boundary": null, "next_safe": []
+    });
+    store
+        .record_reconciled_with_context(a, Some("op-1".into()), context.clone(), t(2))
+        .expect("reconciled");
+    let rec = store.action(a).expect("read").expect("a");
+    assert_eq!(rec.outcome, Some(Outcome::Succeeded));
+    assert_eq!(rec.provider_operation_id.as_deref(), Some("op-1"));
+    let mut expected = context;
+    expected["reconciled"] = serde_json::Value::Bool(true);
+    assert_eq!(rec.outcome_context, Some(expected));
+    assert_eq!(kinds(&store).last().map(String::as_str), Some("reconciled"));
+
+    // Without a context, only the marker (an action that had none before).
+    let b = record(&store, "task-1", "k-b", b"b");
+    store
+        .record_reconciled(b, None, t(3))
+        .expect("reconciled without a context");
+    let rec = store.action(b).expect("read").expect("b");
+    assert_eq!(
+        rec.outcome_context,
+        Some(serde_json::json!({"reconciled": true}))
+    );
+
+    let c = record(&store, "task-1", "k-c", b"c");
+    let err = store
+        .record_reconciled_with_context(c, None, serde_json::json!([1]), t(4))
+        .expect_err("not an object");
+    assert!(matches!(err, StoreError::Invalid { .. }), "{err}");
+    assert_eq!(store.action(c).expect("read").expect("c").outcome, None);
+}
+
+#[test]
 fn outcomes_choose_their_event_kind_and_reconciliation_can_follow() {
     let (_dir, store) = store();
     open_task(&store, "task-1");

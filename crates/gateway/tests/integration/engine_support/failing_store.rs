@@ -299,6 +299,19 @@ impl Store for FailingStore {
         self.inner
             .record_reconciled(action, provider_operation_id, at)
     }
+    fn record_reconciled_with_context(
+        &self,
+        action: ActionId,
+        provider_operation_id: Option<String>,
+        context: serde_json::Value,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        if self.failing_outcome(true) {
+            return Err(damaged());
+        }
+        self.inner
+            .record_reconciled_with_context(action, provider_operation_id, context, at)
+    }
     fn schedule_retry(
         &self,
         action: ActionId,
