@@ -53,7 +53,7 @@ use serde::Serialize;
 use crate::cmd::clock::{current_time, parse_now};
 use crate::cmd::output::{self, errln};
 
-/// Lines longer than this (1 MiB) are reported as bad and skipped, so memory stays bounded.
+/// Lines longer than this (1 MiB) are bad lines, dropped without being held, so memory stays bounded.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 
 /// Output held in memory until the input is checked; beyond it, the rest goes to a temporary
@@ -195,7 +195,7 @@ impl From<io::Error> for Failure {
 }
 
 /// Runs `backstop diagnose`: exit 0 when every line was a valid snapshot, 1 when some lines were
-/// bad (reported on stderr), 2 when the input or output failed.
+/// bad (reported on stderr, nothing printed on stdout), 2 when the input or output failed.
 pub fn run(args: Args) -> ExitCode {
     let now = args.now.unwrap_or_else(current_time);
     let opts = DiagnoseOptions {
