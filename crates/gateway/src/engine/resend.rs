@@ -424,9 +424,14 @@ impl Engine {
         operation_id: Option<String>,
     ) -> Execution {
         let inner = &self.inner;
+        // The context the caller is answered with is the one stored, so the action's view and
+        // a later replay say the same.
+        let context = writes::recovered_context(attempts, facts.wait_used_ms);
+        let stored = serde_json::to_value(&context).unwrap_or_default();
         let (id, op, now) = (record.id, operation_id.clone(), inner.clock.now());
+        let kept = stored.clone();
         if let Err(e) = inner
-            .blocking(move |s| s.record_reconciled(id, op, now))
+            .blocking(move |s| s.record_reconciled_with_context(id, op, kept, now))
             .await
         {
             tracing::warn!(action = id.0, error = %e, "could not record the reconciliation");
@@ -436,6 +441,7 @@ impl Engine {
                     result: None,
                     end: writes::DeferredEnd::Reconciled {
                         operation_id: operation_id.clone(),
+                        context: stored,
                     },
                     count: None,
                 });
@@ -458,7 +464,7 @@ impl Engine {
         Execution::Outcome {
             receipt,
             outcome: Outcome::Succeeded,
-            context: writes::recovered_context(attempts, facts.wait_used_ms),
+            context,
             detail: match operation_id {
                 Some(op) => format!(
                     "reconciled: the provider has this write as `{op}`; it was not sent again"
