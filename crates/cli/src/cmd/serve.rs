@@ -149,6 +149,10 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        // Registered before anything listens: a SIGTERM that arrives as soon as the listening
+        // line is printed is a stop, not the signal's default action (killing the process
+        // before the store is closed).
+        let stop = stop_signal();
         let mut running = match server::start(policy, options, &process_env, server::engine).await {
             Ok(running) => running,
             Err(e) => {
@@ -157,7 +161,7 @@ pub fn run(args: Args) -> ExitCode {
             }
         };
         tokio::select! {
-            () = stop_signal() => {}
+            () = stop => {}
             result = running.wait() => {
                 if let Err(e) = result {
                     errln!("backstop serve: the server stopped: {e}");
@@ -220,26 +224,35 @@ fn init_logging() {
         .try_init();
 }
 
-/// Resolves on Ctrl-C (SIGINT) or, on Unix, SIGTERM.
-async fn stop_signal() {
-    let ctrl_c = async {
+/// A future that resolves on Ctrl-C (SIGINT) or, on Unix, SIGTERM. On Unix both handlers are
+/// installed when this is called, not when the future is first polled, so a signal sent at any
+/// time after the call is seen; must be called inside the runtime. A handler that cannot be
+/// installed never resolves (the other still can).
+fn stop_signal() -> impl std::future::Future<Output = ()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, Signal, SignalKind};
+        let term = signal(SignalKind::terminate()).ok();
+        let interrupt = signal(SignalKind::interrupt()).ok();
+        async fn received(signal: Option<Signal>) {
+            match signal {
+                Some(mut signal) => {
+                    signal.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        }
+        async move {
+            tokio::select! {
+                () = received(term) => {}
+                () = received(interrupt) => {}
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
     }
 }

@@ -380,6 +380,36 @@ fn worker_threads_sets_how_many_threads_serve_requests() {
     }
 }
 
+/// A SIGTERM sent the instant serve prints that it listens is a clean stop (exit 0), not the
+/// signal's default action: the handlers are installed before anything listens.
+#[cfg(unix)]
+#[test]
+fn a_sigterm_right_after_the_listening_line_stops_serve_cleanly() {
+    for round in 0..10 {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = spawn_example(dir.path());
+        let stderr = child.stderr.take().unwrap();
+        let mut lines = BufReader::new(stderr).lines();
+        let mut seen = String::new();
+        listening_addr(&mut lines, &mut seen);
+        let pid = libc::pid_t::try_from(child.id()).unwrap();
+        // SAFETY: `kill` with a valid signal number on the child's own pid has no memory effects.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        let rest: Vec<String> = lines.map_while(Result::ok).collect();
+        let status = child.wait().unwrap();
+        assert!(
+            status.success(),
+            "round {round}: {status:?}\n{seen}{}",
+            rest.join("\n")
+        );
+        assert!(
+            rest.iter().any(|l| l.contains("backstop serve: stopped")),
+            "round {round}: {}",
+            rest.join("\n")
+        );
+    }
+}
+
 #[test]
 fn fake_api_takes_its_config_as_c_like_serve() {
     let dir = tempfile::tempdir().unwrap();
