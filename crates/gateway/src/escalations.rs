@@ -401,6 +401,7 @@ async fn decide(
             ("action", json!(e.action.0)),
             ("decision", json!(word)),
             ("decided_by", json!(who)),
+            ("decided_at", json!(at.to_string())),
             ("decision_recorded", json!(true)),
             ("idempotency_key", case_file_key(&e.case_file, word)),
         ] {

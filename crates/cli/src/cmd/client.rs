@@ -89,11 +89,13 @@ impl Client {
         self.answer("GET", path, response)
     }
 
-    /// `POST base+path` with a JSON body, the JSON answer.
+    /// `POST base+path` with a JSON body: the JSON answer, or the whole problem document when
+    /// the gateway answers with the backstop problem `name` (e.g. `request_not_held`, which
+    /// says what was recorded).
     ///
     /// # Errors
-    /// As [`Client::get`].
-    pub fn post(&self, path: &str, body: &Value) -> Result<Value, String> {
+    /// As [`Client::get`], for every other answer.
+    pub fn post_unless(&self, path: &str, body: &Value, name: &str) -> Result<Posted, String> {
         let url = format!("{}{path}", self.base);
         let response = Self::agent()
             .post(&url)
@@ -101,7 +103,14 @@ impl Client {
             .header("Accept", "application/json")
             .content_type("application/json")
             .send(body.to_string().as_bytes());
-        self.answer("POST", path, response)?.into_result()
+        match self.answer("POST", path, response)? {
+            Answer::Problem {
+                name: ref got,
+                ref document,
+                ..
+            } if got == name => Ok(Posted::Problem(document.clone())),
+            answer => answer.into_result().map(Posted::Value),
+        }
     }
 
     /// The sentence for an answer that no backstop gateway gives: `BASE does not look like a
@@ -179,6 +188,7 @@ impl Client {
             status,
             name: name.to_owned(),
             detail: detail.to_owned(),
+            document: value.clone(),
         })
     }
 }
@@ -190,7 +200,17 @@ enum Answer {
         status: u16,
         name: String,
         detail: String,
+        /// The whole problem document.
+        document: Value,
     },
+}
+
+/// What [`Client::post_unless`] got: the JSON success, or the named problem's document.
+pub enum Posted {
+    /// A success answer.
+    Value(Value),
+    /// The problem document the caller asked to read itself.
+    Problem(Value),
 }
 
 impl Answer {
@@ -202,6 +222,7 @@ impl Answer {
                 status,
                 name,
                 detail,
+                ..
             } => Err(format!("HTTP {status} {name}: {detail}")),
         }
     }

@@ -19,13 +19,21 @@
 //! and whether the escalation stays open. `--format json` prints the gateway's answer (for
 //! `list --all`, the rows as `{"escalations": […]}`) as pretty JSON.
 //!
+//! A gateway that restarted since the escalation no longer holds the escalated request (payloads
+//! are never stored): it records a `retry_same_key` (reopening the action) or `send_new` and
+//! answers `409 request_not_held` with `decision_recorded: true`. That decision was made, so
+//! `decide` prints it as recorded but not carried out — the detail, and what the agent must
+//! resubmit (the same payload under the key it names, or the payload as a new action) — and
+//! exits 0; `--format json` prints the problem document.
+//!
 //! Every answer is read into the shape the gateway documents for its route (the members listed
 //! in `backstop_gateway::escalations`, with their types; `show` and `decide` also check that the
 //! answer is about the escalation, and the decision, that was asked) before anything is
 //! printed, in either format: anything else means the URL does not look like a backstop gateway,
 //! and nothing is printed on stdout.
-//! Exit codes: 0 success; 2 anything else (unreachable gateway naming the URL, missing token,
-//! a problem answer from the gateway with its status, name and detail, an answer that does not
+//! Exit codes: 0 success (for `decide`: the decision was recorded, whether or not its effect
+//! could be applied); 2 anything else (unreachable gateway naming the URL, missing token, a
+//! problem answer from the gateway with its status, name and detail, an answer that does not
 //! look like a backstop gateway's naming the route and why) on one stderr line.
 
 use std::process::ExitCode;
@@ -34,7 +42,7 @@ use backstop_core::escalation::{DecisionEffect, DecisionOption};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::cmd::client::{self, Client};
+use crate::cmd::client::{self, Client, Posted};
 use crate::cmd::output::{self, errln};
 
 /// Output formats of `backstop escalations list` and `decide`.
@@ -177,22 +185,44 @@ fn execute(args: Args) -> Result<String, String> {
                 body["note"] = Value::String(note);
             }
             let path = format!("/v1/escalations/{id}/decision");
-            let value = client.post(&path, &body)?;
-            let answer: Decided = client.shaped("POST", &path, &value, "a decision's answer")?;
-            if answer.id != id || answer.decision != option {
+            let (answered_id, answered_decision, text) =
+                match client.post_unless(&path, &body, NOT_HELD)? {
+                    Posted::Value(value) => {
+                        let answer: Decided =
+                            client.shaped("POST", &path, &value, "a decision's answer")?;
+                        let text = match format {
+                            Format::Json => format!("{}\n", pretty(&value)),
+                            Format::Text => decided(&value),
+                        };
+                        (answer.id, answer.decision, text)
+                    }
+                    Posted::Problem(value) => {
+                        let answer: NotHeld = client.shaped(
+                            "POST",
+                            &path,
+                            &value,
+                            "a request_not_held problem naming the recorded decision",
+                        )?;
+                        if !answer.decision_recorded {
+                            return Err(format!("HTTP 409 {NOT_HELD}: {}", answer.detail));
+                        }
+                        let text = match format {
+                            Format::Json => format!("{}\n", pretty(&value)),
+                            Format::Text => not_held(&value),
+                        };
+                        (answer.escalation, answer.decision, text)
+                    }
+                };
+            if answered_id != id || answered_decision != option {
                 return Err(client.not_backstop(
                     "POST",
                     &path,
                     &format!(
-                        "a decision {} on escalation {} (asked: {option} on escalation {id})",
-                        answer.decision, answer.id
+                        "a decision {answered_decision} on escalation {answered_id} (asked: {option} on escalation {id})"
                     ),
                 ));
             }
-            Ok(match format {
-                Format::Json => format!("{}\n", pretty(&value)),
-                Format::Text => decided(&value),
-            })
+            Ok(text)
         }
     }
 }
@@ -302,6 +332,25 @@ struct Decided {
     note: Option<String>,
 }
 
+/// The problem a decision is answered with when the gateway recorded it but no longer holds
+/// the escalated request (it restarted since the escalation): `retry_same_key` reopened the
+/// action and the agent resubmits under its key; `send_new` needs the agent to submit the
+/// payload as a new action.
+const NOT_HELD: &str = "request_not_held";
+
+/// The members of a `409 request_not_held` problem that say what was recorded.
+#[derive(Debug, Deserialize)]
+#[expect(dead_code, reason = "read only to check the answer's shape")]
+struct NotHeld {
+    detail: String,
+    escalation: u64,
+    action: u64,
+    decision: String,
+    decided_by: String,
+    decision_recorded: bool,
+    idempotency_key: Option<String>,
+}
+
 /// What a `query_status` lookup answered.
 #[derive(Debug, Deserialize)]
 #[expect(dead_code, reason = "read only to check the answer's shape")]
@@ -383,6 +432,49 @@ fn every_escalation(client: &Client) -> Result<Vec<Value>, String> {
         }));
     }
     Ok(rows)
+}
+
+/// What `decide` prints for a decision the gateway recorded without carrying it out, because it
+/// no longer holds the request (`409 request_not_held`): the decision, what was not applied and
+/// why, and what the agent resubmits.
+fn not_held(value: &Value) -> String {
+    let at = value["decided_at"]
+        .as_str()
+        .map(|at| format!(" at {at}"))
+        .unwrap_or_default();
+    let mut out = format!(
+        "escalation {}: {} (action {}, decided by {}{at}); recorded, but the gateway no longer holds the request\n",
+        client::cell(&value["escalation"]),
+        client::cell(&value["decision"]),
+        client::cell(&value["action"]),
+        client::cell(&value["decided_by"]),
+    );
+    let mut line = |label: &str, text: String| {
+        out.push_str(&format!("  {label:<15} {text}\n"));
+    };
+    line(
+        "effect",
+        format!(
+            "{}, not applied: {}",
+            client::cell(&value["decision"]),
+            client::cell(&value["detail"])
+        ),
+    );
+    match value["idempotency_key"].as_str() {
+        Some(key) => line(
+            "resubmit",
+            format!(
+                "the same payload with Idempotency-Key {key} (sent as action {})",
+                client::cell(&value["action"])
+            ),
+        ),
+        None => line(
+            "resubmit",
+            "the payload as a new action with a new Idempotency-Key".to_owned(),
+        ),
+    }
+    line("escalation", "decided".to_owned());
+    out
 }
 
 /// What `decide` prints: a first line with the decision, then one labelled line per member of

@@ -493,6 +493,134 @@ fn decide_prints_the_effect_the_outcome_and_the_lookup() {
     assert!(!stdout.contains("lookup"), "{stdout}");
 }
 
+/// Serves `problem` as a `409` problem answer of `POST /v1/escalations/7/decision`.
+fn canned_conflict(problem: serde_json::Value) -> (tokio::runtime::Runtime, String) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let addr: SocketAddr = runtime.block_on(async move {
+        let app = axum::Router::new().route(
+            "/v1/escalations/7/decision",
+            axum::routing::post(move || {
+                let problem = problem.clone();
+                async move {
+                    (
+                        axum::http::StatusCode::CONFLICT,
+                        [("content-type", "application/problem+json")],
+                        problem.to_string(),
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    });
+    (runtime, format!("http://{addr}"))
+}
+
+/// A gateway that restarted since the escalation records `retry_same_key` (and reopens the
+/// action) or `send_new`, but no longer holds the request: `409 request_not_held` with
+/// `decision_recorded: true`. The decision was made, so `decide` says so and exits 0, naming
+/// what the agent resubmits.
+#[test]
+fn a_decision_recorded_without_the_request_is_reported_as_recorded_and_exits_0() {
+    let detail = "the decision is recorded and action 12 is reopened, but backstop no longer holds its request (the gateway restarted since the escalation; payloads are never stored); the agent must resubmit the same payload with Idempotency-Key `order-7`: that request is sent as this same action, under this same key";
+    let problem = serde_json::json!({
+        "type": "urn:backstop:problem:request_not_held",
+        "title": "Recorded; the agent must resubmit", "status": 409, "detail": detail,
+        "escalation": 7, "action": 12, "decision": "retry_same_key", "decided_by": "alice",
+        "decided_at": "2026-01-01T00:10:00Z", "decision_recorded": true,
+        "idempotency_key": "order-7"
+    });
+    let (_runtime, url) = canned_conflict(problem.clone());
+    let decide = |option: &str, extra: &[&str]| {
+        let mut args = vec![
+            "escalations",
+            "decide",
+            "7",
+            "--option",
+            option,
+            "--url",
+            &url,
+            "--token",
+            TOKEN,
+        ];
+        args.extend_from_slice(extra);
+        backstop(&args)
+    };
+    let out = decide("retry_same_key", &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        format!(
+            "escalation 7: retry_same_key (action 12, decided by alice at 2026-01-01T00:10:00Z); recorded, but the gateway no longer holds the request\n  \
+             effect          retry_same_key, not applied: {detail}\n  \
+             resubmit        the same payload with Idempotency-Key order-7 (sent as action 12)\n  \
+             escalation      decided\n"
+        )
+    );
+    let out = decide("retry_same_key", &["--format", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(printed, problem);
+
+    // `send_new`: no key to resubmit under; the payload goes as a new action.
+    let (_runtime, url) = canned_conflict(serde_json::json!({
+        "type": "urn:backstop:problem:request_not_held",
+        "title": "Recorded; the agent must resubmit", "status": 409,
+        "detail": "the decision is recorded, but backstop no longer holds the request of action 12",
+        "escalation": 7, "action": 12, "decision": "send_new", "decided_by": "alice",
+        "decided_at": "2026-01-01T00:10:00Z", "decision_recorded": true,
+        "idempotency_key": null
+    }));
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "7",
+        "--option",
+        "send_new",
+        "--confirm-second-side-effect",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout)
+            .contains("  resubmit        the payload as a new action with a new Idempotency-Key\n"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    // A problem about another decision is not taken for this one.
+    let (_runtime, url) = canned_conflict(serde_json::json!({
+        "type": "urn:backstop:problem:request_not_held", "title": "x", "status": 409,
+        "detail": "x", "escalation": 7, "action": 12, "decision": "send_new",
+        "decided_by": "alice", "decision_recorded": true, "idempotency_key": null
+    }));
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "7",
+        "--option",
+        "retry_same_key",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    assert!(out.stdout.is_empty());
+}
+
 #[test]
 fn decide_format_json_prints_the_whole_answer() {
     let g = gateway();

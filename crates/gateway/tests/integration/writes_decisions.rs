@@ -273,6 +273,9 @@ async fn after_a_restart_retry_same_key_is_409_and_the_agents_same_key_resubmiss
     assert_eq!(status, 409, "{problem}");
     assert_eq!(problem["type"], "urn:backstop:problem:request_not_held");
     assert_eq!(problem["decision_recorded"], true);
+    assert_eq!(problem["decision"], "retry_same_key");
+    assert_eq!(problem["escalation"], escalation);
+    assert!(problem["decided_at"].is_string(), "{problem}");
     assert_eq!(problem["idempotency_key"], "order-restart-1");
     assert!(
         problem["detail"]
