@@ -97,7 +97,19 @@ pub enum Execution {
     },
 }
 
+/// The `detail` of an [`Execution::Outcome`] that answers a same-key resend of a completed write
+/// with the outcome it already ended with (reconciled, or a gateway outcome such as
+/// `cancelled`): nothing was sent for the resend, and the door marks the answer
+/// `Idempotent-Replayed: true`, as it marks a replayed provider response.
+pub const REPLAYED_OUTCOME: &str = "replayed: this idempotency key already ended with this outcome";
+
 impl Execution {
+    /// Whether this answers a same-key resend with its write's stored outcome
+    /// ([`REPLAYED_OUTCOME`]).
+    pub fn is_replayed_outcome(&self) -> bool {
+        matches!(self, Execution::Outcome { detail, .. } if detail == REPLAYED_OUTCOME)
+    }
+
     /// The receipt of any answer.
     pub fn receipt(&self) -> &ActionReceipt {
         match self {

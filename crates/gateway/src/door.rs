@@ -1175,13 +1175,16 @@ async fn execute(state: &AppState, spec: ActionSpec, before_engine: Duration) ->
 /// provider_operation_id (string or null), idempotency_key, action_id, detail, context}`; or a
 /// problem. Every answer carries the receipt headers and, for a write, `Idempotency-Key` (also
 /// `idempotency_key` in problem bodies). The provider's operation id is the receipt's: known from
-/// the lookup that found the write, even while the store cannot record it yet.
+/// the lookup that found the write, even while the store cannot record it yet. A same-key
+/// resend answered with its write's stored outcome carries `Idempotent-Replayed: true`, as a
+/// replayed provider response does.
 pub(crate) fn render(
     state: &AppState,
     execution: Execution,
     task_id: &str,
     single: bool,
 ) -> Response {
+    let replayed = execution.is_replayed_outcome();
     match execution {
         Execution::Response {
             receipt,
@@ -1223,6 +1226,11 @@ pub(crate) fn render(
                 problem.into_response()
             };
             receipt_headers(&mut response, &receipt, task_id, single);
+            if replayed {
+                response
+                    .headers_mut()
+                    .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+            }
             response
         }
         Execution::InFlight { receipt } => {

@@ -3306,12 +3306,15 @@ impl Engine {
                 let receipt = ActionReceipt {
                     action_id: 0,
                     attempts: 0,
-                    idempotency_key: None,
+                    idempotency_key: key.map(str::to_owned),
                     provider_operation_id: None,
                 };
-                let problem =
-                    Problem::key_reused(&differs, (&bound.provider, &bound.method, &bound.route))
-                        .with_extension("task", spec.task_id.as_str().into());
+                let problem = Problem::key_reused(
+                    &differs,
+                    (&bound.provider, &bound.method, &bound.route),
+                    key,
+                )
+                .with_extension("task", spec.task_id.as_str().into());
                 problem_answer(receipt, problem)
             }
             EngineError::Store(StoreError::InvalidTransition { reason, .. }) => unrecorded(
@@ -3479,7 +3482,7 @@ impl Engine {
                 receipt,
                 outcome,
                 context,
-                detail: "replayed: this idempotency key already ended with this outcome".to_owned(),
+                detail: crate::action::REPLAYED_OUTCOME.to_owned(),
             };
         }
         inner.metrics.layered_retry_joined(&record.provider);

@@ -232,8 +232,10 @@ impl Problem {
     /// names what differs, in the order `provider`, `method`, `route`, `target` (named only
     /// for the same route template), `payload`; `bound` is the `(provider, method, route template)` the key
     /// is bound to. Members: `differs` (array), `bound_to` `{provider, method, route}`, `sent:
-    /// false`; no action id is named. Nothing was sent; `x-should-retry: false`.
-    pub fn key_reused(differs: &[&str], bound: (&str, &str, &str)) -> Problem {
+    /// false` and `idempotency_key` (the agent's `key`, answered as the `Idempotency-Key` header
+    /// too, as on every answer to a write); no action id is named. Nothing was sent;
+    /// `x-should-retry: false`.
+    pub fn key_reused(differs: &[&str], bound: (&str, &str, &str), key: Option<&str>) -> Problem {
         let (provider, method, route) = bound;
         let (title, what) = match differs {
             ["payload"] => (
@@ -249,7 +251,7 @@ impl Problem {
                 format!("a different request ({} differs)", differs.join(", ")),
             ),
         };
-        Problem::door(
+        let problem = Problem::door(
             StatusCode::UNPROCESSABLE_ENTITY,
             "idempotency_key_reused",
             title,
@@ -261,7 +263,11 @@ impl Problem {
         .with_extension(
             "bound_to",
             json!({"provider": provider, "method": method, "route": route}),
-        )
+        );
+        match key {
+            Some(key) => problem.with_extension("idempotency_key", json!(key)),
+            None => problem,
+        }
     }
 
     /// 404 `action_not_found` / `task_not_found`: no such action or task *for this caller* (an

@@ -321,6 +321,9 @@ async fn a_key_reused_with_another_body_gets_its_own_problem_naming_no_action() 
     assert_eq!(send(r#"{"amount":1}"#).await.unwrap().status(), 201);
     let changed = send(r#"{"amount":2}"#).await.unwrap();
     assert_eq!(changed.status(), 422);
+    // As every answer to a write, it names the key in effect (the agent's).
+    assert_eq!(changed.headers()["idempotency-key"], "refund-reused");
+    assert_eq!(changed.headers()["backstop-action-id"], "0");
     let problem: serde_json::Value =
         serde_json::from_slice(&changed.bytes().await.unwrap()).unwrap();
     assert_eq!(
@@ -332,6 +335,7 @@ async fn a_key_reused_with_another_body_gets_its_own_problem_naming_no_action() 
         "This Idempotency-Key was already used with a different request body"
     );
     assert_eq!(problem["sent"], false, "{problem}");
+    assert_eq!(problem["idempotency_key"], "refund-reused", "{problem}");
     assert!(problem.get("action_id").is_none(), "{problem}");
     assert!(problem.get("outcome").is_none(), "{problem}");
     let attempts = fake.attempts();

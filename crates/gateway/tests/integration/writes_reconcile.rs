@@ -123,6 +123,10 @@ async fn stored_then_dropped_write_is_reconciled_by_key_with_one_create_and_one_
         .expect("request");
     let id = action_id(&response);
     let status = response.status();
+    assert!(
+        response.headers().get("idempotent-replayed").is_none(),
+        "the reconciliation's own answer is not a replay"
+    );
     let minted = response
         .headers()
         .get("idempotency-key")
@@ -134,7 +138,7 @@ async fn stored_then_dropped_write_is_reconciled_by_key_with_one_create_and_one_
     assert_eq!(body["outcome"], "succeeded", "{body}");
 
     // The agent's resend under the minted key replays the outcome with the same account of
-    // what was sent, not an empty one.
+    // what was sent, not an empty one, marked as a replay like every replay.
     let replayed = client()
         .post(format!("http://{}/fake/v1/transfers", gateway.addr))
         .bearer_auth(AGENT_TOKEN)
@@ -146,9 +150,12 @@ async fn stored_then_dropped_write_is_reconciled_by_key_with_one_create_and_one_
         .await
         .expect("replay");
     assert_eq!(action_id(&replayed), id);
+    assert_eq!(replayed.status(), 200);
+    assert_eq!(replayed.headers()["idempotent-replayed"], "true");
     let replayed: serde_json::Value =
         serde_json::from_slice(&replayed.bytes().await.expect("body")).expect("json");
     assert_eq!(replayed["outcome"], "succeeded", "{replayed}");
+    assert_eq!(replayed["reconciled"], true, "{replayed}");
     assert_eq!(replayed["context"]["sent"], true, "{replayed}");
     assert_eq!(replayed["context"]["attempts"], 1, "{replayed}");
     assert_eq!(
