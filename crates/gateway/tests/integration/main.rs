@@ -16,6 +16,7 @@ mod engine_store_failures;
 mod escalation_boundary;
 mod escalation_query_status;
 mod escalations_api;
+mod examples_walkthrough;
 mod health_snapshots;
 mod health_watchdog;
 mod key_target;
