@@ -98,7 +98,9 @@ pub struct ScopeView {
     pub request_class: Option<String>,
     /// No attempt of this scope leaves before this instant.
     pub next_allowed_at: Option<Timestamp>,
-    /// Requests the provider says are left in the current window.
+    /// Requests the provider says are left in the current window; `None` when unknown, also
+    /// once the window it was reported for has ended (its reset, or for a `0` the boundary the
+    /// scope waited for, has passed).
     pub remaining: Option<u64>,
     /// Seconds until the provider's window resets (rounded up), when a future reset is known.
     pub reset_after_seconds: Option<u64>,
@@ -1786,10 +1788,23 @@ impl State {
     }
 }
 
-/// Copies a record's live fields into its view.
+/// Copies a record's live fields into its view. `remaining` counts the provider's current
+/// window only: once the window it was reported for has ended — the reported reset, or, for a
+/// `0` (a 429, or an exhausted quota), the boundary the scope waited for, whichever is later —
+/// the count is not known to hold any more and the view shows none (`null`) until the next
+/// signal.
 fn refresh(view: &mut ScopeView, record: &ScopeRecord, now: Timestamp) {
     view.next_allowed_at = record.next_allowed_at;
-    view.remaining = record.remaining;
+    let blocked_until = record
+        .next_allowed_at
+        .filter(|_| record.remaining == Some(0));
+    let window_end = match (record.reset_at, blocked_until) {
+        (Some(reset), Some(blocked)) => Some(reset.max(blocked)),
+        (reset, blocked) => reset.or(blocked),
+    };
+    view.remaining = record
+        .remaining
+        .filter(|_| window_end.is_none_or(|end| end > now));
     view.reset_after_seconds = record.reset_at.filter(|r| *r > now).map(|r| {
         let d = positive(r.duration_since(now));
         d.as_secs() + u64::from(d.subsec_nanos() > 0)
@@ -1823,6 +1838,50 @@ fn jittered(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn view_of(record: &ScopeRecord, now: Timestamp) -> ScopeView {
+        let mut view = ScopeView {
+            provider: "billing".into(),
+            scope: "account".into(),
+            request_class: None,
+            next_allowed_at: None,
+            remaining: None,
+            reset_after_seconds: None,
+            source: None,
+            in_flight: 0,
+            delayed: 0,
+        };
+        refresh(&mut view, record, now);
+        view
+    }
+
+    #[test]
+    fn remaining_is_shown_only_until_the_window_it_was_reported_for_ends() {
+        let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let at = |s: i64| t0 + SignedDuration::from_secs(s);
+        let mut record = ScopeRecord::new("billing/account", 2, 25);
+        record.observe_quota(Some(7), Some(10), Some(at(10)), "ietf quota headers");
+        let before = view_of(&record, at(9));
+        assert_eq!(
+            (before.remaining, before.reset_after_seconds),
+            (Some(7), Some(1))
+        );
+        // The reset passed: the old window's count is not known to hold in the new one.
+        let after = view_of(&record, at(10));
+        assert_eq!((after.remaining, after.reset_after_seconds), (None, None));
+        // A report without a reset instant keeps its count.
+        let mut unbounded = ScopeRecord::new("billing/account", 2, 25);
+        unbounded.observe_quota(Some(3), None, None, "generic quota headers");
+        assert_eq!(view_of(&unbounded, at(3600)).remaining, Some(3));
+
+        // A 429 after that reset: 0 left until its boundary, even though the old reset passed.
+        record.observe_429(at(20), "HTTP 429 Retry-After");
+        assert_eq!(view_of(&record, at(19)).remaining, Some(0));
+        assert_eq!(view_of(&record, at(20)).remaining, None);
+        // A new window's report counts again.
+        record.observe_quota(Some(9), Some(10), Some(at(30)), "ietf quota headers");
+        assert_eq!(view_of(&record, at(21)).remaining, Some(9));
+    }
 
     #[test]
     fn unit_samples_stay_in_range_and_follow_the_seed() {

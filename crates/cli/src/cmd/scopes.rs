@@ -5,7 +5,8 @@
 //! (`provider/scope`, as `/metrics` and `backstop diagnose` spell it), `next_allowed_at` (no
 //! attempt of the scope leaves before it; `now` in the table once it has passed — the record
 //! keeps the last boundary until the next signal — and `-` when there is none), the provider's
-//! `remaining` requests and
+//! `remaining` requests (`-` when unknown, also once the window they were reported for has
+//! ended: the gateway does not carry an old window's count into the next) and
 //! `reset_after_seconds`, the `source` of the last signal, and the attempts `in_flight` and
 //! actions `delayed` in the scope.
 //!
