@@ -2938,7 +2938,7 @@ impl Engine {
             (Disposition::QuotaExhausted, _) => {
                 let boundary = seen.boundary;
                 let context = self.context(budget, seen, boundary, wait_then_abort(boundary));
-                let detail = "the provider's quota is exhausted until its reset".to_owned();
+                let detail = quota_escalations::exhausted_detail(boundary);
                 let mut execution = Box::pin(self.finish_with_result(
                     run,
                     budget,

@@ -98,6 +98,16 @@ pub(super) fn streak_keys(provider: &str, scopes: &[String]) -> Vec<String> {
     }
 }
 
+/// The detail of an action ended `quota_exhausted` by the provider (SPEC §2.1): until which
+/// reset, or — when the provider gave none (the boundary is unknown) — that no reset is known,
+/// so no retry time can be named.
+pub(super) fn exhausted_detail(reset: Option<Timestamp>) -> String {
+    match reset {
+        Some(at) => format!("the provider's quota is exhausted until its reset at {at}"),
+        None => "the provider's quota is exhausted and the provider gave no reset instant, so there is no known time at which a retry would be allowed".to_owned(),
+    }
+}
+
 /// What [`Inner::escalate_scope_once`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum QuotaEscalation {
@@ -270,6 +280,18 @@ mod tests {
     use backstop_core::escalation::{CaseAction, CaseInput};
 
     const Q: EscalationReason = EscalationReason::SharedQuotaExhausted;
+
+    #[test]
+    fn the_exhausted_detail_names_the_reset_only_when_one_is_known() {
+        let reset: Timestamp = "2026-01-01T00:00:00Z".parse().expect("instant");
+        assert_eq!(
+            exhausted_detail(Some(reset)),
+            "the provider's quota is exhausted until its reset at 2026-01-01T00:00:00Z"
+        );
+        let unknown = exhausted_detail(None);
+        assert!(unknown.contains("gave no reset instant"), "{unknown}");
+        assert!(!unknown.contains("until its reset"), "{unknown}");
+    }
 
     fn case(reason: EscalationReason, scopes: &[&str], reset: Option<&str>) -> CaseFile {
         CaseFile::build(CaseInput {

@@ -130,6 +130,16 @@ async fn tasks_meeting_an_exhausted_quota_open_one_escalation_per_scope() {
     for handle in handles {
         let body = handle.await.expect("task");
         assert_eq!(body["outcome"], "quota_exhausted", "{body}");
+        // No reset was given: the detail says so instead of promising one.
+        assert!(body["boundary"].is_null(), "{body}");
+        let detail = body["detail"].as_str().expect("detail");
+        assert!(
+            detail.starts_with(
+                "the provider's quota is exhausted and the provider gave no reset instant"
+            ),
+            "{detail}"
+        );
+        assert!(!detail.contains("until its reset"), "{detail}");
     }
     // Exactly one send each: no retry, no probe.
     let attempts = fake.attempts();
