@@ -15,7 +15,8 @@
 //! (the gateway lists only open ones, so each is read by id, from 1 up to the first id that does
 //! not exist: one request per escalation); `show` the escalation with its case file as pretty
 //! JSON; `decide` what the gateway answered: the decision, its effect and whether it was
-//! applied, the action's outcome, the new action of `send_new`, the lookup of `query_status`
+//! applied, the escalated action's outcome (`action N`) — for `send_new` that it is unchanged,
+//! and the new action with its own outcome (`new action M`) —, the lookup of `query_status`
 //! and whether the escalation stays open. `--format json` prints the gateway's answer (for
 //! `list --all`, the rows as `{"escalations": […]}`) as pretty JSON.
 //!
@@ -478,7 +479,10 @@ fn not_held(value: &Value) -> String {
 }
 
 /// What `decide` prints: a first line with the decision, then one labelled line per member of
-/// the answer that says what happened (members the answer does not carry are left out).
+/// the answer that says what happened (members the answer does not carry are left out). The
+/// outcome is printed on the line of the action it belongs to: `action N` for the escalated
+/// action, and for `send_new` also `new action M`, whose outcome the answer's `action_outcome`
+/// is (the escalated action stays as it was).
 fn decided(value: &Value) -> String {
     let open = value["escalation_state"].as_str() == Some("open");
     let mut out = if open {
@@ -528,14 +532,24 @@ fn decided(value: &Value) -> String {
         }
         line("effect", text);
     }
-    line(
-        "action outcome",
-        value["action_outcome"]
-            .as_str()
-            .map_or_else(|| "unchanged".to_owned(), str::to_owned),
-    );
-    if !value["new_action"].is_null() {
-        line("new action", client::cell(&value["new_action"]));
+    // `action_outcome` is the outcome of the action the decision sent: the escalated action
+    // itself, or for `send_new` the new action, while the escalated one stays as it was.
+    let action = client::cell(&value["action"]);
+    let outcome = value["action_outcome"].as_str().map(str::to_owned);
+    if value["new_action"].is_null() {
+        line(
+            &format!("action {action}"),
+            outcome.unwrap_or_else(|| "unchanged".to_owned()),
+        );
+    } else {
+        line(
+            &format!("action {action}"),
+            "unchanged (the request was sent as a new action)".to_owned(),
+        );
+        line(
+            &format!("new action {}", client::cell(&value["new_action"])),
+            outcome.unwrap_or_else(|| "no outcome yet (still running)".to_owned()),
+        );
     }
     if let Some(lookup) = value["lookup"].as_object() {
         let mut text = lookup

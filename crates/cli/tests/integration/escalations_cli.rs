@@ -238,7 +238,7 @@ fn list_show_decide_round_trip() {
         format!(
             "escalation {id}: send_new (action 1, decided by alice at {})\n  \
              effect          send_new, not applied: recorded only: this gateway runs no engine\n  \
-             action outcome  unchanged\n  \
+             action 1        unchanged\n  \
              escalation      decided\n  \
              note            customer confirmed nothing arrived\n",
             decided_at(&g)
@@ -460,7 +460,7 @@ fn decide_prints_the_effect_the_outcome_and_the_lookup() {
         text(&out.stdout),
         "escalation 7: query_status asked by alice at 2026-01-01T00:10:00Z (action 12); the escalation stays open\n  \
          effect          query_status, not applied: the lookup was inconclusive; the action stays escalated\n  \
-         action outcome  unchanged\n  \
+         action 12       unchanged\n  \
          lookup          inconclusive: the lookup failed with HTTP 503\n  \
          escalation      open\n"
     );
@@ -489,8 +489,40 @@ fn decide_prints_the_effect_the_outcome_and_the_lookup() {
         stdout.contains("  effect          retry_same_key (idempotency_key k-1), applied: sent again with the same key\n"),
         "{stdout}"
     );
-    assert!(stdout.contains("  action outcome  succeeded\n"), "{stdout}");
+    assert!(stdout.contains("  action 12       succeeded\n"), "{stdout}");
     assert!(!stdout.contains("lookup"), "{stdout}");
+
+    // `send_new`: the outcome is the new action's; the escalated one stays as it was.
+    let (_runtime, url) = canned_decision(serde_json::json!({
+        "id": 7, "action": 12, "decision": "send_new", "decided_by": "alice",
+        "decided_at": "2026-01-01T00:10:00Z",
+        "effect": {"effect": "send_new"}, "effect_applied": true,
+        "effect_detail": "sent as the new action 13 with a new Idempotency-Key; escalated action 12 stays escalated; outcome `succeeded`",
+        "action_outcome": "succeeded", "new_action": 13, "lookup": null,
+        "escalation_state": "decided", "note": null
+    }));
+    let out = backstop(&[
+        "escalations",
+        "decide",
+        "7",
+        "--option",
+        "send_new",
+        "--confirm-second-side-effect",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(
+            "  action 12       unchanged (the request was sent as a new action)\n  \
+             new action 13   succeeded\n"
+        ),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("action outcome"), "{stdout}");
 }
 
 /// Serves `problem` as a `409` problem answer of `POST /v1/escalations/7/decision`.
