@@ -4,7 +4,9 @@
 //! The printed commands run as printed from the directory the demo was started in: they start
 //! with `backstop` when that name on `PATH` is this very binary, else with the binary's own
 //! path (relative when it lies under the working directory, e.g. `target/release/backstop`
-//! after `cargo run --release -- demo`).
+//! after `cargo run --release -- demo`). Those that serve the demo's store and show or decide
+//! its open escalation set the demo policy's environment variables first (its throwaway agent,
+//! provider and operator secrets).
 
 use std::{
     io::IsTerminal,

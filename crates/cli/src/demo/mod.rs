@@ -44,6 +44,9 @@ pub use render::{render, shell_word};
 const AGENT_TOKEN: &str = "demo-agent-token";
 /// The provider credential backstop adds (the fake only records a digest of it).
 const PROVIDER_KEY: &str = "demo-provider-key";
+/// The operator token of the demo policy's operator, to show and decide the open escalation
+/// on a gateway serving the demo's store (a throwaway value, only valid for the demo).
+const OPERATOR_TOKEN: &str = "demo-operator-token";
 /// The demo policy's file name inside the demo directory.
 pub const POLICY_FILE: &str = "policy.yaml";
 
@@ -102,6 +105,8 @@ backoff:
   boundary_spread_seconds: 1
 agents:
   {AGENT}: {{ token_env: DEMO_AGENT_TOKEN }}
+operators:
+  demo-operator: {{ token_env: DEMO_OPERATOR_TOKEN }}
 providers:
   fake:
     base_url: {base_url}
@@ -192,6 +197,7 @@ fn env(name: &str) -> Option<String> {
     match name {
         "DEMO_AGENT_TOKEN" => Some(AGENT_TOKEN.to_owned()),
         "DEMO_PROVIDER_KEY" => Some(PROVIDER_KEY.to_owned()),
+        "DEMO_OPERATOR_TOKEN" => Some(OPERATOR_TOKEN.to_owned()),
         _ => None,
     }
 }

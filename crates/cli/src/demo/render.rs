@@ -537,4 +537,28 @@ fn where_to_look(report: &Report, style: &Style, program: &str, out: &mut String
         out,
         "  {program} snapshots export --db {db} --policy {policy} | {program} diagnose -"
     );
+    if let Some(e) = report.escalations.first() {
+        // The policy reads its secrets from the environment, as every policy does: these are
+        // the demo's own throwaway values.
+        let secrets = format!(
+            "DEMO_AGENT_TOKEN={} DEMO_PROVIDER_KEY={} DEMO_OPERATOR_TOKEN={}",
+            super::AGENT_TOKEN,
+            super::PROVIDER_KEY,
+            super::OPERATOR_TOKEN
+        );
+        let operator = format!("BACKSTOP_OPERATOR_TOKEN={}", super::OPERATOR_TOKEN);
+        let _ = writeln!(
+            out,
+            "\n  The open escalation, on a gateway serving this store (the first command, in another\n  \
+             terminal, listens on 127.0.0.1:8080; the demo's provider is gone, so a status query\n  \
+             answers inconclusive and the escalation stays open):"
+        );
+        let _ = writeln!(out, "  {secrets} {program} serve --config {policy}");
+        let _ = writeln!(out, "  {operator} {program} escalations show {}", e.id.0);
+        let _ = writeln!(
+            out,
+            "  {operator} {program} escalations decide {} --option query_status",
+            e.id.0
+        );
+    }
 }

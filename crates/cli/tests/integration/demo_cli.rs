@@ -222,6 +222,82 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         );
         assert!(!ran.stdout.is_empty(), "{command} printed nothing");
     }
+    // The open escalation, on a gateway serving the demo's store as printed (on a free port
+    // instead of 8080, which the escalation commands are pointed at with BACKSTOP_URL): the
+    // policy has an operator, so the escalation shows and takes a decision.
+    let printed = |needle: &str| -> String {
+        stdout
+            .lines()
+            .map(str::trim)
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no `{needle}` line: {stdout}"))
+            .to_owned()
+    };
+    let serve = printed(" serve --config ");
+    let (secrets, command) = split_env(&serve);
+    assert!(
+        secrets
+            .iter()
+            .any(|(name, _)| *name == "DEMO_OPERATOR_TOKEN"),
+        "{serve}"
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("a free port")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let mut gateway = Command::new(command[0])
+        .args(&command[1..])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .envs(secrets.iter().copied())
+        .current_dir(&workdir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve starts");
+    let url = format!("http://127.0.0.1:{port}");
+    let up = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let run = |line: &str| {
+        let (env, command) = split_env(line);
+        Command::new(command[0])
+            .args(&command[1..])
+            .envs(env.iter().copied())
+            .env("BACKSTOP_URL", &url)
+            .current_dir(&workdir)
+            .output()
+            .expect("runs")
+    };
+    let shown = up.then(|| run(&printed(" escalations show 1")));
+    let decided = up.then(|| run(&printed(" escalations decide 1 --option query_status")));
+    let _ = gateway.kill();
+    let served = gateway.wait_with_output().expect("serve output");
+    assert!(
+        up,
+        "the gateway did not listen: {}",
+        String::from_utf8_lossy(&served.stderr)
+    );
+    let shown = shown.expect("shown");
+    assert!(
+        shown.status.success(),
+        "{}",
+        String::from_utf8_lossy(&shown.stderr)
+    );
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("side_effect_unknown"));
+    let decided = decided.expect("decided");
+    assert!(
+        decided.status.success(),
+        "{}",
+        String::from_utf8_lossy(&decided.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&decided.stdout).contains("lookup          inconclusive"),
+        "{}",
+        String::from_utf8_lossy(&decided.stdout)
+    );
+
     // The suggested policy file is really there and valid for `snapshots export --policy`.
     let checked = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
         .args(["policy", "check"])
@@ -245,6 +321,22 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         "{}",
         String::from_utf8_lossy(&verify.stderr)
     );
+}
+
+/// A printed command line `NAME=value … program args…` as its environment assignments and its
+/// words (the demo's paths here need no quoting).
+fn split_env(line: &str) -> (Vec<(&str, &str)>, Vec<&str>) {
+    assert!(!line.contains('\''), "quoted words: {line}");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let assignments = words
+        .iter()
+        .take_while(|w| w.contains('=') && !w.contains('/'))
+        .count();
+    let env = words[..assignments]
+        .iter()
+        .map(|w| w.split_once('=').expect("NAME=value"))
+        .collect();
+    (env, words[assignments..].to_vec())
 }
 
 #[test]
