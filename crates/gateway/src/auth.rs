@@ -185,20 +185,8 @@ impl Authenticator {
     /// [`AuthError`]: missing header, more than one header, not a bearer token, an empty bearer
     /// token, or an unknown token.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthError> {
-        let value = bearer_header(headers)?;
-        let value = value.to_str().map_err(|_| AuthError::NotBearer)?.trim();
-        if value.eq_ignore_ascii_case("bearer") {
-            return Err(AuthError::EmptyToken);
-        }
-        let (scheme, token) = value.split_once(' ').ok_or(AuthError::NotBearer)?;
-        if !scheme.eq_ignore_ascii_case("bearer") {
-            return Err(AuthError::NotBearer);
-        }
-        let token = token.trim();
-        if token.is_empty() {
-            return Err(AuthError::EmptyToken);
-        }
-        self.identify(token).ok_or(AuthError::Unknown)
+        self.identify(bearer_token(headers)?)
+            .ok_or(AuthError::Unknown)
     }
 
     /// The caller a token belongs to, compared in constant time against every entry.
@@ -217,6 +205,29 @@ impl Authenticator {
             role: entry.role,
         })
     }
+}
+
+/// The token of the one `Authorization: Bearer <token>` header of a request (RFC 6750 §2.1;
+/// the scheme is case-insensitive), not yet identified.
+///
+/// # Errors
+/// [`AuthError`]: missing header, more than one header, not a bearer token, an empty bearer
+/// token.
+pub fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {
+    let value = bearer_header(headers)?;
+    let value = value.to_str().map_err(|_| AuthError::NotBearer)?.trim();
+    if value.eq_ignore_ascii_case("bearer") {
+        return Err(AuthError::EmptyToken);
+    }
+    let (scheme, token) = value.split_once(' ').ok_or(AuthError::NotBearer)?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return Err(AuthError::NotBearer);
+    }
+    let token = token.trim();
+    if token.is_empty() {
+        return Err(AuthError::EmptyToken);
+    }
+    Ok(token)
 }
 
 /// The one `Authorization` header of a request (RFC 9110 §11.6.2 defines a single credential).

@@ -66,7 +66,9 @@
 //!
 //! Auth: `Authorization: Bearer <token>` resolved by [`HealthState::callers`]. Operators see every
 //! run; an agent sees only its own tasks (another agent's task answers 404, as an unknown one).
-//! Errors are RFC 9457 problems: 401 `unauthorized`, 404 `run_not_found`, 500 `store_error`.
+//! Errors are RFC 9457 problems made as every other backstop problem ([`Problem`]: a title, and
+//! `sent: false`): 401 `unauthorized` (saying what was wrong with the token), 400 `bad_header`
+//! (two `Authorization` headers), 404 `run_not_found`, 500 `store_error`.
 //! Each request reads the whole audit log (paged); a store-side index is the step after this one
 //! if logs grow large.
 
@@ -76,8 +78,7 @@ use std::time::Duration;
 
 use axum::{
     extract::{Path, State},
-    http::{header, HeaderMap, HeaderValue, StatusCode},
-    response::{IntoResponse, Response},
+    http::HeaderMap,
     routing::get,
     Json, Router,
 };
@@ -92,10 +93,10 @@ use backstop_store::audit::AuditEvent;
 use backstop_store::{ActionId, Store, StoreError, TaskRecord};
 use jiff::Timestamp;
 use serde::Serialize;
-use serde_json::json;
 
-use crate::auth::{Caller, Role};
+use crate::auth::{AuthError, Caller, Role};
 use crate::clock::TokioClock;
+use crate::problem::Problem;
 
 /// Audit events read per page when scanning the log.
 pub const PAGE_EVENTS: usize = 1_000;
@@ -839,63 +840,12 @@ pub fn router(state: HealthState) -> Router {
         .with_state(state)
 }
 
-#[derive(Debug)]
-struct HealthProblem {
-    status: StatusCode,
-    name: &'static str,
-    detail: String,
-}
-
-impl IntoResponse for HealthProblem {
-    fn into_response(self) -> Response {
-        let body = json!({
-            "type": format!("{}{}", crate::problem::TYPE_PREFIX, self.name),
-            "title": self.name.replace('_', " "),
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
-        let mut response = (self.status, body.to_string()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(crate::problem::PROBLEM_JSON),
-        );
-        headers.insert("x-should-retry", HeaderValue::from_static("false"));
-        if self.status == StatusCode::UNAUTHORIZED {
-            headers.insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"backstop\""),
-            );
-        }
-        response
-    }
-}
-
-fn problem(status: StatusCode, name: &'static str, detail: impl Into<String>) -> HealthProblem {
-    HealthProblem {
-        status,
-        name,
-        detail: detail.into(),
-    }
-}
-
-fn caller(state: &HealthState, headers: &HeaderMap) -> Result<Caller, HealthProblem> {
-    let unauthorized = || {
-        problem(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "run health is read with an agent or operator token in `Authorization: Bearer …`",
-        )
-    };
-    let value = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .ok_or_else(unauthorized)?;
-    let (scheme, token) = value.trim().split_once(' ').ok_or_else(unauthorized)?;
-    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
-        return Err(unauthorized());
-    }
-    (state.callers)(token.trim()).ok_or_else(unauthorized)
+/// The caller of a health request, as every route authenticates one: one `Authorization:
+/// Bearer` header (two are `400 bad_header`) with an agent's or an operator's token (anything
+/// else is `401 unauthorized`, saying what was wrong).
+fn caller(state: &HealthState, headers: &HeaderMap) -> Result<Caller, Problem> {
+    let token = crate::auth::bearer_token(headers).map_err(Problem::from)?;
+    (state.callers)(token).ok_or_else(|| Problem::from(AuthError::Unknown))
 }
 
 /// The task `id` as `caller` may see it. Task ids are namespaced per agent: an agent gets its
@@ -961,19 +911,11 @@ fn gather(
 
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, HealthError> + Send + 'static,
-) -> Result<T, HealthProblem> {
+) -> Result<T, Problem> {
     match tokio::task::spawn_blocking(f).await {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "store_error",
-            e.to_string(),
-        )),
-        Err(e) => Err(problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "store_error",
-            format!("store task ended: {e}"),
-        )),
+        Ok(Err(e)) => Err(Problem::store_error(e.to_string())),
+        Err(e) => Err(Problem::store_error(format!("store task ended: {e}"))),
     }
 }
 
@@ -988,7 +930,7 @@ async fn one_run(
     State(state): State<HealthState>,
     Path(task_id): Path<String>,
     headers: HeaderMap,
-) -> Result<Json<RunHealth>, HealthProblem> {
+) -> Result<Json<RunHealth>, Problem> {
     let caller = caller(&state, &headers)?;
     let store = state.store.clone();
     let found = {
@@ -1003,11 +945,7 @@ async fn one_run(
         .await?
     };
     let Some((task, (evidence, _, visible))) = found else {
-        return Err(problem(
-            StatusCode::NOT_FOUND,
-            "run_not_found",
-            format!("run `{task_id}` does not exist or is not yours"),
-        ));
+        return Err(Problem::not_yours("run", &task_id));
     };
     let ctx = SnapshotContext {
         deadline: task.deadline,
@@ -1024,7 +962,7 @@ async fn one_run(
 async fn all_runs(
     State(state): State<HealthState>,
     headers: HeaderMap,
-) -> Result<Json<GatewayHealth>, HealthProblem> {
+) -> Result<Json<GatewayHealth>, Problem> {
     let caller = caller(&state, &headers)?;
     let store = state.store.clone();
     let (evidence, tasks, visible) =

@@ -448,8 +448,13 @@ async fn agents_see_only_their_own_runs() {
     let (status, body) = get(&state, "/v1/runs/run-2/health", Some("agent-a-token")).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
     assert_eq!(body["type"], "urn:backstop:problem:run_not_found");
-    let (status, _) = get(&state, "/v1/runs/no-such-run/health", Some("op-token")).await;
+    // Made as every other backstop problem: a title of its own, `sent: false`.
+    assert_eq!(body["title"], "Not found", "{body}");
+    assert_eq!(body["sent"], false, "{body}");
+    assert_eq!(body["detail"], "no run `run-2` for this caller", "{body}");
+    let (status, unknown) = get(&state, "/v1/runs/no-such-run/health", Some("op-token")).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(unknown["title"], body["title"], "{unknown}");
     // agent-a's gateway view lists nothing unhealthy and counts only its own run.
     let (status, body) = get(&state, "/v1/health", Some("agent-a-token")).await;
     assert_eq!(status, StatusCode::OK);
@@ -465,9 +470,44 @@ async fn health_routes_need_a_known_token() {
         let (status, body) = get(&state, uri, None).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED, "{uri}");
         assert_eq!(body["type"], "urn:backstop:problem:unauthorized");
-        let (status, _) = get(&state, uri, Some("nobody")).await;
+        // The door's problem: its title, `sent: false`, and what was wrong with the token.
+        assert_eq!(body["title"], "Missing or unknown backstop token", "{body}");
+        assert_eq!(body["sent"], false, "{body}");
+        assert!(
+            body["detail"].as_str().unwrap().contains("missing"),
+            "{body}"
+        );
+        let (status, body) = get(&state, uri, Some("nobody")).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED, "{uri}");
+        assert!(
+            body["detail"]
+                .as_str()
+                .unwrap()
+                .contains("matches no agent or operator"),
+            "{body}"
+        );
     }
+}
+
+/// Two `Authorization` headers are ambiguous credentials, refused on health routes as on every
+/// route: `400 bad_header`, neither token used.
+#[tokio::test]
+async fn two_authorization_headers_are_a_bad_header() {
+    let (_dir, store, _) = two_runs();
+    let state = state(store, at(45_000));
+    let request = Request::get("/v1/health")
+        .header(header::AUTHORIZATION, "Bearer op-token")
+        .header(header::AUTHORIZATION, "Bearer agent-a-token")
+        .body(Body::empty())
+        .expect("request");
+    let response = router(state).oneshot(request).await.expect("response");
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    let body: Value = serde_json::from_slice(&bytes).expect("json");
+    assert_eq!(body["type"], "urn:backstop:problem:bad_header", "{body}");
+    assert_eq!(body["header"], "Authorization", "{body}");
 }
 
 #[tokio::test]
