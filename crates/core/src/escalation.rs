@@ -300,8 +300,9 @@ pub struct CaseFile {
     pub idempotency_key: Option<String>,
     /// The key the provider was sent for it (`reconcile::upstream_idempotency_key` of agent and
     /// key): the one to search for at the provider. Set by the gateway after
-    /// [`CaseFile::build`]; absent in case files written before keys were derived.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// [`CaseFile::build`]; `null` when no key was sent (a provider that does not honour keys,
+    /// `honours_key: false`, or a read); absent in case files written before keys were derived.
+    #[serde(default)]
     pub upstream_idempotency_key: Option<String>,
     /// The external reference, if any.
     pub external_reference: Option<String>,

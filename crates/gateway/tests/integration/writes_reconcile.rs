@@ -340,8 +340,10 @@ async fn write_without_key_support_or_lookup_is_never_resent_and_is_escalated() 
         "no key reached the provider"
     );
     assert_eq!(escalation.case_file["honours_key"], false);
-    assert!(
-        escalation.case_file["upstream_idempotency_key"].is_null(),
+    // Named as `null`, the documented shape, not left out.
+    assert_eq!(
+        escalation.case_file.get("upstream_idempotency_key"),
+        Some(&serde_json::Value::Null),
         "an upstream key that was never sent is not named: {case}"
     );
     fake.shutdown().await;
