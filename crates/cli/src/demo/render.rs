@@ -448,30 +448,34 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         }
     }
     if let Some(cancelled) = &report.cancelled {
-        let cancelled_actions = report
-            .events
-            .iter()
-            .filter(|e| {
-                e.kind == "cancelled" && e.task.as_deref() == Some(cancelled.task_id.as_str())
-            })
-            .filter_map(|e| e.action)
-            .collect::<std::collections::BTreeSet<_>>()
-            .len();
-        let _ = writeln!(
-            out,
-            "\nCancelled {}: {} ended cancelled, {} dropped before {} fired.",
+        // The cancellation's three counts look at the same actions from three places (their
+        // outcomes, the delayed queue, the durable retries): they overlap, never add them up.
+        let mut sentence = format!(
+            "\nCancelled {}: {} ended cancelled (actions_cancelled {})",
             cancelled.task_id,
-            count(cancelled_actions, "action"),
-            count(
-                cancelled.waiting_dropped + cancelled.retries_dropped,
-                "delayed wake"
-            ),
-            if cancelled.waiting_dropped + cancelled.retries_dropped == 1 {
-                "it"
-            } else {
-                "they"
-            }
+            count(cancelled.actions_cancelled, "action"),
+            cancelled.actions_cancelled
         );
+        if cancelled.waiting_dropped > 0 {
+            let _ = write!(
+                sentence,
+                "; {} of them {} taken out of the delayed queue before {} woke (waiting_dropped {})",
+                cancelled.waiting_dropped,
+                if cancelled.waiting_dropped == 1 { "was" } else { "were" },
+                if cancelled.waiting_dropped == 1 { "it" } else { "they" },
+                cancelled.waiting_dropped
+            );
+        }
+        if cancelled.retries_dropped > 0 {
+            let _ = write!(
+                sentence,
+                ", and {} of those also had {} scheduled retry dropped from the store (retries_dropped {})",
+                cancelled.retries_dropped,
+                if cancelled.retries_dropped == 1 { "its" } else { "their" },
+                cancelled.retries_dropped
+            );
+        }
+        let _ = writeln!(out, "{sentence}.");
     }
 }
 

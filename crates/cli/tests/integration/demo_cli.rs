@@ -171,6 +171,21 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         "HTTP 429 Retry-After"
     ]));
 
+    // The cancellation, in the terms of its answer: the counts overlap, so they are said of
+    // the same actions, never added up into "delayed wakes" that outnumber the actions.
+    let cancelled = stdout
+        .lines()
+        .find(|l| l.starts_with("Cancelled research-c: "))
+        .expect("the cancellation's sentence");
+    assert!(
+        cancelled.contains(" ended cancelled (actions_cancelled ")
+            && cancelled.contains(
+                " of them were taken out of the delayed queue before they woke (waiting_dropped "
+            ),
+        "{cancelled}"
+    );
+    assert!(!cancelled.contains("wakes dropped"), "{cancelled}");
+
     // The open escalation and its options.
     assert!(line_with(&["escalation 1", "side_effect_unknown"]));
     for option in ["query_status", "retry_same_key", "abort", "send_new"] {

@@ -236,6 +236,19 @@ async fn cancelling_a_write_waiting_on_a_durable_retry_reports_all_three_counts(
         (&json!(1), &json!(1), &json!(1)),
         "{report}"
     );
+    // Cancelled again: nothing is left to cancel or drop.
+    let r = cancel_task(&base, "run-cancel-write", AGENT).await;
+    assert_eq!(r.status(), 200);
+    let again: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+    assert_eq!(
+        (
+            &again["actions_cancelled"],
+            &again["retries_dropped"],
+            &again["waiting_dropped"]
+        ),
+        (&json!(0), &json!(0), &json!(0)),
+        "{again}"
+    );
     // Past the wake: nothing more reached the provider.
     tokio::time::sleep(Duration::from_millis(2600)).await;
     assert_eq!(provider.attempts().len(), 1, "no attempt after the cancel");
