@@ -2628,18 +2628,27 @@ impl Engine {
                 last_attempt(seen)
             ),
             AfterRestart::RetrySameKey => format!(
-                "backstop is shutting down before this write was sent again: an operator reopened it for a retry under its same Idempotency-Key, and nothing more was sent now. It stays reopened across the restart: sending it again with the same Idempotency-Key and payload sends it as this action (GET /v1/actions/{id}), under that key; never send it under a new key — an earlier attempt may have been acted on"
+                "backstop is shutting down before this write was sent again: it was reopened for a retry under its same Idempotency-Key (by an operator's decision, or by a same-key resend its earlier answer allowed), and nothing more was sent now. It stays reopened across the restart: sending it again with the same Idempotency-Key and payload sends it as this action (GET /v1/actions/{id}), under that key; never send it under a new key — an earlier attempt may have been acted on"
             ),
         };
         let receipt = run.receipt(seen.sent);
-        let problem = with_ids(
-            Problem::shutting_down_during(true, detail),
+        // `sent` as the outcome context counts it: an attempt that may have reached the
+        // provider. When none did (every one `not_sent`), a retry is still not safe under this
+        // key unless the action stays reopened: the next start cancels it.
+        let left = seen.left > 0;
+        let mut problem = with_ids(
+            Problem::shutting_down_during(left, detail),
             run.spec,
             &receipt,
-        )
-        .with_extension("after_restart", after.as_str().into())
-        .with_extension("last_status", serde_json::json!(seen.last_status))
-        .with_extension("last_signal", serde_json::json!(seen.last_signal));
+        );
+        if !left && after != AfterRestart::RetrySameKey {
+            problem.should_retry = false;
+            problem.retry_after_seconds = None;
+        }
+        let problem = problem
+            .with_extension("after_restart", after.as_str().into())
+            .with_extension("last_status", serde_json::json!(seen.last_status))
+            .with_extension("last_signal", serde_json::json!(seen.last_signal));
         problem_answer(receipt, problem)
     }
 

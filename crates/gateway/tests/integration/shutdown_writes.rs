@@ -239,7 +239,6 @@ async fn stopped_while_waiting_for_the_retry(h: &Harness, key: &str, first: Step
         .unwrap();
     let body: Value = serde_json::from_slice(&bytes).expect("a problem document");
     assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
-    assert_eq!(body["sent"], true, "{body}");
     assert_eq!(body["idempotency_key"], key, "{body}");
     assert_eq!(body["action_id"], receipt.action_id, "{body}");
     (receipt.action_id, body)
@@ -255,6 +254,7 @@ async fn a_write_answered_by_the_provider_and_waiting_for_its_retry_is_told_the_
         answer(503, &[("retry-after", "20")], ""),
     )
     .await;
+    assert_eq!(body["sent"], true, "{body}");
     assert_eq!(body["after_restart"], "cancel", "{body}");
     assert_eq!(body["last_status"], 503, "{body}");
     assert_eq!(body["last_signal"], "unavailable", "{body}");
@@ -287,6 +287,23 @@ async fn a_write_answered_by_the_provider_and_waiting_for_its_retry_is_told_the_
     restarted.shutdown().await;
 }
 
+/// A write whose only attempt never reached the provider (`not_sent`: the connection was
+/// refused) and which waits for its retry when the gateway stops is told `sent: false` — as its
+/// outcome context would say — but not to retry under the same key: the next start cancels it.
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_attempt_never_left_and_waiting_for_its_retry_is_told_nothing_was_sent() {
+    let h = Harness::new();
+    let (_, body) =
+        stopped_while_waiting_for_the_retry(&h, "k-not-sent", Step::Fail(TransportError::Connect))
+            .await;
+    assert_eq!(body["sent"], false, "{body}");
+    assert_eq!(body["after_restart"], "cancel", "{body}");
+    assert_eq!(body["last_signal"], "not_sent", "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(detail.contains("never reached the provider"), "{detail}");
+    assert!(detail.contains("under a new Idempotency-Key"), "{detail}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_write_left_uncertain_and_waiting_for_its_retry_is_told_the_restart_reconciles_it() {
     // The provider honours the key and the route has no lookup: the uncertain attempt is
@@ -298,6 +315,7 @@ async fn a_write_left_uncertain_and_waiting_for_its_retry_is_told_the_restart_re
         Step::Fail(TransportError::TimeoutAfterSend),
     )
     .await;
+    assert_eq!(body["sent"], true, "{body}");
     assert_eq!(body["after_restart"], "reconcile", "{body}");
     assert_eq!(body["last_status"], Value::Null, "{body}");
     assert_eq!(body["last_signal"], "uncertain", "{body}");
