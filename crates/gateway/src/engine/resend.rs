@@ -228,7 +228,20 @@ impl Engine {
         };
         let now = inner.clock.now();
         match verdict(record, &attempts, &escalations, now) {
-            Verdict::Replay => return Taken::Replay,
+            Verdict::Replay => {
+                // `record` was read before `attempts`: a concurrent resend may have reopened
+                // the action and sent it since (which is why its decision reads as used). Then
+                // the stored outcome is stale: answer as the action stands now (joined, `409`
+                // in flight, or its new outcome replayed), never with the old one.
+                return match inner.blocking(move |s| s.action(id)).await {
+                    Ok(Some(fresh))
+                        if fresh.state != record.state || fresh.outcome != record.outcome =>
+                    {
+                        Taken::Answer(Box::pin(self.existing(fresh)).await, None)
+                    }
+                    _ => Taken::Replay,
+                };
+            }
             Verdict::ReplayClosed => {
                 let replayed = Box::pin(self.existing(record.clone())).await;
                 return Taken::Answer(without_wait(replayed), None);

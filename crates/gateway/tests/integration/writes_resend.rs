@@ -704,3 +704,88 @@ async fn an_operators_wait_on_an_exhausted_quota_lets_the_same_key_resend_go_out
     assert_eq!(reopened[0].outcome.as_deref(), Some("quota_exhausted"));
     fake.shutdown().await;
 }
+
+/// Many same-key resends at once after the operator's `wait`: one reopens and sends the write;
+/// every other one joins it, is told it is in flight (`409`), or — once the send has ended —
+/// gets its new outcome replayed. None gets the stale `403 quota_exhausted` of before the
+/// decision: a resend that finds the decision used (an attempt after it) while it still holds
+/// the outcome it read first answers as the action stands now, never with that old outcome
+/// (an agent told `quota_exhausted` might send the write again under a new key). Six rounds,
+/// since the race needs a resend to read the action before the reopen and its attempts after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_resends_after_a_decision_never_replay_the_outcome_it_set_aside() {
+    const ROUNDS: usize = 6;
+    const RESENDS: usize = 24;
+    // Odd calls meet the quota; the one resend of each round that goes out is created.
+    let fake = support::start_fake(
+        FakeConfig::default().with_route(
+            RouteConfig::new("POST /v1/orders", create("orders", "or_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1, 3, 5, 7, 9, 11],
+                    Fault::ErrorCode {
+                        status: 429,
+                        code: "insufficient_quota".into(),
+                        message: "You exceeded your current quota".into(),
+                    },
+                )),
+        ),
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    for round in 0..ROUNDS {
+        let key = format!("order-race-{round}");
+        let first = post(&gateway, "/v1/orders", &key).await;
+        assert_eq!(first.status(), 403, "round {round}");
+        let id = support::action_id(&first);
+        let escalation = support::open_escalation_of(&gateway, OPERATOR_TOKEN, id).await;
+        let escalation = escalation["id"].as_i64().expect("id");
+        let (status, decided) = support::decide(
+            &gateway,
+            OPERATOR_TOKEN,
+            escalation,
+            json!({"option": "wait"}),
+        )
+        .await;
+        assert_eq!(status, 200, "{decided}");
+
+        let resends: Vec<_> = (0..RESENDS)
+            .map(|_| {
+                let (addr, key) = (gateway.addr, key.clone());
+                tokio::spawn(async move {
+                    // The same request as `post`'s.
+                    client()
+                        .post(format!("http://{addr}/fake/v1/orders"))
+                        .bearer_auth(AGENT_TOKEN)
+                        .header("X-Backstop-Task", "run-resend")
+                        .header("Idempotency-Key", key)
+                        .header("Prefer", "wait=0")
+                        .header("content-type", "application/json")
+                        .body(r#"{"amount":100}"#)
+                        .send()
+                        .await
+                        .expect("resend")
+                        .status()
+                        .as_u16()
+                })
+            })
+            .collect();
+        let mut statuses = Vec::new();
+        for resend in resends {
+            statuses.push(resend.await.expect("task"));
+        }
+        assert!(
+            statuses.iter().all(|s| matches!(s, 201 | 409)),
+            "round {round}: {statuses:?}"
+        );
+        assert!(statuses.contains(&201), "round {round}: {statuses:?}");
+        let creates = on_route(&fake.attempts(), "POST", "/v1/orders").len();
+        assert_eq!(
+            creates,
+            2 * (round + 1),
+            "round {round}: one send per round"
+        );
+    }
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
