@@ -335,6 +335,9 @@ struct Run<'a> {
     prior_attempts: u32,
     /// Whether those earlier attempts left the write unsettled ([`writes::unsettled_in`]).
     prior_unsettled: bool,
+    /// The last earlier attempt's status and disposition: what an answer given before this run
+    /// sends (a refusal, a stop) reports as the provider's last answer.
+    prior_last: (Option<u16>, Option<&'static str>),
     /// A read's records, which nobody awaits (`None` for a write).
     read_records: Option<Arc<ReadRecords>>,
 }
@@ -1773,6 +1776,7 @@ impl Engine {
             operation_id: Mutex::new(None),
             prior_attempts,
             prior_unsettled: earlier.unsettled,
+            prior_last: (earlier.last_status, earlier.last_signal),
             read_records,
         };
 
@@ -1849,6 +1853,9 @@ impl Engine {
             sent: run.prior_attempts,
             left: run.prior_attempts,
             unsettled: run.prior_unsettled,
+            response_received: run.prior_last.0.is_some(),
+            last_status: run.prior_last.0,
+            last_signal: run.prior_last.1,
             ..Seen::default()
         };
         let mut not_before: Option<Timestamp> = None;

@@ -789,3 +789,49 @@ async fn concurrent_resends_after_a_decision_never_replay_the_outcome_it_set_asi
     gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;
 }
+
+/// A reopened write refused again before its new send (its scope closed meanwhile, and the
+/// resend allows no wait) answers with what its earlier attempt got from the provider, as
+/// the outcome it set aside did — not with an empty context as if nothing had come back.
+#[tokio::test(start_paused = true)]
+async fn a_reopened_write_refused_before_its_new_send_still_names_the_providers_last_answer() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(429, &[("retry-after", "4")], "")],
+    );
+    let first = h.engine.execute(transfer(&h, "k-refused")).await;
+    assert_eq!(outcome_of(&first).0, Outcome::BudgetExhausted);
+    advance(Duration::from_secs(5)).await;
+    // Another call of the scope meets a 429: the scope waits 3 s.
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "3")], "")],
+    );
+    let read = h.spawn(h.get("t", "/v1/items/0"));
+    assert!(until(|| h.transport.sent_to("/v1/items/0").len() == 1).await);
+
+    let again = h.engine.execute(transfer(&h, "k-refused")).await;
+    let (outcome, context, detail) = outcome_of(&again);
+    assert_eq!(outcome, Outcome::BudgetExhausted, "{detail}");
+    assert!(
+        !detail.starts_with("replayed"),
+        "reopened, then refused: {detail}"
+    );
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "not sent again"
+    );
+    assert!(context.sent, "{context:?}");
+    assert_eq!(context.attempts, 1, "{context:?}");
+    assert!(context.response_received, "{context:?}");
+    assert_eq!(context.last_status, Some(429), "{context:?}");
+    assert_eq!(
+        context.last_signal.as_deref(),
+        Some("rate_limited"),
+        "{context:?}"
+    );
+    advance(Duration::from_secs(30)).await;
+    let _ = read.await;
+}
