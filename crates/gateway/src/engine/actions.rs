@@ -399,13 +399,29 @@ impl Engine {
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner())
                     .remove(&action.0);
+                // The context says what the action's attempts did, as every outcome's does.
+                let attempts = inner.blocking(move |s| s.attempts(action)).await;
+                let mut context = match &attempts {
+                    Ok(attempts) => {
+                        let waited = super::writes::recorded_wait_ms(&record, attempts);
+                        serde_json::to_value(super::writes::recovered_context(attempts, waited))
+                            .unwrap_or_default()
+                    }
+                    Err(_) => serde_json::json!({ "sent": true }),
+                };
+                if let Some(members) = context.as_object_mut() {
+                    members.insert(
+                        "next_safe".to_owned(),
+                        serde_json::json!([{"option": "abort"}]),
+                    );
+                    members.insert(
+                        "detail".to_owned(),
+                        "aborted by an operator's decision; nothing more is sent".into(),
+                    );
+                }
                 let finish = super::Finish {
                     outcome: backstop_store::Outcome::Cancelled,
-                    context: serde_json::json!({
-                        "sent": true,
-                        "next_safe": [{"option": "abort"}],
-                        "detail": "aborted by an operator's decision; nothing more is sent"
-                    }),
+                    context,
                     response: None,
                 };
                 let now = backstop_core::clock::Clock::now(&inner.clock);

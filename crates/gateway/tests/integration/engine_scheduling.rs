@@ -737,6 +737,50 @@ async fn a_write_whose_same_key_resend_got_a_429_after_an_uncertain_attempt_is_r
     );
 }
 
+/// An operator's `abort` on an escalated write ends it `cancelled` with a context that says what
+/// its attempts did (how many, whether one left, the provider's last answer), as every outcome's
+/// context does — not a bare `sent: true`.
+#[tokio::test(start_paused = true)]
+async fn an_aborted_write_keeps_what_its_attempts_did_in_its_context() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(TransportError::TimeoutAfterSend)],
+    );
+    let mut first = write(&h, "k-aborted");
+    first.single_attempt = true;
+    let escalated = h.engine.execute(first).await;
+    assert_eq!(summary(&escalated), "escalated", "{escalated:?}");
+    let id = ActionId(escalated.receipt().action_id);
+    let escalation = h.store.open_escalations().unwrap()[0].id;
+    let at = h.clock_now();
+    h.store
+        .decide_escalation(escalation, "abort", "operator", None, at)
+        .unwrap();
+    let applied = h
+        .engine
+        .apply_decision(id, &DecisionEffect::Abort, "operator")
+        .await;
+    assert!(applied.applied, "{}", applied.detail);
+    let stored = h.store.action(id).unwrap().unwrap();
+    assert_eq!(stored.outcome, Some(Outcome::Cancelled));
+    let context = stored.outcome_context.expect("a context");
+    assert_eq!(context["attempts"], 1, "{context}");
+    assert_eq!(context["sent"], true, "{context}");
+    assert_eq!(context["last_signal"], "uncertain", "{context}");
+    assert_eq!(
+        context["next_safe"],
+        serde_json::json!([{"option": "abort"}]),
+        "{context}"
+    );
+    assert!(
+        context["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("aborted")),
+        "{context}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_read_in_flight_when_its_task_is_cancelled_is_not_retried_after_its_answer() {
     // While the attempt is out, nothing of the task waits in the scheduler, and a read's retry
