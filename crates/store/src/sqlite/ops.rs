@@ -1170,23 +1170,8 @@ impl WriteTx<'_> {
                 reason: "must name who decided".into(),
             });
         }
-        let f = self.facts(action)?;
-        let refuse = |reason: String| StoreError::InvalidTransition {
-            what: format!("action {action}"),
-            reason,
-        };
-        if f.cancelled {
-            return Err(refuse(format!(
-                "task {:?} is cancelled; it never sends again",
-                f.task
-            )));
-        }
-        if f.idempotency_key.is_none() {
-            return Err(refuse(
-                "it carries no idempotency key, so it cannot be sent again as the same action"
-                    .into(),
-            ));
-        }
+        let f = self.reopenable(action)?;
+        let refuse = |reason: String| refused(action, reason);
         let escalated = matches!(
             f.outcome,
             Some(Outcome::Escalated) | Some(Outcome::ReconciliationRequired)
@@ -1210,23 +1195,8 @@ impl WriteTx<'_> {
         escalation: Option<EscalationId>,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        let f = self.facts(action)?;
-        let refuse = |reason: String| StoreError::InvalidTransition {
-            what: format!("action {action}"),
-            reason,
-        };
-        if f.cancelled {
-            return Err(refuse(format!(
-                "task {:?} is cancelled; it never sends again",
-                f.task
-            )));
-        }
-        if f.idempotency_key.is_none() {
-            return Err(refuse(
-                "it carries no idempotency key, so it cannot be sent again as the same action"
-                    .into(),
-            ));
-        }
+        let f = self.reopenable(action)?;
+        let refuse = |reason: String| refused(action, reason);
         let resendable = matches!(
             f.outcome,
             Some(
@@ -1250,6 +1220,26 @@ impl WriteTx<'_> {
         e.escalation = escalation.map(|id| id.0);
         e.source = Some(REOPENED_BY_RESEND.to_owned());
         self.append(e)
+    }
+
+    /// The facts of `action` when it may be sent again as the same action — its task is not
+    /// cancelled and it carries an idempotency key — else the refusal saying which.
+    fn reopenable(&self, action: ActionId) -> Result<ActionFacts, StoreError> {
+        let f = self.facts(action)?;
+        if f.cancelled {
+            return Err(refused(
+                action,
+                format!("task {:?} is cancelled; it never sends again", f.task),
+            ));
+        }
+        if f.idempotency_key.is_none() {
+            return Err(refused(
+                action,
+                "it carries no idempotency key, so it cannot be sent again as the same action"
+                    .into(),
+            ));
+        }
+        Ok(f)
     }
 
     /// Moves a finished `action` (its facts `f`) to `reopened`, its outcome and context cleared,
@@ -1420,6 +1410,14 @@ struct FinishColumns<'a> {
 /// # Errors
 /// [`StoreError::Invalid`] naming `outcome context` or `response headers` if either cannot
 /// be encoded as JSON.
+/// The refusal of a transition of `action`, saying why.
+fn refused(action: ActionId, reason: String) -> StoreError {
+    StoreError::InvalidTransition {
+        what: format!("action {action}"),
+        reason,
+    }
+}
+
 fn finish_columns(finish: &Finish) -> Result<FinishColumns<'_>, StoreError> {
     let context = serde_json::to_string(&finish.context).map_err(|e| StoreError::Invalid {
         field: "outcome context",
