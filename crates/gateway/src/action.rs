@@ -65,6 +65,11 @@ pub struct ActionReceipt {
     /// when the lookup named one: told with the answer as soon as the lookup found it, even
     /// while the store cannot record it yet; replays carry the stored one. `None` otherwise.
     pub provider_operation_id: Option<String>,
+    /// The task the action belongs to, when the answer is about an action recorded before (a
+    /// same-key resend: replayed, joined, taken over), which may belong to another task than
+    /// the one the request names: answered as `Backstop-Task` and `task`. `None`: the
+    /// request's task.
+    pub task: Option<String>,
 }
 
 /// The executor's answer.

@@ -773,7 +773,10 @@ pub fn checked_idempotency_key<'a>(header: &str, value: &'a str) -> Result<&'a s
     })
 }
 
+/// The receipt headers; `Backstop-Task` names the receipt's task when it has one (an action
+/// recorded before, possibly in another task), else `task_id`, the request's.
 fn receipt_headers(response: &mut Response, receipt: &ActionReceipt, task_id: &str, single: bool) {
+    let task_id = receipt.task.as_deref().unwrap_or(task_id);
     let headers = response.headers_mut();
     headers.insert(ACTION_ID, HeaderValue::from(receipt.action_id));
     headers.insert(ATTEMPTS, HeaderValue::from(receipt.attempts));
@@ -849,6 +852,7 @@ pub fn draining(policy: &Policy, method: &Method, path: &str, headers: &HeaderMa
         attempts: 0,
         idempotency_key: key,
         provider_operation_id: None,
+        task: None,
     };
     receipt_headers(
         &mut response,
@@ -1121,6 +1125,7 @@ pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response
                 attempts: 0,
                 idempotency_key: key,
                 provider_operation_id: None,
+                task: None,
             };
             receipt_headers(&mut response, &receipt, &task_id, single);
             response
@@ -1185,6 +1190,9 @@ pub(crate) fn render(
     single: bool,
 ) -> Response {
     let replayed = execution.is_replayed_outcome();
+    // An action recorded before (a same-key resend) is answered with its own task.
+    let own_task = execution.receipt().task.clone();
+    let task_id = own_task.as_deref().unwrap_or(task_id);
     match execution {
         Execution::Response {
             receipt,

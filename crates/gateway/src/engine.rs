@@ -340,6 +340,9 @@ struct Run<'a> {
     prior_last: (Option<u16>, Option<&'static str>),
     /// A read's records, which nobody awaits (`None` for a write).
     read_records: Option<Arc<ReadRecords>>,
+    /// The action's task when this run took over a write recorded before (a same-key resend,
+    /// which may name another task): its receipts name it. `None` for a new action.
+    own_task: Option<String>,
 }
 
 impl Run<'_> {
@@ -350,6 +353,7 @@ impl Run<'_> {
             idempotency_key: self.agent_key(),
             attempts,
             provider_operation_id: None,
+            task: self.own_task.clone(),
         }
     }
 
@@ -380,12 +384,14 @@ fn upstream_authority(url: &str) -> &str {
 }
 
 /// `problem` (a `503 store_unavailable` or `503 shutting_down` for an accepted request) with
-/// what identifies the request, as the gateway's other answers for an action carry it: `task`,
-/// the write's `idempotency_key` (the receipt's, the agent's or the one minted for it, which the
-/// door also answers as the `Idempotency-Key` header) and `action_id` when an action was
-/// recorded (a receipt's id 0 means none was).
+/// what identifies the request, as the gateway's other answers for an action carry it: `task`
+/// (the action's own when the receipt names it, else the request's), the write's
+/// `idempotency_key` (the receipt's, the agent's or the one minted for it, which the door also
+/// answers as the `Idempotency-Key` header) and `action_id` when an action was recorded (a
+/// receipt's id 0 means none was).
 fn with_ids(problem: Problem, spec: &ActionSpec, receipt: &ActionReceipt) -> Problem {
-    let mut problem = problem.with_extension("task", spec.task_id.as_str().into());
+    let task = receipt.task.as_deref().unwrap_or(&spec.task_id);
+    let mut problem = problem.with_extension("task", task.into());
     if let Some(key) = &receipt.idempotency_key {
         problem = problem.with_extension("idempotency_key", key.as_str().into());
     }
@@ -1270,6 +1276,7 @@ impl Engine {
                 attempts: 0,
                 idempotency_key: self.unrecorded_key(spec),
                 provider_operation_id: None,
+                task: None,
             };
             let problem = with_ids(
                 Problem::shutting_down_during(
@@ -1593,6 +1600,8 @@ impl Engine {
                 read_id.map(StoreAdmission::New).map_err(EngineError::Store)
             }
         };
+        // The task of an action recorded before, which this request may name differently.
+        let mut own_task = None;
         // What the action had done before this run: nothing, except for a write taken over by a
         // same-key resend (see below).
         let (id, action_guard, earlier) = match admission {
@@ -1699,11 +1708,11 @@ impl Engine {
                                 Err(_) => {}
                             }
                         };
-                        let earlier = match inner
+                        let stored = match inner
                             .blocking_or_else(move |s| s.attempts(id), orphaned)
                             .await
                         {
-                            Ok(attempts) => GoneClient::of_stored(&attempts),
+                            Ok(attempts) => attempts,
                             Err(e) => {
                                 if never_sent {
                                     // Not taken over after all: the next resend may take it.
@@ -1717,6 +1726,8 @@ impl Engine {
                                 return (refused, None);
                             }
                         };
+                        let earlier = GoneClient::of_stored(&stored);
+                        own_task = Some(record.task_id.clone());
                         if never_sent {
                             tracing::info!(
                                 action = record.id.0,
@@ -1778,6 +1789,7 @@ impl Engine {
             prior_unsettled: earlier.unsettled,
             prior_last: (earlier.last_status, earlier.last_signal),
             read_records,
+            own_task,
         };
 
         // The per-task circuit breaker (SPEC §7), as of `now`, read when the action was recorded.
@@ -2219,6 +2231,7 @@ impl Engine {
                         // The id is told with the answer, whether or not the store has it yet.
                         let receipt = ActionReceipt {
                             provider_operation_id: operation_id.clone(),
+                            task: None,
                             ..run.receipt(seen.sent)
                         };
                         return Execution::Outcome {
@@ -3289,6 +3302,7 @@ impl Engine {
                 idempotency_key: run.agent_key(),
                 attempts,
                 provider_operation_id: None,
+                task: None,
             },
             outcome,
             context,
@@ -3314,6 +3328,7 @@ impl Engine {
                 attempts: 0,
                 idempotency_key: key.map(str::to_owned),
                 provider_operation_id: None,
+                task: None,
             };
             return self.store_unavailable(spec, receipt, false, &e);
         }
@@ -3324,6 +3339,7 @@ impl Engine {
                     attempts: 0,
                     idempotency_key: key.map(str::to_owned),
                     provider_operation_id: None,
+                    task: None,
                 };
                 let problem = Problem::key_reused(
                     &differs,
@@ -3442,6 +3458,7 @@ impl Engine {
             action_id: id.0,
             attempts: facts.attempts,
             idempotency_key: Some(key.to_owned()),
+            task: Some(record.task_id.clone()),
             provider_operation_id: record.provider_operation_id,
         };
         let detail = if facts.sent {
@@ -3467,6 +3484,7 @@ impl Engine {
             idempotency_key: (!matches!(record.method.as_str(), "GET" | "HEAD" | "OPTIONS"))
                 .then(|| record.idempotency_key.clone()),
             provider_operation_id: record.provider_operation_id.clone(),
+            task: Some(record.task_id.clone()),
         };
         if record.state == ActionState::Finished {
             if let Some(stored) = record.response {
@@ -3570,6 +3588,7 @@ fn unrecorded(outcome: Outcome, detail: String) -> Execution {
             attempts: 0,
             idempotency_key: None,
             provider_operation_id: None,
+            task: None,
         },
         outcome,
         context: OutcomeContext {

@@ -1102,6 +1102,7 @@ mod tests {
                 attempts: 2,
                 idempotency_key: Some("k-7".into()),
                 provider_operation_id: None,
+                task: None,
             },
             response: http::Response::builder()
                 .status(200)
@@ -1120,6 +1121,7 @@ mod tests {
                 attempts: 4,
                 idempotency_key: None,
                 provider_operation_id: None,
+                task: None,
             },
             outcome: Outcome::BudgetExhausted,
             context: OutcomeContext {

@@ -82,7 +82,9 @@ pub trait Store: Send + Sync {
     /// [`StoreError::KeyReuse`] for the same key with another provider, method, route template,
     /// concrete target or payload (answer 422, saying what differs);
     /// [`StoreError::NotFound`] when `action.agent` has no task `action.task_id`;
-    /// [`StoreError::InvalidTransition`] when the task is cancelled.
+    /// [`StoreError::InvalidTransition`] when the task is cancelled and the action would be new
+    /// (an idempotency key already recorded for the agent is found first: its action, or
+    /// [`StoreError::KeyReuse`]).
     fn record_action(&self, action: NewAction, at: Timestamp) -> Result<Admission, StoreError>;
 
     /// [`Store::open_task`] then [`Store::record_action`] as ONE operation (one savepoint, one

@@ -196,6 +196,8 @@ fn without_wait(mut execution: Execution) -> Execution {
 }
 
 /// What became of a same-key resend of a finished write ([`Engine::take_finished`]).
+// Returned once and taken apart at once: an answer is not boxed only to be moved out again.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Taken {
     /// Replay the stored outcome, as for any finished action.
     Replay,
@@ -424,6 +426,7 @@ impl Engine {
             attempts: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
             idempotency_key: Some(record.idempotency_key.clone()),
             provider_operation_id: record.provider_operation_id.clone(),
+            task: Some(record.task_id.clone()),
         }
     }
 

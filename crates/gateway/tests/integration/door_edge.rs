@@ -64,6 +64,7 @@ impl Executor for Stand {
                     attempts: 1,
                     idempotency_key: None,
                     provider_operation_id: None,
+                    task: None,
                 },
                 response: http::Response::builder()
                     .status(200)

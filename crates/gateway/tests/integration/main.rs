@@ -7,6 +7,7 @@ mod engine_support;
 mod support;
 
 mod actions_api;
+mod cancelled_task_keys;
 mod door_edge;
 mod e2e_door;
 mod e2e_no_library_retry;

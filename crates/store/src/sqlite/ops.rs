@@ -533,12 +533,6 @@ impl WriteTx<'_> {
                 what: format!("task {:?}", new.task_id),
             }
         })?;
-        if task.cancelled_at.is_some() {
-            return Err(StoreError::InvalidTransition {
-                what: format!("task {:?}", task.id),
-                reason: "cancelled; it takes no new actions".into(),
-            });
-        }
         // A read carries no key (empty): nothing to find, nothing stored or audited.
         let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
         let existing = match key {
@@ -598,6 +592,15 @@ impl WriteTx<'_> {
                     what: format!("action {id}"),
                 })?;
             return Ok(Admission::Existing(Box::new(record)));
+        }
+        // A cancelled task takes no NEW action. The key of one recorded before (in this task
+        // or another of the agent's) is found above all the same: its outcome is replayed,
+        // its run joined, another request under it refused, as for any same-key resend.
+        if task.cancelled_at.is_some() {
+            return Err(StoreError::InvalidTransition {
+                what: format!("task {:?}", task.id),
+                reason: "cancelled; it takes no new actions".into(),
+            });
         }
         let id = match id {
             Some(id) => id,
