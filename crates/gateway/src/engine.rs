@@ -2231,7 +2231,6 @@ impl Engine {
                         // The id is told with the answer, whether or not the store has it yet.
                         let receipt = ActionReceipt {
                             provider_operation_id: operation_id.clone(),
-                            task: None,
                             ..run.receipt(seen.sent)
                         };
                         return Execution::Outcome {
@@ -3302,7 +3301,7 @@ impl Engine {
                 idempotency_key: run.agent_key(),
                 attempts,
                 provider_operation_id: None,
-                task: None,
+                task: run.own_task.clone(),
             },
             outcome,
             context,

@@ -210,3 +210,31 @@ async fn over_http_a_same_key_resend_in_a_cancelled_task_replays_the_finished_wr
     gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_gateway_outcome_of_a_write_taken_over_from_another_task_names_the_writes_task() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(429, &[("retry-after", "11")], "")],
+    );
+    let mut first = transfer(&h, "ta", "ks4");
+    first.max_wait = Some(std::time::Duration::ZERO);
+    let told = h.engine.execute(first).await;
+    assert_eq!(summary(&told), "budget_exhausted");
+    let id = told.receipt().action_id;
+    crate::engine_support::advance(std::time::Duration::from_secs(12)).await;
+    // The resend's deadline has passed: it is refused before its send.
+    let mut resend = transfer(&h, "tb", "ks4");
+    resend.deadline = Some(h.clock_now() - jiff::SignedDuration::from_secs(1));
+    let refused = h.engine.execute(resend).await;
+    assert_ne!(summary(&refused), "200", "{refused:?}");
+    assert!(matches!(refused, Execution::Outcome { .. }), "{refused:?}");
+    assert_eq!(
+        refused.receipt().action_id,
+        id,
+        "the same action, taken over"
+    );
+    assert_eq!(refused.receipt().task.as_deref(), Some("ta"));
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+}
