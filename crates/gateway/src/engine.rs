@@ -90,6 +90,7 @@ pub use crate::scheduler::ScopeView;
 mod actions;
 mod quota_escalations;
 mod resend;
+mod takeover;
 mod writes;
 
 pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
@@ -1728,6 +1729,23 @@ impl Engine {
                         };
                         let earlier = GoneClient::of_stored(&stored);
                         own_task = Some(record.task_id.clone());
+                        // SPEC §6: an attempt that may have been acted on and that no later
+                        // answer settled is sent again under its key only where the provider
+                        // honours the key — now, under the policy in force: it may have lost
+                        // its `idempotency_header` since the write was reopened (a restart).
+                        // Otherwise the rule for an uncertain write runs instead of the send.
+                        if earlier.unsettled && !inner.honours_key(&record.provider) {
+                            if let Some(answer) = Box::pin(
+                                self.settle_before_takeover(spec, &request, &key, &record, &stored),
+                            )
+                            .await
+                            {
+                                if let Some(tx) = notify {
+                                    let _ = tx.send(record.id.0);
+                                }
+                                return (answer, Some(guard));
+                            }
+                        }
                         if never_sent {
                             tracing::info!(
                                 action = record.id.0,

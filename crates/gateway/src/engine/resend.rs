@@ -432,7 +432,7 @@ impl Engine {
 
     /// The reopened write `record`, whose uncertain last attempt the lookup found at the
     /// provider: ended `succeeded` (reconciled, audited); nothing is sent.
-    async fn reconciled_on_resend(
+    pub(super) async fn reconciled_on_resend(
         &self,
         record: &ActionRecord,
         attempts: &[AttemptRecord],
@@ -494,7 +494,7 @@ impl Engine {
     /// (`reason`): escalated (`side_effect_unknown`) as it stands, not reopened, this resent
     /// request held for the operator's `retry_same_key`/`send_new`; nothing is sent.
     #[allow(clippy::too_many_arguments)]
-    async fn escalated_on_resend(
+    pub(super) async fn escalated_on_resend(
         &self,
         spec: &ActionSpec,
         request: &AttemptRequest,

@@ -33,3 +33,4 @@ mod writes_decisions;
 mod writes_first_use;
 mod writes_reconcile;
 mod writes_resend;
+mod writes_takeover;
