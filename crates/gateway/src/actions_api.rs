@@ -14,7 +14,10 @@
 //! `POST /v1/actions` takes JSON `{provider, method, path (with query), headers (object of
 //! strings), body (text) | body_base64, task, priority, deadline (RFC 3339), max_wait_seconds,
 //! idempotency_key, desired_outcome}`; only `provider`, `method` and `path` are required. It
-//! is the same as a proxied call to `/{provider}{path}` with those headers.
+//! is the same as a proxied call to `/{provider}{path}` with those headers, except that
+//! `provider` alone decides the provider: a `path` whose `..` would climb above its own root
+//! (into another provider's namespace) is refused, as is one with characters a URL cannot carry
+//! as written (see `check_path`).
 //!
 //! Ambiguous input is refused, never resolved by a silent choice: a member given twice (at the
 //! top or inside `headers`) is a 400 naming it; the idempotency key may be given in three places
@@ -181,12 +184,10 @@ async fn submit_inner(
                 request.method
             ))
         })?;
-    if !request.path.starts_with('/') {
-        return Err(api_bad_request(format!(
-            "path: `{}` must start with `/`",
-            request.path
-        )));
+    if !state.policy.providers.contains_key(&request.provider) {
+        return Err(Problem::unknown_provider(&request.provider));
     }
+    check_path(&request.provider, &request.path)?;
     let payload = match (request.body.take(), request.body_base64.take()) {
         (Some(_), Some(_)) => {
             return Err(api_bad_request(
@@ -289,12 +290,112 @@ async fn submit_inner(
             max_wait: request.max_wait_seconds.map(Duration::from_secs),
         },
     )?;
+    // `provider` alone decides the provider: the checks above keep the path below its root,
+    // and this one holds whatever the door's reading of `/{provider}{path}` may become.
+    if spec.route.provider != request.provider {
+        return Err(path_refused(
+            &request.path,
+            &format!("it would reach provider `{}`", spec.route.provider),
+        ));
+    }
     // Sanitized on intake (it is kept with the action); the case file built from it still
     // lists `desired_outcome` in its redactions.
     spec.desired_outcome = request
         .desired_outcome
         .map(|text| backstop_core::escalation::sanitize_text(&text).text);
     Ok(door::submit_async(state, spec).await)
+}
+
+/// A 400 of the action API naming the `path` member (`member: "path"`) and `reason`.
+fn path_refused(path: &str, reason: &str) -> Problem {
+    let shown: String = path.chars().take(64).flat_map(char::escape_debug).collect();
+    api_bad_request(format!("path: `{shown}`: {reason}; nothing was sent"))
+        .with_extension("member", "path".into())
+}
+
+/// Checks the `path` member of `POST /v1/actions` (path and query) before anything else reads
+/// it, as the proxy door's request line is checked before it is routed:
+///
+/// - it starts with `/`;
+/// - every character may stand in a URL path (or query) as written: no control character
+///   (NUL included), no whitespace, none of `<`, `>`, `` ` `` (path) or `"`, `<`, `>` (query),
+///   and no `#` (a fragment is never sent to a server) — each must be percent-encoded;
+/// - its percent-encodings are well formed;
+/// - its normalized form (RFC 3986 §5.2.4, `%2E%2E` being `..`; also with `%2F` read as `/`,
+///   as some servers do) never climbs above its own root: the `provider` member names the
+///   provider, and `/../other/…` must not reach another one with that provider's credential.
+///
+/// # Errors
+/// 400 `bad_request` of the action API naming `path` (`member: "path"`) and the reason.
+fn check_path(provider: &str, path: &str) -> Result<(), Problem> {
+    if !path.starts_with('/') {
+        return Err(path_refused(path, "must start with `/`"));
+    }
+    let mut in_query = false;
+    for (n, c) in path.chars().enumerate() {
+        let what = if c == '\0' {
+            Some("a NUL character".to_owned())
+        } else if c == ' ' {
+            Some("a space".to_owned())
+        } else if c.is_whitespace() || c.is_control() {
+            Some(format!("the character U+{:04X}", u32::from(c)))
+        } else if c == '#' {
+            Some("`#`, which starts a fragment that is never sent to a server".to_owned())
+        } else if matches!(c, '<' | '>') || (c == '`' && !in_query) || (c == '"' && in_query) {
+            Some(format!("`{c}`"))
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            let mut utf8 = [0; 4];
+            let encoded: String = c
+                .encode_utf8(&mut utf8)
+                .bytes()
+                .map(|b| format!("%{b:02X}"))
+                .collect();
+            return Err(path_refused(
+                path,
+                &format!(
+                    "character {} is {what}, which a URL {} cannot carry as written; percent-encode it ({encoded})",
+                    n + 1,
+                    if in_query { "query" } else { "path" },
+                ),
+            ));
+        }
+        in_query |= c == '?';
+    }
+    let bare = path.split_once('?').map_or(path, |(bare, _)| bare);
+    let climbs = |reading: &str| {
+        format!(
+            "{reading}climbs above its root with `..`; the provider is the one `provider` names (`{provider}`), never one the path reaches"
+        )
+    };
+    if has_malformed_percent(bare) {
+        return Err(path_refused(
+            path,
+            "a `%` must be followed by two hex digits (RFC 3986 §2.1)",
+        ));
+    }
+    if door::normalize_path(bare).is_err() {
+        return Err(path_refused(path, &climbs("it ")));
+    }
+    if bare.contains("%2F") || bare.contains("%2f") {
+        let decoded = bare.replace("%2F", "/").replace("%2f", "/");
+        if door::normalize_path(&decoded).is_err() {
+            return Err(path_refused(path, &climbs("read with `%2F` as `/`, it ")));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `text` has a `%` not followed by two hex digits.
+fn has_malformed_percent(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    bytes.iter().enumerate().any(|(i, b)| {
+        *b == b'%'
+            && !(bytes.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && bytes.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+    })
 }
 
 /// The one idempotency key of a `POST /v1/actions`, from the places an agent may give it: this

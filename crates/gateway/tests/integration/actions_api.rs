@@ -717,3 +717,122 @@ async fn a_desired_outcome_cleaned_on_intake_is_listed_in_the_case_files_redacti
     assert_eq!(case["redactions"], json!(["desired_outcome"]), "{case}");
     gw.shutdown().await.unwrap();
 }
+
+/// Two providers, each with its own credential: `fake` at `fake_url` and `nokey` at
+/// `nokey_url`.
+async fn two_provider_gateway(fake_url: &str, nokey_url: &str, dir: &Path) -> Running {
+    let yaml = support::policy_yaml(
+        fake_url,
+        "agents:\n  agent-a: { token_env: AGENT_A }\n",
+        &format!(
+            r#"    routes:
+      "GET /v1/items/{{id}}": {{ class: read, scopes: [account] }}
+  nokey:
+    base_url: {nokey_url}
+    credential: {{ secret_env: NOKEY_API_KEY }}
+    routes:
+      "GET /v1/nokey": {{ class: read }}
+"#
+        ),
+    );
+    let env = |name: &str| match name {
+        "NOKEY_API_KEY" => Some("sk-nokey".to_owned()),
+        other => env(other),
+    };
+    support::start_gateway(&yaml, "two.yaml", &env, options(dir)).await
+}
+
+#[tokio::test]
+async fn a_path_climbing_out_of_its_provider_is_refused_and_reaches_no_other_provider() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake_provider = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )]);
+    let other = fake(vec![RouteConfig::new("GET /v1/nokey", Handler::default())]);
+    let gw = two_provider_gateway(&fake_provider.url(), &other.url(), dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    let submit = |path: &str| {
+        json!({"provider": "fake", "method": "GET", "path": path, "task": "climb"}).to_string()
+    };
+    for (path, reading) in [
+        ("/../nokey/v1/nokey", "it climbs"),
+        ("/%2e%2e/nokey/v1/nokey", "it climbs"),
+        ("/%2E%2E/nokey/v1/nokey?x=1", "it climbs"),
+        ("/.%2e/nokey/v1/nokey", "it climbs"),
+        ("/v1/../../nokey/v1/nokey", "it climbs"),
+        ("/v1/items/../../../nokey/v1/nokey", "it climbs"),
+        (
+            "/v1/..%2F..%2Fnokey/v1/nokey",
+            "read with `%2F` as `/`, it climbs",
+        ),
+    ] {
+        let (status, problem) = post_action(&base, submit(path), None).await;
+        assert_eq!(status, 400, "{path}: {problem}");
+        assert_eq!(problem["member"], "path", "{path}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.starts_with("path: `"), "{path}: {detail}");
+        assert!(
+            detail.contains(&format!("{reading} above its root with `..`")),
+            "{path}: {detail}"
+        );
+        assert!(detail.contains("`fake`"), "{path}: {detail}");
+    }
+    assert!(other.attempts().is_empty(), "nothing reached `nokey`");
+    assert!(fake_provider.attempts().is_empty(), "nothing was sent");
+    // A `..` that stays below the path's root is only a spelling of a path of `fake`.
+    let (status, accepted) = post_action(&base, submit("/v1/x/../items/7"), None).await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["id"].as_i64().unwrap();
+    let (_, view) = get_json(format!("{base}/v1/actions/{id}?wait=5s"), AGENT).await;
+    assert_eq!(view["provider"], "fake", "{view}");
+    assert_eq!(view["route"], "/v1/items/{id}", "{view}");
+    assert!(other.attempts().is_empty(), "nothing reached `nokey`");
+    // A provider member that is not a provider name is an unknown provider, not a path.
+    let (status, problem) = post_action(
+        &base,
+        json!({"provider": "fake/../nokey", "method": "GET", "path": "/v1/nokey"}).to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 404, "{problem}");
+    assert_eq!(problem["type"], "urn:backstop:problem:unknown_provider");
+    assert!(other.attempts().is_empty(), "nothing reached `nokey`");
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_path_with_characters_a_url_cannot_carry_is_refused_naming_path_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    for (path, reason) in [
+        ("/v1/trans\0fers", "character 10 is a NUL character"),
+        ("/v1/trans fers", "character 10 is a space"),
+        ("/v1/transfers?note=a b", "character 21 is a space"),
+        ("/v1/trans\tfers", "character 10 is the character U+0009"),
+        (
+            "/v1/trans\u{7f}fers",
+            "character 10 is the character U+007F",
+        ),
+        ("/v1/transfers#top", "character 14 is `#`"),
+        ("/v1/<transfers>", "character 5 is `<`"),
+        (
+            "/v1/trans%zzfers",
+            "a `%` must be followed by two hex digits",
+        ),
+        ("v1/transfers", "must start with `/`"),
+    ] {
+        let body = json!({"provider": "fake", "method": "POST", "path": path, "body": "{}"});
+        let (status, problem) = post_action(&base, body.to_string(), None).await;
+        assert_eq!(status, 400, "{path:?}: {problem}");
+        assert_eq!(problem["member"], "path", "{path:?}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.starts_with("path: `"), "{path:?}: {detail}");
+        assert!(detail.contains(reason), "{path:?}: {detail}");
+        assert!(!detail.contains("route_template"), "{path:?}: {detail}");
+        assert!(!detail.contains('\0'), "the detail shows the NUL escaped");
+    }
+    assert!(provider.attempts().is_empty(), "nothing was sent");
+    gw.shutdown().await.unwrap();
+}
