@@ -1551,7 +1551,8 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
     let breaker = validate_breaker(raw.breaker.as_ref(), ctx);
     let retry_quota = validate_retry_quota(raw.retry_quota.as_ref(), ctx);
 
-    let agents = validate_principals(raw.agents, "agents", ctx);
+    let mut tokens = TokenSources::default();
+    let agents = validate_principals(raw.agents, "agents", &mut tokens, ctx);
     if agents.is_empty() {
         ctx.warn(
             1,
@@ -1559,7 +1560,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
             "agents: none configured, so no agent can call the gateway (add `agents:` with a token_env or token_file per agent)",
         );
     }
-    let operators = validate_principals(raw.operators, "operators", ctx);
+    let operators = validate_principals(raw.operators, "operators", &mut tokens, ctx);
 
     let mut providers = BTreeMap::new();
     for (key, provider) in raw.providers.map(|m| m.0).unwrap_or_default() {
@@ -1743,9 +1744,40 @@ fn validate_retry_quota(raw: Option<&S<RawRetryQuota>>, ctx: &mut Ctx) -> RetryQ
     }
 }
 
+/// The token sources of the agents and operators read so far (`token_sha256` digests,
+/// `token_env` variables, `token_file` paths), each with its `section.NAME.field` and where it
+/// was written: two callers sharing one token could not be told apart.
+#[derive(Default)]
+struct TokenSources(Vec<(TokenRef, String, u64, u64)>);
+
+impl TokenSources {
+    /// Records `source` for `place` (`agents.NAME.token_env`), or reports it at `at` naming the
+    /// earlier entry with the same source.
+    fn claim(&mut self, source: &TokenRef, place: &str, at: &Location, ctx: &mut Ctx) {
+        if let Some((_, first, line, column)) = self.0.iter().find(|(seen, ..)| seen == source) {
+            let (owner, _) = place.rsplit_once('.').unwrap_or((place, ""));
+            let (first_owner, _) = first.rsplit_once('.').unwrap_or((first, ""));
+            let file = &ctx.file;
+            let what = match source {
+                TokenRef::Sha256(_) => "digest",
+                TokenRef::Env(_) => "environment variable",
+                TokenRef::File(_) => "file",
+            };
+            let message = format!(
+                "{place}: the same {what} as {first} ({file}:{line}:{column}), so {first_owner} and {owner} would have one token and a caller presenting it could be either; give each agent and operator its own token"
+            );
+            ctx.err(at, message);
+        } else {
+            self.0
+                .push((source.clone(), place.to_owned(), at.line(), at.column()));
+        }
+    }
+}
+
 fn validate_principals(
     raw: Option<SpannedMap<S<RawPrincipal>>>,
     section: &str,
+    tokens: &mut TokenSources,
     ctx: &mut Ctx,
 ) -> BTreeMap<String, TokenRef> {
     let mut out = BTreeMap::new();
@@ -1760,11 +1792,15 @@ fn validate_principals(
         let mut refs = Vec::new();
         if let Some(s) = &p.token_env {
             check_secret_ref(ctx, s, &format!("{path}.token_env"), true);
-            refs.push(TokenRef::Env(s.value.clone()));
+            let source = TokenRef::Env(s.value.clone());
+            tokens.claim(&source, &format!("{path}.token_env"), &s.referenced, ctx);
+            refs.push(source);
         }
         if let Some(s) = &p.token_file {
             check_secret_ref(ctx, s, &format!("{path}.token_file"), false);
-            refs.push(TokenRef::File(PathBuf::from(&s.value)));
+            let source = TokenRef::File(PathBuf::from(&s.value));
+            tokens.claim(&source, &format!("{path}.token_file"), &s.referenced, ctx);
+            refs.push(source);
         }
         if let Some(s) = &p.token_sha256 {
             let digest = s.value.trim().to_ascii_lowercase();
@@ -1774,7 +1810,9 @@ fn validate_principals(
                     format!("{path}.token_sha256: must be 64 hex digits (a SHA-256 digest)"),
                 );
             }
-            refs.push(TokenRef::Sha256(digest));
+            let source = TokenRef::Sha256(digest);
+            tokens.claim(&source, &format!("{path}.token_sha256"), &s.referenced, ctx);
+            refs.push(source);
         }
         match refs.len() {
             1 => {
@@ -1994,18 +2032,50 @@ fn validate_provider(
     };
 
     let mut routes: Vec<Route> = Vec::new();
-    let mut seen_routes: BTreeSet<(String, Vec<Segment>)> = BTreeSet::new();
+    // Each route's shape (method, literal segments, parameters without their names) and its key
+    // and position: two routes of one shape match exactly the same requests.
+    #[allow(clippy::type_complexity)]
+    let mut seen_routes: BTreeMap<
+        (String, Vec<Option<String>>),
+        (String, Vec<Segment>, u64, u64),
+    > = BTreeMap::new();
     for (route_key, route) in p.routes.map(|m| m.0).unwrap_or_default() {
         let route_path = format!("{path}.routes.\"{}\"", route_key.value);
         let Some((method, template, segments)) = parse_route_key(&route_key, &route_path, ctx)
         else {
             continue;
         };
-        if !seen_routes.insert((method.clone(), segments.clone())) {
-            ctx.err(
-                &route_key.referenced,
-                format!("{route_path}: the same method and template are already routed"),
-            );
+        let shape = segments
+            .iter()
+            .map(|segment| match segment {
+                Segment::Literal(text) => Some(text.clone()),
+                Segment::Param(_) => None,
+            })
+            .collect();
+        match seen_routes.entry((method.clone(), shape)) {
+            std::collections::btree_map::Entry::Occupied(first) => {
+                let (first_key, first_segments, line, column) = first.get();
+                let message = if *first_segments == segments {
+                    format!(
+                        "{route_path}: the same method and template are already routed by route \"{first_key}\" ({}:{line}:{column})",
+                        ctx.file
+                    )
+                } else {
+                    format!(
+                        "{route_path}: matches exactly the same requests as route \"{first_key}\" ({}:{line}:{column}), only the parameter names differ, so which of them applies would be ambiguous; keep one",
+                        ctx.file
+                    )
+                };
+                ctx.err(&route_key.referenced, message);
+            }
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                slot.insert((
+                    format!("{method} {template}"),
+                    segments.clone(),
+                    route_key.referenced.line(),
+                    route_key.referenced.column(),
+                ));
+            }
         }
         let r = &route.value;
         // An unknown class is reported and the route's other members are still checked, so
@@ -2851,5 +2921,65 @@ mod tests {
         ] {
             Policy::from_yaml_str(&format!("listen: \"{ok}\"\n"), "p.yaml").expect(ok);
         }
+    }
+
+    #[test]
+    fn two_callers_with_one_token_source_are_refused_naming_both() {
+        let digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+        let errors = problems(&format!(
+            "agents:\n  a: {{ token_sha256: {digest} }}\n  b: {{ token_sha256: {} }}\n",
+            digest.to_ascii_uppercase()
+        ));
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].starts_with("3:22: agents.b.token_sha256: the same digest as agents.a.token_sha256 (p.yaml:2:22), so agents.a and agents.b would have one token"), "{errors:?}");
+        assert!(!errors[0].contains(digest), "{errors:?}");
+        let errors = problems(&format!(
+            "agents:\n  a: {{ token_sha256: {digest} }}\noperators:\n  o: {{ token_sha256: {digest} }}\n"
+        ));
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].starts_with("4:22: operators.o.token_sha256: the same digest as agents.a.token_sha256 (p.yaml:2:22), so agents.a and operators.o"), "{errors:?}");
+        let errors =
+            problems("agents:\n  a: { token_env: BOT_TOKEN }\n  b: { token_env: BOT_TOKEN }\n");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].starts_with("3:19: agents.b.token_env: the same environment variable as agents.a.token_env (p.yaml:2:19)"), "{errors:?}");
+        let errors = problems(
+            "agents:\n  a: { token_file: /run/t }\noperators:\n  o: { token_file: /run/t }\n",
+        );
+        assert!(
+            errors[0].contains("operators.o.token_file: the same file as agents.a.token_file"),
+            "{errors:?}"
+        );
+        Policy::from_yaml_str(
+            "agents:\n  a: { token_env: A_TOKEN }\n  b: { token_env: B_TOKEN }\noperators:\n  o: { token_env: O_TOKEN }\n",
+            "p.yaml",
+        )
+        .expect("distinct sources load");
+    }
+
+    #[test]
+    fn two_routes_matching_the_same_requests_are_refused_naming_both() {
+        let provider = "providers:\n  fake:\n    base_url: http://127.0.0.1:1\n    routes:\n";
+        let errors = problems(&format!(
+            "{provider}      \"POST /v1/{{a}}\": {{ class: uncertain_write }}\n      \"POST /v1/{{b}}\": {{ class: uncertain_write }}\n"
+        ));
+        assert_eq!(
+            errors,
+            ["6:7: providers.fake.routes.\"POST /v1/{b}\": matches exactly the same requests as route \"POST /v1/{a}\" (p.yaml:5:7), only the parameter names differ, so which of them applies would be ambiguous; keep one"]
+        );
+        let errors = problems(&format!(
+            "{provider}      \"GET /v1/items/{{id}}\": {{ class: read }}\n      \"GET /v1/items/{{id}}/\": {{ class: read }}\n"
+        ));
+        assert_eq!(
+            errors,
+            ["6:7: providers.fake.routes.\"GET /v1/items/{id}/\": the same method and template are already routed by route \"GET /v1/items/{id}\" (p.yaml:5:7)"]
+        );
+        // Another method, or a literal where the other has a parameter, is another route.
+        Policy::from_yaml_str(
+            &format!(
+                "{provider}      \"GET /v1/{{a}}\": {{ class: read }}\n      \"POST /v1/{{b}}\": {{ class: uncertain_write }}\n      \"GET /v1/me\": {{ class: read }}\n"
+            ),
+            "p.yaml",
+        )
+        .expect("distinct routes load");
     }
 }
