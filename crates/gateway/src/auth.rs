@@ -91,7 +91,8 @@ impl Authenticator {
     ///
     /// # Errors
     /// The first [`SecretError`] naming `agents.NAME` or `operators.NAME`: a missing environment
-    /// variable, an empty token, or a `token_sha256` that is not 64 hex digits.
+    /// variable, an empty token, a `token_sha256` that is not 64 hex digits, or a token that
+    /// another agent or operator has too ([`SecretError::SharedToken`], naming both).
     /// [`Authenticator::resolve_each`] reports all of them.
     pub fn resolve(policy: &Policy, env: EnvLookup<'_>) -> Result<Authenticator, SecretError> {
         let (auth, errors) = Authenticator::resolve_each(policy, env);
@@ -137,6 +138,18 @@ impl Authenticator {
                         }
                     },
                 };
+                let first = entries.iter().find(|e: &&Entry| e.digest == digest);
+                if let Some(first) = first {
+                    let first_section = match first.role {
+                        Role::Agent => "agents",
+                        Role::Operator => "operators",
+                    };
+                    errors.push(SecretError::SharedToken {
+                        place,
+                        first: format!("{first_section}.{}", first.name),
+                    });
+                    continue;
+                }
                 entries.push(Entry {
                     name: name.clone(),
                     role,
@@ -285,6 +298,35 @@ mod tests {
         let o = auth.authenticate(&headers("Bearer tok-o")).unwrap();
         assert_eq!(o.role, Role::Operator);
         assert!(!format!("{auth:?}").contains("tok-a"));
+    }
+
+    #[test]
+    fn two_callers_whose_tokens_resolve_alike_stop_the_start_naming_both() {
+        let policy = Policy::from_yaml_str(
+            "agents:\n  a: { token_env: A_TOKEN }\n  b: { token_env: B_TOKEN }\n  c: { token_env: C_TOKEN }\n  d: { token_sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 }\noperators:\n  o: { token_env: O_TOKEN }\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let env = |name: &str| match name {
+            "A_TOKEN" => Some("tok-shared".to_owned()),
+            "B_TOKEN" => Some("tok-b".to_owned()),
+            // sha256("test") is the digest configured for d.
+            "C_TOKEN" => Some("test".to_owned()),
+            "O_TOKEN" => Some("tok-shared\n".to_owned()),
+            _ => None,
+        };
+        let (auth, errors) = Authenticator::resolve_each(&policy, &env);
+        let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            messages,
+            [
+                "agents.d: has the same token as agents.c, so a caller presenting it could be either; give each agent and operator its own token",
+                "operators.o: has the same token as agents.a, so a caller presenting it could be either; give each agent and operator its own token",
+            ]
+        );
+        assert!(!format!("{messages:?}{auth:?}").contains("tok-shared"));
+        let first = Authenticator::resolve(&policy, &env).unwrap_err();
+        assert!(matches!(first, SecretError::SharedToken { .. }), "{first}");
     }
 
     #[test]

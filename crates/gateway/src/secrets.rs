@@ -82,6 +82,15 @@ pub enum SecretError {
         /// Why (never the value).
         reason: String,
     },
+    /// Two agents or operators have one token (read at start, or a `token_sha256` equal to a
+    /// token read at start): a caller presenting it could be either, so neither is used.
+    #[error("{place}: has the same token as {first}, so a caller presenting it could be either; give each agent and operator its own token")]
+    SharedToken {
+        /// Policy place of the later entry (`agents.NAME` or `operators.NAME`).
+        place: String,
+        /// Policy place of the earlier entry with the same token.
+        first: String,
+    },
     /// A `token_sha256` is not 64 hex digits.
     #[error("{place}: token_sha256 must be 64 hex digits")]
     BadDigest {

@@ -19,7 +19,7 @@ use backstop_core::policy::Policy;
 use backstop_gateway::{
     auth::Authenticator,
     door::DoorConfig,
-    secrets::{process_env, ProviderCredentials},
+    secrets::{process_env, ProviderCredentials, SecretError},
     server::{self, ServeOptions},
     upstream::UpstreamConfig,
 };
@@ -206,11 +206,24 @@ fn secrets_resolve(policy: &Policy) -> bool {
             "backstop serve: warning: {file}: {error} (calls to this provider would be refused)"
         );
     }
-    let count = errors.len();
-    errln!(
-        "backstop serve: {count} secret{} referenced by {file} cannot be resolved; nothing was started",
-        if count == 1 { "" } else { "s" }
-    );
+    let shared = errors
+        .iter()
+        .filter(|e| matches!(e, SecretError::SharedToken { .. }))
+        .count();
+    let count = errors.len() - shared;
+    if count > 0 {
+        errln!(
+            "backstop serve: {count} secret{} referenced by {file} cannot be resolved; nothing was started",
+            if count == 1 { "" } else { "s" }
+        );
+    }
+    if shared > 0 {
+        errln!(
+            "backstop serve: {shared} token{} of {file} {} another caller's, so callers could not be told apart; nothing was started",
+            if shared == 1 { "" } else { "s" },
+            if shared == 1 { "is" } else { "are" },
+        );
+    }
     false
 }
 
