@@ -445,15 +445,21 @@ impl FakeConfig {
     /// [`Error::Yaml`] (`LINE:COL: message`) for malformed YAML, unknown fields or duplicate keys,
     /// [`Error::Config`] for a semantically invalid config.
     pub fn from_yaml_str(text: &str) -> Result<Self, Error> {
-        let config: FakeConfig = serde_saphyr::from_str(text).map_err(|e| {
-            let mut options = serde_saphyr::RenderOptions::new(&YamlMessages);
-            options.snippets = serde_saphyr::SnippetMode::Off;
-            let message = e.render_with_options(options);
-            Error::Yaml(match e.location() {
-                Some(at) => format!("{}:{}: {message}", at.line(), at.column()),
-                None => message,
-            })
-        })?;
+        // YAML 1.2 booleans only (`true`/`false`): a plain `n`, `y`, `no`, `yes`, `on` or `off`
+        // stays the string it was written as. A handler is read through serde's buffering of
+        // its tagged fields, which would otherwise see `collection: n` as `false` and report
+        // the route's line instead of the field.
+        let options = serde_saphyr::options! { strict_booleans: true };
+        let config: FakeConfig =
+            serde_saphyr::from_str_with_options(text, options).map_err(|e| {
+                let mut options = serde_saphyr::RenderOptions::new(&YamlMessages);
+                options.snippets = serde_saphyr::SnippetMode::Off;
+                let message = e.render_with_options(options);
+                Error::Yaml(match e.location() {
+                    Some(at) => format!("{}:{}: {message}", at.line(), at.column()),
+                    None => message,
+                })
+            })?;
         config.validate()?;
         Ok(config)
     }

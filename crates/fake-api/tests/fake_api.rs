@@ -636,6 +636,30 @@ fn invalid_yaml_config_names_the_place() {
 }
 
 #[test]
+fn a_collection_spelled_like_a_yaml_1_1_boolean_is_read_as_written() {
+    for word in ["n", "y", "no", "yes", "on", "off"] {
+        let config = FakeConfig::from_yaml_str(&format!(
+            "routes:\n  - route: POST /v1/x\n    handler: {{ kind: create, collection: {word} }}\n  - route: GET /v1/x\n    handler:\n      kind: lookup\n      collection: {word}\n"
+        ))
+        .unwrap_or_else(|e| panic!("{word}: {e}"));
+        for (i, route) in config.routes.iter().enumerate() {
+            match &route.handler {
+                Handler::Create { collection, .. } | Handler::Lookup { collection } => {
+                    assert_eq!(collection, word, "routes[{i}]")
+                }
+                other => panic!("routes[{i}]: {other:?}"),
+            }
+        }
+    }
+    // A real boolean where a string belongs is still refused.
+    let err = FakeConfig::from_yaml_str(
+        "routes:\n  - route: POST /v1/x\n    handler: { kind: create, collection: false }\n",
+    )
+    .expect_err("a boolean is no collection name");
+    assert!(err.to_string().contains("expected a string"), "{err}");
+}
+
+#[test]
 fn duplicate_routes_are_a_config_error() {
     let err = FakeConfig::from_yaml_str(
         "routes:\n  - route: GET /v1/x/{id}\n  - route: POST /v1/x/{id}\n  - route: GET /v1/x/{ref}\n",
