@@ -34,7 +34,8 @@
 //! instant: [`resend_advised_at`]) is not replayed forever: a same-key, same-payload resend
 //! before the instant replays the outcome with the `Retry-After` left; from the instant on the
 //! action is reopened (audited `action_reopened`) and this request is sent as the same action
-//! under the same key. When its last attempt was `uncertain`, the SPEC §6 rule runs first and
+//! under the same key. When an attempt of it is unsettled (`uncertain`, no later answer under
+//! the same key settling it), the SPEC §6 rule runs first and
 //! nothing is sent blindly: a route with a lookup asks the provider (found → `succeeded`,
 //! nothing sent); the request is sent under the same key only where the provider honours it;
 //! otherwise the write is escalated and nothing is sent. An escalation opened beside a

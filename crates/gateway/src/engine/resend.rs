@@ -40,8 +40,9 @@
 //! request's `Prefer: wait`) is fresh for this request, and the task's deadline, the scope retry
 //! quota and the circuit breaker are charged as for any attempt.
 //!
-//! Safety (SPEC §6: `uncertain` must be reconciled first). When the action's last attempt is
-//! `uncertain` (sent, no definite answer), the rule an uncertain write follows runs BEFORE the
+//! Safety (SPEC §6: `uncertain` must be reconciled first). When an attempt of the action is
+//! unsettled (`uncertain` — sent, no definite answer — and no later answer under the same key
+//! settled it: [`writes::unsettled_in`]), the rule an uncertain write follows runs BEFORE the
 //! action is reopened, as the attempt loop runs it ([`Inner::reconcile_uncertain`]): with a
 //! lookup the provider is asked — found → the action ends `succeeded` (reconciled) and nothing
 //! is sent; not found (or no lookup) and the provider honours the key → reopened and sent under
