@@ -569,6 +569,19 @@ pub trait Store: Send + Sync {
     /// Storage errors only.
     fn escalations_of_action(&self, action: ActionId) -> Result<Vec<EscalationRecord>, StoreError>;
 
+    /// Every escalation decided at or after `since`, whatever its action, oldest decision
+    /// first: what a same-key resend of a write that ended beside a scope's escalation (one
+    /// `shared_quota_exhausted` case covers every task of the scope) looks up to learn whether
+    /// an operator decided it since. Escalations are few (one per scope and event), so this
+    /// reads them without an index.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn escalations_decided_since(
+        &self,
+        since: Timestamp,
+    ) -> Result<Vec<EscalationRecord>, StoreError>;
+
     /// Audit events with `seq > since`, in order, at most `limit`.
     ///
     /// # Errors

@@ -185,6 +185,34 @@ pub(super) fn verdict(
     }
 }
 
+/// Of the `decided` escalations, those of a scope's kind (`shared_quota_exhausted` for a
+/// `quota_exhausted` write, `account_configuration` for one that ended `budget_exhausted` or
+/// `deadline_exhausted`) of `record`'s provider covering one of `scopes` (every task of a scope
+/// meets the same account): what answers a resend of a write that opened no escalation itself.
+fn scope_escalations(
+    record: &ActionRecord,
+    scopes: &[String],
+    decided: Vec<EscalationRecord>,
+) -> Vec<EscalationRecord> {
+    let kind = match record.outcome {
+        Some(backstop_store::Outcome::QuotaExhausted) => EscalationReason::SharedQuotaExhausted,
+        Some(
+            backstop_store::Outcome::BudgetExhausted | backstop_store::Outcome::DeadlineExhausted,
+        ) => EscalationReason::AccountConfiguration,
+        _ => return Vec::new(),
+    };
+    decided
+        .into_iter()
+        .filter(|e| {
+            CaseFile::from_json(&e.case_file).is_ok_and(|case| {
+                case.reason == kind
+                    && case.provider == record.provider
+                    && case.scopes.iter().any(|s| scopes.contains(s))
+            })
+        })
+        .collect()
+}
+
 /// `execution` (a replayed outcome) without `wait_until` among its safe options: not `429`,
 /// `x-should-retry: false`.
 fn without_wait(mut execution: Execution) -> Execution {
@@ -226,7 +254,7 @@ impl Engine {
         }
         let inner = &self.inner;
         let id = record.id;
-        let Ok((attempts, escalations)) = self.resend_facts(record).await else {
+        let Ok((attempts, escalations)) = self.resend_facts(record, spec).await else {
             return Taken::Replay;
         };
         let now = inner.clock.now();
@@ -275,7 +303,7 @@ impl Engine {
             drop(guard);
             return Taken::Answer(Box::pin(self.existing(fresh)).await, None);
         }
-        let Ok((attempts, escalations)) = self.resend_facts(&fresh).await else {
+        let Ok((attempts, escalations)) = self.resend_facts(&fresh, spec).await else {
             return Taken::Replay;
         };
         let now = inner.clock.now();
@@ -349,18 +377,38 @@ impl Engine {
 
     /// The stored attempts and escalations of `record`, for [`verdict`]; `Err` (logged) when
     /// the store cannot read them (the outcome is then replayed as before).
+    ///
+    /// A write that opened no escalation of its own but ended `quota_exhausted` (or after
+    /// repeated limits) while its scope's escalation was open — one case covers every task of
+    /// the scope, see `quota_escalations` — is answered by that escalation's decision: its
+    /// escalations are then the scope's ones of the same kind, covering one of `spec`'s
+    /// scopes, decided since the write's last attempt.
     async fn resend_facts(
         &self,
         record: &ActionRecord,
+        spec: &ActionSpec,
     ) -> Result<(Vec<AttemptRecord>, Vec<EscalationRecord>), ()> {
         let id = record.id;
         let read = self
             .inner
             .blocking(move |s| Ok((s.attempts(id)?, s.escalations_of_action(id)?)))
             .await;
-        read.map_err(|e| {
+        let (attempts, own) = read.map_err(|e| {
             tracing::warn!(action = id.0, error = %e, "a same-key resend could not read the action's attempts and escalations; its outcome is replayed");
-        })
+        })?;
+        let Some(last) = attempts.last().filter(|_| own.is_empty()) else {
+            return Ok((attempts, own));
+        };
+        let since = last.started_at;
+        let decided = self
+            .inner
+            .blocking(move |s| s.escalations_decided_since(since))
+            .await
+            .map_err(|e| {
+                tracing::warn!(action = id.0, error = %e, "a same-key resend could not read the escalations decided since; its outcome is replayed");
+            })?;
+        let scope = scope_escalations(record, &spec.route.scopes, decided);
+        Ok((attempts, scope))
     }
 
     /// The answer for action `id` as the store has it now (replayed, joined or `409`).

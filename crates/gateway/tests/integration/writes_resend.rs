@@ -835,3 +835,73 @@ async fn a_reopened_write_refused_before_its_new_send_still_names_the_providers_
     advance(Duration::from_secs(30)).await;
     let _ = read.await;
 }
+
+/// Two writes of one scope meet the exhausted quota: the first opens the scope's
+/// `shared_quota_exhausted` escalation, the second ends beside it without one of its own. The
+/// operator's `wait` on that one escalation answers both: each write's same-key resend is sent
+/// as its own action, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_decision_on_the_scopes_quota_escalation_lets_every_write_of_the_scope_resend()
+{
+    let fake = support::start_fake(
+        FakeConfig::default().with_route(
+            RouteConfig::new("POST /v1/orders", create("orders", "or_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1, 2],
+                    Fault::ErrorCode {
+                        status: 429,
+                        code: "insufficient_quota".into(),
+                        message: "You exceeded your current quota".into(),
+                    },
+                )),
+        ),
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let first = post(&gateway, "/v1/orders", "order-scope-1").await;
+    assert_eq!(first.status(), 403);
+    let first_id = support::action_id(&first);
+    let second = post(&gateway, "/v1/orders", "order-scope-2").await;
+    assert_eq!(second.status(), 403);
+    let second_id = support::action_id(&second);
+    let (_, body) = json_of(second).await;
+    assert!(
+        body["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("already open")),
+        "{body}"
+    );
+    let escalation = support::open_escalation_of(&gateway, OPERATOR_TOKEN, first_id).await;
+    let escalation = escalation["id"].as_i64().expect("id");
+
+    // Undecided: the second write's resend replays, nothing is sent.
+    let early = post(&gateway, "/v1/orders", "order-scope-2").await;
+    assert_eq!(early.status(), 403);
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 2);
+
+    let (status, decided) = support::decide(
+        &gateway,
+        OPERATOR_TOKEN,
+        escalation,
+        json!({"option": "wait"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{decided}");
+    for (key, id) in [("order-scope-2", second_id), ("order-scope-1", first_id)] {
+        let resent = post(&gateway, "/v1/orders", key).await;
+        assert_eq!(resent.status(), 201, "{key}");
+        assert_eq!(support::action_id(&resent), id, "{key}: the same action");
+    }
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 4);
+    // Each decision is used once per write: the next resends replay the successes.
+    for key in ["order-scope-2", "order-scope-1"] {
+        let again = post(&gateway, "/v1/orders", key).await;
+        assert_eq!(again.status(), 201, "{key}");
+        assert_eq!(again.headers()["idempotent-replayed"], "true", "{key}");
+    }
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 4);
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}

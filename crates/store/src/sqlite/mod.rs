@@ -1592,6 +1592,13 @@ impl Store for SqliteStore {
         self.read(|c| rows::escalations_of_action(c, action))
     }
 
+    fn escalations_decided_since(
+        &self,
+        since: Timestamp,
+    ) -> Result<Vec<EscalationRecord>, StoreError> {
+        self.read(|c| rows::escalations_decided_since(c, since))
+    }
+
     fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError> {
         self.read(|c| rows::audit_events(c, since, limit))
     }

@@ -521,6 +521,21 @@ pub(crate) fn escalations_of_action(
     Ok(out)
 }
 
+pub(crate) fn escalations_decided_since(
+    conn: &Connection,
+    since: Timestamp,
+) -> Result<Vec<EscalationRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {ESCALATION_COLUMNS} FROM escalations WHERE decided_at_ms >= ?1 ORDER BY decided_at_ms, id"
+    ))?;
+    let rows = stmt.query_map(params![ms(since)], raw_escalation)?;
+    let mut out = Vec::new();
+    for row in rows {
+        out.push(decode_escalation(row?)?);
+    }
+    Ok(out)
+}
+
 pub(crate) fn open_escalations(conn: &Connection) -> Result<Vec<EscalationRecord>, StoreError> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {ESCALATION_COLUMNS} FROM escalations WHERE state = 'open' ORDER BY id"

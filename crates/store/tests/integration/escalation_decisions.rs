@@ -454,3 +454,32 @@ fn reads_carry_no_key_in_the_store_or_the_audit_log() {
         Err(StoreError::KeyReuse { .. })
     ));
 }
+
+#[test]
+fn escalations_decided_since_an_instant_are_listed_by_decision_whatever_their_action() {
+    let (_dir, store) = store();
+    open_task(&store, "task-1");
+    let (_, early) = escalated(&store, "k-early");
+    let (_, late) = escalated(&store, "k-late");
+    let (_, undecided) = escalated(&store, "k-undecided");
+    store
+        .decide_escalation(late, "abort", "operator", None, t(10))
+        .expect("decide late first");
+    store
+        .decide_escalation(early, "abort", "operator", None, t(20))
+        .expect("decide early");
+    let ids = |since| -> Vec<_> {
+        store
+            .escalations_decided_since(since)
+            .expect("read")
+            .into_iter()
+            .map(|e| e.id)
+            .collect()
+    };
+    // Oldest decision first; an undecided escalation is never listed.
+    assert_eq!(ids(t(5)), [late, early]);
+    assert_eq!(ids(t(10)), [late, early], "at the instant counts");
+    assert_eq!(ids(t(11)), [early]);
+    assert!(ids(t(21)).is_empty());
+    assert!(!ids(t(0)).contains(&undecided));
+}

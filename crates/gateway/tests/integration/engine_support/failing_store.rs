@@ -537,6 +537,12 @@ impl Store for FailingStore {
     fn escalations_of_action(&self, action: ActionId) -> Result<Vec<EscalationRecord>, StoreError> {
         self.inner.escalations_of_action(action)
     }
+    fn escalations_decided_since(
+        &self,
+        since: Timestamp,
+    ) -> Result<Vec<EscalationRecord>, StoreError> {
+        self.inner.escalations_decided_since(since)
+    }
     fn audit_events(&self, since: u64, limit: usize) -> Result<Vec<AuditEvent>, StoreError> {
         self.inner.audit_events(since, limit)
     }
