@@ -2634,8 +2634,9 @@ impl Engine {
     /// The `503 shutting_down` for the caller of an action of which an attempt was sent, when
     /// the gateway stops before the action ends: while it `waited` for its next attempt, or
     /// (`waited` false) when its write's attempt got no answer and no reconciliation lookup
-    /// could be sent any more (left sent without a result). `sent: true`, `x-should-retry:
-    /// false`, and what the next start does with the action — the `after_restart` member (see
+    /// could be sent any more (left sent without a result). `sent` as the outcome context
+    /// counts it, `x-should-retry: false` for a write (`true`, with `Retry-After: 1`, for a
+    /// read, which is safe to send again), and what the next start does with the action — the `after_restart` member (see
     /// [`AfterRestart`]) and the `detail` — with the last attempt's `last_status` and
     /// `last_signal`.
     fn stopped_after_sending(&self, run: &Run<'_>, seen: &Seen, waited: bool) -> Execution {
@@ -2655,7 +2656,7 @@ impl Engine {
                 "backstop is shutting down: this write was sent and no answer came back (uncertain), and no reconciliation lookup can be sent any more, so it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
             ),
             AfterRestart::Reconcile => format!(
-                "backstop is shutting down while this write waited for its next attempt. Its last attempt was sent and no answer came back (uncertain), so it stays recorded: after the restart, when its retry falls due, it is reconciled with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and nothing is resent automatically. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, then with that outcome: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+                "backstop is shutting down while this write waited for its next attempt. An attempt of it was sent and no answer came back (uncertain), and no later answer settled it, so it stays recorded: after the restart, when its retry falls due, it is reconciled with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and nothing is resent automatically. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, then with that outcome: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
             ),
             AfterRestart::Cancel if is_read => format!(
                 "backstop is shutting down while this read waited for its retry, and nothing more is sent for it: after the restart its action (GET /v1/actions/{id}) ends cancelled when the retry falls due. A read changes nothing at the provider, so send it again once backstop is back"
@@ -2681,6 +2682,12 @@ impl Engine {
         if !left && after != AfterRestart::RetrySameKey {
             problem.should_retry = false;
             problem.retry_after_seconds = None;
+        }
+        if is_read {
+            // A read changes nothing at the provider: sending it again is safe, whatever it
+            // was answered.
+            problem.should_retry = true;
+            problem.retry_after_seconds = Some(1);
         }
         let problem = problem
             .with_extension("after_restart", after.as_str().into())

@@ -346,3 +346,32 @@ async fn a_write_left_uncertain_and_waiting_for_its_retry_is_told_the_restart_re
     assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
     restarted.shutdown().await;
 }
+
+/// A read waiting for its retry when the gateway stops is told `503 shutting_down` with
+/// `x-should-retry: true` and `Retry-After: 1`: whatever its attempt was answered, a read
+/// changes nothing at the provider, so sending it again once backstop is back is safe.
+#[tokio::test(start_paused = true)]
+async fn a_read_waiting_for_its_retry_at_a_stop_is_told_it_may_be_sent_again() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/4",
+        vec![answer(503, &[("retry-after", "20")], "")],
+    );
+    let running = h.spawn(h.get("t", "/v1/items/4"));
+    assert!(until(|| h.transport.sent_to("/v1/items/4").len() == 1).await);
+    advance(Duration::from_secs(1)).await;
+    h.engine.shutdown().await;
+    let Execution::Response { response, .. } = running.await.unwrap() else {
+        panic!("a problem answer")
+    };
+    assert_eq!(response.status(), 503);
+    assert_eq!(response.headers()["x-should-retry"], "true");
+    assert_eq!(response.headers()["retry-after"], "1");
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    let body: Value = serde_json::from_slice(&bytes).expect("a problem document");
+    assert_eq!(body["after_restart"], "cancel", "{body}");
+    assert_eq!(body["sent"], true, "{body}");
+    assert_eq!(body["last_status"], 503, "{body}");
+}
