@@ -93,6 +93,55 @@ pub(super) const LOOKUP_MAX_WAIT: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct LookupNotSent;
 
+/// A reconciliation lookup handed to the transport, until its answer is read. When the future
+/// that sent it is dropped first (the write's caller went away), the lookup may still have
+/// reached the provider, so it is counted (`inconclusive`) and audited as a
+/// `reconciliation_lookup` with an unknown status and the verdict `inconclusive`, as every
+/// lookup that leaves is.
+struct LookupInFlight {
+    store: std::sync::Arc<dyn backstop_store::Store>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    provider: String,
+    action: ActionId,
+    task: String,
+    lookup: String,
+    /// When it was sent: the audited instant.
+    at: jiff::Timestamp,
+    /// Cleared once the answer was read (`Inner::lookup` counts and audits it then).
+    armed: bool,
+}
+
+impl Drop for LookupInFlight {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let word = "inconclusive";
+        self.metrics.lookup(&self.provider, word);
+        tracing::info!(
+            action = self.action.0,
+            task = %self.task,
+            lookup = %self.lookup,
+            verdict = word,
+            "reconciliation lookup abandoned: its caller went away after it was sent, so its answer is unknown; counted and audited as inconclusive"
+        );
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, action, lookup, at) = (
+            self.store.clone(),
+            self.action,
+            std::mem::take(&mut self.lookup),
+            self.at,
+        );
+        runtime.spawn_blocking(move || {
+            if let Err(e) = store.record_reconciliation_lookup(action, &lookup, None, word, at) {
+                tracing::warn!(action = action.0, error = %e, "could not audit the abandoned reconciliation lookup");
+            }
+        });
+    }
+}
+
 /// Everything about one write that reconciliation and a case file need (no payload).
 #[derive(Debug, Clone)]
 pub(super) struct WriteFacts {
@@ -546,8 +595,32 @@ impl Inner {
             }
             Acquired::Stopped { .. } => return Err(LookupNotSent),
         };
+        // From here the lookup may reach the provider: if its caller goes away before the
+        // answer is read, it is still counted and audited (see `LookupInFlight`).
+        let mut in_flight = LookupInFlight {
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            provider: facts.provider.clone(),
+            action: facts.action,
+            task: facts.task_id.clone(),
+            lookup: lookup_template(rc),
+            at: self.clock.now(),
+            armed: true,
+        };
         let reply = self.transport.send(request).await;
         drop(permit);
+        let answered = self.read_lookup(rc, reply).await;
+        in_flight.armed = false;
+        answered
+    }
+
+    /// The verdict of a lookup's `reply` under the route's `rc`, and the provider's status.
+    async fn read_lookup(
+        &self,
+        rc: &Reconcile,
+        reply: AttemptReply,
+    ) -> Result<(LookupVerdict, Option<u16>), LookupNotSent> {
+        let inconclusive = |reason: String| Ok((LookupVerdict::Inconclusive { reason }, None));
         match reply {
             AttemptReply::Failed(e) => {
                 inconclusive(format!("the lookup failed in transport ({})", e.as_str()))

@@ -781,6 +781,49 @@ async fn an_aborted_write_keeps_what_its_attempts_did_in_its_context() {
     );
 }
 
+/// A reconciliation lookup already sent when the write's caller goes away may have reached the
+/// provider: it is audited (`reconciliation_lookup`) like every lookup that leaves, even though
+/// its answer is never read. Every lookup the provider saw has its event.
+#[tokio::test(start_paused = true)]
+async fn a_lookup_abandoned_by_a_caller_that_left_is_still_audited() {
+    let policy = engine_support::POLICY.replace(
+        r#""POST /v1/transfers": { class: idempotent_write, scopes: [account], fingerprint_fields: [/amount] }"#,
+        r#""POST /v1/transfers":
+        class: idempotent_write
+        scopes: [account]
+        fingerprint_fields: [/amount]
+        reconcile: { by: idempotency_key, lookup: "GET /v1/transfers?key={key}", found_pointer: /data/0/id }"#,
+    );
+    assert_ne!(policy, engine_support::POLICY);
+    let h = Harness::with_policy(&policy);
+    let upstream = backstop_core::reconcile::upstream_idempotency_key("agent-a", "k-lookup-left");
+    let lookup = format!("/v1/transfers?key={upstream}");
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(TransportError::TimeoutAfterSend)],
+    );
+    h.transport
+        .script(&lookup, vec![held_ok(Duration::from_secs(5))]);
+    let waiting = h.spawn(write(&h, "k-lookup-left"));
+    assert!(
+        until(|| h.transport.sent_to(&lookup).len() == 1).await,
+        "the lookup left"
+    );
+    waiting.abort();
+    let _ = waiting.await;
+    advance(Duration::from_secs(60)).await;
+
+    let audited = || {
+        h.audit()
+            .into_iter()
+            .filter(|e| e.kind == "reconciliation_lookup")
+            .count()
+    };
+    let sent = h.transport.sent_to(&lookup).len();
+    assert!(until(|| audited() >= sent).await);
+    assert_eq!(audited(), sent, "one event per lookup the provider saw");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_read_in_flight_when_its_task_is_cancelled_is_not_retried_after_its_answer() {
     // While the attempt is out, nothing of the task waits in the scheduler, and a read's retry
