@@ -228,6 +228,19 @@ impl BackoffPolicy {
     }
 }
 
+/// The shortest `backoff.base_seconds` a policy may set (0.1 s). The first retry's delay is drawn
+/// from `[0, 2 · base]` and each later cap doubles from there, so a smaller base (`1e-9`, `0.001`)
+/// sends the retries of a failing request within microseconds or milliseconds of each other: a
+/// tight retry loop against a provider that is already failing, which backoff exists to prevent.
+pub const MIN_BACKOFF_BASE: Duration = Duration::from_millis(100);
+
+/// The shortest `backoff.min_delay_seconds` a policy may set (0.1 s). It is the floor of every
+/// provider boundary: a `Retry-After: 0`, a date or quota reset already past, or a shorter delay is
+/// raised to it. A smaller floor (`1e-9`, `0.001`) lets a provider that keeps answering "retry
+/// now" be called again within microseconds or milliseconds: a tight retry loop against a limit
+/// that is already hit.
+pub const MIN_RETRY_DELAY_FLOOR: Duration = Duration::from_millis(100);
+
 /// The shortest `breaker.forget_after_seconds` a policy may set (1 s). A task's breaker is
 /// forgotten that long after its last failure; the same request fails again no sooner than a
 /// retry's delay (`backoff.min_delay_seconds`, 1 s by default) or the agent's next try, so a
@@ -1630,10 +1643,32 @@ fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> BackoffPolicy
             defaults.boundary_spread,
         ),
     };
-    if let Some(s) = &b.base_seconds {
-        if policy.base.is_zero() {
-            ctx.err(&s.referenced, "backoff.base_seconds: must be positive");
-        }
+    if let (Some(s), true) = (&b.base_seconds, policy.base < MIN_BACKOFF_BASE) {
+        ctx.err(
+            &s.referenced,
+            format!(
+                "backoff.base_seconds: must be at least {} seconds, got {} (the first retry \
+                 waits at most twice the base, so a smaller one retries a failing request \
+                 within milliseconds, a tight retry loop)",
+                MIN_BACKOFF_BASE.as_secs_f64(),
+                s.value
+            ),
+        );
+    }
+    if let (Some(s), true) = (
+        &b.min_delay_seconds,
+        policy.min_delay < MIN_RETRY_DELAY_FLOOR,
+    ) {
+        ctx.err(
+            &s.referenced,
+            format!(
+                "backoff.min_delay_seconds: must be at least {} seconds, got {} (it is the \
+                 shortest wait after a Retry-After of 0 or a reset already past, so a smaller \
+                 one retries a throttled request within milliseconds, a tight retry loop)",
+                MIN_RETRY_DELAY_FLOOR.as_secs_f64(),
+                s.value
+            ),
+        );
     }
     if policy.max < policy.base {
         let at = b
@@ -2675,6 +2710,41 @@ mod tests {
             problems("backoff:\n  base_seconds: one\n"),
             ["2:17: backoff.base_seconds: expected a finite number, got \"one\""]
         );
+    }
+
+    #[test]
+    fn backoff_base_and_min_delay_are_at_least_a_tenth_of_a_second() {
+        let base = |got: &str| {
+            format!(
+                "2:17: backoff.base_seconds: must be at least 0.1 seconds, got {got} (the first \
+                 retry waits at most twice the base, so a smaller one retries a failing request \
+                 within milliseconds, a tight retry loop)"
+            )
+        };
+        let floor = |got: &str| {
+            format!(
+                "2:22: backoff.min_delay_seconds: must be at least 0.1 seconds, got {got} (it is \
+                 the shortest wait after a Retry-After of 0 or a reset already past, so a \
+                 smaller one retries a throttled request within milliseconds, a tight retry loop)"
+            )
+        };
+        for got in ["0", "1e-9", "0.099"] {
+            assert_eq!(
+                problems(&format!("backoff:\n  base_seconds: {got}\n")),
+                [base(if got == "1e-9" { "0.000000001" } else { got })]
+            );
+            assert_eq!(
+                problems(&format!("backoff:\n  min_delay_seconds: {got}\n")),
+                [floor(if got == "1e-9" { "0.000000001" } else { got })]
+            );
+        }
+        let shortest = Policy::from_yaml_str(
+            "backoff:\n  base_seconds: 0.1\n  min_delay_seconds: 0.1\n",
+            "p.yaml",
+        )
+        .expect("a tenth of a second is allowed");
+        assert_eq!(shortest.backoff.base, MIN_BACKOFF_BASE);
+        assert_eq!(shortest.backoff.min_delay, MIN_RETRY_DELAY_FLOOR);
     }
 
     #[test]

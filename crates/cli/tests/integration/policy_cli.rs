@@ -274,3 +274,35 @@ fn an_unknown_key_is_not_told_to_use_a_key_that_is_refused() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_backoff_base_or_retry_floor_under_a_tenth_of_a_second_fails_the_check_naming_its_place_and_why(
+) {
+    let (_dir, file, out) = check(
+        "backoff.yaml",
+        "agents:\n  bot: { token_env: BOT_TOKEN }\nbackoff:\n  base_seconds: 1e-9\n  min_delay_seconds: 0.001\n",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let name = file.display().to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "{name}:4:17: backoff.base_seconds: must be at least 0.1 seconds, got 0.000000001 ("
+        )) && lines[0].contains("a tight retry loop"),
+        "{stderr}"
+    );
+    assert!(
+        lines[1].starts_with(&format!(
+            "{name}:5:22: backoff.min_delay_seconds: must be at least 0.1 seconds, got 0.001 ("
+        )) && lines[1].contains("a tight retry loop"),
+        "{stderr}"
+    );
+    assert_eq!(lines[2], format!("{name}: 2 problems"));
+}
