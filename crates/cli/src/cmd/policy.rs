@@ -56,7 +56,8 @@ fn count(n: usize, noun: &str) -> String {
 }
 
 /// The short summary printed for a valid policy: counts, then one line per class, the circuit
-/// breaker's settings, then one line per scope and route.
+/// breaker's, backoff's, shared scope limits' and retry quota's settings, then one line per scope
+/// and route.
 fn summary(policy: &Policy) -> String {
     let scopes: Vec<_> = policy.scopes().collect();
     let routes = policy
@@ -91,6 +92,24 @@ fn summary(policy: &Policy) -> String {
         "breaker: threshold {}, forget_after {} s\n",
         policy.breaker.threshold,
         policy.breaker.forget_after.as_secs_f64()
+    ));
+    let b = &policy.backoff;
+    out.push_str(&format!(
+        "backoff: base {} s, max {} s, min_delay {} s, retry_after_ceiling {} s, boundary_spread {} s\n",
+        b.base.as_secs_f64(),
+        b.max.as_secs_f64(),
+        b.min_delay.as_secs_f64(),
+        b.retry_after_ceiling.as_secs_f64(),
+        b.boundary_spread.as_secs_f64()
+    ));
+    out.push_str(&format!(
+        "shared_scope: max_concurrent_requests {}, max_delayed_requests {}\n",
+        policy.shared_scope.max_concurrent_requests, policy.shared_scope.max_delayed_requests
+    ));
+    let q = &policy.retry_quota;
+    out.push_str(&format!(
+        "retry_quota: capacity {}, retry_cost {}, timeout_cost {}, success_refund {}\n",
+        q.capacity, q.retry_cost, q.timeout_cost, q.success_refund
     ));
     for scope in scopes {
         match scope.limit {

@@ -306,3 +306,42 @@ fn a_backoff_base_or_retry_floor_under_a_tenth_of_a_second_fails_the_check_namin
     );
     assert_eq!(lines[2], format!("{name}: 2 problems"));
 }
+
+#[test]
+fn summary_prints_the_resolved_backoff_shared_scope_and_retry_quota_settings() {
+    let (_dir, _file, out) = check(
+        "limits.yaml",
+        "agents:\n  bot: { token_env: BOT_TOKEN }\nshared_scope:\n  max_delayed_requests: 7\n  max_concurrent_requests: 3\nbackoff:\n  base_seconds: 0.5\n  max_seconds: 30\n  min_delay_seconds: 2\n  retry_after_ceiling_seconds: 3600\n  boundary_spread_seconds: 0\nretry_quota:\n  capacity: 100\n  retry_cost: 4\n  timeout_cost: 8\n  success_refund: 2\n",
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    let breaker = lines
+        .iter()
+        .position(|l| l.starts_with("breaker: "))
+        .expect("breaker line");
+    assert_eq!(
+        lines[breaker + 1..breaker + 4],
+        [
+            "backoff: base 0.5 s, max 30 s, min_delay 2 s, retry_after_ceiling 3600 s, boundary_spread 0 s",
+            "shared_scope: max_concurrent_requests 3, max_delayed_requests 7",
+            "retry_quota: capacity 100, retry_cost 4, timeout_cost 8, success_refund 2",
+        ],
+        "{stdout}"
+    );
+    // Without those sections, their defaults.
+    let (_dir, _file, out) = check(
+        "defaults.yaml",
+        "agents:\n  bot: { token_env: BOT_TOKEN }\n",
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(
+            "\nbackoff: base 1 s, max 60 s, min_delay 1 s, retry_after_ceiling 86400 s, boundary_spread 5 s\n\
+             shared_scope: max_concurrent_requests 2, max_delayed_requests 25\n\
+             retry_quota: capacity 500, retry_cost 5, timeout_cost 10, success_refund 1\n"
+        ),
+        "{stdout}"
+    );
+}
