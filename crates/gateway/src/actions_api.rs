@@ -263,10 +263,7 @@ async fn submit_inner(
         })
         .transpose()?;
     if let Some(task) = &request.task {
-        if task.is_empty()
-            || task.len() > door::MAX_TASK_ID_BYTES
-            || !task.bytes().all(|b| b.is_ascii_graphic())
-        {
+        if !is_task_id(task) {
             return Err(api_bad_request(format!(
                 "task: a task id must be 1 to {} visible ASCII characters",
                 door::MAX_TASK_ID_BYTES
@@ -304,6 +301,61 @@ async fn submit_inner(
         .desired_outcome
         .map(|text| backstop_core::escalation::sanitize_text(&text).text);
     Ok(door::submit_async(state, spec).await)
+}
+
+/// Whether `task` is a usable task id: 1 to [`door::MAX_TASK_ID_BYTES`] visible ASCII characters.
+fn is_task_id(task: &str) -> bool {
+    !task.is_empty()
+        && task.len() <= door::MAX_TASK_ID_BYTES
+        && task.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// The `503 shutting_down` of a `POST /v1/actions` that arrives while the gateway drains,
+/// answered before authentication: nothing was recorded or sent. As the proxy door's drain
+/// answer ([`door::draining`]) it names the request's task — `Backstop-Task` and `task`, the
+/// `task` member or one minted as a submission mints one — and for a write its key —
+/// `Idempotency-Key` and `idempotency_key`, the key the action API reads (this request's
+/// `Idempotency-Key` header, the provider's key header inside `headers`, the `idempotency_key`
+/// member) or one minted to submit the action again with — with `Backstop-Action-Id: 0`: no
+/// action exists. A task or key a submission would refuse is not echoed, and nothing is minted
+/// in its place; a body that cannot be read (in time, within [`submit_body_limit`]) or parsed
+/// gets the plain 503.
+pub async fn draining(state: &AppState, headers: &HeaderMap, body: axum::body::Body) -> Response {
+    let read = tokio::time::timeout(
+        state.door.body_read_timeout,
+        axum::body::to_bytes(body, submit_body_limit(state.door)),
+    )
+    .await;
+    let Some(request) = read
+        .ok()
+        .and_then(Result::ok)
+        .and_then(|bytes| serde_json::from_slice::<NewActionBody>(&bytes).ok())
+    else {
+        return Problem::shutting_down().into_response();
+    };
+    let task = match &request.task {
+        Some(task) if is_task_id(task) => Some(task.clone()),
+        Some(_) => None,
+        None => Some(door::mint_id("task-")),
+    };
+    let write = Method::from_bytes(request.method.trim().to_ascii_uppercase().as_bytes())
+        .is_ok_and(|method| !door::is_safe(&method));
+    let key = if write {
+        let key_header = state
+            .policy
+            .providers
+            .get(&request.provider)
+            .and_then(|p| p.idempotency_header.clone())
+            .unwrap_or_else(|| door::IDEMPOTENCY_KEY.to_owned());
+        match idempotency_key(headers, &request, &key_header) {
+            Ok(Some(key)) => Some(key),
+            Ok(None) => Some(door::mint_key()),
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
+    door::draining_answer(task, key)
 }
 
 /// A 400 of the action API naming the `path` member (`member: "path"`) and `reason`.

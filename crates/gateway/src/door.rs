@@ -645,7 +645,7 @@ pub(crate) fn body_too_large(config: DoorConfig) -> Problem {
 }
 
 /// Whether requests of this method are safe (RFC 9110 §9.2.1): no idempotency key is set.
-fn is_safe(method: &Method) -> bool {
+pub(crate) fn is_safe(method: &Method) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
@@ -833,12 +833,20 @@ pub fn draining(policy: &Policy, method: &Method, path: &str, headers: &HeaderMa
         match HeaderName::from_bytes(name.as_bytes()) {
             Ok(header_name) => match single(headers, &header_name, name) {
                 Ok(Some(value)) => checked_idempotency_key(name, value).ok().map(str::to_owned),
-                Ok(None) => Some(mint_idempotency_key(*uuid::Uuid::now_v7().as_bytes())),
+                Ok(None) => Some(mint_key()),
                 Err(_) => None,
             },
             Err(_) => None,
         }
     };
+    draining_answer(task, key)
+}
+
+/// The drain's `503 shutting_down` naming `task` (`Backstop-Task` and `task`) and `key`
+/// (`Idempotency-Key` and `idempotency_key`) when given, with `Backstop-Action-Id: 0`,
+/// `Backstop-Attempts: 0` and no `action_id`: no action exists. Shared by the proxy door
+/// ([`draining`]) and the action API ([`crate::actions_api::draining`]).
+pub fn draining_answer(task: Option<String>, key: Option<String>) -> Response {
     let mut problem = Problem::shutting_down();
     if let Some(task) = &task {
         problem = problem.with_extension("task", task.as_str().into());
@@ -861,6 +869,11 @@ pub fn draining(policy: &Policy, method: &Method, path: &str, headers: &HeaderMa
         false,
     );
     response
+}
+
+/// A key minted for a write answered before anything was recorded, to send it again with.
+pub fn mint_key() -> String {
+    mint_idempotency_key(*uuid::Uuid::now_v7().as_bytes())
 }
 
 /// The proxy door handler: the fallback of the router in [`crate::server`], which each

@@ -362,8 +362,8 @@ impl Problem {
 
     /// 503: the gateway is shutting down and takes no new work. Nothing was sent, so a retry
     /// (against this or another instance) is safe: `Retry-After: 1`, `x-should-retry: true`.
-    /// The proxy door adds the request's `task` and a write's `idempotency_key`
-    /// ([`crate::door::draining`]).
+    /// The proxy door and `POST /v1/actions` add the request's `task` and a write's
+    /// `idempotency_key` ([`crate::door::draining`], [`crate::actions_api::draining`]).
     pub fn shutting_down() -> Problem {
         let mut problem = Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,

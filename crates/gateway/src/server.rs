@@ -788,7 +788,7 @@ impl hyper::service::Service<Request<hyper::body::Incoming>> for ConnectionServi
             let response = edge_around(
                 state,
                 request,
-                |state, request| {
+                |state, request| async move {
                     let (method, path) = (request.method(), request.uri().path());
                     door::draining(&state.policy, method, path, request.headers())
                 },
@@ -898,8 +898,8 @@ pub struct ProviderResponse;
 
 /// The edge layer around every route of [`full_router`]:
 /// - while shutting down, every request is answered `503 shutting_down` with
-///   `Connection: close` (nothing sent); on the proxy door naming its task and a write's key
-///   ([`door::draining`]);
+///   `Connection: close` (nothing sent); on the proxy door and `POST /v1/actions` naming its
+///   task and a write's key ([`door::draining`], [`crate::actions_api::draining`]);
 /// - each request is counted in flight until its response body ends (the drain waits on it);
 /// - the request body must arrive within [`DoorConfig::body_read_timeout`] of the head, else
 ///   `408 request_timeout`;
@@ -908,32 +908,39 @@ pub struct ProviderResponse;
 ///   rejection's text as `detail` and the `Allow` header kept; provider responses
 ///   ([`ProviderResponse`]) pass unchanged.
 async fn edge(State(state): State<Arc<AppState>>, request: Request<Body>, next: Next) -> Response {
-    edge_around(
-        state,
-        request,
-        |_, _| Problem::shutting_down().into_response(),
-        |request| next.run(request),
-    )
-    .await
+    edge_around(state, request, draining, |request| next.run(request)).await
+}
+
+/// The answer of a router's route while shutting down: `POST /v1/actions` names its task and a
+/// write's key, read from its body ([`crate::actions_api::draining`], counted in flight while
+/// the body is read); every other route gets the plain `503 shutting_down`.
+async fn draining(state: Arc<AppState>, request: Request<Body>) -> Response {
+    if request.method() == Method::POST && request.uri().path() == "/v1/actions" {
+        let _in_flight = InFlight::enter(state.clone());
+        let (parts, body) = request.into_parts();
+        return crate::actions_api::draining(&state, &parts.headers, body).await;
+    }
+    Problem::shutting_down().into_response()
 }
 
 /// The edge layer (see [`edge`]) around `handler`: the router's middleware, and the proxy
 /// door's when [`ConnectionService`] sends a request to it directly. While shutting down the
-/// request is answered by `draining` instead (the door's names the request's task and key, see
-/// [`door::draining`]).
-async fn edge_around<D, F, Fut>(
+/// request is answered by `draining` instead (the door's and the action API's name the
+/// request's task and key, see [`door::draining`] and [`draining`]).
+async fn edge_around<D, DFut, F, Fut>(
     state: Arc<AppState>,
     request: Request<Body>,
     draining: D,
     handler: F,
 ) -> Response
 where
-    D: FnOnce(&AppState, &Request<Body>) -> Response,
+    D: FnOnce(Arc<AppState>, Request<Body>) -> DFut,
+    DFut: Future<Output = Response>,
     F: FnOnce(Request<Body>) -> Fut,
     Fut: Future<Output = Response>,
 {
     if !state.accepting() {
-        return closing(draining(&state, &request));
+        return closing(draining(state, request).await);
     }
     let in_flight = InFlight::enter(state.clone());
     let limit = state.door.body_read_timeout;

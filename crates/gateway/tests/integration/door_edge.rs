@@ -385,3 +385,142 @@ async fn the_drain_answers_a_door_request_with_its_task_and_key_and_says_no_acti
 
     stopping.await.unwrap().unwrap();
 }
+
+/// A `POST /v1/actions` during the drain with the given headers and raw body; the status,
+/// headers and problem body of its answer.
+async fn submitted_during_the_drain(
+    addr: std::net::SocketAddr,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, reqwest::header::HeaderMap, serde_json::Value) {
+    let mut request = crate::support::client()
+        .post(format!("http://{addr}/v1/actions"))
+        .bearer_auth(AGENT_TOKEN)
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.expect("an answer during the drain");
+    let (status, head) = (response.status().as_u16(), response.headers().clone());
+    let (_, body) = crate::support::json_of(response).await;
+    (status, head, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_answers_an_action_submission_with_its_task_and_key_and_says_no_action_exists() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start(
+        dir.path(),
+        ServeOptions {
+            shutdown_grace: Duration::from_secs(2),
+            ..ServeOptions::default()
+        },
+    )
+    .await;
+    let addr = gateway.addr;
+    // An open stream keeps the drain going while the requests below arrive.
+    let mut sse = TcpStream::connect(addr).await.unwrap();
+    sse.write_all(get("/p/stream").as_bytes()).await.unwrap();
+    let mut first = [0u8; 512];
+    let n = sse.read(&mut first).await.unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let stopping = tokio::spawn(gateway.shutdown());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // A write with its task and key members: both answered, as headers and members, no action.
+    let (status, head, body) = submitted_during_the_drain(
+        addr,
+        &[],
+        r#"{"provider": "p", "method": "POST", "path": "/v1/things", "task": "run-drain", "idempotency_key": "k-drain"}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
+    assert_eq!(body["sent"], false, "{body}");
+    assert_eq!(body["task"], "run-drain", "{body}");
+    assert_eq!(body["idempotency_key"], "k-drain", "{body}");
+    assert!(body.get("action_id").is_none(), "no action exists: {body}");
+    assert_eq!(text(&head, "backstop-task").as_deref(), Some("run-drain"));
+    assert_eq!(text(&head, "idempotency-key").as_deref(), Some("k-drain"));
+    assert_eq!(text(&head, "backstop-action-id").as_deref(), Some("0"));
+    assert_eq!(text(&head, "backstop-attempts").as_deref(), Some("0"));
+    assert_eq!(text(&head, "x-should-retry").as_deref(), Some("true"));
+    assert_eq!(text(&head, "retry-after").as_deref(), Some("1"));
+    assert_eq!(text(&head, "connection").as_deref(), Some("close"));
+
+    // The key in this request's own Idempotency-Key header, as the action API reads it.
+    let (status, head, body) = submitted_during_the_drain(
+        addr,
+        &[("Idempotency-Key", "k-header")],
+        r#"{"provider": "p", "method": "post", "path": "/v1/things", "task": "run-drain"}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["idempotency_key"], "k-header", "{body}");
+    assert_eq!(text(&head, "idempotency-key").as_deref(), Some("k-header"));
+
+    // A write without either: the task and key minted for it, the same in headers and body.
+    let (status, head, body) = submitted_during_the_drain(
+        addr,
+        &[],
+        r#"{"provider": "p", "method": "POST", "path": "/v1/things"}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    let task = text(&head, "backstop-task").expect("a minted task");
+    assert!(task.starts_with("task-"), "{task}");
+    assert_eq!(body["task"], task.as_str(), "{body}");
+    let key = text(&head, "idempotency-key").expect("a minted key");
+    assert_eq!(body["idempotency_key"], key.as_str(), "{body}");
+    assert_eq!(text(&head, "backstop-action-id").as_deref(), Some("0"));
+
+    // A read: its task, no key.
+    let (status, head, body) = submitted_during_the_drain(
+        addr,
+        &[],
+        r#"{"provider": "p", "method": "GET", "path": "/v1/things", "task": "run-drain-read"}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(
+        text(&head, "backstop-task").as_deref(),
+        Some("run-drain-read")
+    );
+    assert_eq!(body["task"], "run-drain-read", "{body}");
+    assert_eq!(text(&head, "idempotency-key"), None);
+    assert!(body.get("idempotency_key").is_none(), "{body}");
+
+    // A task or key a submission would refuse is not echoed, nor replaced; two different keys
+    // (header and member) are refused by a submission, so neither is echoed.
+    let (status, head, body) = submitted_during_the_drain(
+        addr,
+        &[("Idempotency-Key", "k-one")],
+        r#"{"provider": "p", "method": "POST", "path": "/v1/things", "task": "two words", "idempotency_key": "k-two"}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(text(&head, "backstop-task"), None);
+    assert!(body.get("task").is_none(), "{body}");
+    assert_eq!(text(&head, "idempotency-key"), None);
+    assert!(body.get("idempotency_key").is_none(), "{body}");
+    assert_eq!(text(&head, "backstop-action-id").as_deref(), Some("0"));
+
+    // A body that cannot be parsed: the plain 503.
+    let (status, head, body) = submitted_during_the_drain(
+        addr,
+        &[("Idempotency-Key", "k-plain")],
+        r#"{"provider": "p", "method": "POST""#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
+    assert!(body.get("task").is_none(), "{body}");
+    assert!(body.get("idempotency_key").is_none(), "{body}");
+    assert_eq!(text(&head, "backstop-task"), None);
+    assert_eq!(text(&head, "idempotency-key"), None);
+    assert_eq!(text(&head, "backstop-action-id"), None);
+    assert_eq!(text(&head, "connection").as_deref(), Some("close"));
+
+    stopping.await.unwrap().unwrap();
+}
