@@ -545,6 +545,11 @@ impl Evidence {
                 trail.outcome = Some(e.outcome.clone().unwrap_or_else(|| e.kind.clone()));
                 trail.ended_at.push(at);
             }
+            // Reopened for a same-key send (an operator's `retry_same_key`, or a resend its
+            // answer invited): the action runs again, and its outcome is the next one.
+            backstop_store::ACTION_REOPENED => {
+                trail.outcome = None;
+            }
             WATCHDOG_FINDING => {
                 if let Some(finding) = &e.source {
                     trail.findings.insert(finding.clone());

@@ -217,6 +217,29 @@ fn a_finished_budget_exhausted_action_is_retry_budget_exhausted_not_a_missing_wa
     assert_eq!(diagnosis(&s, 5_000), Diagnosis::RetryBudgetExhausted);
 }
 
+/// A write that ended `budget_exhausted` and was then reopened by its same-key resend (its
+/// answer said to come back) runs again: its snapshot no longer treats it as ended with no
+/// attempt left.
+#[test]
+fn a_reopened_action_is_diagnosed_as_running_again_not_by_the_outcome_it_set_aside() {
+    let (_dir, store) = store();
+    let id = action(&store, "run-ro", "agent-a", "k-ro");
+    throttled(&store, id, 0, 200, Some(20_200));
+    ended(&store, id, Outcome::BudgetExhausted, 200);
+    let before = snapshot(&store, id, 5_000).expect("throttled");
+    assert_eq!(diagnosis(&before, 5_000), Diagnosis::RetryBudgetExhausted);
+
+    store
+        .reopen_for_resend(id, Some(at(20_200)), None, at(21_000))
+        .expect("reopened");
+    let after = snapshot(&store, id, 21_500).expect("throttled");
+    assert!(
+        after.max_attempts > after.attempts_used,
+        "a fresh budget for the resend: {after:?}"
+    );
+    assert_ne!(diagnosis(&after, 21_500), Diagnosis::RetryBudgetExhausted);
+}
+
 #[test]
 fn a_cancelled_action_has_no_snapshot() {
     let (_dir, store) = store();
