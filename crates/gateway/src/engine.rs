@@ -331,14 +331,10 @@ struct Run<'a> {
     reference: Option<String>,
     /// The provider's operation id, once a response carried it.
     operation_id: Mutex<Option<String>>,
-    /// Attempts of this action sent before this run: 0, except for a write reopened for a
-    /// same-key retry, which continues its count.
-    prior_attempts: u32,
-    /// Whether those earlier attempts left the write unsettled ([`writes::unsettled_in`]).
-    prior_unsettled: bool,
-    /// The last earlier attempt's status and disposition: what an answer given before this run
-    /// sends (a refusal, a stop) reports as the provider's last answer.
-    prior_last: (Option<u16>, Option<&'static str>),
+    /// What the action's attempts did before this run: nothing, except for a write taken over
+    /// by a same-key resend (reopened, or recorded and never sent), which continues its count
+    /// and whose last answer an answer given before this run sends (a refusal, a stop) reports.
+    prior: SoFar,
     /// A read's records, which nobody awaits (`None` for a write).
     read_records: Option<Arc<ReadRecords>>,
     /// The action's task when this run took over a write recorded before (a same-key resend,
@@ -511,7 +507,7 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
 
 /// Closes an action (audited) when its `execute` future is dropped mid-way (the client
 /// disconnected): as every action nothing sends again is closed (`writes::Closing`), a write
-/// whose last attempt is `uncertain` — or still in flight, so its answer is unknown — is
+/// with an unsettled attempt — or one still in flight, so its answer is unknown — is
 /// reconciled with its original key; any other action ends `cancelled`.
 struct ActionGuard<'a> {
     inner: Arc<Inner>,
@@ -521,24 +517,19 @@ struct ActionGuard<'a> {
     class: &'a str,
     /// Whether the action is a read (safe method).
     read: bool,
-    sent: u32,
-    in_flight: Option<u32>,
-    /// The disposition of the last attempt's answer, once one came back (for a write taken over
-    /// by a same-key resend, its last stored attempt's until this run sends).
-    last_signal: Option<&'static str>,
-    /// The HTTP status of the last response, once one came back (likewise).
-    last_status: Option<u16>,
-    /// Whether an attempt may have been acted on and no later answer settled it (likewise).
-    unsettled: bool,
+    /// What its attempts did so far (for a write taken over by a same-key resend, from its
+    /// stored attempts until this run sends): what closing it goes by.
+    so_far: SoFar,
     armed: bool,
 }
 
-/// What an action whose caller went away had done: what its `cancelled` context says.
+/// What an action's attempts did so far: what a close goes by when nothing more is sent for
+/// it (its caller went away), and what its `cancelled` context then says.
 #[derive(Debug, Default, Clone, Copy)]
-struct GoneClient {
+struct SoFar {
     /// Attempts that left.
     sent: u32,
-    /// The attempt whose answer never came, if the caller left during one.
+    /// The attempt whose answer has not come back yet, if one is out.
     in_flight: Option<u32>,
     /// The last response's status and the last attempt's disposition, once one came back.
     last_status: Option<u16>,
@@ -548,13 +539,13 @@ struct GoneClient {
     unsettled: bool,
 }
 
-impl GoneClient {
+impl SoFar {
     /// What the stored `attempts` of a write say it had done before this run took it over (a
     /// same-key resend of a reopened or never sent write): as [`writes::Closing::of_stored`]
     /// reads them, a last attempt sent without a result is `uncertain`.
-    fn of_stored(attempts: &[AttemptRecord]) -> GoneClient {
+    fn of_stored(attempts: &[AttemptRecord]) -> SoFar {
         let last = attempts.last();
-        GoneClient {
+        SoFar {
             sent: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
             in_flight: None,
             last_status: last.and_then(|a| a.status),
@@ -597,18 +588,11 @@ impl Drop for ActionGuard<'_> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let gone = GoneClient {
-            sent: self.sent,
-            in_flight: self.in_flight,
-            last_status: self.last_status,
-            last_signal: self.last_signal,
-            unsettled: self.unsettled,
-        };
         self.inner.close_for_gone_client(
             &runtime,
             self.id,
             self.read,
-            gone,
+            self.so_far,
             (self.provider, self.class),
         );
     }
@@ -616,9 +600,9 @@ impl Drop for ActionGuard<'_> {
 
 impl Inner {
     /// Closes action `id` (a read when `read`) because its caller went away, on `runtime`; `gone`
-    /// says what it had done. As every action nothing sends again is closed
-    /// ([`writes::Closing`]): a write whose last attempt is `uncertain` — or still in flight, so
-    /// its answer is unknown — is reconciled with its original key; any other action ends
+    /// says what its attempts had done. As every action nothing sends again is closed
+    /// ([`writes::Closing`]): a write with an unsettled attempt — or one still in flight, so its
+    /// answer is unknown — is reconciled with its original key; any other action ends
     /// `cancelled` ([`Inner::cancel_for_gone_client`]). `provider` and `class` are the route's,
     /// for the metrics. Nothing is sent either way.
     fn close_for_gone_client(
@@ -626,7 +610,7 @@ impl Inner {
         runtime: &tokio::runtime::Handle,
         id: ActionId,
         read: bool,
-        gone: GoneClient,
+        gone: SoFar,
         (provider, class): (&str, &str),
     ) {
         let inner = self.clone();
@@ -671,14 +655,8 @@ impl Inner {
     /// Ends action `id` `cancelled` because its caller went away; `gone` says what it had done
     /// (an attempt in flight is recorded `uncertain` with the outcome). Store errors are logged;
     /// nothing is retried.
-    async fn cancel_for_gone_client(
-        &self,
-        id: ActionId,
-        gone: GoneClient,
-        provider: &str,
-        class: &str,
-    ) {
-        let GoneClient {
+    async fn cancel_for_gone_client(&self, id: ActionId, gone: SoFar, provider: &str, class: &str) {
+        let SoFar {
             sent,
             in_flight,
             last_status,
@@ -1572,12 +1550,7 @@ impl Engine {
                             );
                             runtime.spawn(async move {
                                 inner
-                                    .cancel_for_gone_client(
-                                        id,
-                                        GoneClient::default(),
-                                        &provider,
-                                        &class,
-                                    )
+                                    .cancel_for_gone_client(id, SoFar::default(), &provider, &class)
                                     .await
                             });
                         }
@@ -1617,7 +1590,7 @@ impl Engine {
                 } else {
                     None
                 };
-                (id, guard, GoneClient::default())
+                (id, guard, SoFar::default())
             }
             Ok(StoreAdmission::Existing(record)) => {
                 if record.agent != spec.agent {
@@ -1695,7 +1668,7 @@ impl Engine {
                                         &runtime,
                                         id,
                                         false,
-                                        GoneClient::of_stored(&attempts),
+                                        SoFar::of_stored(&attempts),
                                         (&provider, &class),
                                     );
                                 }
@@ -1727,7 +1700,7 @@ impl Engine {
                                 return (refused, None);
                             }
                         };
-                        let earlier = GoneClient::of_stored(&stored);
+                        let earlier = SoFar::of_stored(&stored);
                         own_task = Some(record.task_id.clone());
                         // SPEC §6: an attempt that may have been acted on and that no later
                         // answer settled is sent again under its key only where the provider
@@ -1779,18 +1752,13 @@ impl Engine {
         if let Some(tx) = notify {
             let _ = tx.send(id.0);
         }
-        let prior_attempts = earlier.sent;
         let mut guard = ActionGuard {
             inner: inner.clone(),
             id,
             provider: &route.provider,
             class: &route.class,
             read: !is_write,
-            sent: prior_attempts,
-            in_flight: None,
-            last_signal: earlier.last_signal,
-            last_status: earlier.last_status,
-            unsettled: earlier.unsettled,
+            so_far: earlier,
             armed: true,
         };
         let run = Run {
@@ -1803,9 +1771,7 @@ impl Engine {
             upstream_key,
             reference,
             operation_id: Mutex::new(None),
-            prior_attempts,
-            prior_unsettled: earlier.unsettled,
-            prior_last: (earlier.last_status, earlier.last_signal),
+            prior: earlier,
             read_records,
             own_task,
         };
@@ -1880,12 +1846,12 @@ impl Engine {
         let route = &spec.route;
         let provider = inner.policy.providers.get(&route.provider);
         let mut seen = Seen {
-            sent: run.prior_attempts,
-            left: run.prior_attempts,
-            unsettled: run.prior_unsettled,
-            response_received: run.prior_last.0.is_some(),
-            last_status: run.prior_last.0,
-            last_signal: run.prior_last.1,
+            sent: run.prior.sent,
+            left: run.prior.sent,
+            unsettled: run.prior.unsettled,
+            response_received: run.prior.last_status.is_some(),
+            last_status: run.prior.last_status,
+            last_signal: run.prior.last_signal,
             ..Seen::default()
         };
         let mut not_before: Option<Timestamp> = None;
@@ -2034,8 +2000,8 @@ impl Engine {
                 }
             };
             seen.sent += 1;
-            guard.sent = seen.sent;
-            guard.in_flight = Some(attempt);
+            guard.so_far.sent = seen.sent;
+            guard.so_far.in_flight = Some(attempt);
             tracing::debug!(
                 task = %spec.task_id,
                 route = %route.template,
@@ -2116,9 +2082,9 @@ impl Engine {
             }
             seen.last_signal = Some(signal.disposition.as_str());
             seen.unsettled = writes::still_unsettled(seen.unsettled, signal.disposition.as_str());
-            guard.last_signal = seen.last_signal;
-            guard.unsettled = seen.unsettled;
-            guard.last_status = seen.last_status;
+            guard.so_far.last_signal = seen.last_signal;
+            guard.so_far.unsettled = seen.unsettled;
+            guard.so_far.last_status = seen.last_status;
             seen.boundary = signal.boundary.retry_not_before();
             // One count per scope of the route, or one under `-` for a route without scopes.
             let scope_labels = std::iter::once("-")
@@ -2286,7 +2252,7 @@ impl Engine {
                         {
                             tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                         }
-                        guard.in_flight = None;
+                        guard.so_far.in_flight = None;
                         return Box::pin(
                             self.escalate_uncertain(run, &budget, &seen, &facts, &reason),
                         )
@@ -2530,7 +2496,7 @@ impl Engine {
                             tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                         }
                     }
-                    guard.in_flight = None;
+                    guard.so_far.in_flight = None;
                     let id = run.id;
                     let scheduled = match inner
                         .blocking(move |s| s.schedule_retry(id, at, plan_now))
@@ -2641,7 +2607,7 @@ impl Engine {
     /// `last_signal`.
     fn stopped_after_sending(&self, run: &Run<'_>, seen: &Seen, waited: bool) -> Execution {
         let is_read = is_safe_method(&run.request.method);
-        let after = if run.prior_attempts > 0 && seen.sent == run.prior_attempts {
+        let after = if run.prior.sent > 0 && seen.sent == run.prior.sent {
             // Reopened by an operator for a same-key retry, and not sent again yet.
             AfterRestart::RetrySameKey
         } else {

@@ -329,20 +329,8 @@ impl Engine {
             else {
                 // The gateway is stopping: no lookup was sent, the action stays finished as it
                 // was, and this request is not sent.
-                tracing::info!(
-                    action = id.0,
-                    "shutting down: a same-key resend of an uncertain write is not reconciled now; nothing was sent"
-                );
-                let receipt = Self::stored_receipt(&fresh, &attempts);
-                let problem = super::with_ids(
-                    crate::problem::Problem::shutting_down_during(
-                        true,
-                        "backstop is shutting down: this write's last attempt was sent and its answer is unknown, and no reconciliation lookup can be sent any more, so this resend was not sent. Send it again with the same Idempotency-Key once backstop is back: it is reconciled first, never resent blindly",
-                    ),
-                    spec,
-                    &receipt,
-                );
-                return Taken::Answer(super::problem_answer(receipt, problem), Some(guard));
+                let answer = Self::not_reconciled_at_stop(spec, &fresh, &attempts);
+                return Taken::Answer(answer, Some(guard));
             };
             match end {
                 writes::UncertainEnd::RetrySameKey => {}
@@ -466,6 +454,31 @@ impl Engine {
                 Err(without_wait(Box::pin(self.existing(stored)).await))
             }
         }
+    }
+
+    /// The `503 shutting_down` for a same-key resend of the write `record` (its stored
+    /// `attempts`, one of them unsettled) when the gateway stops before the lookup SPEC §6 asks
+    /// for could be sent: nothing was sent, the write stays as stored, and the resend may come
+    /// again once backstop is back (it is reconciled first).
+    pub(super) fn not_reconciled_at_stop(
+        spec: &ActionSpec,
+        record: &ActionRecord,
+        attempts: &[AttemptRecord],
+    ) -> Execution {
+        tracing::info!(
+            action = record.id.0,
+            "shutting down: a same-key resend of a write with an unsettled attempt is not reconciled now; nothing was sent"
+        );
+        let receipt = Self::stored_receipt(record, attempts);
+        let problem = super::with_ids(
+            crate::problem::Problem::shutting_down_during(
+                true,
+                "backstop is shutting down: an earlier attempt of this write was sent and its answer is unknown, and no reconciliation lookup can be sent any more, so this resend was not sent. Send it again with the same Idempotency-Key once backstop is back: it is reconciled first, never resent blindly",
+            ),
+            spec,
+            &receipt,
+        );
+        super::problem_answer(receipt, problem)
     }
 
     /// The receipt of the finished write `record` with its stored `attempts`.

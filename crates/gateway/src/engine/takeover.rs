@@ -16,10 +16,9 @@
 
 use backstop_store::{ActionRecord, AttemptRecord};
 
-use super::{problem_answer, with_ids, writes, Engine};
+use super::{writes, Engine};
 use crate::{
-    action::{ActionReceipt, ActionSpec, Execution},
-    problem::Problem,
+    action::{ActionSpec, Execution},
     transport::AttemptRequest,
 };
 
@@ -46,28 +45,8 @@ impl Engine {
         let facts = inner.stored_facts(record, Some(spec.priority)).await;
         let Ok(end) = Box::pin(inner.reconcile_uncertain(&facts, Some(&request.headers))).await
         else {
-            // The gateway is stopping: no lookup was sent, the write stays reopened, and this
-            // request is not sent.
-            tracing::info!(
-                action = id.0,
-                "shutting down: a reopened write with an unsettled attempt is not reconciled now; nothing was sent"
-            );
-            let receipt = ActionReceipt {
-                action_id: id.0,
-                attempts: u32::try_from(attempts.len()).unwrap_or(u32::MAX),
-                idempotency_key: Some(record.idempotency_key.clone()),
-                provider_operation_id: record.provider_operation_id.clone(),
-                task: Some(record.task_id.clone()),
-            };
-            let problem = with_ids(
-                Problem::shutting_down_during(
-                    true,
-                    "backstop is shutting down: an earlier attempt of this write was sent and its answer is unknown, and no reconciliation lookup can be sent any more, so this resend was not sent. Send it again with the same Idempotency-Key once backstop is back: it is reconciled first, never resent blindly",
-                ),
-                spec,
-                &receipt,
-            );
-            return Some(problem_answer(receipt, problem));
+            // The gateway is stopping: no lookup was sent, the write stays reopened.
+            return Some(Self::not_reconciled_at_stop(spec, record, attempts));
         };
         match end {
             writes::UncertainEnd::RetrySameKey => None,
