@@ -489,6 +489,20 @@ fn write(h: &Harness, key: &str) -> backstop_gateway::action::ActionSpec {
     spec
 }
 
+/// Sends the write under `key` once (single attempt): its attempt times out after its bytes
+/// left, so it is escalated as a side effect nobody knows. Returns its action.
+async fn escalated_write(h: &Harness, key: &str) -> ActionId {
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Fail(TransportError::TimeoutAfterSend)],
+    );
+    let mut first = write(h, key);
+    first.single_attempt = true;
+    let escalated = h.engine.execute(first).await;
+    assert_eq!(summary(&escalated), "escalated", "{escalated:?}");
+    ActionId(escalated.receipt().action_id)
+}
+
 /// Waits until the stored action `id` ended, then asserts it was escalated as a side effect
 /// nobody knows (never `cancelled`), its reason naming the client that went away.
 async fn assert_escalated_for_the_gone_client(h: &Harness, id: ActionId) {
@@ -611,15 +625,7 @@ async fn a_write_whose_client_disconnects_during_its_attempt_is_reconciled_not_c
 async fn a_reopened_write_whose_client_disconnects_before_its_new_send_is_reconciled_not_cancelled()
 {
     let h = Harness::new();
-    h.transport.script(
-        "/v1/transfers",
-        vec![Step::Fail(TransportError::TimeoutAfterSend)],
-    );
-    let mut first = write(&h, "k-reopened");
-    first.single_attempt = true;
-    let escalated = h.engine.execute(first).await;
-    assert_eq!(summary(&escalated), "escalated", "{escalated:?}");
-    let id = ActionId(escalated.receipt().action_id);
+    let id = escalated_write(&h, "k-reopened").await;
     h.engine.shutdown().await;
 
     // The next run: the operator decides `retry_same_key`; the request is not held any more,
@@ -743,15 +749,7 @@ async fn a_write_whose_same_key_resend_got_a_429_after_an_uncertain_attempt_is_r
 #[tokio::test(start_paused = true)]
 async fn an_aborted_write_keeps_what_its_attempts_did_in_its_context() {
     let h = Harness::new();
-    h.transport.script(
-        "/v1/transfers",
-        vec![Step::Fail(TransportError::TimeoutAfterSend)],
-    );
-    let mut first = write(&h, "k-aborted");
-    first.single_attempt = true;
-    let escalated = h.engine.execute(first).await;
-    assert_eq!(summary(&escalated), "escalated", "{escalated:?}");
-    let id = ActionId(escalated.receipt().action_id);
+    let id = escalated_write(&h, "k-aborted").await;
     let escalation = h.store.open_escalations().unwrap()[0].id;
     let at = h.clock_now();
     h.store
