@@ -214,13 +214,8 @@ async fn submit_inner(
             .with_extension("limit", MAX_DESIRED_OUTCOME_CHARS.into()));
         }
     }
-    let key_header = state
-        .policy
-        .providers
-        .get(&request.provider)
-        .and_then(|p| p.idempotency_header.clone())
-        .unwrap_or_else(|| door::IDEMPOTENCY_KEY.to_owned());
-    let key = idempotency_key(headers, &request, &key_header)?;
+    let key_header = door::key_header(state.policy.providers.get(&request.provider));
+    let key = idempotency_key(headers, &request, key_header)?;
     let mut incoming = HeaderMap::new();
     for (name, value) in &request.headers {
         let name = HeaderName::from_bytes(name.as_bytes())
@@ -341,13 +336,8 @@ pub async fn draining(state: &AppState, headers: &HeaderMap, body: axum::body::B
     let write = Method::from_bytes(request.method.trim().to_ascii_uppercase().as_bytes())
         .is_ok_and(|method| !door::is_safe(&method));
     let key = if write {
-        let key_header = state
-            .policy
-            .providers
-            .get(&request.provider)
-            .and_then(|p| p.idempotency_header.clone())
-            .unwrap_or_else(|| door::IDEMPOTENCY_KEY.to_owned());
-        match idempotency_key(headers, &request, &key_header) {
+        let key_header = door::key_header(state.policy.providers.get(&request.provider));
+        match idempotency_key(headers, &request, key_header) {
             Ok(Some(key)) => Some(key),
             Ok(None) => Some(door::mint_key()),
             Err(_) => None,

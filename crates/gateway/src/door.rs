@@ -707,7 +707,7 @@ fn upstream_headers(
 /// The header an agent's idempotency key arrives under: the provider's idempotency header, or
 /// the IETF draft's `Idempotency-Key` when the provider has none (backstop's own idempotency)
 /// or is not known.
-fn key_header(provider: Option<&Provider>) -> &str {
+pub(crate) fn key_header(provider: Option<&Provider>) -> &str {
     provider
         .and_then(|p| p.idempotency_header.as_deref())
         .unwrap_or("Idempotency-Key")
