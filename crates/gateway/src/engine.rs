@@ -3041,7 +3041,8 @@ impl Engine {
                 failures = open.failures,
                 "circuit opened for this request in this task"
             );
-            let (task, provider, method) = (
+            let (agent, task, provider, method) = (
+                run.spec.agent.clone(),
                 run.spec.task_id.clone(),
                 route.provider.clone(),
                 route.method.clone(),
@@ -3049,7 +3050,7 @@ impl Engine {
             if let Ok(template) = RouteTemplate::try_new(&route.template) {
                 if let Err(e) = inner
                     .blocking(move |s| {
-                        s.record_circuit_opened(&task, &provider, &method, &template, at)
+                        s.record_circuit_opened(&agent, &task, &provider, &method, &template, at)
                     })
                     .await
                 {

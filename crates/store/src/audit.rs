@@ -7,7 +7,8 @@
 //! keeping it elsewhere also makes a cut tail detectable.
 //!
 //! # What an event can hold
-//! [`AuditEvent`] has fields for ids, provider, scope, route *template*, method, request class,
+//! [`AuditEvent`] has fields for ids (the agent's name among them), provider, scope, route
+//! *template*, method, request class,
 //! idempotency key, payload *digest*, status and signal (disposition, boundary, source), outcome,
 //! scheduler job and due time, scope numbers, escalation decisions, and an attempt's signal
 //! headers (Retry-After, `Date` and quota headers only, names and raw values). It has no field for
@@ -26,6 +27,7 @@
 //! - `signal_headers` (the only non-scalar member) is an array of two-string arrays
 //!   `[["retry-after","7"],["date","…"]]`, in recorded order, strings as above; it is omitted
 //!   when there are none, so events written before it existed encode (and verify) unchanged.
+//!   `agent` likewise: events written before store schema 10 have none.
 //!
 //! `hash` = lowercase hex of SHA-256 (FIPS 180-4) over those bytes. Because `prev` is a member,
 //! the hash covers `prev` and the event. The first event has `seq` 1 and `prev` = 64 zeros
@@ -162,6 +164,11 @@ pub struct AuditEvent {
     /// Action id.
     #[serde(default)]
     pub action: Option<i64>,
+    /// The agent whose task or action the event is about (the name its token authenticated
+    /// as; task ids are the agent's own, so `task` alone does not say whose). `None` for events
+    /// about no agent's work (`scope_updated`) and for events written before store schema 10.
+    #[serde(default)]
+    pub agent: Option<String>,
     /// Attempt number (1-based).
     #[serde(default)]
     pub attempt: Option<u32>,
@@ -319,6 +326,7 @@ impl AuditEvent {
         let f = &mut first;
         out.push(b'{');
         put_int(out, f, "action", self.action);
+        put_str(out, f, "agent", self.agent.as_deref());
         put_str(out, f, "at", Some(&self.at));
         put_int(out, f, "attempt", self.attempt);
         put_str(out, f, "boundary", self.boundary.as_deref());

@@ -437,12 +437,14 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<CancelReport, StoreError>;
 
-    /// Audits that the circuit breaker opened a path (method + route template) for a task.
+    /// Audits that the circuit breaker opened a path (method + route template) for the task
+    /// `task` of `agent`.
     ///
     /// # Errors
     /// Storage errors only.
     fn record_circuit_opened(
         &self,
+        agent: &str,
         task: &str,
         provider: &str,
         method: &str,

@@ -1509,19 +1509,23 @@ impl Store for SqliteStore {
 
     fn record_circuit_opened(
         &self,
+        agent: &str,
         task: &str,
         provider: &str,
         method: &str,
         route: &RouteTemplate,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        let (task, provider, method, route) = (
+        let (agent, task, provider, method, route) = (
+            agent.to_owned(),
             task.to_owned(),
             provider.to_owned(),
             method.to_owned(),
             route.clone(),
         );
-        self.submit(move |tx| tx.record_circuit_opened(&task, &provider, &method, &route, at))
+        self.submit(move |tx| {
+            tx.record_circuit_opened(&agent, &task, &provider, &method, &route, at)
+        })
     }
 
     fn record_watchdog_finding(

@@ -148,6 +148,7 @@ struct ReadTimes {
 /// The descriptive fields of an action copied into its events.
 struct ActionFacts {
     task: String,
+    agent: String,
     provider: String,
     method: String,
     route: String,
@@ -229,7 +230,7 @@ impl WriteTx<'_> {
             .conn
             .prepare_cached(
                 "SELECT a.task_id, a.provider, a.method, a.route, a.request_class, \
-                 a.idempotency_key, a.state, a.outcome, t.cancelled_at_ms IS NOT NULL \
+                 a.idempotency_key, a.state, a.outcome, t.cancelled_at_ms IS NOT NULL, a.agent \
                  FROM actions a JOIN tasks t ON t.agent = a.agent AND t.id = a.task_id WHERE a.id = ?1",
             )?
             .query_row(params![action.0], |r| {
@@ -243,6 +244,7 @@ impl WriteTx<'_> {
                     r.get::<_, String>(6)?,
                     r.get::<_, Option<String>>(7)?,
                     r.get::<_, bool>(8)?,
+                    r.get::<_, String>(9)?,
                 ))
             })
             .optional()?;
@@ -256,6 +258,7 @@ impl WriteTx<'_> {
             state,
             outcome,
             cancelled,
+            agent,
         )) = row
         else {
             return Err(StoreError::NotFound {
@@ -268,6 +271,7 @@ impl WriteTx<'_> {
         };
         Ok(ActionFacts {
             task,
+            agent,
             provider,
             method,
             route,
@@ -286,6 +290,7 @@ impl WriteTx<'_> {
     fn action_event(kind: EventKind, at: &str, action: ActionId, f: &ActionFacts) -> AuditEvent {
         let mut e = AuditEvent::new(kind.as_str(), at);
         e.task = Some(f.task.clone());
+        e.agent = Some(f.agent.clone());
         e.action = Some(action.0);
         e.provider = Some(f.provider.clone());
         e.route = Some(f.route.clone());
@@ -311,6 +316,7 @@ impl WriteTx<'_> {
             ])?;
         let mut e = AuditEvent::new(EventKind::TaskOpened.as_str(), &format_instant(at));
         e.task = Some(task.id);
+        e.agent = Some(task.agent);
         self.append(e)
     }
 
@@ -461,6 +467,7 @@ impl WriteTx<'_> {
         // reused.
         let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
         e.task = Some(new.task_id.clone());
+        e.agent = Some(new.agent.clone());
         e.action = Some(id.0);
         e.provider = Some(new.provider.clone());
         e.route = Some(new.route.as_str().to_owned());
@@ -632,6 +639,7 @@ impl WriteTx<'_> {
             ])?;
         let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
         e.task = Some(new.task_id);
+        e.agent = Some(new.agent);
         e.action = Some(id.0);
         e.provider = Some(new.provider);
         e.route = Some(new.route.as_str().to_owned());
@@ -1336,6 +1344,7 @@ impl WriteTx<'_> {
         let at_text = format_instant(at);
         let mut e = AuditEvent::new(EventKind::Cancelled.as_str(), &at_text);
         e.task = Some(task.to_owned());
+        e.agent = Some(agent.to_owned());
         self.append(e)?;
         // In-flight actions keep their state: their result (or reconciliation) must still be
         // recorded, since the provider may have acted.
@@ -1366,6 +1375,7 @@ impl WriteTx<'_> {
 
     pub(crate) fn record_circuit_opened(
         &mut self,
+        agent: &str,
         task: &str,
         provider: &str,
         method: &str,
@@ -1374,6 +1384,7 @@ impl WriteTx<'_> {
     ) -> Result<(), StoreError> {
         let mut e = AuditEvent::new(EventKind::CircuitOpened.as_str(), &format_instant(at));
         e.task = Some(task.to_owned());
+        e.agent = Some(agent.to_owned());
         e.provider = Some(provider.to_owned());
         e.method = Some(method.to_owned());
         e.route = Some(route.as_str().to_owned());

@@ -551,7 +551,7 @@ pub(crate) fn open_escalations(conn: &Connection) -> Result<Vec<EscalationRecord
 const EVENT_COLUMNS: &str = "seq, at, kind, task, action, attempt, escalation, provider, scope, \
      route, method, request_class, idempotency_key, payload_digest, status, disposition, boundary, \
      source, outcome, job, due_at, remaining, limit_, decision, decided_by, prev, hash, \
-     signal_headers";
+     signal_headers, agent";
 
 /// The stored digest in column `i` (`name`) as the lower-case hex the chain uses.
 ///
@@ -579,7 +579,7 @@ fn digest_hex(r: &Row<'_>, i: usize, name: &str) -> Result<String, String> {
 
 /// The columns of [`EVENT_COLUMNS`] in its order, each with what it must hold: the words a
 /// message uses when a stored row holds something else (see [`event_column`]).
-const EVENT_COLUMN_SPECS: [(&str, &str); 28] = [
+const EVENT_COLUMN_SPECS: [(&str, &str); 29] = [
     ("seq", "an integer"),
     ("at", "text"),
     ("kind", "text"),
@@ -611,6 +611,7 @@ const EVENT_COLUMN_SPECS: [(&str, &str); 28] = [
         "signal_headers",
         "NULL or JSON text: an array of [name, value] string pairs",
     ),
+    ("agent", "text or NULL"),
 ];
 
 /// What a stored value is, for a message: its SQLite storage class and, for a scalar, the
@@ -713,6 +714,7 @@ fn event_row(r: &Row<'_>) -> Result<AuditEvent, String> {
         limit: limit.map(|v| u64::try_from(v).unwrap_or(u64::MAX)),
         decision: event_column(r, 23)?,
         decided_by: event_column(r, 24)?,
+        agent: event_column(r, 28)?,
         prev: String::new(),
         hash: String::new(),
         signal_headers: match event_column::<Option<String>>(r, 27)? {
@@ -907,7 +909,7 @@ pub(crate) static INSERT_EVENT: std::sync::LazyLock<String> = std::sync::LazyLoc
     format!(
         "INSERT INTO audit_events ({EVENT_COLUMNS}) VALUES \
          (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, \
-          ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28)"
+          ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29)"
     )
 });
 
@@ -984,6 +986,7 @@ pub(crate) fn insert_event(
     stmt.raw_bind_parameter(26, &prev[..])?;
     stmt.raw_bind_parameter(27, &digests.hash[..])?;
     bind_set(stmt, 28, headers)?;
+    bind_set(stmt, 29, e.agent.as_deref())?;
     stmt.raw_execute()?;
     Ok(())
 }

@@ -20,11 +20,12 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// The oldest schema version the read-only openers ([`open_reader`]: `backstop audit
 /// verify|export|head`, `backstop snapshots export`) read as it is, without migrating it. Every
-/// migration after it left the tables and columns they read unchanged: 8 -> 9 only adds the
-/// index `actions_open`, which nothing but the gateway's start-up scans uses. A migration that
-/// changes anything a reader reads (a table, a column, how a value is stored) must raise this
-/// to its own version; the test `migrations_after_the_oldest_readable_version_only_add_indexes`
-/// fails until it does.
+/// migration after it left the tables and columns they read unchanged or only added to them:
+/// 8 -> 9 only adds the index `actions_open`, which nothing but the gateway's start-up scans
+/// uses; 9 -> 10 adds the audit events' `agent` column, which an older file is read without
+/// (`AGENT_SHIM`). A migration that changes anything else a reader reads (a table, a column,
+/// how a value is stored) must raise this to its own version; the test
+/// `migrations_after_the_oldest_readable_version_only_add_indexes` fails until it does.
 pub const OLDEST_READABLE_VERSION: i64 = 8;
 const _: () = assert!(OLDEST_READABLE_VERSION <= SCHEMA_VERSION);
 
@@ -345,7 +346,24 @@ const MIGRATIONS: &[&str] = &[
     r#"
     CREATE INDEX actions_open ON actions(state, id) WHERE state != 'finished';
     "#,
+    // 9 -> 10: audit events name the agent whose task or action they are about (task ids are
+    // the agent's own, so the task alone did not say whose). Events written before keep no
+    // agent; the canonical encoding omits an absent member, so they verify unchanged. The
+    // read-only openers read older files through `AGENT_SHIM` (no agent).
+    r#"
+    ALTER TABLE audit_events ADD COLUMN agent TEXT;
+    "#,
 ];
+
+/// The first schema version whose `audit_events` has the `agent` column.
+const AGENT_VERSION: i64 = 10;
+
+/// For a file older than [`AGENT_VERSION`], opened by [`open_reader`]: a temporary view named
+/// like the table (unqualified names find the `temp` schema first, SQLite's name resolution),
+/// so the readers' one column list reads such a file too, with no agent. A temporary view lives
+/// in the connection's own memory: the file is not written.
+const AGENT_SHIM: &str =
+    "CREATE TEMP VIEW audit_events AS SELECT *, NULL AS agent FROM main.audit_events";
 
 /// Maps an error of the first query on a file to "not SQLite" or "damaged or truncated" when
 /// SQLite says it cannot read the file: a file that starts with the SQLite header is a
@@ -674,7 +692,12 @@ pub(crate) fn open_reader(path: &Path, read_only: bool) -> Result<Connection, St
     };
     stable_plans(&conn)?;
     match identify(&conn, path)? {
-        Identity::Backstop(v) if v >= OLDEST_READABLE_VERSION => Ok(conn),
+        Identity::Backstop(v) if v >= AGENT_VERSION => Ok(conn),
+        Identity::Backstop(v) if v >= OLDEST_READABLE_VERSION => {
+            conn.execute_batch(AGENT_SHIM)
+                .map_err(|e| StoreError::Sqlite(format!("{}: {e}", path.display())))?;
+            Ok(conn)
+        }
         Identity::Backstop(v) => Err(StoreError::TooOld {
             path: path.to_owned(),
             found: v,
@@ -1406,7 +1429,9 @@ mod tests {
             for statement in script.split(';').map(str::trim).filter(|s| !s.is_empty()) {
                 assert!(
                     statement.starts_with("CREATE INDEX")
-                        || statement.starts_with("CREATE UNIQUE INDEX"),
+                        || statement.starts_with("CREATE UNIQUE INDEX")
+                        || (i + 1 == AGENT_VERSION as usize
+                            && statement == "ALTER TABLE audit_events ADD COLUMN agent TEXT"),
                     "migration {i} -> {} changes what the read-only commands read \
                      (raise OLDEST_READABLE_VERSION to {}): {statement}",
                     i + 1,

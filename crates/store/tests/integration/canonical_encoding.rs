@@ -20,6 +20,7 @@ fn full_event(text: &str, n: u64) -> AuditEvent {
     let mut e = AuditEvent::new(&format!("kind {text}"), &format!("at {text}"));
     e.task = Some(format!("task {text}"));
     e.action = Some(signed);
+    e.agent = Some(format!("agent {text}"));
     e.attempt = Some(u32::try_from(n).unwrap_or(u32::MAX));
     e.escalation = Some(-signed);
     e.provider = Some(format!("provider {text}"));
@@ -76,6 +77,7 @@ impl serde::Serialize for ExportShape<'_> {
         m.serialize_entry("kind", &e.kind)?;
         m.serialize_entry("task", &e.task)?;
         m.serialize_entry("action", &e.action)?;
+        m.serialize_entry("agent", &e.agent)?;
         m.serialize_entry("attempt", &e.attempt)?;
         m.serialize_entry("escalation", &e.escalation)?;
         m.serialize_entry("provider", &e.provider)?;
@@ -157,6 +159,8 @@ fn the_hashes_of_a_fixed_chain_are_those_earlier_builds_wrote() {
     let mut hashes = Vec::new();
     for n in [1, 4_294_967_295] {
         let mut e = full_event(&awkward_text(), n);
+        // Earlier builds had no `agent` member: an event without one hashes as they wrote it.
+        e.agent = None;
         chain.seal(&mut e);
         hashes.push(e.hash);
     }

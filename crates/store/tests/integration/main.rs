@@ -5,6 +5,7 @@
 
 mod common;
 
+mod audit_agents;
 mod audit_chain;
 mod audit_edges;
 mod canary;

@@ -424,6 +424,7 @@ fn outcomes_choose_their_event_kind_and_reconciliation_can_follow() {
     assert!(matches!(err, StoreError::InvalidTransition { .. }));
     store
         .record_circuit_opened(
+            "agent-1",
             "task-1",
             "billing-api",
             "POST",

@@ -464,6 +464,7 @@ impl Store for FailingStore {
     }
     fn record_circuit_opened(
         &self,
+        agent: &str,
         task: &str,
         provider: &str,
         method: &str,
@@ -471,7 +472,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<(), StoreError> {
         self.inner
-            .record_circuit_opened(task, provider, method, route, at)
+            .record_circuit_opened(agent, task, provider, method, route, at)
     }
     fn record_watchdog_finding(
         &self,
