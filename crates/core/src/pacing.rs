@@ -65,9 +65,9 @@ pub enum InvalidPacer {
     /// `limit` must be at least 1.
     #[error("limit must be at least 1 request per window")]
     ZeroLimit,
-    /// `window_seconds` must be positive.
-    #[error("window_seconds must be positive")]
-    ZeroWindow,
+    /// `window_seconds` must be at least [`MIN_WINDOW`].
+    #[error("window_seconds must be at least 1 second, got {} s", .0.as_secs_f64())]
+    ShortWindow(Duration),
     /// `headroom` must be in `(0, 1]`.
     #[error("headroom must be in (0, 1], got {0}")]
     Headroom(f64),
@@ -78,6 +78,12 @@ pub enum InvalidPacer {
     #[error("reserve_interactive must be in [0, 1), got {0}")]
     Reserve(f64),
 }
+
+/// The shortest window of a published limit (1 s). Providers publish their windows in whole
+/// seconds (the IETF `RateLimit-Policy` `w` parameter, `RateLimit-Reset`, `Retry-After`), and a
+/// limit spread over a shorter one (`0.0001`: 10 requests per 100 µs is 100,000 a second) paces
+/// at a rate so high that pacing holds nothing back while the policy says it paces.
+pub const MIN_WINDOW: Duration = Duration::from_secs(1);
 
 /// Validated pacing parameters of one scope.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -93,7 +99,7 @@ pub struct PacerConfig {
 impl PacerConfig {
     /// Builds the pacing of a scope with a published limit of `limit` requests per `window`,
     /// paced at `headroom` (0 < h ≤ 1) of it, keeping `reserve_interactive` (0 ≤ r < 1) of the
-    /// burst for interactive work.
+    /// burst for interactive work. `window` is at least [`MIN_WINDOW`].
     ///
     /// # Errors
     /// [`InvalidPacer`] naming the out-of-range parameter.
@@ -106,8 +112,8 @@ impl PacerConfig {
         if limit == 0 {
             return Err(InvalidPacer::ZeroLimit);
         }
-        if window.is_zero() {
-            return Err(InvalidPacer::ZeroWindow);
+        if window < MIN_WINDOW {
+            return Err(InvalidPacer::ShortWindow(window));
         }
         if !(headroom > 0.0 && headroom <= 1.0) {
             return Err(InvalidPacer::Headroom(headroom));
@@ -576,6 +582,19 @@ mod tests {
             PacerConfig::try_new(0, Duration::from_secs(1), 0.8, 0.2),
             Err(InvalidPacer::ZeroLimit)
         );
+        assert_eq!(
+            PacerConfig::try_new(10, Duration::from_micros(100), 0.8, 0.2),
+            Err(InvalidPacer::ShortWindow(Duration::from_micros(100)))
+        );
+        assert_eq!(
+            PacerConfig::try_new(10, Duration::ZERO, 0.8, 0.2),
+            Err(InvalidPacer::ShortWindow(Duration::ZERO))
+        );
+        assert_eq!(
+            InvalidPacer::ShortWindow(Duration::from_millis(500)).to_string(),
+            "window_seconds must be at least 1 second, got 0.5 s"
+        );
+        assert!(PacerConfig::try_new(10, MIN_WINDOW, 0.8, 0.2).is_ok());
         assert_eq!(
             PacerConfig::try_new(1, Duration::from_secs(1), 1.5, 0.2),
             Err(InvalidPacer::Headroom(1.5))

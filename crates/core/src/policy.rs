@@ -63,7 +63,7 @@ use serde_saphyr::{Location, Spanned};
 use crate::backoff::BackoffConfig;
 use crate::budget::{ClassBudget, RetryQuotaConfig};
 use crate::classify::{default_error_codes, ClassifyRules, Disposition};
-use crate::pacing::{PacerConfig, ScopeRecord};
+use crate::pacing::{PacerConfig, ScopeRecord, MIN_WINDOW};
 use crate::quota::Dialect;
 use crate::retry_after::RetryAfterOptions;
 
@@ -211,7 +211,8 @@ pub struct BackoffPolicy {
     /// `min_delay_seconds`: the floor of every known boundary delay (past, zero or smaller values
     /// are raised to it; default 1).
     pub min_delay: Duration,
-    /// `retry_after_ceiling_seconds`: larger Retry-After values are absurd (default 86,400).
+    /// `retry_after_ceiling_seconds`: larger Retry-After values are absurd (default 86,400; at
+    /// least [`MIN_RETRY_AFTER_CEILING`]).
     pub retry_after_ceiling: Duration,
     /// `boundary_spread_seconds`: jitter after a provider boundary (default 5).
     pub boundary_spread: Duration,
@@ -240,6 +241,13 @@ pub const MIN_BACKOFF_BASE: Duration = Duration::from_millis(100);
 /// now" be called again within microseconds or milliseconds: a tight retry loop against a limit
 /// that is already hit.
 pub const MIN_RETRY_DELAY_FLOOR: Duration = Duration::from_millis(100);
+
+/// The smallest `backoff.retry_after_ceiling_seconds` a policy may set (1 s). A `Retry-After`
+/// above the ceiling is absurd and its boundary unknown (SPEC §2.2); providers give it in whole
+/// seconds, so a ceiling under one second (`0.5`, `1e-9`) discards every delay a provider
+/// actually sends: each throttled request is retried on local backoff alone, possibly before
+/// the provider allows it.
+pub const MIN_RETRY_AFTER_CEILING: Duration = Duration::from_secs(1);
 
 /// The shortest `breaker.forget_after_seconds` a policy may set (1 s). A task's breaker is
 /// forgotten that long after its last failure; the same request fails again no sooner than a
@@ -347,7 +355,8 @@ pub struct Scope {
     pub name: String,
     /// Published limit: requests per window; `None` for a scope with queue limits only.
     pub limit: Option<u64>,
-    /// The window of the published limit (`window_seconds`, default 60).
+    /// The window of the published limit (`window_seconds`, default 60; at least
+    /// [`MIN_WINDOW`], 1 s).
     pub window: Duration,
     /// Share of the published rate backstop paces at, `0 < h ≤ 1` (default 0.8).
     pub headroom: f64,
@@ -1681,7 +1690,20 @@ fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> BackoffPolicy
             "backoff.max_seconds: must be at least backoff.base_seconds",
         );
     }
-    if policy.retry_after_ceiling < policy.min_delay {
+    let short_ceiling = policy.retry_after_ceiling < MIN_RETRY_AFTER_CEILING;
+    if let (Some(s), true) = (&b.retry_after_ceiling_seconds, short_ceiling) {
+        ctx.err(
+            &s.referenced,
+            format!(
+                "backoff.retry_after_ceiling_seconds: must be at least {} second, got {} \
+                 (providers give Retry-After in whole seconds, so a smaller ceiling treats \
+                 every delay of a second or more as absurd: throttled requests are retried on \
+                 local backoff alone, before the provider allows it)",
+                MIN_RETRY_AFTER_CEILING.as_secs(),
+                s.value
+            ),
+        );
+    } else if policy.retry_after_ceiling < policy.min_delay {
         let at = b
             .retry_after_ceiling_seconds
             .as_ref()
@@ -2336,19 +2358,27 @@ fn validate_scope(
         .limit
         .as_ref()
         .and_then(|l| ctx.integer(l, &format!("{path}.limit"), 1, u64::MAX));
+    let default_window = Duration::from_secs(60);
     let window = ctx.seconds(
         &s.window_seconds,
         &format!("{path}.window_seconds"),
-        Duration::from_secs(60),
+        default_window,
     );
-    if let Some(w) = &s.window_seconds {
-        if window.is_zero() {
-            ctx.err(
-                &w.referenced,
-                format!("{path}.window_seconds: must be positive"),
-            );
-        }
+    let short_window = window < MIN_WINDOW;
+    if let (Some(w), true) = (&s.window_seconds, short_window) {
+        ctx.err(
+            &w.referenced,
+            format!(
+                "{path}.window_seconds: must be at least {} second, got {} (providers publish \
+                 their limit windows in whole seconds; a shorter one, such as 0.0001, paces so \
+                 fast that pacing holds nothing back)",
+                MIN_WINDOW.as_secs(),
+                w.value
+            ),
+        );
     }
+    // A refused window is reported once: the pacing below is checked with the default.
+    let window = if short_window { default_window } else { window };
     let headroom = ctx.fraction(
         &s.headroom,
         &format!("{path}.headroom"),
@@ -2371,9 +2401,7 @@ fn validate_scope(
     }
     if let (Some(l), Some(limit)) = (&s.limit, limit) {
         if let Err(e) = PacerConfig::try_new(limit, window, headroom, reserve_interactive) {
-            if !window.is_zero() {
-                ctx.err(&l.referenced, format!("{path}: {e}"));
-            }
+            ctx.err(&l.referenced, format!("{path}: {e}"));
         }
     }
     Scope {
@@ -2745,6 +2773,87 @@ mod tests {
         .expect("a tenth of a second is allowed");
         assert_eq!(shortest.backoff.base, MIN_BACKOFF_BASE);
         assert_eq!(shortest.backoff.min_delay, MIN_RETRY_DELAY_FLOOR);
+    }
+
+    #[test]
+    fn a_scope_window_under_one_second_is_refused_naming_its_place_and_why() {
+        let scope = |window: &str| {
+            format!(
+                "providers:\n  a:\n    base_url: https://a.example\n    scopes:\n      s: {{ limit: 10, window_seconds: {window} }}\n"
+            )
+        };
+        let too_short = |got: &str| {
+            format!(
+                "5:39: providers.a.scopes.s.window_seconds: must be at least 1 second, got {got} \
+                 (providers publish their limit windows in whole seconds; a shorter one, such \
+                 as 0.0001, paces so fast that pacing holds nothing back)"
+            )
+        };
+        // One problem each: the pacing is not refused a second time for the same window.
+        for (window, shown) in [
+            ("0.0001", "0.0001"),
+            ("1e-9", "0.000000001"),
+            ("0.999", "0.999"),
+            ("0", "0"),
+        ] {
+            assert_eq!(problems(&scope(window)), [too_short(shown)], "{window}");
+        }
+        assert_eq!(
+            problems(&scope("-1")),
+            ["5:39: providers.a.scopes.s.window_seconds: must be a non-negative number of seconds, got -1"]
+        );
+        // Refused by the YAML reader already, at the value's place.
+        assert_eq!(
+            problems(&scope(".nan")),
+            ["5:39: value `.nan` is not a finite number"]
+        );
+        let errors = problems(&scope("1e12"));
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with(
+                "5:39: providers.a.scopes.s.window_seconds: too large, at most 4294967295 seconds"
+            ),
+            "{errors:?}"
+        );
+        let shortest = Policy::from_yaml_str(&scope("1"), "p.yaml").expect("one second is allowed");
+        let scope = &shortest.providers["a"].scopes["s"];
+        assert_eq!(scope.window, MIN_WINDOW);
+        let pacing = scope.pacer_config().expect("paced");
+        assert_eq!(pacing.emission_interval, Duration::from_millis(125));
+    }
+
+    #[test]
+    fn the_retry_after_ceiling_is_at_least_one_second() {
+        let too_small = |got: &str| {
+            format!(
+                "2:32: backoff.retry_after_ceiling_seconds: must be at least 1 second, got {got} \
+                 (providers give Retry-After in whole seconds, so a smaller ceiling treats every \
+                 delay of a second or more as absurd: throttled requests are retried on local \
+                 backoff alone, before the provider allows it)"
+            )
+        };
+        // Said once, even when the ceiling is also under the Retry-After floor.
+        for (ceiling, shown) in [("0.5", "0.5"), ("1e-9", "0.000000001"), ("0", "0")] {
+            assert_eq!(
+                problems(&format!(
+                    "backoff:\n  retry_after_ceiling_seconds: {ceiling}\n"
+                )),
+                [too_small(shown)],
+                "{ceiling}"
+            );
+        }
+        let shortest =
+            Policy::from_yaml_str("backoff:\n  retry_after_ceiling_seconds: 1\n", "p.yaml")
+                .expect("one second is allowed");
+        assert_eq!(
+            shortest.backoff.retry_after_ceiling,
+            MIN_RETRY_AFTER_CEILING
+        );
+        // Above one second it is still held to the floor of every boundary.
+        assert_eq!(
+            problems("backoff:\n  min_delay_seconds: 5\n  retry_after_ceiling_seconds: 2\n"),
+            ["3:32: backoff.retry_after_ceiling_seconds: must be at least backoff.min_delay_seconds"]
+        );
     }
 
     #[test]

@@ -345,3 +345,28 @@ fn summary_prints_the_resolved_backoff_shared_scope_and_retry_quota_settings() {
         "{stdout}"
     );
 }
+
+#[test]
+fn a_scope_window_under_one_second_fails_the_check_naming_its_place_and_why() {
+    let (_dir, file, out) = check(
+        "window.yaml",
+        "agents:\n  bot: { token_env: BOT_TOKEN }\nproviders:\n  billing:\n    base_url: https://billing.example\n    scopes:\n      account:\n        limit: 10\n        window_seconds: 0.0001\n",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let name = file.display().to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "{name}:9:25: providers.billing.scopes.account.window_seconds: must be at least 1 second, got 0.0001 ("
+        )) && lines[0].contains("whole seconds"),
+        "{stderr}"
+    );
+    assert_eq!(lines[1], format!("{name}: 1 problem"));
+}
