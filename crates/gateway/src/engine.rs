@@ -1964,7 +1964,8 @@ impl Engine {
                         // for a wake that nothing arms (at shutdown the next start re-arms it).
                         // A write's first send frees its key for the agent's resend under it,
                         // which sends it as this action.
-                        if retry_job && !inner.shutting_down.load(Ordering::SeqCst) {
+                        let stopping = inner.shutting_down.load(Ordering::SeqCst);
+                        if retry_job && !stopping {
                             self.close_unrecorded_retry(
                                 run,
                                 &budget,
@@ -1977,6 +1978,15 @@ impl Engine {
                                 .lock()
                                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                                 .insert(run.id.0);
+                        }
+                        if stopping && seen.sent > 0 {
+                            return self.stopped_by_store_after_sending(
+                                run,
+                                &seen,
+                                &e,
+                                Interrupted::Send,
+                                may_have_committed(&e),
+                            );
                         }
                         let receipt = run.receipt(seen.sent);
                         return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
@@ -2484,6 +2494,8 @@ impl Engine {
                     // Kept while the store may fail: a result it could not record is recorded
                     // with the action's close (see `close_unrecorded_retry`).
                     let mut unrecorded = Some(result.clone());
+                    // Whether the last failed record of the result may be kept all the same.
+                    let mut result_maybe_kept = false;
                     match inner
                         .blocking(move |s| s.record_result(result, received_at))
                         .await
@@ -2493,6 +2505,7 @@ impl Engine {
                             if !is_store_failure(&e) {
                                 unrecorded = None;
                             }
+                            result_maybe_kept = may_have_committed(&e);
                             tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                         }
                     }
@@ -2542,6 +2555,7 @@ impl Engine {
                                     if !is_store_failure(&e) {
                                         unrecorded = None;
                                     }
+                                    result_maybe_kept = may_have_committed(&e);
                                     Err(e)
                                 }
                             }
@@ -2557,12 +2571,24 @@ impl Engine {
                             // Nothing of the retry left; the action is closed (an uncertain
                             // write reconciled) once the store commits again, never left open
                             // with no retry job (at shutdown the next start finds it).
-                            if !inner.shutting_down.load(Ordering::SeqCst) {
-                                let step = UnrecordedRetry::Schedule {
-                                    result: unrecorded.map(Box::new),
+                            if inner.shutting_down.load(Ordering::SeqCst) {
+                                let interrupted = if unrecorded.is_some() {
+                                    Interrupted::Result
+                                } else {
+                                    Interrupted::Schedule
                                 };
-                                self.close_unrecorded_retry(run, &budget, &seen, step);
+                                return self.stopped_by_store_after_sending(
+                                    run,
+                                    &seen,
+                                    &e,
+                                    interrupted,
+                                    result_maybe_kept,
+                                );
                             }
+                            let step = UnrecordedRetry::Schedule {
+                                result: unrecorded.map(Box::new),
+                            };
+                            self.close_unrecorded_retry(run, &budget, &seen, step);
                             let receipt = run.receipt(seen.sent);
                             return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                         }
@@ -2607,15 +2633,7 @@ impl Engine {
     /// `last_signal`.
     fn stopped_after_sending(&self, run: &Run<'_>, seen: &Seen, waited: bool) -> Execution {
         let is_read = is_safe_method(&run.request.method);
-        let after = if run.prior.sent > 0 && seen.sent == run.prior.sent {
-            // Reopened by an operator for a same-key retry, and not sent again yet.
-            AfterRestart::RetrySameKey
-        } else {
-            match writes::Closing::of(is_read, seen.unsettled) {
-                writes::Closing::Reconcile => AfterRestart::Reconcile,
-                writes::Closing::Cancel => AfterRestart::Cancel,
-            }
-        };
+        let after = AfterRestart::of(run, seen);
         let id = run.id.0;
         let detail = match after {
             AfterRestart::Reconcile if !waited => format!(
@@ -2657,6 +2675,79 @@ impl Engine {
         }
         let problem = problem
             .with_extension("after_restart", after.as_str().into())
+            .with_extension("last_status", serde_json::json!(seen.last_status))
+            .with_extension("last_signal", serde_json::json!(seen.last_signal));
+        problem_answer(receipt, problem)
+    }
+
+    /// The `503` for the caller of an action of which an attempt was sent, when the store
+    /// failed on the record `interrupted` while the gateway was stopping: `503 shutting_down`
+    /// when the store's writer is gone, `503 store_unavailable` for a storage error, with
+    /// `sent: true` and `x-should-retry: false` as any store failure after a send, and — as
+    /// every answer of a stop after a send — what the next start does with the action
+    /// (`after_restart`, also said in `detail`), with the last attempt's `last_status` and
+    /// `last_signal`. `maybe_kept` is whether the failed record may have been committed all
+    /// the same ([`may_have_committed`]); when that changes what the next start does, the
+    /// answer says `after_restart: unknown` and names both cases instead of guessing.
+    fn stopped_by_store_after_sending(
+        &self,
+        run: &Run<'_>,
+        seen: &Seen,
+        e: &EngineError,
+        interrupted: Interrupted,
+        maybe_kept: bool,
+    ) -> Execution {
+        let spec = run.spec;
+        let receipt = run.receipt(seen.sent);
+        let after = AfterRestart::after_store_failure(run, seen, interrupted, maybe_kept);
+        let id = run.id.0;
+        let what = if is_safe_method(&run.request.method) {
+            "read"
+        } else {
+            "write"
+        };
+        let failed = format!(
+            "backstop is shutting down, and its store failed after an attempt of this {what} was sent: {}",
+            interrupted.describe()
+        );
+        let next = match after {
+            Some(AfterRestart::Reconcile) => format!(
+                "The next start reconciles the {what} with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+            ),
+            Some(AfterRestart::Cancel) => format!(
+                "{}, so there is nothing to reconcile, but the request is not kept across a restart: the next start sends nothing more for it and ends the action cancelled. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, and after that 410 with the cancelled outcome; to have the {what} done, check its status (GET /v1/actions/{id}) and submit it again under a new Idempotency-Key",
+                last_attempt(seen)
+            ),
+            Some(AfterRestart::RetrySameKey) => format!(
+                "The {what} stays reopened for a send under its same Idempotency-Key across the restart: sending it again with the same Idempotency-Key and payload sends it as this action (GET /v1/actions/{id}); never send it under a new key — an earlier attempt may have been acted on"
+            ),
+            None => {
+                let (kept, undone) = AfterRestart::if_kept_or_not(run, seen, interrupted);
+                format!(
+                    "The store's failure does not tell whether that record was kept, so what the next start does with the {what} cannot be known here: if it was kept, the next start {}; if not, it {}. Check its status (GET /v1/actions/{id}) after the restart before sending it again, and never send it under a new key while it is open — an attempt of it was sent and may have been acted on",
+                    kept.clause(),
+                    undone.clause()
+                )
+            }
+        };
+        let detail = format!("{failed}. {next}");
+        let gone = matches!(e, EngineError::Store(StoreError::WriterGone));
+        let problem = if gone {
+            Problem::shutting_down_during(true, detail)
+        } else {
+            let (task, agent, route) = (&spec.task_id, &spec.agent, &spec.route.template);
+            tracing::error!(
+                action = id, %task, %agent, %route, sent = true, error = %e,
+                after_restart = after.map_or("unknown", AfterRestart::as_str),
+                "the store failed at shutdown: the request is answered 503 store_unavailable"
+            );
+            Problem::store_unavailable(true, detail)
+        };
+        let problem = with_ids(problem, spec, &receipt)
+            .with_extension(
+                "after_restart",
+                after.map_or("unknown", AfterRestart::as_str).into(),
+            )
             .with_extension("last_status", serde_json::json!(seen.last_status))
             .with_extension("last_signal", serde_json::json!(seen.last_signal));
         problem_answer(receipt, problem)
@@ -3528,8 +3619,10 @@ impl Engine {
     }
 }
 
-/// What the next start does with an action whose caller was answered `503 shutting_down` after
-/// an attempt of it was sent: the answer's `after_restart` member.
+/// What the next start does with an action whose caller was answered `503 shutting_down` (or,
+/// the store failing during the stop, `503 store_unavailable`) after an attempt of it was sent:
+/// the answer's `after_restart` member, which is `unknown` when it cannot be told
+/// ([`AfterRestart::after_store_failure`] is `None`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AfterRestart {
     /// `reconcile`: a write whose last attempt is `uncertain` is reconciled with its original
@@ -3546,6 +3639,69 @@ enum AfterRestart {
 }
 
 impl AfterRestart {
+    /// What the next start does with the action of `run` as the store holds it after the
+    /// attempts `seen`: its last attempt's result recorded (or, reopened, nothing sent again).
+    fn of(run: &Run<'_>, seen: &Seen) -> AfterRestart {
+        if run.prior.sent > 0 && seen.sent == run.prior.sent {
+            // Reopened by an operator for a same-key retry, and not sent again yet.
+            AfterRestart::RetrySameKey
+        } else {
+            AfterRestart::closing(is_safe_method(&run.request.method), seen.unsettled)
+        }
+    }
+
+    /// [`writes::Closing::of`] as the answer names it.
+    fn closing(is_read: bool, unsettled: bool) -> AfterRestart {
+        match writes::Closing::of(is_read, unsettled) {
+            writes::Closing::Reconcile => AfterRestart::Reconcile,
+            writes::Closing::Cancel => AfterRestart::Cancel,
+        }
+    }
+
+    /// What the next start does with the action of `run` (after the attempts `seen`) when the
+    /// store failed at shutdown on the record `interrupted`: `(kept, undone)`, when the failed
+    /// record was committed all the same and when it was not.
+    fn if_kept_or_not(
+        run: &Run<'_>,
+        seen: &Seen,
+        interrupted: Interrupted,
+    ) -> (AfterRestart, AfterRestart) {
+        // An attempt the store holds as sent without a result is uncertain (SPEC §12).
+        let sent_without_result = AfterRestart::closing(is_safe_method(&run.request.method), true);
+        let as_recorded = AfterRestart::of(run, seen);
+        match interrupted {
+            Interrupted::Send => (sent_without_result, as_recorded),
+            Interrupted::Result => (as_recorded, sent_without_result),
+            Interrupted::Schedule => (as_recorded, as_recorded),
+        }
+    }
+
+    /// [`AfterRestart::if_kept_or_not`] as the answer tells it: `None` when it cannot be known,
+    /// because the failure does not tell whether the record was kept (`maybe_kept`, see
+    /// [`may_have_committed`]) and the next start treats the two cases differently.
+    fn after_store_failure(
+        run: &Run<'_>,
+        seen: &Seen,
+        interrupted: Interrupted,
+        maybe_kept: bool,
+    ) -> Option<AfterRestart> {
+        let (kept, undone) = AfterRestart::if_kept_or_not(run, seen, interrupted);
+        (!maybe_kept || undone == kept).then_some(undone)
+    }
+
+    /// What the next start does, as the clause of a sentence whose subject is the next start.
+    fn clause(self) -> &'static str {
+        match self {
+            AfterRestart::Reconcile => {
+                "reconciles it with its original Idempotency-Key and resends nothing"
+            }
+            AfterRestart::Cancel => "ends it cancelled and sends nothing more for it",
+            AfterRestart::RetrySameKey => {
+                "keeps it reopened for a send under its same Idempotency-Key"
+            }
+        }
+    }
+
     fn as_str(self) -> &'static str {
         match self {
             AfterRestart::Reconcile => "reconcile",
@@ -3553,6 +3709,43 @@ impl AfterRestart {
             AfterRestart::RetrySameKey => "retry_same_key",
         }
     }
+}
+
+/// The record of an action's attempt loop the store failed on at shutdown, for the answer's
+/// `after_restart` ([`AfterRestart::after_store_failure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Interrupted {
+    /// The start of its next attempt (`action_sent`, which claims the retry's job): nothing of
+    /// that attempt left.
+    Send,
+    /// Its last attempt's result (whether or not its retry was scheduled after it).
+    Result,
+    /// The schedule of its retry, after the last attempt's result was recorded.
+    Schedule,
+}
+
+impl Interrupted {
+    /// What could not be recorded, as a clause.
+    fn describe(self) -> &'static str {
+        match self {
+            Interrupted::Send => {
+                "the start of its next attempt could not be recorded, so that attempt was not sent"
+            }
+            Interrupted::Result => "the answer to its last attempt could not be recorded",
+            Interrupted::Schedule => "its retry could not be scheduled",
+        }
+    }
+}
+
+/// Whether a store operation that failed may have been committed all the same. A storage
+/// error (SQLite's, a full disk) undid the operation's transaction; a writer that went away
+/// ([`StoreError::WriterGone`]: the store closing, or its thread ended before it answered) or a
+/// store call that did not return ([`EngineError::Aborted`]) gives no word either way.
+fn may_have_committed(e: &EngineError) -> bool {
+    matches!(
+        e,
+        EngineError::Aborted(_) | EngineError::Store(StoreError::WriterGone)
+    )
 }
 
 /// How the last attempt ended, as a sentence of [`Engine::stopped_after_sending`]: the

@@ -382,7 +382,8 @@ impl Problem {
     /// safe (`Retry-After: 1`, `x-should-retry: true`); otherwise `x-should-retry: false` and
     /// the agent must check the action's status (SPEC §5, §12: a write is sent only after it
     /// is durable). The engine adds `task`, a write's `idempotency_key` and, when an action was
-    /// recorded, its `action_id`.
+    /// recorded, its `action_id`; during a stop, after an attempt was sent, also
+    /// `after_restart`, `last_status` and `last_signal` as [`Problem::shutting_down_during`].
     pub fn store_unavailable(sent: bool, detail: impl Into<String>) -> Problem {
         Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -398,9 +399,9 @@ impl Problem {
     /// it, so a retry is safe (`Retry-After: 1`, `x-should-retry: true`); with `sent` true an
     /// attempt left, the action stays recorded and `x-should-retry` is `false`. The engine adds
     /// `task`, a write's `idempotency_key` and the action's `action_id`, and with `sent` true
-    /// what the next start does with the action (`after_restart`: `reconcile`, `cancel` or
-    /// `retry_same_key`, said in `detail` too) and the last attempt's `last_status` and
-    /// `last_signal`.
+    /// what the next start does with the action (`after_restart`: `reconcile`, `cancel`,
+    /// `retry_same_key`, or `unknown` when the store's writer went away without telling what it
+    /// kept; said in `detail` too) and the last attempt's `last_status` and `last_signal`.
     pub fn shutting_down_during(sent: bool, detail: impl Into<String>) -> Problem {
         Problem::door(
             StatusCode::SERVICE_UNAVAILABLE,

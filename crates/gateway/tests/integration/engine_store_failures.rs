@@ -3,8 +3,11 @@
 //! cancelled`; what the store could not record is not left waiting once it works again (a write
 //! whose last attempt was uncertain reconciled, never cancelled, its lookup asked once), nor is
 //! a write whose same-key resend took it over and lost its caller while reading it, and what it
-//! lost is logged once. Attempts are measured at the scripted transport or at the fake
-//! provider, answers at the door where the header or the JSON matters.
+//! lost is logged once. A store failing during a stop, after a write was sent, still tells the
+//! caller what the next start does with it (`after_restart`), and that it cannot be known when
+//! the store does not say what it kept; the restart then does what was said. Attempts are
+//! measured at the scripted transport or at the fake provider, answers at the door where the
+//! header or the JSON matters.
 
 use std::{sync::Arc, time::Duration};
 
@@ -1502,5 +1505,179 @@ async fn a_write_sent_without_a_result_found_at_a_start_the_store_cannot_commit_
         "the attempt is recorded uncertain"
     );
     assert!(h.transport.sent().is_empty(), "nothing was sent");
+    restarted.shutdown().await;
+}
+
+/// A write's first attempt answered `503` with `Retry-After: 5` after `hold` in flight.
+fn held_503(hold: Duration) -> Step {
+    Step::Status {
+        status: 503,
+        headers: vec![("retry-after", "5".to_owned())],
+        body: "",
+        hold,
+    }
+}
+
+/// Runs a write under `key` whose first attempt is in flight (answered `503` after 10 s) while
+/// the gateway begins to stop and the store fails as `fail` sets it; the caller's answer.
+async fn answered_at_a_stop_while_the_store_fails(
+    h: &Harness,
+    key: &str,
+    fail: impl FnOnce(),
+) -> Execution {
+    h.transport.script(
+        "/v1/transfers",
+        vec![held_503(Duration::from_secs(10)), answer(201, &[], "{}")],
+    );
+    let running = h.spawn(write(h, "t", key));
+    assert!(
+        until(|| h.transport.sent().len() == 1).await,
+        "the first attempt left"
+    );
+    fail();
+    h.engine.shutdown().await;
+    running.await.unwrap()
+}
+
+/// Asserts `body` is a `503` of type `kind` for a write of which one attempt was sent, whose
+/// provider answered `503`, with `after_restart` as `after` and `detail` containing `says`.
+fn assert_told_after_restart(body: &Value, kind: &str, after: &str, says: &str) {
+    assert!(
+        body["type"].as_str().unwrap_or("").ends_with(kind),
+        "{body}"
+    );
+    assert_eq!(body["sent"], true, "{body}");
+    assert_eq!(body["after_restart"], after, "{body}");
+    assert_eq!(body["last_status"], 503, "{body}");
+    assert_eq!(body["last_signal"], "unavailable", "{body}");
+    let detail = body["detail"].as_str().unwrap_or("");
+    assert!(
+        detail.starts_with("backstop is shutting down, and its store failed after an attempt of this write was sent"),
+        "{detail}"
+    );
+    assert!(detail.contains(says), "{detail}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_retry_the_store_cannot_schedule_at_a_stop_is_told_the_next_start_cancels_it()
+{
+    let (h, store) = Harness::with_failing_store();
+    let answered =
+        answered_at_a_stop_while_the_store_fails(&h, "k-stop-s", || store.fail_schedules()).await;
+    let action = ActionId(answered.receipt().action_id);
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_told_after_restart(
+        &body,
+        "store_unavailable",
+        "cancel",
+        "the next start sends nothing more for it and ends the action cancelled",
+    );
+    assert_eq!(body["action_id"], action.0, "{body}");
+
+    // What the answer said is what the next start does.
+    store.recover();
+    let restarted = h.restarted(5);
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    let record = stored(&h, action);
+    assert_eq!(record.outcome, Some(Outcome::Cancelled));
+    assert_eq!(
+        record.outcome_context.unwrap()["detail"],
+        RESTARTED_BEFORE_RETRY
+    );
+    assert_eq!(h.transport.sent().len(), 1, "nothing was sent again");
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_answer_the_store_cannot_record_at_a_stop_is_told_the_next_start_reconciles_it(
+) {
+    // The provider answered 503, but the store has the attempt only as sent: the next start
+    // cannot know the answer, and reconciles the write as one sent without a result.
+    let (h, store) = Harness::with_failing_store();
+    let answered = answered_at_a_stop_while_the_store_fails(&h, "k-stop-r", || store.fail()).await;
+    let action = ActionId(answered.receipt().action_id);
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_told_after_restart(
+        &body,
+        "store_unavailable",
+        "reconcile",
+        "The next start reconciles the write with its original Idempotency-Key",
+    );
+
+    store.recover();
+    let restarted = h.restarted(5);
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    restarted.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_answer_a_closing_store_may_or_may_not_have_kept_at_a_stop_is_told_that_is_unknown(
+) {
+    // A writer that went away does not say whether the result was committed: kept, the next
+    // start cancels the write (its last attempt was answered); lost, it reconciles it.
+    let (h, store) = Harness::with_failing_store();
+    let answered = answered_at_a_stop_while_the_store_fails(&h, "k-stop-u", || {
+        store.fail_as_gone();
+        store.fail();
+    })
+    .await;
+    let (status, retry, body, attempts) = problem(answered).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_told_after_restart(
+        &body,
+        "shutting_down",
+        "unknown",
+        "does not tell whether that record was kept, so what the next start does with the write cannot be known here: if it was kept, the next start ends it cancelled and sends nothing more for it; if not, it reconciles it with its original Idempotency-Key and resends nothing",
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_retry_start_the_store_cannot_record_at_a_stop_is_told_the_next_start_cancels_it(
+) {
+    let (h, store) = Harness::with_failing_store();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(503, &[("retry-after", "5")], ""),
+            answer(201, &[], "{}"),
+        ],
+    );
+    let running = h.spawn(write(&h, "t", "k-stop-a"));
+    assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let action = h.store.scheduled_retries().unwrap()[0].action;
+    // The retry comes due and goes to record its start, which the store holds.
+    store.hold_sends();
+    advance(Duration::from_secs(30)).await;
+    assert!(until(|| store.sends_held() == 1).await);
+    // The gateway begins to stop, then the store fails that record.
+    tokio::join!(h.engine.shutdown(), async {
+        tokio::task::yield_now().await;
+        store.fail_held_sends();
+    });
+    let (status, retry, body, attempts) = problem(running.await.unwrap()).await;
+    assert_eq!((status, retry.as_str(), attempts), (503, "false", 1));
+    assert_told_after_restart(
+        &body,
+        "store_unavailable",
+        "cancel",
+        "the start of its next attempt could not be recorded, so that attempt was not sent",
+    );
+    assert_eq!(h.transport.sent().len(), 1, "the retry did not leave");
+
+    // The retry's job stays in the store: the next start re-arms it and cancels the write.
+    let restarted = h.restarted(5);
+    advance(Duration::from_secs(30)).await;
+    assert!(until(|| stored(&h, action).outcome.is_some()).await);
+    let record = stored(&h, action);
+    assert_eq!(record.outcome, Some(Outcome::Cancelled));
+    assert_eq!(
+        record.outcome_context.unwrap()["detail"],
+        RESTARTED_BEFORE_RETRY
+    );
+    assert_eq!(h.transport.sent().len(), 1, "nothing was sent again");
     restarted.shutdown().await;
 }

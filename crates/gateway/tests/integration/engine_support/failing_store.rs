@@ -9,13 +9,18 @@
 //! (then the store works again, as a disk that hiccups once).
 //! [`FailingStore::lose_reads`] hands reads their ids but never commits their records, as when
 //! the group commit of a held read fails. [`FailingStore::recover`] ends any of these.
+//! [`FailingStore::hold_sends`] holds the recording of every attempt sent, neither committed
+//! nor answered, until [`FailingStore::fail_held_sends`] fails them, so a test can act while a
+//! send is being recorded. [`FailingStore::fail_as_gone`] makes these failures answer as a store whose writer has
+//! stopped (`StoreError::WriterGone`, which does not tell whether an operation was committed)
+//! instead of with SQLite's error.
 //! [`FailingStore::hold_attempts`] holds every read of an action's attempts (on the thread that
 //! reads) until [`FailingStore::release_attempts`], so a test can act while one is under way.
 
 use std::{
     collections::HashMap,
     sync::{
-        atomic::{AtomicI64, AtomicU8, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicU8, Ordering},
         Arc, Condvar, Mutex,
     },
 };
@@ -58,6 +63,11 @@ type Pending = Box<dyn FnOnce(StoreError) + Send>;
 pub struct FailingStore {
     pub inner: Arc<dyn Store>,
     mode: AtomicU8,
+    /// Whether failures answer `StoreError::WriterGone` instead of SQLite's error.
+    gone: AtomicBool,
+    /// Whether recordings of an attempt sent are held, and the ones held so far.
+    holding_sends: AtomicBool,
+    held_sends: Mutex<Vec<Completion<u32>>>,
     /// Reads handed an id while their records are lost: their completions so far, in order.
     lost_reads: Mutex<HashMap<ActionId, Vec<Pending>>>,
     next_lost_read: AtomicI64,
@@ -78,6 +88,9 @@ impl FailingStore {
         Arc::new(FailingStore {
             inner,
             mode: AtomicU8::new(WORKING),
+            gone: AtomicBool::new(false),
+            holding_sends: AtomicBool::new(false),
+            held_sends: Mutex::new(Vec::new()),
             lost_reads: Mutex::new(HashMap::new()),
             next_lost_read: AtomicI64::new(FIRST_LOST_READ),
             attempts_gate: Mutex::new(Gate::default()),
@@ -100,6 +113,42 @@ impl FailingStore {
     pub fn release_attempts(&self) {
         self.attempts_gate.lock().unwrap().holding = false;
         self.attempts_released.notify_all();
+    }
+
+    /// From now on every recording of an attempt sent (`submit_attempt_sent`) is held: neither
+    /// committed nor answered until [`FailingStore::fail_held_sends`].
+    pub fn hold_sends(&self) {
+        self.holding_sends.store(true, Ordering::SeqCst);
+    }
+
+    /// How many recordings of an attempt sent are held now.
+    pub fn sends_held(&self) -> usize {
+        self.held_sends.lock().unwrap().len()
+    }
+
+    /// Answers every held recording of an attempt sent with the failure (see
+    /// [`FailingStore::fail_as_gone`]), none of them committed, and holds no more.
+    pub fn fail_held_sends(&self) {
+        self.holding_sends.store(false, Ordering::SeqCst);
+        let held = std::mem::take(&mut *self.held_sends.lock().unwrap());
+        for done in held {
+            done(Err(self.error()));
+        }
+    }
+
+    /// From now on the operations that fail answer as a store whose writer has stopped
+    /// (`StoreError::WriterGone`), as the gateway's store does once it is closing.
+    pub fn fail_as_gone(&self) {
+        self.gone.store(true, Ordering::SeqCst);
+    }
+
+    /// The error a failing operation answers.
+    fn error(&self) -> StoreError {
+        if self.gone.load(Ordering::SeqCst) {
+            StoreError::WriterGone
+        } else {
+            damaged()
+        }
     }
 
     /// From now on every writing operation fails.
@@ -201,7 +250,7 @@ impl Store for FailingStore {
         done: Completion<Admission>,
     ) {
         if self.failing() {
-            return done(Err(damaged()));
+            return done(Err(self.error()));
         }
         self.inner.begin_action(task, action, at, done)
     }
@@ -213,7 +262,7 @@ impl Store for FailingStore {
         done: Completion<()>,
     ) -> Result<ActionId, StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         if self.losing_reads() {
             let id = ActionId(self.next_lost_read.fetch_add(1, Ordering::SeqCst));
@@ -227,8 +276,12 @@ impl Store for FailingStore {
         let Some(done) = self.hold(action, done) else {
             return;
         };
+        if self.holding_sends.load(Ordering::SeqCst) {
+            self.held_sends.lock().unwrap().push(done);
+            return;
+        }
         if self.failing_sends() {
-            return done(Err(damaged()));
+            return done(Err(self.error()));
         }
         self.inner.submit_attempt_sent(action, at, done)
     }
@@ -241,25 +294,25 @@ impl Store for FailingStore {
             return done(Err(damaged()));
         }
         if self.failing_outcome(result.finish.is_some()) {
-            return done(Err(damaged()));
+            return done(Err(self.error()));
         }
         self.inner.submit_result(result, at, done)
     }
     fn flush(&self) -> Result<(), StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner.flush()
     }
     fn mark_attempt_sent(&self, action: ActionId, at: Timestamp) -> Result<u32, StoreError> {
         if self.failing_sends() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner.mark_attempt_sent(action, at)
     }
     fn record_result(&self, result: AttemptResult, at: Timestamp) -> Result<(), StoreError> {
         if self.failing_outcome(result.finish.is_some()) {
-            return Err(damaged());
+            return Err(self.error());
         }
         if result.finish.is_none()
             && self
@@ -272,7 +325,7 @@ impl Store for FailingStore {
                 )
                 .is_ok()
         {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner.record_result(result, at)
     }
@@ -283,7 +336,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<(), StoreError> {
         if self.failing_outcome(true) {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner.finish_action(action, finish, at)
     }
@@ -294,7 +347,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<(), StoreError> {
         if self.failing_outcome(true) {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner
             .record_reconciled(action, provider_operation_id, at)
@@ -307,7 +360,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<(), StoreError> {
         if self.failing_outcome(true) {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner
             .record_reconciled_with_context(action, provider_operation_id, context, at)
@@ -319,7 +372,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<JobId, StoreError> {
         if self.failing_schedules() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner.schedule_retry(action, due_at, at)
     }
@@ -338,7 +391,7 @@ impl Store for FailingStore {
         claimed_by: &str,
     ) -> Result<Option<DueRetry>, StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner.claim_job(job, now, claimed_by)
     }
@@ -354,7 +407,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<(), StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner
             .record_reconciliation_lookup(action, lookup, status, verdict, at)
@@ -369,7 +422,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner.open_escalation(action, case_file, at)
     }
@@ -381,7 +434,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner
             .open_escalation_with_context(action, case_file, context, at)
@@ -393,7 +446,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<EscalationId, StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner
             .open_escalation_beside_outcome(action, case_file, at)
@@ -425,7 +478,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<(), StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner
             .reopen_for_resend(action, advised, escalation, at)
@@ -449,7 +502,7 @@ impl Store for FailingStore {
         at: Timestamp,
     ) -> Result<(), StoreError> {
         if self.failing() {
-            return Err(damaged());
+            return Err(self.error());
         }
         self.inner
             .record_status_query(escalation, decided_by, verdict, at)
