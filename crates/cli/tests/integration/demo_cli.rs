@@ -7,6 +7,8 @@ use std::{
     time::Duration,
 };
 
+use crate::common::listening::spawn_listening;
+
 fn backstop() -> Command {
     Command::new(env!("CARGO_BIN_EXE_backstop"))
 }
@@ -256,25 +258,18 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
             .any(|(name, _)| *name == "DEMO_OPERATOR_TOKEN"),
         "{serve}"
     );
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("a free port")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let mut gateway = Command::new(command[0])
-        .args(&command[1..])
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .envs(secrets.iter().copied())
-        .current_dir(&workdir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("serve starts");
-    let url = format!("http://127.0.0.1:{port}");
-    let up = (0..100).any(|_| {
-        std::thread::sleep(Duration::from_millis(100));
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    // On a port serve binds itself and names (one found free and let go could be taken first).
+    let mut gateway = spawn_listening(
+        Command::new(command[0])
+            .args(&command[1..])
+            .args(["--listen", "127.0.0.1:0"])
+            .envs(secrets.iter().copied())
+            .env_remove("RUST_LOG")
+            .current_dir(&workdir)
+            .stdout(Stdio::null()),
+        Duration::from_secs(10),
+    );
+    let url = gateway.url();
     let run = |line: &str| {
         let (env, command) = split_env(line);
         Command::new(command[0])
@@ -285,26 +280,18 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
             .output()
             .expect("runs")
     };
-    let shown = up.then(|| run(&printed(" escalations show 1")));
-    let decided = up.then(|| run(&printed(" escalations decide 1 --option query_status")));
-    let _ = gateway.kill();
-    let served = gateway.wait_with_output().expect("serve output");
-    assert!(
-        up,
-        "the gateway did not listen: {}",
-        String::from_utf8_lossy(&served.stderr)
-    );
-    let shown = shown.expect("shown");
+    let shown = run(&printed(" escalations show 1"));
+    let decided = run(&printed(" escalations decide 1 --option query_status"));
+    let served = gateway.kill();
     assert!(
         shown.status.success(),
-        "{}",
+        "{}\nserve: {served}",
         String::from_utf8_lossy(&shown.stderr)
     );
     assert!(String::from_utf8_lossy(&shown.stdout).contains("side_effect_unknown"));
-    let decided = decided.expect("decided");
     assert!(
         decided.status.success(),
-        "{}",
+        "{}\nserve: {served}",
         String::from_utf8_lossy(&decided.stderr)
     );
     assert!(

@@ -16,6 +16,8 @@ use backstop_store::{
 };
 use jiff::Timestamp;
 
+use crate::common::listening::refusing_port;
+
 const TOKEN: &str = "op-token-cli-1";
 const PAYLOAD: &[u8] = br#"{"amount":700,"note":"PAYLOAD-CANARY-CLI"}"#;
 
@@ -325,12 +327,9 @@ fn a_wrong_or_missing_token_is_one_line_and_exit_2() {
 
 #[test]
 fn options_are_checked_before_anything_is_sent() {
-    // No gateway listens here: a refusal that names the option proves nothing was sent.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    // No gateway listens here (nor can one, while `_held` lives): a refusal that names the
+    // option proves nothing was sent.
+    let (_held, port) = refusing_port();
     let url = format!("http://127.0.0.1:{port}");
     let out = backstop(&[
         "escalations",
@@ -387,11 +386,7 @@ fn options_are_checked_before_anything_is_sent() {
 
 #[test]
 fn an_unreachable_gateway_is_named() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let (_held, port) = refusing_port();
     let url = format!("http://127.0.0.1:{port}");
     let out = backstop(&["escalations", "list", "--url", &url, "--token", TOKEN]);
     assert_eq!(out.status.code(), Some(2));

@@ -8,9 +8,9 @@
 
 use std::{
     io::Write,
-    net::TcpStream,
+    net::{SocketAddr, TcpStream},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::Duration,
 };
 
@@ -18,12 +18,9 @@ use backstop_core::reconcile::upstream_idempotency_key;
 use backstop_fake_api::{FakeApi, FakeConfig, Fault, FaultRule, Handler, RouteConfig, RunningFake};
 use backstop_store::{ActionId, AuditReader, SqliteStore, Store};
 
-const AGENT_TOKEN: &str = "agent-token-restart";
+use crate::common::listening::{spawn_listening, Listening};
 
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("addr").port()
-}
+const AGENT_TOKEN: &str = "agent-token-restart";
 
 fn policy(base_url: &str) -> String {
     format!(
@@ -49,18 +46,19 @@ providers:
     )
 }
 
-fn serve(config: &Path, store: &Path, port: u16) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_backstop"))
+/// `backstop serve` of `config` with the database `store` on a loopback port of the system's
+/// choice, once it says where it listens (at most `limit`).
+fn serve(config: &Path, store: &Path, limit: Duration) -> Listening {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_backstop"));
+    command
         .args(["serve", "--config"])
         .arg(config)
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--store"])
+        .args(["--listen", "127.0.0.1:0", "--store"])
         .arg(store)
         .env_remove("RUST_LOG")
         .env("RESTART_AGENT_TOKEN", AGENT_TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("backstop serve starts")
+        .stdout(Stdio::null());
+    spawn_listening(&mut command, limit)
 }
 
 /// A runtime of one worker thread for the fake provider.
@@ -89,52 +87,41 @@ fn create(collection: &str, prefix: &str) -> Handler {
     }
 }
 
-/// The first gateway of a test: its policy file, database, port and process.
+/// The first gateway of a test: its policy file, database, address and process.
 struct FirstGateway {
     policy_file: PathBuf,
     db: PathBuf,
-    port: u16,
-    child: Child,
+    addr: SocketAddr,
+    process: Listening,
 }
 
 /// Writes the policy for the fake provider at `base_url` to `dir/policy.yaml` and serves it on a
-/// free port with the database `dir/backstop.db`, once it accepts connections (at most 20 s).
+/// loopback port with the database `dir/backstop.db`, once it listens (at most 20 s).
 fn first_gateway(dir: &Path, base_url: &str) -> FirstGateway {
     let policy_file = dir.join("policy.yaml");
     std::fs::write(&policy_file, policy(base_url)).unwrap();
     let db = dir.join("backstop.db");
-    let port = free_port();
-    let child = serve(&policy_file, &db, port);
-    wait_until(
-        "the first gateway to listen",
-        Duration::from_secs(20),
-        || TcpStream::connect(("127.0.0.1", port)).is_ok(),
-    );
+    let process = serve(&policy_file, &db, Duration::from_secs(20));
     FirstGateway {
         policy_file,
         db,
-        port,
-        child,
+        addr: process.addr,
+        process,
     }
 }
 
-/// Kills a gateway with SIGKILL (`what` names the kill if it fails) and reaps it.
-fn kill(mut gateway: Child, what: &str) {
-    gateway.kill().expect(what);
-    gateway.wait().expect("reaped");
-}
-
-/// Serves the same `(policy file, database, port)` again until the audit log has the event
-/// `kind` for `action` (at most 30 s, `what` names the wait), then kills that gateway.
+/// Serves the same `(policy file, database)` again (on a port of its own: nothing connects to
+/// it) until the audit log has the event `kind` for `action` (at most 30 s, `what` names the
+/// wait), then kills that gateway.
 fn restart_until_audited(
-    (policy_file, db, port): (&Path, &Path, u16),
+    (policy_file, db): (&Path, &Path),
     action: ActionId,
     kind: &str,
     what: &str,
 ) {
-    let second = serve(policy_file, db, port);
+    let mut second = serve(policy_file, db, Duration::from_secs(20));
     wait_until(what, Duration::from_secs(30), || audited(db, action, kind));
-    kill(second, "stop");
+    second.kill();
 }
 
 /// Polls `ready` every 50 ms, at most `limit` long (a bounded poll of another process, not a
@@ -201,13 +188,13 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
     let FirstGateway {
         policy_file,
         db,
-        port,
-        child: first,
+        addr,
+        process: mut first,
     } = first_gateway(dir.path(), &fake.url());
 
     // The agent's write; its answer never comes (backstop dies first).
     let body = r#"{"amount":100,"currency":"EUR"}"#;
-    let mut agent = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let mut agent = TcpStream::connect(addr).expect("connect");
     write!(
         agent,
         "POST /fake/v1/transfers HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {AGENT_TOKEN}\r\nX-Backstop-Task: run-restart\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -221,14 +208,14 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
         Duration::from_secs(20),
         || fake.attempts().iter().any(|a| a.method == "POST"),
     );
-    kill(first, "SIGKILL");
+    first.kill();
     drop(agent);
     let unfinished = the_unfinished_attempt(&db);
     let original_key = unfinished.idempotency_key.clone();
     let action = unfinished.action;
 
     restart_until_audited(
-        (&policy_file, &db, port),
+        (&policy_file, &db),
         action,
         "reconciled",
         "reconciliation after the restart",
@@ -287,8 +274,8 @@ fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerpr
     let FirstGateway {
         policy_file,
         db,
-        port,
-        child: first,
+        addr,
+        process: mut first,
     } = first_gateway(dir.path(), &fake.url());
 
     // Submitted through the action API, with a deadline and the desired outcome in words.
@@ -305,7 +292,7 @@ fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerpr
         "desired_outcome": "invoice 7 issued exactly once"
     })
     .to_string();
-    let mut agent = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let mut agent = TcpStream::connect(addr).expect("connect");
     write!(
         agent,
         "POST /v1/actions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {AGENT_TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{submit}",
@@ -324,12 +311,12 @@ fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerpr
                 == 2
         },
     );
-    kill(first, "SIGKILL");
+    first.kill();
     drop(agent);
     let action = the_unfinished_attempt(&db).action;
 
     restart_until_audited(
-        (&policy_file, &db, port),
+        (&policy_file, &db),
         action,
         "escalated",
         "the escalation after the restart",

@@ -17,6 +17,8 @@ use backstop_gateway::{
 };
 use serde_json::json;
 
+use crate::common::listening::refusing_port;
+
 const AGENT: &str = "agent-token-scopes";
 const OPERATOR: &str = "operator-token-scopes";
 
@@ -210,6 +212,9 @@ fn operator_token_variable_is_used_when_backstop_token_is_unset() {
 #[test]
 fn errors_are_one_line_and_exit_2() {
     let g = gateway();
+    let (_held, port) = refusing_port();
+    let unreachable = format!("http://127.0.0.1:{port}");
+    let cannot_reach = format!("cannot reach the gateway at {unreachable}");
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["scopes", "--url", &g.url],
@@ -224,8 +229,8 @@ fn errors_are_one_line_and_exit_2() {
             "only http:// URLs",
         ),
         (
-            vec!["scopes", "--url", "http://127.0.0.1:9", "--token", AGENT],
-            "cannot reach the gateway at http://127.0.0.1:9",
+            vec!["scopes", "--url", &unreachable, "--token", AGENT],
+            &cannot_reach,
         ),
     ];
     for (args, expected) in cases {

@@ -1,5 +1,8 @@
 //! Shared fixtures for the command-line integration tests: gateway databases populated through
-//! the store API at fixed instants (tests never read the clock).
+//! the store API at fixed instants (tests never read the clock), and loopback ports taken
+//! without a race ([`listening`]).
+
+pub mod listening;
 
 use backstop_store::{
     ActionId, Admission, NewAction, NewTask, PayloadDigest, Priority, RouteTemplate, SqliteStore,
