@@ -29,7 +29,8 @@
 //!
 //! `Prefer: respond-async` (RFC 7240 §4.1) answers `202 Accepted` with
 //! `Location: /v1/actions/{id}` at once and runs the action in the background (see
-//! [`crate::actions_api`]). `Prefer: wait=N` caps the total waiting of the action; `wait=0`
+//! [`crate::actions_api`]) — only when something runs for the request: a same-key resend that
+//! runs nothing (a replay) is answered as without the preference. `Prefer: wait=N` caps the total waiting of the action; `wait=0`
 //! still sends an attempt that needs no waiting.
 //! 7. Answers with the engine's [`Execution`]: the provider's response (hop-by-hop headers
 //!    removed, the body streamed through unbuffered — SSE arrives as produced), or a problem for
@@ -62,6 +63,7 @@ use sha2::{Digest, Sha256};
 use crate::{
     action::{ActionReceipt, ActionSpec, Execution},
     auth::{AuthError, Role},
+    engine::Submitted,
     problem::Problem,
     server::AppState,
     transport::AttemptRequest,
@@ -1095,23 +1097,30 @@ fn encoded_slash_keeps_the_route(
 
 /// `Prefer: respond-async`: starts the action in the background and answers `202 Accepted`
 /// with `Location: /v1/actions/{id}` and `Preference-Applied: respond-async` (RFC 7240 §3), the
-/// JSON body `{id, task, state: "accepted", location}`. A refusal before the action was recorded
-/// is answered as without the preference.
+/// JSON body `{id, task, state, location}` and the receipt headers. `state` is `accepted` when
+/// this request runs the action — a new one, or one recorded before under its key that it takes
+/// over (a write reopened, or recorded and never sent), whose earlier attempts
+/// `Backstop-Attempts` counts — and `joined` when it joined the action already running under
+/// its key (nothing new runs; that action's outcome is its outcome). `task` is the action's own
+/// task. A request that runs nothing is answered as without the preference: a refusal before
+/// the action was recorded, and every other answer about the action found under its key — a
+/// finished action's outcome replayed (a `429` with the `Retry-After` left before the instant
+/// its answer named), a write the SPEC §6 rule settled or escalated, `409` for an action
+/// unfinished but not running.
 pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response {
     let Some(engine) = state.executor.engine() else {
         return refusal(Problem::not_supported("`Prefer: respond-async`"));
     };
     let task_id = spec.task_id.clone();
     let single = spec.single_attempt;
-    let agent_key = spec.idempotency_key.clone();
-    let is_write = !is_safe(&spec.request.method);
     match engine.submit(spec).await {
-        Ok(id) => {
+        Ok(Submitted { receipt, joined }) => {
+            let id = receipt.action_id;
             let location = format!("/v1/actions/{id}");
             let body = serde_json::json!({
                 "id": id,
-                "task": task_id,
-                "state": "accepted",
+                "task": receipt.task.as_deref().unwrap_or(&task_id),
+                "state": if joined { "joined" } else { "accepted" },
                 "location": location,
             });
             let mut response = (StatusCode::ACCEPTED, axum::Json(body)).into_response();
@@ -1123,23 +1132,6 @@ pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response
                 "preference-applied",
                 HeaderValue::from_static("respond-async"),
             );
-            let key = match (is_write, agent_key) {
-                (false, _) => None,
-                (true, Some(key)) => Some(key),
-                (true, None) => engine
-                    .action_view(id)
-                    .await
-                    .ok()
-                    .flatten()
-                    .map(|(record, _)| record.idempotency_key),
-            };
-            let receipt = ActionReceipt {
-                action_id: id,
-                attempts: 0,
-                idempotency_key: key,
-                provider_operation_id: None,
-                task: None,
-            };
             receipt_headers(&mut response, &receipt, &task_id, single);
             response
         }

@@ -117,9 +117,10 @@ const RESTARTED_BEFORE_RESULT: &str = "the gateway restarted before the result w
 pub const RESTARTED_BEFORE_READ_SENT: &str =
     "the gateway stopped before this read was sent; nothing was sent and the caller's request is gone — resubmit";
 
+use actions::Notify;
 pub use actions::{
-    Completion, DecisionApplied, KeptResponse, LookupAnswer, DECISION_WAIT, KEPT_ACTIONS,
-    KEPT_BODY_LIMIT,
+    Completion, DecisionApplied, KeptResponse, LookupAnswer, Submitted, DECISION_WAIT,
+    KEPT_ACTIONS, KEPT_BODY_LIMIT,
 };
 
 /// Most requests of escalated writes held in memory for operator decisions (`retry_same_key`,
@@ -1236,15 +1237,16 @@ impl Engine {
         self.execute_notifying(&spec, None).await
     }
 
-    /// [`Engine::execute`], telling `notify` the action id as soon as the action is recorded
-    /// (or found under the agent's key).
+    /// [`Engine::execute`], telling `notify` as soon as this request runs an action — recorded
+    /// new, or recorded before under the agent's key and taken over — or joined the one running
+    /// under its key; a request answered otherwise (a replay, a refusal) leaves it untold.
     ///
     /// The action's spec is borrowed all the way down: each async fn that took it by value
     /// would keep a copy of its own (672 bytes) in the future every action holds while it waits.
     pub(crate) async fn execute_notifying(
         &self,
         spec: &ActionSpec,
-        notify: Option<oneshot::Sender<i64>>,
+        notify: Option<&Notify>,
     ) -> Execution {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
             // Nothing is recorded: the answer names the task and, for a write, the key in
@@ -1317,7 +1319,7 @@ impl Engine {
         &self,
         spec: &ActionSpec,
         read_guard: Option<LeaderGuard>,
-        notify: Option<oneshot::Sender<i64>>,
+        notify: Option<&Notify>,
     ) -> Execution {
         let (execution, action_guard) = self.run(spec, notify).await;
         let senders: Vec<_> = [read_guard, action_guard]
@@ -1390,7 +1392,7 @@ impl Engine {
     async fn run(
         &self,
         spec: &ActionSpec,
-        notify: Option<oneshot::Sender<i64>>,
+        notify: Option<&Notify>,
     ) -> (Execution, Option<LeaderGuard>) {
         let inner = &self.inner;
         let route = &spec.route;
@@ -1626,14 +1628,13 @@ impl Engine {
                 // is due (see `resend`): reopened and taken over here, or answered.
                 let taken = match taken {
                     None if is_write && record.state == ActionState::Finished => {
-                        match Box::pin(self.take_finished(spec, &request, &key, &record)).await {
+                        match Box::pin(self.take_finished(spec, &request, &key, &record, notify))
+                            .await
+                        {
                             resend::Taken::Send(guard) => Some(guard),
-                            resend::Taken::Answer(execution, guard) => {
-                                if let Some(tx) = notify {
-                                    let _ = tx.send(record.id.0);
-                                }
-                                return (execution, guard);
-                            }
+                            // Nothing runs for this request (unless it joined the resend that
+                            // reopened the action, which told `notify` so).
+                            resend::Taken::Answer(execution, guard) => return (execution, guard),
                             resend::Taken::Replay => None,
                         }
                     }
@@ -1713,9 +1714,6 @@ impl Engine {
                             )
                             .await
                             {
-                                if let Some(tx) = notify {
-                                    let _ = tx.send(record.id.0);
-                                }
                                 return (answer, Some(guard));
                             }
                         }
@@ -1734,10 +1732,7 @@ impl Engine {
                         (record.id, Some(guard), earlier)
                     }
                     None => {
-                        if let Some(tx) = notify {
-                            let _ = tx.send(record.id.0);
-                        }
-                        return (Box::pin(self.existing(*record)).await, None);
+                        return (Box::pin(self.existing(*record, notify)).await, None);
                     }
                 }
             }
@@ -1749,8 +1744,15 @@ impl Engine {
                 return (self.refused_by_store(e, spec, key, None), None);
             }
         };
-        if let Some(tx) = notify {
-            let _ = tx.send(id.0);
+        if let Some(notify) = notify {
+            let receipt = ActionReceipt {
+                action_id: id.0,
+                attempts: earlier.sent,
+                idempotency_key: is_write.then(|| key.clone()),
+                provider_operation_id: None,
+                task: own_task.clone(),
+            };
+            notify.runs(receipt, false);
         }
         let mut guard = ActionGuard {
             inner: inner.clone(),
@@ -3552,7 +3554,7 @@ impl Engine {
     }
 
     /// The agent reused an idempotency key with the same payload: replay, join, or refuse.
-    async fn existing(&self, record: ActionRecord) -> Execution {
+    async fn existing(&self, record: ActionRecord, notify: Option<&Notify>) -> Execution {
         let inner = &self.inner;
         let id = record.id;
         let stored_attempts = inner
@@ -3607,6 +3609,9 @@ impl Engine {
                 action = id.0,
                 "layered retry joined to the action in flight"
             );
+            if let Some(notify) = notify {
+                notify.runs(receipt.clone(), true);
+            }
             if let Ok(shared) = rx.recv().await {
                 return from_shared(shared);
             }

@@ -140,42 +140,104 @@ async fn keep(execution: Execution) -> Completion {
     }
 }
 
+/// What [`Engine::submit`] started for a request: the action it runs in the background, or the
+/// action already running under its idempotency key that it joined.
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    /// The action: its id, the task it belongs to when it was recorded before (a same-key
+    /// resend may name another task), the attempts it made before this request and the
+    /// idempotency key in effect for a write (the agent's, or the one minted for it).
+    pub receipt: ActionReceipt,
+    /// Whether this request joined an action already running under its key: nothing new runs
+    /// for it, and the running action's outcome is its outcome.
+    pub joined: bool,
+}
+
+/// What a background submission learns of its request: that it runs (or joined) an action, or
+/// the answer it got without either.
+pub(crate) enum Told {
+    /// The request runs an action, or joined one running.
+    Runs(Submitted),
+    /// The request was answered without a run of its own: a replayed outcome, a write the SPEC
+    /// §6 rule settled or escalated, `409` for an action unfinished but not running, a refusal.
+    Answered(Execution),
+}
+
+/// Tells a background submission ([`Engine::submit`]) that its request runs an action (or
+/// joined one running) as soon as that is known. A request answered otherwise leaves it untold,
+/// and the submission is answered as a request without `Prefer: respond-async` would be: a
+/// resend that finds its key's action and runs nothing is never told it was accepted.
+pub(crate) struct Notify(std::sync::Mutex<Option<oneshot::Sender<Told>>>);
+
+impl Notify {
+    fn new(tx: oneshot::Sender<Told>) -> Notify {
+        Notify(std::sync::Mutex::new(Some(tx)))
+    }
+
+    fn take(&self) -> Option<oneshot::Sender<Told>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+    }
+
+    /// The request runs the action of `receipt` (`joined`: it joined that action, running).
+    pub(super) fn runs(&self, receipt: ActionReceipt, joined: bool) {
+        if let Some(tx) = self.take() {
+            let _ = tx.send(Told::Runs(Submitted { receipt, joined }));
+        }
+    }
+
+    /// Hands `execution` to the submission when it was told nothing yet (`None`); gives it
+    /// back otherwise: it is the outcome of the run the submission was told of.
+    fn answer(&self, execution: Execution) -> Option<Execution> {
+        match self.take() {
+            Some(tx) => {
+                let _ = tx.send(Told::Answered(execution));
+                None
+            }
+            None => Some(execution),
+        }
+    }
+}
+
 impl Engine {
-    /// Starts an action in the background and returns its store id as soon as it is recorded
-    /// (or found under the agent's idempotency key). Its completion is kept for
-    /// [`Engine::completion`] within the bounds of the module docs.
+    /// Starts an action in the background and returns as soon as this request runs it — a new
+    /// action recorded, or one recorded before under the agent's key taken over (a write
+    /// reopened, or recorded and never sent) — or joined the action running under its key.
+    /// Its completion is kept for [`Engine::completion`] within the bounds of the module docs.
     ///
     /// # Errors
-    /// The [`Execution`] of an action refused before it was recorded (an invalid key, a
-    /// cancelled task, a key reused with another payload, the gateway shutting down).
-    pub async fn submit(&self, spec: ActionSpec) -> Result<i64, Execution> {
-        let (id_tx, id_rx) = oneshot::channel();
-        let (refused_tx, refused_rx) = oneshot::channel();
+    /// The [`Execution`] of a request that runs nothing, answered as without the background:
+    /// refused before it was recorded (an invalid key, a cancelled task, a key reused with
+    /// another payload, the gateway shutting down), or answered about the action found under
+    /// its key — a finished action's outcome replayed (a `429` with the `Retry-After` left
+    /// before the instant its answer named), a write the SPEC §6 rule settled or escalated,
+    /// `409` for an action unfinished but not running.
+    pub async fn submit(&self, spec: ActionSpec) -> Result<Submitted, Execution> {
+        let (tx, rx) = oneshot::channel();
         let engine = self.clone();
         tokio::spawn(async move {
-            let execution = engine.execute_notifying(&spec, Some(id_tx)).await;
-            let id = execution.receipt().action_id;
-            if id == 0 {
-                let _ = refused_tx.send(execution);
+            let notify = Notify::new(tx);
+            let execution = engine.execute_notifying(&spec, Some(&notify)).await;
+            let Some(execution) = notify.answer(execution) else {
                 return;
-            }
-            let slot = engine.inner.kept_slot(id);
+            };
+            let slot = engine.inner.kept_slot(execution.receipt().action_id);
             let completion = keep(execution).await;
             slot.send_replace(Some(Arc::new(completion)));
         });
-        match id_rx.await {
-            Ok(id) => {
+        match rx.await {
+            Ok(Told::Runs(submitted)) => {
                 // Make the slot exist before the caller can ask for it.
-                let _ = self.inner.kept_slot(id);
-                Ok(id)
+                let _ = self.inner.kept_slot(submitted.receipt.action_id);
+                Ok(submitted)
             }
-            Err(_) => match refused_rx.await {
-                Ok(execution) => Err(execution),
-                Err(_) => Err(super::unrecorded(
-                    Outcome::Cancelled,
-                    "the action ended before it was recorded".to_owned(),
-                )),
-            },
+            Ok(Told::Answered(execution)) => Err(execution),
+            Err(_) => Err(super::unrecorded(
+                Outcome::Cancelled,
+                "the action ended before it was recorded".to_owned(),
+            )),
         }
     }
 
@@ -502,11 +564,21 @@ impl Engine {
             };
         };
         match self.submit(held).await {
-            Ok(id) => {
+            Ok(submitted) => {
+                let id = submitted.receipt.action_id;
                 self.await_decided(
                     id,
                     None,
                     &format!("sent again as the same action {id} with Idempotency-Key `{key}`"),
+                )
+                .await
+            }
+            // The reopened action answered without a send (the SPEC §6 rule settled it).
+            Err(execution) if execution.receipt().action_id == action.0 => {
+                self.await_decided(
+                    action.0,
+                    None,
+                    &format!("not sent again: {}", refusal(&execution)),
                 )
                 .await
             }
@@ -555,7 +627,8 @@ impl Engine {
         }
         spec.idempotency_key = None;
         match self.submit(spec).await {
-            Ok(id) => {
+            Ok(submitted) => {
+                let id = submitted.receipt.action_id;
                 self.await_decided(
                     id,
                     Some(id),
@@ -595,7 +668,8 @@ impl Engine {
     }
 }
 
-/// One sentence on why a submitted request was refused before being recorded.
+/// One sentence on why a submitted request was answered without a run: refused before being
+/// recorded, or answered about the action found under its key.
 fn refusal(execution: &Execution) -> String {
     match execution {
         Execution::Outcome {

@@ -62,7 +62,7 @@ use backstop_core::{
 use backstop_store::{ActionRecord, ActionState, AttemptRecord, EscalationId, EscalationRecord};
 use jiff::Timestamp;
 
-use super::{core_outcome, from_shared, is_store_failure, writes, Engine, HELD_REQUESTS};
+use super::{core_outcome, from_shared, is_store_failure, writes, Engine, Notify, HELD_REQUESTS};
 use crate::{
     action::{ActionReceipt, ActionSpec, Execution},
     coalesce::{FlightKey, LeaderGuard, Role},
@@ -241,13 +241,15 @@ pub(super) enum Taken {
 impl Engine {
     /// A same-key, same-payload resend (`spec`, its prepared `request` and agent `key`) of the
     /// finished write `record`: replayed, answered, or reopened and taken over (see the module
-    /// docs).
+    /// docs). `notify` (a background submission) is told when the resend joins the one that
+    /// reopened the action; every other answer leaves it untold.
     pub(super) async fn take_finished(
         &self,
         spec: &ActionSpec,
         request: &AttemptRequest,
         key: &str,
         record: &ActionRecord,
+        notify: Option<&Notify>,
     ) -> Taken {
         if !may_follow(record) || record.key().is_none() {
             return Taken::Replay;
@@ -268,13 +270,13 @@ impl Engine {
                     Ok(Some(fresh))
                         if fresh.state != record.state || fresh.outcome != record.outcome =>
                     {
-                        Taken::Answer(Box::pin(self.existing(fresh)).await, None)
+                        Taken::Answer(Box::pin(self.existing(fresh, notify)).await, None)
                     }
                     _ => Taken::Replay,
                 };
             }
             Verdict::ReplayClosed => {
-                let replayed = Box::pin(self.existing(record.clone())).await;
+                let replayed = Box::pin(self.existing(record.clone(), None)).await;
                 return Taken::Answer(without_wait(replayed), None);
             }
             Verdict::Reopen { .. } => {}
@@ -288,10 +290,13 @@ impl Engine {
                     action = id.0,
                     "same-key resend joined to the resend that reopened the action"
                 );
+                if let Some(notify) = notify {
+                    notify.runs(Self::stored_receipt(record, &attempts), true);
+                }
                 if let Ok(shared) = rx.recv().await {
                     return Taken::Answer(from_shared(shared), None);
                 }
-                return self.answer_as_stored(id).await;
+                return self.answer_as_stored(id, notify).await;
             }
         };
         // Leading: nothing else of this process reopens the action now. Judge afresh.
@@ -301,7 +306,7 @@ impl Engine {
         };
         if fresh.state != ActionState::Finished {
             drop(guard);
-            return Taken::Answer(Box::pin(self.existing(fresh)).await, None);
+            return Taken::Answer(Box::pin(self.existing(fresh, notify)).await, None);
         }
         let Ok((attempts, escalations)) = self.resend_facts(&fresh, spec).await else {
             return Taken::Replay;
@@ -313,10 +318,10 @@ impl Engine {
                 escalation,
             } => (advised, escalation),
             Verdict::Replay => {
-                return Taken::Answer(Box::pin(self.existing(fresh)).await, Some(guard));
+                return Taken::Answer(Box::pin(self.existing(fresh, None)).await, Some(guard));
             }
             Verdict::ReplayClosed => {
-                let replayed = Box::pin(self.existing(fresh)).await;
+                let replayed = Box::pin(self.existing(fresh, None)).await;
                 return Taken::Answer(without_wait(replayed), Some(guard));
             }
         };
@@ -399,10 +404,15 @@ impl Engine {
         Ok((attempts, scope))
     }
 
-    /// The answer for action `id` as the store has it now (replayed, joined or `409`).
-    async fn answer_as_stored(&self, id: backstop_store::ActionId) -> Taken {
+    /// The answer for action `id` as the store has it now (replayed, joined or `409`);
+    /// `notify` is told of a join.
+    async fn answer_as_stored(
+        &self,
+        id: backstop_store::ActionId,
+        notify: Option<&Notify>,
+    ) -> Taken {
         match self.inner.blocking(move |s| s.action(id)).await {
-            Ok(Some(record)) => Taken::Answer(Box::pin(self.existing(record)).await, None),
+            Ok(Some(record)) => Taken::Answer(Box::pin(self.existing(record, notify)).await, None),
             _ => Taken::Replay,
         }
     }
@@ -451,7 +461,7 @@ impl Engine {
                     Ok(Some(stored)) => stored,
                     _ => record.clone(),
                 };
-                Err(without_wait(Box::pin(self.existing(stored)).await))
+                Err(without_wait(Box::pin(self.existing(stored, None)).await))
             }
         }
     }

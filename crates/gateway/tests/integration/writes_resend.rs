@@ -13,7 +13,12 @@ use backstop_core::{
     reconcile::upstream_idempotency_key,
 };
 use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
-use backstop_gateway::{action::ActionSpec, action::Execution, engine::Engine, problem::Problem};
+use backstop_gateway::{
+    action::ActionSpec,
+    action::Execution,
+    engine::{Engine, Submitted},
+    problem::Problem,
+};
 use backstop_store::{ActionId, Store, ACTION_REOPENED, REOPENED_BY_RESEND};
 use jiff::{SignedDuration, Timestamp};
 use serde_json::json;
@@ -518,6 +523,139 @@ async fn a_reopened_uncertain_write_whose_caller_leaves_before_the_send_is_recon
     throttled.abort();
 }
 
+/// `engine.submit(spec)` run to its answer without moving virtual time: a write's record is
+/// committed by the store's writer thread, and awaiting it here would let paused time jump to
+/// the next timer (a held attempt's end, a retry's wake) meanwhile.
+async fn submitted(engine: &Engine, spec: ActionSpec) -> Result<Submitted, Execution> {
+    let engine = engine.clone();
+    let submitting = tokio::spawn(async move { engine.submit(spec).await });
+    assert!(until(|| submitting.is_finished()).await, "never answered");
+    submitting.await.unwrap()
+}
+
+/// A same-key resend asking for a background answer (`Prefer: respond-async`, which the door
+/// hands to `Engine::submit`) before the instant its answer advised runs nothing, so it is never
+/// told it was accepted: it gets the replay a resend without the preference gets (`429` with the
+/// `Retry-After` left). From the instant on it reopens the write and runs it in the background,
+/// sent once more; after that, the success is replayed and nothing runs.
+#[tokio::test(start_paused = true)]
+async fn a_background_resend_runs_nothing_before_the_advised_instant_and_the_write_from_it_on() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(429, &[("retry-after", "11")], ""),
+            answer(201, &[], r#"{"id":"tr_1"}"#),
+        ],
+    );
+    let first = h.engine.execute(transfer(&h, "k-async")).await;
+    let id = first.receipt().action_id;
+    assert_eq!(summary(&first), "budget_exhausted");
+
+    advance(Duration::from_secs(5)).await;
+    let early = submitted(&h.engine, transfer(&h, "k-async"))
+        .await
+        .expect_err("nothing runs before the advised instant");
+    let (outcome, _, detail) = outcome_of(&early);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert!(detail.starts_with("replayed"), "{detail}");
+    assert_eq!(early.receipt().action_id, id);
+    let told = problem(&early, h.clock_now());
+    assert_eq!(
+        (
+            told.status.as_u16(),
+            told.retry_after_seconds,
+            told.should_retry
+        ),
+        (429, Some(6), true),
+        "as the resend without the preference is answered"
+    );
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    assert!(reopens(&h, id).is_empty());
+
+    advance(Duration::from_secs(7)).await;
+    let accepted = submitted(&h.engine, transfer(&h, "k-async"))
+        .await
+        .expect("from the advised instant on, the resend runs the write");
+    assert_eq!(accepted.receipt.action_id, id, "the same action");
+    assert!(!accepted.joined);
+    assert_eq!(accepted.receipt.attempts, 1, "its earlier attempt counts");
+    assert_eq!(accepted.receipt.task.as_deref(), Some("t"));
+    let completion = h.engine.completion(id).expect("kept for the action API");
+    assert!(until(|| completion.borrow().is_some()).await, "it ran");
+    let sent = h.transport.sent_to("/v1/transfers");
+    assert_eq!(sent.len(), 2, "sent once more: {sent:?}");
+    assert!(sent
+        .iter()
+        .all(|s| s.idempotency_key.as_deref() == Some(upstream("k-async").as_str())));
+    let record = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Succeeded));
+    assert_eq!(reopens(&h, id).len(), 1);
+
+    // Finished for good: a background resend gets the success replayed; nothing runs.
+    let again = submitted(&h.engine, transfer(&h, "k-async"))
+        .await
+        .expect_err("a replay runs nothing");
+    assert_eq!(response_of(&again), (201, true));
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 2);
+}
+
+/// A background resend of a write still running joins it (told so: nothing new runs) and gets
+/// its outcome; one of a write unfinished but not running (its retry waits across a restart)
+/// runs nothing and is answered `409 idempotency_key_in_flight`, as without the preference.
+#[tokio::test(start_paused = true)]
+async fn a_background_resend_joins_a_running_write_and_is_refused_for_one_not_running() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![Step::Status {
+            status: 201,
+            headers: Vec::new(),
+            body: r#"{"id":"tr_5"}"#,
+            hold: Duration::from_secs(5),
+        }],
+    );
+    let mut spec = transfer(&h, "k-running");
+    spec.max_wait = None;
+    let running = h.spawn(spec);
+    assert!(until(|| h.transport.sent_to("/v1/transfers").len() == 1).await);
+    let joined = submitted(&h.engine, transfer(&h, "k-running"))
+        .await
+        .expect("joined to the running write");
+    assert!(joined.joined, "nothing new runs for it");
+    let id = joined.receipt.action_id;
+    advance(Duration::from_secs(6)).await;
+    let first = running.await.unwrap();
+    assert_eq!(summary(&first), "201");
+    assert_eq!(first.receipt().action_id, id);
+    let completion = h.engine.completion(id).expect("kept");
+    assert!(until(|| completion.borrow().is_some()).await);
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1, "one send");
+
+    // A write whose retry waits across a restart: unfinished, and nothing runs it.
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(503, &[("retry-after", "30")], "")],
+    );
+    let mut waiting = transfer(&h, "k-waiting");
+    waiting.max_wait = None;
+    let waiting = h.spawn(waiting);
+    assert!(until(|| h.transport.sent_to("/v1/transfers").len() == 2).await);
+    advance(Duration::from_millis(100)).await;
+    h.engine.shutdown().await;
+    assert_eq!(summary(&waiting.await.unwrap()), "503");
+    let engine = h.restarted(9);
+    let refused = submitted(&engine, transfer(&h, "k-waiting"))
+        .await
+        .expect_err("nothing runs it");
+    assert!(
+        matches!(refused, Execution::InFlight { .. }),
+        "{}",
+        summary(&refused)
+    );
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 2);
+}
+
 // ---- over loopback, counted at the fake provider ----
 
 const AGENT_TOKEN: &str = "agent-token-resend-4e1f";
@@ -640,6 +778,75 @@ async fn an_uncertain_write_resent_after_the_advised_delay_goes_out_under_the_sa
     .await;
     assert_eq!(status, 200, "{stored}");
     assert_eq!(stored["data"].as_array().map(Vec::len), Some(1), "{stored}");
+    gateway.shutdown().await.expect("shutdown");
+    fake.shutdown().await;
+}
+
+/// Over loopback, as an SDK asking for background answers does: a respond-async resend before
+/// the advised instant is answered `429` with the `Retry-After` left — not `202` for a run that
+/// never comes; after it, `202` for the same action, which is sent once more (counted at the
+/// fake provider) and ends `succeeded`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_respond_async_resend_is_told_to_wait_then_accepted_and_really_sent() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let send = |prefer: &'static str| {
+        client()
+            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("X-Backstop-Task", "run-resend")
+            .header("Idempotency-Key", "tr-async-1")
+            .header("Prefer", prefer)
+            .header("content-type", "application/json")
+            .body(r#"{"amount":100}"#)
+            .send()
+    };
+
+    let first = send("wait=0").await.expect("first");
+    assert_eq!(first.status(), 429);
+    let id = support::action_id(&first);
+    let wait: u64 = first.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let early = send("wait=0, respond-async").await.expect("early");
+    assert_eq!(early.status(), 429, "{:?}", early.headers());
+    assert_eq!(early.headers()["x-should-retry"], "true");
+    assert_eq!(early.headers()["idempotent-replayed"], "true");
+    assert!(early.headers().contains_key("retry-after"));
+    assert!(!early.headers().contains_key("location"));
+    assert!(!early.headers().contains_key("preference-applied"));
+    assert_eq!(support::action_id(&early), id);
+    let (_, body) = json_of(early).await;
+    assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/transfers").len(), 1);
+
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    let accepted = send("wait=0, respond-async").await.expect("accepted");
+    assert_eq!(accepted.status(), 202);
+    assert_eq!(accepted.headers()["preference-applied"], "respond-async");
+    assert_eq!(accepted.headers()["backstop-attempts"], "1");
+    let location = format!("/v1/actions/{id}");
+    assert_eq!(accepted.headers()["location"], location.as_str());
+    assert_eq!(support::action_id(&accepted), id);
+    let (_, body) = json_of(accepted).await;
+    assert_eq!(body["state"], "accepted", "{body}");
+    assert_eq!(body["id"], id);
+
+    let (status, view) = support::action_view(&gateway, AGENT_TOKEN, id, Some("10s")).await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["outcome"], "succeeded", "{view}");
+    assert_eq!(view["attempts"], 2, "{view}");
+    let attempts = fake.attempts();
+    let creates = on_route(&attempts, "POST", "/v1/transfers");
+    assert_eq!(creates.len(), 2, "sent once more: {attempts:?}");
+    let key = upstream_idempotency_key("test-agent", "tr-async-1");
+    assert!(creates
+        .iter()
+        .all(|c| c.idempotency_key.as_deref() == Some(key.as_str())));
     gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;
 }
