@@ -141,6 +141,7 @@ fn probe_request() -> AcquireRequest {
         budget: ActionBudget::new(CLASS, None),
         not_before: None,
         route: "GET /v1/items/{id}".to_owned(),
+        reconciliation: false,
     }
 }
 
@@ -303,6 +304,7 @@ async fn run(n: u64, mode: Mode) -> Result<Report, String> {
                 budget: ActionBudget::new(CLASS, None),
                 not_before: Some(due),
                 route: "GET /v1/items/{id}".to_owned(),
+                reconciliation: false,
             };
             if let Acquired::Go { permit, .. } = scheduler.acquire(request).await {
                 let now = record.clock.now();

@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | `POST /v1/actions` | agent | `202`, `Location: /v1/actions/{id}`, `{id, task, state: "accepted" \| "joined", location}` when the request runs an action or joined the one running under its key; otherwise the answer of the same proxied call (see `door::submit_async`) |
 //! | `GET /v1/actions/{id}[?wait=30s]` | owning agent, operator | `200` [`action_view`] plus `response` (a kept provider response) or `detail` (a gateway-made outcome); `Backstop-Action-Id`, `Backstop-Attempts` |
-//! | `POST /v1/tasks/{id}/cancel` | owning agent, operator | `200 {task_id, actions_cancelled, retries_dropped, waiting_dropped}` |
+//! | `POST /v1/tasks/{id}/cancel` | owning agent, operator | `200 {task_id, actions_cancelled, retries_dropped, waiting_dropped, reconciling}` (see [`crate::engine::TaskCancelled`]) |
 //!
 //! `POST /v1/actions` takes JSON `{provider, method, path (with query), headers (object of
 //! strings), body (text) | body_base64, task, priority, deadline (RFC 3339), max_wait_seconds,

@@ -88,6 +88,7 @@ use crate::{
 pub use crate::scheduler::ScopeView;
 
 mod actions;
+mod cancelled;
 mod quota_escalations;
 mod resend;
 mod takeover;
@@ -161,6 +162,20 @@ pub struct TaskCancelled {
     pub retries_dropped: u64,
     /// Actions taken out of the scheduler's delayed queue.
     pub waiting_dropped: u64,
+    /// The task's writes not cancelled because an attempt of theirs is unsettled (the provider
+    /// may have acted on it): each is reconciled with its original key instead, found →
+    /// `succeeded`, otherwise `escalated`; nothing is sent for it.
+    pub reconciling: Vec<Reconciling>,
+}
+
+/// A write of a cancelled task that is reconciled, not cancelled (see [`TaskCancelled`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Reconciling {
+    /// The write's action id.
+    pub action_id: i64,
+    /// Its attempt that was sent and never answered (`uncertain`), which no later answer under
+    /// the same key settled.
+    pub uncertain_attempt: u32,
 }
 
 /// The gateway's executor and scheduler: a cheap, cloneable handle.
@@ -194,6 +209,9 @@ struct Inner {
     /// run: no action records anything before, so an attempt of this run is never mistaken
     /// for one the restart interrupted.
     recovery_listed: tokio::sync::watch::Sender<bool>,
+    /// Writes of cancelled tasks being reconciled, by action id: one closer at a time (see
+    /// [`cancelled`]).
+    closing: Mutex<HashSet<i64>>,
     /// Writes recorded and never sent, by action id: those the previous run left (see
     /// [`Store::unsent_writes`], listed with the unfinished attempts, before any action of this
     /// run), and those of this run whose first send the store could not record. The agent's
@@ -1013,6 +1031,7 @@ impl Engine {
             shutting_down: AtomicBool::new(false),
             recovery_listed: tokio::sync::watch::Sender::new(false),
             unsent: Mutex::new(HashSet::new()),
+            closing: Mutex::new(HashSet::new()),
             credentials: Mutex::new(credentials),
             held: Mutex::new(HashMap::new()),
             kept: Mutex::new(actions::Kept::default()),
@@ -1140,8 +1159,12 @@ impl Engine {
 
     /// Cancels the task `task_id` of `agent` (SPEC §4.3): its delayed actions are dropped
     /// before they wake, their slots and delayed counts freed, every unfinished action ends
-    /// `cancelled` (audited) and no action of the task sends again. Task ids are namespaced per
-    /// agent: another agent's task with the same id is neither touched nor revealed.
+    /// `cancelled` (audited) and no action of the task sends again — but a write with an
+    /// unsettled attempt (the provider may have acted on it), which is reconciled with its
+    /// original key instead (found → `succeeded`, otherwise `escalated`; nothing is sent) and
+    /// listed in [`TaskCancelled::reconciling`].
+    /// Task ids are namespaced per agent: another agent's task with the same id is neither
+    /// touched nor revealed.
     ///
     /// # Errors
     /// [`EngineError::UnknownTask`] when `agent` has no such task (whether or not another agent
@@ -1192,6 +1215,7 @@ impl Engine {
             actions_cancelled: 0,
             retries_dropped: 0,
             waiting_dropped: 0,
+            reconciling: Vec::new(),
         };
         for owner in owners {
             let waiting_dropped = inner.scheduler.cancel_task(&owner, task_id).await;
@@ -1216,11 +1240,27 @@ impl Engine {
                 actions = report.actions_cancelled,
                 retries = report.retries_dropped,
                 waiting = waiting_dropped,
+                reconciling = report.unsettled.len(),
                 "task cancelled"
             );
             total.actions_cancelled += report.actions_cancelled;
             total.retries_dropped += report.retries_dropped;
             total.waiting_dropped += waiting_dropped;
+            for unsettled in report.unsettled {
+                tracing::info!(
+                    task = %task_id,
+                    agent = %owner,
+                    action = unsettled.action.0,
+                    uncertain_attempt = unsettled.attempt,
+                    "task cancelled: the write's attempt may have been acted on, so it is reconciled with its original key, not cancelled"
+                );
+                total.reconciling.push(Reconciling {
+                    action_id: unsettled.action.0,
+                    uncertain_attempt: unsettled.attempt,
+                });
+                let closer = inner.clone();
+                tokio::spawn(async move { closer.close_cancelled_write(unsettled.action).await });
+            }
         }
         Ok(total)
     }
@@ -1875,6 +1915,7 @@ impl Engine {
                     budget,
                     not_before,
                     route: route.template.clone(),
+                    reconciliation: false,
                 })
                 .await;
             let permit = match acquired {
@@ -1910,6 +1951,17 @@ impl Engine {
                         Outcome::Cancelled => vec![NextSafe::Abort],
                         _ => wait_then_abort(boundary.max(not_before)),
                     };
+                    if outcome == Outcome::Cancelled
+                        && seen.unsettled
+                        && !is_safe_method(&run.request.method)
+                    {
+                        // The cancellation reconciles it: the store lists it, as it does every
+                        // write with an unsettled attempt not in flight.
+                        return Box::pin(
+                            self.cancelled_while_unsettled(run, &budget, &seen, false),
+                        )
+                        .await;
+                    }
                     let context = self.context(&budget, &seen, boundary, next_safe);
                     if outcome == Outcome::Cancelled {
                         // The scheduler refuses only for a cancelled task, and the task's
@@ -1992,6 +2044,15 @@ impl Engine {
                         }
                         let receipt = run.receipt(seen.sent);
                         return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
+                    }
+                    if seen.unsettled && !is_safe_method(&run.request.method) {
+                        // Its task was cancelled while it waited (the store refuses a send for
+                        // nothing else of an open action), and the cancellation, which the store
+                        // listed it to, reconciles it: never `cancelled`.
+                        return Box::pin(
+                            self.cancelled_while_unsettled(run, &budget, &seen, false),
+                        )
+                        .await;
                     }
                     let detail = match &e {
                         EngineError::Store(StoreError::InvalidTransition { reason, .. }) => {
@@ -2593,6 +2654,15 @@ impl Engine {
                             self.close_unrecorded_retry(run, &budget, &seen, step);
                             let receipt = run.receipt(seen.sent);
                             return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
+                        }
+                        if seen.unsettled && !is_safe_method(&run.request.method) {
+                            // Its task was cancelled while this attempt was out (the store
+                            // refuses a retry of an open action for nothing else): reconciled,
+                            // never `cancelled`.
+                            return Box::pin(
+                                self.cancelled_while_unsettled(run, &budget, &seen, true),
+                            )
+                            .await;
                         }
                         tracing::warn!(action = run.id.0, error = %e, "the retry could not be scheduled");
                         let context =

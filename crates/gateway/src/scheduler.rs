@@ -154,6 +154,11 @@ pub struct AcquireRequest {
     pub not_before: Option<Timestamp>,
     /// The route template, for logs only (never a concrete path).
     pub route: String,
+    /// A reconciliation lookup (SPEC §6): a read of the provider's state for a write already
+    /// sent, not an attempt of an action. Its task's cancellation does not hold it back (a
+    /// write of a cancelled task that may have been acted on is still reconciled); scopes,
+    /// pacing and slots apply as to any request.
+    pub reconciliation: bool,
 }
 
 /// The scheduler's answer to [`SchedulerHandle::acquire`].
@@ -615,7 +620,8 @@ impl SchedulerHandle {
         if due
             || !state.slot_waiters.is_empty()
             || request.not_before.is_some_and(|at| at > now)
-            || is_cancelled(&state.cancelled_tasks, &request.agent, &request.task_id)
+            || (!request.reconciliation
+                && is_cancelled(&state.cancelled_tasks, &request.agent, &request.task_id))
         {
             return None;
         }
@@ -847,6 +853,8 @@ struct Waiter {
     queued: bool,
     /// In the wake queue under `(wake, order)`.
     timed: bool,
+    /// A reconciliation lookup, which its task's cancellation does not hold back.
+    reconciliation: bool,
 }
 
 /// A task: `(agent, task id)`.
@@ -1335,7 +1343,7 @@ impl State {
                 let slots: Vec<u32> = self
                     .slots
                     .iter()
-                    .filter(|(_, w)| Arc::ptr_eq(&w.task, &task))
+                    .filter(|(_, w)| Arc::ptr_eq(&w.task, &task) && !w.reconciliation)
                     .map(|(slot, _)| slot)
                     .collect();
                 let mut dropped = 0;
@@ -1492,6 +1500,7 @@ impl State {
             delayed: false,
             queued: planned.is_none(),
             timed: planned.is_some(),
+            reconciliation: request.reconciliation,
         };
         match planned {
             Some(at) => {
@@ -1643,7 +1652,8 @@ impl State {
                 return;
             }
         }
-        let cancelled = is_cancelled(&self.cancelled_tasks, &waiter.task.0, &waiter.task.1);
+        let cancelled = !waiter.reconciliation
+            && is_cancelled(&self.cancelled_tasks, &waiter.task.0, &waiter.task.1);
         let request = AdmitRequest {
             cancelled,
             priority: waiter.priority,
@@ -1924,6 +1934,7 @@ providers:
             budget: ActionBudget::new(class(), None),
             not_before,
             route: "GET /v1/items/{id}".to_owned(),
+            reconciliation: false,
         }
     }
 
@@ -2190,6 +2201,7 @@ providers:
             delayed: false,
             queued: false,
             timed: false,
+            reconciliation: false,
         };
         let mut slots = vec![slab.insert(waiter(0, reply))];
         for ticket in 1..(SLAB_CHUNK as u64 + 1) {

@@ -548,10 +548,127 @@ pub struct EscalationRecord {
 }
 
 /// What [`crate::Store::cancel_task`] changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CancelReport {
     /// Actions that ended with `cancelled`.
     pub actions_cancelled: u64,
     /// Scheduled retries dropped before they woke.
     pub retries_dropped: u64,
+    /// Writes of the task left open, not `cancelled`, because an attempt of theirs is
+    /// unsettled: the provider may have acted on it, so the caller reconciles them with their
+    /// original key (SPEC §6), in id order.
+    pub unsettled: Vec<UnsettledWrite>,
+}
+
+/// A write that may have been acted on at the provider and that nothing has settled: what a
+/// close must reconcile rather than end `cancelled` (SPEC §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnsettledWrite {
+    /// The write.
+    pub action: ActionId,
+    /// Its latest `uncertain` attempt (sent, no answer known), which no later answer under the
+    /// same key settled (see [`unsettled_attempt`]).
+    pub attempt: u32,
+}
+
+impl Disposition {
+    /// Whether a write may have been acted on and nothing has settled it, after one more
+    /// attempt ended with this disposition, given whether it was so before (`unsettled`).
+    ///
+    /// An `uncertain` attempt leaves the write unsettled: the provider may have acted on it.
+    /// Only a definite answer to a later attempt under the same key settles it — `success` (the
+    /// provider did it, once: a provider that honours the key answers a resend with the first
+    /// request's result) or `rejected` (the request as such is refused). A `429`, a `5xx`, a
+    /// `409` (a key whose first request is still being processed) or a `not_sent` says nothing
+    /// about the earlier attempt: the write stays unsettled, so it is reconciled, never closed
+    /// as if nothing had happened (SPEC §6), even when the last attempt's own answer was
+    /// definite.
+    pub fn leaves_unsettled(self, unsettled: bool) -> bool {
+        match self {
+            Disposition::Uncertain => true,
+            Disposition::Success | Disposition::Rejected => false,
+            _ => unsettled,
+        }
+    }
+}
+
+/// The number of the attempt that leaves a write unsettled ([`Disposition::leaves_unsettled`]
+/// over its `attempts`, oldest first): its latest `uncertain` one, when no later answer settled
+/// it; `None` when nothing is unsettled. An attempt sent without a result counts as
+/// `uncertain` (SPEC §12).
+pub fn unsettled_attempt(attempts: &[AttemptRecord]) -> Option<u32> {
+    attempts.iter().fold(None, |unsettled, a| {
+        let disposition = a.disposition.unwrap_or(Disposition::Uncertain);
+        if disposition == Disposition::Uncertain {
+            Some(a.n)
+        } else if disposition.leaves_unsettled(unsettled.is_some()) {
+            unsettled
+        } else {
+            None
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attempts(dispositions: &[Option<Disposition>]) -> Vec<AttemptRecord> {
+        let at: Timestamp = "2026-01-01T00:00:00Z".parse().expect("instant");
+        dispositions
+            .iter()
+            .zip(1..)
+            .map(|(disposition, n)| AttemptRecord {
+                action: ActionId(1),
+                n,
+                state: if disposition.is_some() {
+                    AttemptState::Finished
+                } else {
+                    AttemptState::Sent
+                },
+                status: None,
+                disposition: *disposition,
+                started_at: at,
+                finished_at: disposition.map(|_| at),
+                boundary: None,
+                signal_headers: Vec::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_unsettled_attempt_is_the_latest_uncertain_one_no_definite_answer_followed() {
+        use Disposition::*;
+        assert_eq!(unsettled_attempt(&attempts(&[])), None);
+        assert_eq!(unsettled_attempt(&attempts(&[Some(Transient)])), None);
+        assert_eq!(unsettled_attempt(&attempts(&[Some(Uncertain)])), Some(1));
+        // Answers that say nothing of it leave it open, naming the uncertain attempt.
+        assert_eq!(
+            unsettled_attempt(&attempts(&[
+                Some(Uncertain),
+                Some(RateLimited),
+                Some(Unavailable)
+            ])),
+            Some(1)
+        );
+        // Sent without a result counts as uncertain.
+        assert_eq!(
+            unsettled_attempt(&attempts(&[Some(Transient), None])),
+            Some(2)
+        );
+        // A success or a rejection settles it, until the next uncertain one.
+        assert_eq!(
+            unsettled_attempt(&attempts(&[Some(Uncertain), Some(Rejected)])),
+            None
+        );
+        assert_eq!(
+            unsettled_attempt(&attempts(&[
+                Some(Uncertain),
+                Some(Success),
+                Some(Uncertain),
+                Some(Conflict)
+            ])),
+            Some(3)
+        );
+    }
 }

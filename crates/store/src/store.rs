@@ -425,8 +425,11 @@ pub trait Store: Send + Sync {
 
     /// Cancels the task `task` of `agent` (another agent's task with the same id is left
     /// untouched): drops its unclaimed scheduled retries before they wake and ends every
-    /// unfinished action with `cancelled` (audits `cancelled` for the task and each action).
-    /// Cancelling twice changes nothing the second time.
+    /// unfinished action not in flight with `cancelled` (audits `cancelled` for the task and
+    /// each action) — but a write with an unsettled attempt ([`crate::unsettled_attempt`]: the
+    /// provider may have acted on it), which is left open between two attempts (`attempted`,
+    /// no retry) and listed in [`CancelReport::unsettled`] for the caller to reconcile with its
+    /// original key (SPEC §6). Cancelling twice changes nothing the second time.
     ///
     /// # Errors
     /// [`StoreError::NotFound`] when `agent` has no task `task`.

@@ -21,7 +21,8 @@
 //! `uncertain` and that nothing will send again ([`Closing`], the one decision for all of them):
 //! left between two attempts by the previous run, a retry re-armed after a restart, a retry whose
 //! schedule or start the store could not record (once the store commits again, see
-//! [`Inner::record_when_store_commits`]), or one whose caller disconnected. Such a write never
+//! [`Inner::record_when_store_commits`]), one whose caller disconnected, or one whose task was
+//! cancelled (see [`super::cancelled`]). Such a write never
 //! ends `cancelled`: the provider may have acted on it.
 
 use std::time::Duration;
@@ -200,6 +201,8 @@ pub(super) enum PayloadGone {
     /// The write's caller disconnected before its outcome was known, and the payload went with
     /// its request.
     CallerGone,
+    /// The write's task was cancelled: nothing of it is sent again, not even under its key.
+    TaskCancelled,
 }
 
 impl PayloadGone {
@@ -213,6 +216,9 @@ impl PayloadGone {
             PayloadGone::CallerGone => {
                 "the payload went with its caller's request, which was dropped (the client disconnected) before the write's outcome was known"
             }
+            PayloadGone::TaskCancelled => {
+                "its task was cancelled, so nothing of it is sent again, not even under its key"
+            }
         }
     }
 }
@@ -220,7 +226,8 @@ impl PayloadGone {
 /// How an action is closed when nothing more will be sent for it and no caller waits for its
 /// outcome: a retry re-armed after a restart, an action the previous run left between two
 /// attempts, a retry whose schedule or start the store could not record, an action whose caller
-/// disconnected. Every one of these paths takes this one decision (SPEC §6, §12): a write with
+/// disconnected, an action of a cancelled task (see [`super::cancelled`]). Every one of these
+/// paths takes this one decision (SPEC §6, §12): a write with
 /// an unsettled attempt — sent, no answer known, and no later answer under the same key that
 /// settles it ([`still_unsettled`]) — may have been acted on by the provider, so it is reconciled with its original key (found → `succeeded`, otherwise
 /// `escalated`), never ended `cancelled` as if nothing had happened; any other action ends
@@ -256,38 +263,17 @@ impl Closing {
 
 /// Whether a write may have been acted on and nothing has settled it, after one more attempt
 /// ended with the disposition `answer` (`uncertain`, `rate_limited`, …), given whether it was
-/// so before (`unsettled`).
-///
-/// An `uncertain` attempt leaves the write unsettled: the provider may have acted on it. Only
-/// a definite answer to a later attempt under the same key settles it — `success` (the
-/// provider did it, once: a provider that honours the key answers a resend with the first
-/// request's result) or `rejected` (the request as such is refused). A `429`, a `5xx`, a
-/// `409` (a key whose first request is still being processed) or a `not_sent` says nothing
-/// about the earlier attempt: the write stays unsettled, so it is reconciled, never closed as
-/// if nothing had happened (SPEC §6), even when the last attempt's own answer was definite.
+/// so before (`unsettled`): the store's one rule, [`StoreDisposition::leaves_unsettled`] —
+/// only a `success` or a `rejected` answer to a later attempt under the same key settles an
+/// `uncertain` one (SPEC §6).
 pub(super) fn still_unsettled(unsettled: bool, answer: &str) -> bool {
-    if answer == StoreDisposition::Uncertain.as_str() {
-        true
-    } else if answer == StoreDisposition::Success.as_str()
-        || answer == StoreDisposition::Rejected.as_str()
-    {
-        false
-    } else {
-        unsettled
-    }
+    StoreDisposition::parse(answer).map_or(unsettled, |d| d.leaves_unsettled(unsettled))
 }
 
 /// [`still_unsettled`] over stored `attempts`, oldest first (one sent without a result is
-/// `uncertain`).
+/// `uncertain`): [`backstop_store::unsettled_attempt`] names the attempt.
 pub(super) fn unsettled_in(attempts: &[AttemptRecord]) -> bool {
-    attempts.iter().fold(false, |unsettled, a| {
-        still_unsettled(
-            unsettled,
-            a.disposition
-                .unwrap_or(StoreDisposition::Uncertain)
-                .as_str(),
-        )
-    })
+    backstop_store::unsettled_attempt(attempts).is_some()
 }
 
 /// What the store could not commit for one action, recorded by
@@ -586,6 +572,7 @@ impl Inner {
                 budget,
                 not_before: None,
                 route: lookup_template(rc),
+                reconciliation: true,
             })
             .await;
         let permit = match acquired {

@@ -8,6 +8,7 @@ mod support;
 
 mod actions_api;
 mod cancelled_task_keys;
+mod cancelled_writes;
 mod door_edge;
 mod e2e_door;
 mod e2e_no_library_retry;

@@ -165,3 +165,43 @@ async fn a_reopened_uncertain_write_is_sent_again_while_the_provider_honours_the
     assert_eq!(answered.receipt().action_id, id);
     assert_eq!(h.transport.sent_to("/v1/transfers").len(), 2);
 }
+
+/// A reopened write whose earlier attempt is unsettled, left by a stop before its resend sent
+/// it: cancelling its task does not end it `cancelled` (the provider may have acted on it) but
+/// reconciles it with its original key — here, without a lookup, `escalated` — and the
+/// cancellation's answer names it with its uncertain attempt. Nothing is sent.
+#[tokio::test(start_paused = true)]
+async fn a_reopened_uncertain_write_is_escalated_not_cancelled_when_its_task_is_cancelled() {
+    let h = Harness::new();
+    let id = reopened_then_stopped(&h, "k-cancelled").await;
+    let engine = h.restarted(9);
+    let report = engine.cancel_task("t", "agent-a").await.unwrap();
+    assert_eq!(
+        report.reconciling,
+        vec![backstop_gateway::engine::Reconciling {
+            action_id: id,
+            uncertain_attempt: 1
+        }]
+    );
+    assert_eq!(report.actions_cancelled, 0, "{report:?}");
+    assert!(
+        until(|| h
+            .store
+            .action(ActionId(id))
+            .unwrap()
+            .unwrap()
+            .outcome
+            .is_some())
+        .await
+    );
+    let record = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Escalated));
+    let mut resend = transfer(&h, "k-cancelled");
+    resend.max_wait = None;
+    assert_eq!(summary(&engine.execute(resend).await), "escalated");
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "never sent again"
+    );
+}

@@ -12,9 +12,9 @@ use super::rows::{self, ms};
 use crate::audit::{format_instant, format_instant_into, AuditEvent, Chain, EventKind};
 use crate::error::{BoundRequest, StoreError};
 use crate::model::{
-    ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport, DueRetry,
-    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome, PayloadDigest,
-    RouteTemplate, ScopeRecord, ScopeUpdate,
+    unsettled_attempt, ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport,
+    DueRetry, EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome,
+    PayloadDigest, RouteTemplate, ScopeRecord, ScopeUpdate, UnsettledWrite,
 };
 use crate::store::{ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, STATUS_QUERY};
 
@@ -1348,17 +1348,34 @@ impl WriteTx<'_> {
         self.append(e)?;
         // In-flight actions keep their state: their result (or reconciliation) must still be
         // recorded, since the provider may have acted.
-        let open: Vec<i64> = {
+        let open: Vec<(i64, bool)> = {
             let mut stmt = self.conn.prepare_cached(
-                "SELECT id FROM actions WHERE agent = ?1 AND task_id = ?2 \
+                "SELECT id, COALESCE(idempotency_key, '') != '' FROM actions \
+                 WHERE agent = ?1 AND task_id = ?2 \
                  AND state IN ('requested', 'attempted', 'waiting', 'reopened') ORDER BY id",
             )?;
-            let rows = stmt.query_map(params![agent, task], |r| r.get(0))?;
+            let rows = stmt.query_map(params![agent, task], |r| Ok((r.get(0)?, r.get(1)?)))?;
             rows.collect::<Result<_, _>>()?
         };
-        for id in &open {
+        let mut actions_cancelled = 0;
+        let mut unsettled = Vec::new();
+        for (id, write) in open {
+            let id = ActionId(id);
+            // A write that may have been acted on is not ended as if nothing had happened: it
+            // stays open between two attempts, with no retry, for the caller to reconcile (and
+            // for the next start to, should the gateway stop first).
+            if write {
+                if let Some(attempt) = unsettled_attempt(&rows::attempts(self.conn, id)?) {
+                    self.set_state(id, ActionState::Attempted, at)?;
+                    unsettled.push(UnsettledWrite {
+                        action: id,
+                        attempt,
+                    });
+                    continue;
+                }
+            }
             self.finish_action(
-                ActionId(*id),
+                id,
                 Finish {
                     outcome: Outcome::Cancelled,
                     context: serde_json::json!({ "cancelled_with_task": task }),
@@ -1366,10 +1383,12 @@ impl WriteTx<'_> {
                 },
                 at,
             )?;
+            actions_cancelled += 1;
         }
         Ok(CancelReport {
-            actions_cancelled: open.len() as u64,
+            actions_cancelled,
             retries_dropped,
+            unsettled,
         })
     }
 
