@@ -359,9 +359,19 @@ struct Run<'a> {
     /// The action's task when this run took over a write recorded before (a same-key resend,
     /// which may name another task): its receipts name it. `None` for a new action.
     own_task: Option<String>,
+    /// The priority its attempts are paced with: the request's for a new action, the action's
+    /// own task's for one taken over.
+    priority: Priority,
 }
 
 impl Run<'_> {
+    /// The task the action belongs to: the request's for a new action, the action's own for a
+    /// write taken over (see [`Run::own_task`]). Its attempts are scheduled under it (its
+    /// cancellation stops them), its circuit breaker counts them, its case files name it.
+    fn task(&self) -> &str {
+        self.own_task.as_deref().unwrap_or(&self.spec.task_id)
+    }
+
     /// The receipt of this action after `attempts` attempts.
     fn receipt(&self, attempts: u32) -> ActionReceipt {
         ActionReceipt {
@@ -435,6 +445,15 @@ fn store_priority(p: Priority) -> backstop_store::Priority {
         Priority::Interactive => backstop_store::Priority::Interactive,
         Priority::Normal => backstop_store::Priority::Normal,
         Priority::Background => backstop_store::Priority::Background,
+    }
+}
+
+/// A stored task's priority as the scheduler paces with it.
+fn core_priority(p: backstop_store::Priority) -> Priority {
+    match p {
+        backstop_store::Priority::Interactive => Priority::Interactive,
+        backstop_store::Priority::Normal => Priority::Normal,
+        backstop_store::Priority::Background => Priority::Background,
     }
 }
 
@@ -1616,8 +1635,10 @@ impl Engine {
                 read_id.map(StoreAdmission::New).map_err(EngineError::Store)
             }
         };
-        // The task of an action recorded before, which this request may name differently.
+        // The task of an action recorded before, which this request may name differently, with
+        // the priority and the deadline recorded for it.
         let mut own_task = None;
+        let (mut own_priority, mut own_deadline) = (None, None);
         // What the action had done before this run: nothing, except for a write taken over by a
         // same-key resend (see below).
         let (id, action_guard, earlier) = match admission {
@@ -1699,8 +1720,8 @@ impl Engine {
                             let (inner, runtime) =
                                 (inner.clone(), tokio::runtime::Handle::current());
                             let (provider, class) = (route.provider.clone(), route.class.clone());
-                            move |attempts: Result<Vec<AttemptRecord>, StoreError>| match attempts {
-                                Ok(attempts) => {
+                            move |read: Result<(Vec<AttemptRecord>, _), StoreError>| match read {
+                                Ok((attempts, _)) => {
                                     tracing::info!(
                                         action = id.0,
                                         "client disconnected while its same-key resend took the write over, before the resend sent anything"
@@ -1723,11 +1744,17 @@ impl Engine {
                                 Err(_) => {}
                             }
                         };
-                        let stored = match inner
-                            .blocking_or_else(move |s| s.attempts(id), orphaned)
+                        // With the action's own task: its attempts are scheduled under it, not
+                        // under the task this request names.
+                        let (agent, task) = (record.agent.clone(), record.task_id.clone());
+                        let (stored, task) = match inner
+                            .blocking_or_else(
+                                move |s| Ok((s.attempts(id)?, s.task(&agent, &task)?)),
+                                orphaned,
+                            )
                             .await
                         {
-                            Ok(attempts) => attempts,
+                            Ok(read) => read,
                             Err(e) => {
                                 if never_sent {
                                     // Not taken over after all: the next resend may take it.
@@ -1743,6 +1770,10 @@ impl Engine {
                         };
                         let earlier = SoFar::of_stored(&stored);
                         own_task = Some(record.task_id.clone());
+                        if let Some(task) = task {
+                            own_priority = Some(core_priority(task.priority));
+                            own_deadline = task.deadline;
+                        }
                         // SPEC §6: an attempt that may have been acted on and that no later
                         // answer settled is sent again under its key only where the provider
                         // honours the key — now, under the policy in force: it may have lost
@@ -1816,6 +1847,7 @@ impl Engine {
             prior: earlier,
             read_records,
             own_task,
+            priority: own_priority.unwrap_or(spec.priority),
         };
 
         // The per-task circuit breaker (SPEC §7), as of `now`, read when the action was recorded.
@@ -1823,7 +1855,7 @@ impl Engine {
             .breakers
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .check(&spec.agent, &spec.task_id, &run.fingerprint, now)
+            .check(&spec.agent, run.task(), &run.fingerprint, now)
             .err();
         if let Some(open) = open {
             guard.armed = false;
@@ -1834,7 +1866,7 @@ impl Engine {
                 ..OutcomeContext::default()
             };
             tracing::info!(
-                task = %spec.task_id,
+                task = %run.task(),
                 route = %route.template,
                 error_code = %open.error_code,
                 failures = open.failures,
@@ -1865,12 +1897,18 @@ impl Engine {
         } else {
             class.max_attempts
         };
+        // The request's deadline, and for a write taken over its own task's too: nothing starts
+        // after either.
+        let deadline = match (spec.deadline, own_deadline) {
+            (Some(asked), Some(own)) => Some(asked.min(own)),
+            (asked, own) => asked.or(own),
+        };
         let budget = ActionBudget::new(
             ClassBudget {
                 max_attempts,
                 max_wait,
             },
-            spec.deadline,
+            deadline,
         );
         let execution = self.attempts(&run, budget, &mut guard).await;
         (execution, action_guard)
@@ -1908,9 +1946,9 @@ impl Engine {
             let acquired = inner
                 .scheduler
                 .acquire(AcquireRequest {
-                    task_id: spec.task_id.clone(),
+                    task_id: run.task().to_owned(),
                     agent: spec.agent.clone(),
-                    priority: spec.priority,
+                    priority: run.priority,
                     scopes: route.scopes.clone(),
                     budget,
                     not_before,
@@ -2076,7 +2114,7 @@ impl Engine {
             guard.so_far.sent = seen.sent;
             guard.so_far.in_flight = Some(attempt);
             tracing::debug!(
-                task = %spec.task_id,
+                task = %run.task(),
                 route = %route.template,
                 attempt,
                 "attempt sent"
@@ -2242,7 +2280,7 @@ impl Engine {
                         {
                             Ok(()) => None,
                             Err(e) => {
-                                tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
+                                tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                                 is_store_failure(&e).then_some(kept)
                             }
                         };
@@ -2261,7 +2299,7 @@ impl Engine {
                             })
                             .await
                         {
-                            tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the reconciliation");
+                            tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the reconciliation");
                             if is_store_failure(&e) {
                                 // The caller is told; the store is, once it commits again.
                                 inner.record_when_store_commits(writes::Deferred {
@@ -2280,7 +2318,7 @@ impl Engine {
                             .outcome(&route.provider, &route.class, Outcome::Succeeded);
                         tracing::info!(
                             action = run.id.0,
-                            task = %spec.task_id,
+                            task = %run.task(),
                             route = %route.template,
                             provider_operation_id = operation_id.as_deref().unwrap_or("-"),
                             "reconciled: the provider has the write; nothing is resent"
@@ -2323,7 +2361,7 @@ impl Engine {
                             .blocking(move |s| s.record_result(result, received_at))
                             .await
                         {
-                            tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
+                            tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                         }
                         guard.so_far.in_flight = None;
                         return Box::pin(
@@ -2528,7 +2566,7 @@ impl Engine {
                         (None, _) => format!("no retry: {}", reason.describe()),
                     };
                     tracing::info!(
-                        task = %spec.task_id,
+                        task = %run.task(),
                         route = %route.template,
                         outcome = %outcome,
                         reason = reason.describe(),
@@ -2569,7 +2607,7 @@ impl Engine {
                                 unrecorded = None;
                             }
                             result_maybe_kept = may_have_committed(&e);
-                            tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
+                            tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
                         }
                     }
                     guard.so_far.in_flight = None;
@@ -2585,7 +2623,7 @@ impl Engine {
                         Err(e) if is_safe_method(&run.request.method) => {
                             tracing::warn!(
                                 action = run.id.0,
-                                task = %spec.task_id,
+                                task = %run.task(),
                                 route = %route.template,
                                 error = %e,
                                 "a read's retry could not be recorded; it is retried from memory"
@@ -2611,7 +2649,7 @@ impl Engine {
                                 }
                                 // A read is retried from memory all the same (as above).
                                 Err(e) if is_safe_method(&run.request.method) => {
-                                    tracing::warn!(action = run.id.0, task = %spec.task_id, route = %route.template, error = %e, "a read's attempt result could not be recorded; it is retried from memory");
+                                    tracing::warn!(action = run.id.0, task = %run.task(), route = %route.template, error = %e, "a read's attempt result could not be recorded; it is retried from memory");
                                     Ok(())
                                 }
                                 Err(e) => {
@@ -2678,7 +2716,7 @@ impl Engine {
                         .await;
                     }
                     tracing::info!(
-                        task = %spec.task_id,
+                        task = %run.task(),
                         route = %route.template,
                         disposition = %signal.disposition,
                         retry_at = %at,
@@ -2832,9 +2870,9 @@ impl Engine {
         let class = self.inner.policy.request_classes.get(&route.class);
         writes::WriteFacts {
             action: run.id,
-            task_id: spec.task_id.clone(),
+            task_id: run.task().to_owned(),
             agent: spec.agent.clone(),
-            priority: spec.priority,
+            priority: run.priority,
             provider: route.provider.clone(),
             method: route.method.clone(),
             route: route.template.clone(),
@@ -2854,7 +2892,7 @@ impl Engine {
             reconcile: route.reconcile.clone(),
             max_attempts: class.map_or(1, |c| c.max_attempts),
             max_wait: class.map_or(std::time::Duration::ZERO, |c| c.max_wait),
-            deadline: spec.deadline,
+            deadline: budget.deadline(),
             wait_used_ms: wait_ms(budget),
         }
     }
@@ -3025,7 +3063,7 @@ impl Engine {
                 });
             }
             tracing::info!(
-                task = %run.spec.task_id,
+                task = %run.task(),
                 route = %route.template,
                 source = %source,
                 boundary = %boundary,
@@ -3087,7 +3125,7 @@ impl Engine {
                     .metrics
                     .outcome(&route.provider, &route.class, outcome);
                 tracing::info!(
-                    task = %run.spec.task_id,
+                    task = %run.task(),
                     route = %route.template,
                     status = seen.last_status,
                     outcome = %outcome,
@@ -3171,7 +3209,7 @@ impl Engine {
             return;
         }
         let now = inner.clock.now();
-        breakers.record_success(&run.spec.agent, &run.spec.task_id, &run.fingerprint, now);
+        breakers.record_success(&run.spec.agent, run.task(), &run.fingerprint, now);
         inner.breakers_gauge.set(gauge_value(breakers.len()));
     }
 
@@ -3185,7 +3223,7 @@ impl Engine {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             let opened = breakers.record_failure(
                 &run.spec.agent,
-                &run.spec.task_id,
+                run.task(),
                 &run.fingerprint,
                 code,
                 status,
@@ -3198,7 +3236,7 @@ impl Engine {
             let route = &run.spec.route;
             inner.metrics.breaker_opened(&route.provider);
             tracing::info!(
-                task = %run.spec.task_id,
+                task = %run.task(),
                 route = %route.template,
                 error_code = %open.error_code,
                 failures = open.failures,
@@ -3206,7 +3244,7 @@ impl Engine {
             );
             let (agent, task, provider, method) = (
                 run.spec.agent.clone(),
-                run.spec.task_id.clone(),
+                run.task().to_owned(),
                 route.provider.clone(),
                 route.method.clone(),
             );
@@ -3281,7 +3319,7 @@ impl Engine {
         };
         tracing::warn!(
             action = run.id.0,
-            task = %run.spec.task_id,
+            task = %run.task(),
             agent = %run.spec.agent,
             route = %route.template,
             attempts = seen.sent,
@@ -3329,7 +3367,7 @@ impl Engine {
                 self.outcome_not_recorded(run, Some(result), finish, e);
             }
             _ => {
-                tracing::warn!(action = run.id.0, task = %run.spec.task_id, agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result")
+                tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result")
             }
         }
     }
@@ -3350,7 +3388,7 @@ impl Engine {
         let route = &run.spec.route;
         tracing::warn!(
             action = run.id.0,
-            task = %run.spec.task_id,
+            task = %run.task(),
             agent = %run.spec.agent,
             route = %route.template,
             outcome = finish.outcome.as_str(),

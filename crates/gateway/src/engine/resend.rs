@@ -329,7 +329,7 @@ impl Engine {
         // one `uncertain`, or a `429`/`5xx` to a same-key resend after one).
         if writes::unsettled_in(&attempts) {
             // SPEC §6 before anything is sent: the rule the attempt loop follows.
-            let facts = inner.stored_facts(&fresh, Some(spec.priority)).await;
+            let facts = inner.stored_facts(&fresh, None).await;
             let Ok(end) = Box::pin(inner.reconcile_uncertain(&facts, Some(&request.headers))).await
             else {
                 // The gateway is stopping: no lookup was sent, the action stays finished as it

@@ -42,7 +42,7 @@ impl Engine {
             provider = %record.provider,
             "a reopened write with an attempt that may have been acted on is resent under its key, but the provider does not honour idempotency keys: it is reconciled first, not sent"
         );
-        let facts = inner.stored_facts(record, Some(spec.priority)).await;
+        let facts = inner.stored_facts(record, None).await;
         let Ok(end) = Box::pin(inner.reconcile_uncertain(&facts, Some(&request.headers))).await
         else {
             // The gateway is stopping: no lookup was sent, the write stays reopened.

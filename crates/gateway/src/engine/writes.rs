@@ -816,10 +816,9 @@ impl Inner {
                 Vec::new()
             }
         };
-        let priority = priority.unwrap_or(match task.as_ref().map(|t| t.priority) {
-            Some(backstop_store::Priority::Interactive) => Priority::Interactive,
-            Some(backstop_store::Priority::Background) => Priority::Background,
-            Some(backstop_store::Priority::Normal) | None => Priority::Normal,
+        let priority = priority.unwrap_or_else(|| {
+            task.as_ref()
+                .map_or(Priority::Normal, |t| super::core_priority(t.priority))
         });
         let route = self
             .policy

@@ -7,9 +7,10 @@ use std::path::Path;
 use backstop_core::outcome::Outcome;
 use backstop_fake_api::{FakeConfig, RouteConfig};
 use backstop_gateway::action::{ActionSpec, Execution};
+use backstop_store::Store;
 use serde_json::Value;
 
-use crate::engine_support::{answer, summary, Harness};
+use crate::engine_support::{advance, answer, summary, until, Harness};
 use crate::support::{self, client, create, json_of, on_route};
 
 /// The transfer of task `task` under the agent key `key`.
@@ -223,7 +224,7 @@ async fn a_gateway_outcome_of_a_write_taken_over_from_another_task_names_the_wri
     let told = h.engine.execute(first).await;
     assert_eq!(summary(&told), "budget_exhausted");
     let id = told.receipt().action_id;
-    crate::engine_support::advance(std::time::Duration::from_secs(12)).await;
+    advance(std::time::Duration::from_secs(12)).await;
     // The resend's deadline has passed: it is refused before its send.
     let mut resend = transfer(&h, "tb", "ks4");
     resend.deadline = Some(h.clock_now() - jiff::SignedDuration::from_secs(1));
@@ -237,4 +238,102 @@ async fn a_gateway_outcome_of_a_write_taken_over_from_another_task_names_the_wri
     );
     assert_eq!(refused.receipt().task.as_deref(), Some("ta"));
     assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+}
+
+/// The write of task `ta` under `key`, told to come back (`429`, `Prefer: wait=0`), then taken
+/// over after the advised instant by a same-key resend naming task `tb`, which waits for its
+/// scope (a `429` on a read holds it). Returns the action id and the resend's handle.
+async fn taken_over_from_ta_by_tb(
+    h: &Harness,
+    key: &str,
+) -> (i64, tokio::task::JoinHandle<Execution>) {
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(429, &[("retry-after", "11")], ""),
+            answer(201, &[], r#"{"id":"tr_7"}"#),
+        ],
+    );
+    // The task the resend names exists.
+    let _ = h.engine.execute(h.get("tb", "/v1/items/2")).await;
+    let mut first = transfer(h, "ta", key);
+    first.max_wait = Some(std::time::Duration::ZERO);
+    let told = h.engine.execute(first).await;
+    assert_eq!(summary(&told), "budget_exhausted");
+    let id = told.receipt().action_id;
+    advance(std::time::Duration::from_secs(12)).await;
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "30")], "")],
+    );
+    let _throttled = h.spawn(h.get("t-read", "/v1/items/1"));
+    advance(std::time::Duration::from_millis(100)).await;
+    let resending = h.spawn(transfer(h, "tb", key));
+    assert!(
+        until(|| h
+            .store
+            .action(backstop_store::ActionId(id))
+            .unwrap()
+            .unwrap()
+            .state
+            == backstop_store::ActionState::Reopened)
+        .await,
+        "reopened by the resend"
+    );
+    advance(std::time::Duration::from_millis(100)).await;
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1, "waiting");
+    (id, resending)
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_its_own_task_stops_a_write_a_resend_of_another_task_took_over() {
+    let h = Harness::new();
+    let (id, resending) = taken_over_from_ta_by_tb(&h, "ks5").await;
+    let cancelled_at = h.clock_now();
+    let report = h.engine.cancel_task("ta", "agent-a").await.unwrap();
+    assert_eq!(
+        report.waiting_dropped, 1,
+        "its attempt waits under its own task: {report:?}"
+    );
+    assert_eq!(report.actions_cancelled, 1, "{report:?}");
+    let answered = resending.await.unwrap();
+    assert_eq!(summary(&answered), "cancelled", "{answered:?}");
+    assert_eq!(answered.receipt().action_id, id);
+    assert_eq!(answered.receipt().task.as_deref(), Some("ta"));
+    assert_eq!(
+        h.clock_now(),
+        cancelled_at,
+        "dropped at once, not when its scope opened"
+    );
+    advance(std::time::Duration::from_secs(60)).await;
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "never sent again"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_the_task_a_resend_names_leaves_the_write_of_another_task_it_took_over() {
+    let h = Harness::new();
+    let (id, resending) = taken_over_from_ta_by_tb(&h, "ks6").await;
+    let report = h.engine.cancel_task("tb", "agent-a").await.unwrap();
+    assert_eq!(
+        (report.waiting_dropped, report.actions_cancelled),
+        (0, 0),
+        "nothing of task tb waits: {report:?}"
+    );
+    // Its scope opens: the write is sent, under its own task.
+    advance(std::time::Duration::from_secs(31)).await;
+    let answered = resending.await.unwrap();
+    assert_eq!(summary(&answered), "201", "{answered:?}");
+    assert_eq!(answered.receipt().action_id, id);
+    assert_eq!(answered.receipt().task.as_deref(), Some("ta"));
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 2);
+    let record = h
+        .store
+        .action(backstop_store::ActionId(id))
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Succeeded));
 }
