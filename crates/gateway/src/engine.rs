@@ -543,6 +543,48 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
     }
 }
 
+/// A write's final response as kept for idempotent replay ([`crate::door::replay_record`]):
+/// at most [`crate::door::REPLAY_BODY_LIMIT`] bytes of its body are read and kept. An event
+/// stream's body is never kept (only its status and headers); it is read — at most
+/// [`ERROR_BODY_LIMIT`] bytes, for an operation id — only when `read_stream`. Returns the
+/// response to pass on (the bytes read, then the rest of the body), the record to store, and
+/// the bytes read (empty when none were). A body cut while it is read is kept and passed on
+/// empty, its record saying no byte was kept.
+async fn kept_for_replay(
+    response: http::Response<Body>,
+    action: ActionId,
+    read_stream: bool,
+) -> (http::Response<Body>, StoredResponse, Bytes) {
+    let stream = crate::door::is_event_stream(response.headers());
+    if stream && !read_stream {
+        let record = crate::door::replay_record(response.status(), response.headers(), &[], false);
+        return (response, record, Bytes::new());
+    }
+    let limit = if stream {
+        ERROR_BODY_LIMIT
+    } else {
+        crate::door::REPLAY_BODY_LIMIT
+    };
+    let (parts, body) = response.into_parts();
+    match read_bounded(body, limit).await {
+        Ok((bytes, body)) => {
+            let complete = !stream && bytes.len() <= limit;
+            let kept = if stream { &[][..] } else { &bytes[..] };
+            let record = crate::door::replay_record(parts.status, &parts.headers, kept, complete);
+            (http::Response::from_parts(parts, body), record, bytes)
+        }
+        Err(e) => {
+            tracing::warn!(action = action.0, error = %e, "the write's response body was cut while it was read");
+            let record = crate::door::replay_record(parts.status, &parts.headers, &[], false);
+            (
+                http::Response::from_parts(parts, Body::empty()),
+                record,
+                Bytes::new(),
+            )
+        }
+    }
+}
+
 /// Closes an action (audited) when its `execute` future is dropped mid-way (the client
 /// disconnected): as every action nothing sends again is closed (`writes::Closing`), a write
 /// with an unsettled attempt — or one still in flight, so its answer is unknown — is
@@ -2386,50 +2428,14 @@ impl Engine {
                 let mut replay_record = None;
                 if !is_safe_method(&run.request.method) {
                     let rc = route.reconcile.as_ref();
-                    let stream = crate::door::is_event_stream(response.headers());
                     let wants_id = rc.is_some_and(|rc| rc.operation_id_pointer.is_some());
-                    if stream && !wants_id {
-                        replay_record = Some(crate::door::replay_record(
-                            response.status(),
-                            response.headers(),
-                            &[],
-                            false,
-                        ));
-                    } else {
-                        let limit = if stream {
-                            ERROR_BODY_LIMIT
-                        } else {
-                            crate::door::REPLAY_BODY_LIMIT
-                        };
-                        let (parts, body) = response.into_parts();
-                        match read_bounded(body, limit).await {
-                            Ok((bytes, body)) => {
-                                if let Some(rc) = rc {
-                                    result.provider_operation_id =
-                                        operation_id_from_response(rc, &bytes);
-                                }
-                                let complete = !stream && bytes.len() <= limit;
-                                let kept = if stream { &[][..] } else { &bytes[..] };
-                                replay_record = Some(crate::door::replay_record(
-                                    parts.status,
-                                    &parts.headers,
-                                    kept,
-                                    complete,
-                                ));
-                                response = http::Response::from_parts(parts, body);
-                            }
-                            Err(e) => {
-                                tracing::warn!(action = run.id.0, error = %e, "the write's response body was cut while it was read");
-                                replay_record = Some(crate::door::replay_record(
-                                    parts.status,
-                                    &parts.headers,
-                                    &[],
-                                    false,
-                                ));
-                                response = http::Response::from_parts(parts, Body::empty());
-                            }
-                        }
+                    let (passed_on, record, bytes) =
+                        kept_for_replay(response, run.id, wants_id).await;
+                    if let Some(rc) = rc {
+                        result.provider_operation_id = operation_id_from_response(rc, &bytes);
                     }
+                    replay_record = Some(record);
+                    response = passed_on;
                 }
                 self.breaker_success(run);
                 inner.scheduler.deposit(&route.scopes, spent.take());
@@ -3114,11 +3120,19 @@ impl Engine {
                     None,
                     vec![NextSafe::ChangeRequest, NextSafe::Abort],
                 );
+                // A write's final answer is kept for idempotent replay, refused or not: a
+                // same-key resend is answered as the first request was.
+                let (response, kept) = if is_safe_method(&run.request.method) {
+                    (response, None)
+                } else {
+                    let (response, record, _) = kept_for_replay(response, run.id, false).await;
+                    (response, Some(record))
+                };
                 let mut result = result;
                 result.finish = Some(Finish {
                     outcome: store_outcome(outcome),
                     context: serde_json::to_value(&context).unwrap_or_default(),
-                    response: None,
+                    response: kept,
                 });
                 self.record_final_result(run, result).await;
                 inner
@@ -3704,6 +3718,10 @@ impl Engine {
                 }
                 rebuilt
             });
+            if matches!(outcome, Outcome::Rejected | Outcome::Conflict) && context.response_received
+            {
+                return unkept_replay(receipt, outcome, &context, inner.clock.now());
+            }
             return Execution::Outcome {
                 receipt,
                 outcome,
@@ -3943,6 +3961,50 @@ fn replay(receipt: ActionReceipt, stored: StoredResponse) -> Execution {
             detail: format!("the stored response could not be replayed: {e}"),
         },
     }
+}
+
+/// The answer to a same-key resend of a write the provider refused (`rejected`, `conflict`)
+/// whose response is not in the store — a write that ended before refused writes' responses
+/// were kept: nothing is sent, and the problem says that the provider's response cannot be
+/// replayed. It keeps the provider's status: as the HTTP status when it is a 4xx that SDKs do
+/// not retry on their own (not 408, 409 or 429; those get the outcome's status, see
+/// [`crate::problem`]), and always as `last_status` and in `detail`. Marked
+/// `Idempotent-Replayed: true`, as every replay.
+fn unkept_replay(
+    receipt: ActionReceipt,
+    outcome: Outcome,
+    context: &OutcomeContext,
+    now: Timestamp,
+) -> Execution {
+    let provider_status = context
+        .last_status
+        .and_then(|s| http::StatusCode::from_u16(s).ok());
+    let said = match provider_status {
+        Some(status) => format!("the provider's HTTP {}", status.as_u16()),
+        None => "the provider's answer".to_owned(),
+    };
+    let detail = format!(
+        "replayed: this idempotency key already ended `{outcome}` with {said}, but that response is not kept in backstop's store (the write ended before refused writes' responses were kept), so it cannot be replayed as it was sent; nothing was sent"
+    );
+    let mut problem = Problem::from_outcome(outcome, context, detail, now)
+        .with_extension("action_id", receipt.action_id.into());
+    if let Some(task) = &receipt.task {
+        problem = problem.with_extension("task", task.as_str().into());
+    }
+    if let Some(key) = &receipt.idempotency_key {
+        problem = problem.with_extension("idempotency_key", key.as_str().into());
+    }
+    if let Some(status) =
+        provider_status.filter(|s| s.is_client_error() && !matches!(s.as_u16(), 408 | 409 | 429))
+    {
+        problem.status = status;
+    }
+    let mut response = problem.into_response();
+    response.headers_mut().insert(
+        crate::door::REPLAYED_HEADER,
+        http::HeaderValue::from_static("true"),
+    );
+    Execution::Response { receipt, response }
 }
 
 fn from_shared(shared: Shared) -> Execution {

@@ -904,7 +904,15 @@ async fn a_final_provider_answer_the_store_could_not_record_is_recorded_once_it_
     assert_eq!(attempts.len(), 1);
     assert_eq!(attempts[0].status, Some(422), "with the attempt's result");
     let again = h.engine.execute(write(&h, "t", "k-o2")).await;
-    assert_eq!(summary(&again), "rejected", "replayed, not in flight");
+    assert_eq!(
+        summary(&again),
+        "422",
+        "the provider's answer replayed, not in flight"
+    );
+    let Execution::Response { response, .. } = &again else {
+        unreachable!("a response, as checked above")
+    };
+    assert_eq!(response.headers()["idempotent-replayed"], "true");
     assert_eq!(h.transport.sent().len(), 1);
 }
 

@@ -127,6 +127,117 @@ async fn replayed_write_answers_the_providers_stored_response() {
     fake.shutdown().await;
 }
 
+/// Sends `POST /fake/v1/nothing` — a path the fake provider has no route for, answered `404`
+/// with its JSON error body — under the key `nothing-1`.
+async fn send_refused_write(gateway: &Running) -> reqwest::Response {
+    client()
+        .post(format!("http://{}/fake/v1/nothing", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "w-2")
+        .header("Idempotency-Key", "nothing-1")
+        .body("x")
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_rejected_write_answers_the_providers_stored_4xx() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let first = send_refused_write(&gateway).await;
+    assert_eq!(first.status(), 404);
+    assert_eq!(header(&first, "idempotent-replayed"), None);
+    let first_id = header(&first, "backstop-action-id").map(str::to_owned);
+    let first_type = header(&first, "content-type").map(str::to_owned);
+    let first_body = first.bytes().await.unwrap();
+
+    let again = send_refused_write(&gateway).await;
+    assert_eq!(again.status(), 404, "the provider's status is replayed");
+    assert_eq!(header(&again, "idempotent-replayed"), Some("true"));
+    assert_eq!(
+        header(&again, "backstop-action-id").map(str::to_owned),
+        first_id
+    );
+    assert_eq!(header(&again, "idempotency-key"), Some("nothing-1"));
+    assert_eq!(header(&again, "backstop-task"), Some("w-2"));
+    assert_eq!(
+        header(&again, "content-type").map(str::to_owned),
+        first_type,
+        "the provider's headers are replayed, not a problem of backstop's"
+    );
+    assert_eq!(header(&again, "backstop-replay-body-truncated"), None);
+    assert_eq!(
+        again.bytes().await.unwrap(),
+        first_body,
+        "the provider's body is replayed byte for byte"
+    );
+
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/nothing").len(),
+        1,
+        "nothing is sent for the replay: {attempts:?}"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_write_whose_response_is_not_kept_says_so_with_the_providers_status() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let first = send_refused_write(&gateway).await;
+    assert_eq!(first.status(), 404);
+    gateway.shutdown().await.unwrap();
+    // The write as a store kept it before refused writes' responses were kept: no response.
+    let cleared = rusqlite::Connection::open(dir.path().join("backstop.db"))
+        .expect("open raw")
+        .execute(
+            "UPDATE actions SET response_status = NULL, response_headers = NULL, \
+             response_body = NULL WHERE idempotency_key = 'nothing-1'",
+            [],
+        )
+        .expect("clear the kept response");
+    assert_eq!(cleared, 1);
+
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let again = send_refused_write(&gateway).await;
+    assert_eq!(
+        again.status(),
+        404,
+        "the provider's status is kept, not turned into a 400"
+    );
+    assert_eq!(header(&again, "idempotent-replayed"), Some("true"));
+    assert_eq!(
+        header(&again, "content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(header(&again, "x-should-retry"), Some("false"));
+    let (_, body) = support::json_of(again).await;
+    assert_eq!(body["outcome"], "rejected", "{body}");
+    assert_eq!(body["last_status"], 404, "{body}");
+    assert_eq!(body["sent"], true, "{body}");
+    assert_eq!(body["idempotency_key"], "nothing-1", "{body}");
+    assert_eq!(body["task"], "w-2", "{body}");
+    let detail = body["detail"].as_str().expect("detail");
+    assert!(detail.contains("HTTP 404"), "{detail}");
+    assert!(detail.contains("not kept"), "{detail}");
+    assert!(detail.contains("nothing was sent"), "{detail}");
+
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/nothing").len(),
+        1,
+        "nothing is sent for the resend: {attempts:?}"
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_single_attempt_write_with_a_lookup_is_reconciled_with_structured_members() {
     let fake = fake();

@@ -173,6 +173,52 @@ async fn a_write_told_to_wait_is_sent_again_under_its_key_once_the_instant_has_c
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_reopened_write_the_provider_refuses_is_replayed_as_the_providers_answer() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![
+            answer(429, &[("retry-after", "11")], ""),
+            answer(
+                404,
+                &[
+                    ("content-type", "application/json"),
+                    ("x-request-id", "req_refused"),
+                ],
+                r#"{"error":{"code":"resource_missing"}}"#,
+            ),
+        ],
+    );
+    let first = h.engine.execute(transfer(&h, "k-refused")).await;
+    let id = first.receipt().action_id;
+    assert_eq!(outcome_of(&first).0, Outcome::BudgetExhausted);
+
+    // Reopened by the resend at the advised instant; the provider refuses it.
+    advance(Duration::from_secs(12)).await;
+    let resent = h.engine.execute(transfer(&h, "k-refused")).await;
+    assert_eq!(response_of(&resent), (404, false));
+    assert_eq!(resent.receipt().action_id, id, "the same action");
+    let record = h.store.action(ActionId(id)).unwrap().unwrap();
+    assert_eq!(record.outcome, Some(backstop_store::Outcome::Rejected));
+
+    // The next resend gets the provider's answer again — status, headers, body — not a
+    // problem of backstop's; nothing is sent.
+    let again = h.engine.execute(transfer(&h, "k-refused")).await;
+    assert_eq!(response_of(&again), (404, true));
+    assert_eq!(again.receipt().action_id, id);
+    let Execution::Response { response, .. } = again else {
+        unreachable!("a response, as checked above")
+    };
+    assert_eq!(response.headers()["x-request-id"], "req_refused");
+    assert_eq!(response.headers()["content-type"], "application/json");
+    let body = axum::body::to_bytes(response.into_body(), 1024)
+        .await
+        .expect("body");
+    assert_eq!(&body[..], br#"{"error":{"code":"resource_missing"}}"#);
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn resends_at_once_after_the_instant_send_the_write_once() {
     let h = Harness::new();
     h.transport.script(
