@@ -25,7 +25,8 @@
 //!    removed from `Prefer`, the provider credential injected under the policy's header and
 //!    scheme. For writes the agent's key is read (under the provider's `idempotency_header`, or
 //!    `Idempotency-Key` when the provider has none); without one the engine mints the key — in
-//!    one place — and sends it on every attempt (SPEC §6). Reads carry no key.
+//!    one place — and sends it on every attempt (SPEC §6). Reads carry no key: an agent's key
+//!    header on a read is removed, not forwarded.
 //!
 //! `Prefer: respond-async` (RFC 7240 §4.1) answers `202 Accepted` with
 //! `Location: /v1/actions/{id}` at once and runs the action in the background (see
@@ -685,7 +686,12 @@ fn upstream_headers(
         headers.insert(credential.name.clone(), credential.value.clone());
     }
     let mut key = None;
-    if !is_safe(method) {
+    if is_safe(method) {
+        // Reads carry no idempotency key: the agent's is not forwarded either.
+        if let Ok(name) = HeaderName::from_bytes(key_header(Some(provider)).as_bytes()) {
+            headers.remove(name);
+        }
+    } else {
         // A missing key is minted by the engine (one place), never here.
         let name = key_header(Some(provider));
         let header_name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {

@@ -303,6 +303,65 @@ async fn a_dropped_read_is_retried_and_wait_zero_still_sends() {
 }
 
 #[tokio::test]
+async fn an_agents_idempotency_key_on_a_read_never_reaches_the_provider() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )]);
+    let gw = gateway(&provider.url(), dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+
+    // The proxy door.
+    let r = client()
+        .get(format!("{base}/fake/v1/items/1"))
+        .bearer_auth(AGENT)
+        .header("idempotency-key", "read-key-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers().get("idempotency-key").is_none(),
+        "reads carry no key"
+    );
+
+    // The action API: the key as this request's header, as the `idempotency_key` member, and
+    // under the provider's key header inside `headers`.
+    let submissions = [
+        (
+            json!({"provider": "fake", "method": "GET", "path": "/v1/items/2"}),
+            Some("read-key-2"),
+        ),
+        (
+            json!({"provider": "fake", "method": "GET", "path": "/v1/items/3",
+                   "idempotency_key": "read-key-3"}),
+            None,
+        ),
+        (
+            json!({"provider": "fake", "method": "GET", "path": "/v1/items/4",
+                   "headers": {"Idempotency-Key": "read-key-4"}}),
+            None,
+        ),
+    ];
+    for (body, key_header) in submissions {
+        let (status, accepted) = post_action(&base, body.to_string(), key_header).await;
+        assert_eq!(status, 202, "{accepted}");
+        let id = accepted["id"].as_i64().expect("id");
+        let (_, view) = get_json(format!("{base}/v1/actions/{id}?wait=10s"), AGENT).await;
+        assert_eq!(view["outcome"], "succeeded", "{view}");
+    }
+
+    let attempts = provider.attempts();
+    assert_eq!(attempts.len(), 4, "{attempts:?}");
+    assert!(
+        attempts.iter().all(|a| a.idempotency_key.is_none()),
+        "the provider sees no idempotency key on a read: {attempts:?}"
+    );
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_provider_named_like_a_backstop_route_is_refused_by_the_policy() {
     // The start-time check for policies built in code is covered in server.rs.
     let yaml = policy_yaml("http://127.0.0.1:9").replace("\n  fake:\n", "\n  v1:\n");
