@@ -149,17 +149,25 @@ fn engine(state: &AppState, what: &str) -> Result<Engine, Problem> {
         .ok_or_else(|| Problem::not_supported(what))
 }
 
+/// `POST /v1/actions`; every refusal is logged at INFO ([`Problem::log_refusal`]), with the
+/// agent once it is known.
 async fn submit(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    match submit_inner(&state, &headers, body).await {
+    let mut agent = None;
+    match submit_inner(&state, &headers, body, &mut agent).await {
         Ok(response) => response,
-        Err(problem) => door::refusal(problem),
+        Err(problem) => {
+            problem.log_refusal("POST /v1/actions", agent.as_deref());
+            door::refusal(problem)
+        }
     }
 }
 
+/// [`submit`]'s work; `agent` is set to the caller's name once it is authenticated as an agent.
 async fn submit_inner(
     state: &Arc<AppState>,
     headers: &HeaderMap,
     body: Bytes,
+    agent: &mut Option<String>,
 ) -> Result<Response, Problem> {
     if !state.accepting() {
         return Err(Problem::shutting_down());
@@ -171,6 +179,7 @@ async fn submit_inner(
             who.name
         )));
     }
+    *agent = Some(who.name.clone());
     engine(state, "POST /v1/actions")?;
     let mut request: NewActionBody = serde_json::from_slice(&body).map_err(|e| {
         api_bad_request(format!(

@@ -908,17 +908,38 @@ pub async fn proxy(state: std::sync::Arc<AppState>, request: Request<Body>) -> R
     }
 }
 
+/// Authenticates the caller and turns its request into an [`ActionSpec`]; every refusal is
+/// logged at INFO ([`Problem::log_refusal`]), with the agent once it is known.
 async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec, Problem> {
-    let caller = state.auth.authenticate(request.headers()).map_err(|e| {
-        tracing::info!(reason = %e, "door: refused an unauthenticated request");
-        Problem::from(e)
-    })?;
+    let refused = |agent: Option<&str>, problem: Problem| {
+        problem.log_refusal("door", agent);
+        problem
+    };
+    let caller = state
+        .auth
+        .authenticate(request.headers())
+        .map_err(|e| refused(None, Problem::from(e)))?;
     if caller.role != Role::Agent {
-        return Err(Problem::forbidden(format!(
-            "`{}` is an operator; the proxy door takes agent tokens only",
-            caller.name
-        )));
+        return Err(refused(
+            None,
+            Problem::forbidden(format!(
+                "`{}` is an operator; the proxy door takes agent tokens only",
+                caller.name
+            )),
+        ));
     }
+    let agent = caller.name;
+    prepare_as(state, &agent, request)
+        .await
+        .map_err(|problem| refused(Some(&agent), problem))
+}
+
+/// [`prepare`] for the authenticated `agent`.
+async fn prepare_as(
+    state: &AppState,
+    agent: &str,
+    request: Request<Body>,
+) -> Result<ActionSpec, Problem> {
     let (parts, body) = request.into_parts();
     if let Some(length) = parts
         .headers
@@ -939,7 +960,7 @@ async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec,
     let (body, single_attempt) = read_body(body, state.door).await?;
     build_spec(
         state,
-        caller.name,
+        agent.to_owned(),
         parts.method,
         path_and_query,
         &parts.headers,
@@ -1115,10 +1136,13 @@ fn encoded_slash_keeps_the_route(
 /// unfinished but not running.
 pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response {
     let Some(engine) = state.executor.engine() else {
-        return refusal(Problem::not_supported("`Prefer: respond-async`"));
+        let problem = Problem::not_supported("`Prefer: respond-async`");
+        problem.log_refusal("door", Some(&spec.agent));
+        return refusal(problem);
     };
     let task_id = spec.task_id.clone();
     let single = spec.single_attempt;
+    let agent = spec.agent.clone();
     match engine.submit(spec).await {
         Ok(Submitted { receipt, joined }) => {
             let id = receipt.action_id;
@@ -1141,7 +1165,21 @@ pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response
             receipt_headers(&mut response, &receipt, &task_id, single);
             response
         }
-        Err(execution) => render(state, execution, &task_id, single),
+        Err(execution) => {
+            // Refused before it was recorded (a cancelled task, a payload backstop cannot
+            // send): logged as a synchronous call's gateway outcome is. A reused key was
+            // logged where it was found, a store failure as an ERROR.
+            if let Execution::Outcome {
+                outcome, detail, ..
+            } = &execution
+            {
+                tracing::info!(
+                    %agent, task = %task_id, %outcome, %detail,
+                    "door: action not accepted"
+                );
+            }
+            render(state, execution, &task_id, single)
+        }
     }
 }
 

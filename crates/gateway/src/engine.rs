@@ -3553,6 +3553,7 @@ impl Engine {
                     key,
                 )
                 .with_extension("task", spec.task_id.as_str().into());
+                problem.log_refusal("admission", Some(&spec.agent));
                 problem_answer(receipt, problem)
             }
             EngineError::Store(StoreError::InvalidTransition { reason, .. }) => unrecorded(

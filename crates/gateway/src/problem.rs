@@ -81,7 +81,10 @@ use axum::{
     http::{header, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
 };
-use backstop_core::outcome::{NextSafe, Outcome, OutcomeContext};
+use backstop_core::{
+    escalation::sanitize_text,
+    outcome::{NextSafe, Outcome, OutcomeContext},
+};
 use jiff::Timestamp;
 use serde_json::{json, Map, Value};
 
@@ -477,6 +480,24 @@ impl Problem {
             should_retry: retry_after_seconds.is_some(),
             retry_after_seconds,
         }
+    }
+
+    /// Logs this problem at INFO as a refusal of a request, `at` where it was decided (`door`
+    /// for the proxy door, `POST /v1/actions`, or `admission` when the action was about to be
+    /// recorded, e.g. a reused idempotency key): the `agent` when it is known (authenticated),
+    /// the status, the problem type and its `detail` as the reason. The reason is sanitized
+    /// ([`sanitize_text`]) before it is logged, although a refusal's detail names headers,
+    /// members and rules rather than echoing values: tokens, keys and bodies never reach the
+    /// log.
+    pub fn log_refusal(&self, at: &str, agent: Option<&str>) {
+        tracing::info!(
+            at,
+            agent,
+            status = self.status.as_u16(),
+            problem = %self.name,
+            reason = %sanitize_text(&self.detail).text,
+            "refused: nothing was sent"
+        );
     }
 
     /// Adds (or replaces) one extension member.

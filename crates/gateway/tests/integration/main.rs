@@ -23,6 +23,7 @@ mod health_snapshots;
 mod health_watchdog;
 mod key_target;
 mod quota_escalations;
+mod refusal_logs;
 mod restart_reads;
 mod restart_unsent_writes;
 mod scenario_reference;
