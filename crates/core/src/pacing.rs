@@ -554,15 +554,46 @@ fn wait_or_refuse(
     if wait > budget.wait_remaining() {
         return Admission::Refuse {
             outcome: Outcome::BudgetExhausted,
-            detail: format!(
-                "must wait {} ms until {at}, the wait budget has {} ms left",
-                wait.as_millis(),
-                budget.wait_remaining().as_millis()
-            ),
+            detail: wait_over_budget(budget, wait, at, &reason),
             not_before: Some(at),
         };
     }
     Admission::WaitUntil { at, reason }
+}
+
+/// The `detail` of a refusal because the wait `reason` asks for (`wait`, until `at`) is longer
+/// than what is left of the action's wait budget. Before the action's first attempt it says
+/// that nothing was sent, what holds the request, and from when to send it again; before a
+/// retry, what holds the next attempt.
+fn wait_over_budget(
+    budget: &ActionBudget,
+    wait: Duration,
+    at: Timestamp,
+    reason: &WaitReason,
+) -> String {
+    let held_by = match reason {
+        WaitReason::Pacing { scope } => {
+            format!("the pacing of scope `{scope}` (its request limit at the provider)")
+        }
+        WaitReason::NextAllowedAt {
+            scope,
+            source: Some(source),
+        } => format!("the provider's boundary for scope `{scope}` (from {source})"),
+        WaitReason::NextAllowedAt {
+            scope,
+            source: None,
+        } => format!("the provider's boundary for scope `{scope}`"),
+    };
+    let (wait_ms, left_ms) = (wait.as_millis(), budget.wait_remaining().as_millis());
+    if budget.attempts_used() == 0 {
+        format!(
+            "nothing was sent: {held_by} would hold this request {wait_ms} ms, until {at}, longer than the {left_ms} ms its wait budget allows (the class's max_wait_seconds, or a shorter `Prefer: wait`); send it again from {at}, or allow a longer wait"
+        )
+    } else {
+        format!(
+            "the next attempt must wait {wait_ms} ms, until {at}, for {held_by}; the wait budget has {left_ms} ms left"
+        )
+    }
 }
 
 #[cfg(test)]

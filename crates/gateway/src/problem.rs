@@ -27,7 +27,9 @@
 //! because its scopes would have made it wait past its deadline or remaining wait budget (a
 //! caller's `Prefer: wait`, the class's `max_wait`) — the instant they would have let it go,
 //! local pacing included: a write never sent because pacing asked for 486 ms and the caller
-//! allowed `Prefer: wait=0` is `429` + `Retry-After: 1`, not a `424` with only `abort`.
+//! allowed `Prefer: wait=0` is `429` + `Retry-After: 1`, not a `424` with only `abort`. Its
+//! title says that nothing was sent (no attempt, so no retry budget was spent) rather than that
+//! the retry budget is exhausted.
 //!
 //! **What the 429 promises a write.** The answer says "send this again after `Retry-After`",
 //! and SDKs do exactly that, under the same `Idempotency-Key`. So such a finished write (its
@@ -474,7 +476,7 @@ impl Problem {
         Problem {
             status,
             name: outcome.as_str().to_owned(),
-            title: outcome_title(outcome, context.sent).to_owned(),
+            title: outcome_title(outcome, context).to_owned(),
             detail: detail.into(),
             extensions,
             should_retry: retry_after_seconds.is_some(),
@@ -585,13 +587,18 @@ pub fn outcome_status(outcome: Outcome) -> StatusCode {
 }
 
 /// The problem's title: what happened, said of who decided it — a `rejected` outcome with
-/// nothing sent was backstop's refusal (e.g. a payload it could not read), not the provider's.
-fn outcome_title(outcome: Outcome, sent: bool) -> &'static str {
+/// nothing sent was backstop's refusal (e.g. a payload it could not read), not the provider's;
+/// a `budget_exhausted` outcome without any attempt was no retry: the wait before the first
+/// send (pacing, a scope's boundary) was longer than the wait budget allows.
+fn outcome_title(outcome: Outcome, context: &OutcomeContext) -> &'static str {
     match outcome {
         Outcome::Succeeded => "The action succeeded",
-        Outcome::Rejected if !sent => "backstop refused the request; nothing was sent",
+        Outcome::Rejected if !context.sent => "backstop refused the request; nothing was sent",
         Outcome::Rejected => "The provider rejected the request",
         Outcome::Conflict => "The provider reported a conflict",
+        Outcome::BudgetExhausted if context.attempts == 0 => {
+            "Nothing was sent: the wait before sending is longer than the wait budget allows"
+        }
         Outcome::BudgetExhausted => "The retry budget is exhausted",
         Outcome::DeadlineExhausted => "The task deadline is exhausted",
         Outcome::QuotaExhausted => "The provider quota is exhausted",

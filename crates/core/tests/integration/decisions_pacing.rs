@@ -353,6 +353,61 @@ fn a_refusal_for_a_wait_beyond_the_budget_names_the_instant_waited_for() {
 }
 
 #[test]
+fn a_wait_beyond_the_budget_says_what_holds_the_request_and_whether_anything_was_sent() {
+    let budget = |max_wait_ms: u64| {
+        ActionBudget::new(
+            ClassBudget {
+                max_attempts: 4,
+                max_wait: Duration::from_millis(max_wait_ms),
+            },
+            None,
+        )
+    };
+    let detail = |admission: Admission| match admission {
+        Admission::Refuse {
+            outcome: Outcome::BudgetExhausted,
+            detail,
+            ..
+        } => detail,
+        other => panic!("expected a budget refusal, got {other:?}"),
+    };
+    // Before the first attempt, held by the provider's boundary: nothing was sent, come back then.
+    let mut limited = scope("p/limited", None);
+    limited
+        .record
+        .observe_429(at_ms(5_000), "HTTP 429 Retry-After");
+    let first = detail(admit(
+        request(),
+        &mut budget(1_000),
+        &mut [&mut limited],
+        t0(),
+    ));
+    assert!(first.starts_with("nothing was sent: "), "{first}");
+    assert!(
+        first.contains("the provider's boundary for scope `p/limited` (from HTTP 429 Retry-After)"),
+        "{first}"
+    );
+    assert!(first.contains("5000 ms"), "{first}");
+    assert!(
+        first.contains("longer than the 1000 ms its wait budget allows"),
+        "{first}"
+    );
+    assert!(
+        first.contains(&format!("send it again from {}", at_ms(5_000))),
+        "{first}"
+    );
+    // Before a retry (an attempt was made): the next attempt is what waits.
+    let mut retrying = budget(1_000);
+    retrying.withdraw_attempt(t0()).expect("an attempt is left");
+    let retry = detail(admit(request(), &mut retrying, &mut [&mut limited], t0()));
+    assert!(
+        retry.starts_with("the next attempt must wait 5000 ms"),
+        "{retry}"
+    );
+    assert!(!retry.contains("nothing was sent"), "{retry}");
+}
+
+#[test]
 fn delayed_queue_saturates_into_scope_saturated() {
     let mut record = ScopeRecord::new("p/s", 2, 2);
     record.try_delay().expect("first");

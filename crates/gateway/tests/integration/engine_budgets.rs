@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use backstop_core::outcome::{NextSafe, Outcome};
-use backstop_gateway::action::Execution;
+use backstop_gateway::{action::Execution, problem::Problem};
 use backstop_store::{ActionId, Store};
 use jiff::SignedDuration;
 
@@ -468,4 +468,92 @@ async fn a_short_wait_never_retries_a_dropped_connection_before_the_backoff() {
     }
     let total = sent[sent.len() - 1].at.duration_since(sent[0].at);
     assert!(total <= SignedDuration::from_millis(1_500));
+}
+
+/// [`engine_support::POLICY`] with a paced scope (one request per second, no headroom) and a
+/// read route in it.
+fn paced_reads_policy() -> String {
+    let policy = engine_support::POLICY
+        .replace(
+            "      single: { max_concurrent_requests: 1 }\n",
+            "      single: { max_concurrent_requests: 1 }\n      paced: { limit: 1, window_seconds: 1, headroom: 1.0 }\n",
+        )
+        .replace(
+            "    routes:\n",
+            "    routes:\n      \"GET /v1/paced/{id}\": { class: read, scopes: [paced] }\n",
+        );
+    assert!(policy.contains("paced: {") && policy.contains("GET /v1/paced/{id}"));
+    policy
+}
+
+/// The problem the door renders for a gateway-made outcome, at `now`.
+fn rendered(execution: &Execution, now: jiff::Timestamp) -> Problem {
+    match execution {
+        Execution::Outcome {
+            outcome,
+            context,
+            detail,
+            ..
+        } => Problem::from_outcome(*outcome, context, detail.clone(), now),
+        other => panic!("expected an outcome, got {}", summary(other)),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_send_held_by_pacing_past_its_wait_budget_says_nothing_was_sent_and_when() {
+    let h = Harness::with_policy(&paced_reads_policy());
+    let read = |n: u32| {
+        let mut spec = h.get("t", &format!("/v1/paced/{n}"));
+        spec.max_wait = Some(Duration::ZERO);
+        spec
+    };
+    // The first read takes the scope's pace; the next one, allowed no wait, is refused.
+    assert_eq!(summary(&h.engine.execute(read(1)).await), "200");
+    let refused = h.engine.execute(read(2)).await;
+    let (outcome, context, _) = outcome_of(&refused);
+    assert_eq!(outcome, Outcome::BudgetExhausted);
+    assert_eq!((context.attempts, context.sent), (0, false));
+    let at = context
+        .next_safe
+        .iter()
+        .find_map(|o| match o {
+            NextSafe::WaitUntil { at } => Some(*at),
+            _ => None,
+        })
+        .expect("the pacer's instant is the one to come back at");
+    let problem = rendered(&refused, h.clock_now());
+    assert_eq!(problem.name, "budget_exhausted", "the outcome stays");
+    assert_eq!(
+        (problem.status.as_u16(), problem.retry_after_seconds),
+        (429, Some(1))
+    );
+    assert_eq!(
+        problem.title,
+        "Nothing was sent: the wait before sending is longer than the wait budget allows",
+        "no retry budget was spent: nothing was tried"
+    );
+    let detail = &problem.detail;
+    assert!(detail.starts_with("nothing was sent: "), "{detail}");
+    assert!(
+        detail.contains("pacing of scope `billing/paced`"),
+        "{detail}"
+    );
+    assert!(detail.contains("0 ms its wait budget allows"), "{detail}");
+    assert!(
+        detail.contains(&format!("send it again from {at}")),
+        "{detail}"
+    );
+    assert_eq!(h.transport.sent_to("/v1/paced/2").len(), 0);
+
+    // A retry refused by its wait budget is still told so.
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(503, &[("retry-after", "10")], "")],
+    );
+    let mut spec = h.get("t", "/v1/items/1");
+    spec.max_wait = Some(Duration::from_secs(5));
+    let retried = h.engine.execute(spec).await;
+    let problem = rendered(&retried, h.clock_now());
+    assert_eq!(problem.name, "budget_exhausted", "{}", problem.detail);
+    assert_eq!(problem.title, "The retry budget is exhausted");
 }
