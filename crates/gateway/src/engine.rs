@@ -2722,6 +2722,7 @@ impl Engine {
                         .await;
                     }
                     tracing::info!(
+                        action = run.id.0,
                         task = %run.task(),
                         route = %route.template,
                         disposition = %signal.disposition,
@@ -3556,9 +3557,10 @@ impl Engine {
                 problem.log_refusal("admission", Some(&spec.agent));
                 problem_answer(receipt, problem)
             }
-            EngineError::Store(StoreError::InvalidTransition { reason, .. }) => unrecorded(
+            // The record refusing it is named (`task "run-42" is cancelled; …`).
+            EngineError::Store(StoreError::InvalidTransition { what, reason }) => unrecorded(
                 Outcome::Cancelled,
-                format!("the action was not accepted: {reason}"),
+                format!("the action was not accepted: {what} is {reason}"),
             ),
             _ => unrecorded(
                 Outcome::Cancelled,

@@ -69,6 +69,37 @@ async fn a_finished_write_is_replayed_to_a_resend_naming_its_cancelled_task() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_new_action_refused_for_its_cancelled_task_names_the_task() {
+    let h = Harness::new();
+    let _ = h.engine.execute(h.get("tc-named", "/v1/items/1")).await;
+    h.engine.cancel_task("tc-named", "agent-a").await.unwrap();
+    for spec in [
+        h.get("tc-named", "/v1/items/2"),
+        transfer(&h, "tc-named", "ks-named"),
+    ] {
+        let refused = h.engine.execute(spec).await;
+        match &refused {
+            Execution::Outcome {
+                outcome, detail, ..
+            } => {
+                assert_eq!(*outcome, Outcome::Cancelled);
+                assert_eq!(
+                    detail,
+                    r#"the action was not accepted: task "tc-named" is cancelled; it takes no new actions"#
+                );
+            }
+            other => panic!("expected the refusal, got {}", summary(other)),
+        }
+        assert_eq!(refused.receipt().action_id, 0);
+    }
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "only the read before the cancel"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_resend_naming_a_cancelled_task_replays_the_action_of_another_task_with_its_task() {
     let h = Harness::new();
     h.transport

@@ -857,3 +857,27 @@ async fn a_read_in_flight_when_its_task_is_cancelled_is_not_retried_after_its_an
         "the 503 is not retried for a cancelled task"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_retry_scheduled_line_names_its_action() {
+    let (logs, _attached) = crate::support::capture::Capture::this_thread();
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![
+            answer(503, &[("retry-after", "1")], ""),
+            answer(200, &[], "{}"),
+        ],
+    );
+    let execution = h.engine.execute(h.get("t-retry-log", "/v1/items/1")).await;
+    assert_eq!(summary(&execution), "200");
+    let id = execution.receipt().action_id;
+    let lines: Vec<String> = logs
+        .lines_at("INFO")
+        .into_iter()
+        .filter(|line| line.contains("retry scheduled"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert!(lines[0].contains(&format!("action={id} ")), "{}", lines[0]);
+    assert!(lines[0].contains("task=t-retry-log"), "{}", lines[0]);
+}
