@@ -41,16 +41,20 @@
 //! A `cancelled` action is not waiting: it gets no snapshot, so it appears neither in exports nor
 //! in `/v1/health`'s unhealthy runs. A finished action waits no more: its wait ends at its
 //! outcome (see `wait_used_ms`), so an action the gateway ended at its throttle, without waiting,
-//! shows 0 ms used however late the snapshot is taken. A finished `budget_exhausted` action has
-//! no authorized attempt left — the gateway ended it because its attempts ran out or because the
-//! provider's boundary lay beyond its remaining wait, which may be the unrecorded `Prefer: wait`
-//! cap: its `max_attempts` is the attempts it used (never more than the class's), so the
-//! authority proof fails and it diagnoses `retry_budget_exhausted` rather than `no_durable_wake`.
-//! A finished `deadline_exhausted` action diagnoses `deadline_exhausted` from the receipts alone
-//! when its boundary lies beyond the task deadline (the headroom is negative), unless the
-//! boundary is also beyond the class's wait budget (SPEC §10 checks the budget first). An
-//! `escalated` action keeps the snapshot its receipts give (its escalation is the operator's
-//! signal; the diagnosis says what the receipts show about the wait).
+//! shows 0 ms used however late the snapshot is taken. An action the gateway ended without
+//! success has no authorized attempt left, and nothing will wake it: a `budget_exhausted`
+//! action because its attempts ran out or because the provider's boundary lay beyond its
+//! remaining wait (which may be the unrecorded `Prefer: wait` cap); a `quota_exhausted`,
+//! `scope_saturated`, `escalated`, `reconciliation_required`, `rejected` or `circuit_open` one
+//! because the gateway decided not to send it again (an operator's decision, or the agent's
+//! own same-key resend, reopens it and it is judged as running again). Its `max_attempts` is
+//! the attempts it used (never more than the class's), so the authority proof fails and it
+//! diagnoses `retry_budget_exhausted` ("stop and hand over the evidence") rather than
+//! `no_durable_wake`, whose advice — re-arm the retry — would contradict the gateway's own
+//! decision. A finished `deadline_exhausted` action diagnoses `deadline_exhausted` from the
+//! receipts alone when its boundary lies beyond the task deadline (the headroom is negative),
+//! unless the boundary is also beyond the class's wait budget (SPEC §10 checks the budget
+//! first).
 //!
 //! A *throttling* attempt is one whose disposition is `rate_limited` or `quota_exhausted`, or
 //! `unavailable` with a known boundary or a scheduled retry after it. One snapshot per throttled
@@ -706,9 +710,10 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
         retry_finished_at: retry_finished_at.filter(|_| retry_started_at.is_some()),
         retry_status: retry_status.filter(|_| retry_started_at.is_some()),
         attempts_used,
-        // A finished `budget_exhausted` action has no authorized attempt left: the gateway
-        // ended it, so its authority is the attempts it used (module docs).
-        max_attempts: if trail.outcome.as_deref() == Some("budget_exhausted") {
+        // An action the gateway ended without success (other than at its deadline) has no
+        // authorized attempt left: nothing will wake it, so its authority is the attempts it
+        // used (module docs).
+        max_attempts: if trail.outcome.as_deref().is_some_and(ended_without_authority) {
             attempts_used.min(limits.max_attempts)
         } else {
             limits.max_attempts
@@ -719,6 +724,14 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
         completion_estimate_ms: 0,
         outcome_receipt,
     })
+}
+
+/// Whether an action that ended with `outcome` has no authorized attempt left: every outcome
+/// but `succeeded` (its receipt is the proof), `cancelled` (no snapshot at all) and
+/// `deadline_exhausted` (diagnosed from its boundary against the deadline, which
+/// `retry_budget_exhausted`, checked first, would hide).
+fn ended_without_authority(outcome: &str) -> bool {
+    !matches!(outcome, "succeeded" | "cancelled" | "deadline_exhausted")
 }
 
 /// `true` for the diagnoses that need no operator: `waiting_backpressure` and `recovered`.

@@ -217,6 +217,37 @@ fn a_finished_budget_exhausted_action_is_retry_budget_exhausted_not_a_missing_wa
     assert_eq!(diagnosis(&s, 5_000), Diagnosis::RetryBudgetExhausted);
 }
 
+/// An action the gateway ended at its throttle on purpose (the quota is spent, the scope is
+/// saturated, an operator holds it) is not missing a wake: nothing may wake it, so the advice
+/// is to hand over the evidence, not to re-arm a retry the gateway decided against.
+#[test]
+fn an_action_the_gateway_ended_at_its_throttle_is_retry_budget_exhausted_not_a_missing_wake() {
+    for (n, outcome) in [
+        Outcome::QuotaExhausted,
+        Outcome::ScopeSaturated,
+        Outcome::Escalated,
+        Outcome::ReconciliationRequired,
+        Outcome::Rejected,
+        Outcome::CircuitOpen,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (_dir, store) = store();
+        let id = action(&store, &format!("run-q{n}"), "agent-a", &format!("k-q{n}"));
+        throttled(&store, id, 0, 200, Some(10_200));
+        ended(&store, id, outcome, 200);
+        // Long after the boundary and any wake grace: nothing was ever scheduled.
+        let s = snapshot(&store, id, 100_000).expect("throttled");
+        assert_eq!(s.scheduled_retry_at, None);
+        assert_eq!(
+            (s.max_attempts, diagnosis(&s, 100_000)),
+            (s.attempts_used, Diagnosis::RetryBudgetExhausted),
+            "{outcome:?}"
+        );
+    }
+}
+
 /// A write that ended `budget_exhausted` and was then reopened by its same-key resend (its
 /// answer said to come back) runs again: its snapshot no longer treats it as ended with no
 /// attempt left.
