@@ -327,7 +327,9 @@ pub struct Provider {
     pub idempotency_header: Option<String>,
     /// Whether PUT/DELETE are idempotent by the provider's contract.
     pub idempotent_put_delete: bool,
-    /// JSON pointer (RFC 6901) to the error code in an error body.
+    /// JSON pointer (RFC 6901) to the error code in an error body (`error_code_pointer`);
+    /// absent, the dialect's documented place ([`Dialect::error_code_pointer`]: `/error/code`
+    /// for `openai`), else none.
     pub error_code_pointer: Option<String>,
     /// Provider error code → disposition (`error_codes`); these override
     /// [`crate::classify::default_error_codes`].
@@ -1983,11 +1985,16 @@ fn validate_provider(
     let idempotency_header = p.idempotency_header.as_ref().and_then(|s| {
         check_header_name(ctx, s, &format!("{path}.idempotency_header")).then(|| s.value.clone())
     });
-    let error_code_pointer = check_pointer(
-        ctx,
-        &p.error_code_pointer,
-        &format!("{path}.error_code_pointer"),
-    );
+    // Absent: the dialect's documented place, if it has one (OpenAI: /error/code), so that a
+    // provider declared `dialect: openai` reads `insufficient_quota` without more settings.
+    let error_code_pointer = match &p.error_code_pointer {
+        Some(_) => check_pointer(
+            ctx,
+            &p.error_code_pointer,
+            &format!("{path}.error_code_pointer"),
+        ),
+        None => dialect.error_code_pointer().map(str::to_owned),
+    };
     let mut error_codes = BTreeMap::new();
     for (code, disposition) in p.error_codes.map(|m| m.0).unwrap_or_default() {
         match serde_json::from_value::<Disposition>(serde_json::Value::String(
@@ -2987,6 +2994,30 @@ mod tests {
     }
 
     const PROVIDER: &str = "providers:\n  billing:\n    base_url: https://billing.example\n";
+
+    #[test]
+    fn the_openai_dialect_reads_error_codes_where_openai_documents_them_unless_told_otherwise() {
+        let pointer = |extra: &str| {
+            let policy =
+                Policy::from_yaml_str(&format!("{PROVIDER}{extra}"), "p.yaml").expect("valid");
+            policy.providers["billing"].error_code_pointer.clone()
+        };
+        assert_eq!(
+            pointer("    dialect: openai\n").as_deref(),
+            Some("/error/code")
+        );
+        assert_eq!(
+            pointer("    dialect: openai\n    error_code_pointer: /detail/code\n").as_deref(),
+            Some("/detail/code")
+        );
+        for dialect in ["generic", "ietf", "anthropic", "github"] {
+            assert_eq!(
+                pointer(&format!("    dialect: {dialect}\n")),
+                None,
+                "{dialect}"
+            );
+        }
+    }
 
     #[test]
     fn provider_names_shadowed_by_backstop_routes_or_dot_segments_are_refused() {

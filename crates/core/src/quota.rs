@@ -78,6 +78,17 @@ impl Dialect {
             Dialect::Github => "github",
         }
     }
+
+    /// Where this provider's error bodies keep their error code (an RFC 6901 JSON pointer),
+    /// when its documentation fixes it: OpenAI's `{"error": {"code": "insufficient_quota", …}}`
+    /// (OpenAI API reference, "Error codes") → `/error/code`. `None` for the others, whose
+    /// bodies are not one documented shape (a provider's `error_code_pointer` says where).
+    pub fn error_code_pointer(self) -> Option<&'static str> {
+        match self {
+            Dialect::Openai => Some("/error/code"),
+            Dialect::Generic | Dialect::Ietf | Dialect::Anthropic | Dialect::Github => None,
+        }
+    }
 }
 
 impl fmt::Display for Dialect {

@@ -713,7 +713,11 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
         // An action the gateway ended without success (other than at its deadline) has no
         // authorized attempt left: nothing will wake it, so its authority is the attempts it
         // used (module docs).
-        max_attempts: if trail.outcome.as_deref().is_some_and(ended_without_authority) {
+        max_attempts: if trail
+            .outcome
+            .as_deref()
+            .is_some_and(ended_without_authority)
+        {
             attempts_used.min(limits.max_attempts)
         } else {
             limits.max_attempts

@@ -84,10 +84,12 @@ pub struct Args {
     /// Quota header dialect: generic, ietf, openai, anthropic or github.
     #[arg(long, default_value = "generic")]
     pub dialect: String,
-    /// File holding the error body (read only through --error-pointer; never printed).
+    /// File holding the error body (only its error code is read, through --error-pointer or
+    /// the dialect's documented place — openai: /error/code; never printed).
     #[arg(long, value_name = "FILE")]
     pub body_file: Option<PathBuf>,
-    /// RFC 6901 JSON pointer to the provider error code in the body, e.g. /error/code.
+    /// RFC 6901 JSON pointer to the provider error code in the body, e.g. /error/code
+    /// (default: the dialect's documented place, /error/code for openai; none for the others).
     #[arg(long, value_name = "POINTER")]
     pub error_pointer: Option<String>,
     /// Instead of a response: connect, dns, tls, timeout-after-send, reset-after-send or
@@ -170,6 +172,17 @@ fn build(args: Args) -> Result<Value, String> {
             );
         }
     }
+    // Without --error-pointer, the dialect's documented place (openai: /error/code), as the
+    // policy does; a body with no pointer at all would be read for nothing.
+    let error_code_pointer = args
+        .error_pointer
+        .clone()
+        .or_else(|| dialect.error_code_pointer().map(str::to_owned));
+    if args.body_file.is_some() && error_code_pointer.is_none() {
+        return Err(format!(
+            "--body-file needs --error-pointer: only the error code is read from the body, and              the {dialect} dialect has no documented place for it (e.g. --error-pointer              /error/code; --dialect openai reads /error/code)"
+        ));
+    }
     let body = match &args.body_file {
         Some(path) => Some(
             std::fs::read(path)
@@ -178,7 +191,7 @@ fn build(args: Args) -> Result<Value, String> {
         None => None,
     };
     let rules = ClassifyRules {
-        error_code_pointer: args.error_pointer.clone(),
+        error_code_pointer,
         dialect,
         ..ClassifyRules::with_retry_statuses(args.class.retry_statuses())
     };

@@ -397,3 +397,28 @@ fn a_status_outside_u16_gets_the_same_refusal_as_one_outside_100_to_599() {
         "backstop classify: --status -5: not an HTTP status (100..=599, RFC 9110 §15)\n"
     );
 }
+
+#[test]
+fn the_openai_dialect_reads_the_error_code_where_openai_documents_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let body = dir.path().join("body.json");
+    std::fs::write(&body, r#"{"error":{"code":"insufficient_quota"}}"#).expect("write body");
+    let body = body.to_str().expect("utf-8 path");
+    let v = json(&[
+        "--status",
+        "429",
+        "--dialect",
+        "openai",
+        "--body-file",
+        body,
+        "--now",
+        NOW,
+    ]);
+    assert_eq!(v["error_code"], "insufficient_quota", "{v}");
+    assert_eq!(v["disposition"], "quota_exhausted", "{v}");
+    // Another dialect has no documented place: the body would be read for nothing.
+    fails_with_2(
+        &["--status", "429", "--body-file", body, "--now", NOW],
+        "--body-file needs --error-pointer",
+    );
+}
