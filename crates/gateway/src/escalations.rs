@@ -42,7 +42,7 @@
 //! the action. The store keeps only the payload's SHA-256 digest, never its bytes, so there is
 //! nothing to reveal: the endpoint refuses explicitly with `404 payload_not_stored` and says how
 //! to proceed — ask the agent for its copy and compare its SHA-256 with the case file's
-//! `action.payload_digest`, or configure a payload vault (not built). Each request is audited
+//! `action.payload_digest` (backstop has no payload store to configure). Each request is audited
 //! as an `access_decision` event ([`Store::record_access_decision`]: `reveal_payload`, the
 //! operator, outcome [`REVEAL_REFUSED_NOT_STORED`]), separately from decisions on the action; the
 //! escalation stays open.
@@ -542,8 +542,8 @@ async fn reveal(
         format!(
             "backstop keeps only the payload's SHA-256 digest ({digest}), never the payload; ask \
              the agent for its copy and compare its SHA-256 with the case file's \
-             action.payload_digest, or configure a payload vault. Revealing a payload is a \
-             separate access decision and approves nothing."
+             action.payload_digest. backstop has no setting that keeps payloads. Revealing a \
+             payload is a separate access decision and approves nothing."
         ),
     ))
 }

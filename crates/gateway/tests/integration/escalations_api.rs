@@ -408,6 +408,8 @@ async fn reveal_is_refused_explicitly_and_does_not_decide_the_escalation() {
         "{detail}"
     );
     assert!(!detail.contains("PAYLOAD-CANARY-1"), "{detail}");
+    // Only advice an operator can follow: no setting that does not exist.
+    assert!(!detail.contains("configure"), "{detail}");
     let record = f
         .store
         .escalation(f.escalation)
