@@ -569,10 +569,6 @@ async fn scenario(dir: &Path) -> Result<Report, String> {
             "step 4: the provider saw {creates} creates for two logical writes (expected 2)"
         ));
     }
-    let events = live
-        .store
-        .audit_events(0, 1_000_000)
-        .map_err(|e| format!("cannot read the audit log: {e}"))?;
     let escalations = live
         .store
         .open_escalations()
@@ -586,10 +582,16 @@ async fn scenario(dir: &Path) -> Result<Report, String> {
         .await
         .map_err(|e| format!("the gateway did not stop cleanly: {e}"))?;
     live.fake.shutdown().await;
+    // Read through the gateway's own store, after its stop wrote what it writes: a second,
+    // read-only opener would leave the WAL files behind (only the last writer removes them).
+    let events = live
+        .store
+        .audit_events(0, 1_000_000)
+        .map_err(|e| format!("cannot read the audit log: {e}"))?;
     drop(live.engine);
     drop(live.store);
 
-    let audit_path = export_audit(&store_path, &dir.join("audit.ndjson"));
+    let audit_path = export_audit(&events, &dir.join("audit.ndjson"));
     Ok(Report {
         dir: dir.to_path_buf(),
         store_path,
@@ -603,15 +605,13 @@ async fn scenario(dir: &Path) -> Result<Report, String> {
     })
 }
 
-fn export_audit(store: &Path, out: &Path) -> Result<PathBuf, String> {
-    let reader = backstop_store::AuditReader::open(store)
-        .map_err(|e| format!("cannot open {}: {e}", store.display()))?;
+/// Writes `events` to `out` as `backstop audit export` prints them (NDJSON).
+fn export_audit(events: &[AuditEvent], out: &Path) -> Result<PathBuf, String> {
     let mut file = std::io::BufWriter::new(
         std::fs::File::create(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?,
     );
-    reader
-        .export(0, &mut file)
-        .map_err(|e| format!("cannot export the audit log: {e}"))?;
+    backstop_store::audit::write_export(&mut file, events)
+        .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     std::io::Write::flush(&mut file).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     Ok(out.to_path_buf())
 }

@@ -199,6 +199,11 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
     // binary is reached from where the demo ran (`backstop` only when that is what PATH finds).
     let db = run_dir.join("backstop.db");
     let audit = run_dir.join("audit.ndjson");
+    // The store was closed cleanly, and nothing opened it after: no WAL files are left beside
+    // it (checked before any command below reads it).
+    for leftover in ["backstop.db-wal", "backstop.db-shm"] {
+        assert!(!run_dir.join(leftover).exists(), "{leftover} left behind");
+    }
     let relative = exe
         .strip_prefix(&workdir)
         .expect("under the working directory");
