@@ -271,7 +271,8 @@ pub struct CaseInput {
 pub struct CaseFile {
     /// Layout version ([`CASE_FILE_VERSION`]).
     pub version: u32,
-    /// When the escalation opened (RFC 3339 UTC).
+    /// When the escalation opened (RFC 3339 UTC, to the millisecond like every recorded
+    /// instant).
     pub opened_at: Timestamp,
     /// Why it was opened.
     pub reason: EscalationReason,
@@ -399,7 +400,10 @@ impl CaseFile {
             .collect();
         let mut case = CaseFile {
             version: CASE_FILE_VERSION,
-            opened_at: input.opened_at,
+            // Milliseconds, as the store and the audit log keep every instant: the case file
+            // shows the instant its escalation's records show.
+            opened_at: Timestamp::from_millisecond(input.opened_at.as_millisecond())
+                .unwrap_or(input.opened_at),
             reason: input.reason,
             reason_detail: input.reason_detail,
             desired_outcome: input.desired_outcome,
@@ -1107,6 +1111,23 @@ pub fn validate_decision(
 mod tests {
     use super::*;
 
+    fn quota_case_input() -> CaseInput {
+        CaseInput {
+            opened_at: "2026-01-01T00:00:00Z".parse().expect("instant"),
+            reason: EscalationReason::SharedQuotaExhausted,
+            reason_detail: "insufficient_quota".into(),
+            action: CaseAction {
+                task_id: "run-1".into(),
+                method: "GET".into(),
+                route: "/v1/orders".into(),
+                request_class: "read".into(),
+                payload_digest: "0".repeat(64),
+            },
+            provider: "llm".into(),
+            ..CaseInput::default()
+        }
+    }
+
     fn quota_case(key: Option<&str>) -> CaseFile {
         CaseFile::build(CaseInput {
             opened_at: "2026-01-01T00:00:00Z".parse().expect("instant"),
@@ -1125,6 +1146,20 @@ mod tests {
             ..CaseInput::default()
         })
         .expect("case file")
+    }
+
+    #[test]
+    fn the_case_file_opens_at_the_millisecond_its_records_keep() {
+        let case = CaseFile::build(CaseInput {
+            opened_at: "2026-01-01T00:00:00.123456789Z".parse().expect("instant"),
+            ..quota_case_input()
+        })
+        .expect("case file");
+        assert_eq!(case.opened_at.to_string(), "2026-01-01T00:00:00.123Z");
+        assert_eq!(
+            serde_json::to_value(&case).expect("json")["opened_at"],
+            "2026-01-01T00:00:00.123Z"
+        );
     }
 
     #[test]
