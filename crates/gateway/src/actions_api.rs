@@ -44,6 +44,7 @@ use axum::{
     Router,
 };
 use backstop_core::{
+    outcome::NextSafe,
     pacing::Priority,
     reconcile::{validate_idempotency_key, ReconcileError},
 };
@@ -705,8 +706,10 @@ async fn show_inner(
 ///
 /// `state` is `completed` once the action has ended, else the stored state (`pending`,
 /// `sent`, …). `context` is always the SPEC §5 context (`sent`, `response_received`,
-/// `attempts`, `total_wait_ms`, `last_status`, `last_signal`, `boundary`, `next_safe`) once
-/// the action has ended, `null` before. Where the store kept a marker instead of a context (a
+/// `attempts`, `total_wait_ms`, `last_status`, `last_signal`, `boundary`, `next_safe`, each
+/// option with its `description`) once the action has ended, `null` before; members a stored
+/// context lacks are derived from the attempts. `detail` says in words why the gateway ended
+/// the action, where it recorded why (a close at a restart, a cancellation). Where the store kept a marker instead of a context (a
 /// reconciled, escalated or task-cancelled action), the context is derived from the stored
 /// attempts: waits are the gaps between one attempt's result and the next attempt's send, and
 /// `next_safe` is what is safe from that outcome (an escalation: `query_status`,
@@ -727,14 +730,19 @@ pub fn action_view(
         .is_some_and(|d| d.as_str() == "uncertain");
     let reconciled = outcome == Some("succeeded")
         && (stored.get("reconciled") == Some(&Value::Bool(true)) || (is_write && last_uncertain));
-    let context = if !finished {
+    let mut context = if !finished {
         Value::Null
     } else if stored.get("sent").is_some() && stored.get("next_safe").is_some() {
-        let mut context = stored.clone();
-        if let Some(map) = context.as_object_mut() {
-            map.remove("reconciled");
-            map.remove("detail");
-            map.remove("escalation");
+        // The stored context, completed from the attempts where it left a member out (an
+        // action closed at a restart keeps only what that close knew), so that every view
+        // has every member.
+        let mut context = derived_context(attempts, Vec::new());
+        if let (Some(map), Some(kept)) = (context.as_object_mut(), stored.as_object()) {
+            for (name, value) in kept {
+                if !matches!(name.as_str(), "reconciled" | "detail" | "escalation") {
+                    map.insert(name.clone(), value.clone());
+                }
+            }
         }
         context
     } else {
@@ -752,6 +760,7 @@ pub fn action_view(
         };
         derived_context(attempts, next_safe)
     };
+    describe_next_safe(&mut context);
     let mut body = json!({
         "id": record.id.0,
         "task": record.task_id,
@@ -770,10 +779,36 @@ pub fn action_view(
     if reconciled {
         body["reconciled"] = Value::Bool(true);
     }
+    // Why the gateway ended it, in words, where it said so (a restart's close, say).
+    if let Some(detail) = stored
+        .get("detail")
+        .filter(|_| finished)
+        .and_then(Value::as_str)
+    {
+        body["detail"] = Value::String(detail.to_owned());
+    }
     if let Some(escalation) = escalation_id {
         body["escalation_id"] = json!(escalation);
     }
     body
+}
+
+/// Gives each `next_safe` option of `context` its `description`, as a problem answer
+/// carries it ([`NextSafe::description`]); an option this build does not know keeps what it
+/// has.
+fn describe_next_safe(context: &mut Value) {
+    let Some(options) = context.get_mut("next_safe").and_then(Value::as_array_mut) else {
+        return;
+    };
+    for option in options {
+        let Ok(known) = serde_json::from_value::<NextSafe>(option.clone()) else {
+            continue;
+        };
+        if let Some(map) = option.as_object_mut() {
+            map.entry("description")
+                .or_insert_with(|| Value::String(known.description()));
+        }
+    }
 }
 
 /// A SPEC §5 context rebuilt from the stored attempts.

@@ -31,11 +31,33 @@ async fn a_read_recorded_but_never_sent_before_a_stop_is_cancelled_at_restart() 
     );
     let record = stored(read);
     assert_eq!(record.outcome, Some(Outcome::Cancelled));
-    let context = record.outcome_context.unwrap();
+    let context = record.outcome_context.clone().unwrap();
     assert_eq!(context["detail"], RESTARTED_BEFORE_READ_SENT, "{context}");
     assert_eq!(context["sent"], false, "{context}");
     assert_eq!(context["attempts"], 0, "{context}");
     assert!(h.store.attempts(read).unwrap().is_empty());
+    // The action view has every member of the context, says why it ended, and describes its
+    // options as a problem answer does.
+    let view = backstop_gateway::actions_api::action_view(&record, &[], false);
+    for member in [
+        "sent",
+        "response_received",
+        "attempts",
+        "total_wait_ms",
+        "last_status",
+        "last_signal",
+        "boundary",
+        "next_safe",
+    ] {
+        assert!(view["context"].get(member).is_some(), "{member}: {view}");
+    }
+    assert_eq!(view["detail"], RESTARTED_BEFORE_READ_SENT, "{view}");
+    assert!(
+        view["context"]["next_safe"][0]["description"]
+            .as_str()
+            .is_some_and(|d| !d.is_empty()),
+        "{view}"
+    );
     assert_eq!(
         stored(write).outcome,
         None,
