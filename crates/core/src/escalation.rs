@@ -530,8 +530,15 @@ pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
             } else {
                 "Resubmit it"
             };
+            // Once, at the boundary: "resubmit until …" would read as "keep resubmitting".
+            let when = match case.retry_not_before {
+                Some(at) => format!("once, at or after {at}"),
+                None => {
+                    "once, after the provider's limit resets (the instant is not known)".to_owned()
+                }
+            };
             format!(
-                "The action has ended and backstop sends nothing more. {resubmit} {until}; \
+                "The action has ended and backstop sends nothing more. {resubmit} {when}; \
                  anything sent earlier meets the same limit.{deadline}"
             )
         } else {
@@ -1266,7 +1273,7 @@ mod tests {
         let wait = risk(&ended, DecisionOption::Wait);
         assert!(wait.contains("backstop sends nothing more"), "{wait}");
         assert!(
-            wait.contains("Resubmit it until 2026-01-02T00:00:00Z"),
+            wait.contains("Resubmit it once, at or after 2026-01-02T00:00:00Z"),
             "{wait}"
         );
         assert!(
