@@ -267,10 +267,17 @@ fn json_reason(err: &serde_json::Error) -> String {
     let full = err.to_string();
     let position = format!(" at line {} column {}", err.line(), err.column());
     let message = full.strip_suffix(&position).unwrap_or(&full);
+    // The parser's words ("expected ident") name a token, not the problem: say first that the
+    // line is not JSON at all, where that is what went wrong.
+    let kind = match err.classify() {
+        serde_json::error::Category::Syntax => "not valid JSON: ",
+        serde_json::error::Category::Eof => "not valid JSON (it ends too early): ",
+        serde_json::error::Category::Data | serde_json::error::Category::Io => "",
+    };
     if err.line() == 0 || message.starts_with("missing field") {
-        message.to_owned()
+        format!("{kind}{message}")
     } else {
-        format!("{message} at column {}", err.column())
+        format!("{kind}{message} at column {}", err.column())
     }
 }
 
@@ -1013,6 +1020,31 @@ mod tests {
             other => panic!("expected a malformed line, got {other:?}"),
         }
         assert!(parse_snapshot(LINE.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn a_line_that_is_not_json_says_so_before_the_parser_s_words() {
+        for (line, start) in [
+            ("this is not json", "not valid JSON: "),
+            (
+                r#"{"run_id":"run-1""#,
+                "not valid JSON (it ends too early): ",
+            ),
+        ] {
+            match parse_snapshot(line.as_bytes()) {
+                Err(SnapshotError::Malformed { reason, .. }) => {
+                    assert!(reason.starts_with(start), "{line}: {reason}");
+                }
+                other => panic!("expected a malformed line, got {other:?}"),
+            }
+        }
+        // A JSON value of the wrong shape is not called "not JSON".
+        match parse_snapshot(br#"{"run_id":7}"#) {
+            Err(SnapshotError::Malformed { reason, .. }) => {
+                assert!(!reason.contains("not valid JSON"), "{reason}");
+            }
+            other => panic!("expected a malformed line, got {other:?}"),
+        }
     }
 
     fn report(run: &str, scope: &str) -> DiagnosisReport {

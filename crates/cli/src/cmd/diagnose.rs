@@ -454,6 +454,13 @@ fn check_and_diagnose(
     if audit_lines > 1 {
         errln!("{name}: {audit_lines} lines are audit events, not snapshots");
     }
+    if first && bad == 0 {
+        // Not an error (an export of a run that was never throttled is empty), but said, so
+        // an empty table is not mistaken for "all healthy".
+        errln!(
+            "{name}: no snapshots (the input is empty or only blank lines): nothing was diagnosed"
+        );
+    }
     if let Some(out) = spool.as_mut() {
         write_totals(out, format, &totals).map_err(spool_failure)?;
     }

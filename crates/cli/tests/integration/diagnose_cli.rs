@@ -186,7 +186,10 @@ fn bad_lines_are_all_reported_with_numbers_and_nothing_is_printed() {
         let name = path.display().to_string();
         let lines: Vec<&str> = err.lines().collect();
         assert_eq!(lines.len(), 4, "{format}: {err}");
-        assert!(lines[0].starts_with(&format!("{name}: LINE 2: ")), "{err}");
+        assert!(
+            lines[0].starts_with(&format!("{name}: LINE 2: not valid JSON: ")),
+            "{err}"
+        );
         assert!(
             lines[1].starts_with(&format!("{name}: LINE 4: ")) && lines[1].contains("throttled_at"),
             "{err}"
@@ -342,6 +345,15 @@ fn empty_input_gives_zero_totals() {
     let doc: Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(doc["snapshots"].as_array().unwrap().len(), 0);
     assert_eq!(doc["totals"]["retry_after_debt_ms"], 0);
+    // Said on stderr, so an empty table is not read as "all healthy".
+    assert!(
+        stderr(&o).contains("no snapshots") && stderr(&o).contains("nothing was diagnosed"),
+        "{}",
+        stderr(&o)
+    );
+    let o = backstop(&["--now", NOW], Some(b"\n  \n"));
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stderr(&o).contains("no snapshots"), "{}", stderr(&o));
 }
 
 #[test]
