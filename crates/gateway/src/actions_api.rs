@@ -183,8 +183,18 @@ async fn submit_inner(
     *agent = Some(who.name.clone());
     engine(state, "POST /v1/actions")?;
     let mut request: NewActionBody = serde_json::from_slice(&body).map_err(|e| {
+        // Say first whether the body is JSON at all; a JSON body of the wrong shape names
+        // the member (serde's words: `invalid type: integer -1, expected u64` and the like).
+        let what = match e.classify() {
+            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+                "the body is not valid JSON"
+            }
+            serde_json::error::Category::Data | serde_json::error::Category::Io => {
+                "the body is JSON, but not an action"
+            }
+        };
         api_bad_request(format!(
-            "body: expected {{provider, method, path, headers?, body? | body_base64?, task?, priority?, deadline?, max_wait_seconds?, idempotency_key?, desired_outcome?}}: {e}"
+            "body: {what}: expected {{provider, method, path, headers?, body? | body_base64?, task?, priority?, deadline?, max_wait_seconds?, idempotency_key?, desired_outcome?}}: {e}"
         ))
     })?;
     let method = Method::from_bytes(request.method.trim().to_ascii_uppercase().as_bytes())

@@ -539,6 +539,30 @@ async fn an_unusable_idempotency_key_is_a_malformed_header_before_any_action_exi
 }
 
 #[tokio::test]
+async fn a_body_that_is_not_json_is_told_apart_from_a_json_body_of_the_wrong_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    for (body, says) in [
+        ("not json", "the body is not valid JSON"),
+        (r#"{"provider": "fake""#, "the body is not valid JSON"),
+        (
+            r#"{"provider": "fake", "method": "GET", "path": "/v1/x", "max_wait_seconds": -1}"#,
+            "the body is JSON, but not an action",
+        ),
+    ] {
+        let (status, problem) = post_action(&base, body.to_owned(), None).await;
+        assert_eq!(status, 400, "{body}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(
+            detail.starts_with(&format!("body: {says}: ")),
+            "{body}: {detail}"
+        );
+    }
+    assert!(provider.attempts().is_empty());
+}
+
+#[tokio::test]
 async fn two_places_giving_different_idempotency_keys_are_refused_naming_both() {
     let dir = tempfile::tempdir().unwrap();
     let (provider, gw) = transfers_gateway(dir.path()).await;
