@@ -9,6 +9,7 @@
 //! Who may read what:
 //! - the proxy door: agent tokens (see [`crate::door`]);
 //! - `GET /v1/scopes`: agent or operator tokens; the JSON array of the engine's scope views;
+//! - `GET /v1/live`: no token; `200 {"status": "serving"}` while the gateway takes work;
 //! - `GET /metrics`: open when the listener is on a loopback address (a local Prometheus or
 //!   curl needs no token), otherwise an agent or operator token. Content type
 //!   [`METRICS_CONTENT_TYPE`] (OpenMetrics 1.0 text).
@@ -225,10 +226,12 @@ impl AppState {
     }
 }
 
-/// The router: `GET /v1/scopes`, `GET /metrics`, and the proxy door for every other path.
+/// The router: `GET /v1/scopes`, `GET /v1/live`, `GET /metrics`, and the proxy door for every
+/// other path.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/scopes", get(scopes))
+        .route("/v1/live", get(live))
         .route("/metrics", get(metrics))
         .fallback(door_handler)
         .with_state(state)
@@ -243,6 +246,14 @@ async fn scopes(State(state): State<Arc<AppState>>, request: Request<Body>) -> R
         return Problem::from(problem).into_response();
     }
     axum::Json(state.executor.scopes()).into_response()
+}
+
+/// `GET /v1/live`: `200 {"status": "serving"}` without a token, for a liveness or readiness
+/// probe (a load balancer, an orchestrator). It says only that this process answers and takes
+/// work; nothing about providers, tasks or the store. During a stop it is answered `503
+/// shutting_down` like every other request.
+async fn live() -> Response {
+    axum::Json(serde_json::json!({ "status": "serving" })).into_response()
 }
 
 /// The content type of `/metrics`: the exposition is OpenMetrics 1.0 text (`_total` counters,

@@ -226,6 +226,27 @@ fn agent_token_never_reaches_the_provider_and_the_secret_never_leaks() {
     Capture::detach();
 }
 
+/// `GET /v1/live` answers a probe without a token, and says nothing but that the gateway
+/// serves; nothing reaches a provider.
+#[tokio::test]
+async fn the_liveness_probe_needs_no_token_and_reaches_no_provider() {
+    let fake = fake(Vec::new());
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let response = client()
+        .get(format!("http://{}/v1/live", gateway.addr))
+        .send()
+        .await
+        .expect("live");
+    assert_eq!(response.status(), 200);
+    let body: serde_json::Value =
+        serde_json::from_str(&response.text().await.expect("body")).expect("json");
+    assert_eq!(body, serde_json::json!({"status": "serving"}));
+    assert!(fake.attempts().is_empty());
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
 /// Requests with the agent's token as bearer and as `x-api-key` (a read retried after a 503, a
 /// refused write, an unknown provider), the scopes and metrics: the provider sees backstop's
 /// credential only, and neither secret is in `logs`, the audit log or any answer.
