@@ -3173,7 +3173,8 @@ impl Engine {
             (Disposition::QuotaExhausted, _) => {
                 let boundary = seen.boundary;
                 let context = self.context(budget, seen, boundary, wait_then_abort(boundary));
-                let detail = quota_escalations::exhausted_detail(boundary);
+                let detail =
+                    quota_escalations::exhausted_detail(boundary, signal.error_code.as_deref());
                 let mut execution = Box::pin(self.finish_with_result(
                     run,
                     budget,

@@ -101,10 +101,15 @@ pub(super) fn streak_keys(provider: &str, scopes: &[String]) -> Vec<String> {
 /// The detail of an action ended `quota_exhausted` by the provider (SPEC §2.1): until which
 /// reset, or — when the provider gave none (the boundary is unknown) — that no reset is known,
 /// so no retry time can be named.
-pub(super) fn exhausted_detail(reset: Option<Timestamp>) -> String {
+pub(super) fn exhausted_detail(reset: Option<Timestamp>, error_code: Option<&str>) -> String {
+    // The provider's own code, as its SDKs and docs name the case (`insufficient_quota`): the
+    // answer is backstop's problem document, not the provider's body.
+    let code = error_code
+        .map(|code| format!(" (the provider answered `{code}`)"))
+        .unwrap_or_default();
     match reset {
-        Some(at) => format!("the provider's quota is exhausted until its reset at {at}"),
-        None => "the provider's quota is exhausted and the provider gave no reset instant, so there is no known time at which a retry would be allowed".to_owned(),
+        Some(at) => format!("the provider's quota is exhausted{code} until its reset at {at}"),
+        None => format!("the provider's quota is exhausted{code} and the provider gave no reset instant, so there is no known time at which a retry would be allowed"),
     }
 }
 
@@ -285,10 +290,15 @@ mod tests {
     fn the_exhausted_detail_names_the_reset_only_when_one_is_known() {
         let reset: Timestamp = "2026-01-01T00:00:00Z".parse().expect("instant");
         assert_eq!(
-            exhausted_detail(Some(reset)),
+            exhausted_detail(Some(reset), None),
             "the provider's quota is exhausted until its reset at 2026-01-01T00:00:00Z"
         );
-        let unknown = exhausted_detail(None);
+        assert_eq!(
+            exhausted_detail(Some(reset), Some("insufficient_quota")),
+            "the provider's quota is exhausted (the provider answered `insufficient_quota`) \
+             until its reset at 2026-01-01T00:00:00Z"
+        );
+        let unknown = exhausted_detail(None, None);
         assert!(unknown.contains("gave no reset instant"), "{unknown}");
         assert!(!unknown.contains("until its reset"), "{unknown}");
     }
