@@ -1165,7 +1165,47 @@ fn verify_connection(conn: &Connection, expect_head: Option<&str>) -> Result<Ver
         buf: std::collections::VecDeque::new(),
         done: false,
     };
-    verify_chain(&seqs, events, expect_head)
+    match verify_chain(&seqs, events, expect_head)? {
+        Verdict::Intact { count, head } => Ok(match unaudited_action(conn)? {
+            Some(cut) => Verdict::Broken(crate::audit::ChainBreak {
+                seq: i64::try_from(count + 1).unwrap_or(i64::MAX),
+                kind: crate::audit::BreakKind::Truncated,
+                detail: cut,
+            }),
+            None => Verdict::Intact { count, head },
+        }),
+        broken => Ok(broken),
+    }
+}
+
+/// Why the log must have been cut at its end although its chain is whole, or `None`: the store
+/// records every action in the same transaction as its `action_requested` event, so an action
+/// row newer than every audited action means events were removed from the end of the log (a
+/// log wiped whole verifies as an empty chain otherwise; without `--expect-head` a cut tail is
+/// a shorter, intact chain).
+fn unaudited_action(conn: &Connection) -> Result<Option<String>, StoreError> {
+    let newest: Option<i64> = conn.query_row("SELECT MAX(id) FROM actions", [], |r| r.get(0))?;
+    let Some(newest) = newest else {
+        return Ok(None);
+    };
+    let audited: Option<i64> = conn.query_row(
+        "SELECT MAX(action) FROM audit_events WHERE kind = 'action_requested'",
+        [],
+        |r| r.get(0),
+    )?;
+    Ok(match audited {
+        Some(audited) if audited >= newest => None,
+        Some(audited) => Some(format!(
+            "the store records action {newest}, but the log's newest `action_requested` is \
+             for action {audited}: events were cut from the end of the log (every action is \
+             recorded in the same transaction as its event)"
+        )),
+        None => Some(format!(
+            "the store records actions up to action {newest}, but the log has no \
+             `action_requested` event: the log was emptied or cut (every action is recorded in \
+             the same transaction as its event)"
+        )),
+    })
 }
 
 /// Streams the audit log in `seq` order, [`CHUNK`] events per query, so verifying a large log

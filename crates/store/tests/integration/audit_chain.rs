@@ -189,6 +189,44 @@ fn a_cut_tail_is_truncated_against_the_previous_head() {
     ));
 }
 
+/// A database's log wiped whole, or cut at its end, is found without an anchored head: every
+/// action row is written with its `action_requested` event, so an action newer than every
+/// audited one proves the cut.
+#[test]
+fn a_wiped_or_cut_log_in_a_database_is_truncated_even_without_a_head() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 4);
+    let count = store.audit_events(0, 1_000).expect("events").len() as i64;
+    assert!(matches!(
+        store.verify_audit(None).expect("verify"),
+        Verdict::Intact { .. }
+    ));
+    drop(store);
+    // The newest action's events cut off: a shorter chain, whole in itself.
+    let newest_requested: i64 = rusqlite::Connection::open(&path)
+        .expect("open")
+        .query_row(
+            "SELECT MAX(seq) FROM audit_events WHERE kind = 'action_requested'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("seq");
+    let reader = tamper(
+        &path,
+        &format!("DELETE FROM audit_events WHERE seq >= {newest_requested}"),
+    );
+    assert_eq!(
+        broken(reader.verify(None).expect("verify")),
+        (newest_requested, BreakKind::Truncated)
+    );
+    assert!(count > newest_requested);
+    let reader = tamper(&path, "DELETE FROM audit_events");
+    assert_eq!(
+        broken(reader.verify(None).expect("verify")),
+        (1, BreakKind::Truncated)
+    );
+}
+
 #[test]
 fn export_round_trips_through_ndjson() {
     let dir = tempfile::tempdir().expect("tempdir");
