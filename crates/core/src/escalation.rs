@@ -673,9 +673,15 @@ const SECRET_PREFIXES: [&str; 17] = [
     "AIza",
 ];
 
-const SECRET_ASSIGNMENTS: [&str; 10] = [
+const SECRET_ASSIGNMENTS: [&str; 16] = [
     "password",
     "passwd",
+    "pwd",
+    "pass",
+    "passphrase",
+    "cookie",
+    "private_key",
+    "privatekey",
     "secret",
     "token",
     "api_key",
@@ -692,8 +698,10 @@ const SECRET_ASSIGNMENTS: [&str; 10] = [
 /// - words starting with a provider key prefix (`sk-`, `sk_`, `rk_`, `whsec_`, `ghp_`,
 ///   `github_pat_`, `glpat-`, `xoxb-`, `AIza`, …), AWS access key ids (`AKIA`/`ASIA` + 16),
 ///   and JWTs (`eyJ…` with two dots);
-/// - the value assigned to a secret-ish name (`password`, `passwd`, `secret`, `token`,
-///   `api_key`, `apikey`, `api-key`, `access_key`, `client_secret`, `authorization`, also as
+/// - the password in a URL's userinfo (`https://user:[redacted]@host`);
+/// - the value assigned to a secret-ish name (`password`, `passwd`, `pwd`, `pass`,
+///   `passphrase`, `cookie`, `private_key`, `privatekey`, `secret`, `token`, `api_key`,
+///   `apikey`, `api-key`, `access_key`, `client_secret`, `authorization`, also as
 ///   the end of a longer name such as `access_token`), in every usual spelling: `key=value`,
 ///   `key: value`, `key = value`, `"key": "value"` and `{"key":"value"}`. A quoted value is
 ///   redacted up to its closing quote, word by word.
@@ -798,6 +806,9 @@ fn sanitize_word(word: &str, state: Pending) -> (String, Pending) {
     if lower == "basic" {
         return (word.to_owned(), Pending::Basic);
     }
+    if let Some(clean) = redact_url_password(word) {
+        return (clean, Pending::Nothing);
+    }
     if let Some(assigned) = redact_assignment(word) {
         return assigned;
     }
@@ -808,6 +819,29 @@ fn sanitize_word(word: &str, state: Pending) -> (String, Pending) {
         return (replace_core(word, core), Pending::Nothing);
     }
     (word.to_owned(), Pending::Nothing)
+}
+
+/// `word` with the password of a URL's userinfo (`https://user:password@host`, RFC 3986
+/// §3.2.1, which calls that form deprecated for this reason) redacted, or `None` when it holds
+/// no such URL.
+fn redact_url_password(word: &str) -> Option<String> {
+    let scheme_end = word.find("://")? + 3;
+    let authority_len = word[scheme_end..]
+        .find(['/', '?', '#'])
+        .unwrap_or(word.len() - scheme_end);
+    let authority = &word[scheme_end..scheme_end + authority_len];
+    let at = authority.rfind('@')?;
+    let colon = authority[..at].find(':')?;
+    let password = &authority[colon + 1..at];
+    if password.is_empty() || password == REDACTED {
+        return None;
+    }
+    let start = scheme_end + colon + 1;
+    Some(format!(
+        "{}{REDACTED}{}",
+        &word[..start],
+        &word[start + password.len()..]
+    ))
 }
 
 /// Whether `name` (lower case) is a secret-ish name or ends in one after `_`/`-`/`.`
@@ -1241,6 +1275,15 @@ mod tests {
                 "https://h/?a=1&apikey=[redacted]",
             ),
             ("secret : abc", "secret : [redacted]"),
+            (
+                "https://admin:hunter2@db.internal/x",
+                "https://admin:[redacted]@db.internal/x",
+            ),
+            ("pwd: hunter3", "pwd: [redacted]"),
+            ("passphrase=hunter4", "passphrase=[redacted]"),
+            ("Cookie: session=abc", "Cookie: [redacted]"),
+            (r#""pass": "hunter5""#, r#""pass": "[redacted]""#),
+            ("private_key=abc", "private_key=[redacted]"),
         ] {
             let clean = sanitize_text(text);
             assert_eq!(clean.text, expected, "{text}");
@@ -1252,6 +1295,9 @@ mod tests {
             "monkey: banana",
             "at 2026-01-01T00:00:00Z",
             "task_id: 42",
+            "bypass: true",
+            "compass: north",
+            "https://user@host/x",
         ] {
             let clean = sanitize_text(text);
             assert_eq!(clean.text, text);
