@@ -505,6 +505,20 @@ pub trait Store: Send + Sync {
         idempotency_key: &str,
     ) -> Result<Option<ActionRecord>, StoreError>;
 
+    /// The other actions of `provider` that recorded `reference` as their external reference,
+    /// every action except `except`, in id order. A reconciliation lookup by external reference
+    /// proves a write only when no other action shares the reference (SPEC §6): a write the
+    /// lookup finds may be another action's.
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn actions_sharing_reference(
+        &self,
+        provider: &str,
+        reference: &str,
+        except: ActionId,
+    ) -> Result<Vec<ActionId>, StoreError>;
+
     /// Reads the attempts of an action, in order.
     ///
     /// # Errors

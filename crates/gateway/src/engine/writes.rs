@@ -37,7 +37,7 @@ use backstop_core::{
     },
     outcome::{NextSafe, OutcomeContext},
     pacing::Priority,
-    policy::Reconcile,
+    policy::{Reconcile, ReconcileBy},
     reconcile::{
         interpret_lookup, lookup_request, lookup_template, next_step_after_uncertain,
         operation_id_at, upstream_idempotency_key, LookupVerdict, UncertainNextStep,
@@ -498,6 +498,7 @@ impl Inner {
                 return Err(LookupNotSent);
             }
         };
+        let verdict = self.unshared_or_ambiguous(facts, rc, verdict).await;
         let (id, word, at) = (facts.action, verdict_word(&verdict), self.clock.now());
         self.metrics.lookup(&facts.provider, word);
         let audited = template.clone();
@@ -516,6 +517,56 @@ impl Inner {
             "reconciliation lookup answered"
         );
         Ok(verdict)
+    }
+
+    /// A lookup by external reference proves the write only when no other action of the same
+    /// provider recorded the same reference (SPEC §6): otherwise the write it finds may be the
+    /// other action's, so `found` becomes `inconclusive` (the write is escalated, nothing is
+    /// resent, and the found operation id is not handed out). The reason names the other action
+    /// by its id only. A store that cannot answer leaves the lookup unproven too.
+    async fn unshared_or_ambiguous(
+        &self,
+        facts: &WriteFacts,
+        rc: &Reconcile,
+        verdict: LookupVerdict,
+    ) -> LookupVerdict {
+        if rc.by != ReconcileBy::ExternalReference
+            || !matches!(verdict, LookupVerdict::Found { .. })
+        {
+            return verdict;
+        }
+        let Some(reference) = facts.external_reference.clone() else {
+            return verdict;
+        };
+        let (id, provider) = (facts.action, facts.provider.clone());
+        let shared = self
+            .blocking(move |s| s.actions_sharing_reference(&provider, &reference, id))
+            .await;
+        let reason = match shared {
+            Ok(others) if others.is_empty() => return verdict,
+            Ok(others) => {
+                let named: Vec<String> = others.iter().map(|a| a.0.to_string()).collect();
+                let (noun, verb) = if others.len() == 1 {
+                    ("action", "shares")
+                } else {
+                    ("actions", "share")
+                };
+                format!(
+                    "the lookup by external reference found a write, but {noun} {} of provider `{}` {verb} this write's external reference, so the write found may be theirs and not this one",
+                    named.join(", "),
+                    facts.provider
+                )
+            }
+            Err(e) => format!(
+                "the lookup by external reference found a write, but the store could not tell whether another action shares the reference ({e})"
+            ),
+        };
+        tracing::warn!(
+            action = facts.action.0,
+            task = %facts.task_id,
+            "reconciliation lookup found a write under an external reference another action shares; not taken as proof"
+        );
+        LookupVerdict::Inconclusive { reason }
     }
 
     /// One lookup of [`Inner::lookup`]: its verdict and the provider's status, or

@@ -35,4 +35,5 @@ mod writes_decisions;
 mod writes_first_use;
 mod writes_reconcile;
 mod writes_resend;
+mod writes_shared_reference;
 mod writes_takeover;

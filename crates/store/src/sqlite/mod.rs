@@ -1600,6 +1600,15 @@ impl Store for SqliteStore {
         self.read(|c| rows::action_by_key(c, agent, idempotency_key))
     }
 
+    fn actions_sharing_reference(
+        &self,
+        provider: &str,
+        reference: &str,
+        except: ActionId,
+    ) -> Result<Vec<ActionId>, StoreError> {
+        self.read(|c| rows::actions_sharing_reference(c, provider, reference, except))
+    }
+
     fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError> {
         self.read(|c| rows::attempts(c, action))
     }

@@ -240,6 +240,28 @@ static SELECT_ACTION_BY_KEY: std::sync::LazyLock<String> = std::sync::LazyLock::
     format!("SELECT {ACTION_COLUMNS} FROM actions WHERE agent = ?1 AND idempotency_key = ?2")
 });
 
+/// The actions of `provider` other than `except` whose external reference is `reference`, in
+/// id order (see [`crate::Store::actions_sharing_reference`]).
+pub(crate) fn actions_sharing_reference(
+    conn: &Connection,
+    provider: &str,
+    reference: &str,
+    except: ActionId,
+) -> Result<Vec<ActionId>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id FROM actions WHERE provider = ?1 AND external_reference = ?2 AND id != ?3 \
+         ORDER BY id",
+    )?;
+    let ids = stmt.query_map(params![provider, reference, except.0], |r| {
+        r.get::<_, i64>(0)
+    })?;
+    let mut out = Vec::new();
+    for id in ids {
+        out.push(ActionId(id?));
+    }
+    Ok(out)
+}
+
 pub(crate) fn attempts(
     conn: &Connection,
     action: ActionId,

@@ -147,3 +147,37 @@ fn actions_between_attempts_lists_an_attempted_action_without_a_waiting_retry() 
         vec![stalled, retried]
     );
 }
+
+#[test]
+fn actions_sharing_a_reference_are_those_of_the_same_provider_except_the_one_asking() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("s.db")).expect("open");
+    open_task(&store, "task-1");
+    let with = |key: &str, provider: &str, reference: Option<&str>| {
+        let mut action = crate::common::new_action("task-1", key, key.as_bytes());
+        action.provider = provider.into();
+        action.external_reference = reference.map(str::to_owned);
+        match store.record_action(action, t(1)).expect("record") {
+            backstop_store::Admission::New(id) => id,
+            backstop_store::Admission::Existing(a) => panic!("{key} existed as {:?}", a.id),
+        }
+    };
+    let a = with("key-a", "billing-api", Some("ref-1"));
+    let b = with("key-b", "billing-api", Some("ref-1"));
+    let c = with("key-c", "billing-api", Some("ref-1"));
+    with("key-d", "mail-api", Some("ref-1"));
+    with("key-e", "billing-api", Some("ref-2"));
+    with("key-f", "billing-api", None);
+    let shared = |except| {
+        store
+            .actions_sharing_reference("billing-api", "ref-1", except)
+            .expect("query")
+    };
+    assert_eq!(shared(a), vec![b, c]);
+    assert_eq!(shared(b), vec![a, c]);
+    let alone = with("key-g", "billing-api", Some("ref-3"));
+    assert!(store
+        .actions_sharing_reference("billing-api", "ref-3", alone)
+        .expect("query")
+        .is_empty());
+}

@@ -554,6 +554,15 @@ impl Store for FailingStore {
     ) -> Result<Option<ActionRecord>, StoreError> {
         self.inner.action_by_key(agent, idempotency_key)
     }
+    fn actions_sharing_reference(
+        &self,
+        provider: &str,
+        reference: &str,
+        except: ActionId,
+    ) -> Result<Vec<ActionId>, StoreError> {
+        self.inner
+            .actions_sharing_reference(provider, reference, except)
+    }
     fn attempts(&self, action: ActionId) -> Result<Vec<AttemptRecord>, StoreError> {
         {
             let mut gate = self.attempts_gate.lock().unwrap();
