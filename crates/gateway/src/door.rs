@@ -210,22 +210,41 @@ fn task_header(headers: &HeaderMap) -> Result<Option<String>, Problem> {
         .transpose()
 }
 
+/// The latest instant accepted where one is given (`X-Backstop-Deadline`, the `deadline` of
+/// `POST /v1/actions`): `9999-12-30T22:00:00Z`, 253402207200000 ms since the epoch, the latest
+/// the store keeps (it keeps milliseconds within jiff's range, which ends at
+/// `9999-12-30T22:00:00.999999999Z`). A later one would be accepted here and then fail in the
+/// store, so it is refused at once.
+pub const LATEST_INSTANT: &str = "9999-12-30T22:00:00Z";
+
+/// [`LATEST_INSTANT`] in milliseconds since the Unix epoch.
+const LATEST_INSTANT_MS: i64 = 253_402_207_200_000;
+
 /// Reads an RFC 3339 instant (`2026-01-01T12:00:00Z`, `…+01:00`). Fractional seconds beyond
 /// nanoseconds (more than 9 digits) are truncated to nanoseconds, the precision backstop keeps.
-/// Instants are representable from `-009999-01-02T01:59:59Z` to `9999-12-30T22:00:00.999999999Z`
-/// (jiff's range); a later one, such as `9999-12-31T23:59:59Z`, is refused saying so.
+/// Instants are accepted from `-009999-01-02T01:59:59Z` (jiff's range) to [`LATEST_INSTANT`]
+/// (the store's); a later one, such as `9999-12-30T22:00:00.001Z` or `9999-12-31T23:59:59Z`,
+/// is refused saying so.
 ///
 /// # Errors
-/// A sentence quoting the value (clipped to 64 characters) and jiff's reason.
+/// A sentence quoting the value (clipped to 64 characters) and the reason.
 pub fn parse_instant(text: &str) -> Result<Timestamp, String> {
     let text = text.trim();
     let truncated = truncate_fraction(text);
-    truncated.parse::<Timestamp>().map_err(|e| {
+    let at = truncated.parse::<Timestamp>().map_err(|e| {
         format!(
-            "`{}` is not an RFC 3339 instant like 2026-01-01T12:00:00Z that backstop can represent (up to 9999-12-30T22:00:00Z): {e}",
+            "`{}` is not an RFC 3339 instant like 2026-01-01T12:00:00Z that backstop can represent (up to {LATEST_INSTANT}): {e}",
             clip(text)
         )
-    })
+    })?;
+    let latest = Timestamp::from_millisecond(LATEST_INSTANT_MS).unwrap_or(Timestamp::MAX);
+    if at > latest {
+        return Err(format!(
+            "`{}` is later than {LATEST_INSTANT}, the latest instant backstop accepts",
+            clip(text)
+        ));
+    }
+    Ok(at)
 }
 
 /// `…:SS.ffffffffffff…` with the fraction cut to 9 digits; other text unchanged.
@@ -1397,8 +1416,23 @@ mod tests {
         let at = parse_instant("2026-01-01T12:00:00.123456789123Z").unwrap();
         assert_eq!(at, "2026-01-01T12:00:00.123456789Z".parse().unwrap());
         assert!(parse_instant("9999-12-30T22:00:00Z").is_ok());
+        assert_eq!(
+            parse_instant(LATEST_INSTANT).unwrap().as_millisecond(),
+            LATEST_INSTANT_MS
+        );
         let error = parse_instant("9999-12-31T23:59:59Z").unwrap_err();
         assert!(error.contains("9999-12-30T22:00:00Z"), "{error}");
+        for later in [
+            "9999-12-30T22:00:00.001Z",
+            "9999-12-30T22:00:00.000000001Z",
+            "9999-12-30T22:00:00.999999999Z",
+        ] {
+            let error = parse_instant(later).unwrap_err();
+            assert!(
+                error.contains("later than 9999-12-30T22:00:00Z"),
+                "{later}: {error}"
+            );
+        }
         assert!(parse_instant("2026-01-01").is_err());
     }
 

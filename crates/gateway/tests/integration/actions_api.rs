@@ -919,3 +919,74 @@ async fn a_path_with_characters_a_url_cannot_carry_is_refused_naming_path_and_re
     assert!(provider.attempts().is_empty(), "nothing was sent");
     gw.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_deadline_later_than_the_store_keeps_is_refused_at_both_entry_points() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    let latest = backstop_gateway::door::LATEST_INSTANT;
+    for later in ["9999-12-30T22:00:00.001Z", "9999-12-30T22:00:00.999999999Z"] {
+        let body = json!({"provider": "fake", "method": "POST", "path": "/v1/transfers",
+                          "body": "{}", "idempotency_key": "late-1", "deadline": later});
+        let (status, problem) = post_action(&base, body.to_string(), None).await;
+        assert_eq!(status, 400, "{later}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.starts_with("deadline: "), "{detail}");
+        assert!(detail.contains(latest), "{detail}");
+
+        let (status, problem) = support::json_of(
+            client()
+                .post(format!("{base}/fake/v1/transfers"))
+                .bearer_auth(AGENT)
+                .header("content-type", "application/json")
+                .header("Idempotency-Key", "late-2")
+                .header("X-Backstop-Deadline", later)
+                .body("{}")
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, 400, "{later}: {problem}");
+        assert_eq!(problem["header"], "X-Backstop-Deadline", "{problem}");
+        assert!(
+            problem["detail"].as_str().unwrap().contains(latest),
+            "{problem}"
+        );
+    }
+    assert!(
+        provider.attempts().is_empty(),
+        "nothing reached the provider"
+    );
+    // The latest instant itself is kept: the write is answered, the action can be read.
+    let body = json!({"provider": "fake", "method": "POST", "path": "/v1/transfers",
+                      "body": "{}", "idempotency_key": "late-3", "deadline": latest});
+    let (status, accepted) = post_action(&base, body.to_string(), None).await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["id"].as_i64().unwrap();
+    let mut view = Value::Null;
+    for _ in 0..200 {
+        let (status, seen) = get_json(format!("{base}/v1/actions/{id}"), AGENT).await;
+        assert_eq!(status, 200, "{seen}");
+        view = seen;
+        if view["outcome"] == "succeeded" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(view["outcome"], "succeeded", "{view}");
+    let response = client()
+        .post(format!("{base}/fake/v1/transfers"))
+        .bearer_auth(AGENT)
+        .header("content-type", "application/json")
+        .header("Idempotency-Key", "late-4")
+        .header("X-Backstop-Deadline", latest)
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    assert_eq!(provider.attempts().len(), 2);
+    gw.shutdown().await.unwrap();
+}
