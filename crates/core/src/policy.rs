@@ -1358,6 +1358,98 @@ fn check_header_name(ctx: &mut Ctx, s: &S<String>, path: &str) -> bool {
     true
 }
 
+/// Why `name` (any case) cannot carry a provider credential or an idempotency key: HTTP or
+/// backstop owns it. `None` for a header free to use.
+///
+/// HTTP's own: `Host`, `Content-Length`, `Expect` and the hop-by-hop headers of RFC 9110 §7.6.1
+/// (`Connection`, `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`),
+/// which the gateway drops or the client sets per connection. backstop's own: `Prefer` (its
+/// `wait` and `respond-async` preferences are read and removed) and every `X-Backstop-*`
+/// header, none of which reaches the provider.
+fn owned_header(name: &str) -> Option<&'static str> {
+    let name = name.to_ascii_lowercase();
+    if name.starts_with("x-backstop-") {
+        Some("`X-Backstop-*` headers are backstop's own and never reach the provider")
+    } else if name.starts_with("proxy-")
+        || matches!(
+            name.as_str(),
+            "connection" | "keep-alive" | "te" | "trailer" | "transfer-encoding" | "upgrade"
+        )
+    {
+        Some("a hop-by-hop header (RFC 9110 §7.6.1): it is removed before a request is forwarded")
+    } else if matches!(name.as_str(), "host" | "content-length" | "expect") {
+        Some("HTTP owns it: the gateway's client sets it for each request")
+    } else if name == "prefer" {
+        Some("backstop reads its `wait` and `respond-async` preferences and rewrites it")
+    } else {
+        None
+    }
+}
+
+/// Refuses an `idempotency_header` that carries credentials or that HTTP or backstop owns (see
+/// [`owned_header`]): the key is stored, audited and echoed in answers, so a credential header
+/// there would put the agent's token (or the provider's secret) in the audit log.
+fn check_idempotency_header(
+    ctx: &mut Ctx,
+    s: &S<String>,
+    path: &str,
+    credential_header: Option<&str>,
+) -> bool {
+    let lower = s.value.to_ascii_lowercase();
+    let credential_reason = "it carries credentials, and an idempotency key is stored, audited \
+                             and echoed in answers";
+    let reason = if matches!(
+        lower.as_str(),
+        "authorization" | "proxy-authorization" | "cookie" | "set-cookie"
+    ) {
+        Some(credential_reason.to_owned())
+    } else if credential_header.is_some_and(|c| c.eq_ignore_ascii_case(&s.value)) {
+        Some(format!(
+            "it is the provider's `credential.header`: {credential_reason}"
+        ))
+    } else {
+        owned_header(&s.value).map(str::to_owned)
+    };
+    match reason {
+        Some(reason) => {
+            ctx.err(
+                &s.referenced,
+                format!(
+                    "{path}: `{}` cannot carry the idempotency key: {reason}",
+                    s.value
+                ),
+            );
+            false
+        }
+        None => true,
+    }
+}
+
+/// Refuses a credential `header` that HTTP or backstop owns (see [`owned_header`]), or that is
+/// `Idempotency-Key` while the provider has no `idempotency_header` (`has_key_header` false):
+/// backstop then reads the agent's key there and removes it before forwarding. A credential
+/// header equal to the `idempotency_header` is refused by [`check_idempotency_header`].
+fn check_credential_header(ctx: &mut Ctx, s: &S<String>, path: &str, has_key_header: bool) {
+    let reason = if !has_key_header && s.value.eq_ignore_ascii_case("idempotency-key") {
+        Some(
+            "without an `idempotency_header` it is where backstop reads the agent's idempotency \
+             key, and it is removed before forwarding, so the credential would never reach the \
+             provider",
+        )
+    } else {
+        owned_header(&s.value)
+    };
+    if let Some(reason) = reason {
+        ctx.err(
+            &s.referenced,
+            format!(
+                "{path}: `{}` cannot carry the credential: {reason}",
+                s.value
+            ),
+        );
+    }
+}
+
 /// SPEC §1/§6: an uncertain write (no honoured idempotency key) is never resent blindly — the
 /// provider may already have applied it — so its class allows one attempt and no retry statuses;
 /// what comes next is reconciliation or an escalation.
@@ -1982,9 +2074,28 @@ fn validate_provider(
         None => Dialect::Generic,
     };
 
-    let idempotency_header = p.idempotency_header.as_ref().and_then(|s| {
-        check_header_name(ctx, s, &format!("{path}.idempotency_header")).then(|| s.value.clone())
+    let credential_header = p.credential.as_ref().map(|c| {
+        c.value
+            .header
+            .as_ref()
+            .map_or("Authorization", |h| h.value.as_str())
     });
+    let idempotency_header = p.idempotency_header.as_ref().and_then(|s| {
+        let field = format!("{path}.idempotency_header");
+        (check_header_name(ctx, s, &field)
+            && check_idempotency_header(ctx, s, &field, credential_header))
+        .then(|| s.value.clone())
+    });
+    // A credential header equal to the `idempotency_header` is reported there, once.
+    if let Some(header) = p.credential.as_ref().and_then(|c| c.value.header.as_ref()) {
+        let key_header = p.idempotency_header.as_ref().map(|s| s.value.as_str());
+        if !key_header.is_some_and(|k| k.eq_ignore_ascii_case(&header.value))
+            && http::HeaderName::from_bytes(header.value.as_bytes()).is_ok()
+        {
+            let field = format!("{path}.credential.header");
+            check_credential_header(ctx, header, &field, key_header.is_some());
+        }
+    }
     // Absent: the dialect's documented place, if it has one (OpenAI: /error/code), so that a
     // provider declared `dialect: openai` reads `insufficient_quota` without more settings.
     let error_code_pointer = match &p.error_code_pointer {
@@ -3191,5 +3302,95 @@ mod tests {
             "p.yaml",
         )
         .expect("distinct routes load");
+    }
+
+    #[test]
+    fn idempotency_header_cannot_be_a_credential_or_an_owned_header() {
+        for name in [
+            "Authorization",
+            "authorization",
+            "Proxy-Authorization",
+            "Cookie",
+            "Set-Cookie",
+            "Host",
+            "Content-Length",
+            "Transfer-Encoding",
+            "Connection",
+            "Keep-Alive",
+            "TE",
+            "Trailer",
+            "Upgrade",
+            "Expect",
+            "Prefer",
+            "X-Backstop-Task",
+            "x-backstop-key",
+        ] {
+            let errors = problems(&format!("{PROVIDER}    idempotency_header: {name}\n"));
+            assert_eq!(errors.len(), 1, "{name}: {errors:?}");
+            assert!(
+                errors[0].starts_with(&format!(
+                    "4:25: providers.billing.idempotency_header: `{name}` cannot carry the idempotency key: "
+                )),
+                "{errors:?}"
+            );
+        }
+        let errors = problems(&format!(
+            "{PROVIDER}    credential: {{ secret_env: K, header: X-Api-Key, scheme: \"\" }}\n    idempotency_header: x-api-key\n"
+        ));
+        assert_eq!(
+            errors,
+            ["5:25: providers.billing.idempotency_header: `x-api-key` cannot carry the idempotency key: it is the provider's `credential.header`: it carries credentials, and an idempotency key is stored, audited and echoed in answers"]
+        );
+        for ok in ["Idempotency-Key", "X-Request-Id", "Stripe-Idempotency-Key"] {
+            Policy::from_yaml_str(
+                &format!(
+                    "{PROVIDER}    credential: {{ secret_env: K }}\n    idempotency_header: {ok}\n"
+                ),
+                "p.yaml",
+            )
+            .expect(ok);
+        }
+    }
+
+    #[test]
+    fn credential_header_cannot_be_an_owned_header_or_the_key_header() {
+        for name in [
+            "Host",
+            "content-length",
+            "Transfer-Encoding",
+            "Connection",
+            "Keep-Alive",
+            "TE",
+            "Trailer",
+            "Upgrade",
+            "Proxy-Authorization",
+            "Expect",
+            "X-Backstop-Token",
+            "Idempotency-Key",
+        ] {
+            let errors = problems(&format!(
+                "{PROVIDER}    credential: {{ secret_env: K, header: {name} }}\n"
+            ));
+            assert_eq!(errors.len(), 1, "{name}: {errors:?}");
+            assert!(
+                errors[0].starts_with(&format!(
+                    "4:42: providers.billing.credential.header: `{name}` cannot carry the credential: "
+                )),
+                "{errors:?}"
+            );
+        }
+        // Another idempotency header leaves `Idempotency-Key` free for a credential.
+        Policy::from_yaml_str(
+            &format!("{PROVIDER}    credential: {{ secret_env: K, header: Idempotency-Key }}\n    idempotency_header: X-Request-Id\n"),
+            "p.yaml",
+        )
+        .expect("Idempotency-Key is not the key header");
+        for ok in ["Authorization", "X-Api-Key", "Cookie", "api-key"] {
+            Policy::from_yaml_str(
+                &format!("{PROVIDER}    credential: {{ secret_env: K, header: {ok} }}\n    idempotency_header: Idempotency-Key\n"),
+                "p.yaml",
+            )
+            .expect(ok);
+        }
     }
 }
