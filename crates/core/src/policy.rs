@@ -1358,6 +1358,29 @@ fn check_header_name(ctx: &mut Ctx, s: &S<String>, path: &str) -> bool {
     true
 }
 
+/// Checks that `url` (`http://` or `https://`, no userinfo, query or fragment) parses as the
+/// absolute URI every request to the provider is built from, as the gateway's client parses it
+/// (`http::Uri`): otherwise every request would fail to connect and burn its budget.
+fn check_request_target(url: &str) -> Result<(), String> {
+    let uri = url.parse::<http::Uri>().map_err(|e| {
+        format!("not a URL a request can be sent to ({e}); expected http(s)://HOST[:PORT][/PATH]")
+    })?;
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let host = uri.host().unwrap_or("");
+    if host.is_empty() || host == "[]" {
+        return Err("missing host".to_owned());
+    }
+    if let Some(port) = authority
+        .strip_prefix(host)
+        .and_then(|p| p.strip_prefix(':'))
+    {
+        if port.parse::<u16>().is_err() {
+            return Err(format!("the port `{port}` is not a number 0–65535"));
+        }
+    }
+    Ok(())
+}
+
 /// Why `name` (any case) cannot carry a provider credential or an idempotency key: HTTP or
 /// backstop owns it. `None` for a header free to use.
 ///
@@ -2038,6 +2061,8 @@ fn validate_provider(
                         );
                     } else if authority.is_empty() {
                         ctx.err(&s.referenced, format!("{path}.base_url: missing host"));
+                    } else if let Err(reason) = check_request_target(&url) {
+                        ctx.err(&s.referenced, format!("{path}.base_url: {reason}"));
                     }
                 }
             }
@@ -3388,6 +3413,48 @@ mod tests {
         for ok in ["Authorization", "X-Api-Key", "Cookie", "api-key"] {
             Policy::from_yaml_str(
                 &format!("{PROVIDER}    credential: {{ secret_env: K, header: {ok} }}\n    idempotency_header: Idempotency-Key\n"),
+                "p.yaml",
+            )
+            .expect(ok);
+        }
+    }
+
+    #[test]
+    fn a_base_url_no_request_can_be_sent_to_is_refused_with_the_reason() {
+        for (url, reason) in [
+            (
+                "http://[::1",
+                "not a URL a request can be sent to (invalid authority)",
+            ),
+            (
+                "http://ex ample.com",
+                "not a URL a request can be sent to (invalid uri character)",
+            ),
+            (
+                "https://é.example",
+                "not a URL a request can be sent to (invalid uri character)",
+            ),
+            ("http://:8080", "missing host"),
+            (
+                "http://h.example:99999",
+                "the port `99999` is not a number 0–65535",
+            ),
+        ] {
+            let errors = problems(&format!("providers:\n  p:\n    base_url: \"{url}\"\n"));
+            assert_eq!(errors.len(), 1, "{url}: {errors:?}");
+            assert!(
+                errors[0].starts_with(&format!("3:15: providers.p.base_url: {reason}")),
+                "{url}: {errors:?}"
+            );
+        }
+        for ok in [
+            "http://127.0.0.1:9",
+            "http://[::1]:8080/",
+            "https://api.example.com/v1",
+            "https://api.example.com:443",
+        ] {
+            Policy::from_yaml_str(
+                &format!("providers:\n  p:\n    base_url: \"{ok}\"\n"),
                 "p.yaml",
             )
             .expect(ok);
