@@ -2692,11 +2692,22 @@ fn validate_reconcile(
             );
         }
     }
-    let external_reference_pointer = check_pointer(
-        ctx,
-        &r.external_reference_pointer,
-        &format!("{path}.external_reference_pointer"),
-    );
+    let external_reference_pointer = match &r.external_reference_pointer {
+        // The empty pointer is the whole payload: no field to write the reference into, so
+        // every write on the route would be refused when it arrives.
+        Some(s) if s.value.is_empty() => {
+            ctx.err(
+                &s.referenced,
+                format!("{path}.external_reference_pointer: the empty pointer is the whole payload, not a field the reference can be written to; point to a field (start with `/`, e.g. `/reference`)"),
+            );
+            None
+        }
+        _ => check_pointer(
+            ctx,
+            &r.external_reference_pointer,
+            &format!("{path}.external_reference_pointer"),
+        ),
+    };
     if by == ReconcileBy::ExternalReference && r.external_reference_pointer.is_none() {
         ctx.err(
             &raw.referenced,
@@ -3459,5 +3470,19 @@ mod tests {
             )
             .expect(ok);
         }
+    }
+
+    #[test]
+    fn an_empty_external_reference_pointer_is_refused_at_load() {
+        let route = |pointer: &str| {
+            format!(
+                "providers:\n  p:\n    base_url: https://p.example\n    routes:\n      \"POST /v1/transfers\":\n        class: uncertain_write\n        reconcile:\n          by: external_reference\n          lookup: \"GET /v1/transfers?reference={{ref}}\"\n          external_reference_pointer: {pointer}\n"
+            )
+        };
+        assert_eq!(
+            problems(&route("\"\"")),
+            ["10:39: providers.p.routes.\"POST /v1/transfers\".reconcile.external_reference_pointer: the empty pointer is the whole payload, not a field the reference can be written to; point to a field (start with `/`, e.g. `/reference`)"]
+        );
+        Policy::from_yaml_str(&route("/reference"), "p.yaml").expect("a field");
     }
 }
