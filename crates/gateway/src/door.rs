@@ -521,7 +521,8 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
 /// Normalizes a request path (no query) as RFC 3986 §6.2.2 says, so that spellings of one
 /// resource match one route (and its scopes and pacing): percent-encoded unreserved
 /// characters (`A-Z a-z 0-9 - . _ ~`) are decoded (`%6C` → `l`), other percent-encodings get
-/// upper-case hex digits (`%2f` → `%2F`), and the dot segments `.` and `..` are removed
+/// upper-case hex digits (`%2f` → `%2F`), bytes outside ASCII sent as is are percent-encoded
+/// (`é` → `%C3%A9`, RFC 3987 §3.1), and the dot segments `.` and `..` are removed
 /// (§5.2.4, after decoding, so `%2E%2E` is one too). Empty segments (`//`) and a trailing `/`
 /// are kept as written. The result is what is matched and forwarded.
 ///
@@ -530,7 +531,7 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
 /// climb above the root (`/v1/../../x`) — such a path names nothing below the gateway.
 pub fn normalize_path(path: &str) -> Result<String, Problem> {
     // Already normal (the usual path): no percent-encoding and no dot segment to remove.
-    if !path.contains('%') && !path.split('/').any(|s| s == "." || s == "..") {
+    if path.is_ascii() && !path.contains('%') && !path.split('/').any(|s| s == "." || s == "..") {
         return Ok(if path.starts_with('/') {
             path.to_owned()
         } else {
@@ -569,16 +570,22 @@ pub fn normalize_path(path: &str) -> Result<String, Problem> {
     Ok(format!("/{}", segments.join("/")))
 }
 
-/// One segment with unreserved percent-encodings decoded and the others upper-cased; `None`
-/// for a malformed `%`.
+/// One segment with unreserved percent-encodings decoded, the others upper-cased, and bytes
+/// outside ASCII (a client that sent `é` as is) percent-encoded as a URL carries them (RFC 3987
+/// §3.1: `%C3%A9`); `None` for a malformed `%`.
 fn percent_normalize(segment: &str) -> Option<String> {
-    if !segment.contains('%') {
+    if segment.is_ascii() && !segment.contains('%') {
         return Some(segment.to_owned());
     }
     let bytes = segment.as_bytes();
     let mut out = String::with_capacity(segment.len());
     let mut i = 0;
     while i < bytes.len() {
+        if !bytes[i].is_ascii() {
+            out.push_str(&format!("%{:02X}", bytes[i]));
+            i += 1;
+            continue;
+        }
         if bytes[i] != b'%' {
             out.push(char::from(bytes[i]));
             i += 1;
@@ -1625,6 +1632,13 @@ mod tests {
             ("/", "/"),
             ("", "/"),
             ("/fake/v1/.hidden/..x", "/fake/v1/.hidden/..x"),
+            // Raw non-ASCII is percent-encoded, so both spellings match one route.
+            ("/fake/v1/élément", "/fake/v1/%C3%A9l%C3%A9ment"),
+            ("/fake/v1/%c3%a9l%C3%A9ment", "/fake/v1/%C3%A9l%C3%A9ment"),
+            (
+                "/fake/v1/élément%20x/./y",
+                "/fake/v1/%C3%A9l%C3%A9ment%20x/y",
+            ),
         ] {
             assert_eq!(normalize_path(given).unwrap(), expected, "{given}");
         }
