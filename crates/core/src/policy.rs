@@ -2600,12 +2600,88 @@ fn parse_route_key(
         return None;
     }
     match parse_template(template) {
-        Ok(segments) => Some((method.to_owned(), template.to_owned(), segments)),
+        Ok(segments) => {
+            let unmatchable = segments.iter().find_map(|segment| match segment {
+                Segment::Literal(literal) => unmatchable_literal(literal),
+                Segment::Param(_) => None,
+            });
+            if let Some(reason) = unmatchable {
+                ctx.err(
+                    &key.referenced,
+                    format!("{path}: {reason}, so this route would never match"),
+                );
+                return None;
+            }
+            Some((method.to_owned(), template.to_owned(), segments))
+        }
         Err(reason) => {
             ctx.err(&key.referenced, format!("{path}: {reason}"));
             None
         }
     }
+}
+
+/// Why a literal route segment can never equal a segment of a request path, as the gateway
+/// matches it: normalized (RFC 3986 §6.2.2) — percent-encoded unreserved characters decoded,
+/// other percent-encodings in upper-case hex, the dot segments `.` and `..` removed — and
+/// ASCII only (a URL carries other characters percent-encoded). `None` for a segment that can
+/// match.
+fn unmatchable_literal(segment: &str) -> Option<String> {
+    if !segment.is_ascii() {
+        let encoded: String = segment
+            .chars()
+            .map(|c| {
+                if c.is_ascii() {
+                    c.to_string()
+                } else {
+                    let mut buf = [0; 4];
+                    c.encode_utf8(&mut buf)
+                        .bytes()
+                        .map(|b| format!("%{b:02X}"))
+                        .collect()
+                }
+            })
+            .collect();
+        return Some(format!(
+            "`{segment}` is not ASCII: requests carry it percent-encoded and are matched that way; write `{encoded}`"
+        ));
+    }
+    let bytes = segment.as_bytes();
+    let mut normal = String::with_capacity(segment.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'%' {
+            normal.push(char::from(bytes[i]));
+            i += 1;
+            continue;
+        }
+        let byte = segment
+            .get(i + 1..i + 3)
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        let Some(byte) = byte else {
+            return Some(format!(
+                "`{segment}`: a `%` must be followed by two hex digits (RFC 3986 §2.1), and a request path with a malformed `%` is refused"
+            ));
+        };
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            normal.push(char::from(byte));
+        } else {
+            normal.push_str(&format!("%{byte:02X}"));
+        }
+        i += 3;
+    }
+    if normal == "." || normal == ".." {
+        return Some(format!(
+            "`{segment}` is a dot segment: request paths are normalized before matching (RFC 3986 §5.2.4) and have none; write the path it resolves to"
+        ));
+    }
+    if normal != segment {
+        return Some(format!(
+            "`{segment}`: request paths are normalized before matching (RFC 3986 §6.2.2: unreserved characters decoded, other percent-encodings in upper-case hex); write `{normal}`"
+        ));
+    }
+    None
 }
 
 fn parse_template(template: &str) -> Result<Vec<Segment>, String> {
@@ -3484,5 +3560,41 @@ mod tests {
             ["10:39: providers.p.routes.\"POST /v1/transfers\".reconcile.external_reference_pointer: the empty pointer is the whole payload, not a field the reference can be written to; point to a field (start with `/`, e.g. `/reference`)"]
         );
         Policy::from_yaml_str(&route("/reference"), "p.yaml").expect("a field");
+    }
+
+    #[test]
+    fn route_templates_that_can_never_match_are_refused_naming_why() {
+        let route = |template: &str| {
+            format!("providers:\n  p:\n    base_url: https://p.example\n    routes:\n      \"GET {template}\": {{ class: read }}\n")
+        };
+        for (template, reason) in [
+            ("/v1/élément/{id}", "`élément` is not ASCII: requests carry it percent-encoded and are matched that way; write `%C3%A9l%C3%A9ment`"),
+            ("/v1/../items/{id}", "`..` is a dot segment: request paths are normalized before matching (RFC 3986 §5.2.4) and have none; write the path it resolves to"),
+            ("/./v1/items", "`.` is a dot segment"),
+            ("/v1/%2E%2e/items", "`%2E%2e` is a dot segment"),
+            ("/v1/%6cimited", "`%6cimited`: request paths are normalized before matching (RFC 3986 §6.2.2: unreserved characters decoded, other percent-encodings in upper-case hex); write `limited`"),
+            ("/v1/a%2fb", "write `a%2Fb`"),
+            ("/v1/%zz", "`%zz`: a `%` must be followed by two hex digits"),
+        ] {
+            let errors = problems(&route(template));
+            assert_eq!(errors.len(), 1, "{template}: {errors:?}");
+            assert!(
+                errors[0].starts_with(&format!("5:7: providers.p.routes.\"GET {template}\": ")),
+                "{errors:?}"
+            );
+            assert!(errors[0].contains(reason), "{template}: {errors:?}");
+            assert!(
+                errors[0].ends_with(", so this route would never match"),
+                "{errors:?}"
+            );
+        }
+        for ok in [
+            "/v1/%C3%A9l%C3%A9ment/{id}",
+            "/v1/a%2Fb",
+            "/v1/.well-known/x",
+            "/v1/..x",
+        ] {
+            Policy::from_yaml_str(&route(ok), "p.yaml").expect(ok);
+        }
     }
 }
