@@ -1171,20 +1171,9 @@ mod tests {
 
     fn quota_case(key: Option<&str>) -> CaseFile {
         CaseFile::build(CaseInput {
-            opened_at: "2026-01-01T00:00:00Z".parse().expect("instant"),
-            reason: EscalationReason::SharedQuotaExhausted,
-            reason_detail: "insufficient_quota".into(),
-            action: CaseAction {
-                task_id: "run-1".into(),
-                method: "GET".into(),
-                route: "/v1/orders".into(),
-                request_class: "read".into(),
-                payload_digest: "0".repeat(64),
-            },
-            provider: "llm".into(),
             idempotency_key: key.map(str::to_owned),
             retry_not_before: Some("2026-01-02T00:00:00Z".parse().expect("instant")),
-            ..CaseInput::default()
+            ..quota_case_input()
         })
         .expect("case file")
     }
