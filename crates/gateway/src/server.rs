@@ -913,7 +913,8 @@ pub struct ProviderResponse;
 ///   task and a write's key ([`door::draining`], [`crate::actions_api::draining`]);
 /// - each request is counted in flight until its response body ends (the drain waits on it);
 /// - the request body must arrive within [`DoorConfig::body_read_timeout`] of the head, else
-///   `408 request_timeout`;
+///   `408 request_timeout` with `Backstop-Action-Id: 0` and `Backstop-Attempts: 0` (nothing was
+///   recorded or sent);
 /// - an error answer that is not already `application/problem+json` (an extractor's
 ///   rejection, a bare status) becomes an RFC 9457 problem with the same status, the
 ///   rejection's text as `detail` and the `Allow` header kept; provider responses
@@ -967,7 +968,9 @@ where
     });
     let response = handler(request).await;
     let response = if timed_out.load(Ordering::Acquire) {
-        Problem::request_timeout(limit).into_response()
+        // Nothing was recorded or sent for a request whose body never arrived: the receipt
+        // headers every answer carries say so, as a door refusal's do.
+        door::refusal(Problem::request_timeout(limit))
     } else {
         as_problem(response).await
     };

@@ -189,6 +189,12 @@ async fn a_body_trickling_past_the_read_timeout_gets_408_and_nothing_is_sent() {
             response.contains("urn:backstop:problem:request_timeout"),
             "{path}: {response}"
         );
+        // The receipt headers every answer carries: no action, no attempt.
+        let head = response.to_ascii_lowercase();
+        assert!(
+            head.contains("backstop-action-id: 0\r\n") && head.contains("backstop-attempts: 0\r\n"),
+            "{path}: {response}"
+        );
     }
     gateway.shutdown().await.unwrap();
 }
