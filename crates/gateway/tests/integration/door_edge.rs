@@ -82,6 +82,17 @@ impl Executor for Stand {
     }
 }
 
+/// An event stream of the gateway at `addr`, started and held open: it keeps a drain going
+/// until its grace ends.
+async fn stream_held_open(addr: std::net::SocketAddr) -> TcpStream {
+    let mut sse = TcpStream::connect(addr).await.unwrap();
+    sse.write_all(get("/p/stream").as_bytes()).await.unwrap();
+    let mut first = [0u8; 512];
+    let n = sse.read(&mut first).await.unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    sse
+}
+
 async fn start(dir: &std::path::Path, options: ServeOptions) -> Running {
     let policy = Policy::from_yaml_str(
         "agents:\n  a: { token_env: AGENT }\nproviders:\n  p:\n    base_url: http://127.0.0.1:9\n",
@@ -213,11 +224,7 @@ async fn shutdown_is_bounded_by_one_grace_and_the_drain_answers_503() {
     .await;
     let addr = gateway.addr;
     // An open stream keeps the drain busy until the grace ends.
-    let mut sse = TcpStream::connect(addr).await.unwrap();
-    sse.write_all(get("/p/stream").as_bytes()).await.unwrap();
-    let mut first = [0u8; 512];
-    let n = sse.read(&mut first).await.unwrap();
-    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let _sse = stream_held_open(addr).await;
     // A kept-alive connection, used once before the shutdown.
     let mut kept = TcpStream::connect(addr).await.unwrap();
     kept.write_all(get("/p/x").as_bytes()).await.unwrap();
@@ -317,11 +324,7 @@ async fn the_drain_answers_a_door_request_with_its_task_and_key_and_says_no_acti
     .await;
     let addr = gateway.addr;
     // An open stream keeps the drain going while the requests below arrive.
-    let mut sse = TcpStream::connect(addr).await.unwrap();
-    sse.write_all(get("/p/stream").as_bytes()).await.unwrap();
-    let mut first = [0u8; 512];
-    let n = sse.read(&mut first).await.unwrap();
-    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let _sse = stream_held_open(addr).await;
     let stopping = tokio::spawn(gateway.shutdown());
     tokio::time::sleep(Duration::from_millis(200)).await;
 
@@ -426,11 +429,7 @@ async fn the_drain_answers_an_action_submission_with_its_task_and_key_and_says_n
     .await;
     let addr = gateway.addr;
     // An open stream keeps the drain going while the requests below arrive.
-    let mut sse = TcpStream::connect(addr).await.unwrap();
-    sse.write_all(get("/p/stream").as_bytes()).await.unwrap();
-    let mut first = [0u8; 512];
-    let n = sse.read(&mut first).await.unwrap();
-    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let _sse = stream_held_open(addr).await;
     let stopping = tokio::spawn(gateway.shutdown());
     tokio::time::sleep(Duration::from_millis(200)).await;
 
