@@ -18,7 +18,8 @@ pub enum AttemptOutcome {
     Answered,
     /// The connection was closed without any response byte (`drop` or `store_then_drop`).
     Dropped,
-    /// The connection was held without an answer, then closed (`timeout`).
+    /// The connection was held without an answer, then closed (`timeout`), by the provider
+    /// when the hold ended or by the client when it left first.
     Timeout,
 }
 

@@ -21,9 +21,9 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 
-use crate::attempt::AttemptRecord;
+use crate::attempt::{AttemptOutcome, AttemptRecord};
 use crate::compiled::Compiled;
-use crate::provider::{self, Action, Incoming, ProviderState};
+use crate::provider::{self, Action, Incoming, ProviderState, Ticket};
 
 /// Request bodies above this many bytes are answered 413.
 const MAX_BODY_BYTES: usize = 1 << 20;
@@ -134,13 +134,35 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
             (StatusCode::OK, headers, Body::from_stream(stream)).into_response()
         }
         Action::Drop { hold, outcome } => {
+            // Ends the record even when the client leaves during the hold: hyper drops this
+            // handler then, and the attempt would stay `pending` for ever.
+            let ending = Ending {
+                shared: &shared,
+                ticket,
+                outcome,
+            };
             if !hold.is_zero() {
                 tokio::time::sleep(hold).await;
             }
-            let finished = shared.lock().finish(ticket, outcome, None);
-            shared.notify(finished);
+            drop(ending);
             drop_connection(control).await
         }
+    }
+}
+
+/// The end of a held attempt that closes without an answer (`drop`, `timeout`): written when
+/// the hold is over or when the handler is dropped first (the client left, or the server
+/// stopped); either way the connection closed with no response byte, as `outcome` says.
+struct Ending<'a> {
+    shared: &'a Shared,
+    ticket: Ticket,
+    outcome: AttemptOutcome,
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        let finished = self.shared.lock().finish(self.ticket, self.outcome, None);
+        self.shared.notify(finished);
     }
 }
 

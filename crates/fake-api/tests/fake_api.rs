@@ -422,6 +422,43 @@ async fn timeout_holds_then_closes_without_answer() {
     assert_eq!(attempts[0].outcome, AttemptOutcome::Timeout);
 }
 
+/// A client that leaves during a long hold does not leave the attempt `pending` for ever: the
+/// provider closed the connection without an answer, as a `timeout` does.
+#[tokio::test]
+async fn a_client_leaving_during_a_hold_ends_the_attempt() {
+    let fake = start(
+        FakeConfig::default().with_route(
+            RouteConfig::new("GET /v1/slow", Handler::default())
+                .with_script([Fault::Timeout { hold_ms: 60_000 }]),
+        ),
+    );
+    let addr = fake.addr();
+    tokio::task::spawn_blocking(move || {
+        let mut stream = TcpStream::connect(addr).expect("connect");
+        stream
+            .write_all(b"GET /v1/slow HTTP/1.1\r\nHost: fake\r\n\r\n")
+            .expect("write");
+        std::thread::sleep(Duration::from_millis(200));
+        // Dropped: the client leaves long before the hold ends.
+    })
+    .await
+    .expect("client");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let attempts = loop {
+        let attempts = fake.attempts();
+        let ended = attempts
+            .first()
+            .is_some_and(|a| a.outcome != AttemptOutcome::Pending);
+        if ended || tokio::time::Instant::now() >= deadline {
+            break attempts;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(attempts.len(), 1, "{attempts:?}");
+    assert_eq!(attempts[0].outcome, AttemptOutcome::Timeout, "{attempts:?}");
+    assert_eq!(attempts[0].status, None);
+}
+
 #[tokio::test]
 async fn idempotency_replays_same_request_and_refuses_a_different_one() {
     let fake = start(transfers_config());
