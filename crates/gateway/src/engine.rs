@@ -205,6 +205,9 @@ struct Inner {
     breakers_gauge: prometheus_client::metrics::gauge::Gauge,
     flights: Arc<Flights>,
     shutting_down: AtomicBool,
+    /// `true` once the stop's grace is running out ([`Engine::give_up_attempts`]): an attempt
+    /// still out is no longer waited for.
+    given_up: tokio::sync::watch::Sender<bool>,
     /// `true` once restart recovery has listed the attempts left unfinished by the previous
     /// run: no action records anything before, so an attempt of this run is never mistaken
     /// for one the restart interrupted.
@@ -1090,6 +1093,7 @@ impl Engine {
             breakers_gauge,
             flights: Arc::new(Flights::default()),
             shutting_down: AtomicBool::new(false),
+            given_up: tokio::sync::watch::Sender::new(false),
             recovery_listed: tokio::sync::watch::Sender::new(false),
             unsent: Mutex::new(HashSet::new()),
             closing: Mutex::new(HashSet::new()),
@@ -1216,6 +1220,17 @@ impl Engine {
         if let Err(e) = self.inner.blocking(|s| s.flush()).await {
             tracing::warn!(error = %e, "could not commit the queued read records at shutdown");
         }
+    }
+
+    /// Gives up every attempt still out, once the stop's grace is running out (after
+    /// [`Engine::shutdown`]; the provider is slower than the grace): its caller is answered
+    /// `503 shutting_down` at once, with `after_restart` (`reconcile` for a write, `cancel` for a
+    /// read), `last_signal` `uncertain` and `sent: true`, instead of having its connection cut
+    /// when the grace ends. Nothing is recorded for the attempt: it stays sent without a result,
+    /// which the next start reconciles with its original key for a write and closes `cancelled`
+    /// for a read (SPEC §12). Attempts sent later are given up as soon as they leave.
+    pub fn give_up_attempts(&self) {
+        self.inner.given_up.send_replace(true);
     }
 
     /// Cancels the task `task_id` of `agent` (SPEC §4.3): its delayed actions are dropped
@@ -2063,7 +2078,7 @@ impl Engine {
                         "shutting down: the waiting caller is answered 503"
                     );
                     if seen.sent > 0 {
-                        return self.stopped_after_sending(run, &seen, true);
+                        return self.stopped_after_sending(run, &seen, Stopped::Waiting);
                     }
                     let detail = "backstop is shutting down; nothing was sent for this request, so sending it again is safe";
                     let receipt = run.receipt(seen.sent);
@@ -2161,7 +2176,29 @@ impl Engine {
                 attempt,
                 "attempt sent"
             );
-            let reply = inner.transport.send(run.request.as_ref().clone()).await;
+            let mut given_up = inner.given_up.subscribe();
+            let reply = tokio::select! {
+                reply = inner.transport.send(run.request.as_ref().clone()) => reply,
+                _ = given_up.wait_for(|given_up| *given_up) => {
+                    // The stop's grace is running out and the provider has not answered: the
+                    // caller is told what the next start does rather than have its connection
+                    // cut. The attempt stays sent without a result (SPEC §12).
+                    drop(permit);
+                    guard.armed = false;
+                    if let Some(tokens) = pending.take() {
+                        inner.scheduler.deposit(&route.scopes, Some(tokens));
+                    }
+                    seen.left += 1;
+                    seen.last_signal = Some(Disposition::Uncertain.as_str());
+                    seen.unsettled = writes::still_unsettled(seen.unsettled, "uncertain");
+                    tracing::info!(
+                        action = run.id.0,
+                        attempt,
+                        "shutting down: the grace ran out before the provider answered; the attempt stays sent without a result, and the caller is answered 503"
+                    );
+                    return self.stopped_after_sending(run, &seen, Stopped::GaveUp);
+                }
+            };
             drop(permit);
             let received_at = inner.clock.now();
 
@@ -2305,7 +2342,7 @@ impl Engine {
                         attempt,
                         "shutting down: the write's attempt was sent and its answer never came; it stays sent without a result, and the next start reconciles it with its original key"
                     );
-                    return self.stopped_after_sending(run, &seen, false);
+                    return self.stopped_after_sending(run, &seen, Stopped::NotReconciled);
                 };
                 match end {
                     writes::UncertainEnd::Found { operation_id } => {
@@ -2741,19 +2778,24 @@ impl Engine {
     }
 
     /// The `503 shutting_down` for the caller of an action of which an attempt was sent, when
-    /// the gateway stops before the action ends: while it `waited` for its next attempt, or
-    /// (`waited` false) when its write's attempt got no answer and no reconciliation lookup
-    /// could be sent any more (left sent without a result). `sent` as the outcome context
+    /// the gateway stops before the action ends — `stopped` says where it was (see
+    /// [`Stopped`]). `sent` as the outcome context
     /// counts it, `x-should-retry: false` for a write (`true`, with `Retry-After: 1`, for a
     /// read, which is safe to send again), and what the next start does with the action — the `after_restart` member (see
     /// [`AfterRestart`]) and the `detail` — with the last attempt's `last_status` and
     /// `last_signal`.
-    fn stopped_after_sending(&self, run: &Run<'_>, seen: &Seen, waited: bool) -> Execution {
+    fn stopped_after_sending(&self, run: &Run<'_>, seen: &Seen, stopped: Stopped) -> Execution {
         let is_read = is_safe_method(&run.request.method);
         let after = AfterRestart::of(run, seen);
         let id = run.id.0;
         let detail = match after {
-            AfterRestart::Reconcile if !waited => format!(
+            AfterRestart::Reconcile if stopped == Stopped::GaveUp => format!(
+                "backstop is shutting down: this write was sent and the provider had not answered when the grace for the stop ran out, so its answer is not waited for and it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+            ),
+            AfterRestart::Cancel if is_read && stopped == Stopped::GaveUp => format!(
+                "backstop is shutting down: this read was sent and the provider had not answered when the grace for the stop ran out, so its answer is not waited for: after the restart its action (GET /v1/actions/{id}) ends cancelled and nothing more is sent for it. A read changes nothing at the provider, so send it again once backstop is back"
+            ),
+            AfterRestart::Reconcile if stopped == Stopped::NotReconciled => format!(
                 "backstop is shutting down: this write was sent and no answer came back (uncertain), and no reconciliation lookup can be sent any more, so it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
             ),
             AfterRestart::Reconcile => format!(
@@ -3752,6 +3794,20 @@ impl Engine {
         );
         Execution::InFlight { receipt }
     }
+}
+
+/// Where an action was when the gateway stopped and its caller, one of whose attempts was sent,
+/// is answered `503 shutting_down` ([`Engine::stopped_after_sending`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stopped {
+    /// Waiting for its next attempt (a slot, pacing, its retry).
+    Waiting,
+    /// A write whose attempt got no answer (`uncertain`), not reconciled during the stop (no
+    /// lookup can be sent; nothing is escalated): left sent without a result.
+    NotReconciled,
+    /// Its attempt was still out when the stop's grace ran out ([`Engine::give_up_attempts`]):
+    /// left sent without a result.
+    GaveUp,
 }
 
 /// What the next start does with an action whose caller was answered `503 shutting_down` (or,

@@ -24,9 +24,11 @@
 //! Shutdown ([`Running::shutdown`], wired to SIGTERM and Ctrl-C by the CLI) is bounded by one
 //! grace: new requests, on new or kept-alive connections, are answered 503 `shutting_down` with
 //! `Connection: close` (nothing sent) while the engine's `shutdown` stops taking work and leaves
-//! every accepted action recoverable in the store; once nothing is in flight the listener and
-//! idle connections close; a response still open when the grace ends (a long SSE stream) is
-//! cut.
+//! every accepted action recoverable in the store; an attempt the provider has not answered a
+//! quarter of the grace (at most 1 s) before its end is given up, its caller answered 503
+//! `shutting_down` with what the next start does ([`Executor::give_up_attempts`]); once nothing
+//! is in flight the listener and idle connections close; a response still open when the grace
+//! ends (a long SSE stream) is cut.
 
 use std::{
     future::Future,
@@ -86,6 +88,10 @@ pub trait Executor: Send + Sync + 'static {
     fn scopes(&self) -> serde_json::Value;
     /// Stops taking new work; accepted actions stay recoverable in the store.
     fn shutdown(&self) -> BoxFuture<()>;
+    /// The stop's grace is running out: attempts still out are no longer waited for, and their
+    /// callers are answered `503 shutting_down` at once (see `Engine::give_up_attempts`).
+    /// Nothing by default.
+    fn give_up_attempts(&self) {}
     /// The engine behind this executor, when it is one: the action API, task cancellation and
     /// acting escalation decisions need it. Executors that are not an engine answer those
     /// routes with `501 not_supported`.
@@ -125,6 +131,10 @@ impl Executor for crate::engine::Engine {
     fn shutdown(&self) -> BoxFuture<()> {
         let engine = self.clone();
         Box::pin(async move { crate::engine::Engine::shutdown(&engine).await })
+    }
+
+    fn give_up_attempts(&self) {
+        crate::engine::Engine::give_up_attempts(self);
     }
 
     fn engine(&self) -> Option<crate::engine::Engine> {
@@ -424,7 +434,9 @@ impl Running {
     /// Stops the gateway within the grace period, one bound for the whole shutdown: new
     /// requests (on new or kept-alive connections) are answered `503 shutting_down` with
     /// `Connection: close`, the engine stops taking work, and as soon as no response is in
-    /// flight the listener and idle connections are closed. When the grace runs out first, the
+    /// flight the listener and idle connections are closed. Attempts still out a quarter of
+    /// the grace (at most 1 s) before its end are given up ([`Executor::give_up_attempts`]):
+    /// their callers are answered `503 shutting_down`. When the grace runs out first, the
     /// remaining connections (a long SSE stream) are cut. When it returns, the store is closed
     /// and its write lock released, unless background work still held it 2 s after the server
     /// stopped (a re-armed retry sleeping until its due instant).
@@ -673,6 +685,10 @@ async fn serve(
         }
     }
     let deadline = tokio::time::Instant::now() + grace;
+    // Attempts still out this long before the deadline are given up, so that their callers
+    // are answered within the grace rather than cut off at its end.
+    let give_up_at = deadline - answer_margin(grace);
+    let mut given_up = false;
     state.stop_accepting();
     tracing::info!(
         grace_ms = grace.as_millis() as u64,
@@ -693,6 +709,16 @@ async fn serve(
             _ = tokio::time::sleep_until(deadline) => {
                 in_time = false;
                 break;
+            }
+            _ = tokio::time::sleep_until(give_up_at), if !given_up => {
+                given_up = true;
+                if state.in_flight() > 0 {
+                    tracing::info!(
+                        in_flight = state.in_flight(),
+                        "backstop serve: the grace is running out; attempts still out are given up and their callers answered 503"
+                    );
+                }
+                state.executor.give_up_attempts();
             }
             _ = &mut engine_stop, if !engine_stopped => {
                 engine_stopped = true;
@@ -723,6 +749,12 @@ async fn serve(
     }
     connections.abort_all();
     Ok(())
+}
+
+/// The end of the stop's grace kept for answering callers whose attempt is given up
+/// ([`Executor::give_up_attempts`]): a quarter of the grace, at most 1 s.
+fn answer_margin(grace: Duration) -> Duration {
+    (grace / 4).min(Duration::from_secs(1))
 }
 
 /// Starts serving one accepted connection (a failed `accept` is logged and, for a lack of

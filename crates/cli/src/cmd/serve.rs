@@ -54,7 +54,9 @@ pub struct Args {
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]
     pub attempt_timeout_seconds: u64,
     /// Most seconds the whole shutdown takes (engine stop and draining); requests arriving
-    /// meanwhile get 503 shutting_down, and streams still open at the end are cut.
+    /// meanwhile get 503 shutting_down, an attempt the provider has not answered a quarter of
+    /// the grace (at most 1 s) before its end is given up and its caller answered 503
+    /// shutting_down, and streams still open at the end are cut.
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
     /// Most seconds to receive a request's head (then the connection is closed), and its whole

@@ -86,8 +86,9 @@ const STORE_RETRY_MAX_WAIT: Duration = Duration::from_secs(60);
 /// The longest a reconciliation lookup may wait for its scopes (pacing, `next_allowed_at`).
 pub(super) const LOOKUP_MAX_WAIT: Duration = Duration::from_secs(60);
 
-/// A reconciliation lookup that was never sent because the gateway is shutting down (its
-/// scheduler takes no more work). Nothing is audited or counted for it, and the write it was
+/// A reconciliation that was not run because the gateway is shutting down: its lookup was never
+/// sent (the scheduler takes no more work), and a write without one is not escalated or resent
+/// either. Nothing is audited or counted for it, and the write it was
 /// for is left as the store has it — an attempt sent without a result, or one recorded
 /// `uncertain` — for the next start to reconcile with its original key (SPEC §12): our own stop
 /// is no evidence about the write, so it never escalates one.
@@ -691,14 +692,23 @@ impl Inner {
     /// found / resend with the same key / escalate.
     ///
     /// # Errors
-    /// [`LookupNotSent`] when the lookup the rule asks for could not be sent because the
-    /// gateway is shutting down: the rule did not end, and the write is left for the next
-    /// start.
+    /// [`LookupNotSent`] when the gateway is shutting down: the rule is not run — no lookup
+    /// can be sent, and a write the rule would escalate or resend without one is no more known
+    /// to need it than before the stop — and the write is left for the next start to reconcile
+    /// with its original key (SPEC §12).
     pub(super) async fn reconcile_uncertain(
         &self,
         facts: &WriteFacts,
         request_headers: Option<&HeaderMap>,
     ) -> Result<UncertainEnd, LookupNotSent> {
+        if self.shutting_down.load(std::sync::atomic::Ordering::SeqCst) {
+            tracing::info!(
+                action = facts.action.0,
+                task = %facts.task_id,
+                "shutting down: the uncertain write is not reconciled now; the next start reconciles it with its original key"
+            );
+            return Err(LookupNotSent);
+        }
         let honours = self.honours_key(&facts.provider);
         let has_lookup = facts.reconcile.is_some();
         let mut step = next_step_after_uncertain(honours, has_lookup, None);

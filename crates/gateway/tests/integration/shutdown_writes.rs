@@ -198,6 +198,195 @@ async fn a_write_in_flight_at_a_clean_stop_stays_sent_and_the_next_start_reconci
     fake.shutdown().await;
 }
 
+/// A gateway over the provider at `base_url` whose transfers have no lookup, with a 1 s grace.
+async fn start_gateway_without_lookup(base_url: &str, dir: &Path) -> Running {
+    let yaml = support::policy_yaml(
+        base_url,
+        "agents:\n  test-agent: { token_env: TEST_AGENT_TOKEN }\n",
+        r#"    routes:
+      "POST /v1/transfers": { class: idempotent_write, scopes: [account] }
+      "GET /v1/transfers/{id}": { class: read, scopes: [account] }
+"#,
+    );
+    let options = backstop_gateway::server::ServeOptions {
+        shutdown_grace: Duration::from_secs(1),
+        ..support::serve_options(dir, 5)
+    };
+    support::start_gateway(&yaml, "shutdown-no-lookup.yaml", &env, options).await
+}
+
+/// The provider outlasts the grace (it holds the write for 30 s, the attempt timeout is 60 s):
+/// when the grace runs out, the caller is still answered `503 shutting_down` — not an empty
+/// reply — and the write, which has no lookup, is left sent without a result for the next start
+/// to reconcile with its original key: nothing is escalated during the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_provider_outlasts_the_grace_is_answered_and_stays_sent_without_a_result() {
+    let fake = support::start_fake(
+        FakeConfig::default().with_route(
+            RouteConfig::new("POST /v1/transfers", support::create("transfers", "tr_"))
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::StoreThenDrop { hold_ms: 30_000 },
+                )),
+        ),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("backstop.db");
+    let gateway = start_gateway_without_lookup(&fake.url(), dir.path()).await;
+    let in_flight = tokio::spawn(transfer(gateway.addr));
+    assert!(
+        eventually(|| !on_route(&fake.attempts(), "POST", "/v1/transfers").is_empty()).await,
+        "the create reached the provider"
+    );
+
+    gateway.shutdown().await.expect("clean stop");
+    let answered = in_flight
+        .await
+        .unwrap()
+        .expect("an answer, not an empty reply");
+    assert_eq!(answered.status(), 503);
+    assert_eq!(answered.headers()["x-should-retry"], "false");
+    assert_eq!(answered.headers()["idempotency-key"], "order-stop-1");
+    assert_eq!(answered.headers()["backstop-attempts"], "1");
+    let id = action_id(&answered);
+    let (_, body) = support::json_of(answered).await;
+    assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
+    assert_eq!(body["sent"], true, "{body}");
+    assert_eq!(body["action_id"], id, "{body}");
+    assert_eq!(body["after_restart"], "reconcile", "{body}");
+    assert_eq!(body["last_signal"], "uncertain", "{body}");
+
+    assert_eq!(
+        on_route(&fake.attempts(), "POST", "/v1/transfers").len(),
+        1,
+        "sent once"
+    );
+    {
+        let store = SqliteStore::open_existing(&db).expect("store");
+        let action = store.action(ActionId(id)).unwrap().expect("the action");
+        assert_eq!(action.outcome, None, "the stop decided nothing");
+        let stored = store.attempts(ActionId(id)).unwrap();
+        assert_eq!(stored.len(), 1);
+        assert_eq!(stored[0].disposition, None, "sent, without a result");
+        assert!(store.open_escalations().unwrap().is_empty());
+        assert_eq!(store.unfinished_attempts().unwrap().len(), 1);
+    }
+    let kinds = audited(&db, id);
+    for kind in ["escalated", "action_result"] {
+        assert!(
+            !kinds.iter().any(|k| k == kind),
+            "{kind} audited at the stop: {kinds:?}"
+        );
+    }
+    fake.shutdown().await;
+}
+
+/// A write to a provider that honours no idempotency key, on a route without a lookup, whose
+/// answer never comes (the connection drops) during the stop: the SPEC §6 rule would escalate
+/// it, but our own stop is no evidence about it, so it stays sent without a result for the
+/// next start (SPEC §12) — nothing is escalated during the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncertain_write_without_a_lookup_is_not_escalated_during_the_stop() {
+    let fake = support::start_fake(FakeConfig::default().with_route(
+        RouteConfig::new("POST /v1/transfers", support::create("transfers", "tr_")).with_fault(
+            FaultRule::on_calls([1], Fault::StoreThenDrop { hold_ms: 500 }),
+        ),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("backstop.db");
+    let yaml = format!(
+        r#"
+agents:
+  test-agent: {{ token_env: TEST_AGENT_TOKEN }}
+providers:
+  fake:
+    base_url: {}
+    credential: {{ secret_env: FAKE_API_KEY }}
+    routes:
+      "POST /v1/transfers": {{ class: uncertain_write }}
+"#,
+        fake.url()
+    );
+    let gateway = support::start_gateway(
+        &yaml,
+        "no-key.yaml",
+        &env,
+        support::serve_options(dir.path(), 5),
+    )
+    .await;
+    let in_flight = tokio::spawn(transfer(gateway.addr));
+    assert!(
+        eventually(|| !on_route(&fake.attempts(), "POST", "/v1/transfers").is_empty()).await,
+        "the create reached the provider"
+    );
+
+    // The 2 s grace outlasts the provider's hold: the drop comes back during the stop.
+    gateway.shutdown().await.expect("clean stop");
+    let answered = in_flight.await.unwrap().expect("an answer");
+    assert_eq!(answered.status(), 503);
+    assert_eq!(answered.headers()["x-should-retry"], "false");
+    let id = action_id(&answered);
+    let (_, body) = support::json_of(answered).await;
+    assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
+    assert_eq!(body["after_restart"], "reconcile", "{body}");
+    assert_eq!(body["last_signal"], "uncertain", "{body}");
+
+    let store = SqliteStore::open_existing(&db).expect("store");
+    let action = store.action(ActionId(id)).unwrap().expect("the action");
+    assert_eq!(action.outcome, None, "the stop decided nothing");
+    assert!(store.open_escalations().unwrap().is_empty());
+    let stored = store.attempts(ActionId(id)).unwrap();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].disposition, None, "sent, without a result");
+    drop(store);
+    let kinds = audited(&db, id);
+    assert!(
+        !kinds.iter().any(|k| k == "escalated"),
+        "escalated at the stop: {kinds:?}"
+    );
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/transfers").len(), 1);
+    fake.shutdown().await;
+}
+
+/// A read whose provider outlasts the grace is answered `503 shutting_down` that says it may be
+/// sent again, not an empty reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_whose_provider_outlasts_the_grace_is_answered_it_may_be_sent_again() {
+    let fake = support::start_fake(
+        FakeConfig::default().with_route(
+            RouteConfig::new("GET /v1/transfers/{id}", lookup("transfers"))
+                .with_fault(FaultRule::on_calls([1], Fault::Timeout { hold_ms: 30_000 })),
+        ),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway_without_lookup(&fake.url(), dir.path()).await;
+    let read = client()
+        .get(format!("http://{}/fake/v1/transfers/tr_1", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Task", "run-stop")
+        .send();
+    let in_flight = tokio::spawn(read);
+    assert!(
+        eventually(|| !on_route(&fake.attempts(), "GET", "/v1/transfers/tr_1").is_empty()).await,
+        "the read reached the provider"
+    );
+
+    gateway.shutdown().await.expect("clean stop");
+    let answered = in_flight
+        .await
+        .unwrap()
+        .expect("an answer, not an empty reply");
+    assert_eq!(answered.status(), 503);
+    assert_eq!(answered.headers()["x-should-retry"], "true");
+    assert_eq!(answered.headers()["retry-after"], "1");
+    let (_, body) = support::json_of(answered).await;
+    assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
+    assert_eq!(body["after_restart"], "cancel", "{body}");
+    assert_eq!(body["last_signal"], "uncertain", "{body}");
+    fake.shutdown().await;
+}
+
 /// The transfer of task `run-stop` under the key `order-stop-1`, sent through the door at `addr`.
 fn transfer(
     addr: std::net::SocketAddr,
