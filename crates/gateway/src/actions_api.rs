@@ -609,13 +609,16 @@ fn is_duration_shaped(text: &str) -> bool {
     true
 }
 
+/// `GET /v1/actions/{id}`; every refusal is logged at INFO ([`Problem::log_refusal_to`]), with
+/// the caller once it is known.
 async fn show(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    match show_inner(&state, &id, &uri, &headers).await {
+    let mut who = None;
+    match show_inner(&state, &id, &uri, &headers, &mut who).await {
         Ok(body) => {
             let (id, attempts) = (body["id"].as_i64(), body["attempts"].as_u64());
             let mut response = axum::Json(body).into_response();
@@ -631,17 +634,22 @@ async fn show(
             }
             response
         }
-        Err(problem) => problem.into_response(),
+        Err(problem) => {
+            problem.log_refusal_to("GET /v1/actions/{id}", who.as_ref());
+            problem.into_response()
+        }
     }
 }
 
+/// [`show`]'s work; `caller_of` is set to the caller once it is authenticated.
 async fn show_inner(
     state: &AppState,
     id: &str,
     uri: &Uri,
     headers: &HeaderMap,
+    caller_of: &mut Option<Caller>,
 ) -> Result<Value, Problem> {
-    let who = caller(state, headers)?;
+    let who = caller_of.insert(caller(state, headers)?).clone();
     let engine = engine(state, "GET /v1/actions/{id}")?;
     let wait = wait_parameter(uri)?
         .as_deref()
@@ -861,13 +869,16 @@ async fn long_poll(engine: &Engine, id: i64, wait: Duration) {
     }
 }
 
+/// `POST /v1/tasks/{id}/cancel`; every refusal is logged at INFO ([`Problem::log_refusal_to`]),
+/// with the caller once it is known.
 async fn cancel(
     State(state): State<Arc<AppState>>,
     Path(task): Path<String>,
     headers: HeaderMap,
 ) -> Response {
+    let mut known = None;
     let result = async {
-        let who = caller(&state, &headers)?;
+        let who = known.insert(caller(&state, &headers)?).clone();
         let engine = engine(&state, "POST /v1/tasks/{id}/cancel")?;
         let agent = (who.role == Role::Agent).then_some(who.name.as_str());
         engine
@@ -882,6 +893,7 @@ async fn cancel(
     match result {
         Ok(report) => (StatusCode::OK, axum::Json(report)).into_response(),
         Err(problem) => {
+            problem.log_refusal_to("POST /v1/tasks/{id}/cancel", known.as_ref());
             let mut response = problem.into_response();
             response
                 .headers_mut()

@@ -116,7 +116,60 @@ pub fn acting_router(state: EscalationsState, engine: Option<crate::engine::Engi
             )),
         )
         .route("/v1/escalations/{id}/reveal", post(reveal))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.base.clone(),
+            log_refusals,
+        ))
         .with_state(state)
+}
+
+/// What an [`ApiProblem`] answer refused, kept on its response for [`log_refusals`].
+#[derive(Debug, Clone)]
+struct RefusedHere {
+    name: &'static str,
+    detail: String,
+}
+
+/// Logs every refusal of these routes at INFO, on the line every refusal of backstop is logged
+/// with ([`crate::problem::log_refusal`]): the route, the operator once the token names one,
+/// the status, the problem type and the reason.
+async fn log_refusals(
+    State(state): State<EscalationsState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let at = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(
+            || format!("{} /v1/escalations", request.method()),
+            |path| format!("{} {}", request.method(), path.as_str()),
+        );
+    let authorization = request
+        .headers()
+        .get_all(header::AUTHORIZATION)
+        .iter()
+        .cloned()
+        .collect::<Vec<_>>();
+    let response = next.run(request).await;
+    if let Some(refused) = response.extensions().get::<RefusedHere>() {
+        let mut headers = HeaderMap::new();
+        for value in authorization {
+            headers.append(header::AUTHORIZATION, value);
+        }
+        let operator = operator(&state, &headers).ok();
+        crate::problem::log_refusal(
+            &at,
+            crate::problem::Refused {
+                agent: None,
+                operator: operator.as_deref(),
+            },
+            response.status(),
+            refused.name,
+            &refused.detail,
+        );
+    }
+    response
 }
 
 #[derive(Clone)]
@@ -210,6 +263,10 @@ impl IntoResponse for ApiProblem {
             }
         }
         let mut response = (self.status, body.to_string()).into_response();
+        response.extensions_mut().insert(RefusedHere {
+            name: self.name,
+            detail: self.detail,
+        });
         let headers = response.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,

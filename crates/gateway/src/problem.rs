@@ -492,13 +492,25 @@ impl Problem {
     /// members and rules rather than echoing values: tokens, keys and bodies never reach the
     /// log.
     pub fn log_refusal(&self, at: &str, agent: Option<&str>) {
-        tracing::info!(
+        log_refusal(
             at,
-            agent,
-            status = self.status.as_u16(),
-            problem = %self.name,
-            reason = %sanitize_text(&self.detail).text,
-            "refused: nothing was sent"
+            Refused::by_agent(agent),
+            self.status,
+            &self.name,
+            &self.detail,
+        );
+    }
+
+    /// [`Problem::log_refusal`] for a route that agents and operators both call (the action
+    /// view, task cancellation, the escalations API): `caller` is whoever was authenticated,
+    /// logged as `agent` or `operator` by its role.
+    pub fn log_refusal_to(&self, at: &str, caller: Option<&crate::auth::Caller>) {
+        log_refusal(
+            at,
+            Refused::by(caller),
+            self.status,
+            &self.name,
+            &self.detail,
         );
     }
 
@@ -523,6 +535,54 @@ impl Problem {
         }
         Value::Object(map)
     }
+}
+
+/// Who made a refused request, as far as it was authenticated: logged as `agent` or `operator`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Refused<'a> {
+    /// The agent's name, when an agent's token was presented.
+    pub agent: Option<&'a str>,
+    /// The operator's name, when an operator's token was presented.
+    pub operator: Option<&'a str>,
+}
+
+impl<'a> Refused<'a> {
+    /// A request of `agent`, when it is known.
+    pub fn by_agent(agent: Option<&'a str>) -> Refused<'a> {
+        Refused {
+            agent,
+            operator: None,
+        }
+    }
+
+    /// A request of `caller` (by its role), when it is known.
+    pub fn by(caller: Option<&'a crate::auth::Caller>) -> Refused<'a> {
+        match caller {
+            Some(c) if c.role == crate::auth::Role::Agent => Refused::by_agent(Some(&c.name)),
+            Some(c) => Refused {
+                agent: None,
+                operator: Some(&c.name),
+            },
+            None => Refused::default(),
+        }
+    }
+}
+
+/// The one INFO line of every refusal backstop makes (see [`Problem::log_refusal`]): where it
+/// was decided (`at`: `door`, `admission` or the route, such as `GET /v1/actions/{id}`), who
+/// asked (`agent` or `operator`, once authenticated), the `status`, the problem type (`name`)
+/// and its `detail` as the reason, sanitized ([`sanitize_text`]): tokens, keys and bodies never
+/// reach the log.
+pub fn log_refusal(at: &str, by: Refused<'_>, status: StatusCode, name: &str, detail: &str) {
+    tracing::info!(
+        at,
+        agent = by.agent,
+        operator = by.operator,
+        status = status.as_u16(),
+        problem = %name,
+        reason = %sanitize_text(detail).text,
+        "refused: nothing was sent"
+    );
 }
 
 impl IntoResponse for Problem {

@@ -1097,22 +1097,31 @@ pub fn full_router(state: Arc<AppState>, store: Arc<dyn Store>) -> Router {
 }
 
 /// Before the escalation routes: a duplicated `Authorization` header is a 400, and an agent's
-/// token a 403 (authenticated, but not an operator); the routes themselves answer 401 for
-/// anything else that is not an operator token.
+/// token a 403 (authenticated, but not an operator), each logged as a refusal
+/// ([`Problem::log_refusal_to`]); the routes themselves answer 401 for anything else that is
+/// not an operator token.
 async fn operators_only(
     State(state): State<Arc<AppState>>,
     request: Request<Body>,
     next: Next,
 ) -> Response {
-    match state.auth.authenticate(request.headers()) {
-        Err(error @ crate::auth::AuthError::Duplicate) => Problem::from(error).into_response(),
-        Ok(caller) if caller.role == Role::Agent => Problem::forbidden(format!(
-            "`{}` is an agent; escalations are read and decided with operator tokens",
-            caller.name
-        ))
-        .into_response(),
-        _ => next.run(request).await,
-    }
+    let (problem, caller) = match state.auth.authenticate(request.headers()) {
+        Err(error @ crate::auth::AuthError::Duplicate) => (Problem::from(error), None),
+        Ok(caller) if caller.role == Role::Agent => (
+            Problem::forbidden(format!(
+                "`{}` is an agent; escalations are read and decided with operator tokens",
+                caller.name
+            )),
+            Some(caller),
+        ),
+        _ => return next.run(request).await,
+    };
+    let at = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("/v1/escalations", |path| path.as_str());
+    problem.log_refusal_to(&format!("{} {at}", request.method()), caller.as_ref());
+    problem.into_response()
 }
 
 #[cfg(test)]

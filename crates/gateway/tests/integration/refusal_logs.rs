@@ -196,3 +196,121 @@ async fn refusals_are_logged(logs: &Capture) {
         assert!(!text.contains(secret), "`{secret}` is in the log");
     }
 }
+
+#[test]
+fn refusals_of_the_action_view_task_cancel_and_escalations_are_logged_on_the_same_line() {
+    let logs = Capture::default();
+    let runtime = runtime_logging_into(&logs);
+    logs.attach();
+    runtime.block_on(api_refusals_are_logged(&logs));
+    Capture::detach();
+}
+
+async fn api_refusals_are_logged(logs: &Capture) {
+    let fake = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let base = format!("http://{}", gateway.addr);
+    let send = |method: &str, path: &str, token: Option<&str>| {
+        let mut request = client().request(method.parse().unwrap(), format!("{base}{path}"));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        async move { request.send().await.expect("request").status().as_u16() }
+    };
+
+    // (what, the route logged as `at`, status, problem type, the caller's field and name)
+    let mut expected = Vec::new();
+    let mut refused = |what, at, status, problem, who| {
+        expected.push((what, at, status, problem, who));
+    };
+    assert_eq!(send("GET", "/v1/actions/999", Some(AGENT_TOKEN)).await, 404);
+    refused(
+        "unknown action",
+        "GET /v1/actions/{id}",
+        404,
+        "action_not_found",
+        Some(("agent", "test-agent")),
+    );
+    assert_eq!(send("GET", "/v1/actions/1", None).await, 401);
+    refused(
+        "action view without a token",
+        "GET /v1/actions/{id}",
+        401,
+        "unauthorized",
+        None,
+    );
+    assert_eq!(
+        send("POST", "/v1/tasks/run-unknown/cancel", Some(OPS_TOKEN)).await,
+        404
+    );
+    refused(
+        "unknown task",
+        "POST /v1/tasks/{id}/cancel",
+        404,
+        "task_not_found",
+        Some(("operator", "oncall")),
+    );
+    assert_eq!(send("GET", "/v1/escalations", None).await, 401);
+    refused(
+        "escalations without a token",
+        "GET /v1/escalations",
+        401,
+        "unauthorized",
+        None,
+    );
+    assert_eq!(
+        send("GET", "/v1/escalations/42", Some(OPS_TOKEN)).await,
+        404
+    );
+    refused(
+        "unknown escalation",
+        "GET /v1/escalations/{id}",
+        404,
+        "escalation_not_found",
+        Some(("operator", "oncall")),
+    );
+    assert_eq!(
+        send("GET", "/v1/escalations/42", Some(AGENT_TOKEN)).await,
+        403
+    );
+    refused(
+        "agent token on escalations",
+        "GET /v1/escalations/{id}",
+        403,
+        "forbidden",
+        Some(("agent", "test-agent")),
+    );
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+
+    let refusals: Vec<String> = logs
+        .lines_at("INFO")
+        .into_iter()
+        .filter(|line| line.contains("refused: nothing was sent"))
+        .collect();
+    for (what, at, status, problem, who) in expected {
+        let found = refusals.iter().any(|line| {
+            line.contains(at)
+                && line.contains(&format!("status={status}"))
+                && line.contains(&format!("problem={problem}"))
+                && match who {
+                    Some((field, name)) => {
+                        line.contains(&format!("{field}=")) && line.contains(name)
+                    }
+                    None => !line.contains("agent=") && !line.contains("operator="),
+                }
+        });
+        assert!(
+            found,
+            "no INFO line for the {what} refusal in {refusals:#?}"
+        );
+    }
+    let text = logs.text();
+    for secret in [AGENT_TOKEN, OPS_TOKEN, PROVIDER_SECRET] {
+        assert!(!text.contains(secret), "`{secret}` is in the log");
+    }
+}
