@@ -18,8 +18,9 @@
 //! ([`ServeOptions::header_read_timeout`]); every route sits under one edge layer (body read
 //! timeout → 408, every error answer an RFC 9457 problem, requests counted in flight). Answers
 //! hyper makes before a request exists (414 for a target over 65,534 bytes, 431 for too many or
-//! too large headers, 400 for bytes that are not HTTP/1.1) have no body; they cannot reach the
-//! router.
+//! too large headers, 400 for bytes that are not HTTP/1.1) have no body and no receipt headers:
+//! hyper 1's HTTP/1 server writes them itself when the head fails to parse, before any service
+//! is called, and has no hook to change them, so they cannot reach the router.
 //!
 //! Shutdown ([`Running::shutdown`], wired to SIGTERM and Ctrl-C by the CLI) is bounded by one
 //! grace: new requests, on new or kept-alive connections, are answered 503 `shutting_down` with
