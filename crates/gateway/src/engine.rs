@@ -1228,7 +1228,9 @@ impl Engine {
     /// read), `last_signal` `uncertain` and `sent: true`, instead of having its connection cut
     /// when the grace ends. Nothing is recorded for the attempt: it stays sent without a result,
     /// which the next start reconciles with its original key for a write and closes `cancelled`
-    /// for a read (SPEC §12). Attempts sent later are given up as soon as they leave.
+    /// for a read (SPEC §12). Attempts sent later are given up as soon as they leave. A
+    /// reconciliation lookup still out is given up too (audited `inconclusive`, its status
+    /// unknown), and its write left sent without a result.
     pub fn give_up_attempts(&self) {
         self.inner.given_up.send_replace(true);
     }

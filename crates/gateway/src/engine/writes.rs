@@ -125,7 +125,7 @@ impl Drop for LookupInFlight {
             task = %self.task,
             lookup = %self.lookup,
             verdict = word,
-            "reconciliation lookup abandoned: its caller went away after it was sent, so its answer is unknown; counted and audited as inconclusive"
+            "reconciliation lookup abandoned: its caller went away (or the stop's grace ran out) after it was sent, so its answer is unknown; counted and audited as inconclusive"
         );
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -475,7 +475,8 @@ impl Inner {
     ///
     /// # Errors
     /// [`LookupNotSent`] when the gateway is shutting down: nothing was sent, audited or
-    /// counted.
+    /// counted — or, when the stop's grace ran out before a lookup sent earlier was answered,
+    /// that lookup is audited with an unknown status.
     pub(super) async fn lookup(
         &self,
         facts: &WriteFacts,
@@ -571,7 +572,9 @@ impl Inner {
     }
 
     /// One lookup of [`Inner::lookup`]: its verdict and the provider's status, or
-    /// [`LookupNotSent`] when the scheduler has stopped.
+    /// [`LookupNotSent`] when the scheduler has stopped, or when the lookup was sent but the
+    /// stop's grace ran out before its answer ([`super::Engine::give_up_attempts`]; it is then
+    /// counted and audited as `inconclusive`, its status unknown).
     async fn lookup_once(
         &self,
         facts: &WriteFacts,
@@ -646,7 +649,21 @@ impl Inner {
             at: self.clock.now(),
             armed: true,
         };
-        let reply = self.transport.send(request).await;
+        let mut given_up = self.given_up.subscribe();
+        let reply = tokio::select! {
+            reply = self.transport.send(request) => reply,
+            _ = given_up.wait_for(|given_up| *given_up) => {
+                // The stop's grace is running out and the provider has not answered: the
+                // lookup is counted and audited as one whose answer is unknown (`in_flight`,
+                // dropped armed), and the write is left for the next start.
+                tracing::info!(
+                    action = facts.action.0,
+                    lookup = %lookup_template(rc),
+                    "shutting down: the grace ran out before the reconciliation lookup was answered"
+                );
+                return Err(LookupNotSent);
+            }
+        };
         drop(permit);
         let answered = self.read_lookup(rc, reply).await;
         in_flight.armed = false;

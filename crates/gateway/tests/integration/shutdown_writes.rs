@@ -282,6 +282,60 @@ async fn a_write_whose_provider_outlasts_the_grace_is_answered_and_stays_sent_wi
     fake.shutdown().await;
 }
 
+/// The write's answer never came and its reconciliation lookup was sent just before the stop,
+/// but the provider holds the lookup past the grace: the caller is still answered `503
+/// shutting_down` (not an empty reply), and the write stays sent without a result for the next
+/// start to reconcile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_the_provider_holds_past_the_grace_leaves_the_write_for_the_next_start() {
+    let fake = support::start_fake(
+        FakeConfig::default()
+            .with_route(
+                RouteConfig::new("POST /v1/transfers", support::create("transfers", "tr_"))
+                    .with_idempotency()
+                    .with_fault(FaultRule::on_calls(
+                        [1],
+                        Fault::StoreThenDrop { hold_ms: 0 },
+                    )),
+            )
+            .with_route(
+                RouteConfig::new("GET /v1/transfers", lookup("transfers"))
+                    .with_fault(FaultRule::on_calls([1], Fault::Timeout { hold_ms: 30_000 })),
+            ),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("backstop.db");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let in_flight = tokio::spawn(transfer(gateway.addr));
+    assert!(
+        eventually(|| !on_route(&fake.attempts(), "GET", "/v1/transfers").is_empty()).await,
+        "the lookup reached the provider"
+    );
+
+    gateway.shutdown().await.expect("clean stop");
+    let answered = in_flight
+        .await
+        .unwrap()
+        .expect("an answer, not an empty reply");
+    assert_eq!(answered.status(), 503);
+    assert_eq!(answered.headers()["x-should-retry"], "false");
+    let id = action_id(&answered);
+    let (_, body) = support::json_of(answered).await;
+    assert_eq!(body["type"], "urn:backstop:problem:shutting_down", "{body}");
+    assert_eq!(body["after_restart"], "reconcile", "{body}");
+    assert_eq!(body["last_signal"], "uncertain", "{body}");
+
+    let store = SqliteStore::open_existing(&db).expect("store");
+    let action = store.action(ActionId(id)).unwrap().expect("the action");
+    assert_eq!(action.outcome, None, "the stop decided nothing");
+    assert!(store.open_escalations().unwrap().is_empty());
+    let stored = store.attempts(ActionId(id)).unwrap();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].disposition, None, "sent, without a result");
+    assert_eq!(on_route(&fake.attempts(), "POST", "/v1/transfers").len(), 1);
+    fake.shutdown().await;
+}
+
 /// A write to a provider that honours no idempotency key, on a route without a lookup, whose
 /// answer never comes (the connection drops) during the stop: the SPEC §6 rule would escalate
 /// it, but our own stop is no evidence about it, so it stays sent without a result for the
