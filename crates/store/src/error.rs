@@ -80,14 +80,15 @@ pub enum StoreError {
         reason: String,
     },
     /// Another open store (a running `backstop serve`, in this process or another) holds the
-    /// database's exclusive write lock: a second writer would break the audit chain and the
-    /// action ids, so it is refused when it opens. Read-only access takes no lock.
-    #[error("{lock}: another process holds this lock, so {database} is already open for writing (is a `backstop serve` running on it?); stop that process or use another store")]
+    /// database file's exclusive write lock (on Linux an advisory `flock` on the file itself, so
+    /// every path to it, hard links included, meets it): a second writer would break the audit
+    /// chain and the action ids, so it is refused when it opens. Read-only access takes no lock.
+    #[error("{database}: {holder} holds this database's write lock, so it is already open for writing (is a `backstop serve` running on it?); stop that process or use another store")]
     Locked {
-        /// The lock file beside the database (`<database>.lock`).
-        lock: PathBuf,
         /// The database that was asked for.
         database: PathBuf,
+        /// Who holds the lock, as far as the operating system tells.
+        holder: LockHolder,
     },
     /// The audit log's last event does not match its hash, does not link to the event before
     /// it, lies outside the chain (`seq` 0 or below), or cannot be decoded, its own hash
@@ -220,4 +221,39 @@ pub struct BoundRequest {
     pub method: String,
     /// Route template.
     pub route: String,
+}
+
+/// Who holds a database's write lock ([`StoreError::Locked`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockHolder {
+    /// Another open store in this process, opened under `path` (the same file, perhaps under
+    /// another name: a hard or symbolic link).
+    ThisProcess {
+        /// The path that store was opened with.
+        path: PathBuf,
+    },
+    /// Another process: its id when the operating system shows it (Linux's `/proc/locks`),
+    /// else `None`. On systems other than Linux, a store in this process is reported so too.
+    OtherProcess {
+        /// The holder's process id, if known.
+        pid: Option<u32>,
+    },
+}
+
+impl std::fmt::Display for LockHolder {
+    /// `another store in this process (opened as PATH)`, `another process (pid N)` or
+    /// `another process`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LockHolder::ThisProcess { path } => write!(
+                f,
+                "another store in this process (opened as {})",
+                path.display()
+            ),
+            LockHolder::OtherProcess { pid: Some(pid) } => {
+                write!(f, "another process (pid {pid})")
+            }
+            LockHolder::OtherProcess { pid: None } => f.write_str("another process"),
+        }
+    }
 }

@@ -20,7 +20,7 @@ pub mod snapshots;
 pub mod sqlite;
 pub mod store;
 
-pub use error::{BoundRequest, StoreError};
+pub use error::{BoundRequest, LockHolder, StoreError};
 pub use model::*;
 pub use sqlite::{AuditReader, SqliteStore, WriterStats};
 pub use store::{

@@ -370,8 +370,9 @@ impl SqliteStore {
     /// [`StoreError::NotSqlite`], [`StoreError::DamagedFile`] (a SQLite file cut short or
     /// damaged), [`StoreError::Foreign`] or [`StoreError::TooNew`] when the file is not a
     /// backstop database this build can use (it is then left untouched);
-    /// [`StoreError::Locked`] when another open store holds the file's write lock
-    /// (`<path>.lock`, held until this store is dropped); [`StoreError::BrokenHead`] when the
+    /// [`StoreError::Locked`] when another open store holds the file's write lock (an
+    /// advisory lock on the database file itself on Linux, held until this store is dropped;
+    /// see the `lock` module); [`StoreError::BrokenHead`] when the
     /// audit log's last event does not match its hash, cannot be decoded (its hash included)
     /// or does not link to the event before it (new events would extend a broken chain);
     /// [`StoreError::Sqlite`] for I/O problems.
