@@ -1035,6 +1035,12 @@ struct State {
     /// task from before its store record to its end, which no one tracks yet.
     /// By agent, then task id: looked up from borrowed strings, so an admission checks it
     /// without copying the request's agent and task id.
+    ///
+    /// It starts empty at every start, and need not be rebuilt from the store: no action of a
+    /// task cancelled before the start comes here except as a reconciliation lookup, which
+    /// cancellation does not hold back. The store refuses a new action of such a task before it
+    /// is recorded or queued (its tasks table says so), as does a same-key resend; and restart
+    /// recovery sends nothing again for an earlier run's actions, it ends or reconciles them.
     cancelled_tasks: HashMap<String, HashSet<String>>,
     rng: SplitMix64,
     clock: TokioClock,

@@ -24,6 +24,7 @@ mod health_watchdog;
 mod key_target;
 mod quota_escalations;
 mod refusal_logs;
+mod restart_cancelled;
 mod restart_reads;
 mod restart_unsent_writes;
 mod scenario_reference;
