@@ -582,6 +582,15 @@ pub trait Store: Send + Sync {
     /// Storage errors only.
     fn open_escalations(&self) -> Result<Vec<EscalationRecord>, StoreError>;
 
+    /// How many escalations are open (as many as [`Store::open_escalations`] lists, without
+    /// reading them).
+    ///
+    /// # Errors
+    /// Storage errors only.
+    fn count_open_escalations(&self) -> Result<u64, StoreError> {
+        Ok(self.open_escalations()?.len() as u64)
+    }
+
     /// Every escalation of `action`, open or decided, oldest first.
     ///
     /// # Errors

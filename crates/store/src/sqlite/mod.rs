@@ -1642,6 +1642,10 @@ impl Store for SqliteStore {
         self.read(rows::open_escalations)
     }
 
+    fn count_open_escalations(&self) -> Result<u64, StoreError> {
+        self.read(rows::count_open_escalations)
+    }
+
     fn escalations_of_action(&self, action: ActionId) -> Result<Vec<EscalationRecord>, StoreError> {
         self.read(|c| rows::escalations_of_action(c, action))
     }

@@ -558,6 +558,13 @@ pub(crate) fn escalations_decided_since(
     Ok(out)
 }
 
+pub(crate) fn count_open_escalations(conn: &Connection) -> Result<u64, StoreError> {
+    let count: i64 = conn
+        .prepare_cached("SELECT count(*) FROM escalations WHERE state = 'open'")?
+        .query_row([], |r| r.get(0))?;
+    Ok(u64::try_from(count).unwrap_or(0))
+}
+
 pub(crate) fn open_escalations(conn: &Connection) -> Result<Vec<EscalationRecord>, StoreError> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {ESCALATION_COLUMNS} FROM escalations WHERE state = 'open' ORDER BY id"
