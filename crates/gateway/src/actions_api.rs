@@ -157,7 +157,7 @@ async fn submit(State(state): State<Arc<AppState>>, headers: HeaderMap, body: By
     match submit_inner(&state, &headers, body, &mut agent).await {
         Ok(response) => response,
         Err(problem) => {
-            problem.log_refusal("POST /v1/actions", agent.as_deref());
+            problem.log_refusal("POST /v1/actions", agent.as_deref(), &state.metrics);
             door::refusal(problem)
         }
     }

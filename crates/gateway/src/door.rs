@@ -938,7 +938,7 @@ pub async fn proxy(state: std::sync::Arc<AppState>, request: Request<Body>) -> R
 /// logged at INFO ([`Problem::log_refusal`]), with the agent once it is known.
 async fn prepare(state: &AppState, request: Request<Body>) -> Result<ActionSpec, Problem> {
     let refused = |agent: Option<&str>, problem: Problem| {
-        problem.log_refusal("door", agent);
+        problem.log_refusal("door", agent, &state.metrics);
         problem
     };
     let caller = state
@@ -1163,7 +1163,7 @@ fn encoded_slash_keeps_the_route(
 pub(crate) async fn submit_async(state: &AppState, spec: ActionSpec) -> Response {
     let Some(engine) = state.executor.engine() else {
         let problem = Problem::not_supported("`Prefer: respond-async`");
-        problem.log_refusal("door", Some(&spec.agent));
+        problem.log_refusal("door", Some(&spec.agent), &state.metrics);
         return refusal(problem);
     };
     let task_id = spec.task_id.clone();

@@ -1235,6 +1235,16 @@ impl Engine {
         self.inner.given_up.send_replace(true);
     }
 
+    /// Sets the `backstop_open_escalations` gauge to the number of escalations open in the
+    /// store (read when `/metrics` is asked for, so escalations opened or decided by any path
+    /// are counted). A store that cannot be read leaves the gauge as it was, with a warning.
+    pub async fn refresh_open_escalations(&self) {
+        match self.inner.blocking(|s| s.count_open_escalations()).await {
+            Ok(open) => self.inner.metrics.set_open_escalations(open),
+            Err(e) => tracing::warn!(error = %e, "could not count the open escalations"),
+        }
+    }
+
     /// Cancels the task `task_id` of `agent` (SPEC §4.3): its delayed actions are dropped
     /// before they wake, their slots and delayed counts freed, every unfinished action ends
     /// `cancelled` (audited) and no action of the task sends again — but a write with an
@@ -2179,6 +2189,7 @@ impl Engine {
                 "attempt sent"
             );
             let mut given_up = inner.given_up.subscribe();
+            let handed_at = inner.clock.now();
             let reply = tokio::select! {
                 reply = inner.transport.send(run.request.as_ref().clone()) => reply,
                 _ = given_up.wait_for(|given_up| *given_up) => {
@@ -2203,6 +2214,10 @@ impl Engine {
             };
             drop(permit);
             let received_at = inner.clock.now();
+            inner.metrics.observe_upstream_attempt(
+                &route.provider,
+                received_at.duration_since(handed_at).as_secs_f64(),
+            );
 
             // Classify (never read a 2xx body). The response's signal headers are kept as
             // evidence unless it is a plain success (a 2xx without a Retry-After).
@@ -3599,18 +3614,25 @@ impl Engine {
                     key,
                 )
                 .with_extension("task", spec.task_id.as_str().into());
-                problem.log_refusal("admission", Some(&spec.agent));
+                problem.log_refusal("admission", Some(&spec.agent), &self.inner.metrics);
                 problem_answer(receipt, problem)
             }
-            // The record refusing it is named (`task "run-42" is cancelled; …`).
-            EngineError::Store(StoreError::InvalidTransition { what, reason }) => unrecorded(
-                Outcome::Cancelled,
-                format!("the action was not accepted: {what} is {reason}"),
-            ),
-            _ => unrecorded(
-                Outcome::Cancelled,
-                "the action was not accepted by the store".to_owned(),
-            ),
+            e => {
+                self.inner.metrics.refusal(Outcome::Cancelled.as_str());
+                match e {
+                    // The record refusing it is named (`task "run-42" is cancelled; …`).
+                    EngineError::Store(StoreError::InvalidTransition { what, reason }) => {
+                        unrecorded(
+                            Outcome::Cancelled,
+                            format!("the action was not accepted: {what} is {reason}"),
+                        )
+                    }
+                    _ => unrecorded(
+                        Outcome::Cancelled,
+                        "the action was not accepted by the store".to_owned(),
+                    ),
+                }
+            }
         }
     }
 

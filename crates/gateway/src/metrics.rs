@@ -5,7 +5,9 @@
 //! from `rate_limited` 429s, SPEC §2.1), outcomes by their SPEC §5 name, queue depth and in-flight
 //! work per scope as gauges, the retry-after debt (time deliberately yielded to providers, SPEC
 //! §10) per scope, layered retries that were joined (SPEC §4.3), breakers opened (SPEC §7) and
-//! held, and the gateway's own overhead per attempt.
+//! held, and the gateway's own overhead per attempt; escalations open for a human, requests
+//! refused before they became actions (by problem type), and how long the provider took to
+//! answer each attempt (by provider).
 
 use std::sync::Mutex;
 
@@ -52,6 +54,17 @@ struct ProviderLabels {
     provider: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProblemLabels {
+    problem: String,
+}
+
+/// The buckets of `backstop_upstream_attempt_seconds`: 5 ms doubling to ≈ 41 s (14 buckets),
+/// past the default attempt timeout.
+fn upstream_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 14))
+}
+
 /// All gateway metrics, registered once; cheap to update from any task.
 #[derive(Debug)]
 pub struct Metrics {
@@ -68,6 +81,9 @@ pub struct Metrics {
     missed_wakes: Counter,
     early_retries: Counter,
     overhead: Histogram,
+    open_escalations: Gauge,
+    refusals: Family<ProblemLabels, Counter>,
+    upstream_attempts: Family<ProviderLabels, Histogram, fn() -> Histogram>,
     // Serializes encoding; updates are lock-free.
     encode_lock: Mutex<()>,
 }
@@ -155,6 +171,27 @@ impl Metrics {
             "Time the proxy door spends per call: request head in to the hand-over to the engine, plus the engine's answer to the response head out (excludes queueing, waiting and the upstream call)",
             overhead.clone(),
         );
+        let open_escalations = Gauge::default();
+        registry.register(
+            "open_escalations",
+            "Escalations open for a human decision (counted in the store when /metrics is read)",
+            open_escalations.clone(),
+        );
+        let refusals = Family::<ProblemLabels, Counter>::default();
+        registry.register(
+            "refusals",
+            "Requests refused before they became actions, nothing sent, by problem type (the proxy door, POST /v1/actions, and the store refusing to record them: a reused idempotency key, a cancelled task); outcomes of recorded actions are in backstop_outcomes_total",
+            refusals.clone(),
+        );
+        let upstream_attempts =
+            Family::<ProviderLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                upstream_histogram,
+            );
+        registry.register(
+            "upstream_attempt_seconds",
+            "Time from handing an attempt to the upstream client to its response head or transport error, by provider (reconciliation lookups not included)",
+            upstream_attempts.clone(),
+        );
         Self {
             registry,
             attempts,
@@ -169,6 +206,9 @@ impl Metrics {
             missed_wakes,
             early_retries,
             overhead,
+            open_escalations,
+            refusals,
+            upstream_attempts,
             encode_lock: Mutex::new(()),
         }
     }
@@ -278,6 +318,36 @@ impl Metrics {
     /// scheduling and the upstream call are not included.
     pub fn observe_overhead(&self, seconds: f64) {
         self.overhead.observe(seconds);
+    }
+
+    /// Sets `backstop_open_escalations`: the escalations open in the store now.
+    pub fn set_open_escalations(&self, open: u64) {
+        self.open_escalations
+            .set(i64::try_from(open).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one request refused before it became an action (nothing sent), by its problem
+    /// type's name (`unauthorized`, `bad_header`, `idempotency_key_reused`, `cancelled`, …; the
+    /// last part of the problem's `type`).
+    pub fn refusal(&self, problem: &str) {
+        self.refusals
+            .get_or_create(&ProblemLabels {
+                problem: problem.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Observes one attempt's upstream latency at `provider`, in seconds: from handing the
+    /// request to the upstream client to its response head (or the transport error that ended
+    /// it). Negative or non-finite values are not observed.
+    pub fn observe_upstream_attempt(&self, provider: &str, seconds: f64) {
+        if seconds.is_finite() && seconds >= 0.0 {
+            self.upstream_attempts
+                .get_or_create(&ProviderLabels {
+                    provider: provider.to_owned(),
+                })
+                .observe(seconds);
+        }
     }
 
     /// Renders the Prometheus text exposition format.

@@ -490,8 +490,9 @@ impl Problem {
     /// the status, the problem type and its `detail` as the reason. The reason is sanitized
     /// ([`sanitize_text`]) before it is logged, although a refusal's detail names headers,
     /// members and rules rather than echoing values: tokens, keys and bodies never reach the
-    /// log.
-    pub fn log_refusal(&self, at: &str, agent: Option<&str>) {
+    /// log. The refusal is counted in `backstop_refusals_total` under its problem name.
+    pub fn log_refusal(&self, at: &str, agent: Option<&str>, metrics: &crate::metrics::Metrics) {
+        metrics.refusal(&self.name);
         log_refusal(
             at,
             Refused::by_agent(agent),

@@ -277,6 +277,9 @@ async fn metrics(State(state): State<Arc<AppState>>, request: Request<Body>) -> 
             return Problem::from(problem).into_response();
         }
     }
+    if let Some(engine) = state.executor.engine() {
+        engine.refresh_open_escalations().await;
+    }
     let mut response = state.metrics.render().into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

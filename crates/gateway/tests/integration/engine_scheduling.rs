@@ -478,6 +478,14 @@ async fn cancel_task_drops_its_delayed_actions_before_they_wake() {
     let late = h.engine.execute(h.get("doomed", "/v1/items/3")).await;
     assert_eq!(summary(&late), "cancelled");
     assert!(h.transport.sent_to("/v1/items/3").is_empty());
+    // It never became an action: counted as a refusal, under its problem type.
+    assert!(
+        h.metrics
+            .render()
+            .contains(r#"backstop_refusals_total{problem="cancelled"} 1"#),
+        "{}",
+        h.metrics.render()
+    );
     // Only the owner may cancel.
     assert!(h.engine.cancel_task("t0", "someone-else").await.is_err());
 }

@@ -707,3 +707,66 @@ async fn reads_carry_no_idempotency_key_in_the_store_or_the_audit_log() {
     );
     fake.shutdown().await;
 }
+
+/// The value of the sample `name` (with its labels, as exposed) on `/metrics`, if listed.
+async fn sample(gateway: &Running, name: &str) -> Option<f64> {
+    let text = client()
+        .get(format!("http://{}/metrics", gateway.addr))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .map(|value| value.trim().parse().expect("a number"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_open_escalations_refusals_and_upstream_attempts() {
+    let fake = fake();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    const OPEN: &str = "backstop_open_escalations";
+    const UNAUTHORIZED: &str = r#"backstop_refusals_total{problem="unauthorized"}"#;
+    const BAD_HEADER: &str = r#"backstop_refusals_total{problem="bad_header"}"#;
+    const UPSTREAM: &str = r#"backstop_upstream_attempt_seconds_count{provider="fake"}"#;
+    const UPSTREAM_SUM: &str = r#"backstop_upstream_attempt_seconds_sum{provider="fake"}"#;
+    assert_eq!(sample(&gateway, OPEN).await, Some(0.0));
+    assert_eq!(sample(&gateway, UNAUTHORIZED).await, None);
+    assert_eq!(sample(&gateway, UPSTREAM).await, None);
+
+    // Two refusals at the door, each under its problem type; nothing reaches the provider.
+    let url = format!("http://{}/fake/v1/orders", gateway.addr);
+    let r = client().post(&url).send().await.expect("no token");
+    assert_eq!(r.status(), 401);
+    let r = client()
+        .post(&url)
+        .bearer_auth(AGENT_TOKEN)
+        .header("X-Backstop-Priority", "urgent-please")
+        .send()
+        .await
+        .expect("bad header");
+    assert_eq!(r.status(), 400);
+    assert_eq!(sample(&gateway, UNAUTHORIZED).await, Some(1.0));
+    assert_eq!(sample(&gateway, BAD_HEADER).await, Some(1.0));
+    assert!(fake.attempts().is_empty());
+
+    // An escalated write: one create sent (its lookup is not an attempt of the action).
+    let id = escalated_order(&gateway, "order-metrics-1").await;
+    assert_eq!(sample(&gateway, OPEN).await, Some(1.0));
+    let creates = || on_route(&fake.attempts(), "POST", "/v1/orders").len() as f64;
+    assert_eq!(creates(), 1.0);
+    assert_eq!(sample(&gateway, UPSTREAM).await, Some(creates()));
+    assert!(sample(&gateway, UPSTREAM_SUM).await.expect("sum") > 0.0);
+
+    // Decided: the escalation closes, and its same-key retry is one more attempt.
+    let escalation = escalation_of(&gateway, id).await;
+    let (status, answer) = decide(&gateway, escalation, json!({"option": "retry_same_key"})).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(sample(&gateway, OPEN).await, Some(0.0));
+    assert_eq!(creates(), 2.0);
+    assert_eq!(sample(&gateway, UPSTREAM).await, Some(creates()));
+    gateway.shutdown().await.expect("shutdown");
+}
