@@ -425,6 +425,7 @@ pub struct Reconcile {
     /// JSON pointer into the lookup response that is present/true when the operation exists.
     pub found_pointer: Option<String>,
     /// JSON pointer to the provider's operation id (in the write response or the lookup).
+    /// Never the empty pointer (the whole answer), which is refused at load.
     pub operation_id_pointer: Option<String>,
 }
 
@@ -2790,11 +2791,22 @@ fn validate_reconcile(
             format!("{path}: `by: external_reference` needs `external_reference_pointer` (where the reference is in the payload)"),
         );
     }
-    let operation_id_pointer = check_pointer(
-        ctx,
-        &r.operation_id_pointer,
-        &format!("{path}.operation_id_pointer"),
-    );
+    let operation_id_pointer = match &r.operation_id_pointer {
+        // The empty pointer is the whole answer: the document itself, not a field holding the
+        // provider's id, would be stored as the operation id.
+        Some(s) if s.value.is_empty() => {
+            ctx.err(
+                &s.referenced,
+                format!("{path}.operation_id_pointer: the empty pointer is the whole answer, not the field holding the provider's operation id; point to a field (start with `/`, e.g. `/id`)"),
+            );
+            None
+        }
+        _ => check_pointer(
+            ctx,
+            &r.operation_id_pointer,
+            &format!("{path}.operation_id_pointer"),
+        ),
+    };
     if by == ReconcileBy::OperationId && r.operation_id_pointer.is_none() {
         ctx.err(
             &raw.referenced,
@@ -3560,6 +3572,22 @@ mod tests {
             ["10:39: providers.p.routes.\"POST /v1/transfers\".reconcile.external_reference_pointer: the empty pointer is the whole payload, not a field the reference can be written to; point to a field (start with `/`, e.g. `/reference`)"]
         );
         Policy::from_yaml_str(&route("/reference"), "p.yaml").expect("a field");
+    }
+
+    #[test]
+    fn an_empty_operation_id_pointer_is_refused_at_load() {
+        let route = |pointer: &str| {
+            format!(
+                "providers:\n  p:\n    base_url: https://p.example\n    routes:\n      \"POST /v1/transfers\":\n        class: uncertain_write\n        reconcile:\n          by: operation_id\n          lookup: \"GET /v1/transfers/{{operation_id}}\"\n          operation_id_pointer: {pointer}\n"
+            )
+        };
+        assert_eq!(
+            problems(&route("\"\"")),
+            ["10:33: providers.p.routes.\"POST /v1/transfers\".reconcile.operation_id_pointer: the empty pointer is the whole answer, not the field holding the provider's operation id; point to a field (start with `/`, e.g. `/id`)"]
+        );
+        let policy = Policy::from_yaml_str(&route("/id"), "p.yaml").expect("a field");
+        let reconcile = policy.providers["p"].routes[0].reconcile.as_ref().unwrap();
+        assert_eq!(reconcile.operation_id_pointer.as_deref(), Some("/id"));
     }
 
     #[test]
