@@ -2062,6 +2062,14 @@ fn validate_provider(
                         );
                     } else if authority.is_empty() {
                         ctx.err(&s.referenced, format!("{path}.base_url: missing host"));
+                    } else if let Some(c) = rest[authority.len()..].chars().find(|c| !c.is_ascii())
+                    {
+                        // http::Uri refuses a non-ASCII host but lets such a path through;
+                        // sent raw, its bytes are not a valid request target (RFC 9112 §3.2).
+                        ctx.err(
+                            &s.referenced,
+                            format!("{path}.base_url: the path holds `{c}`, which is not ASCII; a URL path is ASCII, so percent-encode the character's UTF-8 bytes (e.g. `é` as `%C3%A9`)"),
+                        );
                     } else if let Err(reason) = check_request_target(&url) {
                         ctx.err(&s.referenced, format!("{path}.base_url: {reason}"));
                     }
@@ -3519,6 +3527,21 @@ mod tests {
     }
 
     #[test]
+    fn a_base_url_path_with_non_ascii_characters_is_refused_with_a_hint_to_percent_encode() {
+        for (url, c) in [
+            ("https://api.example.com/v1/café", 'é'),
+            ("https://api.example.com/données/v1", 'é'),
+            ("http://127.0.0.1:9/ü", 'ü'),
+        ] {
+            assert_eq!(
+                problems(&format!("providers:\n  p:\n    base_url: \"{url}\"\n")),
+                [format!("3:15: providers.p.base_url: the path holds `{c}`, which is not ASCII; a URL path is ASCII, so percent-encode the character's UTF-8 bytes (e.g. `é` as `%C3%A9`)")],
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
     fn a_base_url_no_request_can_be_sent_to_is_refused_with_the_reason() {
         for (url, reason) in [
             (
@@ -3547,6 +3570,7 @@ mod tests {
             );
         }
         for ok in [
+            "https://api.example.com/v1/caf%C3%A9",
             "http://127.0.0.1:9",
             "http://[::1]:8080/",
             "https://api.example.com/v1",
