@@ -18,8 +18,10 @@
 //! `serde-saphyr` (default features off, `deserialize` only). Duplicate keys are errors.
 //!
 //! ## Reading is two passes
-//! 1. Deserialization into span-carrying raw types: YAML syntax errors, unknown keys and wrong
-//!    types. The deserializer stops at the first of these, so at most one is reported.
+//! 1. Deserialization into span-carrying raw types: YAML syntax errors, unknown keys, wrong
+//!    types and numbers that are not finite (`.nan`, `.inf`). The deserializer stops at the
+//!    first of these, so at most one is reported; it names the key path of the value it
+//!    concerns (`providers.fake.routes."GET /v1/x".coalesce: …`) beside the line and column.
 //! 2. Validation of the raw document: ranges, references (class, scope), route templates,
 //!    secrets written in clear, JSON pointers. Every problem found is collected.
 //!
@@ -534,18 +536,7 @@ impl Policy {
                 message: "empty policy file (no settings, only blank lines or comments)".to_owned(),
             }]));
         }
-        let raw: RawPolicy = serde_saphyr::from_str(src).map_err(|e| {
-            let (line, column) = e
-                .location()
-                .map(|l| (l.line(), l.column()))
-                .unwrap_or((0, 0));
-            PolicyErrors(vec![PolicyError {
-                file: file.to_owned(),
-                line,
-                column,
-                message: yaml_message(&e),
-            }])
-        })?;
+        let raw = read_raw(src, file)?;
         let mut ctx = Ctx {
             file: file.to_owned(),
             errors: Vec::new(),
@@ -771,6 +762,112 @@ fn is_uuid(s: &str) -> bool {
 // ---------------------------------------------------------------------------------------------
 // Raw, span-carrying document
 
+std::thread_local! {
+    /// The keys of the [`SpannedMap`] entries whose value failed to deserialize, innermost
+    /// first: the names a failing value's key path holds where `serde_path_to_error` sees only
+    /// a key it could not capture (a [`Spanned`] key). Emptied by [`read_raw`].
+    static FAILED_MAP_KEYS: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Deserializes the raw document; `file` names it in errors.
+///
+/// # Errors
+/// One [`PolicyError`] for the first YAML error (syntax, unknown key, wrong type, a number
+/// that is not finite), at its line and column, its message led by the key path of the value
+/// it concerns (`providers.fake.routes."GET /v1/x".coalesce: invalid boolean`) — without one
+/// when the error concerns the document as a whole.
+///
+/// The path comes from `serde_path_to_error`, which tracks struct fields and sequence
+/// indexes. Two things are mended: the `value` level that every [`Spanned`] adds (its
+/// internal view is a struct with a `value` field) is dropped, and the keys of
+/// [`SpannedMap`]s, which the tracker cannot capture because they are read as [`Spanned`]
+/// strings, are filled in from [`FAILED_MAP_KEYS`].
+fn read_raw(src: &str, file: &str) -> Result<RawPolicy, PolicyErrors> {
+    FAILED_MAP_KEYS.with(|keys| keys.borrow_mut().clear());
+    let mut at = None;
+    let raw = serde_saphyr::with_deserializer_from_str(src, |de| {
+        serde_path_to_error::deserialize::<_, RawPolicy>(de).map_err(|e| {
+            at = Some(key_path(e.path()));
+            e.into_inner()
+        })
+    });
+    let failed_keys = FAILED_MAP_KEYS.with(|keys| std::mem::take(&mut *keys.borrow_mut()));
+    raw.map_err(|e| {
+        let at = at.and_then(|segments| {
+            let mut keys = failed_keys.into_iter().rev();
+            let mut path = String::new();
+            for segment in segments {
+                match segment {
+                    PathSegment::Field(name) => push_key(&mut path, &name),
+                    PathSegment::MapKey => push_key(&mut path, &keys.next()?),
+                    PathSegment::Index(index) => path.push_str(&format!("[{index}]")),
+                }
+            }
+            (!path.is_empty()).then_some(path)
+        });
+        let (line, column) = e
+            .location()
+            .map(|l| (l.line(), l.column()))
+            .unwrap_or((0, 0));
+        let message = match at {
+            Some(at) => format!("{at}: {}", yaml_message(&e)),
+            None => yaml_message(&e),
+        };
+        PolicyErrors(vec![PolicyError {
+            file: file.to_owned(),
+            line,
+            column,
+            message,
+        }])
+    })
+}
+
+/// One level of a key path as `serde_path_to_error` reports it.
+enum PathSegment {
+    /// A struct field (a setting's name).
+    Field(String),
+    /// A key the tracker could not read (the key of a [`SpannedMap`] entry).
+    MapKey,
+    /// A sequence index.
+    Index(usize),
+}
+
+/// The levels of `path` without the `value` level each [`Spanned`] adds. No raw type has a
+/// setting named `value` whose value can fail (`value` is a [`Trap`], read as anything), and
+/// names chosen in the file are [`PathSegment::MapKey`]s, so no real level is lost.
+fn key_path(path: &serde_path_to_error::Path) -> Vec<PathSegment> {
+    path.iter()
+        .filter_map(|segment| match segment {
+            serde_path_to_error::Segment::Map { key } if key == "value" => None,
+            serde_path_to_error::Segment::Map { key } => Some(PathSegment::Field(key.clone())),
+            serde_path_to_error::Segment::Seq { index } => Some(PathSegment::Index(*index)),
+            serde_path_to_error::Segment::Enum { variant } => {
+                Some(PathSegment::Field(variant.clone()))
+            }
+            serde_path_to_error::Segment::Unknown => Some(PathSegment::MapKey),
+        })
+        .collect()
+}
+
+/// Appends `.key` to `path` (no dot at the start), quoting a key that is not a plain name
+/// the way validation messages do (`routes."GET /v1/x"`).
+fn push_key(path: &mut String, key: &str) {
+    if !path.is_empty() {
+        path.push('.');
+    }
+    let plain = !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if plain {
+        path.push_str(key);
+    } else {
+        path.push('"');
+        path.push_str(key);
+        path.push('"');
+    }
+}
+
 /// A YAML mapping read with the position of each key, in file order.
 struct SpannedMap<V>(Vec<(Spanned<String>, V)>);
 
@@ -785,7 +882,13 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for SpannedMap<V> {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut entries = Vec::new();
                 while let Some(key) = map.next_key::<Spanned<String>>()? {
-                    entries.push((key, map.next_value()?));
+                    match map.next_value() {
+                        Ok(value) => entries.push((key, value)),
+                        Err(e) => {
+                            FAILED_MAP_KEYS.with(|keys| keys.borrow_mut().push(key.value));
+                            return Err(e);
+                        }
+                    }
                 }
                 Ok(SpannedMap(entries))
             }
@@ -2921,12 +3024,74 @@ mod tests {
     }
 
     #[test]
+    fn a_wrong_type_names_the_key_path_and_keeps_the_position() {
+        let provider = "providers:\n  fake:\n    base_url: http://127.0.0.1:1\n    routes:\n";
+        let errors = problems(&format!(
+            "{provider}      \"GET /v1/x\": {{ class: read, coalesce: maybe }}\n"
+        ));
+        assert_eq!(
+            errors,
+            ["5:45: providers.fake.routes.\"GET /v1/x\".coalesce: invalid boolean"]
+        );
+        // Sequence items by index, names chosen in the file as written, at any depth.
+        let errors = problems(&format!(
+            "{provider}      \"GET /v1/x\": {{ class: read, scopes: [a, [b]] }}\n"
+        ));
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("5:47: providers.fake.routes.\"GET /v1/x\".scopes[1]: "),
+            "{errors:?}"
+        );
+        let errors = problems("providers:\n  fake:\n    idempotent_put_delete: sure\n");
+        assert!(
+            errors[0].starts_with("3:28: providers.fake.idempotent_put_delete: "),
+            "{errors:?}"
+        );
+        let errors = problems("request_classes:\n  bulk: [1]\n");
+        assert!(
+            errors[0].starts_with("2:9: request_classes.bulk: "),
+            "{errors:?}"
+        );
+        // An error about the document as a whole has no key path to name.
+        let errors = problems("- 1\n");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].starts_with("1:1: "), "{errors:?}");
+        assert!(!errors[0].starts_with("1:1: :"), "{errors:?}");
+    }
+
+    #[test]
+    fn a_number_that_is_not_finite_names_its_key_path() {
+        for (src, at) in [
+            ("backoff:\n  base_seconds: .nan\n", "2:17: backoff.base_seconds"),
+            ("breaker:\n  threshold: .NaN\n", "2:14: breaker.threshold"),
+            (
+                "request_classes:\n  read: { retry_statuses: [429, .nan] }\n",
+                "2:33: request_classes.read.retry_statuses[1]",
+            ),
+            (
+                "providers:\n  p:\n    base_url: https://p.example\n    scopes:\n      s: { limit: 10, window_seconds: 60, headroom: .nan }\n",
+                "5:53: providers.p.scopes.s.headroom",
+            ),
+        ] {
+            let errors = problems(src);
+            assert_eq!(errors.len(), 1, "{src}: {errors:?}");
+            assert!(
+                errors[0].starts_with(&format!("{at}: value `.")),
+                "{src}: {errors:?}"
+            );
+            assert!(errors[0].ends_with("is not a finite number"), "{src}: {errors:?}");
+        }
+    }
+
+    #[test]
     fn alias_error_message_is_complete_and_has_no_inline_position() {
         let errors = problems("backoff: &b\n  base_seconds: 1\nbreaker: *b\n");
         assert_eq!(errors.len(), 1, "{errors:?}");
         let e = &errors[0];
         assert!(
-            e.starts_with("3:10: unknown field `base_seconds`, expected one of threshold"),
+            e.starts_with(
+                "3:10: breaker.base_seconds: unknown field `base_seconds`, expected one of threshold"
+            ),
             "{e}"
         );
         assert!(
@@ -3052,10 +3217,10 @@ mod tests {
             problems(&scope("-1")),
             ["5:39: providers.a.scopes.s.window_seconds: must be a non-negative number of seconds, got -1"]
         );
-        // Refused by the YAML reader already, at the value's place.
+        // Refused by the YAML reader already, at the value's place and naming it.
         assert_eq!(
             problems(&scope(".nan")),
-            ["5:39: value `.nan` is not a finite number"]
+            ["5:39: providers.a.scopes.s.window_seconds: value `.nan` is not a finite number"]
         );
         let errors = problems(&scope("1e12"));
         assert_eq!(errors.len(), 1, "{errors:?}");
@@ -3154,22 +3319,23 @@ mod tests {
     fn an_unknown_key_lists_the_expected_keys_without_the_refused_secret_keys() {
         assert_eq!(
             problems("agents:\n  bot: { tokenenv: X }\n"),
-            ["2:10: unknown field `tokenenv`, expected one of token_env, token_file, token_sha256"]
+            ["2:10: agents.bot.tokenenv: unknown field `tokenenv`, expected one of token_env, token_file, token_sha256"]
         );
         assert_eq!(
             problems("operators:\n  ops: { tokenfile: X }\n"),
-            ["2:10: unknown field `tokenfile`, expected one of token_env, token_file, token_sha256"]
+            ["2:10: operators.ops.tokenfile: unknown field `tokenfile`, expected one of token_env, token_file, token_sha256"]
         );
         assert_eq!(
             problems("providers:\n  a:\n    base_url: https://a.example\n    credential: { secret_envv: X }\n"),
-            ["4:19: unknown field `secret_envv`, expected one of secret_env, secret_file, header, scheme"]
+            ["4:19: providers.a.credential.secret_envv: unknown field `secret_envv`, expected one of secret_env, secret_file, header, scheme"]
         );
         let provider =
             problems("providers:\n  a:\n    base_url: https://a.example\n    apikey: 1\n");
         assert_eq!(provider.len(), 1, "{provider:?}");
         assert!(
-            provider[0].starts_with("4:5: unknown field `apikey`, expected one of base_url, ")
-                && provider[0].ends_with(", default_scopes, routes"),
+            provider[0].starts_with(
+                "4:5: providers.a.apikey: unknown field `apikey`, expected one of base_url, "
+            ) && provider[0].ends_with(", default_scopes, routes"),
             "{provider:?}"
         );
         let (_, listed) = provider[0].split_once("expected one of ").expect("a list");

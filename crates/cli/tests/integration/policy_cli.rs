@@ -94,7 +94,7 @@ fn yaml_alias_error_is_printed_whole_with_one_position() {
     assert_eq!(
         lines[0],
         format!(
-            "{name}:3:10: unknown field `base_seconds`, expected one of threshold, forget_after_seconds \
+            "{name}:3:10: breaker.base_seconds: unknown field `base_seconds`, expected one of threshold, forget_after_seconds \
              (the value comes from the anchor at 2:3)"
         ),
         "{stderr}"
@@ -266,7 +266,7 @@ fn an_unknown_key_is_not_told_to_use_a_key_that_is_refused() {
         stderr.lines().next(),
         Some(
             format!(
-                "{}:4:19: unknown field `secret_envv`, expected one of secret_env, secret_file, header, scheme",
+                "{}:4:19: providers.a.credential.secret_envv: unknown field `secret_envv`, expected one of secret_env, secret_file, header, scheme",
                 file.display()
             )
             .as_str()
