@@ -216,7 +216,9 @@ pub struct BackoffPolicy {
     /// `retry_after_ceiling_seconds`: larger Retry-After values are absurd (default 86,400; at
     /// least [`MIN_RETRY_AFTER_CEILING`]).
     pub retry_after_ceiling: Duration,
-    /// `boundary_spread_seconds`: jitter after a provider boundary (default 5).
+    /// `boundary_spread_seconds`: jitter after a provider boundary (default 5). 0 turns the
+    /// jitter off: every retry released by one boundary then leaves at the same instant, as
+    /// one burst (SPEC §4.2 wants them spread), so 0 loads with a warning.
     pub boundary_spread: Duration,
 }
 
@@ -1873,6 +1875,13 @@ fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> BackoffPolicy
             defaults.boundary_spread,
         ),
     };
+    if let (Some(s), true) = (&b.boundary_spread_seconds, policy.boundary_spread.is_zero()) {
+        ctx.warn(
+            s.referenced.line(),
+            s.referenced.column(),
+            "backoff.boundary_spread_seconds: 0 turns off the jitter after a provider boundary, so every retry one boundary releases (one 429's Retry-After delays the whole scope) goes out in the same instant, as one burst that can hit the limit again (SPEC §4.2); keep it above 0 unless one agent's retries alone use the scope",
+        );
+    }
     if let (Some(s), true) = (&b.base_seconds, policy.base < MIN_BACKOFF_BASE) {
         ctx.err(
             &s.referenced,
@@ -3235,6 +3244,33 @@ mod tests {
         assert_eq!(scope.window, MIN_WINDOW);
         let pacing = scope.pacer_config().expect("paced");
         assert_eq!(pacing.emission_interval, Duration::from_millis(125));
+    }
+
+    #[test]
+    fn a_boundary_spread_of_zero_loads_with_a_warning_naming_the_burst() {
+        let spread = |seconds: &str| {
+            Policy::from_yaml_str(
+                &format!("agents:\n  bot: {{ token_env: BOT_TOKEN }}\nbackoff:\n  boundary_spread_seconds: {seconds}\n"),
+                "p.yaml",
+            )
+            .expect("the policy loads")
+        };
+        let off = spread("0");
+        assert_eq!(off.backoff.boundary_spread, Duration::ZERO);
+        let warnings: Vec<String> = off
+            .warnings
+            .iter()
+            .map(|w| format!("{}:{}: {}", w.line, w.column, w.message))
+            .collect();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("4:28: backoff.boundary_spread_seconds: 0 turns off the jitter after a provider boundary"),
+            "{warnings:?}"
+        );
+        assert!(warnings[0].contains("one burst"), "{warnings:?}");
+        for seconds in ["0.5", "5"] {
+            assert!(spread(seconds).warnings.is_empty(), "{seconds}");
+        }
     }
 
     #[test]
