@@ -237,6 +237,7 @@ pub fn parse_instant(text: &str) -> Result<Timestamp, String> {
             clip(text)
         )
     })?;
+    check_offset(text)?;
     let latest = Timestamp::from_millisecond(LATEST_INSTANT_MS).unwrap_or(Timestamp::MAX);
     if at > latest {
         return Err(format!(
@@ -245,6 +246,45 @@ pub fn parse_instant(text: &str) -> Result<Timestamp, String> {
         ));
     }
     Ok(at)
+}
+
+/// Checks the offset of an instant jiff has read: RFC 3339 §5.6 allows `Z` (any case) or
+/// `±HH:MM` with hours 00–23 and minutes 00–59. jiff reads wider offsets (up to `±25:59:59`,
+/// with seconds or without the colon), which RFC 3339 does not allow.
+///
+/// # Errors
+/// A sentence quoting the value (clipped) and saying what an offset may be.
+fn check_offset(text: &str) -> Result<(), String> {
+    if text.ends_with(['Z', 'z']) {
+        return Ok(());
+    }
+    let reason = |why: &str| {
+        format!(
+            "`{}` {why}; an RFC 3339 offset is `Z` or `+HH:MM`/`-HH:MM` with hours 00–23 and minutes 00–59",
+            clip(text)
+        )
+    };
+    let offset = text
+        .len()
+        .checked_sub(6)
+        .and_then(|start| text.get(start..))
+        .map(str::as_bytes);
+    match offset {
+        Some([b'+' | b'-', h1, h2, b':', m1, m2])
+            if [h1, h2, m1, m2].iter().all(|b| b.is_ascii_digit()) =>
+        {
+            let hours = (h1 - b'0') * 10 + (h2 - b'0');
+            let minutes = (m1 - b'0') * 10 + (m2 - b'0');
+            if hours > 23 {
+                Err(reason(&format!("has an offset of {hours} hours")))
+            } else if minutes > 59 {
+                Err(reason(&format!("has an offset with {minutes} minutes")))
+            } else {
+                Ok(())
+            }
+        }
+        _ => Err(reason("does not end in an RFC 3339 offset")),
+    }
 }
 
 /// `…:SS.ffffffffffff…` with the fraction cut to 9 digits; other text unchanged.
@@ -1441,6 +1481,45 @@ mod tests {
             );
         }
         assert!(parse_instant("2026-01-01").is_err());
+    }
+
+    #[test]
+    fn a_deadline_offset_outside_rfc_3339_is_refused_naming_the_offset() {
+        for (text, why) in [
+            ("2026-01-01T12:00:00+25:00", "has an offset of 25 hours"),
+            ("2026-01-01T12:00:00-24:00", "has an offset of 24 hours"),
+            (
+                "2026-01-01T12:00:00+05:00:30",
+                "does not end in an RFC 3339 offset",
+            ),
+            (
+                "2026-01-01T12:00:00+0500",
+                "does not end in an RFC 3339 offset",
+            ),
+        ] {
+            let error = parse_instant(text).unwrap_err();
+            assert!(error.contains(why), "{text}: {error}");
+            assert!(error.contains("hours 00–23"), "{text}: {error}");
+        }
+        // Minutes past 59 are refused by the parser itself.
+        assert!(parse_instant("2026-01-01T12:00:00+05:60").is_err());
+        for ok in [
+            "2026-01-01T12:00:00+23:59",
+            "2026-01-01T12:00:00-23:00",
+            "2026-01-01T12:00:00-00:00",
+            "2026-01-01T12:00:00.5+01:00",
+            "2026-01-01t12:00:00z",
+        ] {
+            assert!(parse_instant(ok).is_ok(), "{ok}");
+        }
+        let problem = parse_backstop_headers(&headers(&[(
+            "X-Backstop-Deadline",
+            "2026-01-01T12:00:00+25:00",
+        )]))
+        .unwrap_err();
+        assert_eq!(problem.status, StatusCode::BAD_REQUEST);
+        assert_eq!(problem.extensions["header"], "X-Backstop-Deadline");
+        assert!(problem.detail.contains("25 hours"), "{}", problem.detail);
     }
 
     #[test]
