@@ -698,6 +698,8 @@ const SECRET_ASSIGNMENTS: [&str; 16] = [
 /// - words starting with a provider key prefix (`sk-`, `sk_`, `rk_`, `whsec_`, `ghp_`,
 ///   `github_pat_`, `glpat-`, `xoxb-`, `AIza`, …), AWS access key ids (`AKIA`/`ASIA` + 16),
 ///   and JWTs (`eyJ…` with two dots);
+/// - a PEM private-key block (`-----BEGIN RSA PRIVATE KEY-----` … `-----END RSA PRIVATE
+///   KEY-----`), as a whole: markers, base64 lines and all;
 /// - the password in a URL's userinfo (`https://user:[redacted]@host`);
 /// - the value assigned to a secret-ish name (`password`, `passwd`, `pwd`, `pass`,
 ///   `passphrase`, `cookie`, `private_key`, `privatekey`, `secret`, `token`, `api_key`,
@@ -718,10 +720,13 @@ const SECRET_ASSIGNMENTS: [&str; 16] = [
 /// assert_eq!((twice.text.as_str(), twice.redacted), (once.text.as_str(), false));
 /// ```
 pub fn sanitize_text(text: &str) -> Sanitized {
+    let (text, mut redacted) = match redact_pem_private_keys(text) {
+        Some(clean) => (std::borrow::Cow::Owned(clean), true),
+        None => (std::borrow::Cow::Borrowed(text), false),
+    };
     let mut out = String::with_capacity(text.len());
-    let mut redacted = false;
     let mut state = Pending::Nothing;
-    let mut rest = text;
+    let mut rest = &*text;
     while !rest.is_empty() {
         let ws_end = rest
             .find(|c: char| !c.is_whitespace())
@@ -743,6 +748,56 @@ pub fn sanitize_text(text: &str) -> Sanitized {
         text: out,
         redacted,
     }
+}
+
+/// `text` with every PEM private-key block (RFC 7468: `-----BEGIN … PRIVATE KEY-----`, the
+/// base64 lines, `-----END … PRIVATE KEY-----`; any label ending in `PRIVATE KEY`, such as
+/// `RSA`, `EC`, `ENCRYPTED` or `OPENSSH`) replaced as a whole by [`REDACTED`], or `None` when
+/// it holds none. A block without its END line (text cut short) is redacted to the end of the
+/// text. The lines may be separated by real line breaks or by escaped ones (`\n` in JSON
+/// text): the block is found by its markers, not by words.
+fn redact_pem_private_keys(text: &str) -> Option<String> {
+    const BEGIN: &str = "-----BEGIN ";
+    const END: &str = "-----END ";
+    const DASHES: &str = "-----";
+    // The end of the marker line starting at `at` (after its closing dashes) when its label
+    // ends in `PRIVATE KEY`.
+    let private_key_marker = |at: usize, open: &str| -> Option<usize> {
+        let label_start = at + open.len();
+        let label_len = text[label_start..].find(DASHES)?;
+        let label = &text[label_start..label_start + label_len];
+        (label.ends_with("PRIVATE KEY") && !label.contains(['\n', '\r']))
+            .then_some(label_start + label_len + DASHES.len())
+    };
+    let mut out = String::new();
+    let mut copied = 0;
+    let mut search = 0;
+    while let Some(found) = text[search..].find(BEGIN) {
+        let begin = search + found;
+        let Some(body_start) = private_key_marker(begin, BEGIN) else {
+            search = begin + BEGIN.len();
+            continue;
+        };
+        let mut end = text.len();
+        let mut look = body_start;
+        while let Some(found) = text[look..].find(END) {
+            let at = look + found;
+            if let Some(after) = private_key_marker(at, END) {
+                end = after;
+                break;
+            }
+            look = at + END.len();
+        }
+        out.push_str(&text[copied..begin]);
+        out.push_str(REDACTED);
+        copied = end;
+        search = end;
+    }
+    if copied == 0 {
+        return None;
+    }
+    out.push_str(&text[copied..]);
+    Some(out)
 }
 
 /// What the previous word asks of the next one in [`sanitize_text`].
@@ -1240,6 +1295,48 @@ mod tests {
             .expect("case file")
             .redactions
             .is_empty());
+    }
+
+    #[test]
+    fn a_pem_private_key_block_is_redacted_whole() {
+        let body = "MIIEowIBAAKCAQEAq7BFUpkGp3+XQ\nZ9yBkN2Pq0Lw8c5sJQ1mXw==";
+        for label in [
+            "RSA PRIVATE KEY",
+            "PRIVATE KEY",
+            "ENCRYPTED PRIVATE KEY",
+            "OPENSSH PRIVATE KEY",
+        ] {
+            let block = format!("-----BEGIN {label}-----\n{body}\n-----END {label}-----");
+            let text = format!("the key was\n{block}\nand then it failed");
+            let clean = sanitize_text(&text);
+            assert_eq!(
+                clean.text, "the key was\n[redacted]\nand then it failed",
+                "{label}"
+            );
+            assert!(clean.redacted);
+            // The same block with escaped line breaks, as inside JSON text.
+            let escaped = format!("key: \"{}\" end", block.replace('\n', "\\n"));
+            let clean = sanitize_text(&escaped);
+            assert_eq!(clean.text, "key: \"[redacted]\" end", "{label}");
+            assert!(!clean.text.contains("MIIE"), "{label}");
+            // Idempotent.
+            let again = sanitize_text(&clean.text);
+            assert_eq!(
+                (again.text.as_str(), again.redacted),
+                (clean.text.as_str(), false)
+            );
+        }
+        // Cut short before its END line: redacted to the end of the text.
+        let cut = sanitize_text(&format!("x -----BEGIN EC PRIVATE KEY-----\n{body}"));
+        assert_eq!(cut.text, "x [redacted]");
+        // Two blocks, text between them kept.
+        let two = sanitize_text(&format!(
+            "-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY----- and -----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----"
+        ));
+        assert_eq!(two.text, "[redacted] and [redacted]");
+        // A certificate or public key is not a secret.
+        let cert = format!("-----BEGIN CERTIFICATE-----\n{body}\n-----END CERTIFICATE-----");
+        assert_eq!(sanitize_text(&cert).text, cert);
     }
 
     #[test]
