@@ -1512,7 +1512,8 @@ impl State {
             Some(at) => {
                 // A planned retry: it waits in the delayed queue until its instant.
                 if let Err(detail) = try_delay(&mut self.scopes, &mut waiter) {
-                    self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
+                    let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
+                    self.refuse(waiter, Outcome::ScopeSaturated, detail, boundary);
                     return;
                 }
                 let order = waiter.order();
@@ -1698,8 +1699,11 @@ impl State {
             }
             Admission::WaitUntil { at, reason } => {
                 if let Err(detail) = try_delay(&mut self.scopes, waiter) {
+                    // The boundary, when a scope has one, tells the agent when to come back
+                    // (`Retry-After`); the queue it found full drains from then on.
+                    let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
                     if let Some(waiter) = self.remove(slot) {
-                        self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
+                        self.refuse(waiter, Outcome::ScopeSaturated, detail, boundary);
                     }
                     return;
                 }
@@ -1734,8 +1738,11 @@ impl State {
             }
             Admission::WaitForSlot { scope } => {
                 if let Err(detail) = try_delay(&mut self.scopes, waiter) {
+                    // The boundary, when a scope has one, tells the agent when to come back
+                    // (`Retry-After`); the queue it found full drains from then on.
+                    let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
                     if let Some(waiter) = self.remove(slot) {
-                        self.refuse(waiter, Outcome::ScopeSaturated, detail, None);
+                        self.refuse(waiter, Outcome::ScopeSaturated, detail, boundary);
                     }
                     return;
                 }

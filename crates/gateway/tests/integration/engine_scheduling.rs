@@ -230,6 +230,52 @@ async fn scope_saturated_past_max_delayed_requests() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn scope_saturated_tells_the_agent_to_come_back_at_the_scope_boundary() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "30")], "")],
+    );
+    let first = h.spawn(h.get("t0", "/v1/items/0"));
+    advance(SEC).await;
+    let b = h.spawn(h.get("t1", "/v1/items/1"));
+    let c = h.spawn(h.get("t2", "/v1/items/2"));
+    advance(Duration::from_millis(1500)).await;
+    let refused = h.engine.execute(h.get("t3", "/v1/items/3")).await;
+    assert_eq!(summary(&refused), "scope_saturated");
+    let Execution::Outcome {
+        outcome, context, ..
+    } = &refused
+    else {
+        panic!("an outcome")
+    };
+    // The scope's boundary from the 429 is known: it is where the queue starts to drain.
+    let boundary = h.t0 + jiff::SignedDuration::from_secs(30);
+    assert_eq!(context.boundary, Some(boundary));
+    assert!(
+        context
+            .next_safe
+            .contains(&backstop_core::outcome::NextSafe::WaitUntil { at: boundary }),
+        "{:?}",
+        context.next_safe
+    );
+    // Answered 429 with Retry-After in whole seconds, rounded up: 30 s − 2.5 s → 28.
+    let problem = backstop_gateway::problem::Problem::from_outcome(
+        *outcome,
+        context,
+        "the scope's delayed queue is full",
+        h.clock_now(),
+    );
+    assert_eq!(problem.status.as_u16(), 429);
+    assert_eq!(problem.retry_after_seconds, Some(28));
+    assert!(problem.should_retry);
+    for handle in [first, b, c] {
+        assert_eq!(summary(&handle.await.unwrap()), "200");
+    }
+    assert!(h.transport.sent_to("/v1/items/3").is_empty());
+}
+
+#[tokio::test(start_paused = true)]
 async fn interactive_overtakes_background_under_one_slot() {
     let h = Harness::new();
     for i in 0..=4 {
