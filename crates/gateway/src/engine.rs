@@ -2191,7 +2191,9 @@ impl Engine {
             let mut given_up = inner.given_up.subscribe();
             let handed_at = inner.clock.now();
             let reply = tokio::select! {
-                reply = inner.transport.send(run.request.as_ref().clone()) => reply,
+                reply = inner.transport.send(run.request.as_ref().clone()) => {
+                    without_provider_replay_mark(reply)
+                }
                 _ = given_up.wait_for(|given_up| *given_up) => {
                     // The stop's grace is running out and the provider has not answered: the
                     // caller is told what the next start does rather than have its connection
@@ -4027,13 +4029,33 @@ fn is_store_failure(e: &EngineError) -> bool {
     }
 }
 
+/// A provider's answer without its own `Idempotent-Replayed` header. That header is backstop's
+/// word to the agent: it says that backstop answered from its store and sent nothing. A
+/// provider's own (its idempotency store replayed an earlier request under the same key) on an
+/// answer backstop passes through fresh would tell the agent the opposite of what happened, so
+/// it is removed as the answer arrives — before it is passed on, kept for replay or shared with
+/// coalesced reads.
+fn without_provider_replay_mark(reply: AttemptReply) -> AttemptReply {
+    match reply {
+        AttemptReply::Response(mut response) => {
+            response.headers_mut().remove(crate::door::REPLAYED_HEADER);
+            AttemptReply::Response(response)
+        }
+        failed => failed,
+    }
+}
+
 /// The stored final response of a completed write, answered again to the same agent with
-/// `Idempotent-Replayed: true` (nothing is sent).
+/// `Idempotent-Replayed: true` (nothing is sent). A provider's own `Idempotent-Replayed` kept
+/// before it was removed on arrival is not repeated: the header is backstop's, and once.
 fn replay(receipt: ActionReceipt, stored: StoredResponse) -> Execution {
     let mut builder = http::Response::builder()
         .status(stored.status)
         .header(crate::door::REPLAYED_HEADER, "true");
     for (name, value) in &stored.headers {
+        if name.eq_ignore_ascii_case(crate::door::REPLAYED_HEADER) {
+            continue;
+        }
         builder = builder.header(name, value);
     }
     match builder.body(Body::from(stored.body)) {

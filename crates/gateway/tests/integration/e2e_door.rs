@@ -167,6 +167,60 @@ async fn write_is_resent_byte_identical_with_the_same_key() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_providers_own_replay_mark_does_not_reach_the_agent_as_backstops() {
+    // The first send is stored and its connection dropped (uncertain); backstop resends under
+    // the same key and the provider answers from its idempotency store, marking the answer
+    // `Idempotent-Replayed: true`. That is a fresh answer to the agent: backstop sent it.
+    let fake = fake(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        Handler::Create {
+            collection: "transfers".into(),
+            id_prefix: "tr_".into(),
+            reference_field: None,
+            unique_reference: false,
+        },
+    )
+    .with_idempotency()
+    .with_script([Fault::StoreThenDrop { hold_ms: 0 }, Fault::Pass])]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let send = || {
+        client()
+            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("content-type", "application/json")
+            .header("idempotency-key", "transfer-replay-mark-1")
+            .body(r#"{"amount": 7}"#)
+            .send()
+    };
+
+    let fresh = send().await.expect("request");
+    assert_eq!(fresh.status(), 201);
+    assert_eq!(fresh.headers()["backstop-attempts"], "2");
+    let attempts = fake.attempts();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert!(attempts[1].replayed, "the provider replayed: {attempts:?}");
+    assert!(
+        fresh.headers().get("idempotent-replayed").is_none(),
+        "{:?}",
+        fresh.headers()
+    );
+
+    // backstop's own replay of the finished write says so, once, and sends nothing.
+    let replayed = send().await.expect("request");
+    assert_eq!(replayed.status(), 201);
+    let marks: Vec<_> = replayed
+        .headers()
+        .get_all("idempotent-replayed")
+        .iter()
+        .collect();
+    assert_eq!(marks, ["true"], "{:?}", replayed.headers());
+    assert_eq!(fake.attempts().len(), 2);
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sse_streams_through_chunk_by_chunk() {
     let fake = fake(vec![RouteConfig::new(
         "GET /v1/stream",
