@@ -694,7 +694,12 @@ const SECRET_ASSIGNMENTS: [&str; 16] = [
 
 /// Replaces credential-looking words in free text by [`REDACTED`]:
 /// - the word after `Bearer` or `Authorization:` (and `Authorization: Bearer`), and base64
-///   credentials after `Basic`;
+///   credentials after `Basic`. Backstop's own words there are kept, so its messages read
+///   intact in logs: a placeholder in angle brackets (`Bearer <backstop token>`); `is`, `with`,
+///   `or`, `and`; and a noun naming the credential (`token`, `header`, `value`, and their
+///   plurals), after which the next word is redacted only when it looks like a token (a digit,
+///   an upper-case letter or one of `-_.~+/=`, or 20 characters or more): `the bearer token
+///   is empty` stays as it is, `bearer token tok-a1` becomes `bearer token [redacted]`;
 /// - words starting with a provider key prefix (`sk-`, `sk_`, `rk_`, `whsec_`, `ghp_`,
 ///   `github_pat_`, `glpat-`, `xoxb-`, `AIza`, …), AWS access key ids (`AKIA`/`ASIA` + 16),
 ///   and JWTs (`eyJ…` with two dots);
@@ -800,6 +805,29 @@ fn redact_pem_private_keys(text: &str) -> Option<String> {
     Some(out)
 }
 
+/// Words naming the credential itself, which backstop's own messages put after `bearer` or
+/// `Authorization` (`the bearer token is empty`, `the Authorization header is missing`): kept,
+/// and the word after them is redacted when it looks like a token ([`looks_like_token`]).
+const CREDENTIAL_NOUNS: [&str; 6] = ["token", "tokens", "header", "headers", "value", "values"];
+
+/// Words of backstop's own messages that follow `bearer` or `Authorization` directly and are
+/// never a credential (`` `Bearer` with no token after it ``, `` `Authorization` or ``): kept.
+/// The list is short on purpose: any other word there is redacted, since over-redaction is the
+/// safe side (`the bearer of bad news` loses `of`).
+const AFTER_KEYWORD_WORDS: [&str; 4] = ["is", "with", "or", "and"];
+
+/// Whether the word after a credential noun (`bearer token XYZ`) looks like a token rather than
+/// prose: it holds a digit, an upper-case letter or one of `-_.~+/=`, or is 20 characters or
+/// longer. An all-lower-case word shorter than that (`is`, `matches`) is prose.
+fn looks_like_token(core: &str) -> bool {
+    core.len() >= 20
+        || core.bytes().any(|b| {
+            b.is_ascii_digit()
+                || b.is_ascii_uppercase()
+                || matches!(b, b'-' | b'_' | b'.' | b'~' | b'+' | b'/' | b'=')
+        })
+}
+
 /// What the previous word asks of the next one in [`sanitize_text`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pending {
@@ -807,6 +835,10 @@ enum Pending {
     Nothing,
     /// A token follows (`Bearer`, `Authorization:`).
     Token,
+    /// A word naming the credential followed the keyword (`bearer token`, `Authorization
+    /// header`): a token may still follow, and is redacted if it looks like one
+    /// ([`looks_like_token`]).
+    NamedToken,
     /// Base64 credentials may follow (`Basic`).
     Basic,
     /// A secret-ish name was given bare (`api_key`): `=`/`:` may follow.
@@ -837,7 +869,7 @@ fn sanitize_word(word: &str, state: Pending) -> (String, Pending) {
                 return (format!("{}{clean}", &word[..1]), next);
             }
         }
-        Pending::Token | Pending::Basic if word.contains(REDACTED) => {
+        Pending::Token | Pending::NamedToken | Pending::Basic if word.contains(REDACTED) => {
             // Already redacted by an earlier pass.
             return (word.to_owned(), Pending::Nothing);
         }
@@ -845,9 +877,31 @@ fn sanitize_word(word: &str, state: Pending) -> (String, Pending) {
             // `Authorization: Bearer xyz`: the token is still to come.
             return (word.to_owned(), Pending::Token);
         }
+        Pending::Token
+            if word
+                .trim_start_matches(['`', '(', '"', '\''])
+                .starts_with('<') =>
+        {
+            // A placeholder (`Bearer <backstop token>`), not a value.
+            return (word.to_owned(), Pending::Nothing);
+        }
+        Pending::Token if CREDENTIAL_NOUNS.contains(&core.to_ascii_lowercase().as_str()) => {
+            return (word.to_owned(), Pending::NamedToken);
+        }
+        Pending::Token if AFTER_KEYWORD_WORDS.contains(&core.to_ascii_lowercase().as_str()) => {
+            return (word.to_owned(), Pending::Nothing);
+        }
         Pending::Token => {
             return (replace_core(word, core), Pending::Nothing);
         }
+        Pending::NamedToken if core.eq_ignore_ascii_case("bearer") => {
+            // `Authorization header: Bearer xyz`: the token is still to come.
+            return (word.to_owned(), Pending::Token);
+        }
+        Pending::NamedToken if looks_like_token(core) => {
+            return (replace_core(word, core), Pending::Nothing);
+        }
+        Pending::NamedToken => {}
         Pending::Basic if looks_like_basic_credentials(core) => {
             return (replace_core(word, core), Pending::Nothing);
         }
@@ -1295,6 +1349,47 @@ mod tests {
             .expect("case file")
             .redactions
             .is_empty());
+    }
+
+    #[test]
+    fn backstops_own_words_after_bearer_or_authorization_read_intact() {
+        for text in [
+            "the bearer token is empty: the Authorization header is `Bearer` with no token after it (is the variable holding the backstop token unset or empty?)",
+            "the Authorization header is missing; send `Authorization: Bearer <backstop token>`",
+            "the bearer token matches no agent or operator of the policy",
+            "the Authorization header is not a bearer token",
+            "the Authorization header is given more than once, so the credentials are ambiguous; send exactly one",
+        ] {
+            let clean = sanitize_text(text);
+            assert_eq!(clean.text, text);
+            assert!(!clean.redacted, "{text}");
+        }
+        // A token after the keyword, or after a word naming it, is still redacted.
+        for (text, expected) in [
+            ("Bearer tok-a1", "Bearer [redacted]"),
+            (
+                "Authorization: Bearer agent-token-7f3a9c",
+                "Authorization: Bearer [redacted]",
+            ),
+            ("bearer token tok-a1 here", "bearer token [redacted] here"),
+            (
+                "the Authorization header Bearer abcdefgh",
+                "the Authorization header Bearer [redacted]",
+            ),
+            (
+                "Authorization header: 3f9a0c77e1",
+                "Authorization header: [redacted]",
+            ),
+            (
+                "bearer token abcdefghijklmnopqrstuvwxyz",
+                "bearer token [redacted]",
+            ),
+            ("Bearer token", "Bearer token"),
+            ("Bearer with", "Bearer with"),
+            ("Bearer mytoken", "Bearer [redacted]"),
+        ] {
+            assert_eq!(sanitize_text(text).text, expected, "{text}");
+        }
     }
 
     #[test]

@@ -16,6 +16,8 @@ use crate::support::{
 const AGENT_TOKEN: &str = "agent-token-refusals-5d1e";
 const OPS_TOKEN: &str = "ops-token-refusals-8c2a";
 const PROVIDER_SECRET: &str = "sk-live-provider-secret-refusals";
+/// A token no agent or operator has.
+const UNKNOWN_TOKEN: &str = "unknown-token-refusals-3b9f";
 /// A word only the refused bodies carry.
 const BODY_MARKER: &str = "body-marker-refusals-77";
 
@@ -156,6 +158,11 @@ async fn refusals_are_logged(logs: &Capture) {
     let gone = r#"{"provider":"fake","method":"GET","path":"/v1/items/3","task":"run-gone"}"#;
     let status = send("POST", "/v1/actions", AGENT_TOKEN, &json, gone.to_owned()).await;
     assert_eq!(status, 410);
+    // An empty bearer token and one no agent has: the reason reads intact, the token never.
+    let status = send("GET", "/fake/v1/items/1", "", &[], String::new()).await;
+    assert_eq!(status, 401);
+    let status = send("GET", "/fake/v1/items/1", UNKNOWN_TOKEN, &[], String::new()).await;
+    assert_eq!(status, 401);
     let sent = fake.attempts().len();
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
@@ -177,6 +184,17 @@ async fn refusals_are_logged(logs: &Capture) {
             "no INFO line for the {what} refusal in {refusals:#?}"
         );
     }
+    for reason in [
+        "the bearer token is empty: the Authorization header is `Bearer` with no token after it (is the variable holding the backstop token unset or empty?)",
+        "the bearer token matches no agent or operator of the policy",
+    ] {
+        assert!(
+            refusals
+                .iter()
+                .any(|line| line.contains("status=401") && line.contains(reason)),
+            "no INFO line with the reason `{reason}` in {refusals:#?}"
+        );
+    }
     let not_accepted: Vec<String> = logs
         .lines_at("INFO")
         .into_iter()
@@ -192,7 +210,13 @@ async fn refusals_are_logged(logs: &Capture) {
     );
     assert_eq!(sent, 2, "only the first transfer and the read were sent");
     let text = logs.text();
-    for secret in [AGENT_TOKEN, OPS_TOKEN, PROVIDER_SECRET, BODY_MARKER] {
+    for secret in [
+        AGENT_TOKEN,
+        OPS_TOKEN,
+        PROVIDER_SECRET,
+        BODY_MARKER,
+        UNKNOWN_TOKEN,
+    ] {
         assert!(!text.contains(secret), "`{secret}` is in the log");
     }
 }
