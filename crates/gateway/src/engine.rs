@@ -3064,9 +3064,14 @@ impl Engine {
             .min_by_key(|o| o.remaining.unwrap_or(u64::MAX))
         {
             let exhausted = quota_boundary_with(&signal.quota, received_at, &run.rules.retry_after);
-            let reset_at = match exhausted.as_ref().and_then(|b| b.retry_not_before()) {
-                Some(at) if obs.remaining == Some(0) => Some(at),
-                _ => obs.reset_at,
+            let reset_at = match &exhausted {
+                // Exhausted: the boundary as checked against the ceiling and `min_delay`; an
+                // absurd reset (over the ceiling) is unknown, never a wait of centuries.
+                Some(boundary) if obs.remaining == Some(0) => boundary.retry_not_before(),
+                // Otherwise the reset is only shown, and only when it is not absurd either.
+                _ => obs
+                    .reset_at
+                    .filter(|at| within_ceiling(*at, received_at, &run.rules.retry_after)),
             };
             let source = format!("{} quota headers", obs.dialect);
             inner
@@ -3097,7 +3102,20 @@ impl Engine {
             signal.disposition,
             Disposition::RateLimited | Disposition::QuotaExhausted
         );
-        if let (true, Some(boundary)) = (limited, signal.boundary.retry_not_before()) {
+        // The provider's boundary, or, when it gave none that can be used (no Retry-After, or a
+        // negative, garbage or absurd one), a local pause: a 429 slows the whole scope even then
+        // (SPEC §4.1), and never into a tight loop.
+        let limit_boundary = match (limited, signal.boundary.retry_not_before()) {
+            (false, _) => None,
+            (true, Some(boundary)) => Some((boundary, true)),
+            (true, None) => jiff::SignedDuration::try_from(
+                self.unknown_boundary_pause(&route.provider, &route.scopes),
+            )
+            .ok()
+            .and_then(|pause| received_at.checked_add(pause).ok())
+            .map(|at| (at, false)),
+        };
+        if let Some((boundary, given)) = limit_boundary {
             let source = match (&signal.boundary, status) {
                 (backstop_core::retry_after::Boundary::Known { source, .. }, Some(status)) => {
                     format!("HTTP {status} {source}")
@@ -3105,7 +3123,14 @@ impl Engine {
                 (backstop_core::retry_after::Boundary::Known { source, .. }, None) => {
                     source.clone()
                 }
-                _ => "provider boundary".to_owned(),
+                (_, Some(status)) => format!(
+                    "HTTP {status} without a usable boundary; local pause of {} ms",
+                    boundary.duration_since(received_at).as_millis()
+                ),
+                (_, None) => format!(
+                    "provider limit without a usable boundary; local pause of {} ms",
+                    boundary.duration_since(received_at).as_millis()
+                ),
             };
             inner
                 .scheduler
@@ -3117,9 +3142,12 @@ impl Engine {
                     },
                 )
                 .await;
+            // Retry-after debt is the provider's mandated delay (SPEC §10): a local pause is not.
             let debt = boundary.duration_since(received_at).as_secs_f64();
             for scope in &route.scopes {
-                inner.metrics.add_retry_after_debt(scope, debt);
+                if given {
+                    inner.metrics.add_retry_after_debt(scope, debt);
+                }
                 updates.push(ScopeUpdate {
                     provider: route.provider.clone(),
                     scope: scope.clone(),
@@ -3146,6 +3174,22 @@ impl Engine {
                 tracing::warn!(error = %e, "could not persist the scope record");
             }
         }
+    }
+
+    /// How long a scope pauses after a rate limit whose boundary is unknown (a 429 without a
+    /// usable `Retry-After`): the backoff cap for the scope's run of consecutive rate limits,
+    /// `min(max_seconds, base_seconds · 2^n)` with `n` the run's length (SPEC §4.2), so a
+    /// provider that keeps answering 429 without a boundary is probed ever more slowly.
+    fn unknown_boundary_pause(&self, provider: &str, scopes: &[String]) -> std::time::Duration {
+        let streak = self
+            .inner
+            .limit_streaks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .longest(&quota_escalations::streak_keys(provider, scopes));
+        let backoff = &self.inner.policy.backoff;
+        let doubled = backoff.base.saturating_mul(1u32 << streak.clamp(1, 20));
+        doubled.min(backoff.max).max(backoff.min_delay)
     }
 
     /// Ends an action whose last answer may not be retried.
@@ -4138,6 +4182,17 @@ fn from_shared(shared: Shared) -> Execution {
             detail,
         },
     }
+}
+
+/// Whether `at` lies within the Retry-After ceiling of `received_at` (SPEC §2.2: a later instant
+/// is absurd and read as unknown).
+fn within_ceiling(
+    at: Timestamp,
+    received_at: Timestamp,
+    opts: &backstop_core::retry_after::RetryAfterOptions,
+) -> bool {
+    let until = received_at.duration_until(at);
+    until.is_negative() || until.unsigned_abs() <= opts.ceiling
 }
 
 #[cfg(test)]

@@ -935,3 +935,110 @@ async fn the_retry_scheduled_line_names_its_action() {
     assert!(lines[0].contains(&format!("action={id} ")), "{}", lines[0]);
     assert!(lines[0].contains("task=t-retry-log"), "{}", lines[0]);
 }
+
+/// SPEC §4.1: a 429 slows the whole scope even when its boundary is unknown (no `Retry-After`
+/// here). The scope pauses for the backoff cap of its run of rate limits (base 1 s · 2¹ = 2 s
+/// for the first), never at full speed, and the pause is not counted as retry-after debt.
+#[tokio::test(start_paused = true)]
+async fn a_429_without_a_usable_retry_after_still_pauses_its_whole_scope() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "soon")], "")],
+    );
+    let a = h.spawn(h.get("task-a", "/v1/items/1"));
+    advance(Duration::from_millis(100)).await;
+    let pause_end = h.t0 + jiff::SignedDuration::from_secs(2);
+    let view = h
+        .engine
+        .scopes()
+        .into_iter()
+        .find(|v| v.scope == "account")
+        .expect("scope account");
+    assert_eq!(view.next_allowed_at, Some(pause_end));
+    let source = view.source.unwrap_or_default();
+    assert!(
+        source.contains("without a usable boundary"),
+        "source: {source}"
+    );
+    // Another task on the same scope waits for the pause as well.
+    let b = h.spawn(h.get("task-b", "/v1/items/2"));
+    advance(Duration::from_millis(500)).await;
+    assert_eq!(
+        h.transport.sent().len(),
+        1,
+        "nothing may leave during the pause"
+    );
+    for handle in [a, b] {
+        assert_eq!(summary(&handle.await.unwrap()), "200");
+    }
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 3, "{sent:?}");
+    for s in &sent[1..] {
+        assert!(
+            s.at >= pause_end,
+            "{} sent at {} during the pause",
+            s.path,
+            s.at
+        );
+    }
+    assert!(
+        !h.metrics
+            .render()
+            .contains("retry_after_debt_seconds_total{scope=\"billing/account\"} 2"),
+        "a local pause is not the provider's mandated delay"
+    );
+}
+
+/// SPEC §2.2/§2.3: one answer whose quota reset lies centuries ahead (`remaining: 0`) is absurd:
+/// the boundary is unknown, so it never blocks the scope past the Retry-After ceiling.
+#[tokio::test(start_paused = true)]
+async fn an_absurd_quota_reset_never_blocks_its_scope_for_centuries() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(
+            200,
+            &[
+                ("x-ratelimit-remaining", "0"),
+                ("x-ratelimit-reset", "99999999999"),
+            ],
+            "{}",
+        )],
+    );
+    assert_eq!(
+        summary(&h.engine.execute(h.get("task-a", "/v1/items/1")).await),
+        "200"
+    );
+    let view = h
+        .engine
+        .scopes()
+        .into_iter()
+        .find(|v| v.scope == "account")
+        .expect("scope account");
+    let ceiling = h.t0 + jiff::SignedDuration::from_secs(24 * 3600);
+    assert!(
+        view.next_allowed_at.is_none_or(|at| at <= ceiling),
+        "{:?}",
+        view.next_allowed_at
+    );
+    assert!(
+        view.reset_after_seconds.is_none_or(|s| s <= 24 * 3600),
+        "{:?}",
+        view.reset_after_seconds
+    );
+    let stored = h
+        .store
+        .scope("billing", "billing/account")
+        .unwrap()
+        .unwrap();
+    assert!(
+        stored.next_allowed_at.is_none_or(|at| at <= ceiling),
+        "{stored:?}"
+    );
+    // The next read is sent, not refused for a wait of 3,000 years.
+    let next = h.spawn(h.get("task-b", "/v1/items/2"));
+    advance(Duration::from_secs(5)).await;
+    assert_eq!(summary(&next.await.unwrap()), "200");
+    assert_eq!(h.transport.sent_to("/v1/items/2").len(), 1);
+}
