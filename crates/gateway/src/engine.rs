@@ -3105,9 +3105,12 @@ impl Engine {
         // The provider's boundary, or, when it gave none that can be used (no Retry-After, or a
         // negative, garbage or absurd one), a local pause: a 429 slows the whole scope even then
         // (SPEC §4.1), and never into a tight loop.
+        // An exhausted quota without a known reset is not paused here: it is escalated, and an
+        // operator's decision, not a local timer, says when the scope may send again.
         let limit_boundary = match (limited, signal.boundary.retry_not_before()) {
             (false, _) => None,
             (true, Some(boundary)) => Some((boundary, true)),
+            (true, None) if signal.disposition != Disposition::RateLimited => None,
             (true, None) => jiff::SignedDuration::try_from(
                 self.unknown_boundary_pause(&route.provider, &route.scopes),
             )
