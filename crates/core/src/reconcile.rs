@@ -213,7 +213,10 @@ pub fn validate_idempotency_key(key: &str) -> Result<&str, ReconcileError> {
 ///
 /// - A string at the pointer is the reference; a number is used in its JSON text form; in both
 ///   cases the payload is returned byte for byte unchanged.
-/// - A missing value (or `null`) is replaced by `minted`; missing parent objects are created.
+/// - A missing value, `null`, or an empty or whitespace-only string is replaced by `minted`
+///   (an empty reference names no write: a lookup filtering on it, `?reference=`, is taken by
+///   many list APIs as no filter at all and would "find" any write); missing parent objects
+///   are created.
 ///   The payload is then re-serialized (compact JSON, key order may change); digest the agent's
 ///   original payload for backstop's own idempotency, and send the returned one.
 ///
@@ -241,9 +244,11 @@ pub fn ensure_external_reference(
             reason: e.to_string(),
         })?;
     match doc.pointer(pointer) {
-        Some(Value::String(s)) => return Ok((payload.to_vec(), s.clone())),
+        // An empty or blank reference names nothing: as a filter, `?reference=` asks many list
+        // APIs for every record, so a lookup with it would "find" any write. It is missing.
+        Some(Value::String(s)) if !s.trim().is_empty() => return Ok((payload.to_vec(), s.clone())),
         Some(Value::Number(n)) => return Ok((payload.to_vec(), n.to_string())),
-        Some(Value::Null) | None => {}
+        Some(Value::String(_) | Value::Null) | None => {}
         Some(Value::Bool(_) | Value::Object(_) | Value::Array(_)) => {
             return Err(not_writable(
                 "the payload holds a boolean, object or array there, not a reference",

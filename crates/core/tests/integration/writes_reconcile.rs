@@ -110,6 +110,20 @@ fn a_missing_reference_is_written_at_the_pointer() {
 }
 
 #[test]
+fn an_empty_or_blank_reference_is_replaced_as_a_missing_one() {
+    for payload in [
+        &br#"{"amount": 2, "reference": ""}"#[..],
+        &br#"{"amount": 2, "reference": " \t "}"#[..],
+    ] {
+        let (sent, reference) = ensure_external_reference(payload, "/reference", "minted-1")
+            .expect("an empty reference is replaced");
+        assert_eq!(reference, "minted-1");
+        let doc: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+        assert_eq!(doc, json!({"amount": 2, "reference": "minted-1"}));
+    }
+}
+
+#[test]
 fn unwritable_pointers_and_non_json_payloads_are_errors() {
     let err = ensure_external_reference(b"amount=7", "/ref", "m").unwrap_err();
     assert!(

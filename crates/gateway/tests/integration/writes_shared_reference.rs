@@ -224,3 +224,46 @@ async fn a_write_found_under_a_reference_no_other_action_shares_is_reconciled() 
         .is_some_and(|op| op.starts_with("tx_")));
     fake.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_external_reference_is_replaced_and_never_looked_up_as_an_empty_filter() {
+    // The first create is dropped before the provider does anything. An earlier write is
+    // stored, so a lookup with an empty filter (`?reference=`, "every record" to many list
+    // APIs) would have something to "find".
+    let fake = fake(FaultRule::on_calls([2], Fault::Drop));
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let (_, status, answer) = post(
+        &gateway,
+        ALPHA_TOKEN,
+        "alpha-earlier",
+        r#"{"amount":1,"reference":"earlier-ref"}"#,
+    )
+    .await;
+    assert_eq!(status, 201, "{answer}");
+
+    let (_, status, answer) = post(
+        &gateway,
+        ALPHA_TOKEN,
+        "alpha-empty-ref",
+        r#"{"amount":2,"reference":""}"#,
+    )
+    .await;
+    let attempts = fake.attempts();
+    let lookups = on_route(&attempts, "GET", "/v1/tx2");
+    assert_eq!(lookups.len(), 1, "{attempts:?}");
+    let query = lookups[0].query.as_deref().unwrap_or("");
+    assert!(
+        query.starts_with("reference=bk-") && query.len() > "reference=bk-".len(),
+        "the lookup asks for the reference backstop wrote, not for an empty one: {query}"
+    );
+    // Not found under its own reference, and the provider honours the key: sent again under it.
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(answer["reference"], query["reference=".len()..], "{answer}");
+    let creates = on_route(&attempts, "POST", "/v1/tx2");
+    assert_eq!(creates.len(), 3, "{attempts:?}");
+    assert_eq!(creates[1].idempotency_key, creates[2].idempotency_key);
+
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
