@@ -44,7 +44,10 @@
 //! `budget_exhausted`, `deadline_exhausted` or `quota_exhausted` outcome and decided `wait`
 //! (from its `retry_not_before`, when it names one), `raise_quota` or `change_plan` reopens the
 //! write the same way, once per decision; decided `abort`, the outcome stays, and its replay
-//! drops `wait_until` (not 429, `x-should-retry: false`). Every other finished outcome —
+//! drops `wait_until` (not 429, `x-should-retry: false`). A `scope_saturated`,
+//! `budget_exhausted` or `quota_exhausted` write refused before any attempt, with no
+//! `wait_until` (its `424` promises no instant) and no escalation, is backpressure, not an end:
+//! a same-key resend reopens it at once. Every other finished outcome —
 //! `succeeded`, `rejected`, `conflict`, `cancelled`, `escalated`, … — is replayed as it is.
 //!
 //! Problems of the door itself (the request never became an action, nothing was sent):

@@ -23,11 +23,17 @@
 //!    action any more;
 //! 2. the outcome advised `wait_until` T: before T it is replayed (with the `Retry-After` left
 //!    until T); from T on the action is reopened;
-//! 3. its latest escalation was opened beside the outcome and decided `wait`, `raise_quota` or
+//! 3. the outcome is backpressure met before anything was sent — `scope_saturated` (the
+//!    scope's delayed queue was full), `budget_exhausted` or `quota_exhausted` with no attempt
+//!    at all (e.g. the wait for a concurrency slot outlasted the wait budget) — advising no
+//!    instant, and the action has no escalation: the action is reopened at once. Nothing
+//!    reached the provider, so the refusal says nothing final about the action; the resend is
+//!    a fresh try of it under the same key (refused again if the scope is still full);
+//! 4. its latest escalation was opened beside the outcome and decided `wait`, `raise_quota` or
 //!    `change_plan`, and no attempt was sent since the decision: the action is reopened — for
 //!    `wait` not before the case file's `retry_not_before` when it names one (replayed until
 //!    then). A decision reopens the action once: a later resend needs a new advice or decision;
-//! 4. anything else — `succeeded`, `rejected`, `conflict`, `cancelled`, `escalated`,
+//! 5. anything else — `succeeded`, `rejected`, `conflict`, `cancelled`, `escalated`,
 //!    `reconciliation_required`, `circuit_open`, an outcome without advice — is replayed exactly
 //!    as before, with no extra store read.
 //!
@@ -117,6 +123,27 @@ fn advised_at(record: &ActionRecord) -> Option<Timestamp> {
     crate::problem::resend_advised_at(outcome, &context)
 }
 
+/// Whether the finished write `record` ended by backpressure before anything was sent: no
+/// attempt at all, an outcome of the scheduler's refusals a later try can change
+/// (`scope_saturated`, `budget_exhausted`, `quota_exhausted` — not `deadline_exhausted`: the
+/// task's time is over), and no escalation of its own, whose decision an operator owns. Such an
+/// outcome binds nothing to the key: the action never reached the provider.
+fn refused_before_any_send(
+    record: &ActionRecord,
+    attempts: &[AttemptRecord],
+    escalations: &[EscalationRecord],
+) -> bool {
+    let backpressure = matches!(
+        record.outcome,
+        Some(
+            backstop_store::Outcome::ScopeSaturated
+                | backstop_store::Outcome::BudgetExhausted
+                | backstop_store::Outcome::QuotaExhausted
+        )
+    );
+    backpressure && attempts.is_empty() && escalations.is_empty()
+}
+
 /// The rule of the module docs for a same-key resend at `now` of the finished write `record`,
 /// with its stored `attempts` and `escalations` (oldest first).
 pub(super) fn verdict(
@@ -146,6 +173,12 @@ pub(super) fn verdict(
                 advised: Some(at),
                 escalation: None,
             }
+        };
+    }
+    if refused_before_any_send(record, attempts, escalations) {
+        return Verdict::Reopen {
+            advised: None,
+            escalation: None,
         };
     }
     let Some(escalation) = latest else {

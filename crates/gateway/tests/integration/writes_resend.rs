@@ -1158,3 +1158,61 @@ async fn an_operators_decision_on_the_scopes_quota_escalation_lets_every_write_o
     gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_write_refused_scope_saturated_is_sent_once_when_resent_under_its_key() {
+    let h = Harness::new();
+    // The scope `account` has room for 3 delayed actions: a read answered 429 waits for its
+    // retry, and two more wait behind the scope's boundary, so the transfer finds it full.
+    h.transport.script(
+        "/v1/items/0",
+        vec![answer(429, &[("retry-after", "30")], "")],
+    );
+    let mut readers = vec![h.spawn(h.get("reader-0", "/v1/items/0"))];
+    advance(Duration::from_secs(1)).await;
+    for i in 1..3 {
+        readers.push(h.spawn(h.get(&format!("reader-{i}"), &format!("/v1/items/{i}"))));
+    }
+    advance(Duration::from_secs(1)).await;
+    h.transport
+        .script("/v1/transfers", vec![answer(201, &[], r#"{"id":"tr_9"}"#)]);
+    let mut spec = transfer(&h, "k-saturated");
+    spec.max_wait = None;
+    // Awaited without letting virtual time run: the boundary must not pass while the write's
+    // record commits.
+    let refused = h.spawn(spec.clone());
+    assert!(until(|| refused.is_finished()).await);
+    let refused = refused.await.unwrap();
+    let id = refused.receipt().action_id;
+    let (outcome, context, _) = outcome_of(&refused);
+    assert_eq!(outcome, Outcome::ScopeSaturated);
+    assert!(!context.sent);
+    assert_eq!(wait_until(&context), None, "no instant is promised");
+    assert!(h.transport.sent_to("/v1/transfers").is_empty());
+
+    // Capacity comes back; the same request under the same key is a fresh try of the action.
+    advance(Duration::from_secs(40)).await;
+    for reader in readers {
+        assert_eq!(summary(&reader.await.unwrap()), "200");
+    }
+    let resent = h.engine.execute(spec.clone()).await;
+    assert_eq!(resent.receipt().action_id, id, "the same action");
+    assert_eq!(response_of(&resent), (201, false));
+    let sent = h.transport.sent_to("/v1/transfers");
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        sent[0].idempotency_key.as_deref(),
+        Some(upstream("k-saturated").as_str())
+    );
+    let reopened = reopens(&h, id);
+    assert_eq!(reopened.len(), 1, "{reopened:?}");
+    assert_eq!(reopened[0].outcome.as_deref(), Some("scope_saturated"));
+    assert_eq!(reopened[0].boundary, None);
+
+    // Now it completed: a further resend replays the success, nothing more is sent.
+    let again = h.engine.execute(spec).await;
+    assert_eq!(response_of(&again), (201, true));
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    let stored = h.store.action(ActionId(id)).unwrap().expect("action");
+    assert_eq!(stored.outcome, Some(backstop_store::Outcome::Succeeded));
+}
