@@ -453,8 +453,17 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 pub const REPLAY_BODY_LIMIT: usize = 1024 * 1024;
 
 /// Header on a replayed write whose stored body is not the whole original body: its value is
-/// the number of body bytes kept (`0` for an event stream, whose body is never kept).
+/// the number of body bytes kept (`0` for an event stream, whose body is never kept; the bytes
+/// received for a body the provider cut, see [`BODY_TRUNCATED_HEADER`]).
 pub const REPLAY_TRUNCATED_HEADER: &str = "backstop-replay-body-truncated";
+
+/// Header on a write's first answer whose body the provider cut while it was sent (the
+/// connection closed before the `Content-Length` announced was reached, or a chunked body broke
+/// off): its value is the number of body bytes received and passed on, which is all of the
+/// body the agent gets. The provider's `Content-Length` is not passed on with it. The action
+/// stays `succeeded` (the provider did answer its status); a same-key replay of it carries the
+/// same bytes under [`REPLAY_TRUNCATED_HEADER`].
+pub const BODY_TRUNCATED_HEADER: &str = "backstop-body-truncated";
 
 /// Header on every replayed write (IETF Idempotency-Key draft practice): `Idempotent-Replayed:
 /// true` — nothing was sent, this is the provider's stored response.

@@ -514,12 +514,22 @@ impl HttpBody for Prefixed {
     }
 }
 
+/// A body that failed while it was read (the provider's response was cut), with the bytes
+/// that had arrived before.
+#[derive(Debug)]
+struct CutBody {
+    /// The bytes read before the failure (at most the limit read to, plus one frame).
+    received: Bytes,
+    /// Why the body failed.
+    error: axum::Error,
+}
+
 /// Reads at most `limit` bytes of `body`. Returns the bytes read and, when the body is longer,
 /// a body that replays them followed by the rest.
 ///
 /// # Errors
-/// The body failed while being read (the response was cut).
-async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axum::Error> {
+/// The body failed while being read (the response was cut): [`CutBody`] with the bytes read.
+async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), CutBody> {
     let mut buf = BytesMut::new();
     loop {
         let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
@@ -528,7 +538,12 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
                 let bytes = buf.freeze();
                 return Ok((bytes.clone(), Body::from(bytes)));
             }
-            Some(Err(e)) => return Err(e),
+            Some(Err(error)) => {
+                return Err(CutBody {
+                    received: buf.freeze(),
+                    error,
+                })
+            }
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     buf.extend_from_slice(&data);
@@ -551,8 +566,14 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), axu
 /// stream's body is never kept (only its status and headers); it is read — at most
 /// [`ERROR_BODY_LIMIT`] bytes, for an operation id — only when `read_stream`. Returns the
 /// response to pass on (the bytes read, then the rest of the body), the record to store, and
-/// the bytes read (empty when none were). A body cut while it is read is kept and passed on
-/// empty, its record saying no byte was kept.
+/// the bytes read (empty when none were).
+///
+/// A body cut while it is read (the provider closed before its `Content-Length` was sent, or a
+/// chunked body broke off) is passed on as the bytes received, with
+/// [`crate::door::BODY_TRUNCATED_HEADER`] giving their number and the provider's
+/// `Content-Length` removed, and kept the same way (up to the replay limit; an event stream's
+/// never), so its replay carries those bytes under [`crate::door::REPLAY_TRUNCATED_HEADER`].
+/// Nothing of it passes for complete.
 async fn kept_for_replay(
     response: http::Response<Body>,
     action: ActionId,
@@ -576,13 +597,26 @@ async fn kept_for_replay(
             let record = crate::door::replay_record(parts.status, &parts.headers, kept, complete);
             (http::Response::from_parts(parts, body), record, bytes)
         }
-        Err(e) => {
-            tracing::warn!(action = action.0, error = %e, "the write's response body was cut while it was read");
-            let record = crate::door::replay_record(parts.status, &parts.headers, &[], false);
+        Err(cut) => {
+            let received = cut.received;
+            tracing::warn!(
+                action = action.0,
+                error = %cut.error,
+                received = received.len(),
+                "the write's response body was cut while it was read; the bytes received are passed on, marked incomplete"
+            );
+            let kept = if stream { &[][..] } else { &received[..] };
+            let record = crate::door::replay_record(parts.status, &parts.headers, kept, false);
+            let mut parts = parts;
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            parts.headers.insert(
+                crate::door::BODY_TRUNCATED_HEADER,
+                http::HeaderValue::from(received.len()),
+            );
             (
-                http::Response::from_parts(parts, Body::empty()),
+                http::Response::from_parts(parts, Body::from(received.clone())),
                 record,
-                Bytes::new(),
+                received,
             )
         }
     }

@@ -105,7 +105,13 @@ async fn keep(execution: Execution) -> Completion {
                 Ok((bytes, _)) if bytes.len() > KEPT_BODY_LIMIT => {
                     (bytes.slice(..KEPT_BODY_LIMIT), true)
                 }
-                Ok((bytes, _)) => (bytes, false),
+                // A write whose provider cut the body: the bytes received, marked as such.
+                Ok((bytes, _)) => (
+                    bytes,
+                    parts
+                        .headers
+                        .contains_key(crate::door::BODY_TRUNCATED_HEADER),
+                ),
                 Err(_) => (Bytes::new(), true),
             };
             // As the door would have passed them on: not the provider's hop-by-hop headers.

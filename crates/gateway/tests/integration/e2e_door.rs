@@ -585,3 +585,118 @@ async fn documented_curl_command_works() {
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+/// A provider on a raw socket that answers every request `201` announcing `content-length:
+/// 100`, sends `sent` (fewer bytes), and closes. Returns its address and a count of requests.
+async fn cutting_provider(
+    sent: &'static [u8],
+) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = requests.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                // Read the whole request (head and body) so that closing sends no reset.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break at + 4;
+                    }
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|line| line.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                while buf.len() < head_end + length {
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut answer = b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n".to_vec();
+                answer.extend_from_slice(sent);
+                let _ = socket.write_all(&answer).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    (addr, requests)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_body_the_provider_cut_is_passed_on_marked_incomplete() {
+    const RECEIVED: &[u8] = br#"{"id":"tr"#;
+    let (upstream, requests) = cutting_provider(RECEIVED).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&format!("http://{upstream}"), dir.path()).await;
+    let send = || {
+        client()
+            .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("Idempotency-Key", "k-cut-body")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":5}"#)
+            .send()
+    };
+
+    let first = send().await.expect("an answer, not an aborted connection");
+    assert_eq!(first.status(), 201);
+    let headers = first.headers().clone();
+    assert_eq!(
+        headers
+            .get("backstop-body-truncated")
+            .and_then(|v| v.to_str().ok()),
+        Some("9"),
+        "{headers:?}"
+    );
+    assert_ne!(
+        headers.get("content-length").and_then(|v| v.to_str().ok()),
+        Some("100"),
+        "the provider's length is not passed on"
+    );
+    let action = headers["backstop-action-id"]
+        .to_str()
+        .unwrap()
+        .parse::<i64>()
+        .unwrap();
+    let body = first.bytes().await.expect("the body as received");
+    assert_eq!(&body[..], RECEIVED);
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    // The replay carries the same bytes, marked the way replays are; nothing more is sent.
+    let replay = send().await.expect("replayed");
+    assert_eq!(replay.status(), 201);
+    let headers = replay.headers().clone();
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(
+        headers["backstop-replay-body-truncated"], "9",
+        "{headers:?}"
+    );
+    assert_eq!(&replay.bytes().await.unwrap()[..], RECEIVED);
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    gateway.shutdown().await.unwrap();
+    let store =
+        backstop_store::SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let record = store
+        .action(backstop_store::ActionId(action))
+        .unwrap()
+        .expect("action");
+    assert_eq!(
+        record.outcome,
+        Some(backstop_store::Outcome::Succeeded),
+        "the provider did answer 201"
+    );
+}
