@@ -18,18 +18,25 @@
 //! result is named by its provider only (`quota_scope` = `billing-api` instead of the route's
 //! scope); one note on stderr says how many were, and that `--policy` names them.
 //!
+//! With a `--policy` that does not match the database, a warning on stderr names what the
+//! exported snapshots use and the policy lacks: providers (their scopes fall back to the
+//! provider's name), scopes the gateway recorded, routes the policy gives no scope, and request
+//! classes (their ceilings fall back to 1 attempt, no wait). The output is still written.
+//!
 //! Exit status: 0 on success (also when nothing was throttled; with `--task`, a line on stderr
 //! says that the task's actions were not throttled), 1 when `--task` names a task of which no
 //! action is in the database (said on stderr: usually a mistyped id), 2 when the database or the
 //! policy cannot be read or stdout fails. A closed stdout (`| head`) ends quietly.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use backstop_core::policy::Policy;
-use backstop_gateway::health::{derive_snapshot, Evidence, HealthPolicy, SnapshotContext};
+use backstop_gateway::health::{
+    derive_snapshot, ActionTrail, Evidence, HealthPolicy, SnapshotContext,
+};
 use backstop_store::snapshots::RunRecordsReader;
 use jiff::Timestamp;
 
@@ -80,16 +87,20 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn export(args: ExportArgs) -> ExitCode {
-    let policy = match &args.policy {
-        None => HealthPolicy::spec_defaults(),
+    let loaded = match &args.policy {
+        None => None,
         Some(path) => match Policy::load(path) {
-            Ok(policy) => HealthPolicy::from_policy(&policy),
+            Ok(policy) => Some(policy),
             Err(errors) => {
                 errln!("backstop snapshots export: {errors}");
                 return ExitCode::from(2);
             }
         },
     };
+    let policy = loaded
+        .as_ref()
+        .map_or_else(HealthPolicy::spec_defaults, HealthPolicy::from_policy);
+    let mut mismatch = Mismatch::default();
     let place = args.db.display().to_string();
     let reader = match RunRecordsReader::open(&args.db) {
         Ok(reader) => reader,
@@ -158,6 +169,9 @@ fn export(args: ExportArgs) -> ExitCode {
         if snapshot.quota_scope == trail.provider {
             by_provider += 1;
         }
+        if let Some(loaded) = &loaded {
+            mismatch.note(loaded, trail, &snapshot.quota_scope);
+        }
         written = serde_json::to_writer(&mut out, &snapshot)
             .map_err(io::Error::from)
             .and_then(|()| out.write_all(b"\n"));
@@ -191,6 +205,11 @@ fn export(args: ExportArgs) -> ExitCode {
             if by_provider == 1 { "is" } else { "are" }
         );
     }
+    if let Some(loaded) = &loaded {
+        for warning in mismatch.warnings(&loaded.file) {
+            errln!("backstop snapshots export: warning: {warning}");
+        }
+    }
     match written {
         Ok(()) => code,
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => code,
@@ -198,6 +217,95 @@ fn export(args: ExportArgs) -> ExitCode {
             errln!("backstop snapshots export: cannot write output: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// What the exported snapshots use and the `--policy` file lacks, each with how many snapshots
+/// it touches.
+#[derive(Debug, Default)]
+struct Mismatch {
+    /// Providers absent from the policy.
+    providers: BTreeMap<String, usize>,
+    /// Scopes the gateway recorded (`provider/scope`) that the policy's provider does not declare.
+    scopes: BTreeMap<String, usize>,
+    /// Routes (`provider METHOD template`) of a provider in the policy for which the policy names
+    /// no scope (no route scope, no default scope): their snapshots are named by provider only.
+    unscoped: BTreeMap<String, usize>,
+    /// Request classes absent from the policy.
+    classes: BTreeMap<String, usize>,
+}
+
+impl Mismatch {
+    /// Notes what one exported snapshot (of `trail`, named `quota_scope`) finds missing.
+    fn note(
+        &mut self,
+        policy: &Policy,
+        trail: &ActionTrail,
+        quota_scope: &str,
+    ) {
+        match policy.providers.get(&trail.provider) {
+            None => *self.providers.entry(trail.provider.clone()).or_default() += 1,
+            Some(provider) => {
+                if quota_scope == trail.provider {
+                    let route = format!("{} {} {}", trail.provider, trail.method, trail.route);
+                    *self.unscoped.entry(route).or_default() += 1;
+                } else {
+                    let short = quota_scope
+                        .strip_prefix(trail.provider.as_str())
+                        .and_then(|rest| rest.strip_prefix('/'));
+                    if short.is_none_or(|s| !provider.scopes.contains_key(s)) {
+                        *self.scopes.entry(quota_scope.to_owned()).or_default() += 1;
+                    }
+                }
+            }
+        }
+        if !policy.request_classes.contains_key(&trail.request_class) {
+            *self
+                .classes
+                .entry(trail.request_class.clone())
+                .or_default() += 1;
+        }
+    }
+
+    /// One warning line per kind of mismatch (none when the policy covers every snapshot).
+    fn warnings(&self, file: &str) -> Vec<String> {
+        fn listed(map: &BTreeMap<String, usize>) -> (String, usize) {
+            let names: Vec<String> = map.keys().map(|k| format!("`{k}`")).collect();
+            (names.join(", "), map.values().sum())
+        }
+        fn snapshots(n: usize) -> String {
+            format!("{n} snapshot{}", if n == 1 { "" } else { "s" })
+        }
+        let mut out = Vec::new();
+        if !self.providers.is_empty() {
+            let (names, n) = listed(&self.providers);
+            out.push(format!(
+                "{file}: the database's provider {names} ({}) is not in this policy: a scope the gateway did not record is named by the provider only (quota_scope without `/scope`); pass the policy the gateway ran with",
+                snapshots(n)
+            ));
+        }
+        if !self.scopes.is_empty() {
+            let (names, n) = listed(&self.scopes);
+            out.push(format!(
+                "{file}: the scope {names} the gateway recorded ({}) is not declared in this policy; pass the policy the gateway ran with",
+                snapshots(n)
+            ));
+        }
+        if !self.unscoped.is_empty() {
+            let (names, n) = listed(&self.unscoped);
+            out.push(format!(
+                "{file}: this policy names no scope (no route scope, no default scope) for {names}, so {} named by the provider only (quota_scope without `/scope`)",
+                if n == 1 { "1 snapshot is".to_owned() } else { format!("{n} snapshots are") }
+            ));
+        }
+        if !self.classes.is_empty() {
+            let (names, n) = listed(&self.classes);
+            out.push(format!(
+                "{file}: the request class {names} ({}) is not in this policy: its ceilings are taken as 1 attempt and no wait",
+                snapshots(n)
+            ));
+        }
+        out
     }
 }
 

@@ -169,3 +169,48 @@ fn without_policy_a_note_says_scopes_are_named_by_provider_only() {
     assert_eq!(snapshot["quota_scope"], "llm/project");
     assert!(stderr(&out).is_empty(), "{}", stderr(&out));
 }
+
+#[test]
+fn a_policy_that_does_not_match_the_database_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database(dir.path());
+    let db = db.to_str().unwrap();
+    // A policy without provider `llm` (the database's) and so without its route's scope.
+    let policy = dir.path().join("other.yaml");
+    std::fs::write(
+        &policy,
+        "providers:\n  fake:\n    base_url: http://127.0.0.1:9\n    scopes:\n      account: { limit: 10 }\n",
+    )
+    .unwrap();
+    let policy = policy.to_str().unwrap();
+    let out = backstop(&[
+        "snapshots", "export", "--db", db, "--now", NOW, "--policy", policy,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let snapshot: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(snapshot["quota_scope"], "llm");
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with(&format!(
+            "backstop snapshots export: warning: {policy}: the database's provider `llm` (1 snapshot) is not in this policy"
+        )),
+        "{err}"
+    );
+
+    // The provider is there but the route has no scope and the class is unknown: both named.
+    std::fs::write(
+        dir.path().join("other.yaml"),
+        "providers:\n  llm:\n    base_url: http://127.0.0.1:9\n",
+    )
+    .unwrap();
+    let out = backstop(&[
+        "snapshots", "export", "--db", db, "--now", NOW, "--policy", policy,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("this policy names no scope (no route scope, no default scope) for `llm GET /v1/models`, so 1 snapshot is named by the provider only"),
+        "{err}"
+    );
+}
