@@ -180,7 +180,9 @@ fn build(args: Args) -> Result<Value, String> {
         .or_else(|| dialect.error_code_pointer().map(str::to_owned));
     if args.body_file.is_some() && error_code_pointer.is_none() {
         return Err(format!(
-            "--body-file needs --error-pointer: only the error code is read from the body, and              the {dialect} dialect has no documented place for it (e.g. --error-pointer              /error/code; --dialect openai reads /error/code)"
+            "--body-file needs --error-pointer: only the error code is read from the body, and \
+             the {dialect} dialect has no documented place for it (e.g. --error-pointer \
+             /error/code; --dialect openai reads /error/code)"
         ));
     }
     let body = match &args.body_file {

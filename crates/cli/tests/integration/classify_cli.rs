@@ -422,3 +422,28 @@ fn the_openai_dialect_reads_the_error_code_where_openai_documents_it() {
         "--body-file needs --error-pointer",
     );
 }
+
+#[test]
+fn a_body_without_pointer_is_refused_in_one_evenly_spaced_message() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let body = dir.path().join("body.json");
+    std::fs::write(&body, r#"{"error":{"code":"x"}}"#).expect("write body");
+    let out = run(&[
+        "--status",
+        "429",
+        "--body-file",
+        body.to_str().expect("utf-8 path"),
+        "--now",
+        NOW,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err:?}");
+    assert!(!err.contains("  "), "no run of spaces inside the message: {err:?}");
+    assert!(
+        err.contains(
+            "only the error code is read from the body, and the generic dialect has no documented place for it (e.g. --error-pointer /error/code; --dialect openai reads /error/code)"
+        ),
+        "{err:?}"
+    );
+}
