@@ -119,6 +119,36 @@ impl fmt::Display for PolicyErrors {
 // ---------------------------------------------------------------------------------------------
 // The validated policy
 
+/// The largest policy file [`Policy::load`] reads, in bytes (4 MiB): far above any real policy,
+/// small enough that a wrong path (a log, an image) is refused at once.
+pub const MAX_POLICY_BYTES: u64 = 4 * 1024 * 1024;
+
+/// What kind of file system entry `meta` is, in words, for a refusal.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    }
+}
+
 /// The names of the three built-in request classes (SPEC §1).
 pub const BUILTIN_CLASSES: [&str; 3] = ["read", "idempotent_write", "uncertain_write"];
 
@@ -488,7 +518,9 @@ impl Policy {
     /// Reads and validates a policy file.
     ///
     /// # Errors
-    /// [`PolicyErrors`]: the file cannot be read (no position), or see [`Policy::from_yaml_str`].
+    /// [`PolicyErrors`]: the file cannot be read, is not a regular file (a device, FIFO or
+    /// directory) or is larger than [`MAX_POLICY_BYTES`] (no position), or see
+    /// [`Policy::from_yaml_str`].
     pub fn load(path: impl AsRef<Path>) -> Result<Policy, PolicyErrors> {
         let path = path.as_ref();
         let file = path.display().to_string();
@@ -500,8 +532,38 @@ impl Policy {
                 message,
             }])
         };
-        let bytes = std::fs::read(path)
+        // A device (`/dev/zero`), a FIFO or a directory is refused before it is opened: opening
+        // a FIFO blocks until a writer comes, and a device may never end.
+        let meta = std::fs::metadata(path)
             .map_err(|e| unpositioned(format!("cannot read the policy file: {e}")))?;
+        if !meta.is_file() {
+            return Err(unpositioned(format!(
+                "not a regular file ({}); a policy is read from a regular file",
+                file_kind(&meta)
+            )));
+        }
+        let too_large = || {
+            unpositioned(format!(
+                "larger than {} MiB; a policy file is at most {MAX_POLICY_BYTES} bytes",
+                MAX_POLICY_BYTES / (1024 * 1024)
+            ))
+        };
+        if meta.len() > MAX_POLICY_BYTES {
+            return Err(too_large());
+        }
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| {
+                std::io::Read::read_to_end(
+                    &mut std::io::Read::take(f, MAX_POLICY_BYTES + 1),
+                    &mut bytes,
+                )
+            })
+            .map_err(|e| unpositioned(format!("cannot read the policy file: {e}")))?;
+        // The file grew after its size was read.
+        if bytes.len() as u64 > MAX_POLICY_BYTES {
+            return Err(too_large());
+        }
         let src = match String::from_utf8(bytes) {
             Ok(src) => src,
             Err(e) => {
@@ -1752,7 +1814,12 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
                             ),
                         );
                     } else if let Ok(code) = u16::try_from(code) {
-                        statuses.insert(code);
+                        if !statuses.insert(code) {
+                            ctx.err(
+                                &status.referenced,
+                                format!("{path}.retry_statuses: {code} is listed twice"),
+                            );
+                        }
                     }
                 }
                 statuses.into_iter().collect()
@@ -1802,7 +1869,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
         ctx.warn(
             1,
             1,
-            "agents: none configured, so no agent can call the gateway (add `agents:` with a token_env or token_file per agent)",
+            "agents: none configured, so no agent can call the gateway (add `agents:` with a token_env, token_file or token_sha256 per agent)",
         );
     }
     let operators = validate_principals(raw.operators, "operators", &mut tokens, ctx);
@@ -2698,7 +2765,7 @@ fn parse_route_key(
     path: &str,
     ctx: &mut Ctx,
 ) -> Option<(String, String, Vec<Segment>)> {
-    let text = key.value.trim();
+    let text = key.value.as_str();
     let Some((method, template)) = text.split_once(char::is_whitespace) else {
         ctx.err(
             &key.referenced,
@@ -2706,7 +2773,18 @@ fn parse_route_key(
         );
         return None;
     };
-    let template = template.trim();
+    // Exactly one space between method and path, none around: `GET  /v1/x` or ` GET /v1/x`
+    // would be listed under a key that names no route as the gateway prints it.
+    if method.is_empty()
+        || template.contains(char::is_whitespace)
+        || text.as_bytes()[method.len()] != b' '
+    {
+        ctx.err(
+            &key.referenced,
+            format!("{path}: a route is `METHOD /path/{{param}}` with exactly one space between the method and the path and none before or after, e.g. `POST /v1/transfers`"),
+        );
+        return None;
+    }
     if !ROUTE_METHODS.contains(&method) {
         let upper = method.to_ascii_uppercase();
         let message = if ROUTE_METHODS.contains(&upper.as_str()) {
@@ -2933,7 +3011,18 @@ fn validate_reconcile(
             format!("{path}: `by: operation_id` needs `operation_id_pointer`"),
         );
     }
-    let found_pointer = check_pointer(ctx, &r.found_pointer, &format!("{path}.found_pointer"));
+    let found_pointer = match &r.found_pointer {
+        // The empty pointer is the whole lookup answer: any non-empty answer (a list of other
+        // records, an error object) would count as found, a false success.
+        Some(s) if s.value.is_empty() => {
+            ctx.err(
+                &s.referenced,
+                format!("{path}.found_pointer: the empty pointer is the whole lookup answer, so any non-empty answer would count as found; point to the field that is present only when the operation exists (start with `/`, e.g. `/data/0/id`)"),
+            );
+            None
+        }
+        _ => check_pointer(ctx, &r.found_pointer, &format!("{path}.found_pointer")),
+    };
     let Some(lookup) = &r.lookup else {
         ctx.err(
             &raw.referenced,
@@ -3814,6 +3903,91 @@ mod tests {
         let policy = Policy::from_yaml_str(&route("/id"), "p.yaml").expect("a field");
         let reconcile = policy.providers["p"].routes[0].reconcile.as_ref().unwrap();
         assert_eq!(reconcile.operation_id_pointer.as_deref(), Some("/id"));
+    }
+
+    #[test]
+    fn an_empty_found_pointer_is_refused_at_load() {
+        let route = |pointer: &str| {
+            format!(
+                "providers:\n  p:\n    base_url: https://p.example\n    routes:\n      \"POST /v1/transfers\":\n        class: uncertain_write\n        reconcile:\n          by: external_reference\n          lookup: \"GET /v1/transfers?reference={{ref}}\"\n          external_reference_pointer: /reference\n          found_pointer: {pointer}\n"
+            )
+        };
+        assert_eq!(
+            problems(&route("\"\"")),
+            ["11:26: providers.p.routes.\"POST /v1/transfers\".reconcile.found_pointer: the empty pointer is the whole lookup answer, so any non-empty answer would count as found; point to the field that is present only when the operation exists (start with `/`, e.g. `/data/0/id`)"]
+        );
+        Policy::from_yaml_str(&route("/data/0/id"), "p.yaml").expect("a field");
+    }
+
+    #[test]
+    fn a_status_listed_twice_in_retry_statuses_is_refused() {
+        assert_eq!(
+            problems("request_classes:\n  read: { retry_statuses: [429, 503, 429] }\n"),
+            ["2:38: request_classes.read.retry_statuses: 429 is listed twice"]
+        );
+        let policy = Policy::from_yaml_str(
+            "request_classes:\n  read: { retry_statuses: [429, 503] }\n",
+            "p.yaml",
+        )
+        .expect("distinct statuses");
+        assert_eq!(policy.request_classes["read"].retry_statuses, [429, 503]);
+    }
+
+    #[test]
+    fn a_route_key_with_extra_spaces_is_refused_naming_it() {
+        let route = |key: &str| {
+            format!("providers:\n  p:\n    base_url: https://p.example\n    routes:\n      \"{key}\": {{ class: read }}\n")
+        };
+        for key in ["GET  /v1/x", " GET /v1/x", "GET /v1/x ", "GET\t/v1/x"] {
+            let errors = problems(&route(key));
+            assert_eq!(errors.len(), 1, "{key:?}: {errors:?}");
+            assert!(
+                errors[0].contains(&format!("providers.p.routes.\"{key}\": a route is `METHOD /path/{{param}}` with exactly one space between the method and the path")),
+                "{key:?}: {errors:?}"
+            );
+        }
+        Policy::from_yaml_str(&route("GET /v1/x"), "p.yaml").expect("one space");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_policy_that_is_not_a_regular_file_or_too_large_is_refused() {
+        let message = |path: &std::path::Path| {
+            let errors = Policy::load(path).expect_err("refused").0;
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            errors[0].message.clone()
+        };
+        assert_eq!(
+            message(std::path::Path::new("/dev/zero")),
+            "not a regular file (a character device); a policy is read from a regular file"
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(
+            message(dir.path()),
+            "not a regular file (a directory); a policy is read from a regular file"
+        );
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo runs");
+        assert!(made.success());
+        assert_eq!(
+            message(&fifo),
+            "not a regular file (a FIFO); a policy is read from a regular file"
+        );
+        let big = dir.path().join("big.yaml");
+        let mut text = String::from("# padding\n");
+        while text.len() as u64 <= MAX_POLICY_BYTES {
+            text.push_str(&"#".repeat(1023));
+            text.push('\n');
+        }
+        text.push_str("providers: {}\n");
+        std::fs::write(&big, text).expect("write");
+        assert_eq!(
+            message(&big),
+            "larger than 4 MiB; a policy file is at most 4194304 bytes"
+        );
     }
 
     #[test]

@@ -237,12 +237,7 @@ struct Mismatch {
 
 impl Mismatch {
     /// Notes what one exported snapshot (of `trail`, named `quota_scope`) finds missing.
-    fn note(
-        &mut self,
-        policy: &Policy,
-        trail: &ActionTrail,
-        quota_scope: &str,
-    ) {
+    fn note(&mut self, policy: &Policy, trail: &ActionTrail, quota_scope: &str) {
         match policy.providers.get(&trail.provider) {
             None => *self.providers.entry(trail.provider.clone()).or_default() += 1,
             Some(provider) => {
@@ -260,10 +255,7 @@ impl Mismatch {
             }
         }
         if !policy.request_classes.contains_key(&trail.request_class) {
-            *self
-                .classes
-                .entry(trail.request_class.clone())
-                .or_default() += 1;
+            *self.classes.entry(trail.request_class.clone()).or_default() += 1;
         }
     }
 

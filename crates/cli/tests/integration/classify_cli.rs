@@ -439,7 +439,10 @@ fn a_body_without_pointer_is_refused_in_one_evenly_spaced_message() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err:?}");
-    assert!(!err.contains("  "), "no run of spaces inside the message: {err:?}");
+    assert!(
+        !err.contains("  "),
+        "no run of spaces inside the message: {err:?}"
+    );
     assert!(
         err.contains(
             "only the error code is read from the body, and the generic dialect has no documented place for it (e.g. --error-pointer /error/code; --dialect openai reads /error/code)"

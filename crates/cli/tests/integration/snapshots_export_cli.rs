@@ -184,7 +184,14 @@ fn a_policy_that_does_not_match_the_database_is_warned_about() {
     .unwrap();
     let policy = policy.to_str().unwrap();
     let out = backstop(&[
-        "snapshots", "export", "--db", db, "--now", NOW, "--policy", policy,
+        "snapshots",
+        "export",
+        "--db",
+        db,
+        "--now",
+        NOW,
+        "--policy",
+        policy,
     ]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let snapshot: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -205,7 +212,14 @@ fn a_policy_that_does_not_match_the_database_is_warned_about() {
     )
     .unwrap();
     let out = backstop(&[
-        "snapshots", "export", "--db", db, "--now", NOW, "--policy", policy,
+        "snapshots",
+        "export",
+        "--db",
+        db,
+        "--now",
+        NOW,
+        "--policy",
+        policy,
     ]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let err = stderr(&out);

@@ -502,6 +502,14 @@ providers:
     assert_eq!(warnings.len(), 2, "{warnings:#?}");
     assert_eq!((warnings[0].0, warnings[0].1), (1, 1));
     assert!(warnings[0].2.contains("no agent can call the gateway"));
+    // Every way an agent's token can be given is named.
+    assert!(
+        warnings[0]
+            .2
+            .ends_with("(add `agents:` with a token_env, token_file or token_sha256 per agent)"),
+        "{}",
+        warnings[0].2
+    );
     assert_eq!((warnings[1].0, warnings[1].1), (2, 3));
     assert!(warnings[1].2.starts_with("providers.a: no scopes"));
 }
