@@ -10,9 +10,45 @@
 //! - [`errln!`] writes one line to stderr and ignores a failure — there is
 //!   nowhere left to report it.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::io::{self, Write};
 use std::process::ExitCode;
+
+/// `text` safe to print on a terminal: control characters (C0, DEL, C1: ESC, BEL, CR, …) and
+/// the invisible format characters that reorder or hide text (bidirectional controls U+061C,
+/// U+200E–U+200F, U+202A–U+202E, U+2066–U+2069; zero-width U+200B–U+200D, U+2060, U+FEFF) are
+/// written as `\u{…}` (hex), and a backslash as `\\`, so a value from an input file can
+/// neither drive the terminal nor pass for another value. Unchanged text is borrowed.
+pub fn terminal_safe(text: &str) -> Cow<'_, str> {
+    let unsafe_char = |c: char| {
+        c == '\\'
+            || c.is_control()
+            || matches!(
+                c,
+                '\u{061C}'
+                    | '\u{200B}'..='\u{200F}'
+                    | '\u{202A}'..='\u{202E}'
+                    | '\u{2060}'
+                    | '\u{2066}'..='\u{2069}'
+                    | '\u{FEFF}'
+            )
+    };
+    if !text.chars().any(unsafe_char) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c == '\\' {
+            out.push_str("\\\\");
+        } else if unsafe_char(c) {
+            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
 
 /// Writes one formatted line to stderr, ignoring a write failure (never panics): the
 /// `eprintln!` of this binary.

@@ -661,3 +661,22 @@ fn an_audit_export_is_named_once_not_line_by_line() {
         "{err}"
     );
 }
+
+#[test]
+fn table_escapes_control_and_bidi_characters_of_a_run_id() {
+    let first = std::fs::read_to_string(fixture()).unwrap();
+    let line = first.lines().next().unwrap();
+    // ESC [2J (clear screen), BEL, U+202E (right-to-left override) and a backslash.
+    let hostile = line.replace(
+        "\"run_id\":\"run-waiting\"",
+        "\"run_id\":\"run\\u001b[2J\\u0007\\u202ex\\\\y\"",
+    );
+    assert_ne!(hostile, line);
+    let o = backstop(&["--now", NOW, "--format", "table"], Some(hostile.as_bytes()));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    for raw in ['\u{1b}', '\u{7}', '\u{202e}'] {
+        assert!(!out.contains(raw), "{raw:?} printed raw: {out:?}");
+    }
+    assert!(out.contains(r"run\u{1b}[2J\u{7}\u{202e}x\\y"), "{out}");
+}
