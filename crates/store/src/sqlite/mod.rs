@@ -1195,7 +1195,7 @@ fn unaudited_action(conn: &Connection) -> Result<Option<String>, StoreError> {
         |r| r.get(0),
     )?;
     Ok(match audited {
-        Some(audited) if audited >= newest => None,
+        Some(audited) if audited >= newest => unaudited_rows(conn)?,
         Some(audited) => Some(format!(
             "the store records action {newest}, but the log's newest `action_requested` is \
              for action {audited}: events were cut from the end of the log (every action is \
@@ -1207,6 +1207,50 @@ fn unaudited_action(conn: &Connection) -> Result<Option<String>, StoreError> {
              the same transaction as its event)"
         )),
     })
+}
+
+/// Why the log must have been cut although every action has its `action_requested` event, or
+/// `None`: the store writes each attempt row with its `action_sent` event, each escalation row
+/// with its `escalated` event and each decision with its `decision` event, all in one
+/// transaction, and never deletes those rows; so more attempt rows than `action_sent` events, an
+/// escalation newer than every `escalated` event, or more decided escalations than escalations
+/// with a `decision` event mean events were removed from the end of the log (e.g. cut just
+/// after an action's `action_requested`). One scan of the log's kinds; a cut that removed
+/// events of none of these kinds (a `scope_updated`, an outcome alone) is found only by
+/// `--expect-head`.
+fn unaudited_rows(conn: &Connection) -> Result<Option<String>, StoreError> {
+    let count =
+        |sql: &str| -> Result<i64, StoreError> { Ok(conn.query_row(sql, [], |r| r.get(0))?) };
+    let attempts = count("SELECT COUNT(*) FROM attempts")?;
+    let sent = count("SELECT COUNT(*) FROM audit_events WHERE kind = 'action_sent'")?;
+    if attempts > sent {
+        return Ok(Some(format!(
+            "the store records {attempts} attempts, but the log has {sent} `action_sent` \
+             events: events were cut from the end of the log (every attempt is recorded in the \
+             same transaction as its event)"
+        )));
+    }
+    let escalation = count("SELECT COALESCE(MAX(id), 0) FROM escalations")?;
+    let escalated =
+        count("SELECT COALESCE(MAX(escalation), 0) FROM audit_events WHERE kind = 'escalated'")?;
+    if escalation > escalated {
+        return Ok(Some(format!(
+            "the store records escalation {escalation}, but the log's newest `escalated` event \
+             is for escalation {escalated}: events were cut from the end of the log (every \
+             escalation is recorded in the same transaction as its event)"
+        )));
+    }
+    let decided = count("SELECT COUNT(*) FROM escalations WHERE decided_at_ms IS NOT NULL")?;
+    let decisions =
+        count("SELECT COUNT(DISTINCT escalation) FROM audit_events WHERE kind = 'decision'")?;
+    if decided > decisions {
+        return Ok(Some(format!(
+            "the store records {decided} decided escalations, but the log has a `decision` \
+             event for {decisions}: events were cut from the end of the log (every decision is \
+             recorded in the same transaction as its event)"
+        )));
+    }
+    Ok(None)
 }
 
 /// Streams the audit log in `seq` order, [`CHUNK`] events per query, so verifying a large log

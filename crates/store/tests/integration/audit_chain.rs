@@ -227,6 +227,98 @@ fn a_wiped_or_cut_log_in_a_database_is_truncated_even_without_a_head() {
     );
 }
 
+/// A log cut just after an action's `action_requested` (its `action_sent` and later events
+/// gone) still has every action's request, but the store's attempt, escalation and decision
+/// rows, each written with its event, prove the cut.
+#[test]
+fn a_log_cut_after_an_action_requested_is_truncated_by_the_rows_it_lost() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 3);
+    let newest_requested: i64 = rusqlite::Connection::open(&path)
+        .expect("open")
+        .query_row(
+            "SELECT MAX(seq) FROM audit_events WHERE kind = 'action_requested'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("seq");
+    let escalation = store
+        .open_escalation(
+            backstop_store::ActionId(1),
+            serde_json::json!({"case": 1}),
+            t(20),
+        )
+        .expect("escalate");
+    store
+        .decide_escalation(escalation, "send_new", "alice", None, t(21))
+        .expect("decide");
+    assert!(matches!(
+        store.verify_audit(None).expect("verify"),
+        Verdict::Intact { .. }
+    ));
+    drop(store);
+    let seq_of = |kind: &str| -> i64 {
+        rusqlite::Connection::open(&path)
+            .expect("open")
+            .query_row(
+                "SELECT seq FROM audit_events WHERE kind = ?1",
+                [kind],
+                |r| r.get(0),
+            )
+            .expect("seq")
+    };
+    let (escalated, decision) = (seq_of("escalated"), seq_of("decision"));
+
+    // The decision's event cut off: the escalation row says it was decided.
+    let b = break_of(
+        tamper(
+            &path,
+            &format!("DELETE FROM audit_events WHERE seq >= {decision}"),
+        )
+        .verify(None)
+        .expect("verify"),
+    );
+    assert_eq!((b.seq, b.kind), (decision, BreakKind::Truncated));
+    assert!(
+        b.detail
+            .contains("1 decided escalations, but the log has a `decision` event for 0"),
+        "{}",
+        b.detail
+    );
+
+    // The escalation's event cut off too: the escalation row is newer than every `escalated`.
+    let b = break_of(
+        tamper(
+            &path,
+            &format!("DELETE FROM audit_events WHERE seq >= {escalated}"),
+        )
+        .verify(None)
+        .expect("verify"),
+    );
+    assert_eq!((b.seq, b.kind), (escalated, BreakKind::Truncated));
+    assert!(b.detail.contains("the store records escalation 1, but the log's newest `escalated` event is for escalation 0"), "{}", b.detail);
+
+    // Cut just after the newest action's `action_requested`: its attempt row has no event.
+    let b = break_of(
+        tamper(
+            &path,
+            &format!("DELETE FROM audit_events WHERE seq > {newest_requested}"),
+        )
+        .verify(None)
+        .expect("verify"),
+    );
+    assert_eq!(
+        (b.seq, b.kind),
+        (newest_requested + 1, BreakKind::Truncated)
+    );
+    assert!(
+        b.detail
+            .contains("the store records 3 attempts, but the log has 2 `action_sent` events"),
+        "{}",
+        b.detail
+    );
+}
+
 #[test]
 fn export_round_trips_through_ndjson() {
     let dir = tempfile::tempdir().expect("tempdir");
