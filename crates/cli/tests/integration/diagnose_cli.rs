@@ -672,7 +672,10 @@ fn table_escapes_control_and_bidi_characters_of_a_run_id() {
         "\"run_id\":\"run\\u001b[2J\\u0007\\u202ex\\\\y\"",
     );
     assert_ne!(hostile, line);
-    let o = backstop(&["--now", NOW, "--format", "table"], Some(hostile.as_bytes()));
+    let o = backstop(
+        &["--now", NOW, "--format", "table"],
+        Some(hostile.as_bytes()),
+    );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
     for raw in ['\u{1b}', '\u{7}', '\u{202e}'] {
