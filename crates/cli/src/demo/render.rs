@@ -138,19 +138,71 @@ impl Known {
     }
 }
 
-fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known) -> Row {
+/// `text` with every RFC 3339 instant in it (a word such as `2026-07-26T18:40:10.5Z`, maybe
+/// followed by punctuation) written relative to `origin` like the timeline's clock (`+2.000s`).
+fn relative_instants(text: &str, origin: Timestamp) -> String {
+    let mut out = String::with_capacity(text.len());
+    for (i, word) in text.split(' ').enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        let bare = word.trim_end_matches([':', ';', ',', '.', ')']);
+        match parse(bare).filter(|_| bare.starts_with(|c: char| c.is_ascii_digit())) {
+            Some(at) => {
+                out.push_str(&relative(Some(at), origin));
+                out.push_str(&word[bare.len()..]);
+            }
+            None => out.push_str(word),
+        }
+    }
+    out
+}
+
+/// What the timeline last said about each scope (`provider/scope`): the boundary it showed and
+/// the row's reason, so a `scope_updated` event that repeats them is left out.
+#[derive(Default)]
+struct ScopesShown {
+    boundaries: BTreeMap<String, Timestamp>,
+    reasons: BTreeMap<String, String>,
+}
+
+impl ScopesShown {
+    /// Whether the `scope_updated` row `row` (of `scope`) says something new; remembers it.
+    fn is_new(&mut self, scope: &str, row: &Row) -> bool {
+        let said = format!("{} {}", row.status, row.reason);
+        self.reasons.insert(scope.to_owned(), said.clone()) != Some(said)
+    }
+}
+
+fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known, scopes: &mut ScopesShown) -> Row {
     let mut reason = Vec::new();
     if let Some(outcome) = &e.outcome {
         match e.action.and_then(|a| known.details.get(&a)) {
             Some(detail) if outcome != "succeeded" => {
+                let detail = relative_instants(detail, origin);
                 reason.push(format!("outcome {outcome}: {detail}"));
             }
             _ => reason.push(format!("outcome {outcome}")),
         }
     }
+    let at = parse(&e.at);
     if let Some(boundary) = e.boundary.as_deref() {
         match parse(boundary) {
-            Some(b) => reason.push(format!("not before {}", relative(Some(b), origin))),
+            Some(b) => {
+                // A scope record keeps its boundary until a newer one: said once, and not
+                // again once it lies in the past.
+                let repeated = match (&e.scope, e.kind.as_str()) {
+                    (Some(scope), "scope_updated") => {
+                        let past = at.is_some_and(|at| b <= at);
+                        let shown = scopes.boundaries.insert(scope.clone(), b) == Some(b);
+                        past || shown
+                    }
+                    _ => false,
+                };
+                if !repeated {
+                    reason.push(format!("not before {}", relative(Some(b), origin)));
+                }
+            }
             None if boundary == "unknown" => {}
             None => reason.push(format!("boundary {boundary}")),
         }
@@ -186,7 +238,7 @@ fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known) -> Row {
             .unwrap_or_default(),
     };
     Row {
-        at: parse(&e.at),
+        at,
         order: (0, e.seq),
         who: e.task.clone().unwrap_or_else(|| "backstop".to_owned()),
         what: word(&e.kind).to_owned(),
@@ -245,20 +297,22 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
         "{}",
         style.bold("backstop demo — the reference scenario against a fake provider")
     );
-    let _ = writeln!(
-        out,
-        "Three agent tasks share one quota scope (fake/account). Every line below comes from\n\
-         backstop's audit log or from the provider's own attempt record.\n"
-    );
+    let _ = writeln!(out, "{}", header(report));
     let _ = writeln!(out, "{}", style.bold("Timeline"));
     let known = Known::of(report);
-    let mut rows: Vec<Row> = report
-        .events
-        .iter()
-        .filter(|e| e.kind != "task_opened")
-        .map(|e| event_row(e, origin, &known))
-        .chain(report.attempts.iter().map(attempt_row))
-        .collect();
+    let mut scopes = ScopesShown::default();
+    let mut rows: Vec<Row> = Vec::new();
+    for e in report.events.iter().filter(|e| e.kind != "task_opened") {
+        let row = event_row(e, origin, &known, &mut scopes);
+        let keep = match (&e.scope, e.kind.as_str()) {
+            (Some(scope), "scope_updated") => scopes.is_new(scope, &row),
+            _ => true,
+        };
+        if keep {
+            rows.push(row);
+        }
+    }
+    rows.extend(report.attempts.iter().map(attempt_row));
     rows.sort_by(|a, b| a.at.cmp(&b.at).then(a.order.cmp(&b.order)));
     let _ = writeln!(
         out,
@@ -283,6 +337,39 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
     escalation(report, &style, &mut out);
     where_to_look(report, &style, program, &mut out);
     out
+}
+
+/// The sentence under the title: how many tasks ran and the quota scopes their calls fell
+/// under, as the audit log names them.
+fn header(report: &Report) -> String {
+    let tasks: std::collections::BTreeSet<&str> = report
+        .events
+        .iter()
+        .filter_map(|e| e.task.as_deref())
+        .collect();
+    let scopes: std::collections::BTreeSet<&str> = report
+        .events
+        .iter()
+        .filter(|e| e.kind == "scope_updated")
+        .filter_map(|e| e.scope.as_deref())
+        .collect();
+    let scopes: Vec<&str> = scopes.into_iter().collect();
+    let shared = match scopes.as_slice() {
+        [] => "no quota scope recorded".to_owned(),
+        [one] => format!("one quota scope ({one})"),
+        [init @ .., last] => format!("the quota scopes {} and {last}", init.join(", ")),
+    };
+    let tasks = match tasks.len() {
+        1 => "One agent task calls".to_owned(),
+        2 => "Two agent tasks call".to_owned(),
+        3 => "Three agent tasks call".to_owned(),
+        n => format!("{n} agent tasks call"),
+    };
+    format!(
+        "{tasks} one fake provider under {shared}; a boundary one task\n\
+         meets in a scope holds every task's calls in it. Every line below comes from backstop's\n\
+         audit log or from the provider's own attempt record; times are relative to the first.\n"
+    )
 }
 
 fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {

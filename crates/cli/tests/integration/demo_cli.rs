@@ -64,6 +64,45 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
     // No colour when stdout is not a terminal.
     assert!(!stdout.contains('\u{1b}'), "ANSI escapes in piped output");
 
+    // The header names every scope the calls fell under (the export call has its own).
+    assert!(
+        stdout.contains("Three agent tasks call one fake provider under the quota scopes fake/account and fake/exports;"),
+        "{stdout}"
+    );
+    // Instants are on the relative clock only, never absolute.
+    let year = "2026-";
+    let timeline = stdout.split("Summary").next().unwrap_or_default();
+    assert!(
+        !timeline
+            .lines()
+            .any(|l| l.starts_with('+') && l.contains(year) && l.contains('T')),
+        "an absolute instant in the timeline:\n{timeline}"
+    );
+    // A scope row says a boundary once, and not once it lies in the past; a scope row that
+    // repeats the previous one of its scope is left out.
+    let mut last: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
+    for line in timeline.lines().filter(|l| l.contains("scope updated")) {
+        let at: f64 = line[1..line.find('s').unwrap()]
+            .parse()
+            .expect("relative time");
+        if let Some(i) = line.find("not before +") {
+            let rest = &line[i + "not before +".len()..];
+            let b: f64 = rest[..rest.find('s').unwrap()].parse().expect("boundary");
+            assert!(b > at, "a boundary in the past: {line}");
+        }
+        let scope = line.split_whitespace().nth(5).unwrap().to_owned();
+        let said = line
+            .split_whitespace()
+            .skip(6)
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert_ne!(
+            last.insert(scope, said.clone()),
+            Some(said),
+            "repeated: {line}"
+        );
+    }
+
     // The timeline: the 429, the delayed release, the dropped write reconciled, the escalation,
     // the cancellation — with relative times.
     assert!(stdout.contains("Timeline"));
