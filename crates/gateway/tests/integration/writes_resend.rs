@@ -1162,18 +1162,16 @@ async fn an_operators_decision_on_the_scopes_quota_escalation_lets_every_write_o
 #[tokio::test(start_paused = true)]
 async fn a_write_refused_scope_saturated_is_sent_once_when_resent_under_its_key() {
     let h = Harness::new();
-    // The scope `account` has room for 3 delayed actions: a read answered 429 waits for its
-    // retry, and two more wait behind the scope's boundary, so the transfer finds it full.
-    h.transport.script(
-        "/v1/items/0",
-        vec![answer(429, &[("retry-after", "30")], "")],
-    );
-    let mut readers = vec![h.spawn(h.get("reader-0", "/v1/items/0"))];
-    advance(Duration::from_secs(1)).await;
-    for i in 1..3 {
-        readers.push(h.spawn(h.get(&format!("reader-{i}"), &format!("/v1/items/{i}"))));
+    // The scope `account` has 4 concurrency slots and room for 3 delayed actions: four reads
+    // held by the provider take the slots and three more wait for one, so the transfer finds
+    // the scope full with no boundary to name (a full scope, not a provider's limit).
+    let mut readers = Vec::new();
+    for i in 0..7 {
+        let path = format!("/v1/items/{i}");
+        h.transport.hold(&path, Duration::from_secs(10));
+        readers.push(h.spawn(h.get(&format!("reader-{i}"), &path)));
+        advance(Duration::from_millis(10)).await;
     }
-    advance(Duration::from_secs(1)).await;
     h.transport
         .script("/v1/transfers", vec![answer(201, &[], r#"{"id":"tr_9"}"#)]);
     let mut spec = transfer(&h, "k-saturated");
