@@ -811,10 +811,11 @@ fn redact_pem_private_keys(text: &str) -> Option<String> {
 const CREDENTIAL_NOUNS: [&str; 6] = ["token", "tokens", "header", "headers", "value", "values"];
 
 /// Words of backstop's own messages that follow `bearer` or `Authorization` directly and are
-/// never a credential (`` `Bearer` with no token after it ``, `` `Authorization` or ``): kept.
-/// The list is short on purpose: any other word there is redacted, since over-redaction is the
-/// safe side (`the bearer of bad news` loses `of`).
-const AFTER_KEYWORD_WORDS: [&str; 4] = ["is", "with", "or", "and"];
+/// never a credential (`` `Bearer` with no token after it ``, `` `Authorization` or ``,
+/// `` `Authorization`: given more than once ``): kept. The list is short on purpose: any other
+/// word there is redacted, since over-redaction is the safe side (`the bearer of bad news`
+/// loses `of`).
+const AFTER_KEYWORD_WORDS: [&str; 5] = ["is", "with", "or", "and", "given"];
 
 /// Whether the word after a credential noun (`bearer token XYZ`) looks like a token rather than
 /// prose: it holds a digit, an upper-case letter or one of `-_.~+/=`, or is 20 characters or
@@ -1359,6 +1360,7 @@ mod tests {
             "the bearer token matches no agent or operator of the policy",
             "the Authorization header is not a bearer token",
             "the Authorization header is given more than once, so the credentials are ambiguous; send exactly one",
+            "header `Authorization`: given more than once, so the credentials are ambiguous; send exactly one",
         ] {
             let clean = sanitize_text(text);
             assert_eq!(clean.text, text);
