@@ -56,7 +56,7 @@ pub struct Args {
     /// Most seconds the whole shutdown takes (engine stop and draining); requests arriving
     /// meanwhile get 503 shutting_down, an attempt the provider has not answered a quarter of
     /// the grace (at most 1 s) before its end is given up and its caller answered 503
-    /// shutting_down, and streams still open at the end are cut.
+    /// shutting_down, and streams still open at the end are cut. At least 1.
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
     /// Most seconds to receive a request's head (then the connection is closed), and its whole
@@ -107,6 +107,14 @@ pub fn run(args: Args) -> ExitCode {
     }
     if args.attempt_timeout_seconds == 0 {
         errln!("backstop serve: --attempt-timeout-seconds must be at least 1");
+        return ExitCode::from(2);
+    }
+    if args.shutdown_grace_seconds == 0 {
+        // With no grace, an attempt still out could not be answered 503 shutting_down: its
+        // caller would get an empty reply.
+        errln!(
+            "backstop serve: --shutdown-grace-seconds must be at least 1 (the stop answers every caller within it)"
+        );
         return ExitCode::from(2);
     }
     if args.read_timeout_seconds == 0 {

@@ -354,6 +354,22 @@ fn zero_worker_threads_is_refused_before_anything_starts() {
     assert!(!dir.path().join("b.db").exists(), "nothing was started");
 }
 
+#[test]
+fn a_zero_shutdown_grace_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = serve_example_with_secrets(dir.path())
+        .args(["--shutdown-grace-seconds", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("backstop serve: --shutdown-grace-seconds must be at least 1"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("b.db").exists(), "nothing was started");
+}
+
 #[cfg(unix)]
 #[test]
 fn worker_threads_sets_how_many_threads_serve_requests() {
