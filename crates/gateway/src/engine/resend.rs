@@ -516,7 +516,7 @@ impl Engine {
         let problem = super::with_ids(
             crate::problem::Problem::shutting_down_during(
                 true,
-                "backstop is shutting down: an earlier attempt of this write was sent and its answer is unknown, and no reconciliation lookup can be sent any more, so this resend was not sent. Send it again with the same Idempotency-Key once backstop is back: it is reconciled first, never resent blindly",
+                "backstop is shutting down: an earlier attempt of this write was sent and its answer is unknown, and no reconciliation lookup can be sent or waited for any more, so this resend was not sent. Send it again with the same Idempotency-Key once backstop is back: it is reconciled first, never resent blindly",
             ),
             spec,
             &receipt,

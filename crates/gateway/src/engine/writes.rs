@@ -495,7 +495,7 @@ impl Inner {
                     action = facts.action.0,
                     task = %facts.task_id,
                     lookup = %template,
-                    "shutting down: the reconciliation lookup was not sent; the write is left for the next start to reconcile"
+                    "shutting down: the reconciliation lookup was not sent, or its answer not waited for; the write is left for the next start to reconcile"
                 );
                 return Err(LookupNotSent);
             }
@@ -1341,7 +1341,7 @@ impl Inner {
                     Err(EngineError::ShuttingDown) => {
                         tracing::info!(
                             action,
-                            "shutting down: the write's reconciliation lookup was not sent; the next start recovers the action"
+                            "shutting down: the write's reconciliation lookup was not sent, or its answer not waited for; the next start recovers the action"
                         );
                         return;
                     }
@@ -1381,7 +1381,7 @@ impl Inner {
             Ok(()) => {}
             Err(EngineError::ShuttingDown) => tracing::info!(
                 action,
-                "shutting down: the write's reconciliation lookup was not sent; the next start recovers the action"
+                "shutting down: the write's reconciliation lookup was not sent, or its answer not waited for; the next start recovers the action"
             ),
             Err(e)
                 if super::is_store_failure(&e)
