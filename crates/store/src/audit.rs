@@ -909,7 +909,8 @@ pub(crate) fn distinct<'a>(a: &'a str, b: &'a str) -> (&'a str, &'a str) {
 
 /// Reads an NDJSON export (one event per line) into events. A leading UTF-8 byte-order mark and
 /// blank lines (e.g. a trailing empty line added by an editor) are skipped; line numbers in
-/// errors still count them.
+/// errors still count them. An export cut mid-line is an error here, as any other bad line; see
+/// [`read_export`] to tell it apart.
 ///
 /// `place` names the source in errors (a file name).
 ///
@@ -917,21 +918,108 @@ pub(crate) fn distinct<'a>(a: &'a str, b: &'a str) -> (&'a str, &'a str) {
 /// [`StoreError::BadExportLine`] naming the 1-based line when a line is not UTF-8 JSON of an
 /// audit event.
 pub fn parse_export(place: &str, text: &str) -> Result<Vec<AuditEvent>, StoreError> {
+    let export = read_export(place, text)?;
+    match export.cut {
+        Some(cut) => Err(StoreError::BadExportLine {
+            place: place.to_owned(),
+            line: cut.line,
+            reason: cut.reason,
+        }),
+        None => Ok(export.events),
+    }
+}
+
+/// The last line of an NDJSON export when it ends without its newline and its JSON ends early
+/// (`serde_json` reports an end of input inside it): the export was cut while it was written
+/// or copied, not edited.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CutLine {
+    /// 1-based line number (blank lines count).
+    pub line: usize,
+    /// Why it does not parse, e.g. `EOF while parsing a string at line 1 column 80`.
+    pub reason: String,
+}
+
+/// An NDJSON export read by [`read_export`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Export {
+    /// The whole events, in file order.
+    pub events: Vec<AuditEvent>,
+    /// The cut last line, when the export ends in one.
+    pub cut: Option<CutLine>,
+}
+
+/// Reads an NDJSON export as [`parse_export`] does, except that a last line which lacks its
+/// terminating newline and whose JSON ends early is returned as [`Export::cut`] rather than
+/// as an error: that is what an export cut mid-line looks like, and [`verify_export`] reports
+/// it as `truncated`. An unterminated last line that is whole JSON is read as any other line.
+///
+/// # Errors
+/// [`StoreError::BadExportLine`] naming the 1-based line when any other line is not UTF-8 JSON
+/// of an audit event.
+pub fn read_export(place: &str, text: &str) -> Result<Export, StoreError> {
     let mut events = Vec::new();
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    for (i, line) in text.lines().enumerate() {
+    let terminated = text.ends_with('\n');
+    let mut lines = text.lines().enumerate().peekable();
+    while let Some((i, line)) = lines.next() {
         if line.trim().is_empty() {
             continue;
         }
-        let event =
-            AuditEvent::from_export_line(line).map_err(|reason| StoreError::BadExportLine {
-                place: place.to_owned(),
-                line: i + 1,
-                reason,
-            })?;
-        events.push(event);
+        match AuditEvent::from_export_line(line) {
+            Ok(event) => events.push(event),
+            Err(reason) => {
+                let last = lines.peek().is_none() && !terminated;
+                if last
+                    && serde_json::from_str::<serde_json::Value>(line).is_err_and(|e| e.is_eof())
+                {
+                    return Ok(Export {
+                        events,
+                        cut: Some(CutLine {
+                            line: i + 1,
+                            reason,
+                        }),
+                    });
+                }
+                return Err(StoreError::BadExportLine {
+                    place: place.to_owned(),
+                    line: i + 1,
+                    reason,
+                });
+            }
+        }
     }
-    Ok(events)
+    Ok(Export { events, cut: None })
+}
+
+/// Verifies an export read by [`read_export`]: its whole events as [`verify_events`] does and,
+/// when it ends in a cut line, a [`BreakKind::Truncated`] break at the seq after the last whole
+/// event, naming the line. A break among the whole events comes first (it is the first bad
+/// seq); an expected head not among them is reported as the cut, which explains it.
+pub fn verify_export(export: &Export, expect_head: Option<&str>) -> Verdict {
+    let verdict = verify_events(&export.events, expect_head);
+    let Some(cut) = &export.cut else {
+        return verdict;
+    };
+    let head_missing = match verdict {
+        Verdict::Broken(b) if b.kind != BreakKind::Truncated => return Verdict::Broken(b),
+        Verdict::Broken(_) => "; the expected head is not among the whole events",
+        Verdict::Intact { .. } => "",
+    };
+    let last = export.events.last().map_or(0, |e| e.seq);
+    let after = match last {
+        0 => "before its first event".to_owned(),
+        seq => format!("after seq {seq}, its last whole event"),
+    };
+    Verdict::Broken(ChainBreak {
+        seq: signed(last.saturating_add(1)),
+        kind: BreakKind::Truncated,
+        detail: format!(
+            "line {} ends without a newline and is not a whole event ({}): the export was cut \
+             {after}{head_missing}",
+            cut.line, cut.reason
+        ),
+    })
 }
 
 /// Verifies events already in memory (e.g. a parsed export). See [`verify_chain`].

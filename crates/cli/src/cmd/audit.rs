@@ -5,7 +5,8 @@
 //! `seq` and why is printed); 2 the input could not be read (missing file, not a SQLite file,
 //! a SQLite file damaged or cut short, not a backstop database, a schema version older than
 //! the oldest read as it is (the message names the command that upgrades it; version 8 and
-//! later are read without migrating), bad NDJSON line, a database
+//! later are read without migrating), bad NDJSON line (an export cut mid-line, its last line
+//! unterminated and ending early, is instead a `truncated` break, exit 1), a database
 //! given as an export file instead of with `--db`, a database in a read-only directory whose
 //! `-wal` file holds changes), or `export` met a row it cannot decode (after the events before
 //! it, naming the row's column and what it holds, with the `--since` that exports past it).
@@ -17,7 +18,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use backstop_store::audit::{
-    parse_expected_head, parse_export, verify_events, Verdict, GENESIS_PREV,
+    parse_expected_head, read_export, verify_export, CutLine, Verdict, GENESIS_PREV,
 };
 use backstop_store::{AuditReader, StoreError};
 
@@ -143,12 +144,30 @@ fn verify(args: VerifyArgs) -> Result<Printed, StoreError> {
                         .into(),
                 });
             }
-            let text = String::from_utf8(bytes).map_err(|e| StoreError::Io {
-                place: place.clone(),
-                reason: format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()),
-            })?;
-            let events = parse_export(&place, &text)?;
-            verify_events(&events, expect_head.as_deref())
+            let (text, cut_in_char) = match String::from_utf8(bytes) {
+                Ok(text) => (text, false),
+                // Cut inside a character: the text before it ends in the cut line.
+                Err(e) if e.utf8_error().error_len().is_none() => {
+                    let valid = e.utf8_error().valid_up_to();
+                    let mut bytes = e.into_bytes();
+                    bytes.truncate(valid);
+                    (String::from_utf8(bytes).unwrap_or_default(), true)
+                }
+                Err(e) => {
+                    return Err(StoreError::Io {
+                        place,
+                        reason: format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()),
+                    })
+                }
+            };
+            let mut export = read_export(&place, &text)?;
+            if cut_in_char && export.cut.is_none() {
+                export.cut = Some(CutLine {
+                    line: text.lines().count() + 1,
+                    reason: "the file ends inside a UTF-8 character".into(),
+                });
+            }
+            verify_export(&export, expect_head.as_deref())
         }
         (None, None) => {
             return Err(StoreError::Invalid {

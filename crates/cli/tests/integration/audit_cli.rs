@@ -345,3 +345,82 @@ fn an_older_store_is_refused_with_the_command_that_upgrades_it() {
         assert!(out.stdout.is_empty(), "{command}: {}", text(&out.stdout));
     }
 }
+
+/// An export cut mid-line (a copy stopped early) ends in an unterminated line whose JSON ends
+/// early: `truncated`, exit 1, naming the line and the last whole event. A bad line anywhere
+/// else, or a terminated one, is still unreadable input (exit 2).
+#[test]
+fn an_export_cut_mid_line_is_truncated_but_a_bad_line_elsewhere_is_unreadable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 3);
+    let export = text(&backstop(&["audit", "export", "--db", p(&db)]).stdout);
+    assert_eq!(export.lines().count(), 7);
+
+    let cut = dir.path().join("cut.ndjson");
+    std::fs::write(&cut, &export[..export.len() - 37]).expect("write");
+    let out = backstop(&["audit", "verify", p(&cut)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.starts_with(
+            "broken: seq 7: truncated: line 7 ends without a newline and is not a whole event \
+             (EOF while parsing"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("the export was cut after seq 6, its last whole event"),
+        "{stdout}"
+    );
+
+    // With the head anchored at seq 7: the cut explains why it is missing.
+    let head = text(&backstop(&["audit", "head", "--db", p(&db)]).stdout);
+    let out = backstop(&["audit", "verify", p(&cut), "--expect-head", head.trim()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.starts_with("broken: seq 7: truncated: line 7"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("the expected head is not among the whole events"),
+        "{stdout}"
+    );
+
+    // Cut inside the first line: no whole event.
+    let first = dir.path().join("first.ndjson");
+    std::fs::write(&first, &export[..20]).expect("write");
+    let out = backstop(&["audit", "verify", p(&first)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("line 1 ends without a newline")
+            && text(&out.stdout).contains("cut before its first event"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    let expect_2 = |name: &str, content: String, needle: &str| {
+        let file = dir.path().join(name);
+        std::fs::write(&file, content).expect("write");
+        let out = backstop(&["audit", "verify", p(&file)]);
+        assert_eq!(out.status.code(), Some(2), "{name}: {}", text(&out.stdout));
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains(needle), "{name}: {stderr}");
+    };
+    let lines: Vec<&str> = export.lines().collect();
+    // The same cut line, but in the middle of the file.
+    let cut_line = &lines[6][..lines[6].len() - 37];
+    let mut middle = lines.clone();
+    middle.insert(3, cut_line);
+    expect_2(
+        "middle.ndjson",
+        middle.join("\n") + "\n",
+        "middle.ndjson: line 4: EOF while parsing",
+    );
+    // Unterminated last line that is whole JSON but not an event: not a cut.
+    expect_2(
+        "whole.ndjson",
+        format!("{export}{{\"seq\":8}}"),
+        "whole.ndjson: line 8:",
+    );
+}
