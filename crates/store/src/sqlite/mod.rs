@@ -1183,11 +1183,12 @@ fn verify_connection(conn: &Connection, expect_head: Option<&str>) -> Result<Ver
 /// records every action in the same transaction as its `action_requested` event, so an action
 /// row newer than every audited action means events were removed from the end of the log (a
 /// log wiped whole verifies as an empty chain otherwise; without `--expect-head` a cut tail is
-/// a shorter, intact chain).
+/// a shorter, intact chain). With no action, or every action audited, the other rows written
+/// with their events are checked ([`unaudited_rows`]).
 fn unaudited_action(conn: &Connection) -> Result<Option<String>, StoreError> {
     let newest: Option<i64> = conn.query_row("SELECT MAX(id) FROM actions", [], |r| r.get(0))?;
     let Some(newest) = newest else {
-        return Ok(None);
+        return unaudited_rows(conn);
     };
     let audited: Option<i64> = conn.query_row(
         "SELECT MAX(action) FROM audit_events WHERE kind = 'action_requested'",
@@ -1211,13 +1212,14 @@ fn unaudited_action(conn: &Connection) -> Result<Option<String>, StoreError> {
 
 /// Why the log must have been cut although every action has its `action_requested` event, or
 /// `None`: the store writes each attempt row with its `action_sent` event, each escalation row
-/// with its `escalated` event and each decision with its `decision` event, all in one
-/// transaction, and never deletes those rows; so more attempt rows than `action_sent` events, an
-/// escalation newer than every `escalated` event, or more decided escalations than escalations
-/// with a `decision` event mean events were removed from the end of the log (e.g. cut just
-/// after an action's `action_requested`). One scan of the log's kinds; a cut that removed
-/// events of none of these kinds (a `scope_updated`, an outcome alone) is found only by
-/// `--expect-head`.
+/// with its `escalated` event, each decision with its `decision` event and each task row with
+/// its `task_opened` event, all in one transaction, and never deletes those rows; so more
+/// attempt rows than `action_sent` events, an escalation newer than every `escalated` event,
+/// more decided escalations than escalations with a `decision` event, or more task rows than
+/// `task_opened` events mean events were removed from the end of the log (e.g. cut just after
+/// an action's `action_requested`, or just before a task opened with no action yet). One scan of
+/// the log's kinds; a cut that removed events of none of these kinds (a `scope_updated`, an
+/// outcome alone) is found only by `--expect-head`.
 fn unaudited_rows(conn: &Connection) -> Result<Option<String>, StoreError> {
     let count =
         |sql: &str| -> Result<i64, StoreError> { Ok(conn.query_row(sql, [], |r| r.get(0))?) };
@@ -1248,6 +1250,15 @@ fn unaudited_rows(conn: &Connection) -> Result<Option<String>, StoreError> {
             "the store records {decided} decided escalations, but the log has a `decision` \
              event for {decisions}: events were cut from the end of the log (every decision is \
              recorded in the same transaction as its event)"
+        )));
+    }
+    let tasks = count("SELECT COUNT(*) FROM tasks")?;
+    let opened = count("SELECT COUNT(*) FROM audit_events WHERE kind = 'task_opened'")?;
+    if tasks > opened {
+        return Ok(Some(format!(
+            "the store records {tasks} tasks, but the log has {opened} `task_opened` events: \
+             events were cut from the end of the log (every task is recorded in the same \
+             transaction as its event)"
         )));
     }
     Ok(None)

@@ -7,7 +7,7 @@ use backstop_store::audit::{
 };
 use backstop_store::Store;
 
-use crate::common::{populated, t};
+use crate::common::{open_task, populated, t};
 
 fn export(store: &backstop_store::SqliteStore) -> Vec<AuditEvent> {
     store.audit_events(0, usize::MAX).expect("events")
@@ -314,6 +314,61 @@ fn a_log_cut_after_an_action_requested_is_truncated_by_the_rows_it_lost() {
     assert!(
         b.detail
             .contains("the store records 3 attempts, but the log has 2 `action_sent` events"),
+        "{}",
+        b.detail
+    );
+}
+
+/// A task opened with no action yet has only its `task_opened` event: a log cut just before
+/// it, or a log wiped whole while the store holds tasks but no action, still has every action's
+/// events, but the store's task rows, each written with its event, prove the cut.
+#[test]
+fn a_log_cut_before_a_task_opened_is_truncated_by_the_task_rows_it_lost() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(dir.path(), 2);
+    open_task(&store, "task-2");
+    assert!(matches!(
+        store.verify_audit(None).expect("verify"),
+        Verdict::Intact { .. }
+    ));
+    drop(store);
+    let opened: i64 = rusqlite::Connection::open(&path)
+        .expect("open")
+        .query_row(
+            "SELECT MAX(seq) FROM audit_events WHERE kind = 'task_opened'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("seq");
+    let b = break_of(
+        tamper(
+            &path,
+            &format!("DELETE FROM audit_events WHERE seq >= {opened}"),
+        )
+        .verify(None)
+        .expect("verify"),
+    );
+    assert_eq!((b.seq, b.kind), (opened, BreakKind::Truncated));
+    assert!(
+        b.detail
+            .contains("the store records 2 tasks, but the log has 1 `task_opened` events"),
+        "{}",
+        b.detail
+    );
+
+    // Tasks but no action at all: a wiped log is an empty chain, the task row proves the cut.
+    let only_tasks = tempfile::tempdir().expect("tempdir");
+    let (store, path) = populated(only_tasks.path(), 0);
+    drop(store);
+    let b = break_of(
+        tamper(&path, "DELETE FROM audit_events")
+            .verify(None)
+            .expect("verify"),
+    );
+    assert_eq!((b.seq, b.kind), (1, BreakKind::Truncated));
+    assert!(
+        b.detail
+            .contains("the store records 1 tasks, but the log has 0 `task_opened` events"),
         "{}",
         b.detail
     );
