@@ -424,3 +424,56 @@ fn an_export_cut_mid_line_is_truncated_but_a_bad_line_elsewhere_is_unreadable() 
         "whole.ndjson: line 8:",
     );
 }
+
+/// An export cut inside a multi-byte character is a cut export too, not text that is not
+/// UTF-8; bytes that are not UTF-8 before the end still are.
+#[test]
+fn an_export_cut_inside_a_character_is_truncated() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = make_db(dir.path(), 3);
+    let export = text(&backstop(&["audit", "export", "--db", p(&db)]).stdout);
+    let (whole, last) = export
+        .trim_end()
+        .rsplit_once('\n')
+        .expect("more than one line");
+    let last = last.replace("billing-api", "billing-\u{e4}pi");
+    let at = last.find('\u{e4}').expect("the character") + 1;
+    let mut bytes = format!("{whole}\n").into_bytes();
+    bytes.extend_from_slice(&last.as_bytes()[..at]);
+    let cut = dir.path().join("cut.ndjson");
+    std::fs::write(&cut, &bytes).expect("write");
+    let out = backstop(&["audit", "verify", p(&cut)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.starts_with("broken: seq 7: truncated: line 7 ends without a newline")
+            && stdout.contains("cut after seq 6"),
+        "{stdout}"
+    );
+
+    // Cut just after a newline, inside the next line's first character.
+    let mut bytes = export.clone().into_bytes();
+    bytes.push(0xc3);
+    std::fs::write(&cut, &bytes).expect("write");
+    let out = backstop(&["audit", "verify", p(&cut)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.starts_with("broken: seq 8: truncated: line 8 ends without a newline")
+            && stdout.contains("the file ends inside a UTF-8 character")
+            && stdout.contains("cut after seq 7"),
+        "{stdout}"
+    );
+
+    // A byte that is not UTF-8 in the middle is still unreadable input.
+    let mut bytes = export.into_bytes();
+    bytes.insert(10, 0xff);
+    std::fs::write(&cut, &bytes).expect("write");
+    let out = backstop(&["audit", "verify", p(&cut)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("not UTF-8 text (byte 10)"),
+        "{}",
+        text(&out.stderr)
+    );
+}
