@@ -26,13 +26,21 @@ pub fn run(command: PolicyCommand) -> ExitCode {
         PolicyCommand::Check { file } => match Policy::load(&file) {
             Ok(policy) => {
                 for w in &policy.warnings {
-                    errln!("{}:{}:{}: warning: {}", w.file, w.line, w.column, w.message);
+                    errln!(
+                        "{}:{}:{}: warning: {}",
+                        w.file,
+                        w.line,
+                        w.column,
+                        output::terminal_safe(&w.message)
+                    );
                 }
                 output::print("policy check", &summary(&policy), ExitCode::SUCCESS)
             }
             Err(errors) => {
+                // A key or value quoted from the file is the operator's text: escaped, so it
+                // can neither drive the terminal nor pass for other text.
                 for error in &errors.0 {
-                    errln!("{error}");
+                    errln!("{}", output::terminal_safe(&error.to_string()));
                 }
                 errln!(
                     "{}: {} problem{}",

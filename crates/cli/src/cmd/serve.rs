@@ -24,7 +24,7 @@ use backstop_gateway::{
     upstream::UpstreamConfig,
 };
 
-use crate::cmd::output::errln;
+use crate::cmd::output::{self, errln};
 
 /// Arguments of `backstop serve`.
 #[derive(Debug, clap::Args)]
@@ -88,7 +88,7 @@ pub fn run(args: Args) -> ExitCode {
         Ok(policy) => policy,
         Err(errors) => {
             for error in &errors.0 {
-                errln!("{error}");
+                errln!("{}", output::terminal_safe(&error.to_string()));
             }
             errln!(
                 "backstop serve: the policy {} is invalid",

@@ -41,7 +41,7 @@ use backstop_store::snapshots::RunRecordsReader;
 use jiff::Timestamp;
 
 use crate::cmd::clock::{current_time, parse_now};
-use crate::cmd::output::errln;
+use crate::cmd::output::{self, errln};
 
 /// Arguments of `backstop snapshots`.
 #[derive(Debug, clap::Args)]
@@ -92,7 +92,12 @@ fn export(args: ExportArgs) -> ExitCode {
         Some(path) => match Policy::load(path) {
             Ok(policy) => Some(policy),
             Err(errors) => {
-                errln!("backstop snapshots export: {errors}");
+                for error in &errors.0 {
+                    errln!(
+                        "backstop snapshots export: {}",
+                        output::terminal_safe(&error.to_string())
+                    );
+                }
                 return ExitCode::from(2);
             }
         },

@@ -370,3 +370,18 @@ fn a_scope_window_under_one_second_fails_the_check_naming_its_place_and_why() {
     );
     assert_eq!(lines[1], format!("{name}: 1 problem"));
 }
+
+/// A key quoted from the policy file in an error is escaped: its control and bidi characters
+/// can neither drive the terminal nor reorder the message.
+#[test]
+fn control_characters_of_the_file_are_escaped_in_its_errors() {
+    let (_dir, _path, out) = check(
+        "esc.yaml",
+        "providers:\n  p:\n    base_url: https://p.example\n    routes:\n      \"GET /a\\e[31mRED\\u202e\": { class: read }\n",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
+    assert!(!stderr.contains('\u{202e}'), "{stderr:?}");
+    assert!(stderr.contains("\\u{1b}[31mRED\\u{202e}"), "{stderr}");
+}
