@@ -1223,8 +1223,17 @@ fn unaudited_action(conn: &Connection) -> Result<Option<String>, StoreError> {
 fn unaudited_rows(conn: &Connection) -> Result<Option<String>, StoreError> {
     let count =
         |sql: &str| -> Result<i64, StoreError> { Ok(conn.query_row(sql, [], |r| r.get(0))?) };
+    // What the log holds of each kind, in one pass over it.
+    let (sent, escalated, decisions, opened): (i64, i64, i64, i64) = conn.query_row(
+        "SELECT COALESCE(SUM(kind = 'action_sent'), 0), \
+                COALESCE(MAX(CASE WHEN kind = 'escalated' THEN escalation END), 0), \
+                COUNT(DISTINCT CASE WHEN kind = 'decision' THEN escalation END), \
+                COALESCE(SUM(kind = 'task_opened'), 0) \
+         FROM audit_events",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+    )?;
     let attempts = count("SELECT COUNT(*) FROM attempts")?;
-    let sent = count("SELECT COUNT(*) FROM audit_events WHERE kind = 'action_sent'")?;
     if attempts > sent {
         return Ok(Some(format!(
             "the store records {attempts} attempts, but the log has {sent} `action_sent` \
@@ -1233,8 +1242,6 @@ fn unaudited_rows(conn: &Connection) -> Result<Option<String>, StoreError> {
         )));
     }
     let escalation = count("SELECT COALESCE(MAX(id), 0) FROM escalations")?;
-    let escalated =
-        count("SELECT COALESCE(MAX(escalation), 0) FROM audit_events WHERE kind = 'escalated'")?;
     if escalation > escalated {
         return Ok(Some(format!(
             "the store records escalation {escalation}, but the log's newest `escalated` event \
@@ -1243,8 +1250,6 @@ fn unaudited_rows(conn: &Connection) -> Result<Option<String>, StoreError> {
         )));
     }
     let decided = count("SELECT COUNT(*) FROM escalations WHERE decided_at_ms IS NOT NULL")?;
-    let decisions =
-        count("SELECT COUNT(DISTINCT escalation) FROM audit_events WHERE kind = 'decision'")?;
     if decided > decisions {
         return Ok(Some(format!(
             "the store records {decided} decided escalations, but the log has a `decision` \
@@ -1253,7 +1258,6 @@ fn unaudited_rows(conn: &Connection) -> Result<Option<String>, StoreError> {
         )));
     }
     let tasks = count("SELECT COUNT(*) FROM tasks")?;
-    let opened = count("SELECT COUNT(*) FROM audit_events WHERE kind = 'task_opened'")?;
     if tasks > opened {
         return Ok(Some(format!(
             "the store records {tasks} tasks, but the log has {opened} `task_opened` events: \
