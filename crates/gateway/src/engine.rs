@@ -3225,8 +3225,7 @@ impl Engine {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .longest(&quota_escalations::streak_keys(provider, scopes));
         let backoff = &self.inner.policy.backoff;
-        let doubled = backoff.base.saturating_mul(1u32 << streak.clamp(1, 20));
-        doubled.min(backoff.max).max(backoff.min_delay)
+        backoff.config().cap(streak.max(1)).max(backoff.min_delay)
     }
 
     /// Ends an action whose last answer may not be retried.
