@@ -819,6 +819,16 @@ impl Inner {
         self.metrics.outcome(provider, class, Outcome::Cancelled);
     }
 
+    /// `future`'s output, or `None` once the stop's grace is running out
+    /// ([`Engine::give_up_attempts`]): an attempt or lookup still out is then not waited for.
+    async fn unless_given_up<T>(&self, future: impl std::future::Future<Output = T>) -> Option<T> {
+        let mut given_up = self.given_up.subscribe();
+        tokio::select! {
+            out = future => Some(out),
+            _ = given_up.wait_for(|given_up| *given_up) => None,
+        }
+    }
+
     /// Runs a blocking store call off the async workers.
     async fn blocking<T, F>(&self, f: F) -> Result<T, EngineError>
     where
@@ -2222,32 +2232,30 @@ impl Engine {
                 attempt,
                 "attempt sent"
             );
-            let mut given_up = inner.given_up.subscribe();
             let handed_at = inner.clock.now();
-            let reply = tokio::select! {
-                reply = inner.transport.send(run.request.as_ref().clone()) => {
-                    without_provider_replay_mark(reply)
+            let Some(reply) = inner
+                .unless_given_up(inner.transport.send(run.request.as_ref().clone()))
+                .await
+            else {
+                // The stop's grace is running out and the provider has not answered: the
+                // caller is told what the next start does rather than have its connection cut.
+                // The attempt stays sent without a result (SPEC §12).
+                drop(permit);
+                guard.armed = false;
+                if let Some(tokens) = pending.take() {
+                    inner.scheduler.deposit(&route.scopes, Some(tokens));
                 }
-                _ = given_up.wait_for(|given_up| *given_up) => {
-                    // The stop's grace is running out and the provider has not answered: the
-                    // caller is told what the next start does rather than have its connection
-                    // cut. The attempt stays sent without a result (SPEC §12).
-                    drop(permit);
-                    guard.armed = false;
-                    if let Some(tokens) = pending.take() {
-                        inner.scheduler.deposit(&route.scopes, Some(tokens));
-                    }
-                    seen.left += 1;
-                    seen.last_signal = Some(Disposition::Uncertain.as_str());
-                    seen.unsettled = writes::still_unsettled(seen.unsettled, "uncertain");
-                    tracing::info!(
-                        action = run.id.0,
-                        attempt,
-                        "shutting down: the grace ran out before the provider answered; the attempt stays sent without a result, and the caller is answered 503"
-                    );
-                    return self.stopped_after_sending(run, &seen, Stopped::GaveUp);
-                }
+                seen.left += 1;
+                seen.last_signal = Some(Disposition::Uncertain.as_str());
+                seen.unsettled = writes::still_unsettled(seen.unsettled, "uncertain");
+                tracing::info!(
+                    action = run.id.0,
+                    attempt,
+                    "shutting down: the grace ran out before the provider answered; the attempt stays sent without a result, and the caller is answered 503"
+                );
+                return self.stopped_after_sending(run, &seen, Stopped::GaveUp);
             };
+            let reply = without_provider_replay_mark(reply);
             drop(permit);
             let received_at = inner.clock.now();
             inner.metrics.observe_upstream_attempt(

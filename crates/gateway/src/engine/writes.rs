@@ -649,20 +649,16 @@ impl Inner {
             at: self.clock.now(),
             armed: true,
         };
-        let mut given_up = self.given_up.subscribe();
-        let reply = tokio::select! {
-            reply = self.transport.send(request) => reply,
-            _ = given_up.wait_for(|given_up| *given_up) => {
-                // The stop's grace is running out and the provider has not answered: the
-                // lookup is counted and audited as one whose answer is unknown (`in_flight`,
-                // dropped armed), and the write is left for the next start.
-                tracing::info!(
-                    action = facts.action.0,
-                    lookup = %lookup_template(rc),
-                    "shutting down: the grace ran out before the reconciliation lookup was answered"
-                );
-                return Err(LookupNotSent);
-            }
+        let Some(reply) = self.unless_given_up(self.transport.send(request)).await else {
+            // The stop's grace is running out and the provider has not answered: the lookup is
+            // counted and audited as one whose answer is unknown (`in_flight`, dropped armed),
+            // and the write is left for the next start.
+            tracing::info!(
+                action = facts.action.0,
+                lookup = %lookup_template(rc),
+                "shutting down: the grace ran out before the reconciliation lookup was answered"
+            );
+            return Err(LookupNotSent);
         };
         drop(permit);
         let answered = self.read_lookup(rc, reply).await;
