@@ -18,8 +18,9 @@ pub enum AttemptOutcome {
     Answered,
     /// The connection was closed without any response byte (`drop` or `store_then_drop`).
     Dropped,
-    /// The connection was held without an answer, then closed (`timeout`), by the provider
-    /// when the hold ended or by the client when it left first.
+    /// The connection was held without an answer, then closed: a `timeout` fault, by the
+    /// provider when the hold ended or by the client when it left first; or a `slow` answer
+    /// whose client left before the hold ended (its work was done all the same).
     Timeout,
 }
 

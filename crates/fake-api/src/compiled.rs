@@ -108,7 +108,7 @@ fn check_fault(place: &str, fault: &Fault) -> Result<(), Error> {
             Ok(())
         }
         Fault::ErrorCode { status, .. } => check_status(format!("{place}.status"), *status),
-        Fault::Timeout { hold_ms } | Fault::StoreThenDrop { hold_ms } => {
+        Fault::Timeout { hold_ms } | Fault::StoreThenDrop { hold_ms } | Fault::Slow { hold_ms } => {
             if *hold_ms > MAX_HOLD_MS {
                 Err(invalid(
                     format!("{place}.hold_ms"),
@@ -306,6 +306,11 @@ impl Compiled {
                 Handler::Stream {
                     events,
                     interval_ms,
+                }
+                | Handler::Completion {
+                    events,
+                    interval_ms,
+                    ..
                 } => {
                     if *events > MAX_STREAM_EVENTS {
                         return Err(invalid(

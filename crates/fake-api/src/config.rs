@@ -267,6 +267,50 @@ pub enum Handler {
         #[serde(default = "default_interval_ms")]
         interval_ms: u64,
     },
+    /// An LLM completion in the shape an official SDK parses, for a POST with a JSON object
+    /// body. As the real APIs do, it streams only when the body says `"stream": true`; any other
+    /// body gets one JSON answer. The text is `token-0 token-1 …` (`events` tokens), `model`
+    /// echoes the body's (default `fake-model`), `usage` counts `events` output tokens and one
+    /// input token per 4 body bytes.
+    ///
+    /// - `api: openai` (`POST /v1/chat/completions`): a `chat.completion` object with
+    ///   `choices[0].message.content`; streamed, one `chat.completion.chunk` per token
+    ///   (`choices[0].delta.content`), then a chunk with `finish_reason: "stop"` and
+    ///   `data: [DONE]`.
+    /// - `api: anthropic` (`POST /v1/messages`): a `message` object with `content[0].text`;
+    ///   streamed, the messages streaming protocol (`event:` and `data:` lines):
+    ///   `message_start`, `content_block_start`, one `content_block_delta` per token,
+    ///   `content_block_stop`, `message_delta`, `message_stop`.
+    ///
+    /// Streamed tokens are spaced by `interval_ms`; the opening events go with the first
+    /// token, the closing ones `interval_ms` after the last.
+    ///
+    /// ```yaml
+    /// - route: POST /v1/chat/completions
+    ///   handler: { kind: completion, api: openai, events: 3, interval_ms: 20 }
+    /// ```
+    Completion {
+        /// Which API's shapes (default `openai`).
+        #[serde(default)]
+        api: CompletionApi,
+        /// Number of output tokens (default 5, at most 10,000).
+        #[serde(default = "default_events")]
+        events: u32,
+        /// Milliseconds between streamed tokens (default 100, at most 60,000).
+        #[serde(default = "default_interval_ms")]
+        interval_ms: u64,
+    },
+}
+
+/// The API whose answer shapes a [`Handler::Completion`] plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompletionApi {
+    /// OpenAI chat completions (`chat.completion`, `chat.completion.chunk`, `data: [DONE]`).
+    #[default]
+    Openai,
+    /// Anthropic messages (`message`, the `event:`-named streaming protocol).
+    Anthropic,
 }
 
 fn default_ok() -> u16 {
@@ -323,6 +367,18 @@ pub enum Fault {
     /// Hold the connection without answering for `hold_ms`, then close it. Nothing is done.
     Timeout {
         /// Milliseconds to hold.
+        hold_ms: u64,
+    },
+    /// A slow answer: do the work at once (quota, idempotency record, store, as a normal call),
+    /// hold for `hold_ms`, then send the answer the call would have got — a completion that
+    /// takes longer than the client's or the gateway's patience. A client that leaves during
+    /// the hold finds the work done all the same (the attempt ends `timeout`, no status).
+    ///
+    /// ```yaml
+    /// script: [ { kind: slow, hold_ms: 2000 } ]   # call 1 answers after 2 s, later ones at once
+    /// ```
+    Slow {
+        /// Milliseconds to hold before answering.
         hold_ms: u64,
     },
     /// Close the connection at once without answering. Nothing is done.

@@ -12,11 +12,14 @@
 //! - quota headers on every answer in one dialect: IETF `RateLimit`/`RateLimit-Policy`, OpenAI,
 //!   Anthropic or GitHub;
 //! - scripted faults: 5xx/429 answers, provider error codes in the body, held connections
-//!   (timeouts), dropped connections, and "commit the write, then drop the connection";
+//!   (timeouts), slow answers, dropped connections, and "commit the write, then drop the
+//!   connection";
 //! - an idempotency-key store (replay with `Idempotent-Replayed: true`; 422 or 409 for a key
 //!   reused with a different request);
 //! - a resource store with lookups by idempotency key and by external reference;
-//! - server-sent events spaced in time; a fast path for benchmarks;
+//! - server-sent events spaced in time; LLM completions in the OpenAI chat-completions and
+//!   Anthropic messages shapes (one JSON answer, or streamed), as their official SDKs parse
+//!   them; a fast path for benchmarks;
 //! - the attempt record, as JSON at `GET /__fake/attempts`; `POST /__fake/reset` forgets all.
 //!
 //! ```
@@ -54,8 +57,8 @@ use tokio::task::JoinHandle;
 
 pub use attempt::{AttemptOutcome, AttemptRecord};
 pub use config::{
-    Dialect, FakeConfig, Fault, FaultRule, FixedWindow, Handler, QuotaConfig, RetryAfterForm,
-    RouteConfig, ScopeKey, TokenBucket,
+    CompletionApi, Dialect, FakeConfig, Fault, FaultRule, FixedWindow, Handler, QuotaConfig,
+    RetryAfterForm, RouteConfig, ScopeKey, TokenBucket,
 };
 pub use server::Observer;
 

@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value};
 use crate::attempt::{credential_digest, sha256_hex, AttemptOutcome, AttemptRecord};
 use crate::clock::Now;
 use crate::compiled::{Compiled, CompiledRoute, RouteMatch, MAX_INTERVAL_MS, MAX_STREAM_EVENTS};
-use crate::config::{Fault, Handler, ScopeKey};
+use crate::config::{CompletionApi, Fault, Handler, ScopeKey};
 use crate::quota::{self, QuotaState};
 use crate::rng::SplitMix64;
 
@@ -30,12 +30,12 @@ pub(crate) struct Reply {
 pub(crate) enum Action {
     /// Send this answer.
     Reply(Reply),
-    /// Send `events` server-sent events spaced by `interval`, then `[DONE]`.
+    /// Send a 200 event stream: `chunks` in order, the first at once and each later one
+    /// `interval` after the one before.
     Stream {
         headers: HeaderMap,
-        events: u32,
+        chunks: Vec<Bytes>,
         interval: Duration,
-        stream_id: String,
     },
     /// Hold for `hold`, then close the connection without a response byte.
     Drop {
@@ -46,10 +46,19 @@ pub(crate) enum Action {
 
 impl Action {
     /// The headers of an answer (`Reply` or `Stream`); `None` for `Drop`, which sends none.
-    fn headers_mut(&mut self) -> Option<&mut HeaderMap> {
+    pub(crate) fn headers_mut(&mut self) -> Option<&mut HeaderMap> {
         match self {
             Action::Reply(reply) => Some(&mut reply.headers),
             Action::Stream { headers, .. } => Some(headers),
+            Action::Drop { .. } => None,
+        }
+    }
+
+    /// The status this action answers with; `None` when it sends no answer.
+    pub(crate) fn status(&self) -> Option<StatusCode> {
+        match self {
+            Action::Reply(reply) => Some(reply.status),
+            Action::Stream { .. } => Some(StatusCode::OK),
             Action::Drop { .. } => None,
         }
     }
@@ -173,13 +182,26 @@ fn query_pairs(query: Option<&str>) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
+/// What [`decide`] decided for one request.
+pub(crate) struct Decision {
+    /// What to do with the connection.
+    pub(crate) action: Action,
+    /// A `slow` answer: hold this long first (the work is done), then carry out `action`; the
+    /// attempt stays `pending` until then.
+    pub(crate) hold: Option<Duration>,
+    /// The attempt's record.
+    pub(crate) ticket: Ticket,
+    /// The record, when the attempt already ended (an answer sent without a hold).
+    pub(crate) finished: Option<AttemptRecord>,
+}
+
 /// Decides what to do with one request and records the attempt (still `pending`).
 pub(crate) fn decide(
     compiled: &Compiled,
     state: &mut ProviderState,
     request: &Incoming<'_>,
     now: Now,
-) -> (Action, Ticket, Option<AttemptRecord>) {
+) -> Decision {
     let auth = request.headers.get(&compiled.auth_header);
     let record = AttemptRecord {
         seq: state.attempts.len() as u64 + 1,
@@ -208,23 +230,29 @@ pub(crate) fn decide(
         index: state.attempts.len(),
     };
     state.attempts.push(record);
-    let mut action = decide_inner(compiled, state, request, now, ticket.index);
+    let mut hold = None;
+    let mut action = decide_inner(compiled, state, request, now, ticket.index, &mut hold);
     if let Some(headers) = action.headers_mut() {
         stamp_date(headers, now);
     }
-    let finished = match &action {
-        Action::Reply(reply) => state.finish(
+    let finished = match (&action, hold) {
+        (_, Some(_)) | (Action::Drop { .. }, None) => None,
+        (answer, None) => state.finish(
             ticket,
             AttemptOutcome::Answered,
-            Some(reply.status.as_u16()),
+            answer.status().map(|s| s.as_u16()),
         ),
-        Action::Stream { .. } => state.finish(ticket, AttemptOutcome::Answered, Some(200)),
-        Action::Drop { .. } => None,
     };
-    (action, ticket, finished)
+    Decision {
+        action,
+        hold,
+        ticket,
+        finished,
+    }
 }
 
-fn stamp_date(headers: &mut HeaderMap, now: Now) {
+/// Sets the `Date` header of an answer to `now` (whole seconds).
+pub(crate) fn stamp_date(headers: &mut HeaderMap, now: Now) {
     if let Ok(value) = HeaderValue::from_str(&quota::http_date(quota::floor_to_second(now.wall))) {
         headers.insert(header::DATE, value);
     }
@@ -260,6 +288,7 @@ fn fault_name(fault: &Fault) -> &'static str {
         Fault::Status { .. } => "status",
         Fault::ErrorCode { .. } => "error_code",
         Fault::Timeout { .. } => "timeout",
+        Fault::Slow { .. } => "slow",
         Fault::Drop => "drop",
         Fault::StoreThenDrop { .. } => "store_then_drop",
     }
@@ -271,6 +300,7 @@ fn decide_inner(
     request: &Incoming<'_>,
     now: Now,
     index: usize,
+    hold: &mut Option<Duration>,
 ) -> Action {
     let (route_index, params) = match compiled.match_route(request.method, request.path) {
         RouteMatch::Found { index, params } => (index, params),
@@ -330,6 +360,7 @@ fn decide_inner(
         }
     }
     let mut drop_after_commit = None;
+    let mut slow = None;
     let action = match fault {
         Some(Fault::Status {
             status,
@@ -370,6 +401,10 @@ fn decide_inner(
             drop_after_commit = Some(Duration::from_millis(hold_ms));
             None
         }
+        Some(Fault::Slow { hold_ms }) => {
+            slow = Some(Duration::from_millis(hold_ms));
+            None
+        }
         Some(Fault::Pass) | None => None,
     };
 
@@ -395,6 +430,7 @@ fn decide_inner(
         let snap = counter.snapshot(config, now.mono);
         quota::write_headers(headers, config, &snap, now.wall);
     }
+    *hold = slow;
     action
 }
 
@@ -485,7 +521,16 @@ fn serve(
         }
     }
 
-    let action = run_handler(state, request, body, route, params, key.as_deref(), index);
+    let action = run_handler(
+        state,
+        request,
+        body,
+        route,
+        params,
+        key.as_deref(),
+        index,
+        now,
+    );
     if let (Some(key), Some(fingerprint), Action::Reply(reply)) = (key, fingerprint, &action) {
         state.idempotency.insert(
             key,
@@ -499,6 +544,7 @@ fn serve(
     action
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_handler(
     state: &mut ProviderState,
     request: &Incoming<'_>,
@@ -507,6 +553,7 @@ fn run_handler(
     params: &BTreeMap<String, String>,
     idempotency_key: Option<&str>,
     index: usize,
+    now: Now,
 ) -> Action {
     match &route.handler {
         Handler::Respond { status, body } => {
@@ -620,6 +667,11 @@ fn run_handler(
             events,
             interval_ms,
         } => stream(request, body, *events, *interval_ms, index),
+        Handler::Completion {
+            api,
+            events,
+            interval_ms,
+        } => completion(*api, body, *events, *interval_ms, index, now),
     }
 }
 
@@ -683,6 +735,34 @@ fn stream(
             }
         }
     }
+    let chunks = (0..events)
+        .map(|i| {
+            let chunk = json!({
+                "id": stream_id,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": token(i)}}],
+            });
+            sse(None, &chunk)
+        })
+        .chain([Bytes::from_static(b"data: [DONE]\n\n")])
+        .collect();
+    event_stream(chunks, interval_ms)
+}
+
+/// Output token `i` of every fake completion.
+fn token(i: u32) -> String {
+    format!("token-{i} ")
+}
+
+/// One server-sent event: an optional `event:` line and one `data:` line of JSON.
+fn sse(event: Option<&str>, data: &Value) -> Bytes {
+    Bytes::from(match event {
+        Some(name) => format!("event: {name}\ndata: {data}\n\n"),
+        None => format!("data: {data}\n\n"),
+    })
+}
+
+fn event_stream(chunks: Vec<Bytes>, interval_ms: u64) -> Action {
     let mut headers = HeaderMap::new();
     headers.insert(
         header::CONTENT_TYPE,
@@ -691,18 +771,161 @@ fn stream(
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     Action::Stream {
         headers,
-        events,
+        chunks,
         interval: Duration::from_millis(interval_ms),
-        stream_id,
     }
 }
 
-/// The `data:` payload of stream event `i` (OpenAI chat-completion chunk shape).
-pub(crate) fn stream_event(stream_id: &str, i: u32) -> Bytes {
-    let chunk = json!({
-        "id": stream_id,
-        "object": "chat.completion.chunk",
-        "choices": [{"index": 0, "delta": {"content": format!("token-{i} ")}}],
-    });
-    Bytes::from(format!("data: {chunk}\n\n"))
+/// [`Handler::Completion`]: one JSON answer, or the stream when the body says `"stream": true`.
+fn completion(
+    api: CompletionApi,
+    body: &Bytes,
+    events: u32,
+    interval_ms: u64,
+    index: usize,
+    now: Now,
+) -> Action {
+    let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(body) else {
+        return Action::Reply(json_reply(
+            StatusCode::BAD_REQUEST,
+            error_body("invalid_request", "request body must be a JSON object"),
+        ));
+    };
+    let model = request
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("fake-model");
+    let streamed = request.get("stream") == Some(&Value::Bool(true));
+    let input_tokens = body.len().div_ceil(4);
+    let text: String = (0..events).map(token).collect();
+    let seq = index + 1;
+    match (api, streamed) {
+        (CompletionApi::Openai, false) => Action::Reply(json_reply(
+            StatusCode::OK,
+            Bytes::from(
+                json!({
+                    "id": format!("chatcmpl-{seq}"),
+                    "object": "chat.completion",
+                    "created": now.wall.as_second(),
+                    "model": model,
+                    "choices": [{
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "stop",
+                    }],
+                    "usage": {
+                        "prompt_tokens": input_tokens,
+                        "completion_tokens": events,
+                        "total_tokens": input_tokens + events as usize,
+                    },
+                })
+                .to_string(),
+            ),
+        )),
+        (CompletionApi::Openai, true) => {
+            let id = format!("chatcmpl-{seq}");
+            let created = now.wall.as_second();
+            let chunk = |delta: Value, finish: Value| {
+                sse(
+                    None,
+                    &json!({
+                        "id": id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    }),
+                )
+            };
+            let chunks = (0..events)
+                .map(|i| {
+                    let delta = if i == 0 {
+                        json!({"role": "assistant", "content": token(i)})
+                    } else {
+                        json!({"content": token(i)})
+                    };
+                    chunk(delta, Value::Null)
+                })
+                .chain([concat(&[
+                    chunk(json!({}), json!("stop")),
+                    Bytes::from_static(b"data: [DONE]\n\n"),
+                ])])
+                .collect();
+            event_stream(chunks, interval_ms)
+        }
+        (CompletionApi::Anthropic, false) => Action::Reply(json_reply(
+            StatusCode::OK,
+            Bytes::from(
+                json!({
+                    "id": format!("msg_fake{seq}"),
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [{"type": "text", "text": text}],
+                    "stop_reason": "end_turn",
+                    "stop_sequence": null,
+                    "usage": {"input_tokens": input_tokens, "output_tokens": events},
+                })
+                .to_string(),
+            ),
+        )),
+        (CompletionApi::Anthropic, true) => {
+            let opening = concat(&[
+                sse(
+                    Some("message_start"),
+                    &json!({"type": "message_start", "message": {
+                        "id": format!("msg_fake{seq}"),
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": [],
+                        "stop_reason": null,
+                        "stop_sequence": null,
+                        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+                    }}),
+                ),
+                sse(
+                    Some("content_block_start"),
+                    &json!({"type": "content_block_start", "index": 0,
+                            "content_block": {"type": "text", "text": ""}}),
+                ),
+            ]);
+            let closing = concat(&[
+                sse(
+                    Some("content_block_stop"),
+                    &json!({"type": "content_block_stop", "index": 0}),
+                ),
+                sse(
+                    Some("message_delta"),
+                    &json!({"type": "message_delta",
+                            "delta": {"stop_reason": "end_turn", "stop_sequence": null},
+                            "usage": {"output_tokens": events}}),
+                ),
+                sse(Some("message_stop"), &json!({"type": "message_stop"})),
+            ]);
+            let mut chunks: Vec<Bytes> = (0..events)
+                .map(|i| {
+                    sse(
+                        Some("content_block_delta"),
+                        &json!({"type": "content_block_delta", "index": 0,
+                                "delta": {"type": "text_delta", "text": token(i)}}),
+                    )
+                })
+                .collect();
+            match chunks.first_mut() {
+                Some(first) => *first = concat(&[opening, first.clone()]),
+                None => chunks.push(opening),
+            }
+            match chunks.len() {
+                // No token: the opening and the closing events go together.
+                1 if events == 0 => chunks[0] = concat(&[chunks[0].clone(), closing]),
+                _ => chunks.push(closing),
+            }
+            event_stream(chunks, interval_ms)
+        }
+    }
+}
+
+fn concat(parts: &[Bytes]) -> Bytes {
+    Bytes::from(parts.concat())
 }

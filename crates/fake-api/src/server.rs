@@ -90,7 +90,12 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
     }
     let body = axum::body::to_bytes(body, MAX_BODY_BYTES).await.ok();
     let now = crate::clock::now();
-    let (action, ticket, finished) = {
+    let provider::Decision {
+        mut action,
+        hold,
+        ticket,
+        finished,
+    } = {
         let mut state = shared.lock();
         provider::decide(
             &shared.compiled,
@@ -106,31 +111,40 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
         )
     };
     shared.notify(finished);
+    if let Some(hold) = hold {
+        // A slow answer. The client may leave during the hold (hyper then drops this
+        // handler): the attempt ends `timeout` with no status, nothing having been sent.
+        let mut ending = Ending {
+            shared: &shared,
+            ticket,
+            outcome: AttemptOutcome::Timeout,
+            status: None,
+        };
+        tokio::time::sleep(hold).await;
+        if let Some(headers) = action.headers_mut() {
+            provider::stamp_date(headers, crate::clock::now());
+        }
+        ending.outcome = AttemptOutcome::Answered;
+        ending.status = action.status().map(|s| s.as_u16());
+        drop(ending);
+    }
     match action {
         Action::Reply(reply) => (reply.status, reply.headers, reply.body).into_response(),
         Action::Stream {
             headers,
-            events,
+            chunks,
             interval,
-            stream_id,
         } => {
-            let stream = futures_util::stream::unfold(0u32, move |i| {
-                let stream_id = stream_id.clone();
-                async move {
-                    if i > events {
-                        return None;
-                    }
-                    if i > 0 {
+            let stream = futures_util::stream::unfold(
+                (chunks.into_iter(), true),
+                move |(mut rest, first)| async move {
+                    let chunk = rest.next()?;
+                    if !first {
                         tokio::time::sleep(interval).await;
                     }
-                    let chunk = if i == events {
-                        Bytes::from_static(b"data: [DONE]\n\n")
-                    } else {
-                        provider::stream_event(&stream_id, i)
-                    };
-                    Some((Ok::<_, Infallible>(chunk), i + 1))
-                }
-            });
+                    Some((Ok::<_, Infallible>(chunk), (rest, false)))
+                },
+            );
             (StatusCode::OK, headers, Body::from_stream(stream)).into_response()
         }
         Action::Drop { hold, outcome } => {
@@ -140,6 +154,7 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
                 shared: &shared,
                 ticket,
                 outcome,
+                status: None,
             };
             if !hold.is_zero() {
                 tokio::time::sleep(hold).await;
@@ -150,18 +165,23 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
     }
 }
 
-/// The end of a held attempt that closes without an answer (`drop`, `timeout`): written when
-/// the hold is over or when the handler is dropped first (the client left, or the server
-/// stopped); either way the connection closed with no response byte, as `outcome` says.
+/// The end of a held attempt (`drop`, `timeout`, `slow`): written when the hold is over or when
+/// the handler is dropped first (the client left, or the server stopped). `outcome` and
+/// `status` are what is recorded then: a connection closed with no response byte, unless a
+/// `slow` hold ended and its answer is about to be sent.
 struct Ending<'a> {
     shared: &'a Shared,
     ticket: Ticket,
     outcome: AttemptOutcome,
+    status: Option<u16>,
 }
 
 impl Drop for Ending<'_> {
     fn drop(&mut self) {
-        let finished = self.shared.lock().finish(self.ticket, self.outcome, None);
+        let finished = self
+            .shared
+            .lock()
+            .finish(self.ticket, self.outcome, self.status);
         self.shared.notify(finished);
     }
 }

@@ -6,8 +6,8 @@ use std::net::TcpStream;
 use std::time::{Duration, SystemTime};
 
 use backstop_fake_api::{
-    AttemptOutcome, Dialect, FakeApi, FakeConfig, Fault, FaultRule, Handler, QuotaConfig,
-    RetryAfterForm, RouteConfig, RunningFake, ScopeKey,
+    AttemptOutcome, CompletionApi, Dialect, FakeApi, FakeConfig, Fault, FaultRule, Handler,
+    QuotaConfig, RetryAfterForm, RouteConfig, RunningFake, ScopeKey,
 };
 use reqwest::header::HeaderMap;
 use serde_json::{json, Value};
@@ -836,5 +836,354 @@ async fn chat_completion_without_stream_is_one_json_answer() {
     assert_eq!(
         body["choices"][0]["message"]["content"],
         "token-0 token-1 token-2 "
+    );
+}
+
+/// A `slow` answer does the work at once, holds, then answers as the call would have been
+/// answered: the attempt is `pending` during the hold and `answered` after it; the next call is
+/// fast again.
+#[tokio::test]
+async fn slow_holds_then_answers_normally() {
+    let fake = start(
+        FakeConfig::default().with_route(
+            RouteConfig::new(
+                "POST /v1/chat/completions",
+                Handler::Completion {
+                    api: CompletionApi::Openai,
+                    events: 2,
+                    interval_ms: 0,
+                },
+            )
+            .with_script([Fault::Slow { hold_ms: 400 }]),
+        ),
+    );
+    let url = format!("{}/v1/chat/completions", fake.url());
+    let started = tokio::time::Instant::now();
+    let call = tokio::spawn({
+        let url = url.clone();
+        async move {
+            client()
+                .post(url)
+                .json(&json!({"model": "m"}))
+                .send()
+                .await
+                .expect("send")
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let during = fake.attempts();
+    assert_eq!(during.len(), 1, "{during:?}");
+    assert_eq!(during[0].outcome, AttemptOutcome::Pending, "{during:?}");
+    assert_eq!(during[0].fault.as_deref(), Some("slow"));
+
+    let response = call.await.expect("call");
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.expect("json");
+    assert_eq!(body["choices"][0]["message"]["content"], "token-0 token-1 ");
+    let after = fake.attempts();
+    assert_eq!(after[0].outcome, AttemptOutcome::Answered, "{after:?}");
+    assert_eq!(after[0].status, Some(200));
+
+    let started = tokio::time::Instant::now();
+    let second = client()
+        .post(&url)
+        .json(&json!({"model": "m"}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(second.status(), 200);
+    assert!(started.elapsed() < Duration::from_millis(300));
+    assert_eq!(fake.attempts().len(), 2);
+}
+
+/// A client that leaves during a `slow` hold finds the work done (the object is stored) and the
+/// attempt ended `timeout` with no status: nothing was sent.
+#[tokio::test]
+async fn a_client_leaving_a_slow_answer_leaves_the_work_done() {
+    let fake = start(
+        transfers_config().with_route(
+            RouteConfig::new(
+                "POST /v1/slow-transfers",
+                Handler::Create {
+                    collection: "transfers".into(),
+                    id_prefix: "tr_".into(),
+                    reference_field: Some("reference".into()),
+                    unique_reference: false,
+                },
+            )
+            .with_script([Fault::Slow { hold_ms: 60_000 }]),
+        ),
+    );
+    let result = reqwest::Client::builder()
+        .retry(reqwest::retry::never())
+        .timeout(Duration::from_millis(200))
+        .build()
+        .expect("client")
+        .post(format!("{}/v1/slow-transfers", fake.url()))
+        .json(&json!({"reference": "r-slow"}))
+        .send()
+        .await;
+    assert!(result.is_err(), "answered during the hold: {result:?}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let attempt = loop {
+        let attempt = fake.attempts().remove(0);
+        if attempt.outcome != AttemptOutcome::Pending || tokio::time::Instant::now() >= deadline {
+            break attempt;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(attempt.outcome, AttemptOutcome::Timeout, "{attempt:?}");
+    assert_eq!(attempt.status, None);
+    let list: Value = client()
+        .get(format!("{}/v1/transfers?reference=r-slow", fake.url()))
+        .send()
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(1), "{list}");
+}
+
+fn completion_fake(api: CompletionApi, route: &str) -> RunningFake {
+    start(FakeConfig::default().with_route(RouteConfig::new(
+        route,
+        Handler::Completion {
+            api,
+            events: 3,
+            interval_ms: 50,
+        },
+    )))
+}
+
+/// The `data:` payloads (and `event:` names) of a whole event stream, with the arrival time of
+/// each network chunk.
+async fn read_events(
+    mut response: reqwest::Response,
+) -> (Vec<(Option<String>, String)>, Vec<tokio::time::Instant>) {
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        header(response.headers(), "content-type"),
+        "text/event-stream"
+    );
+    let mut arrivals = Vec::new();
+    let mut text = String::new();
+    while let Some(chunk) = response.chunk().await.expect("chunk") {
+        arrivals.push(tokio::time::Instant::now());
+        text.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+    }
+    assert!(text.ends_with("\n\n"), "{text:?}");
+    let events = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|event| {
+            let mut name = None;
+            let mut data = String::new();
+            for line in event.lines() {
+                if let Some(v) = line.strip_prefix("event: ") {
+                    name = Some(v.to_owned());
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data = v.to_owned();
+                } else {
+                    panic!("unexpected line {line:?} in {text:?}");
+                }
+            }
+            (name, data)
+        })
+        .collect();
+    (events, arrivals)
+}
+
+#[tokio::test]
+async fn openai_completion_is_one_json_object_unless_the_body_asks_to_stream() {
+    let fake = completion_fake(CompletionApi::Openai, "POST /v1/chat/completions");
+    let url = format!("{}/v1/chat/completions", fake.url());
+    // The official SDK leaves `stream` out of a non-streaming call.
+    let response = client()
+        .post(&url)
+        .json(&json!({"model": "gpt-fake", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        header(response.headers(), "content-type"),
+        "application/json"
+    );
+    let body: Value = response.json().await.expect("json");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "gpt-fake");
+    assert!(body["created"].is_i64(), "{body}");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "token-0 token-1 token-2 "
+    );
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"]["completion_tokens"], 3);
+
+    let response = client()
+        .post(&url)
+        .json(&json!({"model": "gpt-fake", "stream": true, "messages": []}))
+        .send()
+        .await
+        .expect("send");
+    let (events, arrivals) = read_events(response).await;
+    assert_eq!(events.len(), 5, "{events:?}");
+    assert!(events.iter().all(|(name, _)| name.is_none()));
+    assert_eq!(events[4].1, "[DONE]");
+    let chunks: Vec<Value> = events[..4]
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).expect("json chunk"))
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "token-0 token-1 token-2 ");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"
+        && c["model"] == "gpt-fake"
+        && c["id"] == chunks[0]["id"]));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[3]["choices"][0]["finish_reason"], "stop");
+    assert!(chunks[..3]
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+    let spread = *arrivals.last().expect("chunk") - arrivals[0];
+    assert!(spread >= Duration::from_millis(100), "{spread:?}");
+    assert_eq!(fake.attempts().len(), 2);
+}
+
+#[tokio::test]
+async fn anthropic_completion_is_a_message_or_the_messages_streaming_protocol() {
+    let fake = completion_fake(CompletionApi::Anthropic, "POST /v1/messages");
+    let url = format!("{}/v1/messages", fake.url());
+    let body: Value = client()
+        .post(&url)
+        .json(&json!({"model": "claude-fake", "max_tokens": 16, "messages": []}))
+        .send()
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(body["type"], "message");
+    assert_eq!(body["role"], "assistant");
+    assert_eq!(body["model"], "claude-fake");
+    assert_eq!(body["content"][0]["type"], "text");
+    assert_eq!(body["content"][0]["text"], "token-0 token-1 token-2 ");
+    assert_eq!(body["stop_reason"], "end_turn");
+    assert_eq!(body["usage"]["output_tokens"], 3);
+
+    let response = client()
+        .post(&url)
+        .json(&json!({"model": "claude-fake", "max_tokens": 16, "stream": true, "messages": []}))
+        .send()
+        .await
+        .expect("send");
+    let (events, _) = read_events(response).await;
+    let names: Vec<&str> = events
+        .iter()
+        .map(|(name, _)| name.as_deref().expect("every event is named"))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+    let data: Vec<Value> = events
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).expect("json data"))
+        .collect();
+    for (name, value) in names.iter().zip(&data) {
+        assert_eq!(value["type"], *name, "{value}");
+    }
+    assert_eq!(data[0]["message"]["model"], "claude-fake");
+    let text: String = data
+        .iter()
+        .filter_map(|d| d["delta"]["text"].as_str())
+        .collect();
+    assert_eq!(text, "token-0 token-1 token-2 ");
+    assert_eq!(data[6]["delta"]["stop_reason"], "end_turn");
+}
+
+#[tokio::test]
+async fn a_completion_body_that_is_not_a_json_object_is_a_400() {
+    let fake = completion_fake(CompletionApi::Openai, "POST /v1/chat/completions");
+    let response = client()
+        .post(format!("{}/v1/chat/completions", fake.url()))
+        .body("[1, 2]")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "invalid_request");
+}
+
+/// The answers an SDK test needs from the `status` fault: a provider's 409 with its own body
+/// and Anthropic's 529 with `Retry-After`, kept as scripted.
+#[tokio::test]
+async fn status_faults_keep_a_409_body_and_a_529_retry_after() {
+    let fake = start(FakeConfig::from_yaml_str(
+        "routes:\n  - route: POST /v1/messages\n    handler: { kind: completion, api: anthropic }\n    script:\n      - { kind: status, status: 529, retry_after: \"1\", body: { type: error, error: { type: overloaded_error, message: Overloaded } } }\n      - { kind: status, status: 409, body: { error: { type: conflict, message: busy } } }\n      - { kind: slow, hold_ms: 10 }\n",
+    ).expect("config"));
+    let url = format!("{}/v1/messages", fake.url());
+    let send = || client().post(&url).json(&json!({"model": "m"})).send();
+    let overloaded = send().await.expect("send");
+    assert_eq!(overloaded.status().as_u16(), 529);
+    assert_eq!(header(overloaded.headers(), "retry-after"), "1");
+    let body: Value = overloaded.json().await.expect("json");
+    assert_eq!(body["error"]["type"], "overloaded_error");
+    let conflict = send().await.expect("send");
+    assert_eq!(conflict.status(), 409);
+    let body: Value = conflict.json().await.expect("json");
+    assert_eq!(body["error"]["message"], "busy");
+    let slow = send().await.expect("send");
+    assert_eq!(slow.status(), 200);
+    let body: Value = slow.json().await.expect("json");
+    assert_eq!(body["type"], "message");
+    let faults: Vec<Option<String>> = fake.attempts().into_iter().map(|a| a.fault).collect();
+    assert_eq!(
+        faults,
+        [
+            Some("status".into()),
+            Some("status".into()),
+            Some("slow".into())
+        ]
+    );
+}
+
+#[test]
+fn completion_and_slow_limits_name_the_place() {
+    let err = FakeConfig::from_yaml_str(
+        "routes:\n  - route: POST /v1/messages\n    handler: { kind: completion, api: anthropic, events: 10001 }\n",
+    )
+    .expect_err("too many events");
+    assert!(
+        err.to_string().contains("routes[0].handler.events"),
+        "{err}"
+    );
+    let err = FakeConfig::from_yaml_str(
+        "routes:\n  - route: POST /v1/messages\n    handler: { kind: completion, api: palm }\n",
+    )
+    .expect_err("unknown api");
+    assert!(err.to_string().contains("palm"), "{err}");
+    let err = FakeConfig::from_yaml_str(
+        "routes:\n  - route: POST /v1/messages\n    script: [ { kind: slow, hold_ms: 3600001 } ]\n",
+    )
+    .expect_err("hold over the ceiling");
+    assert!(
+        err.to_string().contains("routes[0].script[0].hold_ms"),
+        "{err}"
     );
 }
