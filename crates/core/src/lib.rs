@@ -19,6 +19,7 @@
 //! - [`outcome`]: terminal outcomes with their context and `next_safe` options (SPEC §5).
 //! - [`reconcile`]: reconciliation lookups for uncertain writes (SPEC §6).
 //! - [`escalation`]: sanitized case files and decision options (SPEC §8).
+//! - [`side_effect`]: what a request class changes at the provider; LLM completion routes (SPEC §4.2a).
 //! - [`signal_headers`]: the bounded Retry-After, Date and quota headers kept as evidence.
 //! - [`diagnose`]: run health diagnosis and retry-after debt (SPEC §10).
 #![deny(missing_docs)]
@@ -37,4 +38,5 @@ pub mod policy;
 pub mod quota;
 pub mod reconcile;
 pub mod retry_after;
+pub mod side_effect;
 pub mod signal_headers;

@@ -68,6 +68,7 @@ use crate::classify::{default_error_codes, ClassifyRules, Disposition};
 use crate::pacing::{PacerConfig, ScopeRecord, MIN_WINDOW};
 use crate::quota::Dialect;
 use crate::retry_after::RetryAfterOptions;
+use crate::side_effect::{completion_route, SideEffect, COMPLETION_CLASS};
 
 // ---------------------------------------------------------------------------------------------
 // Errors
@@ -150,7 +151,7 @@ fn file_kind(meta: &std::fs::Metadata) -> &'static str {
 }
 
 /// The names of the three built-in request classes (SPEC §1).
-pub const BUILTIN_CLASSES: [&str; 3] = ["read", "idempotent_write", "uncertain_write"];
+pub const BUILTIN_CLASSES: [&str; 4] = ["read", "idempotent_write", "uncertain_write", "llm_call"];
 
 /// Quota header dialects a provider may name (SPEC §2.3).
 pub const DIALECTS: [&str; 5] = ["generic", "ietf", "openai", "anthropic", "github"];
@@ -212,6 +213,9 @@ pub struct RequestClass {
     pub max_wait: Duration,
     /// Statuses that may be retried, sorted and deduplicated.
     pub retry_statuses: Vec<u16>,
+    /// What a request of this class changes at the provider (`side_effect`: `none` for `read`
+    /// and `llm_call`, `write` for every other class unless the policy says otherwise).
+    pub side_effect: SideEffect,
 }
 
 impl RequestClass {
@@ -495,6 +499,9 @@ pub struct RouteMatch {
     pub template: String,
     /// Request class name.
     pub class: String,
+    /// The class's `side_effect` (SPEC §4.2a): `none` makes a `POST` of this route run like a
+    /// read.
+    pub side_effect: SideEffect,
     /// Full scope names (`provider/scope`).
     pub scopes: Vec<String>,
     /// Whether the route coalesces identical in-flight reads.
@@ -623,7 +630,10 @@ impl Policy {
     /// segments wins; without one, the class follows the method: GET/HEAD/OPTIONS → `read`;
     /// PUT/DELETE → `idempotent_write` only if the provider sets `idempotent_put_delete`, else
     /// `uncertain_write`; POST/PATCH (and any other method) → `idempotent_write` when the provider
-    /// has an `idempotency_header`, else `uncertain_write`. The template of an unmatched path has
+    /// has an `idempotency_header`, else `uncertain_write` — except the completion routes of a
+    /// provider with `dialect: openai` or `anthropic` (`POST /v1/chat/completions`,
+    /// `/v1/messages`, … see [`completion_route`]), which are `llm_call` (`side_effect: none`).
+    /// The template of an unmatched path has
     /// its ids (numbers, UUIDs, long hex or opaque tokens) replaced by `{id}` (see
     /// [`template_for_path`]), and its scopes are the provider's `default_scopes`.
     ///
@@ -660,6 +670,7 @@ impl Policy {
                 provider: provider.to_owned(),
                 method,
                 template: route.template.clone(),
+                side_effect: self.side_effect_of(&route.class),
                 class: route.class.clone(),
                 scopes: route.scopes.clone(),
                 coalesce: route.coalesce,
@@ -669,9 +680,14 @@ impl Policy {
                 configured: true,
             });
         }
+        let class = match completion_route(p.dialect, &method, path) {
+            Some(_) => COMPLETION_CLASS,
+            None => default_class(p, &method),
+        };
         Ok(RouteMatch {
             provider: provider.to_owned(),
-            class: default_class(p, &method).to_owned(),
+            side_effect: self.side_effect_of(class),
+            class: class.to_owned(),
             method,
             template: template_for_path(path),
             scopes: p.default_scopes.clone(),
@@ -715,6 +731,14 @@ impl Policy {
             quota_id_pointers: p.quota_id_pointers.clone(),
             resets_in_seconds_pointers: p.resets_in_seconds_pointers.clone(),
         })
+    }
+
+    /// The `side_effect` of class `class` ([`SideEffect::Write`] for a class the policy does
+    /// not hold, which validation never lets a route name).
+    pub fn side_effect_of(&self, class: &str) -> SideEffect {
+        self.request_classes
+            .get(class)
+            .map_or(SideEffect::Write, |c| c.side_effect)
     }
 
     /// Every scope of every provider, by full name.
@@ -1050,6 +1074,7 @@ struct RawClass {
     max_attempts: Option<S<Num>>,
     max_wait_seconds: Option<S<Num>>,
     retry_statuses: Option<S<Vec<S<Num>>>>,
+    side_effect: Option<S<String>>,
 }
 
 #[derive(Deserialize)]
@@ -1410,8 +1435,10 @@ fn yaml_message(e: &serde_saphyr::Error) -> String {
 /// | `read` | 4 | 90 s | 408, 429, 500, 502, 503, 504 |
 /// | `idempotent_write` | 3 | 120 s | 408, 429, 502, 503, 504 |
 /// | `uncertain_write` | 1 | 0 s | none |
+/// | `llm_call` | 3 | 60 s | 408, 429, 500, 502, 503, 504, 529 |
 ///
-/// A policy file may override these fields per class; [`Policy`] holds the resulting classes.
+/// `read` and `llm_call` have `side_effect: none`, the others `write` (see
+/// [`crate::side_effect`]). A policy file may override these fields per class; [`Policy`] holds the resulting classes.
 ///
 /// ```
 /// use backstop_core::policy::builtin_class;
@@ -1425,6 +1452,7 @@ pub fn builtin_class(name: &str) -> Option<RequestClass> {
         "read" => (4, 90, &[408, 429, 500, 502, 503, 504]),
         "idempotent_write" => (3, 120, &[408, 429, 502, 503, 504]),
         "uncertain_write" => (1, 0, &[]),
+        "llm_call" => (3, 60, &[408, 429, 500, 502, 503, 504, 529]),
         _ => return None,
     };
     Some(RequestClass {
@@ -1432,6 +1460,10 @@ pub fn builtin_class(name: &str) -> Option<RequestClass> {
         max_attempts,
         max_wait: Duration::from_secs(max_wait_seconds),
         retry_statuses: retry_statuses.to_vec(),
+        side_effect: match name {
+            "read" | "llm_call" => SideEffect::None,
+            _ => SideEffect::Write,
+        },
     })
 }
 
@@ -1744,6 +1776,24 @@ fn check_secret_ref(ctx: &mut Ctx, s: &S<String>, path: &str, env: bool) -> bool
     true
 }
 
+/// The `side_effect` of a class: `none` or `write`, else `default` with an error at the value.
+fn class_side_effect(c: &RawClass, default: SideEffect, path: &str, ctx: &mut Ctx) -> SideEffect {
+    let Some(value) = &c.side_effect else {
+        return default;
+    };
+    SideEffect::parse(&value.value).unwrap_or_else(|| {
+        ctx.err(
+            &value.referenced,
+            format!(
+                "{path}.side_effect: unknown value `{}` (one of {})",
+                value.value,
+                crate::side_effect::SIDE_EFFECTS.join(", ")
+            ),
+        );
+        default
+    })
+}
+
 fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
     // Request classes: built-ins first, then the file's.
     let mut request_classes: BTreeMap<String, RequestClass> = BUILTIN_CLASSES
@@ -1779,6 +1829,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
             max_attempts: 1,
             max_wait: Duration::ZERO,
             retry_statuses: Vec::new(),
+            side_effect: SideEffect::Write,
         });
         let max_attempts = ctx.at_least_one(
             &c.max_attempts,
@@ -1829,6 +1880,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
         if name == "uncertain_write" {
             check_uncertain_write(c, max_attempts, &retry_statuses, &path, ctx);
         }
+        let side_effect = class_side_effect(c, defaults.side_effect, &path, ctx);
         request_classes.insert(
             name.clone(),
             RequestClass {
@@ -1836,6 +1888,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
                 max_attempts,
                 max_wait,
                 retry_statuses,
+                side_effect,
             },
         );
     }

@@ -12,6 +12,7 @@ use backstop_core::{
     outcome::{Outcome, OutcomeContext},
     pacing::Priority,
     policy::RouteMatch,
+    side_effect::SideEffect,
 };
 use jiff::Timestamp;
 
@@ -22,6 +23,10 @@ use crate::transport::AttemptRequest;
 pub struct ActionSpec {
     /// The task (run) id from `X-Backstop-Task` (or a minted one).
     pub task_id: String,
+    /// Whether the agent named the task (`X-Backstop-Task`, or the action API's `task`); a
+    /// minted task groups nothing, so a client's re-send of a side-effect-free call is then
+    /// recognized by agent and fingerprint alone (SPEC §4.3).
+    pub task_given: bool,
     /// The authenticated agent's name (from the policy's `agents`).
     pub agent: String,
     /// From `X-Backstop-Priority` (default `normal`).
@@ -47,6 +52,32 @@ pub struct ActionSpec {
     pub target_digest: Option<String>,
     /// Agent-supplied description of the desired outcome (action API), for case files.
     pub desired_outcome: Option<String>,
+}
+
+impl ActionSpec {
+    /// Whether this action may change state at the provider, so that it is carried out as a
+    /// write (durable before its send, one idempotency key, reconciled when uncertain): its
+    /// method is not safe (RFC 9110 §9.2.1: GET, HEAD, OPTIONS) and its class's `side_effect` is
+    /// `write`. A `POST` of a `side_effect: none` class (an LLM completion, SPEC §4.2a) runs
+    /// like a read.
+    pub fn has_side_effect(&self) -> bool {
+        let safe = matches!(
+            self.request.method,
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+        );
+        !safe && self.route.side_effect == SideEffect::Write
+    }
+
+    /// Whether this is a call of a `side_effect: none` class with an unsafe method (an LLM
+    /// completion `POST`): run detached from its caller, a client's re-send joined or answered
+    /// as the same call (SPEC §4.2a, §4.3).
+    pub fn is_side_effect_free_call(&self) -> bool {
+        let safe = matches!(
+            self.request.method,
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+        );
+        !safe && self.route.side_effect == SideEffect::None
+    }
 }
 
 /// Identity and accounting that every answer to the agent carries

@@ -54,6 +54,7 @@ use backstop_core::{
     pacing::Priority,
     policy::{Policy, Provider},
     reconcile::{mint_idempotency_key, validate_idempotency_key, ReconcileError},
+    side_effect::SideEffect,
 };
 use backstop_store::audit::push_lower_hex;
 use bytes::{Bytes, BytesMut};
@@ -731,10 +732,12 @@ pub(crate) fn is_safe(method: &Method) -> bool {
 }
 
 /// Builds the upstream headers from the agent's (see the module docs). Returns them and the
-/// idempotency key used, if any.
+/// idempotency key used, if any. A request of a `side_effect: none` class (an LLM completion)
+/// has no key of backstop's: an idempotency header the agent sent is forwarded as it is.
 fn upstream_headers(
     incoming: &HeaderMap,
     method: &Method,
+    side_effect: SideEffect,
     provider: &Provider,
     credential: Option<&crate::secrets::CredentialHeader>,
 ) -> Result<(HeaderMap, Option<String>), Problem> {
@@ -766,6 +769,8 @@ fn upstream_headers(
         if let Ok(name) = HeaderName::from_bytes(key_header(Some(provider)).as_bytes()) {
             headers.remove(name);
         }
+    } else if side_effect == SideEffect::None {
+        // Nothing to deduplicate for backstop: the provider may still use the agent's key.
     } else {
         // A missing key is minted by the engine (one place), never here.
         let name = key_header(Some(provider));
@@ -1092,9 +1097,11 @@ pub(crate) fn build_spec(
     let (headers, idempotency_key) = upstream_headers(
         incoming,
         &method,
+        route.side_effect,
         provider,
         state.credentials.get(provider_name),
     )?;
+    let task_given = backstop.task_id.is_some();
     let task_id = backstop.task_id.unwrap_or_else(|| mint_id("task-"));
     if single_attempt {
         tracing::warn!(
@@ -1117,6 +1124,7 @@ pub(crate) fn build_spec(
     url.push_str(&rest);
     Ok(ActionSpec {
         task_id,
+        task_given,
         agent,
         priority: backstop.priority,
         deadline: backstop.deadline,
@@ -1603,7 +1611,14 @@ mod tests {
             value: credential_value,
         };
         let p = provider(Some("Idempotency-Key"));
-        let (out, key) = upstream_headers(&incoming, &Method::POST, &p, Some(&credential)).unwrap();
+        let (out, key) = upstream_headers(
+            &incoming,
+            &Method::POST,
+            SideEffect::Write,
+            &p,
+            Some(&credential),
+        )
+        .unwrap();
         assert_eq!(out["authorization"], "Bearer provider-secret");
         assert_eq!(out.get_all("authorization").iter().count(), 1);
         assert!(out.get("host").is_none());
@@ -1618,16 +1633,25 @@ mod tests {
 
         // A write without a key: none here, the engine mints it; a read gets none.
         let bare = headers(&[("Authorization", "Bearer agent-token")]);
-        let (out, key) = upstream_headers(&bare, &Method::POST, &p, None).unwrap();
+        let (out, key) =
+            upstream_headers(&bare, &Method::POST, SideEffect::Write, &p, None).unwrap();
         assert_eq!(key, None);
         assert!(out.get("idempotency-key").is_none());
         assert!(out.get("authorization").is_none());
-        let (out, key) = upstream_headers(&bare, &Method::GET, &p, None).unwrap();
+        let (out, key) =
+            upstream_headers(&bare, &Method::GET, SideEffect::Write, &p, None).unwrap();
         assert_eq!(key, None);
         assert!(out.get("idempotency-key").is_none());
         // No idempotency header configured: the agent's `Idempotency-Key` is backstop's own and
         // is not forwarded.
-        let (out, key) = upstream_headers(&incoming, &Method::POST, &provider(None), None).unwrap();
+        let (out, key) = upstream_headers(
+            &incoming,
+            &Method::POST,
+            SideEffect::Write,
+            &provider(None),
+            None,
+        )
+        .unwrap();
         assert_eq!(key.as_deref(), Some("key-1"));
         assert!(out.get("idempotency-key").is_none());
     }
@@ -1645,7 +1669,9 @@ mod tests {
                 (String::new(), "must not be empty"),
             ] {
                 let incoming = headers(&[(name, &value)]);
-                let problem = upstream_headers(&incoming, &Method::POST, &p, None).unwrap_err();
+                let problem =
+                    upstream_headers(&incoming, &Method::POST, SideEffect::Write, &p, None)
+                        .unwrap_err();
                 assert_eq!(problem.status, StatusCode::BAD_REQUEST);
                 assert_eq!(problem.name, "bad_header", "{value:.20}");
                 assert_eq!(problem.extensions["header"], name);
@@ -1654,9 +1680,14 @@ mod tests {
                 assert!(problem.extensions.get("action_id").is_none());
             }
             // The quoted form is the bare key, as the engine stores it.
-            let (_, key) =
-                upstream_headers(&headers(&[(name, "\"order-7\"")]), &Method::POST, &p, None)
-                    .unwrap();
+            let (_, key) = upstream_headers(
+                &headers(&[(name, "\"order-7\"")]),
+                &Method::POST,
+                SideEffect::Write,
+                &p,
+                None,
+            )
+            .unwrap();
             assert_eq!(key.as_deref(), Some("order-7"));
         }
     }
@@ -1801,7 +1832,14 @@ mod tests {
             ("X-Backstop-Deadline", "2026-01-01T00:00:00Z"),
             ("X-Request-Id", "r-1"),
         ]);
-        let (out, _) = upstream_headers(&incoming, &Method::GET, &provider(None), None).unwrap();
+        let (out, _) = upstream_headers(
+            &incoming,
+            &Method::GET,
+            SideEffect::Write,
+            &provider(None),
+            None,
+        )
+        .unwrap();
         let accept: Vec<&str> = out
             .get_all("accept")
             .iter()
@@ -1838,7 +1876,14 @@ mod tests {
         // An empty value and one with obs-text (RFC 9110 §5.5) come through as they were.
         incoming.append("x-empty", HeaderValue::from_static(""));
         incoming.append("x-latin", HeaderValue::from_bytes(b"caf\xe9").unwrap());
-        let (out, _) = upstream_headers(&incoming, &Method::GET, &provider(None), None).unwrap();
+        let (out, _) = upstream_headers(
+            &incoming,
+            &Method::GET,
+            SideEffect::Write,
+            &provider(None),
+            None,
+        )
+        .unwrap();
         assert_eq!(out["x-empty"], "");
         assert_eq!(out["x-latin"].as_bytes(), b"caf\xe9");
         let buffer = read_buffer.as_ptr_range();

@@ -89,11 +89,13 @@ pub use crate::scheduler::ScopeView;
 
 mod actions;
 mod cancelled;
+mod detached;
 mod quota_escalations;
 mod resend;
 mod takeover;
 mod writes;
 
+pub use detached::{CALLER_GRACE, RESEND_WINDOW};
 pub use quota_escalations::ACCOUNT_CONFIGURATION_STREAK;
 pub use writes::{DEFERRED_RECORD_WINDOW, RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY};
 
@@ -224,6 +226,9 @@ struct Inner {
     credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
     /// Prepared requests of escalated writes (in memory only), for operator decisions.
     held: Mutex<HashMap<i64, ActionSpec>>,
+    /// Side-effect-free calls in flight and their final answers kept for re-sends (see
+    /// [`detached`]).
+    detached: detached::Detached,
     /// Completions of background actions, kept for their agent (bounded, in memory only).
     kept: Mutex<actions::Kept>,
     /// Held while a `shared_quota_exhausted` escalation is looked for and opened, so that
@@ -388,7 +393,7 @@ impl Run<'_> {
 
     /// The idempotency key in effect, as told to the agent: writes only.
     fn agent_key(&self) -> Option<String> {
-        (!is_safe_method(&self.request.method)).then(|| self.key.clone())
+        (self.spec.has_side_effect()).then(|| self.key.clone())
     }
 
     /// The completion of a read's record `what` that nobody awaits (see [`ReadRecords`]).
@@ -1143,6 +1148,7 @@ impl Engine {
             closing: Mutex::new(HashSet::new()),
             credentials: Mutex::new(credentials),
             held: Mutex::new(HashMap::new()),
+            detached: detached::Detached::default(),
             kept: Mutex::new(actions::Kept::default()),
             quota_escalations: tokio::sync::Mutex::new(()),
             limit_streaks: Mutex::new(quota_escalations::LimitStreaks::default()),
@@ -1467,6 +1473,9 @@ impl Engine {
                 }
             }
         }
+        if read_guard.is_none() && notify.is_none() && spec.is_side_effect_free_call() {
+            return Box::pin(self.execute_detached(spec)).await;
+        }
         // One call site: each `.await` of the same future holds storage of its own in this
         // future, which every call boxes (about 12 KB more per action with two, in the release
         // build's layout).
@@ -1477,7 +1486,7 @@ impl Engine {
     /// (when it is usable: a key the door would refuse is not echoed) or one minted for it,
     /// as [`Engine::run`] would have; `None` for a read.
     fn unrecorded_key(&self, spec: &ActionSpec) -> Option<String> {
-        if is_safe_method(&spec.request.method) {
+        if !spec.has_side_effect() {
             return None;
         }
         match &spec.idempotency_key {
@@ -1502,58 +1511,7 @@ impl Engine {
         if senders.is_empty() {
             return execution;
         }
-        let shared = match execution {
-            Execution::Response { receipt, response } => {
-                let (parts, body) = response.into_parts();
-                match Box::pin(axum::body::to_bytes(body, SHARED_BODY_LIMIT)).await {
-                    Ok(bytes) => Shared::Response {
-                        receipt,
-                        status: parts.status,
-                        headers: parts.headers,
-                        body: bytes,
-                    },
-                    Err(e) => {
-                        tracing::warn!(route = %spec.route.template, error = %e, "shared response body could not be buffered");
-                        Shared::Outcome {
-                            context: OutcomeContext {
-                                sent: true,
-                                response_received: true,
-                                attempts: receipt.attempts,
-                                last_status: Some(parts.status.as_u16()),
-                                next_safe: vec![NextSafe::Abort],
-                                ..OutcomeContext::default()
-                            },
-                            receipt,
-                            outcome: Outcome::BudgetExhausted,
-                            detail: format!(
-                                "the response body could not be buffered to share it between identical calls: {e}"
-                            ),
-                        }
-                    }
-                }
-            }
-            Execution::Outcome {
-                receipt,
-                outcome,
-                context,
-                detail,
-            } => Shared::Outcome {
-                receipt,
-                outcome,
-                context,
-                detail,
-            },
-            Execution::InFlight { receipt } => Shared::Outcome {
-                context: OutcomeContext {
-                    attempts: receipt.attempts,
-                    next_safe: vec![NextSafe::QueryStatus, NextSafe::Abort],
-                    ..OutcomeContext::default()
-                },
-                receipt,
-                outcome: Outcome::Conflict,
-                detail: "an action with this idempotency key is still in flight".to_owned(),
-            },
-        };
+        let shared = into_shared(execution, &spec.route.template, SHARED_BODY_LIMIT).await;
         for sender in senders {
             let _ = sender.send(shared.clone());
         }
@@ -1606,7 +1564,7 @@ impl Engine {
         // A read sends the agent's request as prepared by the door: borrowed, not copied.
         let mut request = std::borrow::Cow::Borrowed(&spec.request);
         let provider = inner.policy.providers.get(&route.provider);
-        let is_write = !is_safe_method(&request.method);
+        let is_write = spec.has_side_effect();
         let key = match &spec.idempotency_key {
             Some(supplied) => match validate_idempotency_key(supplied) {
                 Ok(key) => key.to_owned(),
@@ -2102,9 +2060,7 @@ impl Engine {
                         Outcome::Cancelled => vec![NextSafe::Abort],
                         _ => wait_then_abort(boundary.max(not_before)),
                     };
-                    if outcome == Outcome::Cancelled
-                        && seen.unsettled
-                        && !is_safe_method(&run.request.method)
+                    if outcome == Outcome::Cancelled && seen.unsettled && run.spec.has_side_effect()
                     {
                         // The cancellation reconciles it: the store lists it, as it does every
                         // write with an unsettled attempt not in flight.
@@ -2148,7 +2104,7 @@ impl Engine {
             // action's earlier records and goes without waiting (SPEC §12); its attempts are
             // numbered by this loop, the only one that sends a read's action.
             let (id, sent_at) = (run.id, inner.clock.now());
-            let marked = if is_safe_method(&run.request.method) {
+            let marked = if !run.spec.has_side_effect() {
                 inner
                     .store
                     .submit_attempt_sent(id, sent_at, run.read_completion("attempt"));
@@ -2177,7 +2133,7 @@ impl Engine {
                                 &seen,
                                 UnrecordedRetry::Start,
                             );
-                        } else if seen.sent == 0 && !is_safe_method(&run.request.method) {
+                        } else if seen.sent == 0 && run.spec.has_side_effect() {
                             inner
                                 .unsent
                                 .lock()
@@ -2196,7 +2152,7 @@ impl Engine {
                         let receipt = run.receipt(seen.sent);
                         return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                     }
-                    if seen.unsettled && !is_safe_method(&run.request.method) {
+                    if seen.unsettled && run.spec.has_side_effect() {
                         // Its task was cancelled while it waited (the store refuses a send for
                         // nothing else of an open action), and the cancellation, which the store
                         // listed it to, reconciles it: never `cancelled`.
@@ -2384,8 +2340,7 @@ impl Engine {
 
             // An uncertain write is reconciled before anything else happens (SPEC §6).
             let mut resend_same_key = false;
-            if signal.disposition == Disposition::Uncertain && !is_safe_method(&run.request.method)
-            {
+            if signal.disposition == Disposition::Uncertain && run.spec.has_side_effect() {
                 let facts = self.write_facts(run, &budget);
                 let Ok(end) =
                     Box::pin(inner.reconcile_uncertain(&facts, Some(&run.request.headers))).await
@@ -2524,7 +2479,7 @@ impl Engine {
                 // audited), and its operation id is read from the same bounded prefix. An
                 // event stream is never buffered: only its status and headers are kept.
                 let mut replay_record = None;
-                if !is_safe_method(&run.request.method) {
+                if run.spec.has_side_effect() {
                     let rc = route.reconcile.as_ref();
                     let wants_id = rc.is_some_and(|rc| rc.operation_id_pointer.is_some());
                     let (passed_on, record, bytes) =
@@ -2543,7 +2498,7 @@ impl Engine {
                     context: serde_json::to_value(&context).unwrap_or_default(),
                     response: replay_record,
                 });
-                if is_safe_method(&run.request.method) {
+                if !run.spec.has_side_effect() {
                     // A read's result is recorded with the next group commit (SPEC §12).
                     inner
                         .store
@@ -2569,7 +2524,7 @@ impl Engine {
             // An uncertain READ changed nothing at the provider: it is retried within the read
             // class budget like any transient failure, never left `reconciliation_required`.
             let uncertain_read =
-                signal.disposition == Disposition::Uncertain && is_safe_method(&run.request.method);
+                signal.disposition == Disposition::Uncertain && !run.spec.has_side_effect();
             if !signal.retryable && !resend_same_key && !uncertain_read {
                 guard.armed = false;
                 return Box::pin(
@@ -2724,7 +2679,7 @@ impl Engine {
                         // asynchronously, and nothing resumes a read after a restart): when its
                         // records could not be committed (a full disk), it waits in memory and
                         // is retried, as it is answered, rather than ended.
-                        Err(e) if is_safe_method(&run.request.method) => {
+                        Err(e) if !run.spec.has_side_effect() => {
                             tracing::warn!(
                                 action = run.id.0,
                                 task = %run.task(),
@@ -2752,7 +2707,7 @@ impl Engine {
                                     Ok(())
                                 }
                                 // A read is retried from memory all the same (as above).
-                                Err(e) if is_safe_method(&run.request.method) => {
+                                Err(e) if !run.spec.has_side_effect() => {
                                     tracing::warn!(action = run.id.0, task = %run.task(), route = %route.template, error = %e, "a read's attempt result could not be recorded; it is retried from memory");
                                     Ok(())
                                 }
@@ -2797,7 +2752,7 @@ impl Engine {
                             let receipt = run.receipt(seen.sent);
                             return self.store_unavailable(spec, receipt, seen.sent > 0, &e);
                         }
-                        if seen.unsettled && !is_safe_method(&run.request.method) {
+                        if seen.unsettled && run.spec.has_side_effect() {
                             // Its task was cancelled while this attempt was out (the store
                             // refuses a retry of an open action for nothing else): reconciled,
                             // never `cancelled`.
@@ -2846,7 +2801,7 @@ impl Engine {
     /// [`AfterRestart`]) and the `detail` — with the last attempt's `last_status` and
     /// `last_signal`.
     fn stopped_after_sending(&self, run: &Run<'_>, seen: &Seen, stopped: Stopped) -> Execution {
-        let is_read = is_safe_method(&run.request.method);
+        let is_read = !run.spec.has_side_effect();
         let after = AfterRestart::of(run, seen);
         let id = run.id.0;
         let detail = match after {
@@ -2921,7 +2876,7 @@ impl Engine {
         let receipt = run.receipt(seen.sent);
         let after = AfterRestart::after_store_failure(run, seen, interrupted, maybe_kept);
         let id = run.id.0;
-        let what = if is_safe_method(&run.request.method) {
+        let what = if !run.spec.has_side_effect() {
             "read"
         } else {
             "write"
@@ -3272,7 +3227,7 @@ impl Engine {
                 );
                 // A write's final answer is kept for idempotent replay, refused or not: a
                 // same-key resend is answered as the first request was.
-                let (response, kept) = if is_safe_method(&run.request.method) {
+                let (response, kept) = if !run.spec.has_side_effect() {
                     (response, None)
                 } else {
                     let (response, record, _) = kept_for_replay(response, run.id, false).await;
@@ -3466,7 +3421,7 @@ impl Engine {
         seen: &Seen,
         step: UnrecordedRetry,
     ) {
-        let closing = writes::Closing::of(is_safe_method(&run.request.method), seen.unsettled);
+        let closing = writes::Closing::of(!run.spec.has_side_effect(), seen.unsettled);
         let (result, what) = match step {
             UnrecordedRetry::Start => (None, "the start of this action's retry when it came due"),
             UnrecordedRetry::Schedule { result: None } => {
@@ -3951,7 +3906,7 @@ impl AfterRestart {
             // Reopened by an operator for a same-key retry, and not sent again yet.
             AfterRestart::RetrySameKey
         } else {
-            AfterRestart::closing(is_safe_method(&run.request.method), seen.unsettled)
+            AfterRestart::closing(!run.spec.has_side_effect(), seen.unsettled)
         }
     }
 
@@ -3972,7 +3927,7 @@ impl AfterRestart {
         interrupted: Interrupted,
     ) -> (AfterRestart, AfterRestart) {
         // An attempt the store holds as sent without a result is uncertain (SPEC §12).
-        let sent_without_result = AfterRestart::closing(is_safe_method(&run.request.method), true);
+        let sent_without_result = AfterRestart::closing(!run.spec.has_side_effect(), true);
         let as_recorded = AfterRestart::of(run, seen);
         match interrupted {
             Interrupted::Send => (sent_without_result, as_recorded),
@@ -4199,6 +4154,65 @@ fn unkept_replay(
         http::HeaderValue::from_static("true"),
     );
     Execution::Response { receipt, response }
+}
+
+/// One copy of `execution` that every waiter can rebuild its answer from: a provider response
+/// with its body buffered (up to `limit` bytes; a larger or unreadable one becomes a
+/// `budget_exhausted` outcome saying why), or the gateway-made outcome. `route` names the
+/// route in the log.
+async fn into_shared(execution: Execution, route: &str, limit: usize) -> Shared {
+    match execution {
+        Execution::Response { receipt, response } => {
+            let (parts, body) = response.into_parts();
+            match Box::pin(axum::body::to_bytes(body, limit)).await {
+                Ok(bytes) => Shared::Response {
+                    receipt,
+                    status: parts.status,
+                    headers: parts.headers,
+                    body: bytes,
+                },
+                Err(e) => {
+                    tracing::warn!(route = %route, error = %e, "shared response body could not be buffered");
+                    Shared::Outcome {
+                        context: OutcomeContext {
+                            sent: true,
+                            response_received: true,
+                            attempts: receipt.attempts,
+                            last_status: Some(parts.status.as_u16()),
+                            next_safe: vec![NextSafe::Abort],
+                            ..OutcomeContext::default()
+                        },
+                        receipt,
+                        outcome: Outcome::BudgetExhausted,
+                        detail: format!(
+                            "the response body could not be buffered to share it between identical calls: {e}"
+                        ),
+                    }
+                }
+            }
+        }
+        Execution::Outcome {
+            receipt,
+            outcome,
+            context,
+            detail,
+        } => Shared::Outcome {
+            receipt,
+            outcome,
+            context,
+            detail,
+        },
+        Execution::InFlight { receipt } => Shared::Outcome {
+            context: OutcomeContext {
+                attempts: receipt.attempts,
+                next_safe: vec![NextSafe::QueryStatus, NextSafe::Abort],
+                ..OutcomeContext::default()
+            },
+            receipt,
+            outcome: Outcome::Conflict,
+            detail: "an action with this idempotency key is still in flight".to_owned(),
+        },
+    }
 }
 
 fn from_shared(shared: Shared) -> Execution {

@@ -55,6 +55,12 @@ struct ProviderLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResendLabels {
+    provider: String,
+    handling: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ProblemLabels {
     problem: String,
 }
@@ -76,6 +82,7 @@ pub struct Metrics {
     in_flight: Family<ScopeLabels, Gauge>,
     retry_after_debt: Family<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     layered_retries_joined: Family<ProviderLabels, Counter>,
+    client_resends: Family<ResendLabels, Counter>,
     breakers_opened: Family<ProviderLabels, Counter>,
     task_breakers: Gauge,
     missed_wakes: Counter,
@@ -141,6 +148,12 @@ impl Metrics {
             "Agent-side retries of an in-flight action that were joined instead of sent again",
             layered_retries_joined.clone(),
         );
+        let client_resends = Family::<ResendLabels, Counter>::default();
+        registry.register(
+            "client_resends",
+            "Client re-sends of a side-effect-free call (an SDK's own retry): `answered` after the call's final answer (nothing sent), `joined` to the call still in flight",
+            client_resends.clone(),
+        );
         let breakers_opened = Family::<ProviderLabels, Counter>::default();
         registry.register(
             "breakers_opened",
@@ -201,6 +214,7 @@ impl Metrics {
             in_flight,
             retry_after_debt,
             layered_retries_joined,
+            client_resends,
             breakers_opened,
             task_breakers,
             missed_wakes,
@@ -281,6 +295,18 @@ impl Metrics {
         self.layered_retries_joined
             .get_or_create(&ProviderLabels {
                 provider: provider.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a client's re-send of a side-effect-free call (SPEC §4.3): `handling` is
+    /// `answered` (after the call's final answer: the same answer, nothing sent) or `joined`
+    /// (to the call still in flight). Exported as `backstop_client_resends_total`.
+    pub fn client_resend(&self, provider: &str, handling: &str) {
+        self.client_resends
+            .get_or_create(&ResendLabels {
+                provider: provider.to_owned(),
+                handling: handling.to_owned(),
             })
             .inc();
     }

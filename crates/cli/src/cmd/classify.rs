@@ -44,15 +44,19 @@ pub enum Class {
     IdempotentWrite,
     /// Writes without one: no automatic retry.
     UncertainWrite,
+    /// LLM completions (`side_effect: none`): 408, 429, 500, 502, 503, 504, 529.
+    LlmCall,
 }
 
 impl Class {
-    /// The class name, as in the policy (`read`, `idempotent_write`, `uncertain_write`).
+    /// The class name, as in the policy (`read`, `idempotent_write`, `uncertain_write`,
+    /// `llm_call`).
     pub fn name(self) -> &'static str {
         match self {
             Class::Read => "read",
             Class::IdempotentWrite => "idempotent_write",
             Class::UncertainWrite => "uncertain_write",
+            Class::LlmCall => "llm_call",
         }
     }
 

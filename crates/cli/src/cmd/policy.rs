@@ -89,11 +89,12 @@ fn summary(policy: &Policy) -> String {
     );
     for class in policy.request_classes.values() {
         out.push_str(&format!(
-            "class {}: max_attempts {}, max_wait {} s, retry_statuses {:?}\n",
+            "class {}: max_attempts {}, max_wait {} s, retry_statuses {:?}, side_effect {}\n",
             class.name,
             class.max_attempts,
             class.max_wait.as_secs_f64(),
-            class.retry_statuses
+            class.retry_statuses,
+            class.side_effect.as_str()
         ));
     }
     out.push_str(&format!(

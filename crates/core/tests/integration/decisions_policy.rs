@@ -513,3 +513,85 @@ providers:
     assert_eq!((warnings[1].0, warnings[1].1), (2, 3));
     assert!(warnings[1].2.starts_with("providers.a: no scopes"));
 }
+
+#[test]
+fn a_class_says_whether_it_has_a_side_effect() {
+    use backstop_core::side_effect::SideEffect;
+    let policy = Policy::from_yaml_str(
+        "request_classes:\n  chat: { max_attempts: 2, max_wait_seconds: 30, side_effect: none }\n  post: { max_attempts: 1, max_wait_seconds: 0 }\n",
+        "p.yaml",
+    )
+    .expect("loads");
+    assert_eq!(policy.request_classes["chat"].side_effect, SideEffect::None);
+    assert_eq!(
+        policy.request_classes["post"].side_effect,
+        SideEffect::Write
+    );
+    assert_eq!(policy.request_classes["read"].side_effect, SideEffect::None);
+    assert_eq!(
+        policy.request_classes["llm_call"].side_effect,
+        SideEffect::None
+    );
+    assert_eq!(
+        policy.request_classes["uncertain_write"].side_effect,
+        SideEffect::Write
+    );
+    let (line, column, message) = one_error(
+        "request_classes:\n  chat: { max_attempts: 2, max_wait_seconds: 30, side_effect: maybe }\n",
+    );
+    assert_eq!((line, column), (2, 63), "{message}");
+    assert!(
+        message.contains(
+            "request_classes.chat.side_effect: unknown value `maybe` (one of none, write)"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
+fn completion_routes_of_llm_dialects_are_side_effect_free_unless_listed() {
+    use backstop_core::side_effect::SideEffect;
+    let src = "\
+providers:
+  openai:
+    base_url: https://api.openai.com
+    dialect: openai
+    routes:
+      \"POST /v1/embeddings\": { class: uncertain_write }
+  anthropic:
+    base_url: https://api.anthropic.com
+    dialect: anthropic
+  plain:
+    base_url: https://plain.example.com
+";
+    let policy = Policy::from_yaml_str(src, "p.yaml").expect("loads");
+    let chat = policy
+        .route("openai", "POST", "/v1/chat/completions?x=1")
+        .unwrap();
+    assert_eq!(
+        (chat.class.as_str(), chat.side_effect),
+        ("llm_call", SideEffect::None)
+    );
+    let messages = policy.route("anthropic", "POST", "/v1/messages").unwrap();
+    assert_eq!(
+        (messages.class.as_str(), messages.side_effect),
+        ("llm_call", SideEffect::None)
+    );
+    // The policy's own route wins.
+    let embeddings = policy.route("openai", "POST", "/v1/embeddings").unwrap();
+    assert_eq!(
+        (embeddings.class.as_str(), embeddings.side_effect),
+        ("uncertain_write", SideEffect::Write)
+    );
+    // A provider of another dialect keeps the SPEC §3 default.
+    let plain = policy
+        .route("plain", "POST", "/v1/chat/completions")
+        .unwrap();
+    assert_eq!(
+        (plain.class.as_str(), plain.side_effect),
+        ("uncertain_write", SideEffect::Write)
+    );
+    // Files and stored responses change state.
+    let files = policy.route("openai", "POST", "/v1/files").unwrap();
+    assert_eq!(files.side_effect, SideEffect::Write);
+}

@@ -254,9 +254,13 @@ impl Closing {
 
     /// The closing of a stored action from its stored `attempts`: an attempt recorded as sent
     /// without a result is `uncertain` (SPEC §12).
-    pub(super) fn of_stored(record: &ActionRecord, attempts: &[AttemptRecord]) -> Closing {
+    pub(super) fn of_stored(
+        policy: &backstop_core::policy::Policy,
+        record: &ActionRecord,
+        attempts: &[AttemptRecord],
+    ) -> Closing {
         Closing::of(
-            stored_read(&record.request_class, &record.method),
+            stored_read(policy, &record.request_class, &record.method),
             unsettled_in(attempts),
         )
     }
@@ -949,7 +953,7 @@ impl Inner {
             let Some(record) = self.recovered_action(id).await else {
                 continue;
             };
-            if stored_read(&attempt.request_class, &record.method) {
+            if stored_read(&self.policy, &attempt.request_class, &record.method) {
                 self.cancel_interrupted_read(id, attempt.attempt).await;
                 continue;
             }
@@ -1024,7 +1028,7 @@ impl Inner {
                     continue;
                 }
             };
-            let end = restarted_end(&record, &attempts);
+            let end = restarted_end(&self.policy, &record, &attempts);
             if matches!(end, DeferredEnd::Reconcile { .. }) {
                 tracing::info!(
                     action = id.0,
@@ -1211,7 +1215,7 @@ impl Inner {
                 let close = Deferred {
                     action: id,
                     result: None,
-                    end: restarted_end(&record, &attempts),
+                    end: restarted_end(&inner.policy, &record, &attempts),
                     count: None,
                 };
                 let (job, now) = (retry.job, inner.clock.now());
@@ -1254,10 +1258,12 @@ impl Inner {
     }
 }
 
-/// Whether a stored action of `class` sent with `method` is a read (nothing of it needs
-/// reconciling after a restart).
-fn stored_read(class: &str, method: &str) -> bool {
-    class == "read" || matches!(method, "GET" | "HEAD" | "OPTIONS")
+/// Whether a stored action of `class` sent with `method` is read-like (nothing of it needs
+/// reconciling after a restart): a safe method, or a class of `policy` with `side_effect: none`
+/// (`read`, `llm_call`, SPEC §4.2a). A class the policy no longer holds counts as a write.
+fn stored_read(policy: &backstop_core::policy::Policy, class: &str, method: &str) -> bool {
+    matches!(method, "GET" | "HEAD" | "OPTIONS")
+        || policy.side_effect_of(class) == backstop_core::side_effect::SideEffect::None
 }
 
 /// A list restart recovery took at start, or `None` when it could not be read (logged at ERROR
@@ -1271,9 +1277,13 @@ fn listed_at_start<T>(listed: Result<Vec<T>, EngineError>, what: &str) -> Option
 /// How an action whose caller is gone after a restart (a re-armed retry, an action left between
 /// two attempts) is closed, as [`Closing::of_stored`] decides from its stored `attempts`:
 /// reconciled (its payload gone with the restart), or `cancelled` with [`restarted_context`].
-fn restarted_end(record: &ActionRecord, attempts: &[AttemptRecord]) -> DeferredEnd {
+fn restarted_end(
+    policy: &backstop_core::policy::Policy,
+    record: &ActionRecord,
+    attempts: &[AttemptRecord],
+) -> DeferredEnd {
     DeferredEnd::closing(
-        Closing::of_stored(record, attempts),
+        Closing::of_stored(policy, record, attempts),
         PayloadGone::Restart,
         || super::Finish {
             outcome: backstop_store::Outcome::Cancelled,

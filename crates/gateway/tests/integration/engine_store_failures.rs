@@ -1401,6 +1401,7 @@ async fn a_deferred_reconciliation_asks_the_provider_once_while_the_store_cannot
     let body = r#"{"amount":5}"#;
     let spec = ActionSpec {
         task_id: "t".to_owned(),
+        task_given: true,
         agent: "agent-a".to_owned(),
         priority: Priority::Normal,
         deadline: None,

@@ -22,6 +22,7 @@ mod examples_walkthrough;
 mod health_snapshots;
 mod health_watchdog;
 mod key_target;
+mod llm_calls;
 mod quota_escalations;
 mod refusal_logs;
 mod restart_cancelled;

@@ -290,6 +290,7 @@ impl Harness {
         let route = self.policy.route("billing", method, path).unwrap();
         ActionSpec {
             task_id: task.to_owned(),
+            task_given: true,
             agent: "agent-a".to_owned(),
             priority: Priority::Normal,
             deadline: None,
