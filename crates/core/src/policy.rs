@@ -1933,6 +1933,13 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
             providers.insert(p.name.clone(), p);
         }
     }
+    if operators.is_empty() && !providers.is_empty() {
+        ctx.warn(
+            1,
+            1,
+            "operators: none configured, but calls through these providers can be escalated (a write whose outcome is uncertain, an exhausted shared quota, a boundary past the deadline) and no one could decide them: `escalations list` and `decide` would refuse every token (add `operators:` with a token_env, token_file or token_sha256)",
+        );
+    }
 
     if let Some(store) = &raw.store {
         if store.value.trim().is_empty() {

@@ -109,7 +109,7 @@ fn summary_counts_are_pluralized_correctly() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout
-            .contains("ok: 3 request classes, 1 provider, 1 scope, 1 route, 1 agent, 1 operator\n"),
+            .contains("ok: 4 request classes, 1 provider, 1 scope, 1 route, 1 agent, 1 operator\n"),
         "{stdout}"
     );
     assert!(
@@ -126,22 +126,28 @@ fn warnings_print_file_line_column_and_exit_0() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let name = file.display();
     let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 3, "{stderr}");
+    assert_eq!(lines.len(), 4, "{stderr}");
     assert!(
         lines[0].starts_with(&format!("{name}:1:1: warning: agents: none")),
         "{stderr}"
     );
     assert!(
-        lines[1].starts_with(&format!("{name}:2:3: warning: providers.a: no scopes")),
+        lines[1].starts_with(&format!(
+            "{name}:1:1: warning: operators: none configured, but calls through these providers can be escalated"
+        )),
         "{stderr}"
     );
     assert!(
-        lines[2].starts_with(&format!("{name}:6:38: warning: ")),
+        lines[2].starts_with(&format!("{name}:2:3: warning: providers.a: no scopes")),
+        "{stderr}"
+    );
+    assert!(
+        lines[3].starts_with(&format!("{name}:6:38: warning: ")),
         "{stderr}"
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stdout.contains("0 agents, 0 operators (3 warnings)"),
+        stdout.contains("0 agents, 0 operators (4 warnings)"),
         "{stdout}"
     );
 }
