@@ -446,6 +446,8 @@ providers:
       \"PATCH /v1/items/{id}\": { class: idempotent_write }
       \"PUT /v1/items/{id}\": { class: idempotent_write }
       \"GET /v1/items\": { class: idempotent_write }
+operators:
+  ops: { token_env: OPS_TOKEN }
 ";
     let errors = errors(src);
     let lines: Vec<u64> = errors.iter().map(|e| e.line).collect();
@@ -477,6 +479,8 @@ providers:
     routes:
       \"PUT /v1/items/{id}\": { class: idempotent_write }
       \"DELETE /v1/items/{id}\": { class: idempotent_write }
+operators:
+  ops: { token_env: OPS_TOKEN }
 ";
     let policy = Policy::from_yaml_str(src, "p.yaml").unwrap_or_else(|e| panic!("{e}"));
     let at: Vec<(u64, u64)> = policy.warnings.iter().map(|w| (w.line, w.column)).collect();
@@ -499,7 +503,7 @@ providers:
         .iter()
         .map(|w| (w.line, w.column, w.message.as_str()))
         .collect();
-    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    assert_eq!(warnings.len(), 3, "{warnings:#?}");
     assert_eq!((warnings[0].0, warnings[0].1), (1, 1));
     assert!(warnings[0].2.contains("no agent can call the gateway"));
     // Every way an agent's token can be given is named.
@@ -510,8 +514,17 @@ providers:
         "{}",
         warnings[0].2
     );
-    assert_eq!((warnings[1].0, warnings[1].1), (2, 3));
-    assert!(warnings[1].2.starts_with("providers.a: no scopes"));
+    // Calls can be escalated, and no operator could decide them.
+    assert_eq!((warnings[1].0, warnings[1].1), (1, 1));
+    assert!(
+        warnings[1].2.starts_with(
+            "operators: none configured, but calls through these providers can be escalated"
+        ),
+        "{}",
+        warnings[1].2
+    );
+    assert_eq!((warnings[2].0, warnings[2].1), (2, 3));
+    assert!(warnings[2].2.starts_with("providers.a: no scopes"));
 }
 
 #[test]
