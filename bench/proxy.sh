@@ -6,6 +6,8 @@
 #
 # Environment knobs (defaults in brackets):
 #   BENCH_SECONDS [8]       length of each measured wrk run
+#   (paths: direct, nginx and backstop GET the fast route; complete POSTs an LLM completion
+#   through backstop (side_effect none), write a durable write (committed before its send))
 #   BENCH_ROUNDS [3]        how many times the alternation direct, nginx, backstop is repeated
 #   BENCH_CONNECTIONS [32]  wrk connections of the saturation runs
 #   BENCH_NO_BUILD [unset]  set to 1 to use the binaries already in target/ as they are
@@ -130,25 +132,34 @@ http {
 EOF
 nginx -p "$WORK/nginx" -e "$WORK/nginx/logs/error.log" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' >"$WORK/nginx/logs/stdout.log" 2>&1 &
 PIDS+=($!)
-declare -A PID_OF=([nginx]=$!)
+NGINX_PID=$!
 wait_listening "$NGINX_PORT" nginx
 
 BACKSTOP_PORT="$(free_port)"
 export BENCH_TOKEN="bench-agent-token-$RANDOM$RANDOM"
 sed "s/@UPSTREAM@/127.0.0.1:$UP_PORT/" "$ROOT/bench/backstop-bench.yaml" >"$WORK/backstop.yaml"
-BENCH_AGENT_TOKEN="$BENCH_TOKEN" BENCH_PROVIDER_KEY="bench-provider-key" \
+BENCH_AGENT_TOKEN="$BENCH_TOKEN" BENCH_PROVIDER_KEY="bench-provider-key" BENCH_OPERATOR_TOKEN="bench-operator-$RANDOM" \
     "$BACKSTOP" serve --config "$WORK/backstop.yaml" --listen "127.0.0.1:$BACKSTOP_PORT" \
     --store "$WORK/backstop.db" >"$WORK/backstop.log" 2>&1 &
 PIDS+=($!)
-PID_OF[backstop]=$!
+BACKSTOP_PID=$!
 wait_listening "$BACKSTOP_PORT" backstop
 
+# The GET path on each proxy; then backstop's POST paths: an LLM completion (side_effect none,
+# recorded like a read) and a durable write (committed before its send), each a new action.
+COMPLETION_BODY='{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
 declare -A URL=(
     [direct]="http://127.0.0.1:$UP_PORT/v1/fast"
     [nginx]="http://127.0.0.1:$NGINX_PORT/fast/v1/fast"
     [backstop]="http://127.0.0.1:$BACKSTOP_PORT/fast/v1/fast"
+    [complete]="http://127.0.0.1:$BACKSTOP_PORT/fast/v1/chat/completions"
+    [write]="http://127.0.0.1:$BACKSTOP_PORT/fast/v1/transfers"
 )
-PATHS=(direct nginx backstop)
+declare -A METHOD=([complete]=POST [write]=POST)
+declare -A BODY=([complete]="$COMPLETION_BODY" [write]='{"amount":5}')
+declare -A PID_OF
+PATHS=(direct nginx backstop complete write)
+PID_OF=([nginx]=$NGINX_PID [backstop]=$BACKSTOP_PID [complete]=$BACKSTOP_PID [write]=$BACKSTOP_PID)
 
 ALTS=()
 if [ -n "${BENCH_BACKSTOP_ALT:-}" ]; then
@@ -158,7 +169,7 @@ if [ -n "${BENCH_BACKSTOP_ALT:-}" ]; then
         name="alt$((i + 1))"
         [ -x "$bin" ] || die "BENCH_BACKSTOP_ALT: no executable at $bin"
         port="$(free_port)"
-        BENCH_AGENT_TOKEN="$BENCH_TOKEN" BENCH_PROVIDER_KEY="bench-provider-key" \
+        BENCH_AGENT_TOKEN="$BENCH_TOKEN" BENCH_PROVIDER_KEY="bench-provider-key" BENCH_OPERATOR_TOKEN="bench-operator-$RANDOM" \
             "$bin" serve --config "$WORK/backstop.yaml" --listen "127.0.0.1:$port" \
             --store "$WORK/$name.db" >"$WORK/$name.log" 2>&1 &
         PIDS+=($!)
@@ -173,14 +184,17 @@ fi
 
 # Each path must answer 200 before anything is measured.
 for p in "${PATHS[@]}"; do
-    code="$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $BENCH_TOKEN" "${URL[$p]}")"
+    post=()
+    if [ -n "${BODY[$p]:-}" ]; then post=(-X POST -H 'content-type: application/json' --data "${BODY[$p]}"); fi
+    code="$(curl -s -o /dev/null -w '%{http_code}' "${post[@]}" \
+        -H "Authorization: Bearer $BENCH_TOKEN" "${URL[$p]}")"
     [ "$code" = 200 ] || die "$p answered $code at ${URL[$p]} (logs in $WORK)"
 done
 
 # run_wrk PATH CONNECTIONS SECONDS -> "rps p50_us p99_us errors"
 run_wrk() {
     local out line
-    out="$(wrk -t1 -c"$2" -d"${3}s" --timeout 5s \
+    out="$(BENCH_METHOD="${METHOD[$1]:-GET}" BENCH_BODY="${BODY[$1]:-}" wrk -t1 -c"$2" -d"${3}s" --timeout 5s \
         -s "$ROOT/bench/wrk_report.lua" "${URL[$1]}")"
     line="$(grep '^RESULT' <<<"$out")" || die "wrk printed no result for $1: $out"
     awk '{for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
@@ -225,8 +239,10 @@ log "saturation: wrk -t1 -c$CONNECTIONS -d${SECONDS_PER_RUN}s, $ROUNDS rounds al
 saturated() { run_wrk "$1" "$CONNECTIONS" "$SECONDS_PER_RUN"; }
 measure_rounds saturated "saturation (wrk -t1 -c$CONNECTIONS, median of $ROUNDS alternating rounds)"
 SAT_BACKSTOP="${RPS[backstop]}"
-awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" \
-    'BEGIN { printf "throughput ratio backstop/direct = %.3f, backstop/nginx = %.3f (target >= 0.7)\n", b / d, b / n }'
+awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v c="${RPS[complete]}" -v w="${RPS[write]}" \
+    'BEGIN { printf "throughput ratio backstop/direct = %.3f, backstop/nginx = %.3f (target >= 0.5)\n", b / d, b / n
+             printf "completion POST: complete/backstop GET = %.3f (target >= 0.9), complete/nginx = %.3f (target >= 0.5)\n", c / b, c / n
+             printf "durable write POST: write/nginx = %.3f, write/backstop GET = %.3f\n", w / n, w / b }'
 for a in "${ALTS[@]}"; do
     awk -v name="$a" -v b="${RPS[backstop]}" -v a="${RPS[$a]}" -v n="${RPS[nginx]}" \
         'BEGIN { printf "%s/nginx = %.3f, backstop/%s = %.3f\n", name, a / n, name, b / a }'
@@ -293,9 +309,11 @@ PY
 run_oha() {
     local before="" after requests
     if [ -n "${PID_OF[$1]:-}" ]; then before="$(schedstat "${PID_OF[$1]}")"; fi
+    local post=()
+    if [ -n "${BODY[$1]:-}" ]; then post=(-m POST -T application/json -d "${BODY[$1]}"); fi
     "$OHA" --no-tui --output-format json -q "$HALF_RATE" --latency-correction -z "${SECONDS_PER_RUN}s" \
         -c "$HALF_CONNECTIONS" -H "Authorization: Bearer $BENCH_TOKEN" -H "X-Backstop-Task: bench-run" \
-        "${URL[$1]}" >"$WORK/oha.json" 2>"$WORK/oha.err" || die "oha failed for $1: $(cat "$WORK/oha.err")"
+        "${post[@]}" "${URL[$1]}" >"$WORK/oha.json" 2>"$WORK/oha.err" || die "oha failed for $1: $(cat "$WORK/oha.err")"
     if [ -n "$before" ]; then
         after="$(schedstat "${PID_OF[$1]}")"
         requests="$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["summary"]; print(r["requestsPerSec"] * r["total"])' "$WORK/oha.json")"

@@ -1,7 +1,13 @@
--- wrk script of bench/proxy.sh: sends GET /v1/fast with the agent's token and prints one
--- machine-readable line at the end (latencies in microseconds, from wrk's own histogram).
+-- wrk script of bench/proxy.sh: sends GET (or BENCH_METHOD with BENCH_BODY as a JSON body)
+-- with the agent's token and prints one machine-readable line at the end (latencies in
+-- microseconds, from wrk's own histogram).
 
-wrk.method = "GET"
+wrk.method = os.getenv("BENCH_METHOD") or "GET"
+local body = os.getenv("BENCH_BODY")
+if body and body ~= "" then
+  wrk.body = body
+  wrk.headers["Content-Type"] = "application/json"
+end
 wrk.headers["Authorization"] = "Bearer " .. (os.getenv("BENCH_TOKEN") or "")
 wrk.headers["X-Backstop-Task"] = "bench-run"
 

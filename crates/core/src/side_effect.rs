@@ -104,6 +104,15 @@ const COMPLETION_ROUTES: [(Dialect, &str, &str); 7] = [
     ),
 ];
 
+/// The completion routes (`/v1/…` paths, all `POST`) that a provider with `dialect` classes
+/// `llm_call` when the policy lists no route for them; empty for the other dialects.
+pub fn completion_routes(dialect: Dialect) -> impl Iterator<Item = &'static str> {
+    COMPLETION_ROUTES
+        .iter()
+        .filter(move |(d, _, _)| *d == dialect)
+        .map(|(_, route, _)| *route)
+}
+
 /// Whether `method path` of a provider with `dialect` is a completion route that has no side
 /// effect (SPEC §4.2a), with the reason; `None` for any other route. `path` is the path below
 /// the provider's base URL, without a query. OpenAI's `/v1/responses` and `/v1/batches`,

@@ -147,6 +147,24 @@ fn summary(policy: &Policy) -> String {
                 route.scopes.join(", ")
             ));
         }
+        let implied: Vec<&str> = backstop_core::side_effect::completion_routes(provider.dialect)
+            .filter(|path| {
+                !provider
+                    .routes
+                    .iter()
+                    .any(|r| r.method == "POST" && r.template == *path)
+            })
+            .collect();
+        if !implied.is_empty() {
+            out.push_str(&format!(
+                "route {} POST {} -> {} (dialect {}, side_effect none) [{}]\n",
+                provider.name,
+                implied.join(" | "),
+                backstop_core::side_effect::COMPLETION_CLASS,
+                provider.dialect.as_str(),
+                provider.default_scopes.join(", ")
+            ));
+        }
     }
     out
 }
