@@ -1,39 +1,76 @@
-//! Answers made by backstop itself: RFC 9457 problem details (`application/problem+json`).
+//! Answers made by backstop itself: RFC 9457 problem details (`application/problem+json`), and
+//! the retry hint every answer carries once no further attempt follows.
 //!
-//! Why a careful status table: an agent's SDK sits between backstop and the agent, and common SDKs
-//! retry on their own (the OpenAI and Anthropic SDKs retry 408, 409, 429 and 5xx; Stripe's
-//! retries 409, 429 and 5xx). If backstop answered "budget exhausted" with a 503, the SDK would
-//! quietly send the call again — the layered retry backstop exists to prevent (SPEC §4.3, §11).
-//! So every final outcome made by backstop uses a status those SDKs do not retry, carries
-//! `x-should-retry: false`, and only when a later retry really is safe (the outcome's
-//! [`NextSafe::WaitUntil`] names the provider's boundary) does it answer 429 with an honest
-//! `Retry-After` and `x-should-retry: true`.
+//! **One retry owner.** An agent's HTTP client sits between backstop and the agent, and most
+//! clients retry on their own (see "What common clients retry on" below). Backstop exists to be
+//! the one layer that retries (SPEC §4.3, §11), so every answer given once it decided that no
+//! further attempt follows says `x-should-retry: false`: its own outcomes (this module) and every
+//! non-2xx provider answer the door passes on — a provider's 409, any 4xx, a final 5xx or 429 —
+//! where [`crate::door`] sets the header, overriding a provider's own `x-should-retry: true`. The
+//! OpenAI and Anthropic SDKs obey that header before their own status rules. Only door problems
+//! where nothing was sent and a retry is safe by construction keep `true` (see below).
 //!
-//! | outcome                   | status | when a later retry is safe (`next_safe` has `wait_until`) |
-//! |---------------------------|--------|------------------------------------------------------------|
-//! | `rejected`                | 400    | never 429                                                  |
-//! | `circuit_open`            | 403    | never 429                                                  |
-//! | `quota_exhausted`         | 403    | 429 + `Retry-After`                                        |
-//! | `conflict`                | 422    | never 429 (409 would be retried by SDKs)                   |
-//! | `cancelled`               | 410    | never 429                                                  |
-//! | `deadline_exhausted`      | 424    | never 429 (the task's time is over)                        |
-//! | `budget_exhausted`        | 424    | 429 + `Retry-After`                                        |
-//! | `scope_saturated`         | 424    | 429 + `Retry-After`                                        |
-//! | `reconciliation_required` | 424    | never 429 (query the status first)                         |
-//! | `escalated`               | 424    | never 429 (a human decides)                                |
-//! | `succeeded` (reconciled)  | 200    | — (plain JSON, not a problem)                              |
+//! **Errors an SDK user can read and catch.** Besides the RFC 9457 members — `type` is the
+//! problem URI `urn:backstop:problem:<name>`, then `title`, `status`, `detail` and the extension
+//! members (the SPEC §5 context for an outcome) — every problem carries the SDKs' error envelope
+//! `"error": {"message", "type", "code"}` ([`error_envelope`]): `message` is the `detail`
+//! (backstop's reason), `code` the problem name (`budget_exhausted`, `unauthorized`, …), `type`
+//! the kind of error in the providers' vocabulary ([`error_type`]: `rate_limit_error`,
+//! `invalid_request_error`, `overloaded_error`, …). Branch on `code`; `type` only groups. With
+//! the OpenAI SDK, `str(e)` and `e.message` read `Error code: 429 - <detail>`, `e.code` is the
+//! problem name, `e.type` the envelope's type and `e.body` the envelope (the whole document is
+//! `e.response.json()`). With the Anthropic SDK, `str(e)` reads `Error code: 429 - {…}` with the
+//! whole document, `e.api_message` is the detail, `e.type` the envelope's type and `e.body` the
+//! whole document (`e.body["error"]["code"]` is the problem name); the top-level `type` URI does
+//! not disturb it.
+//!
+//! ## Statuses of outcomes
+//!
+//! | outcome | status | OpenAI SDK exception | Anthropic SDK exception | `x-should-retry` | `Retry-After` |
+//! |---|---|---|---|---|---|
+//! | `rejected` | 400 | `BadRequestError` | `BadRequestError` | `false` | — |
+//! | `circuit_open` | 403 | `PermissionDeniedError` | `PermissionDeniedError` | `false` | — |
+//! | `conflict` | 422 | `UnprocessableEntityError` | `UnprocessableEntityError` | `false` | — |
+//! | `cancelled` | 410 | `APIStatusError` | `APIStatusError` | `false` | — |
+//! | `scope_saturated` | 429 | `RateLimitError` | `RateLimitError` | `false` | when `wait_until` is known |
+//! | `budget_exhausted`, `quota_exhausted` | 429 — or the provider's error status when the last attempt got one | `RateLimitError` (the provider's: 503, 529 → `InternalServerError`; 408 → `APIStatusError`) | `RateLimitError` (503 → `ServiceUnavailableError`, 529 → `OverloadedError`, 500 → `InternalServerError`, 408 → `RequestTimeoutError`) | `false` | when `wait_until` is known |
+//! | `deadline_exhausted` | as `budget_exhausted` | as `budget_exhausted` | as `budget_exhausted` | `false` | never |
+//! | `reconciliation_required` | 424 | `APIStatusError` | `APIStatusError` | `false` | — |
+//! | `escalated` | 424 | `APIStatusError` | `APIStatusError` | `false` | — |
+//! | `succeeded` (reconciled) | 200, plain JSON (not a problem) | — | — | — | — |
+//!
+//! Why these ([`outcome_status`]):
+//! - `rejected` 400: the request itself must change.
+//! - `circuit_open` 403: the same request failed the same way too often in this task (SPEC §7),
+//!   and backstop refuses to send it again; nothing was sent.
+//! - `conflict` 422, not 409: the provider's own 409 is passed through as it came (with
+//!   `x-should-retry: false`); backstop's `conflict` problem (a replay whose response is not kept)
+//!   avoids a status that clients which do not read the header retry on their own.
+//! - `cancelled` 410: the action or its task is gone for good; nothing more is sent for it.
+//! - The rate and budget outcomes answer 429, what agent code catches as "out of capacity"
+//!   (`RateLimitError`), whether or not a boundary is known; `Retry-After` only when it is (the
+//!   instant of [`resend_advised_at`]; never for `deadline_exhausted`: the task's time is over).
+//!   When the action's last attempt got an error answer from the provider (its `last_status`
+//!   with a `last_signal` other than `uncertain` or `not_sent`), that status is kept instead
+//!   ([`provider_status`]): an action that ends `budget_exhausted` after Anthropic's 529 answers
+//!   529 (`OverloadedError`), after a 503 answers 503. `scope_saturated` is always decided before
+//!   a send (backpressure) and always answers 429.
+//! - `reconciliation_required` and `escalated` 424: the write may have happened (query its status)
+//!   or a human decides; neither is a rate limit, no client retries 424 on its status, and the
+//!   SDKs raise their base `APIStatusError`, whose `e.code` (OpenAI) or
+//!   `e.body["error"]["code"]` (Anthropic) names the outcome.
 //!
 //! `wait_until` is the provider's boundary, or — when the action was refused before a send
 //! because its scopes would have made it wait past its deadline or remaining wait budget (a
 //! caller's `Prefer: wait`, the class's `max_wait`) — the instant they would have let it go,
 //! local pacing included: a write never sent because pacing asked for 486 ms and the caller
-//! allowed `Prefer: wait=0` is `429` + `Retry-After: 1`, not a `424` with only `abort`. Its
-//! title says that nothing was sent (no attempt, so no retry budget was spent) rather than that
-//! the retry budget is exhausted.
+//! allowed `Prefer: wait=0` is `429` + `Retry-After: 1`. Its title says that nothing was sent (no
+//! attempt, so no retry budget was spent) rather than that the retry budget is exhausted.
 //!
-//! **What the 429 promises a write.** The answer says "send this again after `Retry-After`",
-//! and SDKs do exactly that, under the same `Idempotency-Key`. So such a finished write (its
-//! instant: [`resend_advised_at`]) is not replayed forever: a same-key, same-payload resend
+//! **What a `Retry-After` promises a write.** It says when sending the same request again is
+//! safe; `x-should-retry: false` keeps clients from doing so by themselves, so the resend is the
+//! agent's explicit choice, under the same `Idempotency-Key`. Such a finished write (its instant:
+//! [`resend_advised_at`]) is not replayed forever: a same-key, same-payload resend
 //! before the instant replays the outcome with the `Retry-After` left; from the instant on the
 //! action is reopened (audited `action_reopened`) and this request is sent as the same action
 //! under the same key. When an attempt of it is unsettled (`uncertain`, no later answer under
@@ -44,20 +81,70 @@
 //! `budget_exhausted`, `deadline_exhausted` or `quota_exhausted` outcome and decided `wait`
 //! (from its `retry_not_before`, when it names one), `raise_quota` or `change_plan` reopens the
 //! write the same way, once per decision; decided `abort`, the outcome stays, and its replay
-//! drops `wait_until` (not 429, `x-should-retry: false`). A `scope_saturated`,
-//! `budget_exhausted` or `quota_exhausted` write refused before any attempt, with no
-//! `wait_until` (its `424` promises no instant) and no escalation, is backpressure, not an end:
-//! a same-key resend reopens it at once. Every other finished outcome —
-//! `succeeded`, `rejected`, `conflict`, `cancelled`, `escalated`, … — is replayed as it is.
+//! drops `wait_until` (no `Retry-After`). A `scope_saturated`, `budget_exhausted` or
+//! `quota_exhausted` write refused before any attempt, with no `wait_until` (its answer promises
+//! no instant) and no escalation, is backpressure, not an end: a same-key resend reopens it at
+//! once. Every other finished outcome — `succeeded`, `rejected`, `conflict`, `cancelled`,
+//! `escalated`, … — is replayed as it is.
 //!
-//! Problems of the door itself (the request never became an action, nothing was sent):
-//! missing or unknown agent token → 401; a malformed `X-Backstop-*` or `Prefer` header → 400
-//! naming the header; unknown provider → 404; the provider's `secret_file` could not be read at
-//! start → 424 `credential_unavailable`; a body over the hard cap → 413; a request body that cannot be read → 400;
-//! a request body not received within the read timeout → 408 `request_timeout`; a method a
-//! backstop endpoint does not take → 405 `method_not_allowed` (with `Allow`); the
-//! gateway is shutting down → 503 with `Retry-After: 1` and `x-should-retry: true` (nothing was
-//! sent, so a retry is safe by construction).
+//! ## Problems of the door
+//!
+//! The request never became an action, or nothing was sent for it (`sent: false`):
+//!
+//! | problem | status | OpenAI SDK exception | Anthropic SDK exception | `x-should-retry` |
+//! |---|---|---|---|---|
+//! | `bad_header`, `bad_request` (a malformed `X-Backstop-*` or `Prefer` header, an unreadable body) | 400 | `BadRequestError` | `BadRequestError` | `false` |
+//! | `unauthorized` (missing or unknown agent token) | 401 | `AuthenticationError` | `AuthenticationError` | `false` |
+//! | `forbidden` (a token of the wrong role) | 403 | `PermissionDeniedError` | `PermissionDeniedError` | `false` |
+//! | `unknown_provider`, `not_found`, `action_not_found`, `task_not_found` | 404 | `NotFoundError` | `NotFoundError` | `false` |
+//! | `method_not_allowed` (with `Allow`) | 405 | `APIStatusError` | `APIStatusError` | `false` |
+//! | `request_timeout` (the body did not arrive within the read timeout) | 408 | `APIStatusError` | `RequestTimeoutError` | `false` |
+//! | `idempotency_key_in_flight` | 409 | `ConflictError` | `ConflictError` | `false` |
+//! | `body_too_large` | 413 | `APIStatusError` | `ContentTooLargeError` | `false` |
+//! | `idempotency_key_reused` | 422 | `UnprocessableEntityError` | `UnprocessableEntityError` | `false` |
+//! | `credential_unavailable` (the provider's `secret_file` could not be read at start) | 424 | `APIStatusError` | `APIStatusError` | `false` |
+//! | `store_error` (the store could not be read) | 500 | `InternalServerError` | `InternalServerError` | `false` |
+//! | `not_supported` | 501 | `InternalServerError` | `HTTPNotImplementedError` | `false` |
+//! | `shutting_down`, `store_unavailable` | 503 | `InternalServerError` | `ServiceUnavailableError` | `true` + `Retry-After: 1` with `sent: false`, else `false` |
+//!
+//! `x-should-retry: true` stays only where nothing reached the provider and a retry is safe by
+//! construction, case by case: the gateway shutting down (the request was not taken on, or its
+//! action stays open under its key and a same-key resend resumes it as that same action, once),
+//! and the store failing before any send (the same: nothing left, the action resumable). The
+//! client's retry is then the request's first chance at the provider, not a second layer of
+//! attempts. The engine adds one more case to the stop's answers: a read whose attempt was out
+//! when the gateway stopped is answered `true` with `Retry-After: 1` (a read changes nothing at
+//! the provider, and its action ends `cancelled` after the restart). A `store_error`, a
+//! `request_timeout` or any refusal of the request's content says `false`: the same request
+//! would be refused the same way.
+//!
+//! ## What common clients retry on
+//!
+//! Read from their sources (openai 3.60, anthropic 2.16, litellm 1.108, urllib3 2.8, tenacity
+//! 9.2):
+//! - **OpenAI and Anthropic SDKs** (`max_retries=2` by default): on an error status,
+//!   `x-should-retry: true` or `false` decides first; without it they retry 408, 409, 429 and every
+//!   status ≥ 500. They also retry connection errors and their own timeouts (600 s by default),
+//!   which carry no header. Between tries they sleep `retry-after-ms` or `Retry-After` (OpenAI up
+//!   to 120 s, and a longer `Retry-After` means no retry at all; Anthropic any), else 0.5 s
+//!   doubling up to 8 s, and send `x-stainless-retry-count`.
+//! - **LiteLLM**: `openai/…` models go through the OpenAI SDK with its `max_retries` (2 by
+//!   default), so the header is obeyed; `anthropic/…` models use LiteLLM's own HTTP client, which
+//!   does not retry. `num_retries` (per call or `litellm.num_retries`) becomes the SDK's
+//!   `max_retries` and adds LiteLLM's own loop (tenacity) that retries any `openai.APIError`,
+//!   timeout or connection error whatever the status and the header: leave it unset toward
+//!   backstop.
+//! - **urllib3 `Retry`** (a bare `PoolManager` uses `Retry(3)`; `requests` uses none unless an
+//!   adapter is mounted with `max_retries`): only methods in `allowed_methods` (by default `GET`,
+//!   `HEAD`, `PUT`, `DELETE`, `OPTIONS`, `TRACE` — not `POST`), on statuses in `status_forcelist`
+//!   (empty by default) and, since `respect_retry_after_header` is on by default, on a 413, 429
+//!   or 503 that carries `Retry-After`, after sleeping it. It never reads `x-should-retry`: a read
+//!   answered `429` with `Retry-After` is sent again after that delay. Toward backstop use
+//!   `Retry(total=0)`, or `respect_retry_after_header=False` without a `status_forcelist`.
+//! - **tenacity** retries whatever the decorator says, and reads no header; a bare `@retry`
+//!   retries every exception, forever, without waiting. Retry on connection errors if at all, not
+//!   on backstop's answers: `e.code` names the outcome and `x-should-retry: false` says that no
+//!   further attempt helps.
 //!
 //! ```
 //! use backstop_core::outcome::{NextSafe, Outcome, OutcomeContext};
@@ -74,7 +161,19 @@
 //! let problem = Problem::from_outcome(Outcome::BudgetExhausted, &context, "4 attempts used", now);
 //! assert_eq!(problem.status.as_u16(), 429);
 //! assert_eq!(problem.retry_after_seconds, Some(30));
-//! assert!(problem.should_retry);
+//! assert!(!problem.should_retry);
+//! assert_eq!(problem.body()["error"]["code"], "budget_exhausted");
+//! assert_eq!(problem.body()["error"]["message"], "4 attempts used");
+//!
+//! // The provider's own status of the last attempt is kept: Anthropic's 529 stays a 529.
+//! let context = OutcomeContext {
+//!     last_status: Some(529),
+//!     last_signal: Some("unavailable".into()),
+//!     ..context
+//! };
+//! let problem = Problem::from_outcome(Outcome::BudgetExhausted, &context, "overloaded", now);
+//! assert_eq!(problem.status.as_u16(), 529);
+//! assert_eq!(problem.body()["error"]["type"], "overloaded_error");
 //!
 //! let problem = Problem::from_outcome(Outcome::Rejected, &OutcomeContext::default(), "bad", now);
 //! assert_eq!(problem.status.as_u16(), 400);
@@ -432,11 +531,12 @@ impl Problem {
     }
 
     /// The problem for a gateway-made final outcome (SPEC §5), with the status of the module
-    /// table. The context becomes extension members: `outcome`, `sent`, `response_received`,
-    /// `attempts`, `total_wait_ms`, `last_status`, `last_signal`, `boundary` (RFC 3339 or null)
-    /// and `next_safe` (each option with its `description`). When `next_safe` has
-    /// `wait_until` and the outcome allows it, the answer is 429 with `Retry-After` = the
-    /// seconds from `now` to that instant, rounded up, at least 1.
+    /// table ([`outcome_status`]) and `x-should-retry: false`. The context becomes extension
+    /// members: `outcome`, `sent`, `response_received`, `attempts`, `total_wait_ms`,
+    /// `last_status`, `last_signal`, `boundary` (RFC 3339 or null) and `next_safe` (each option
+    /// with its `description`). When `next_safe` has `wait_until` and the outcome allows a
+    /// resend then ([`resend_advised_at`]), the answer carries `Retry-After` = the seconds from
+    /// `now` to that instant, rounded up, at least 1.
     pub fn from_outcome(
         outcome: Outcome,
         context: &OutcomeContext,
@@ -445,10 +545,7 @@ impl Problem {
     ) -> Problem {
         let retry_after_seconds =
             resend_advised_at(outcome, context).map(|at| seconds_until(now, at));
-        let status = match (retry_after_seconds, outcome) {
-            (Some(_), _) => StatusCode::TOO_MANY_REQUESTS,
-            (None, outcome) => outcome_status(outcome),
-        };
+        let status = outcome_status(outcome, context);
         let mut extensions = Map::new();
         extensions.insert("outcome".into(), Value::String(outcome.as_str().into()));
         extensions.insert("sent".into(), Value::Bool(context.sent));
@@ -482,7 +579,7 @@ impl Problem {
             title: outcome_title(outcome, context).to_owned(),
             detail: detail.into(),
             extensions,
-            should_retry: retry_after_seconds.is_some(),
+            should_retry: false,
             retry_after_seconds,
         }
     }
@@ -524,7 +621,8 @@ impl Problem {
         self
     }
 
-    /// The JSON body: `type`, `title`, `status`, `detail`, then the extension members.
+    /// The JSON body: `type`, `title`, `status`, `detail`, the extension members, then the SDKs'
+    /// error envelope `error` ([`error_envelope`]).
     pub fn body(&self) -> Value {
         let mut map = Map::new();
         map.insert(
@@ -537,9 +635,50 @@ impl Problem {
         for (key, value) in &self.extensions {
             map.insert(key.clone(), value.clone());
         }
+        map.insert(
+            "error".into(),
+            error_envelope(self.status, &self.name, &self.detail),
+        );
         Value::Object(map)
     }
 }
+
+/// The error envelope of the OpenAI and Anthropic APIs, which their SDKs read into the
+/// exception: `{"message": detail, "type": error_type(status), "code": name}` — `message` is
+/// backstop's reason (the problem's `detail`), `code` the problem name (`budget_exhausted`),
+/// `type` the kind of error ([`error_type`]). See the module docs for what each SDK makes of it.
+pub fn error_envelope(status: StatusCode, name: &str, detail: &str) -> Value {
+    json!({
+        "message": detail,
+        "type": error_type(status),
+        "code": name,
+    })
+}
+
+/// The envelope's `type` for a status, in the providers' vocabulary (Anthropic's `error.type`
+/// names, which OpenAI's SDK takes as free text): 400, 405, 410, 413, 415 and 422
+/// `invalid_request_error`; 401 `authentication_error`; 403 `permission_error`; 404
+/// `not_found_error`; 408 `timeout_error`; 409 `conflict_error`; 429 `rate_limit_error`; 529
+/// `overloaded_error`; any other status `api_error`.
+pub fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 | 405 | 410 | 413 | 415 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        408 => "timeout_error",
+        409 => "conflict_error",
+        429 => "rate_limit_error",
+        529 => "overloaded_error",
+        _ => "api_error",
+    }
+}
+
+/// Marks a response that backstop made itself (a problem, [`Problem::into_response`]), so that
+/// the door tells it from a provider's answer it passes on: a provider's non-2xx answer is given
+/// `x-should-retry: false`, backstop's own answer keeps the hint it was made with.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnAnswer;
 
 /// Who made a refused request, as far as it was authenticated: logged as `agent` or `operator`.
 #[derive(Debug, Clone, Copy, Default)]
@@ -594,6 +733,7 @@ impl IntoResponse for Problem {
         let body = serde_json::to_vec(&self.body()).unwrap_or_default();
         let mut response = Response::new(Body::from(body));
         *response.status_mut() = self.status;
+        response.extensions_mut().insert(OwnAnswer);
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         headers.insert(
@@ -613,13 +753,13 @@ impl IntoResponse for Problem {
     }
 }
 
-/// The instant from which a gateway-made outcome tells the agent to send the same request again
-/// (a write under the same `Idempotency-Key`): the `wait_until` of its context's `next_safe`,
-/// for the outcomes the module table answers `429` with one (`budget_exhausted`,
-/// `quota_exhausted`, `scope_saturated`); `None` for any other outcome or context. Exactly
-/// the answers [`Problem::from_outcome`] makes `429` + `Retry-After` + `x-should-retry: true`,
-/// and the finished writes a same-key resend reopens once the instant has come (see the module
-/// docs).
+/// The instant from which a gateway-made outcome tells the agent that sending the same request
+/// again is safe (a write under the same `Idempotency-Key`): the `wait_until` of its context's
+/// `next_safe`, for the outcomes that may wait for one (`budget_exhausted`, `quota_exhausted`,
+/// `scope_saturated`); `None` for any other outcome or context. Exactly the answers
+/// [`Problem::from_outcome`] gives a `Retry-After` (with `x-should-retry: false`: the resend
+/// is the agent's own choice, not its client's), and the finished writes a same-key resend
+/// reopens once the instant has come (see the module docs).
 pub fn resend_advised_at(outcome: Outcome, context: &OutcomeContext) -> Option<Timestamp> {
     let may_wait = matches!(
         outcome,
@@ -634,20 +774,40 @@ pub fn resend_advised_at(outcome: Outcome, context: &OutcomeContext) -> Option<T
     })
 }
 
-/// The status of an outcome without a safe later retry (the module table).
-pub fn outcome_status(outcome: Outcome) -> StatusCode {
+/// The status of a gateway-made outcome (the module table): `budget_exhausted`,
+/// `quota_exhausted` and `deadline_exhausted` answer the provider's error status of the action's
+/// last attempt when it got one ([`provider_status`]), else 429 as `scope_saturated` always
+/// does; `rejected` 400, `circuit_open` 403, `conflict` 422, `cancelled` 410,
+/// `reconciliation_required` and `escalated` 424, `succeeded` 200.
+pub fn outcome_status(outcome: Outcome, context: &OutcomeContext) -> StatusCode {
     match outcome {
         Outcome::Succeeded => StatusCode::OK,
         Outcome::Rejected => StatusCode::BAD_REQUEST,
-        Outcome::CircuitOpen | Outcome::QuotaExhausted => StatusCode::FORBIDDEN,
+        Outcome::CircuitOpen => StatusCode::FORBIDDEN,
         Outcome::Conflict => StatusCode::UNPROCESSABLE_ENTITY,
         Outcome::Cancelled => StatusCode::GONE,
-        Outcome::DeadlineExhausted
-        | Outcome::BudgetExhausted
-        | Outcome::ScopeSaturated
-        | Outcome::ReconciliationRequired
-        | Outcome::Escalated => StatusCode::FAILED_DEPENDENCY,
+        Outcome::BudgetExhausted | Outcome::QuotaExhausted | Outcome::DeadlineExhausted => {
+            provider_status(context).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
+        }
+        Outcome::ScopeSaturated => StatusCode::TOO_MANY_REQUESTS,
+        Outcome::ReconciliationRequired | Outcome::Escalated => StatusCode::FAILED_DEPENDENCY,
     }
+}
+
+/// The provider's error status (4xx or 5xx, Anthropic's 529 included) that the action's last
+/// attempt was answered with: its `last_status`, when its `last_signal` is a classified answer
+/// rather than a transport failure (`uncertain`, `not_sent`) or unknown. `None` when the last
+/// attempt got no answer — the `last_status` of an earlier attempt is not the last word then —
+/// or when nothing was answered at all.
+pub fn provider_status(context: &OutcomeContext) -> Option<StatusCode> {
+    let answered = context
+        .last_signal
+        .as_deref()
+        .is_some_and(|signal| !matches!(signal, "uncertain" | "not_sent"));
+    context
+        .last_status
+        .filter(|status| answered && (400..=599).contains(status))
+        .and_then(|status| StatusCode::from_u16(status).ok())
 }
 
 /// The problem's title: what happened, said of who decided it — a `rejected` outcome with
@@ -691,17 +851,157 @@ mod tests {
     }
 
     #[test]
-    fn no_gateway_outcome_uses_a_status_sdks_retry() {
-        let retried_by_sdks = [408, 409, 429, 500, 502, 503, 504];
+    fn every_gateway_outcome_says_no_retry_with_the_status_of_the_table() {
         for outcome in Outcome::ALL {
             let problem = Problem::from_outcome(outcome, &OutcomeContext::default(), "x", now());
-            assert!(
-                !retried_by_sdks.contains(&problem.status.as_u16()),
-                "{outcome} answers {}",
-                problem.status
-            );
+            let expected = match outcome {
+                Outcome::Succeeded => 200,
+                Outcome::Rejected => 400,
+                Outcome::CircuitOpen => 403,
+                Outcome::Conflict => 422,
+                Outcome::Cancelled => 410,
+                Outcome::BudgetExhausted
+                | Outcome::QuotaExhausted
+                | Outcome::ScopeSaturated
+                | Outcome::DeadlineExhausted => 429,
+                Outcome::ReconciliationRequired | Outcome::Escalated => 424,
+            };
+            assert_eq!(problem.status.as_u16(), expected, "{outcome}");
             assert!(!problem.should_retry, "{outcome}");
             assert_eq!(problem.retry_after_seconds, None);
+            let response = problem.into_response();
+            assert_eq!(response.headers()["x-should-retry"], "false", "{outcome}");
+            assert!(response.headers().get(header::RETRY_AFTER).is_none());
+        }
+    }
+
+    #[test]
+    fn a_429_problem_says_no_retry_and_keeps_its_retry_after() {
+        let at: Timestamp = "2026-01-01T00:00:30Z".parse().unwrap();
+        let context = OutcomeContext {
+            sent: true,
+            response_received: true,
+            attempts: 3,
+            last_status: Some(429),
+            last_signal: Some("rate_limited".into()),
+            boundary: Some(at),
+            next_safe: vec![NextSafe::WaitUntil { at }, NextSafe::Abort],
+            ..OutcomeContext::default()
+        };
+        let response =
+            Problem::from_outcome(Outcome::BudgetExhausted, &context, "3 attempts", now())
+                .into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()["x-should-retry"], "false");
+        assert_eq!(response.headers()[header::RETRY_AFTER], "30");
+        assert!(response.extensions().get::<OwnAnswer>().is_some());
+    }
+
+    #[test]
+    fn the_provider_status_of_the_last_attempt_is_kept_for_budget_outcomes() {
+        let after = |status: u16, signal: &str| OutcomeContext {
+            sent: true,
+            response_received: true,
+            attempts: 3,
+            last_status: Some(status),
+            last_signal: Some(signal.into()),
+            ..OutcomeContext::default()
+        };
+        for (outcome, status, signal) in [
+            (Outcome::BudgetExhausted, 529, "unavailable"),
+            (Outcome::BudgetExhausted, 503, "unavailable"),
+            (Outcome::BudgetExhausted, 500, "transient"),
+            (Outcome::BudgetExhausted, 408, "transient"),
+            (Outcome::DeadlineExhausted, 503, "unavailable"),
+            (Outcome::QuotaExhausted, 403, "quota_exhausted"),
+        ] {
+            let problem = Problem::from_outcome(outcome, &after(status, signal), "x", now());
+            assert_eq!(problem.status.as_u16(), status, "{outcome} after {status}");
+            assert!(!problem.should_retry);
+            assert_eq!(problem.body()["status"], status);
+        }
+        let overloaded = Problem::from_outcome(
+            Outcome::BudgetExhausted,
+            &after(529, "unavailable"),
+            "x",
+            now(),
+        );
+        assert_eq!(overloaded.body()["error"]["type"], "overloaded_error");
+        // The last attempt got no answer (a timeout after an earlier 503): not the provider's
+        // word, so the outcome's own status.
+        for signal in ["uncertain", "not_sent"] {
+            let problem =
+                Problem::from_outcome(Outcome::BudgetExhausted, &after(503, signal), "x", now());
+            assert_eq!(problem.status, StatusCode::TOO_MANY_REQUESTS, "{signal}");
+        }
+        let unknown = OutcomeContext {
+            last_signal: None,
+            ..after(503, "unavailable")
+        };
+        let problem = Problem::from_outcome(Outcome::BudgetExhausted, &unknown, "x", now());
+        assert_eq!(problem.status, StatusCode::TOO_MANY_REQUESTS);
+        // Other outcomes keep their own status whatever the provider last answered.
+        for outcome in [
+            Outcome::ScopeSaturated,
+            Outcome::Escalated,
+            Outcome::ReconciliationRequired,
+            Outcome::CircuitOpen,
+            Outcome::Cancelled,
+        ] {
+            let problem = Problem::from_outcome(outcome, &after(503, "unavailable"), "x", now());
+            assert_ne!(problem.status.as_u16(), 503, "{outcome}");
+        }
+    }
+
+    #[test]
+    fn every_problem_carries_the_sdk_error_envelope() {
+        let problem = Problem::from_outcome(
+            Outcome::Escalated,
+            &OutcomeContext::default(),
+            "a human decides whether the refund is sent again",
+            now(),
+        );
+        let body = problem.body();
+        assert_eq!(body["type"], "urn:backstop:problem:escalated");
+        assert_eq!(
+            body["error"],
+            json!({
+                "message": "a human decides whether the refund is sent again",
+                "type": "api_error",
+                "code": "escalated",
+            })
+        );
+        let body = Problem::unauthorized("no token").body();
+        assert_eq!(body["error"]["message"], "no token");
+        assert_eq!(body["error"]["type"], "authentication_error");
+        assert_eq!(body["error"]["code"], "unauthorized");
+        let at: Timestamp = "2026-01-01T00:00:05Z".parse().unwrap();
+        let context = OutcomeContext {
+            next_safe: vec![NextSafe::WaitUntil { at }],
+            ..OutcomeContext::default()
+        };
+        let body = Problem::from_outcome(Outcome::ScopeSaturated, &context, "full", now()).body();
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+        assert_eq!(body["error"]["code"], "scope_saturated");
+    }
+
+    #[test]
+    fn envelope_types_follow_the_status() {
+        for (status, kind) in [
+            (400, "invalid_request_error"),
+            (401, "authentication_error"),
+            (403, "permission_error"),
+            (404, "not_found_error"),
+            (408, "timeout_error"),
+            (409, "conflict_error"),
+            (410, "invalid_request_error"),
+            (422, "invalid_request_error"),
+            (424, "api_error"),
+            (429, "rate_limit_error"),
+            (503, "api_error"),
+            (529, "overloaded_error"),
+        ] {
+            assert_eq!(error_type(StatusCode::from_u16(status).unwrap()), kind);
         }
     }
 
@@ -726,7 +1026,7 @@ mod tests {
     }
 
     #[test]
-    fn wait_until_makes_an_honest_429_only_where_waiting_helps() {
+    fn wait_until_gives_an_honest_retry_after_only_where_waiting_helps() {
         let at: Timestamp = "2026-01-01T00:00:09.200Z".parse().unwrap();
         let context = OutcomeContext {
             next_safe: vec![NextSafe::WaitUntil { at }],
@@ -738,9 +1038,11 @@ mod tests {
                 outcome,
                 Outcome::BudgetExhausted | Outcome::QuotaExhausted | Outcome::ScopeSaturated
             );
-            assert_eq!(problem.status == StatusCode::TOO_MANY_REQUESTS, waits);
+            let rate = waits || outcome == Outcome::DeadlineExhausted;
+            assert_eq!(problem.status == StatusCode::TOO_MANY_REQUESTS, rate);
             assert_eq!(problem.retry_after_seconds, waits.then_some(10));
-            assert_eq!(problem.should_retry, waits);
+            assert_eq!(resend_advised_at(outcome, &context).is_some(), waits);
+            assert!(!problem.should_retry);
         }
     }
 
@@ -780,6 +1082,11 @@ mod tests {
         assert_eq!(body["last_status"], 503);
         assert_eq!(body["last_signal"], "unavailable");
         assert_eq!(body["boundary"], "2026-01-01T00:01:00Z");
+        assert_eq!(body["error"]["code"], "reconciliation_required");
+        assert_eq!(
+            body["error"]["message"],
+            "the connection was reset after the request was written"
+        );
         assert_eq!(body["next_safe"][0]["option"], "query_status");
         assert!(body["next_safe"][0]["description"]
             .as_str()

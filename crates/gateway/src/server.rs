@@ -1367,13 +1367,16 @@ mod tests {
             .body(Body::empty())
             .unwrap();
         let (parts, body) = call(state, request).await;
-        assert_eq!(parts.status, 424);
+        assert_eq!(parts.status, 429);
         assert_eq!(parts.headers["content-type"], "application/problem+json");
         assert_eq!(parts.headers["x-should-retry"], "false");
+        assert!(parts.headers.get("retry-after").is_none());
         assert_eq!(parts.headers["backstop-action-id"], "9");
         assert_eq!(parts.headers["backstop-attempts"], "4");
         let body = json(&body);
         assert_eq!(body["outcome"], "budget_exhausted");
+        assert_eq!(body["error"]["code"], "budget_exhausted");
+        assert_eq!(body["error"]["message"], "4 of 4 attempts used");
         assert_eq!(body["attempts"], 4);
         assert_eq!(body["action_id"], 9);
     }

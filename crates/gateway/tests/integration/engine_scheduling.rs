@@ -259,7 +259,8 @@ async fn scope_saturated_tells_the_agent_to_come_back_at_the_scope_boundary() {
         "{:?}",
         context.next_safe
     );
-    // Answered 429 with Retry-After in whole seconds, rounded up: 30 s − 2.5 s → 28.
+    // Answered 429 with Retry-After in whole seconds, rounded up: 30 s − 2.5 s → 28, and
+    // `x-should-retry: false`: the agent's client does not send it again by itself.
     let problem = backstop_gateway::problem::Problem::from_outcome(
         *outcome,
         context,
@@ -268,7 +269,7 @@ async fn scope_saturated_tells_the_agent_to_come_back_at_the_scope_boundary() {
     );
     assert_eq!(problem.status.as_u16(), 429);
     assert_eq!(problem.retry_after_seconds, Some(28));
-    assert!(problem.should_retry);
+    assert!(!problem.should_retry);
     for handle in [first, b, c] {
         assert_eq!(summary(&handle.await.unwrap()), "200");
     }

@@ -54,9 +54,15 @@ async fn the_fakes_insufficient_quota_is_quota_exhausted_not_a_retried_rate_limi
         .await
         .expect("chat call");
     assert_eq!(response.headers()["backstop-attempts"], "1");
+    // The provider's own 429 is kept, with `x-should-retry: false`: the SDK does not send it
+    // again, and its exception reads backstop's reason.
+    assert_eq!(response.headers()["x-should-retry"], "false");
     let (status, problem) = json_of(response).await;
-    assert_eq!(status, 403, "{problem}");
+    assert_eq!(status, 429, "{problem}");
     assert_eq!(problem["outcome"], "quota_exhausted", "{problem}");
+    assert_eq!(problem["error"]["code"], "quota_exhausted", "{problem}");
+    assert_eq!(problem["error"]["type"], "rate_limit_error", "{problem}");
+    assert_eq!(problem["error"]["message"], problem["detail"], "{problem}");
     assert_eq!(problem["last_status"], 429, "{problem}");
     assert_eq!(problem["last_signal"], "quota_exhausted", "{problem}");
     assert_eq!(

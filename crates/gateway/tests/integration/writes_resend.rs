@@ -1,5 +1,6 @@
 //! A same-key resend of a finished write that backstop's own answer told to come back (`429` +
-//! `Retry-After` + `x-should-retry: true`, or an operator's `wait` on the escalation opened
+//! `Retry-After`, with `x-should-retry: false` so that only the agent's explicit resend comes
+//! back, not its client's own retry; or an operator's `wait` on the escalation opened
 //! beside its outcome): replayed before the advised instant, reopened and sent as the same
 //! action under the same key from it on — after the SPEC §6 rule when the last attempt is
 //! uncertain — and replayed as before for every other outcome. Sends are counted at the scripted
@@ -111,7 +112,7 @@ async fn a_write_told_to_wait_is_sent_again_under_its_key_once_the_instant_has_c
             told.retry_after_seconds,
             told.should_retry
         ),
-        (429, Some(11), true)
+        (429, Some(11), false)
     );
 
     // Before the instant: the outcome is replayed with the Retry-After left; nothing is sent.
@@ -287,8 +288,16 @@ async fn an_operators_abort_keeps_the_outcome_and_the_resend_is_not_told_to_come
     let (outcome, context, _) = outcome_of(&resent);
     assert_eq!(outcome, Outcome::BudgetExhausted);
     assert_eq!(wait_until(&context), None, "{context:?}");
+    // The provider's 429 is still the status, but without a Retry-After: no instant is promised.
     let told = problem(&resent, h.clock_now());
-    assert_eq!((told.status.as_u16(), told.should_retry), (424, false));
+    assert_eq!(
+        (
+            told.status.as_u16(),
+            told.retry_after_seconds,
+            told.should_retry
+        ),
+        (429, None, false)
+    );
     assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
     assert!(reopens(&h, id).is_empty());
 }
@@ -317,7 +326,8 @@ async fn uncertain_then_told_to_wait(h: &Harness, key: &str) -> (i64, Timestamp)
     assert_eq!(context.last_signal.as_deref(), Some("uncertain"));
     let advised = wait_until(&context).expect("a retry under the same key was advised");
     let told = problem(&first, h.clock_now());
-    assert_eq!((told.status.as_u16(), told.should_retry), (429, true));
+    assert_eq!((told.status.as_u16(), told.should_retry), (429, false));
+    assert!(told.retry_after_seconds.is_some());
     (first.receipt().action_id, advised)
 }
 
@@ -499,7 +509,8 @@ async fn a_write_refused_by_pacing_alone_is_told_when_and_sent_by_its_resend_the
     let at = wait_until(&context).expect("the pacer's instant is known");
     assert!(at > h.clock_now());
     let told = problem(&answered, h.clock_now());
-    assert_eq!((told.status.as_u16(), told.should_retry), (429, true));
+    assert_eq!((told.status.as_u16(), told.should_retry), (429, false));
+    assert!(told.retry_after_seconds.is_some());
 
     advance(Duration::try_from(at.duration_since(h.clock_now())).unwrap()).await;
     let resent = h.engine.execute(paced(&key)).await;
@@ -613,7 +624,7 @@ async fn a_background_resend_runs_nothing_before_the_advised_instant_and_the_wri
             told.retry_after_seconds,
             told.should_retry
         ),
-        (429, Some(6), true),
+        (429, Some(6), false),
         "as the resend without the preference is answered"
     );
     assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
@@ -786,7 +797,7 @@ async fn an_uncertain_write_resent_after_the_advised_delay_goes_out_under_the_sa
 
     let first = post(&gateway, "/v1/transfers", "tr-same-1").await;
     assert_eq!(first.status(), 429);
-    assert_eq!(first.headers()["x-should-retry"], "true");
+    assert_eq!(first.headers()["x-should-retry"], "false");
     let wait: u64 = first.headers()["retry-after"]
         .to_str()
         .unwrap()
@@ -797,7 +808,8 @@ async fn an_uncertain_write_resent_after_the_advised_delay_goes_out_under_the_sa
     assert_eq!(body["last_signal"], "uncertain", "{body}");
     assert_eq!(on_route(&fake.attempts(), "POST", "/v1/transfers").len(), 1);
 
-    // As an SDK does: wait the Retry-After, then send the same request under the same key.
+    // As an agent that resends explicitly does (its SDK does not, told `x-should-retry: false`):
+    // wait the Retry-After, then send the same request under the same key.
     tokio::time::sleep(Duration::from_secs(wait)).await;
     let resent = post(&gateway, "/v1/transfers", "tr-same-1").await;
     assert_eq!(resent.status(), 201, "{:?}", resent.headers());
@@ -860,7 +872,7 @@ async fn a_respond_async_resend_is_told_to_wait_then_accepted_and_really_sent() 
 
     let early = send("wait=0, respond-async").await.expect("early");
     assert_eq!(early.status(), 429, "{:?}", early.headers());
-    assert_eq!(early.headers()["x-should-retry"], "true");
+    assert_eq!(early.headers()["x-should-retry"], "false");
     assert_eq!(early.headers()["idempotent-replayed"], "true");
     assert!(early.headers().contains_key("retry-after"));
     assert!(!early.headers().contains_key("location"));
@@ -904,7 +916,7 @@ async fn an_operators_wait_on_an_exhausted_quota_lets_the_same_key_resend_go_out
     let gateway = start_gateway(&fake.url(), dir.path()).await;
 
     let first = post(&gateway, "/v1/orders", "order-wait-1").await;
-    assert_eq!(first.status(), 403);
+    assert_eq!(first.status(), 429);
     let id = support::action_id(&first);
     let (_, body) = json_of(first).await;
     assert_eq!(body["outcome"], "quota_exhausted", "{body}");
@@ -914,7 +926,7 @@ async fn an_operators_wait_on_an_exhausted_quota_lets_the_same_key_resend_go_out
 
     // Undecided: the resend replays the outcome, nothing is sent.
     let early = post(&gateway, "/v1/orders", "order-wait-1").await;
-    assert_eq!(early.status(), 403);
+    assert_eq!(early.status(), 429);
     assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 1);
 
     let (status, decided) = support::decide(
@@ -960,7 +972,7 @@ async fn an_operators_wait_on_an_exhausted_quota_lets_the_same_key_resend_go_out
 
 /// Many same-key resends at once after the operator's `wait`: one reopens and sends the write;
 /// every other one joins it, is told it is in flight (`409`), or — once the send has ended —
-/// gets its new outcome replayed. None gets the stale `403 quota_exhausted` of before the
+/// gets its new outcome replayed. None gets the stale `429 quota_exhausted` of before the
 /// decision: a resend that finds the decision used (an attempt after it) while it still holds
 /// the outcome it read first answers as the action stands now, never with that old outcome
 /// (an agent told `quota_exhausted` might send the write again under a new key). Six rounds,
@@ -989,7 +1001,7 @@ async fn concurrent_resends_after_a_decision_never_replay_the_outcome_it_set_asi
     for round in 0..ROUNDS {
         let key = format!("order-race-{round}");
         let first = post(&gateway, "/v1/orders", &key).await;
-        assert_eq!(first.status(), 403, "round {round}");
+        assert_eq!(first.status(), 429, "round {round}");
         let id = support::action_id(&first);
         let escalation = support::open_escalation_of(&gateway, OPERATOR_TOKEN, id).await;
         let escalation = escalation["id"].as_i64().expect("id");
@@ -1114,10 +1126,10 @@ async fn an_operators_decision_on_the_scopes_quota_escalation_lets_every_write_o
     let gateway = start_gateway(&fake.url(), dir.path()).await;
 
     let first = post(&gateway, "/v1/orders", "order-scope-1").await;
-    assert_eq!(first.status(), 403);
+    assert_eq!(first.status(), 429);
     let first_id = support::action_id(&first);
     let second = post(&gateway, "/v1/orders", "order-scope-2").await;
-    assert_eq!(second.status(), 403);
+    assert_eq!(second.status(), 429);
     let second_id = support::action_id(&second);
     let (_, body) = json_of(second).await;
     assert!(
@@ -1131,7 +1143,7 @@ async fn an_operators_decision_on_the_scopes_quota_escalation_lets_every_write_o
 
     // Undecided: the second write's resend replays, nothing is sent.
     let early = post(&gateway, "/v1/orders", "order-scope-2").await;
-    assert_eq!(early.status(), 403);
+    assert_eq!(early.status(), 429);
     assert_eq!(on_route(&fake.attempts(), "POST", "/v1/orders").len(), 2);
 
     let (status, decided) = support::decide(
