@@ -34,9 +34,10 @@
 //! runs nothing (a replay) is answered as without the preference. `Prefer: wait=N` caps the total waiting of the action; `wait=0`
 //! still sends an attempt that needs no waiting.
 //! 7. Answers with the engine's [`Execution`]: the provider's response (hop-by-hop headers
-//!    removed, the body streamed through unbuffered — SSE arrives as produced), or a problem for
-//!    a gateway-made outcome. Every answer carries `Backstop-Action-Id`, `Backstop-Attempts`
-//!    and `Backstop-Task`.
+//!    removed, the body streamed through unbuffered — SSE arrives as produced; a non-2xx one
+//!    with `x-should-retry: false`, set or overriding the provider's own, since the action ended
+//!    with it), or a problem for a gateway-made outcome. Every answer carries
+//!    `Backstop-Action-Id`, `Backstop-Attempts` and `Backstop-Task`.
 //!
 //! Header names are case-insensitive (RFC 9110 §5.1); values of the `X-Backstop-*` headers are
 //! read as given, with surrounding whitespace ignored.
@@ -101,6 +102,8 @@ const ATTEMPTS: HeaderName = HeaderName::from_static(ATTEMPTS_HEADER);
 const TASK_ECHO: HeaderName = HeaderName::from_static(TASK_ECHO_HEADER);
 const SINGLE_ATTEMPT: HeaderName = HeaderName::from_static(SINGLE_ATTEMPT_HEADER);
 const IDEMPOTENCY: HeaderName = HeaderName::from_static(IDEMPOTENCY_KEY);
+/// `x-should-retry`, the retry hint the OpenAI and Anthropic SDKs obey before their own rules.
+const SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 /// The request headers backstop reads, as names, so looking them up parses nothing.
 const TASK: HeaderName = HeaderName::from_static(TASK_HEADER);
 const PRIORITY: HeaderName = HeaderName::from_static(PRIORITY_HEADER);
@@ -1331,6 +1334,7 @@ pub(crate) fn render(
             mut response,
         } => {
             strip_hop_by_hop(response.headers_mut());
+            no_second_retry(&mut response);
             let mut response = response.into_response();
             response
                 .extensions_mut()
@@ -1384,6 +1388,26 @@ pub(crate) fn render(
     }
 }
 
+/// `x-should-retry: false` on a provider's non-2xx answer passed on — set, or overriding the
+/// provider's own `true`: the action ended with it, so backstop decided that no further attempt
+/// follows, and a client's own retry would be a second retry layer (SPEC §11). An answer
+/// backstop made itself ([`crate::problem::OwnAnswer`]: an engine-made problem, such as a stop's
+/// `503 shutting_down` for a read) keeps the hint it was made with; a copy of one shared
+/// between coalesced reads has lost that mark and says `false` (the conservative side).
+fn no_second_retry(response: &mut Response) {
+    if response.status().is_success()
+        || response
+            .extensions()
+            .get::<crate::problem::OwnAnswer>()
+            .is_some()
+    {
+        return;
+    }
+    response
+        .headers_mut()
+        .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
+}
+
 /// A duplicated `Authorization` header is a malformed request (400 `bad_header`), every other
 /// [`AuthError`] a 401.
 impl From<AuthError> for Problem {
@@ -1411,6 +1435,39 @@ mod tests {
             );
         }
         map
+    }
+
+    #[test]
+    fn provider_error_answers_passed_on_say_no_retry() {
+        let provider = |status: u16, hint: Option<&str>| {
+            let mut response = Response::new(Body::empty());
+            *response.status_mut() = StatusCode::from_u16(status).unwrap();
+            if let Some(hint) = hint {
+                response
+                    .headers_mut()
+                    .insert("x-should-retry", HeaderValue::from_str(hint).unwrap());
+            }
+            no_second_retry(&mut response);
+            response
+                .headers()
+                .get("x-should-retry")
+                .map(|v| v.to_str().unwrap().to_owned())
+        };
+        for status in [400, 404, 409, 422, 429, 500, 503, 529] {
+            assert_eq!(provider(status, None).as_deref(), Some("false"), "{status}");
+            assert_eq!(
+                provider(status, Some("true")).as_deref(),
+                Some("false"),
+                "{status}"
+            );
+        }
+        // A success is the provider's, untouched.
+        assert_eq!(provider(200, None), None);
+        assert_eq!(provider(201, Some("true")).as_deref(), Some("true"));
+        // backstop's own answer keeps the hint it was made with.
+        let mut own = Problem::shutting_down().into_response();
+        no_second_retry(&mut own);
+        assert_eq!(own.headers()["x-should-retry"], "true");
     }
 
     #[test]

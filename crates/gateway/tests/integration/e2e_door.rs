@@ -530,6 +530,152 @@ async fn bad_inputs_get_problems_and_nothing_is_sent() {
     fake.shutdown().await;
 }
 
+/// The answer's status, `x-should-retry` and JSON body.
+async fn answered(response: reqwest::Response) -> (u16, Option<String>, serde_json::Value) {
+    let status = response.status().as_u16();
+    let hint = response
+        .headers()
+        .get("x-should-retry")
+        .map(|v| v.to_str().expect("ascii").to_owned());
+    let text = response.text().await.expect("body");
+    (
+        status,
+        hint,
+        serde_json::from_str(&text).expect("json body"),
+    )
+}
+
+/// A provider's 409 ends the write (`conflict`) and is passed on as the provider sent it, with
+/// `x-should-retry: false`: an SDK that retries 409 by its status obeys the header first, so the
+/// provider sees the call once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_providers_409_is_passed_on_with_no_retry() {
+    let fake = fake(vec![RouteConfig::new(
+        "POST /v1/transfers",
+        Handler::default(),
+    )
+    .with_script([Fault::Status {
+        status: 409,
+        retry_after: None,
+        body: Some(serde_json::json!({"error": {"code": "conflict", "message": "locked"}})),
+    }])]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let response = client()
+        .post(format!("http://{}/fake/v1/transfers", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":5}"#)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.headers()["backstop-attempts"], "1");
+    let (status, hint, body) = answered(response).await;
+    assert_eq!((status, hint.as_deref()), (409, Some("false")), "{body}");
+    assert_eq!(
+        body["error"]["message"], "locked",
+        "the provider's own body"
+    );
+    assert_eq!(fake.attempts().len(), 1);
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+/// A read answered 503 on every attempt ends `budget_exhausted` after the class's attempts; the
+/// answer keeps the provider's 503 (the SDKs' `InternalServerError`/`ServiceUnavailableError`),
+/// says `x-should-retry: false`, and its error envelope reads backstop's reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_503_keeps_its_status_and_says_no_retry() {
+    let unavailable = || Fault::Status {
+        status: 503,
+        retry_after: None,
+        body: None,
+    };
+    let fake = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )
+    .with_script([unavailable(), unavailable(), unavailable(), unavailable()])]);
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let response = client()
+        .get(format!("http://{}/fake/v1/items/7", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.headers()["backstop-attempts"], "4");
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let (status, hint, body) = answered(response).await;
+    assert_eq!((status, hint.as_deref()), (503, Some("false")), "{body}");
+    assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+    assert_eq!(body["last_status"], 503, "{body}");
+    assert_eq!(body["status"], 503, "{body}");
+    assert_eq!(body["error"]["code"], "budget_exhausted", "{body}");
+    assert_eq!(body["error"]["type"], "api_error", "{body}");
+    assert_eq!(body["error"]["message"], body["detail"], "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("attempts")),
+        "{body}"
+    );
+    assert_eq!(fake.attempts().len(), 4);
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
+/// Anthropic's 529 (overloaded) answered to the last attempt stays a 529 when the action ends
+/// `budget_exhausted` — the SDK's `OverloadedError`, not a `RateLimitError` — with
+/// `x-should-retry: false` and the `overloaded_error` envelope type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_exhausted_after_a_529_answers_529() {
+    let overloaded = || Fault::Status {
+        status: 529,
+        retry_after: None,
+        body: Some(
+            serde_json::json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+        ),
+    };
+    let fake = fake(vec![RouteConfig::new(
+        "GET /v1/items/{id}",
+        Handler::default(),
+    )
+    .with_script([overloaded(), overloaded()])]);
+    let policy = support::policy_yaml(
+        &fake.url(),
+        "agents:\n  test-agent: { token_env: TEST_AGENT_TOKEN }\nrequest_classes:\n  read: { max_attempts: 2, max_wait_seconds: 30, retry_statuses: [529] }\n",
+        "    routes:\n      \"GET /v1/items/{id}\": { class: read, scopes: [account] }\n",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = support::start_gateway(
+        &policy,
+        "e2e-529.yaml",
+        &env,
+        support::serve_options(dir.path(), 7),
+    )
+    .await;
+    let response = client()
+        .get(format!("http://{}/fake/v1/items/7", gateway.addr))
+        .bearer_auth(AGENT_TOKEN)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.headers()["backstop-attempts"], "2");
+    let (status, hint, body) = answered(response).await;
+    assert_eq!((status, hint.as_deref()), (529, Some("false")), "{body}");
+    assert_eq!(body["outcome"], "budget_exhausted", "{body}");
+    assert_eq!(body["last_status"], 529, "{body}");
+    assert_eq!(body["error"]["type"], "overloaded_error", "{body}");
+    assert_eq!(body["error"]["code"], "budget_exhausted", "{body}");
+    assert_eq!(fake.attempts().len(), 2);
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
+
 /// The curl command of docs/gateway.md ("A first call"), verbatim.
 const DOCUMENTED_CURL: &str = r#"curl -sS -i http://127.0.0.1:8080/fake/v1/items/7 -H "Authorization: Bearer $BACKSTOP_TOKEN" -H "X-Backstop-Task: run-42""#;
 
