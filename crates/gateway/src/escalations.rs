@@ -16,7 +16,8 @@
 //! | `POST /v1/escalations/{id}/reveal` | always `404 payload_not_stored`, audited (see below) |
 //!
 //! Errors are RFC 9457 `application/problem+json` bodies with `type`
-//! `urn:backstop:problem:<name>` and `x-should-retry: false`: 401 `unauthorized` (no or unknown
+//! `urn:backstop:problem:<name>`, the SDKs' error envelope `error: {message, type, code}` (as
+//! every problem, see [`crate::problem`]) and `x-should-retry: false`: 401 `unauthorized` (no or unknown
 //! operator token), 403 `forbidden` (an agent's token, under the gateway's router), 400
 //! `bad_header` (two `Authorization` headers), 404 `escalation_not_found`, 400 `bad_decision` (body is not a decision),
 //! 409 `already_decided`, 409 `request_not_held` (the decision is recorded — for
@@ -261,6 +262,10 @@ impl IntoResponse for ApiProblem {
             for (name, value) in self.extensions {
                 members.entry(name).or_insert(value);
             }
+            members.insert(
+                "error".into(),
+                crate::problem::error_envelope(self.status, self.name, &self.detail),
+            );
         }
         let mut response = (self.status, body.to_string()).into_response();
         response.extensions_mut().insert(RefusedHere {
@@ -702,6 +707,26 @@ fn case_str_nested<'a>(case_file: &'a Value, pointer: &str) -> &'a str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn problems_carry_the_sdk_error_envelope_and_say_no_retry() {
+        let response = ApiProblem::not_found("7").into_response();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+        assert_eq!(response.headers()["x-should-retry"], "false");
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["type"], "urn:backstop:problem:escalation_not_found");
+        assert_eq!(
+            body["error"],
+            json!({
+                "message": "escalation `7` does not exist",
+                "type": "not_found_error",
+                "code": "escalation_not_found",
+            })
+        );
+    }
 
     #[test]
     fn decisions_are_objects_with_known_members_only() {
