@@ -204,20 +204,39 @@ def test_a_stream_whose_first_call_is_a_429_is_streamed_after_one_retry(make_sta
     assert_attempts(stack, CHAT_ROUTE, 2)
 
 
-def test_an_sdk_timeout_shorter_than_backstops_starts_one_completion(make_stack):
-    # The completion takes 2.5 s; the SDK gives each of its attempts 1 s and retries twice.
-    stack = make_stack(chat={"script": [{"kind": "slow", "hold_ms": 2500}]})
+# The SDK's own timeout shorter than the completion: `OpenAI(timeout=1.0)` with its default two
+# retries. The SDK's attempt 1 gives up at 1 s, attempt 2 starts 0.375-0.5 s later and gives up
+# 1 s after that (2.375-2.5 s), attempt 3 starts 0.75-1 s later (3.125-3.5 s). Each hold below
+# falls clear of those edges, so each test exercises one case, not a race between the two.
+
+
+def sdk_timeout_call(stack: Stack):
     client = openai_client(stack, timeout=1.0)
     result = outcome_of(stack, lambda: client.chat.completions.create(model="gpt-fake", messages=MESSAGES))
-    got = exchange(result) if isinstance(result, Exception) else "a completion"
-    stack.notes.append(f"SDK got {got}")
+    stack.notes.append(f"SDK got {exchange(result) if isinstance(result, Exception) else 'a completion'}")
     attempts = stack.settled_attempts(CHAT_ROUTE, quiet=1.5)
-    escalations = stack.open_escalations()
     assert len(attempts) == 1, (
         f"the provider started {len(attempts)} completions for one SDK call\n{stack.describe(CHAT_ROUTE)}"
     )
+    escalations = stack.open_escalations()
     assert escalations == [], f"a completion was escalated: {escalations}\n{stack.describe()}"
-    # The SDK gets the one completion, or gives up on its own timeout; nothing else.
+    return result
+
+
+def test_an_sdk_resend_after_its_own_timeout_joins_the_completion_in_flight(make_stack):
+    # 2 s: the completion ends while the SDK's attempt 2 (1.375-2.5 s) waits for it.
+    stack = make_stack(chat={"script": [{"kind": "slow", "hold_ms": 2000}]})
+    result = sdk_timeout_call(stack)
+    assert not isinstance(result, Exception), f"the SDK's attempt 2 was there to get it\n{stack.describe()}"
+    assert result.choices[0].message.content == COMPLETION_TEXT, stack.describe()
+
+
+def test_an_sdk_resend_after_the_completion_ended_unseen_starts_no_second_one(make_stack):
+    # 2.8 s: the SDK's attempt 2 has given up (by 2.5 s) and attempt 3 comes later (3.125 s or
+    # after): the completion ended with no caller to take it, and the SDK sends it once more.
+    stack = make_stack(chat={"script": [{"kind": "slow", "hold_ms": 2800}]})
+    result = sdk_timeout_call(stack)
+    # The SDK gets that completion, or gives up on its own timeout; nothing else.
     if isinstance(result, Exception):
         assert_raised(result, openai.APITimeoutError, stack)
     else:
