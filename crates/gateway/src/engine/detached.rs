@@ -15,7 +15,9 @@
 //!   single waiter, buffered and copied when several wait).
 //! - **Caller gone.** A caller that goes away leaves the call running for [`CALLER_GRACE`], so a
 //!   re-send after the client's own timeout can join it; with nobody joining within the grace
-//!   the call is dropped, which cancels its attempt (the provider stops spending tokens).
+//!   the call is dropped, which cancels its attempt (the provider stops spending tokens). An
+//!   answer that arrives while nobody waits is kept for [`CALLER_GRACE`] and given to the first
+//!   re-send of the same call.
 //!
 //! Both kinds of re-send are counted in `backstop_client_resends_total{handling}`. Headers such
 //! as `x-stainless-retry-count` are not read: the fingerprint is the mechanism.
@@ -54,10 +56,12 @@ pub(super) struct Detached {
     finals: Mutex<HashMap<String, Kept>>,
 }
 
-/// A final answer kept for re-sends until `until`.
+/// A final answer kept for re-sends until `until`; `once`: an answer nobody received, given
+/// to the first re-send only.
 struct Kept {
     until: Timestamp,
     answer: Shared,
+    once: bool,
 }
 
 /// One call in flight: who waits for it, and the task running it.
@@ -175,6 +179,9 @@ impl Engine {
         let now = self.inner.clock.now();
         let mut finals = lock(&self.inner.detached.finals);
         finals.retain(|_, kept| kept.until > now);
+        if finals.get(key).is_some_and(|kept| kept.once) {
+            return finals.remove(key).map(|kept| kept.answer);
+        }
         finals.get(key).map(|kept| kept.answer.clone())
     }
 
@@ -220,10 +227,16 @@ impl Engine {
             .into_iter()
             .filter(|w| !w.is_closed())
             .collect();
-        if !final_failure && waiters.len() <= 1 {
+        if !final_failure && waiters.len() == 1 {
             if let Some(waiter) = waiters.pop() {
                 let _ = waiter.send(execution);
             }
+            return;
+        }
+        if !final_failure && waiters.is_empty() {
+            // Nobody took it (the caller's own timeout): kept for the re-send that follows.
+            let unseen = into_shared(execution, "side-effect-free call", SHARED_BODY_LIMIT).await;
+            self.keep(key, unseen, self.inner.clock.now() + CALLER_GRACE, true);
             return;
         }
         let limit = if final_failure {
@@ -252,11 +265,16 @@ impl Engine {
             Shared::Response { .. } => None,
         };
         let until = boundary.map_or(window, |at| at.max(window));
+        self.keep(key, answer.clone(), until, false);
+    }
+
+    fn keep(&self, key: &str, answer: Shared, until: Timestamp, once: bool) {
         lock(&self.inner.detached.finals).insert(
             key.to_owned(),
             Kept {
                 until,
-                answer: answer.clone(),
+                answer,
+                once,
             },
         );
     }

@@ -148,3 +148,27 @@ async fn a_caller_gone_without_a_resend_cancels_the_completion_after_the_grace()
     assert_eq!(h.transport.sent_to(CHAT).len(), 1);
     assert!(!h.audit().iter().any(|e| e.kind == "escalated"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_answer_that_arrived_while_nobody_waited_goes_to_the_resend() {
+    let h = Harness::with_policy(POLICY);
+    h.transport
+        .script(CHAT, vec![held_ok(Duration::from_secs(2))]);
+    let first = h.spawn(completion(&h));
+    assert!(until(|| h.transport.sent_to(CHAT).len() == 1).await);
+    advance(Duration::from_secs(1)).await;
+    first.abort();
+    // The completion ends at 2 s with nobody waiting; the client's re-send comes at 3 s.
+    advance(Duration::from_secs(2)).await;
+    let again = h.engine.execute(completion(&h)).await;
+    assert_eq!(summary(&again), "200");
+    assert_eq!(
+        h.transport.sent_to(CHAT).len(),
+        1,
+        "the re-send got the unseen answer"
+    );
+    // Given once: the next call of the same payload is a new one.
+    let next = h.engine.execute(completion(&h)).await;
+    assert_eq!(summary(&next), "200");
+    assert_eq!(h.transport.sent_to(CHAT).len(), 2);
+}
