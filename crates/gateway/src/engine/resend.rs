@@ -5,10 +5,10 @@
 //! action replays its stored outcome (SPEC §6). But some of backstop's own outcomes are not
 //! completions the agent must live with; they are advice to send the same request again later:
 //!
-//! - `429` + honest `Retry-After` + `x-should-retry: true`: a `budget_exhausted`,
-//!   `quota_exhausted` or `scope_saturated` outcome whose `next_safe` holds `wait_until` (see
-//!   [`crate::problem::resend_advised_at`]). SDKs (Stripe, OpenAI, Anthropic) resend exactly
-//!   that request, under exactly that key, once the delay is over;
+//! - an honest `Retry-After` (with `x-should-retry: false`, so the resend is the agent's
+//!   explicit choice): a `budget_exhausted`, `quota_exhausted` or `scope_saturated` outcome
+//!   whose `next_safe` holds `wait_until` (see [`crate::problem::resend_advised_at`]). An agent
+//!   resends exactly that request, under exactly that key, once the delay is over;
 //! - an escalation opened beside the outcome (`remaining_wait_exceeds_deadline`,
 //!   `shared_quota_exhausted`, `account_configuration`) that an operator decided `wait`,
 //!   `raise_quota` or `change_plan`: its case file tells the agent to resubmit under the same
@@ -19,7 +19,7 @@
 //! a same-key, same-payload resend of a FINISHED write:
 //!
 //! 1. the latest escalation of the action was decided `abort`: the outcome stays — replayed,
-//!    without its `wait_until` (so not `429`, `x-should-retry: false`): nothing is sent for the
+//!    without its `wait_until` (so no `Retry-After`): nothing is sent for the
 //!    action any more;
 //! 2. the outcome advised `wait_until` T: before T it is replayed (with the `Retry-After` left
 //!    until T); from T on the action is reopened;
@@ -246,8 +246,8 @@ fn scope_escalations(
         .collect()
 }
 
-/// `execution` (a replayed outcome) without `wait_until` among its safe options: not `429`,
-/// `x-should-retry: false`.
+/// `execution` (a replayed outcome) without `wait_until` among its safe options: no
+/// `Retry-After`.
 fn without_wait(mut execution: Execution) -> Execution {
     if let Execution::Outcome { context, .. } = &mut execution {
         context
