@@ -61,23 +61,24 @@ impl ActionSpec {
     /// `write`. A `POST` of a `side_effect: none` class (an LLM completion, SPEC §4.2a) runs
     /// like a read.
     pub fn has_side_effect(&self) -> bool {
-        let safe = matches!(
-            self.request.method,
-            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
-        );
-        !safe && self.route.side_effect == SideEffect::Write
+        !is_safe_method(&self.request.method) && self.route.side_effect == SideEffect::Write
     }
 
     /// Whether this is a call of a `side_effect: none` class with an unsafe method (an LLM
     /// completion `POST`): run detached from its caller, a client's re-send joined or answered
     /// as the same call (SPEC §4.2a, §4.3).
     pub fn is_side_effect_free_call(&self) -> bool {
-        let safe = matches!(
-            self.request.method,
-            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
-        );
-        !safe && self.route.side_effect == SideEffect::None
+        !is_safe_method(&self.request.method) && self.route.side_effect == SideEffect::None
     }
+}
+
+/// Whether `method` is one the engine carries out as a read whatever its class: GET, HEAD or
+/// OPTIONS (RFC 9110 §9.2.1).
+pub(crate) fn is_safe_method(method: &http::Method) -> bool {
+    matches!(
+        *method,
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    )
 }
 
 /// Identity and accounting that every answer to the agent carries

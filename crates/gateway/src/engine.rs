@@ -76,7 +76,7 @@ use jiff::Timestamp;
 use tokio::sync::oneshot;
 
 use crate::{
-    action::{ActionReceipt, ActionSpec, Execution},
+    action::{is_safe_method, ActionReceipt, ActionSpec, Execution},
     clock::TokioClock,
     coalesce::{FlightKey, Flights, LeaderGuard, Role, Shared, SHARED_BODY_LIMIT},
     metrics::Metrics,
@@ -479,13 +479,6 @@ fn wait_then_abort(boundary: Option<Timestamp>) -> Vec<NextSafe> {
         Some(at) => vec![NextSafe::WaitUntil { at }, NextSafe::Abort],
         None => vec![NextSafe::Abort],
     }
-}
-
-fn is_safe_method(method: &http::Method) -> bool {
-    matches!(
-        *method,
-        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
-    )
 }
 
 fn coalesce_key(spec: &ActionSpec) -> String {

@@ -108,13 +108,13 @@ struct Waiting {
     engine: Engine,
     key: String,
     flight: Arc<Flight>,
-    rx: Option<oneshot::Receiver<Execution>>,
+    rx: oneshot::Receiver<Execution>,
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
         // Closed first, so that the flight sees this waiter gone.
-        drop(self.rx.take());
+        self.rx.close();
         if self.flight.has_waiters() {
             return;
         }
@@ -149,10 +149,9 @@ impl Engine {
             engine: self.clone(),
             key,
             flight,
-            rx: Some(rx),
+            rx,
         };
-        let rx = waiting.rx.as_mut().expect("set above");
-        match rx.await {
+        match (&mut waiting.rx).await {
             Ok(execution) => execution,
             // The run went away without an answer (aborted after a grace that this waiter
             // outlived: not reached in practice); answer as a cancelled call.
@@ -174,15 +173,17 @@ impl Engine {
         }
     }
 
-    /// The kept final answer of call `key`, while it holds.
+    /// The kept final answer of call `key`, while it holds (one lookup: expired answers of
+    /// other calls are dropped when an answer is kept, not on every call).
     fn kept_final(&self, key: &str) -> Option<Shared> {
         let now = self.inner.clock.now();
         let mut finals = lock(&self.inner.detached.finals);
-        finals.retain(|_, kept| kept.until > now);
-        if finals.get(key).is_some_and(|kept| kept.once) {
-            return finals.remove(key).map(|kept| kept.answer);
+        let kept = finals.get(key)?;
+        if kept.until <= now || kept.once {
+            let kept = finals.remove(key)?;
+            return (kept.until > now).then_some(kept.answer);
         }
-        finals.get(key).map(|kept| kept.answer.clone())
+        Some(kept.answer.clone())
     }
 
     /// Joins call `key` in flight (`true`), or starts it on a task of its own (`false`).
@@ -269,7 +270,10 @@ impl Engine {
     }
 
     fn keep(&self, key: &str, answer: Shared, until: Timestamp, once: bool) {
-        lock(&self.inner.detached.finals).insert(
+        let now = self.inner.clock.now();
+        let mut finals = lock(&self.inner.detached.finals);
+        finals.retain(|_, kept| kept.until > now);
+        finals.insert(
             key.to_owned(),
             Kept {
                 until,
