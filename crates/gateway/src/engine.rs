@@ -29,7 +29,9 @@
 //! fields) and the normalized provider error code.
 //!
 //! Cancellation: dropping the [`Engine::execute`] future before an attempt is sent (the client
-//! disconnected) ends the action `cancelled` in the store; [`Engine::cancel_task`] drops a task's
+//! disconnected) ends the action `cancelled` in the store — a write keeps an attempt already
+//! out until its answer is recorded (`caller_gone`), a side-effect-free call runs on for a
+//! short grace (`detached`); [`Engine::cancel_task`] drops a task's
 //! delayed actions before they wake. A cancelled action never sends again: the scheduler refuses
 //! it and the store refuses to mark another attempt sent.
 
@@ -88,6 +90,7 @@ use crate::{
 pub use crate::scheduler::ScopeView;
 
 mod actions;
+mod caller_gone;
 mod cancelled;
 mod detached;
 mod quota_escalations;
@@ -1466,8 +1469,13 @@ impl Engine {
                 }
             }
         }
-        if read_guard.is_none() && notify.is_none() && spec.is_side_effect_free_call() {
-            return Box::pin(self.execute_detached(spec)).await;
+        if read_guard.is_none() && notify.is_none() {
+            if spec.is_side_effect_free_call() {
+                return Box::pin(self.execute_detached(spec)).await;
+            }
+            if spec.has_side_effect() {
+                return Box::pin(self.execute_write_detached(spec)).await;
+            }
         }
         // One call site: each `.await` of the same future holds storage of its own in this
         // future, which every call boxes (about 12 KB more per action with two, in the release
@@ -2175,6 +2183,7 @@ impl Engine {
             seen.sent += 1;
             guard.so_far.sent = seen.sent;
             guard.so_far.in_flight = Some(attempt);
+            caller_gone::attempt_out(true);
             tracing::debug!(
                 task = %run.task(),
                 route = %route.template,
@@ -2663,6 +2672,7 @@ impl Engine {
                         }
                     }
                     guard.so_far.in_flight = None;
+                    caller_gone::attempt_out(false);
                     let id = run.id;
                     let scheduled = match inner
                         .blocking(move |s| s.schedule_retry(id, at, plan_now))

@@ -648,8 +648,10 @@ async fn a_write_whose_client_disconnects_after_an_uncertain_attempt_is_reconcil
     assert_eq!(h.transport.sent().len(), 1);
 }
 
+/// A write whose caller goes away while its attempt is at the provider keeps that attempt: the
+/// provider's answer is recorded, nothing is escalated, and a same-key resend replays it.
 #[tokio::test(start_paused = true)]
-async fn a_write_whose_client_disconnects_during_its_attempt_is_reconciled_not_cancelled() {
+async fn a_write_whose_client_disconnects_during_its_attempt_keeps_the_attempt_and_its_answer() {
     let h = Harness::new();
     h.transport
         .script("/v1/transfers", vec![held_ok(Duration::from_secs(60))]);
@@ -664,10 +666,36 @@ async fn a_write_whose_client_disconnects_during_its_attempt_is_reconciled_not_c
     );
     sending.abort();
     let _ = sending.await;
-    assert_escalated_for_the_gone_client(&h, id).await;
+    advance(Duration::from_secs(61)).await;
+    assert!(until(|| h.store.action(id).unwrap().unwrap().state == ActionState::Finished).await);
     let recorded = h.store.attempts(id).unwrap();
     assert_eq!(recorded.len(), 1);
-    assert_eq!(recorded[0].disposition, Some(Disposition::Uncertain));
+    assert_eq!(recorded[0].status, Some(200));
+    assert!(!h.audit().iter().any(|e| e.kind == "escalated"));
+    let resend = h.engine.execute(write(&h, "k-gone-2")).await;
+    assert_eq!(summary(&resend), "200");
+    let Execution::Response { response, .. } = &resend else {
+        panic!("a replayed response")
+    };
+    assert!(response.headers().contains_key("idempotent-replayed"));
+    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+}
+
+/// A write whose caller goes away while it waits for its retry (no attempt out) is closed at
+/// once as before: its first attempt was answered (a definite 503), so it ends `cancelled`,
+/// and it never sends again.
+#[tokio::test(start_paused = true)]
+async fn a_write_whose_client_disconnects_while_it_waits_for_its_retry_is_closed_at_once() {
+    let h = Harness::new();
+    h.transport.script(
+        "/v1/transfers",
+        vec![answer(503, &[("retry-after", "30")], "busy")],
+    );
+    let sending = h.spawn(write(&h, "k-gone-3"));
+    assert!(until(|| h.audit().iter().any(|e| e.kind == "retry_scheduled")).await);
+    sending.abort();
+    let _ = sending.await;
+    assert!(until(|| h.audit().iter().any(|e| e.kind == "cancelled")).await);
     advance(Duration::from_secs(90)).await;
     assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
 }
