@@ -109,6 +109,9 @@ pub(crate) enum Shared {
         status: http::StatusCode,
         headers: http::HeaderMap,
         body: Bytes,
+        /// Made by backstop itself ([`crate::problem::OwnAnswer`]): every copy keeps the
+        /// retry hint it was made with.
+        own: bool,
     },
     /// A gateway-made outcome.
     Outcome {

@@ -1392,8 +1392,8 @@ pub(crate) fn render(
 /// provider's own `true`: the action ended with it, so backstop decided that no further attempt
 /// follows, and a client's own retry would be a second retry layer (SPEC §11). An answer
 /// backstop made itself ([`crate::problem::OwnAnswer`]: an engine-made problem, such as a stop's
-/// `503 shutting_down` for a read) keeps the hint it was made with; a copy of one shared
-/// between coalesced reads has lost that mark and says `false` (the conservative side).
+/// `503 shutting_down` for a read) keeps the hint it was made with, also in a copy shared
+/// between coalesced reads or joined calls.
 fn no_second_retry(response: &mut Response) {
     if response.status().is_success()
         || response

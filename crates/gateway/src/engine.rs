@@ -4171,6 +4171,10 @@ async fn into_shared(execution: Execution, route: &str, limit: usize) -> Shared 
                 Ok(bytes) => Shared::Response {
                     receipt,
                     status: parts.status,
+                    own: parts
+                        .extensions
+                        .get::<crate::problem::OwnAnswer>()
+                        .is_some(),
                     headers: parts.headers,
                     body: bytes,
                 },
@@ -4225,10 +4229,14 @@ fn from_shared(shared: Shared) -> Execution {
             status,
             headers,
             body,
+            own,
         } => {
             let mut response = http::Response::new(Body::from(body));
             *response.status_mut() = status;
             *response.headers_mut() = headers;
+            if own {
+                response.extensions_mut().insert(crate::problem::OwnAnswer);
+            }
             Execution::Response { receipt, response }
         }
         Shared::Outcome {
@@ -4259,6 +4267,42 @@ fn within_ceiling(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_shared_copy_of_backstops_own_answer_keeps_its_retry_hint() {
+        let receipt = ActionReceipt {
+            action_id: 1,
+            attempts: 1,
+            idempotency_key: None,
+            provider_operation_id: None,
+            task: None,
+        };
+        let own = problem_answer(
+            receipt.clone(),
+            Problem::shutting_down_during(true, "send it again once backstop is back"),
+        );
+        let copy = from_shared(into_shared(own, "/v1/x", SHARED_BODY_LIMIT).await);
+        let Execution::Response { response, .. } = copy else {
+            panic!("a response")
+        };
+        assert!(response
+            .extensions()
+            .get::<crate::problem::OwnAnswer>()
+            .is_some());
+        // A provider's answer stays the provider's.
+        let provider = Execution::Response {
+            receipt,
+            response: http::Response::new(Body::from("busy")),
+        };
+        let copy = from_shared(into_shared(provider, "/v1/x", SHARED_BODY_LIMIT).await);
+        let Execution::Response { response, .. } = copy else {
+            panic!("a response")
+        };
+        assert!(response
+            .extensions()
+            .get::<crate::problem::OwnAnswer>()
+            .is_none());
+    }
 
     #[test]
     fn upstream_authority_is_host_and_port_without_userinfo() {

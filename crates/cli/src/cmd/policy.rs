@@ -157,11 +157,14 @@ fn summary(policy: &Policy) -> String {
             .collect();
         if !implied.is_empty() {
             out.push_str(&format!(
-                "route {} POST {} -> {} (dialect {}, side_effect none) [{}]\n",
+                "route {} POST {} -> {} (dialect {}, side_effect {}) [{}]\n",
                 provider.name,
                 implied.join(" | "),
                 backstop_core::side_effect::COMPLETION_CLASS,
                 provider.dialect.as_str(),
+                policy
+                    .side_effect_of(backstop_core::side_effect::COMPLETION_CLASS)
+                    .as_str(),
                 provider.default_scopes.join(", ")
             ));
         }

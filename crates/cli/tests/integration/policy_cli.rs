@@ -391,3 +391,15 @@ fn control_characters_of_the_file_are_escaped_in_its_errors() {
     assert!(!stderr.contains('\u{202e}'), "{stderr:?}");
     assert!(stderr.contains("\\u{1b}[31mRED\\u{202e}"), "{stderr}");
 }
+
+#[test]
+fn the_routes_a_dialect_implies_carry_the_side_effect_of_the_class_they_get() {
+    let policy = "operators:\n  ops: { token_env: OPS_TOKEN }\nagents:\n  bot: { token_env: BOT_TOKEN }\nrequest_classes:\n  llm_call: { side_effect: write }\nproviders:\n  ai:\n    base_url: https://ai.example\n    dialect: openai\n    scopes:\n      org: { limit: 10 }\n";
+    let (_dir, _file, out) = check("implied.yaml", policy);
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("route ai POST /v1/chat/completions | /v1/completions | /v1/embeddings | /v1/moderations -> llm_call (dialect openai, side_effect write) [ai/org]\n"),
+        "{stdout}"
+    );
+}

@@ -8,8 +8,9 @@
 //!
 //! - **Re-send after the final answer.** Backstop's final non-success answer is kept for its
 //!   call's fingerprint (agent, the task when the agent named one, method, URL, payload digest)
-//!   until its boundary, and at least [`RESEND_WINDOW`]: the same call arriving again meanwhile
-//!   gets the same answer at once (nothing sent, the same receipt), never a fresh budget.
+//!   until the boundary it reported (so its `Retry-After` stays honest), or for
+//!   [`RESEND_WINDOW`] when it reported none: the same call arriving again meanwhile gets the
+//!   same answer at once (nothing sent, the same receipt), never a fresh budget.
 //! - **Re-send while in flight.** The same call arriving while the first is still running
 //!   joins it: one upstream completion, its answer given to whoever waits for it (streamed to a
 //!   single waiter, buffered and copied when several wait).
@@ -24,10 +25,14 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex,
+    },
     time::Duration,
 };
 
+use axum::body::HttpBody;
 use backstop_core::{clock::Clock, outcome::NextSafe};
 use jiff::Timestamp;
 use tokio::sync::oneshot;
@@ -68,6 +73,15 @@ struct Kept {
 struct Flight {
     waiters: Mutex<Vec<oneshot::Sender<Execution>>>,
     task: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Counts the times the last waiter went away: a grace only ends the call when no waiter
+    /// joined and left again after it began.
+    emptied: AtomicU64,
+    /// The answer was handed on: no grace is started any more.
+    done: AtomicBool,
+    /// The call's task, provider and route, for the log.
+    task_id: String,
+    provider: String,
+    route: String,
 }
 
 impl Flight {
@@ -115,12 +129,13 @@ impl Drop for Waiting {
     fn drop(&mut self) {
         // Closed first, so that the flight sees this waiter gone.
         self.rx.close();
-        if self.flight.has_waiters() {
+        if self.flight.done.load(Ordering::SeqCst) || self.flight.has_waiters() {
             return;
         }
+        let emptied = self.flight.emptied.fetch_add(1, Ordering::SeqCst) + 1;
         let (engine, key, flight) = (self.engine.clone(), self.key.clone(), self.flight.clone());
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { engine.after_grace(key, flight).await });
+            runtime.spawn(async move { engine.after_grace(key, flight, emptied).await });
         }
     }
 }
@@ -201,6 +216,11 @@ impl Engine {
         let flight = Arc::new(Flight {
             waiters: Mutex::new(vec![tx]),
             task: Mutex::new(None),
+            emptied: AtomicU64::new(0),
+            done: AtomicBool::new(false),
+            task_id: spec.task_id.clone(),
+            provider: spec.route.provider.clone(),
+            route: spec.route.template.clone(),
         });
         in_flight.insert(key.to_owned(), flight.clone());
         let (engine, spec, key_owned, run) =
@@ -217,8 +237,18 @@ impl Engine {
     /// re-sends; the answer goes to the one waiter (streamed), or a copy to each of several.
     async fn deliver(&self, key: &str, flight: &Arc<Flight>, execution: Execution) {
         lock(&self.inner.detached.in_flight).remove(key);
+        flight.done.store(true, Ordering::SeqCst);
+        // A provider answer is kept for re-sends only when its body is known to be small: a
+        // larger one goes to its waiters as for a success, and is not kept.
         let final_failure = match &execution {
-            Execution::Response { response, .. } => !response.status().is_success(),
+            Execution::Response { response, .. } => {
+                !response.status().is_success()
+                    && response
+                        .body()
+                        .size_hint()
+                        .upper()
+                        .is_some_and(|bytes| bytes <= KEPT_BODY_LIMIT as u64)
+            }
             Execution::Outcome { outcome, .. } => {
                 *outcome != backstop_core::outcome::Outcome::Succeeded
             }
@@ -237,6 +267,7 @@ impl Engine {
         if !final_failure && waiters.is_empty() {
             // Nobody took it (the caller's own timeout): kept for the re-send that follows.
             let unseen = into_shared(execution, "side-effect-free call", SHARED_BODY_LIMIT).await;
+            let unseen = with_task(unseen, &flight.task_id);
             self.keep(key, unseen, self.inner.clock.now() + CALLER_GRACE, true);
             return;
         }
@@ -247,17 +278,17 @@ impl Engine {
         };
         let shared = into_shared(execution, "side-effect-free call", limit).await;
         if final_failure {
-            self.keep_final(key, &shared);
+            self.keep_final(key, &shared, &flight.task_id);
         }
         for waiter in waiters {
             let _ = waiter.send(super::from_shared(shared.clone()));
         }
     }
 
-    /// Keeps a final answer for call `key` until its boundary, at least [`RESEND_WINDOW`].
-    fn keep_final(&self, key: &str, answer: &Shared) {
+    /// Keeps a final answer of call `key` (of task `task`) until the boundary it reported, so
+    /// that its `Retry-After` stays honest; without a boundary for [`RESEND_WINDOW`].
+    fn keep_final(&self, key: &str, answer: &Shared, task: &str) {
         let now = self.inner.clock.now();
-        let window = now + RESEND_WINDOW;
         let boundary = match answer {
             Shared::Outcome { context, .. } => context.next_safe.iter().find_map(|o| match o {
                 NextSafe::WaitUntil { at } => Some(*at),
@@ -265,8 +296,8 @@ impl Engine {
             }),
             Shared::Response { .. } => None,
         };
-        let until = boundary.map_or(window, |at| at.max(window));
-        self.keep(key, answer.clone(), until, false);
+        let until = boundary.unwrap_or(now + RESEND_WINDOW);
+        self.keep(key, with_task(answer.clone(), task), until, false);
     }
 
     fn keep(&self, key: &str, answer: Shared, until: Timestamp, once: bool) {
@@ -285,9 +316,10 @@ impl Engine {
 
     /// After [`CALLER_GRACE`], drops call `key` when still nobody waits for it: its attempt is
     /// cancelled (a read's "client disconnected" path).
-    async fn after_grace(&self, key: String, flight: Arc<Flight>) {
+    async fn after_grace(&self, key: String, flight: Arc<Flight>, emptied: u64) {
         tokio::time::sleep(CALLER_GRACE).await;
-        if flight.has_waiters() {
+        // A waiter that joined and left after this grace began started a grace of its own.
+        if flight.has_waiters() || flight.emptied.load(Ordering::SeqCst) != emptied {
             return;
         }
         let removed = {
@@ -303,6 +335,9 @@ impl Engine {
         if removed {
             if let Some(task) = lock(&flight.task).take() {
                 tracing::info!(
+                    task = %flight.task_id,
+                    provider = %flight.provider,
+                    route = %flight.route,
                     grace_ms = CALLER_GRACE.as_millis() as u64,
                     "caller gone and no re-send joined within the grace: the side-effect-free call is cancelled"
                 );
@@ -310,4 +345,14 @@ impl Engine {
             }
         }
     }
+}
+
+/// `answer` naming the task of the call it answered: a re-send that named no task (its own is
+/// minted) is told the call's.
+fn with_task(mut answer: Shared, task: &str) -> Shared {
+    let receipt = match &mut answer {
+        Shared::Response { receipt, .. } | Shared::Outcome { receipt, .. } => receipt,
+    };
+    receipt.task.get_or_insert_with(|| task.to_owned());
+    answer
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use backstop_core::classify::TransportError;
-use backstop_gateway::engine::RESEND_WINDOW;
+use backstop_gateway::{action::Execution, engine::RESEND_WINDOW};
 
 use crate::engine_support::{advance, answer, attempts, held_ok, summary, until, Harness, Step};
 
@@ -171,4 +171,73 @@ async fn an_answer_that_arrived_while_nobody_waited_goes_to_the_resend() {
     let next = h.engine.execute(completion(&h)).await;
     assert_eq!(summary(&next), "200");
     assert_eq!(h.transport.sent_to(CHAT).len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resend_that_joined_and_left_again_gets_its_own_grace() {
+    let h = Harness::with_policy(POLICY);
+    h.transport
+        .script(CHAT, vec![held_ok(Duration::from_secs(20))]);
+    let first = h.spawn(completion(&h));
+    assert!(until(|| h.transport.sent_to(CHAT).len() == 1).await);
+    advance(Duration::from_secs(1)).await;
+    first.abort();
+    advance(Duration::from_secs(1)).await;
+    let second = h.spawn(completion(&h));
+    advance(Duration::from_millis(3500)).await;
+    second.abort();
+    // The first caller's grace ends at 6 s, the second's at 10.5 s: a third re-send at 7 s
+    // still joins the one completion.
+    advance(Duration::from_millis(1500)).await;
+    let third = h.engine.execute(completion(&h)).await;
+    assert_eq!(summary(&third), "200");
+    assert_eq!(
+        h.transport.sent_to(CHAT).len(),
+        1,
+        "one completion for all three"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resend_after_the_reported_boundary_is_a_new_call() {
+    let h = Harness::with_policy(POLICY);
+    h.transport.script(
+        CHAT,
+        vec![
+            rate_limited(),
+            rate_limited(),
+            rate_limited(),
+            held_ok(Duration::ZERO),
+        ],
+    );
+    let first = h.engine.execute(completion(&h)).await;
+    assert_eq!(summary(&first), "budget_exhausted");
+    let Execution::Outcome { context, .. } = &first else {
+        panic!("an outcome")
+    };
+    let boundary = context.boundary.expect("the provider's Retry-After");
+    // The kept answer's Retry-After is honest: once its boundary passed, the call goes out.
+    advance(Duration::from_secs(
+        u64::try_from(boundary.duration_since(h.clock_now()).as_secs()).unwrap_or(0) + 1,
+    ))
+    .await;
+    let again = h.engine.execute(completion(&h)).await;
+    assert_eq!(summary(&again), "200");
+    assert_eq!(h.transport.sent_to(CHAT).len(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_large_provider_error_body_is_passed_on_not_turned_into_a_gateway_outcome() {
+    let h = Harness::with_policy(POLICY);
+    let body: &'static str = Box::leak("x".repeat(100_000).into_boxed_str());
+    h.transport.script(CHAT, vec![answer(400, &[], body)]);
+    let execution = h.engine.execute(completion(&h)).await;
+    assert_eq!(summary(&execution), "400");
+    let Execution::Response { response, .. } = execution else {
+        panic!("the provider's answer")
+    };
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    assert_eq!(bytes.len(), 100_000);
 }
