@@ -147,7 +147,9 @@ wait_listening "$BACKSTOP_PORT" backstop
 
 # The GET path on each proxy; then backstop's POST paths: an LLM completion (side_effect none,
 # recorded like a read) and a durable write (committed before its send), each a new action.
-COMPLETION_BODY='{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
+# Each completion differs (@N@ is numbered by wrk, the query by oha): identical calls in flight
+# would be joined into one upstream call (docs/llm-calls.md), which is not what is measured.
+COMPLETION_BODY='{"model":"bench","messages":[{"role":"user","content":"hi @N@"}]}'
 declare -A URL=(
     [direct]="http://127.0.0.1:$UP_PORT/v1/fast"
     [nginx]="http://127.0.0.1:$NGINX_PORT/fast/v1/fast"
@@ -309,11 +311,12 @@ PY
 run_oha() {
     local before="" after requests
     if [ -n "${PID_OF[$1]:-}" ]; then before="$(schedstat "${PID_OF[$1]}")"; fi
-    local post=()
+    local post=() url="${URL[$1]}"
     if [ -n "${BODY[$1]:-}" ]; then post=(-m POST -T application/json -d "${BODY[$1]}"); fi
+    if [ "$1" = complete ]; then post+=(--rand-regex-url); url="$url\\?n=[0-9]{12}"; fi
     "$OHA" --no-tui --output-format json -q "$HALF_RATE" --latency-correction -z "${SECONDS_PER_RUN}s" \
         -c "$HALF_CONNECTIONS" -H "Authorization: Bearer $BENCH_TOKEN" -H "X-Backstop-Task: bench-run" \
-        "${post[@]}" "${URL[$1]}" >"$WORK/oha.json" 2>"$WORK/oha.err" || die "oha failed for $1: $(cat "$WORK/oha.err")"
+        "${post[@]}" "$url" >"$WORK/oha.json" 2>"$WORK/oha.err" || die "oha failed for $1: $(cat "$WORK/oha.err")"
     if [ -n "$before" ]; then
         after="$(schedstat "${PID_OF[$1]}")"
         requests="$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["summary"]; print(r["requestsPerSec"] * r["total"])' "$WORK/oha.json")"

@@ -8,6 +8,16 @@ if body and body ~= "" then
   wrk.body = body
   wrk.headers["Content-Type"] = "application/json"
 end
+
+-- A body with @N@ gets a number of its own per request: identical LLM calls in flight would be
+-- joined into one upstream call, which is not the path being measured.
+local n = 0
+if body and body:find("@N@", 1, true) then
+  request = function()
+    n = n + 1
+    return wrk.format(nil, nil, nil, (body:gsub("@N@", tostring(n))))
+  end
+end
 wrk.headers["Authorization"] = "Bearer " .. (os.getenv("BENCH_TOKEN") or "")
 wrk.headers["X-Backstop-Task"] = "bench-run"
 
