@@ -916,10 +916,17 @@ pub fn draining(policy: &Policy, method: &Method, path: &str, headers: &HeaderMa
         Ok(None) => Some(mint_id("task-")),
         Err(_) => None,
     };
-    let key = if is_safe(method) {
+    let provider_path = split_provider(path);
+    // A call of a `side_effect: none` class (an LLM completion) has no key of backstop's.
+    let side_effect_free = provider_path.as_ref().is_some_and(|(name, rest)| {
+        policy
+            .route(name, method.as_str(), rest)
+            .is_ok_and(|route| route.side_effect == SideEffect::None)
+    });
+    let key = if is_safe(method) || side_effect_free {
         None
     } else {
-        let provider = split_provider(path).and_then(|(name, _)| policy.providers.get(name));
+        let provider = provider_path.and_then(|(name, _)| policy.providers.get(name));
         let name = key_header(provider);
         match HeaderName::from_bytes(name.as_bytes()) {
             Ok(header_name) => match single(headers, &header_name, name) {
@@ -1425,6 +1432,24 @@ impl From<AuthError> for Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_completion_refused_while_draining_carries_no_minted_key_a_write_does() {
+        let policy = Policy::from_yaml_str(
+            "providers:\n  ai:\n    base_url: https://ai.example\n    dialect: openai\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let chat = draining(
+            &policy,
+            &Method::POST,
+            "/ai/v1/chat/completions",
+            &HeaderMap::new(),
+        );
+        assert!(!chat.headers().contains_key(IDEMPOTENCY_KEY));
+        let files = draining(&policy, &Method::POST, "/ai/v1/files", &HeaderMap::new());
+        assert!(files.headers().contains_key(IDEMPOTENCY_KEY));
+    }
 
     /// The upstream headers of a read with `incoming`, to a provider without an idempotency
     /// header or credential.
