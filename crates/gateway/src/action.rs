@@ -52,6 +52,11 @@ pub struct ActionSpec {
     pub target_digest: Option<String>,
     /// Agent-supplied description of the desired outcome (action API), for case files.
     pub desired_outcome: Option<String>,
+    /// Restart recovery resumes this write from its kept request (SPEC §12): the attempts it
+    /// made before the restart count against its class's `max_attempts` (one attempt is always
+    /// left for a write resent under its key after its lookup found nothing). `false` for every
+    /// request an agent sends.
+    pub resumed: bool,
 }
 
 impl ActionSpec {

@@ -1151,6 +1151,7 @@ pub(crate) fn build_spec(
         payload_digest,
         target_digest,
         desired_outcome: None,
+        resumed: false,
     })
 }
 

@@ -95,6 +95,7 @@ mod cancelled;
 mod detached;
 mod quota_escalations;
 mod resend;
+mod resume;
 mod takeover;
 mod writes;
 
@@ -122,6 +123,12 @@ const RESTARTED_BEFORE_RESULT: &str = "the gateway restarted before the result w
 /// resubmitting the read is safe.
 pub const RESTARTED_BEFORE_READ_SENT: &str =
     "the gateway stopped before this read was sent; nothing was sent and the caller's request is gone — resubmit";
+
+/// The reason a write recorded but never sent, whose request was not kept (its body over
+/// `--retry-body-bytes`), is closed at the next start (its action ends `cancelled`): nothing
+/// was sent, and a resend under the same key reopens and sends it.
+pub const RESTARTED_BEFORE_WRITE_SENT: &str =
+    "the gateway stopped before this write was sent and its request was too large to keep; nothing was sent — resend it under the same Idempotency-Key to have it sent";
 
 use actions::Notify;
 pub use actions::{
@@ -373,6 +380,9 @@ struct Run<'a> {
     /// The priority its attempts are paced with: the request's for a new action, the action's
     /// own task's for one taken over.
     priority: Priority,
+    /// Whether the store keeps this write's request until it ends (SPEC §6), so that the next
+    /// start resumes it rather than cancelling it.
+    kept: bool,
 }
 
 impl Run<'_> {
@@ -1160,23 +1170,26 @@ impl Engine {
             let scheduled = restore.blocking(|s| s.scheduled_retries()).await;
             let between = restore.blocking(|s| s.actions_between_attempts()).await;
             let unsent_reads = restore.blocking(|s| s.unsent_reads()).await;
-            match restore.blocking(|s| s.unsent_writes()).await {
-                Ok(unsent) if !unsent.is_empty() => {
-                    tracing::info!(
-                        writes = unsent.len(),
-                        "restart recovery: writes recorded but never sent wait for their agent's resend under the same key"
-                    );
+            let unsent_writes = match restore.blocking(|s| s.unsent_writes()).await {
+                Ok(unsent) => {
+                    if !unsent.is_empty() {
+                        tracing::info!(
+                            writes = unsent.len(),
+                            "restart recovery: writes recorded but never sent are sent from their kept requests under their original keys"
+                        );
+                    }
                     restore
                         .unsent
                         .lock()
                         .unwrap_or_else(|poisoned| poisoned.into_inner())
-                        .extend(unsent.into_iter().map(|id| id.0));
+                        .extend(unsent.iter().map(|id| id.0));
+                    unsent
                 }
-                Ok(_) => {}
                 Err(e) => {
                     tracing::error!(error = %e, "restart recovery: cannot read the writes never sent");
+                    Vec::new()
                 }
-            }
+            };
             restore.recovery_listed.send_replace(true);
             let scopes: Vec<(String, String)> = restore
                 .policy
@@ -1219,6 +1232,7 @@ impl Engine {
             restore.recover_unfinished(unfinished).await;
             restore.recover_between_attempts(between).await;
             restore.close_unsent_reads(unsent_reads).await;
+            restore.resume_unsent(unsent_writes).await;
             restore.rearm_scheduled(scheduled).await;
         });
         Engine { inner }
@@ -1661,7 +1675,15 @@ impl Engine {
                 .as_deref()
                 .map(|text| sanitize_text(text).text),
             fingerprint: Some(fingerprint.as_str().to_owned()),
+            // A write's request is kept until it ends, so that restart recovery finishes it
+            // (SPEC §6); a body too large to resend is sent once and never kept.
+            request: (is_write && !spec.single_attempt)
+                .then(|| {
+                    resume::kept_request_of(&spec.request, inner.credential_header(&route.provider))
+                })
+                .flatten(),
         };
+        let mut kept = new_action.request.is_some();
         // Task and action in one store operation. A write waits until both are durable; a
         // read gets its id at once and is recorded with the next group commit (SPEC §12).
         let read_records = (!is_write).then(|| ReadRecords::new(spec));
@@ -1841,6 +1863,7 @@ impl Engine {
                             }
                         };
                         let earlier = SoFar::of_stored(&stored);
+                        kept = Box::pin(inner.keep_for_takeover(spec, id)).await;
                         own_task = Some(record.task_id.clone());
                         if let Some(task) = task {
                             own_priority = Some(core_priority(task.priority));
@@ -1920,6 +1943,7 @@ impl Engine {
             read_records,
             own_task,
             priority: own_priority.unwrap_or(spec.priority),
+            kept,
         };
 
         // The per-task circuit breaker (SPEC §7), as of `now`, read when the action was recorded.
@@ -1966,6 +1990,10 @@ impl Engine {
         };
         let max_attempts = if spec.single_attempt {
             1
+        } else if spec.resumed {
+            // Resumed after a restart: the attempts made before it count (one is always left
+            // for the resend its lookup judged safe).
+            class.max_attempts.saturating_sub(run.prior.sent).max(1)
         } else {
             class.max_attempts
         };
@@ -2809,22 +2837,26 @@ impl Engine {
         let id = run.id.0;
         let detail = match after {
             AfterRestart::Reconcile if stopped == Stopped::GaveUp => format!(
-                "backstop is shutting down: this write was sent and the provider had not answered when the grace for the stop ran out, so its answer is not waited for and it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+                "backstop is shutting down: this write was sent and the provider had not answered when the grace for the stop ran out, so its answer is not waited for and it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key: found at the provider, it succeeded; nothing found and the provider honours the key, it is sent again under that key from its kept request; otherwise it is escalated to an operator. Check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
             ),
             AfterRestart::Cancel if is_read && stopped == Stopped::GaveUp => format!(
                 "backstop is shutting down: this read was sent and the provider had not answered when the grace for the stop ran out, so its answer is not waited for: after the restart its action (GET /v1/actions/{id}) ends cancelled and nothing more is sent for it. A read changes nothing at the provider, so send it again once backstop is back"
             ),
             AfterRestart::Reconcile if stopped == Stopped::NotReconciled => format!(
-                "backstop is shutting down: this write was sent and no answer came back (uncertain), and no reconciliation lookup can be sent or waited for any more, so it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+                "backstop is shutting down: this write was sent and no answer came back (uncertain), and no reconciliation lookup can be sent or waited for any more, so it stays recorded as sent without a result. The next start reconciles it with its original Idempotency-Key: found at the provider, it succeeded; nothing found and the provider honours the key, it is sent again under that key from its kept request; otherwise it is escalated to an operator. Check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
             ),
             AfterRestart::Reconcile => format!(
-                "backstop is shutting down while this write waited for its next attempt. An attempt of it was sent and no answer came back (uncertain), and no later answer settled it, so it stays recorded: after the restart, when its retry falls due, it is reconciled with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and nothing is resent automatically. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, then with that outcome: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
+                "backstop is shutting down while this write waited for its next attempt. An attempt of it was sent and no answer came back (uncertain), and no later answer settled it, so it stays recorded: after the restart, when its retry falls due, it is reconciled with its original Idempotency-Key (found at the provider: succeeded; nothing found and the provider honours the key: sent again under that key from its kept request; otherwise escalated to an operator). Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, then with that outcome: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
             ),
             AfterRestart::Cancel if is_read => format!(
                 "backstop is shutting down while this read waited for its retry, and nothing more is sent for it: after the restart its action (GET /v1/actions/{id}) ends cancelled when the retry falls due. A read changes nothing at the provider, so send it again once backstop is back"
             ),
             AfterRestart::Cancel => format!(
-                "backstop is shutting down while this write waited for its retry. {}, so there is nothing to reconcile, but the request is not kept across a restart: after the restart its retry is not sent, and the action ends cancelled when the retry falls due. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, and after that 410 with the cancelled outcome; nothing more is sent under it. To have the write done, check its status (GET /v1/actions/{id}) and submit it again under a new Idempotency-Key",
+                "backstop is shutting down while this write waited for its retry. {}, so there is nothing to reconcile, but its request was too large to keep across a restart: after the restart its retry is not sent, and the action ends cancelled when the retry falls due. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight; after that, sending the same request again under the same Idempotency-Key reopens the action and sends it (GET /v1/actions/{id} shows its status)",
+                last_attempt(seen)
+            ),
+            AfterRestart::Resume => format!(
+                "backstop is shutting down while this write waited for its retry. {}, so there is nothing to reconcile, and its request is kept: after the restart its retry is sent under its original Idempotency-Key when it falls due. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight; check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key",
                 last_attempt(seen)
             ),
             AfterRestart::RetrySameKey => format!(
@@ -2893,7 +2925,11 @@ impl Engine {
                 "The next start reconciles the {what} with its original Idempotency-Key (found at the provider: succeeded; otherwise escalated to an operator) and resends nothing automatically: check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key — the provider may have acted on it"
             ),
             Some(AfterRestart::Cancel) => format!(
-                "{}, so there is nothing to reconcile, but the request is not kept across a restart: the next start sends nothing more for it and ends the action cancelled. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight, and after that 410 with the cancelled outcome; to have the {what} done, check its status (GET /v1/actions/{id}) and submit it again under a new Idempotency-Key",
+                "{}, so there is nothing to reconcile, but its request was too large to keep across a restart: the next start sends nothing more for it and ends the action cancelled. Until then this Idempotency-Key is answered 409 idempotency_key_in_flight; after that, sending the same request again under the same Idempotency-Key reopens the {what} and sends it (GET /v1/actions/{id} shows its status)",
+                last_attempt(seen)
+            ),
+            Some(AfterRestart::Resume) => format!(
+                "{}, so there is nothing to reconcile, and its request is kept: the next start sends the {what} again under its original Idempotency-Key when its retry falls due. Check its status (GET /v1/actions/{id}) instead of sending it again, and never send it under a new key",
                 last_attempt(seen)
             ),
             Some(AfterRestart::RetrySameKey) => format!(
@@ -3890,12 +3926,17 @@ enum Stopped {
 enum AfterRestart {
     /// `reconcile`: a write whose last attempt is `uncertain` is reconciled with its original
     /// key — at start when it was left sent without a result, else when its retry falls due
-    /// (found → `succeeded`, otherwise `escalated`); nothing is resent.
+    /// (found → `succeeded`; nothing found and the provider honours the key → sent again under
+    /// it from its kept request; otherwise `escalated`).
     Reconcile,
     /// `cancel`: its retry is not sent (the request did not survive the restart) and the action
     /// ends `cancelled` when the retry falls due — a read, or a write whose last attempt got the
-    /// provider's answer or never reached it.
+    /// provider's answer or never reached it and whose request was too large to keep.
     Cancel,
+    /// `resume`: a write whose last attempt got the provider's answer or never reached it, and
+    /// whose request the store keeps: the next start sends its retry under its original key
+    /// when it falls due.
+    Resume,
     /// `retry_same_key`: a write reopened by an operator for a same-key retry stays reopened;
     /// the agent's resend under the same key sends it as the same action.
     RetrySameKey,
@@ -3909,14 +3950,17 @@ impl AfterRestart {
             // Reopened by an operator for a same-key retry, and not sent again yet.
             AfterRestart::RetrySameKey
         } else {
-            AfterRestart::closing(!run.spec.has_side_effect(), seen.unsettled)
+            AfterRestart::closing(run, seen.unsettled)
         }
     }
 
-    /// [`writes::Closing::of`] as the answer names it.
-    fn closing(is_read: bool, unsettled: bool) -> AfterRestart {
+    /// [`writes::Closing::of`] as the answer names it for the action of `run`: a write whose
+    /// request the store keeps ([`Run::kept`]) is resumed, not cancelled.
+    fn closing(run: &Run<'_>, unsettled: bool) -> AfterRestart {
+        let is_read = !run.spec.has_side_effect();
         match writes::Closing::of(is_read, unsettled) {
             writes::Closing::Reconcile => AfterRestart::Reconcile,
+            writes::Closing::Cancel if !is_read && run.kept => AfterRestart::Resume,
             writes::Closing::Cancel => AfterRestart::Cancel,
         }
     }
@@ -3930,7 +3974,7 @@ impl AfterRestart {
         interrupted: Interrupted,
     ) -> (AfterRestart, AfterRestart) {
         // An attempt the store holds as sent without a result is uncertain (SPEC §12).
-        let sent_without_result = AfterRestart::closing(!run.spec.has_side_effect(), true);
+        let sent_without_result = AfterRestart::closing(run, true);
         let as_recorded = AfterRestart::of(run, seen);
         match interrupted {
             Interrupted::Send => (sent_without_result, as_recorded),
@@ -3956,9 +4000,12 @@ impl AfterRestart {
     fn clause(self) -> &'static str {
         match self {
             AfterRestart::Reconcile => {
-                "reconciles it with its original Idempotency-Key and resends nothing"
+                "reconciles it with its original Idempotency-Key and sends it again under that key only when nothing is found and the provider honours the key"
             }
             AfterRestart::Cancel => "ends it cancelled and sends nothing more for it",
+            AfterRestart::Resume => {
+                "sends it again under its original Idempotency-Key from its kept request when its retry falls due"
+            }
             AfterRestart::RetrySameKey => {
                 "keeps it reopened for a send under its same Idempotency-Key"
             }
@@ -3969,6 +4016,7 @@ impl AfterRestart {
         match self {
             AfterRestart::Reconcile => "reconcile",
             AfterRestart::Cancel => "cancel",
+            AfterRestart::Resume => "resume",
             AfterRestart::RetrySameKey => "retry_same_key",
         }
     }

@@ -57,6 +57,7 @@ fn write_action(store: &SqliteStore, route: &RouteTemplate) {
         external_reference: None,
         desired_outcome: None,
         fingerprint: None,
+        request: None,
     };
     let Ok(Admission::New(id)) = store.record_action(action, at(k)) else {
         panic!("record_action failed in the benchmark");

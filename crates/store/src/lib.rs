@@ -24,5 +24,6 @@ pub use error::{BoundRequest, LockHolder, StoreError};
 pub use model::*;
 pub use sqlite::{AuditReader, SqliteStore, WriterStats};
 pub use store::{
-    Completion, Store, ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, STATUS_QUERY,
+    Completion, Store, ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, RESUMED_AFTER_RESTART,
+    STATUS_QUERY,
 };

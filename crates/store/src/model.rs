@@ -317,6 +317,26 @@ pub struct NewAction {
     /// The request's sanitized fingerprint (SPEC §7: method, route template and the route's
     /// configured payload fields), kept for case files built later; never audited.
     pub fingerprint: Option<String>,
+    /// A write's request as it is sent, kept from before its first send until the action ends
+    /// (SPEC §6), so that restart recovery can finish the write itself; `None` for a read and
+    /// for a payload too large to keep. Never audited.
+    pub request: Option<KeptRequest>,
+}
+
+/// A write's request kept at rest while the write has not ended (SPEC §6: the token is stored
+/// WITH the request content before the first send): what restart recovery sends again under
+/// the same idempotency key. Credentials are never part of it — the gateway adds the
+/// provider's credential when it sends — and it is deleted when the action ends. Never audited.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptRequest {
+    /// HTTP method, upper case.
+    pub method: String,
+    /// The absolute upstream URL (provider base URL, path and query).
+    pub url: String,
+    /// The end-to-end headers sent, as (name, value) pairs, without credentials.
+    pub headers: Vec<(String, String)>,
+    /// The request body, as the agent sent it.
+    pub body: Vec<u8>,
 }
 
 /// A provider response kept for idempotent replay to the same agent (never audited).

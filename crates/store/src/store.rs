@@ -32,8 +32,8 @@ use crate::audit::{AuditEvent, ChainHead};
 use crate::error::StoreError;
 use crate::model::{
     ActionId, ActionRecord, Admission, AttemptRecord, AttemptResult, CancelReport, DueRetry,
-    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, RouteTemplate, ScopeRecord,
-    ScopeUpdate, TaskRecord, UnfinishedAttempt,
+    EscalationId, EscalationRecord, Finish, JobId, KeptRequest, NewAction, NewTask, RouteTemplate,
+    ScopeRecord, ScopeUpdate, TaskRecord, UnfinishedAttempt,
 };
 
 /// Audit event kind of [`Store::reopen_for_retry`] (an operator's `retry_same_key` decision let
@@ -44,6 +44,10 @@ pub const ACTION_REOPENED: &str = "action_reopened";
 /// The `source` of an [`ACTION_REOPENED`] event written by [`Store::reopen_for_resend`].
 pub const REOPENED_BY_RESEND: &str =
     "the agent resent the write under the same idempotency key when its answer said it may";
+
+/// The `source` of an [`ACTION_REOPENED`] event written by [`Store::resume_after_restart`].
+pub const RESUMED_AFTER_RESTART: &str =
+    "restart recovery resumes the write under the same idempotency key with its kept request";
 
 /// Audit event kind of [`Store::record_access_decision`]: an operator's decision about access to
 /// an escalation's evidence (e.g. `reveal_payload`), recorded apart from decisions on the action
@@ -389,6 +393,34 @@ pub trait Store: Send + Sync {
         at: Timestamp,
     ) -> Result<(), StoreError>;
 
+    /// Keeps `request` as the request of the unfinished write `action` (replacing one kept
+    /// before; nothing for an action that has ended), committed before this returns: a write
+    /// taken over by a same-key resend keeps the resend's request until it ends (SPEC §6).
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action.
+    fn keep_request(&self, action: ActionId, request: KeptRequest) -> Result<(), StoreError>;
+
+    /// The request kept for the unfinished write `action` ([`NewAction::request`],
+    /// [`Store::keep_request`]), if any: `None` for a read, an action that has ended, or a
+    /// payload too large to keep.
+    fn kept_request(&self, action: ActionId) -> Result<Option<KeptRequest>, StoreError>;
+
+    /// Lets restart recovery send an unfinished write again as the SAME logical action with its
+    /// kept request (SPEC §12): the action moves to [`ActionState::Reopened`], its waiting retry
+    /// job (if any) is claimed (`resumed`), and [`ACTION_REOPENED`] is audited with
+    /// [`RESUMED_AFTER_RESTART`] as its `source`. The caller judged it safe: the write's last
+    /// attempt, if any, was settled or reconciled (nothing found, and the provider honours the
+    /// key).
+    ///
+    /// [`ActionState::Reopened`]: crate::model::ActionState::Reopened
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown action; [`StoreError::InvalidTransition`] for an
+    /// action that has ended or has an attempt sent without a result, carries no key, or whose
+    /// task is cancelled.
+    fn resume_after_restart(&self, action: ActionId, at: Timestamp) -> Result<(), StoreError>;
+
     /// Audits an operator's access decision about an escalation's evidence as its own event
     /// ([`ACCESS_DECISION`]): `access` names what was asked (`reveal_payload`), `outcome` what
     /// came of it (e.g. `refused_not_stored`). The escalation stays as it is: access is never an
@@ -554,10 +586,12 @@ pub trait Store: Send + Sync {
     fn unsent_reads(&self) -> Result<Vec<ActionId>, StoreError>;
 
     /// Actions left between two attempts: the last attempt has a result, but the action
-    /// neither ended nor has a waiting retry — state `attempted`, no unclaimed scheduled retry
-    /// — in id order. After a restart these are actions whose run stopped (or whose store could
-    /// not commit) after recording an attempt's result and before recording what came next: the
-    /// retry's schedule or the outcome. Nothing waits for them any more. Scans the actions
+    /// neither ended nor has a waiting retry — state `attempted` or `waiting`, no unclaimed
+    /// scheduled retry — in id order. After a restart these are actions whose run stopped (or
+    /// whose store could not commit) after recording an attempt's result and before recording
+    /// what came next (the retry's schedule or the outcome), and actions whose retry an earlier
+    /// start claimed to recover them and then stopped before recording how. Nothing waits for
+    /// them any more. Scans the actions
     /// table: meant for start-up only.
     ///
     /// # Errors

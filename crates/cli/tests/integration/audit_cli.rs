@@ -41,6 +41,7 @@ fn make_db(dir: &Path, actions: usize) -> PathBuf {
             external_reference: None,
             desired_outcome: None,
             fingerprint: None,
+            request: None,
         };
         let Admission::New(id) = store.record_action(action, t(1)).expect("record") else {
             panic!("key reused");

@@ -60,6 +60,7 @@ fn open_escalation(store: &SqliteStore) -> EscalationId {
                 external_reference: None,
                 desired_outcome: None,
                 fingerprint: None,
+                request: None,
             },
             t("2026-01-01T00:00:00Z"),
         )

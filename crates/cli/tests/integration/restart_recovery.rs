@@ -248,8 +248,14 @@ fn sigkill_after_an_uncertain_write_resumes_reconciliation_with_the_original_key
     runtime.block_on(fake.shutdown());
 }
 
+/// A write submitted through the action API (`202 Accepted`), throttled once, whose second
+/// attempt the provider commits and never answers when backstop is killed: the route has no
+/// lookup and the provider honours keys, so the next start resends it under its original key
+/// from the request the store kept — the provider replays its stored result, and one invoice
+/// exists. Nobody had to resend it, and no human is asked.
 #[test]
-fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerprint_and_wait() {
+fn a_write_left_uncertain_by_a_crash_is_resent_from_its_kept_request_under_its_key_and_created_once(
+) {
     let runtime = runtime();
     // The first call is throttled for 1 s; the second is committed and held until backstop dies.
     let config = FakeConfig::default().with_route(
@@ -318,46 +324,46 @@ fn a_write_escalated_after_a_restart_keeps_its_desired_outcome_deadline_fingerpr
     restart_until_audited(
         (&policy_file, &db),
         action,
-        "escalated",
-        "the escalation after the restart",
+        "action_finished",
+        "the write to be finished after the restart",
     );
 
     let store = SqliteStore::open_existing(&db).expect("store");
-    let escalation = store
-        .open_escalations()
-        .unwrap()
-        .into_iter()
-        .find(|e| e.action == action)
-        .expect("escalation");
-    let case = &escalation.case_file;
+    let record = store.action(action).unwrap().expect("action");
     assert_eq!(
-        case["desired_outcome"], "invoice 7 issued exactly once",
-        "{case:#}"
+        record.outcome.map(|o| o.as_str()),
+        Some("succeeded"),
+        "{record:?}"
     );
-    assert_eq!(
-        case["budget"]["deadline"], "2099-03-01T00:00:00Z",
-        "{case:#}"
-    );
-    let expected = backstop_core::breaker::RequestFingerprint::compute(
-        "POST",
-        "/v1/invoices",
-        Some(&serde_json::from_str(payload).unwrap()),
-        &["/customer".to_owned()],
-    );
-    assert_eq!(case["fingerprint"], expected.as_str(), "{case:#}");
-    let wait_used = case["budget"]["wait_used_ms"].as_u64().expect("wait used");
     assert!(
-        (900..30_000).contains(&wait_used),
-        "the 1 s wait before the second attempt is counted: {wait_used} ms"
+        store.open_escalations().unwrap().is_empty(),
+        "no human is asked"
     );
-    assert_eq!(case["budget"]["attempts_used"], 2, "{case:#}");
     assert_eq!(
-        fake.attempts()
+        store.kept_request(action).unwrap(),
+        None,
+        "the kept request is gone"
+    );
+    let posts: Vec<_> = fake
+        .attempts()
+        .into_iter()
+        .filter(|a| a.method == "POST")
+        .collect();
+    assert_eq!(posts.len(), 3, "{posts:?}");
+    let upstream = upstream_idempotency_key("restart-agent", "invoice-restart-1");
+    assert!(
+        posts
             .iter()
-            .filter(|a| a.method == "POST")
-            .count(),
-        2,
-        "nothing is resent after the restart"
+            .all(|a| a.idempotency_key.as_deref() == Some(upstream.as_str())),
+        "every attempt under the one key: {posts:?}"
+    );
+    assert!(
+        posts[2].replayed,
+        "the provider replayed what it had: {posts:?}"
+    );
+    assert_eq!(
+        posts[2].body_sha256, posts[1].body_sha256,
+        "the kept request is the one sent before"
     );
     runtime.block_on(fake.shutdown());
 }

@@ -33,7 +33,12 @@
 //!    `change_plan`, and no attempt was sent since the decision: the action is reopened — for
 //!    `wait` not before the case file's `retry_not_before` when it names one (replayed until
 //!    then). A decision reopens the action once: a later resend needs a new advice or decision;
-//! 5. anything else — `succeeded`, `rejected`, `conflict`, `cancelled`, `escalated`,
+//! 5. the write ended `cancelled` while no attempt of it was left unsettled and it has no
+//!    escalation (its caller went away before a send, a restart closed it), and its task is not
+//!    cancelled: the action is reopened at once — nothing at the provider binds the key to an
+//!    outcome, so the agent never needs a new key for it (a cancelled task's writes stay
+//!    cancelled: replayed);
+//! 6. anything else — `succeeded`, `rejected`, `conflict`, `escalated`,
 //!    `reconciliation_required`, `circuit_open`, an outcome without advice — is replayed exactly
 //!    as before, with no extra store read.
 //!
@@ -93,7 +98,7 @@ pub(super) enum Verdict {
 }
 
 /// Whether a finished action's outcome is one a resend can follow (the outcomes an escalation
-/// opens beside, and those answered `429` with a `wait_until`): anything else is replayed
+/// opens beside, those answered `429` with a `wait_until`, and `cancelled`): anything else is replayed
 /// without reading more of the store.
 pub(super) fn may_follow(record: &ActionRecord) -> bool {
     matches!(
@@ -103,6 +108,7 @@ pub(super) fn may_follow(record: &ActionRecord) -> bool {
                 | backstop_store::Outcome::DeadlineExhausted
                 | backstop_store::Outcome::QuotaExhausted
                 | backstop_store::Outcome::ScopeSaturated
+                | backstop_store::Outcome::Cancelled
         )
     )
 }
@@ -163,6 +169,19 @@ pub(super) fn verdict(
             Verdict::ReplayClosed
         } else {
             Verdict::Replay
+        };
+    }
+    if record.outcome == Some(backstop_store::Outcome::Cancelled) {
+        // Ended without anything settled at the provider left open (its caller went away, a
+        // restart): nothing binds the key to an outcome, so the resend sends it. The store
+        // refuses the reopen when the task itself was cancelled (then it is replayed).
+        return if writes::unsettled_in(attempts) || !escalations.is_empty() {
+            Verdict::Replay
+        } else {
+            Verdict::Reopen {
+                advised: None,
+                escalation: None,
+            }
         };
     }
     if let Some(at) = advised {

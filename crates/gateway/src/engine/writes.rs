@@ -194,7 +194,9 @@ pub(super) enum UncertainEnd {
 /// under its same key can be made automatically (the agent or an operator decides).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PayloadGone {
-    /// The gateway restarted: the payload is not kept across a restart.
+    /// The gateway restarted, and the write's request was not kept (its body over
+    /// `--retry-body-bytes`, or a header that is not text) or could not be resumed (its store
+    /// failed at the restart).
     Restart,
     /// The store could not record the write's retry: its caller was answered
     /// `503 store_unavailable`, and the payload went with that request.
@@ -210,7 +212,9 @@ impl PayloadGone {
     /// The words for it in an escalation's reason.
     fn words(self) -> &'static str {
         match self {
-            PayloadGone::Restart => "the payload is not kept across a restart",
+            PayloadGone::Restart => {
+                "the gateway restarted and the write's request is not kept (its body was over --retry-body-bytes) or could not be resumed from the store"
+            }
             PayloadGone::StoreFailed => {
                 "the payload went with its caller's request, answered 503 store_unavailable when the store could not record the retry"
             }
@@ -986,8 +990,7 @@ impl Inner {
                 }
                 continue;
             }
-            let facts = self.stored_facts(&record, None).await;
-            match self.reconcile_and_close(&facts, PayloadGone::Restart).await {
+            match self.reconcile_then_resume(&record).await {
                 Ok(()) => {}
                 Err(EngineError::ShuttingDown) => tracing::info!(
                     action = id.0,
@@ -1028,6 +1031,9 @@ impl Inner {
                     continue;
                 }
             };
+            if self.resume_between_attempts(&record, &attempts).await {
+                continue;
+            }
             let end = restarted_end(&self.policy, &record, &attempts);
             if matches!(end, DeferredEnd::Reconcile { .. }) {
                 tracing::info!(
@@ -1094,7 +1100,7 @@ impl Inner {
 
     /// The stored action `id` for restart recovery; `None` (logged) when it is gone or cannot
     /// be read.
-    async fn recovered_action(&self, id: ActionId) -> Option<ActionRecord> {
+    pub(super) async fn recovered_action(&self, id: ActionId) -> Option<ActionRecord> {
         match self.blocking(move |s| s.action(id)).await {
             Ok(record) => record,
             Err(e) => {
@@ -1102,25 +1108,6 @@ impl Inner {
                 None
             }
         }
-    }
-
-    /// Runs the SPEC §6 rule for a recorded write whose payload is gone
-    /// ([`Inner::reconcile_uncertain`], without an agent request) and ends it
-    /// ([`Inner::close_after_recovery`]). Nothing is resent.
-    ///
-    /// # Errors
-    /// The store failed to record how the write ended, or [`EngineError::ShuttingDown`]: the
-    /// lookup was not sent, and the write is left as it is for the next start.
-    pub(super) async fn reconcile_and_close(
-        &self,
-        facts: &WriteFacts,
-        gone: PayloadGone,
-    ) -> Result<(), EngineError> {
-        let end = self
-            .reconcile_uncertain(facts, None)
-            .await
-            .map_err(|LookupNotSent| EngineError::ShuttingDown)?;
-        self.close_after_recovery(facts, end, gone).await
     }
 
     /// Ends a recovered write: found → reconciled; otherwise escalated (the payload is `gone`,
@@ -1212,6 +1199,11 @@ impl Inner {
                         return;
                     }
                 };
+                if record.state != backstop_store::ActionState::Finished
+                    && inner.resume_between_attempts(&record, &attempts).await
+                {
+                    return;
+                }
                 let close = Deferred {
                     action: id,
                     result: None,
@@ -1544,7 +1536,7 @@ mod tests {
     #[test]
     fn a_recovered_write_says_why_its_payload_is_gone() {
         let restart = same_key_needs_operator(false, PayloadGone::Restart);
-        assert!(restart.contains("not kept across a restart"), "{restart}");
+        assert!(restart.contains("restarted"), "{restart}");
         let store = same_key_needs_operator(true, PayloadGone::StoreFailed);
         assert!(store.contains("503 store_unavailable"), "{store}");
         assert!(!store.contains("restart"), "{store}");

@@ -580,8 +580,8 @@ async fn assert_escalated_for_the_gone_client(h: &Harness, id: ActionId) {
 }
 
 /// A write whose caller goes away while it waits for its first send is cancelled: nothing was
-/// sent. Its key stays bound to that cancelled action — a same-key resend replays `cancelled`
-/// (saying nothing was sent) and sends nothing — and a new key is safe to send.
+/// sent. Nothing at the provider binds its key to that outcome, so a same-key resend reopens
+/// the SAME action and sends it, once — the agent never needs a new key for it.
 #[tokio::test(start_paused = true)]
 async fn a_write_whose_client_disconnects_before_its_first_send_is_cancelled_under_its_key() {
     let h = Harness::new();
@@ -610,17 +610,23 @@ async fn a_write_whose_client_disconnects_before_its_first_send_is_cancelled_und
             .is_some_and(|a| a.outcome == Some(Outcome::Cancelled))
     };
     assert!(until(closed).await, "the write is closed `cancelled`");
+    let cancelled = h
+        .store
+        .action_by_key(&agent, "key-gone")
+        .unwrap()
+        .expect("recorded")
+        .id;
     let again = h.engine.execute(write(&h, "key-gone")).await;
-    assert_eq!(summary(&again), "cancelled", "the key's action is replayed");
-    let Execution::Outcome { context, .. } = &again else {
-        panic!("expected an outcome");
-    };
-    assert!(!context.sent, "the replay says nothing was sent");
-    assert!(h.transport.sent_to("/v1/transfers").is_empty());
-
-    let fresh = h.engine.execute(write(&h, "key-new")).await;
-    assert_eq!(summary(&fresh), "200");
+    assert_eq!(summary(&again), "200", "the same-key resend sends it");
+    assert_eq!(again.receipt().action_id, cancelled.0, "as the same action");
     assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    let replay = h.engine.execute(write(&h, "key-gone")).await;
+    assert_eq!(summary(&replay), "200");
+    assert_eq!(
+        h.transport.sent_to("/v1/transfers").len(),
+        1,
+        "a later resend is a replay: nothing more is sent"
+    );
 }
 
 #[tokio::test(start_paused = true)]

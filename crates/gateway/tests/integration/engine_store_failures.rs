@@ -18,7 +18,7 @@ use backstop_fake_api::{FakeConfig, Fault, FaultRule, RouteConfig};
 use backstop_gateway::{
     action::{ActionSpec, Execution},
     clock::TokioClock,
-    engine::{Engine, RESTARTED_BEFORE_RETRY, STORE_FAILED_BEFORE_RETRY},
+    engine::{Engine, STORE_FAILED_BEFORE_RETRY},
     metrics::Metrics,
     server,
     transport::AttemptRequest,
@@ -280,8 +280,11 @@ async fn a_write_waiting_for_its_retry_at_stop_stays_recorded_and_is_not_invited
     );
 }
 
+/// A write whose retry was scheduled when the gateway stopped keeps its request in the store:
+/// the next start re-arms the retry and, when it falls due, sends it under the SAME key from
+/// the kept request — nobody waits for it, and it is finished all the same.
 #[tokio::test(start_paused = true)]
-async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gone() {
+async fn a_retry_re_armed_after_a_restart_is_sent_from_the_kept_request_under_its_key() {
     let h = Harness::new();
     h.transport.script(
         "/v1/transfers",
@@ -290,9 +293,9 @@ async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gon
     let running = h.spawn(write(&h, "t", "k-r"));
     assert!(until(|| h.transport.sent().len() == 1).await);
     assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+    let due = h.store.scheduled_retries().unwrap()[0].due_at;
     h.engine.shutdown().await;
     let action = running.await.unwrap().receipt().action_id;
-    // The next run over the same store re-arms the retry; nobody waits for it any more.
     let restarted = h.restarted(7);
     advance(Duration::from_secs(30)).await;
     let stored = || {
@@ -303,22 +306,31 @@ async fn a_retry_re_armed_after_a_restart_is_cancelled_because_its_caller_is_gon
     };
     assert!(
         until(|| stored().outcome.is_some()).await,
-        "the re-armed retry ended the action"
+        "the re-armed retry finished the write"
     );
-    let record = stored();
-    assert_eq!(record.outcome, Some(backstop_store::Outcome::Cancelled));
-    let context = record.outcome_context.unwrap();
+    assert_eq!(stored().outcome, Some(backstop_store::Outcome::Succeeded));
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 2, "the retry was sent once after the restart");
     assert_eq!(
-        context["detail"],
-        backstop_gateway::engine::RESTARTED_BEFORE_RETRY
+        sent[0].idempotency_key, sent[1].idempotency_key,
+        "under the same key"
     );
-    assert_eq!(context["attempts"], 1);
+    assert!(sent[1].at >= due, "not before its retry fell due");
     assert_eq!(
-        h.transport.sent().len(),
-        1,
-        "nothing was sent for the gone caller"
+        h.store
+            .attempts(backstop_store::ActionId(action))
+            .unwrap()
+            .len(),
+        2
     );
     assert!(h.store.scheduled_retries().unwrap().is_empty());
+    assert_eq!(
+        h.store
+            .kept_request(backstop_store::ActionId(action))
+            .unwrap(),
+        None,
+        "the kept request is gone with the write's end"
+    );
     restarted.shutdown().await;
 }
 
@@ -369,15 +381,12 @@ async fn a_retry_re_armed_after_a_restart_while_the_store_fails_is_closed_once_i
     assert_eq!(context["sent"], true);
     assert_eq!(context["last_status"], 503, "{context}");
     assert!(h.store.scheduled_retries().unwrap().is_empty());
-    // A same-key resend replays the outcome with what was sent.
+    // The store could not resume it from its kept request, so it was cancelled; a same-key
+    // resend reopens it (nothing it was answered binds the key) and sends it, once.
     let again = restarted.execute(write(&h, "t", "k-rf")).await;
-    assert_eq!(summary(&again), "cancelled");
-    let Execution::Outcome { context, .. } = &again else {
-        unreachable!("summary was cancelled")
-    };
-    assert!(context.sent, "{context:?}");
-    assert_eq!(context.attempts, 1);
-    assert_eq!(h.transport.sent().len(), 1, "nothing more was sent");
+    assert_eq!(summary(&again), "200");
+    assert_eq!(again.receipt().action_id, action);
+    assert_eq!(h.transport.sent().len(), 2, "sent once more");
     restarted.shutdown().await;
 }
 
@@ -430,12 +439,12 @@ async fn a_retry_due_while_the_store_fails_is_closed_once_the_store_commits_agai
     );
     let findings = watchdog.check(h.clock_now()).unwrap();
     assert!(findings.iter().all(|f| f.action != action), "{findings:?}");
-    // A resend under the same key gets the recorded outcome (not 409 in flight); nothing is
-    // sent, the retry neither.
+    // A resend under the same key (not 409 in flight): the cancelled write bound nothing at
+    // the provider, so the resend reopens the same action and sends it once.
     let again = h.engine.execute(write(&h, "t", "k-1")).await;
-    assert_eq!(summary(&again), "cancelled");
+    assert_eq!(summary(&again), "201");
     assert_eq!(again.receipt().action_id, action.0);
-    assert_eq!(h.transport.sent().len(), 1);
+    assert_eq!(h.transport.sent().len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
@@ -490,14 +499,12 @@ async fn a_resend_taking_over_an_unsent_write_whose_caller_leaves_while_it_reads
     let outcome = || stored(&h, action).outcome;
     assert!(until(|| outcome().is_some()).await, "the write is closed");
     assert_eq!(outcome(), Some(Outcome::Cancelled));
+    // Not 409 in flight: the resend reopens the cancelled write (nothing was sent for it) and
+    // sends it, as the same action.
     let again = h.engine.execute(write(&h, "t", "k-5")).await;
-    assert_eq!(summary(&again), "cancelled", "replayed, not 409 in flight");
+    assert_eq!(summary(&again), "200", "reopened, not 409 in flight");
     assert_eq!(again.receipt().action_id, action.0);
-    let Execution::Outcome { context, .. } = &again else {
-        panic!("the replayed outcome: {again:?}")
-    };
-    assert!(!context.sent, "the replay says nothing was sent");
-    assert!(h.transport.sent().is_empty(), "nothing was ever sent");
+    assert_eq!(h.transport.sent().len(), 1, "sent once");
 }
 
 /// The same window for a write an operator reopened (`retry_same_key` after a restart, so the
@@ -743,11 +750,11 @@ async fn a_retry_the_store_could_not_schedule_is_closed_once_the_store_commits_a
         context["next_safe"],
         serde_json::json!([{"option": "abort"}])
     );
-    // A resend under the same key replays the outcome, not 409 in flight; nothing is sent.
+    // A resend under the same key, not 409 in flight: it reopens the same action and sends it.
     let again = h.engine.execute(write(&h, "t", "k-s1")).await;
-    assert_eq!(summary(&again), "cancelled");
+    assert_eq!(summary(&again), "201");
     assert_eq!(again.receipt().action_id, action.0);
-    assert_eq!(h.transport.sent().len(), 1);
+    assert_eq!(h.transport.sent().len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
@@ -792,20 +799,20 @@ async fn a_retry_the_store_could_not_schedule_is_closed_by_the_next_start() {
     advance(Duration::from_secs(5)).await;
     assert_eq!(stored(&h, action).outcome, None);
 
-    // The next run over the same (working) store finds the action and closes it.
+    // The next run over the same (working) store finds the action and finishes it from its
+    // kept request, under its key.
     let restarted = h.restarted(5);
     assert!(
         until(|| stored(&h, action).outcome.is_some()).await,
-        "the next start closes the action"
+        "the next start finishes the action"
     );
-    let record = stored(&h, action);
-    assert_eq!(record.outcome, Some(Outcome::Cancelled));
-    let context = record.outcome_context.unwrap();
-    assert_eq!(context["detail"], RESTARTED_BEFORE_RETRY);
-    assert_eq!(context["attempts"], 1);
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Succeeded));
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     let again = restarted.execute(write(&h, "t", "k-s3")).await;
-    assert_eq!(summary(&again), "cancelled");
-    assert_eq!(h.transport.sent().len(), 1);
+    assert_eq!(summary(&again), "201", "a resend is the write's replay");
+    assert_eq!(h.transport.sent().len(), 2);
     restarted.shutdown().await;
 }
 
@@ -819,19 +826,23 @@ async fn an_uncertain_write_whose_retry_the_store_could_not_schedule_is_reconcil
     h.engine.shutdown().await;
     advance(Duration::from_secs(5)).await;
 
+    // The route has no lookup and the provider honours keys: the SPEC §6 rule resends under
+    // the same key, which the kept request now allows after a restart too.
     let restarted = h.restarted(5);
     assert!(
         until(|| stored(&h, action).outcome.is_some()).await,
-        "the next start reconciles the write"
+        "the next start finishes the write"
     );
-    assert_eq!(stored(&h, action).outcome, Some(Outcome::Escalated));
-    assert!(h
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Succeeded));
+    assert!(!h
         .store
         .open_escalations()
         .unwrap()
         .iter()
         .any(|e| e.action == action));
-    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 2, "resent once, under its key");
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     restarted.shutdown().await;
 }
 
@@ -1210,11 +1221,15 @@ async fn an_uncertain_write_whose_retry_is_re_armed_after_a_restart_is_reconcile
     advance(Duration::from_secs(30)).await;
     assert!(
         until(|| stored(&h, action).outcome.is_some()).await,
-        "the re-armed retry closed the action"
+        "the re-armed retry finished the action"
     );
-    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    // Reconciled, not cancelled: no lookup and the provider honours keys, so the SPEC §6 rule
+    // resends under the same key — from the request the store kept.
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Succeeded));
     assert!(h.store.scheduled_retries().unwrap().is_empty());
-    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 2, "resent once");
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     restarted.shutdown().await;
 }
 
@@ -1243,7 +1258,7 @@ async fn an_uncertain_write_re_armed_while_the_store_fails_is_reconciled_once_it
     store.recover();
     advance(Duration::from_secs(120)).await;
     assert!(until(|| stored(&h, action).outcome.is_some()).await);
-    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    assert_reconciled_into_an_escalation(&h, action, "restarted");
     assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
     restarted.shutdown().await;
 }
@@ -1418,6 +1433,7 @@ async fn a_deferred_reconciliation_asks_the_provider_once_while_the_store_cannot
         payload_digest: PayloadDigest::of(body.as_bytes()).as_str().to_owned(),
         target_digest: None,
         desired_outcome: None,
+        resumed: false,
     };
     let lookups = || support::on_route(&fake.attempts(), "GET", "/v1/transfers").len();
 
@@ -1506,7 +1522,7 @@ async fn a_write_sent_without_a_result_found_at_a_start_the_store_cannot_commit_
         until(|| stored(&h, action).outcome.is_some()).await,
         "the write is reconciled once the store commits again, not left to the next start"
     );
-    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
+    assert_reconciled_into_an_escalation(&h, action, "restarted");
     let attempts = h.store.attempts(action).unwrap();
     assert_eq!(
         attempts[0].disposition,
@@ -1568,7 +1584,7 @@ fn assert_told_after_restart(body: &Value, kind: &str, after: &str, says: &str) 
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_write_whose_retry_the_store_cannot_schedule_at_a_stop_is_told_the_next_start_cancels_it()
+async fn a_write_whose_retry_the_store_cannot_schedule_at_a_stop_is_told_the_next_start_resumes_it()
 {
     let (h, store) = Harness::with_failing_store();
     let answered =
@@ -1579,22 +1595,20 @@ async fn a_write_whose_retry_the_store_cannot_schedule_at_a_stop_is_told_the_nex
     assert_told_after_restart(
         &body,
         "store_unavailable",
-        "cancel",
-        "the next start sends nothing more for it and ends the action cancelled",
+        "resume",
+        "the next start sends the write again under its original Idempotency-Key",
     );
     assert_eq!(body["action_id"], action.0, "{body}");
 
     // What the answer said is what the next start does.
     store.recover();
     let restarted = h.restarted(5);
+    advance(Duration::from_secs(30)).await;
     assert!(until(|| stored(&h, action).outcome.is_some()).await);
-    let record = stored(&h, action);
-    assert_eq!(record.outcome, Some(Outcome::Cancelled));
-    assert_eq!(
-        record.outcome_context.unwrap()["detail"],
-        RESTARTED_BEFORE_RETRY
-    );
-    assert_eq!(h.transport.sent().len(), 1, "nothing was sent again");
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Succeeded));
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 2, "sent again once, after the restart");
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     restarted.shutdown().await;
 }
 
@@ -1615,11 +1629,15 @@ async fn a_write_whose_answer_the_store_cannot_record_at_a_stop_is_told_the_next
         "The next start reconciles the write with its original Idempotency-Key",
     );
 
+    // Reconciled: no lookup, and the provider honours keys, so it is resent under its key
+    // from the kept request.
     store.recover();
     let restarted = h.restarted(5);
     assert!(until(|| stored(&h, action).outcome.is_some()).await);
-    assert_reconciled_into_an_escalation(&h, action, "not kept across a restart");
-    assert_eq!(h.transport.sent().len(), 1, "the write was never resent");
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Succeeded));
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 2, "resent once, under its key");
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     restarted.shutdown().await;
 }
 
@@ -1640,12 +1658,12 @@ async fn a_write_whose_answer_a_closing_store_may_or_may_not_have_kept_at_a_stop
         &body,
         "shutting_down",
         "unknown",
-        "does not tell whether that record was kept, so what the next start does with the write cannot be known here: if it was kept, the next start ends it cancelled and sends nothing more for it; if not, it reconciles it with its original Idempotency-Key and resends nothing",
+        "does not tell whether that record was kept, so what the next start does with the write cannot be known here: if it was kept, the next start sends it again under its original Idempotency-Key from its kept request when its retry falls due; if not, it reconciles it with its original Idempotency-Key and sends it again under that key only when nothing is found and the provider honours the key",
     );
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_write_whose_retry_start_the_store_cannot_record_at_a_stop_is_told_the_next_start_cancels_it(
+async fn a_write_whose_retry_start_the_store_cannot_record_at_a_stop_is_told_the_next_start_resumes_it(
 ) {
     let (h, store) = Harness::with_failing_store();
     h.transport.script(
@@ -1672,21 +1690,19 @@ async fn a_write_whose_retry_start_the_store_cannot_record_at_a_stop_is_told_the
     assert_told_after_restart(
         &body,
         "store_unavailable",
-        "cancel",
+        "resume",
         "the start of its next attempt could not be recorded, so that attempt was not sent",
     );
     assert_eq!(h.transport.sent().len(), 1, "the retry did not leave");
 
-    // The retry's job stays in the store: the next start re-arms it and cancels the write.
+    // The retry's job stays in the store: the next start re-arms it and sends it from the
+    // kept request, under the same key.
     let restarted = h.restarted(5);
     advance(Duration::from_secs(30)).await;
     assert!(until(|| stored(&h, action).outcome.is_some()).await);
-    let record = stored(&h, action);
-    assert_eq!(record.outcome, Some(Outcome::Cancelled));
-    assert_eq!(
-        record.outcome_context.unwrap()["detail"],
-        RESTARTED_BEFORE_RETRY
-    );
-    assert_eq!(h.transport.sent().len(), 1, "nothing was sent again");
+    assert_eq!(stored(&h, action).outcome, Some(Outcome::Succeeded));
+    let sent = h.transport.sent();
+    assert_eq!(sent.len(), 2, "the retry left once, after the restart");
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     restarted.shutdown().await;
 }

@@ -64,6 +64,7 @@ fn fixture() -> Fixture {
                 external_reference: Some("inv-7".into()),
                 desired_outcome: None,
                 fingerprint: None,
+                request: None,
             },
             t("2026-01-01T00:00:00Z"),
         )

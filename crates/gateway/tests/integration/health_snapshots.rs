@@ -67,6 +67,7 @@ fn action(store: &SqliteStore, task: &str, agent: &str, key: &str) -> ActionId {
                 external_reference: None,
                 desired_outcome: None,
                 fingerprint: None,
+                request: None,
             },
             at(0),
         )

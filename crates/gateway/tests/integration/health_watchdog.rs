@@ -57,6 +57,7 @@ fn throttled_action(store: &SqliteStore) -> ActionId {
                 external_reference: None,
                 desired_outcome: None,
                 fingerprint: None,
+                request: None,
             },
             at(0),
         )

@@ -488,7 +488,7 @@ async fn stopped_while_waiting_for_the_retry(h: &Harness, key: &str, first: Step
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_write_answered_by_the_provider_and_waiting_for_its_retry_is_told_the_restart_cancels_it()
+async fn a_write_answered_by_the_provider_and_waiting_for_its_retry_is_told_the_restart_resumes_it()
 {
     let h = Harness::new();
     let (action, body) = stopped_while_waiting_for_the_retry(
@@ -498,41 +498,44 @@ async fn a_write_answered_by_the_provider_and_waiting_for_its_retry_is_told_the_
     )
     .await;
     assert_eq!(body["sent"], true, "{body}");
-    assert_eq!(body["after_restart"], "cancel", "{body}");
+    assert_eq!(body["after_restart"], "resume", "{body}");
     assert_eq!(body["last_status"], 503, "{body}");
     assert_eq!(body["last_signal"], "unavailable", "{body}");
     let detail = body["detail"].as_str().unwrap();
     for said in [
         "HTTP 503 (`unavailable`)",
         "nothing to reconcile",
-        "ends cancelled when the retry falls due",
+        "its request is kept",
+        "sent under its original Idempotency-Key when it falls due",
         "409 idempotency_key_in_flight",
-        "410",
-        "under a new Idempotency-Key",
+        "never send it under a new key",
         &format!("GET /v1/actions/{action}"),
     ] {
         assert!(detail.contains(said), "`{said}` missing: {detail}");
     }
-    assert!(!detail.contains("reconciled"), "{detail}");
+    assert!(!detail.contains("under a new Idempotency-Key"), "{detail}");
 
     // What the restart does is what the answer said: the same key is in flight until the retry
-    // falls due, then the action is cancelled and the key replays that; nothing is sent.
+    // falls due, then the retry is sent from the kept request under the same key.
     let restarted = h.restarted(3);
     let early = restarted.execute(keyed_write(&h, "k-answered")).await;
     assert_eq!(summary(&early), "in_flight", "{early:?}");
     advance(Duration::from_secs(30)).await;
     let stored = || h.store.action(ActionId(action)).unwrap().unwrap();
     assert!(until(|| stored().outcome.is_some()).await);
-    assert_eq!(stored().outcome, Some(Outcome::Cancelled));
+    assert_eq!(stored().outcome, Some(Outcome::Succeeded));
+    let sent = h.transport.sent_to("/v1/transfers");
+    assert_eq!(sent.len(), 2);
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     let late = restarted.execute(keyed_write(&h, "k-answered")).await;
-    assert_eq!(summary(&late), "cancelled", "{late:?}");
-    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    assert_eq!(late.receipt().action_id, action, "{late:?}");
+    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 2, "replayed");
     restarted.shutdown().await;
 }
 
 /// A write whose only attempt never reached the provider (`not_sent`: the connection was
 /// refused) and which waits for its retry when the gateway stops is told `sent: false` — as its
-/// outcome context would say — but not to retry under the same key: the next start cancels it.
+/// outcome context would say — and that the next start sends its retry from the kept request.
 #[tokio::test(start_paused = true)]
 async fn a_write_whose_attempt_never_left_and_waiting_for_its_retry_is_told_nothing_was_sent() {
     let h = Harness::new();
@@ -540,11 +543,11 @@ async fn a_write_whose_attempt_never_left_and_waiting_for_its_retry_is_told_noth
         stopped_while_waiting_for_the_retry(&h, "k-not-sent", Step::Fail(TransportError::Connect))
             .await;
     assert_eq!(body["sent"], false, "{body}");
-    assert_eq!(body["after_restart"], "cancel", "{body}");
+    assert_eq!(body["after_restart"], "resume", "{body}");
     assert_eq!(body["last_signal"], "not_sent", "{body}");
     let detail = body["detail"].as_str().unwrap();
     assert!(detail.contains("never reached the provider"), "{detail}");
-    assert!(detail.contains("under a new Idempotency-Key"), "{detail}");
+    assert!(detail.contains("its request is kept"), "{detail}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -575,18 +578,18 @@ async fn a_write_left_uncertain_and_waiting_for_its_retry_is_told_the_restart_re
     assert!(!detail.contains("410"), "{detail}");
     assert!(!detail.contains("cancelled"), "{detail}");
 
-    // The restart reconciles it when its retry falls due: without a lookup, and with the
-    // payload gone, an operator decides — never cancelled, never resent.
+    // The restart reconciles it when its retry falls due: without a lookup, the provider
+    // honouring the key, it is resent under that key from the kept request — never cancelled.
     let restarted = h.restarted(3);
     let early = restarted.execute(keyed_write(&h, "k-uncertain")).await;
     assert_eq!(summary(&early), "in_flight", "{early:?}");
     advance(Duration::from_secs(30)).await;
     let stored = || h.store.action(ActionId(action)).unwrap().unwrap();
     assert!(until(|| stored().outcome.is_some()).await);
-    assert_eq!(stored().outcome, Some(Outcome::Escalated));
-    let late = restarted.execute(keyed_write(&h, "k-uncertain")).await;
-    assert_eq!(summary(&late), "escalated", "{late:?}");
-    assert_eq!(h.transport.sent_to("/v1/transfers").len(), 1);
+    assert_eq!(stored().outcome, Some(Outcome::Succeeded));
+    let sent = h.transport.sent_to("/v1/transfers");
+    assert_eq!(sent.len(), 2);
+    assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     restarted.shutdown().await;
 }
 

@@ -62,6 +62,7 @@ fn action(task: &str, method: &str, class: &str, key: &str) -> NewAction {
         external_reference: None,
         desired_outcome: None,
         fingerprint: None,
+        request: None,
     }
 }
 

@@ -66,6 +66,7 @@ fn run(db: &str, threads: u32, round: u32) -> Result<(), backstop_store::StoreEr
                         external_reference: None,
                         desired_outcome: None,
                         fingerprint: None,
+                        request: None,
                     };
                     let Admission::New(id) = store.record_action(action, at(i))? else {
                         continue;

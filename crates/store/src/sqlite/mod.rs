@@ -103,8 +103,8 @@ use crate::audit::{verify_chain, AuditEvent, Chain, ChainHead, Verdict};
 use crate::error::StoreError;
 use crate::model::{
     ActionId, ActionRecord, Admission, AttemptRecord, AttemptResult, CancelReport, DueRetry,
-    EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, RouteTemplate, ScopeRecord,
-    ScopeUpdate, TaskRecord, UnfinishedAttempt,
+    EscalationId, EscalationRecord, Finish, JobId, KeptRequest, NewAction, NewTask, RouteTemplate,
+    ScopeRecord, ScopeUpdate, TaskRecord, UnfinishedAttempt,
 };
 use crate::store::{Completion, Store};
 use feed::{Mark, Watched};
@@ -1562,6 +1562,18 @@ impl Store for SqliteStore {
         self.submit(move |tx| tx.reopen_for_resend(action, advised, escalation, at))
     }
 
+    fn keep_request(&self, action: ActionId, request: KeptRequest) -> Result<(), StoreError> {
+        self.submit(move |tx| tx.keep_request(action, &request))
+    }
+
+    fn kept_request(&self, action: ActionId) -> Result<Option<KeptRequest>, StoreError> {
+        self.read(|c| rows::kept_request(c, action))
+    }
+
+    fn resume_after_restart(&self, action: ActionId, at: Timestamp) -> Result<(), StoreError> {
+        self.submit(move |tx| tx.resume_after_restart(action, at))
+    }
+
     fn record_access_decision(
         &self,
         escalation: EscalationId,
@@ -1874,6 +1886,7 @@ mod tests {
             external_reference: None,
             desired_outcome: Some("show the balance".into()),
             fingerprint: Some("GET /v1/balance".into()),
+            request: None,
         };
         let result = AttemptResult {
             action: ActionId(id),

@@ -13,10 +13,12 @@ use crate::audit::{format_instant, format_instant_into, AuditEvent, Chain, Event
 use crate::error::{BoundRequest, StoreError};
 use crate::model::{
     unsettled_attempt, ActionId, ActionState, Admission, AttemptResult, Boundary, CancelReport,
-    DueRetry, EscalationId, EscalationRecord, Finish, JobId, NewAction, NewTask, Outcome,
-    PayloadDigest, RouteTemplate, ScopeRecord, ScopeUpdate, UnsettledWrite,
+    DueRetry, EscalationId, EscalationRecord, Finish, JobId, KeptRequest, NewAction, NewTask,
+    Outcome, PayloadDigest, RouteTemplate, ScopeRecord, ScopeUpdate, UnsettledWrite,
 };
-use crate::store::{ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, STATUS_QUERY};
+use crate::store::{
+    ACCESS_DECISION, ACTION_REOPENED, REOPENED_BY_RESEND, RESUMED_AFTER_RESTART, STATUS_QUERY,
+};
 
 /// What happened to a read after it was recorded, in order (see [`WriteTx::record_held_read`]).
 #[allow(clippy::large_enum_variant)] // a held read has two steps, each moved once
@@ -637,6 +639,9 @@ impl WriteTx<'_> {
                 new.fingerprint,
                 new.target_digest.as_ref().map(PayloadDigest::as_str),
             ])?;
+        if let Some(request) = &new.request {
+            self.insert_kept_request(id, request)?;
+        }
         let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
         e.task = Some(new.task_id);
         e.agent = Some(new.agent);
@@ -1199,6 +1204,68 @@ impl WriteTx<'_> {
         self.append(e)
     }
 
+    /// Keeps `request` as the request of `action` (replacing one kept before), unless the
+    /// action has ended: its row goes with the action's end (the schema's trigger).
+    fn insert_kept_request(
+        &mut self,
+        action: ActionId,
+        request: &KeptRequest,
+    ) -> Result<(), StoreError> {
+        let headers = serde_json::to_string(&request.headers).map_err(|e| StoreError::Invalid {
+            field: "request.headers",
+            reason: e.to_string(),
+        })?;
+        self.conn
+            .prepare_cached(
+                "INSERT OR REPLACE INTO kept_requests (action_id, method, url, headers, body) \
+                 SELECT id, ?2, ?3, ?4, ?5 FROM actions WHERE id = ?1 AND state != 'finished'",
+            )?
+            .execute(params![
+                action.0,
+                request.method,
+                request.url,
+                headers,
+                request.body
+            ])?;
+        Ok(())
+    }
+
+    pub(crate) fn keep_request(
+        &mut self,
+        action: ActionId,
+        request: &KeptRequest,
+    ) -> Result<(), StoreError> {
+        self.facts(action)?;
+        self.insert_kept_request(action, request)
+    }
+
+    pub(crate) fn resume_after_restart(
+        &mut self,
+        action: ActionId,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let f = self.reopenable(action)?;
+        if matches!(f.state, ActionState::Finished | ActionState::InFlight) {
+            return Err(refused(
+                action,
+                format!(
+                    "only an unfinished action with no attempt out may be resumed (state {})",
+                    f.state
+                ),
+            ));
+        }
+        // Its waiting retry, if any, is this resume's: not re-armed at a later start.
+        self.conn
+            .prepare_cached(
+                "UPDATE scheduled_retries SET claimed_at_ms = ?2, claimed_by = 'resumed' \
+                 WHERE action_id = ?1 AND claimed_at_ms IS NULL",
+            )?
+            .execute(params![action.0, ms(at)])?;
+        let mut e = self.reopen(action, f, at)?;
+        e.source = Some(RESUMED_AFTER_RESTART.to_owned());
+        self.append(e)
+    }
+
     pub(crate) fn reopen_for_resend(
         &mut self,
         action: ActionId,
@@ -1215,11 +1282,12 @@ impl WriteTx<'_> {
                     | Outcome::DeadlineExhausted
                     | Outcome::QuotaExhausted
                     | Outcome::ScopeSaturated
+                    | Outcome::Cancelled
             )
         );
         if f.state != ActionState::Finished || !resendable {
             return Err(refuse(format!(
-                "only a write that ended budget_exhausted, deadline_exhausted, quota_exhausted or scope_saturated may be reopened by a resend (state {}, outcome {})",
+                "only a write that ended budget_exhausted, deadline_exhausted, quota_exhausted, scope_saturated or cancelled (its task not cancelled) may be reopened by a resend (state {}, outcome {})",
                 f.state,
                 f.outcome.map_or("none", |o| o.as_str())
             )));

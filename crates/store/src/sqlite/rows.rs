@@ -7,8 +7,8 @@ use crate::audit::{push_lower_hex, AuditEvent, ChainHead, SealedDigests, DIGEST_
 use crate::error::StoreError;
 use crate::model::{
     ActionId, ActionRecord, ActionState, AttemptRecord, AttemptState, Boundary, Disposition,
-    DueRetry, EscalationId, EscalationRecord, EscalationState, JobId, Outcome, Priority,
-    ScopeRecord, StoredResponse, TaskRecord, UnfinishedAttempt,
+    DueRetry, EscalationId, EscalationRecord, EscalationState, JobId, KeptRequest, Outcome,
+    Priority, ScopeRecord, StoredResponse, TaskRecord, UnfinishedAttempt,
 };
 
 /// Milliseconds since the Unix epoch, as stored.
@@ -384,10 +384,13 @@ pub(crate) const UNSENT_READS_SQL: &str = "SELECT a.id FROM actions a \
      AND NOT EXISTS (SELECT 1 FROM scheduled_retries r WHERE r.action_id = a.id) \
      ORDER BY a.id";
 
-/// Actions between two attempts with no retry waiting to be claimed (the start-up scan); reads
-/// the `actions_open` index as [`UNSENT_WRITES_SQL`] does.
+/// Actions between two attempts with no retry waiting to be claimed (the start-up scan): an
+/// attempt's result recorded and nothing scheduled after it, or a retry whose job an earlier
+/// run claimed (restart recovery reconciling it) and that no record followed — the process
+/// that claimed it is gone, so the job is this start's to finish. Reads the `actions_open`
+/// index as [`UNSENT_WRITES_SQL`] does.
 pub(crate) const ACTIONS_BETWEEN_ATTEMPTS_SQL: &str = "SELECT a.id FROM actions a \
-     WHERE a.state != 'finished' AND a.state = 'attempted' \
+     WHERE a.state != 'finished' AND a.state IN ('attempted', 'waiting') \
      AND NOT EXISTS (SELECT 1 FROM scheduled_retries r \
                      WHERE r.action_id = a.id AND r.claimed_at_ms IS NULL) \
      ORDER BY a.id";
@@ -1018,6 +1021,39 @@ pub(crate) fn insert_event(
     bind_set(stmt, 29, e.agent.as_deref())?;
     stmt.raw_execute()?;
     Ok(())
+}
+
+/// The request kept for `action` (table `kept_requests`), if any.
+pub(crate) fn kept_request(
+    conn: &Connection,
+    action: ActionId,
+) -> Result<Option<KeptRequest>, StoreError> {
+    let row = conn
+        .prepare_cached(
+            "SELECT method, url, headers, body FROM kept_requests WHERE action_id = ?1",
+        )?
+        .query_row([action.0], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, Vec<u8>>(3)?,
+            ))
+        })
+        .optional()?;
+    let Some((method, url, headers, body)) = row else {
+        return Ok(None);
+    };
+    let headers = serde_json::from_str(&headers).map_err(|e| StoreError::Corrupt {
+        table: "kept_requests",
+        reason: format!("action {}: headers: {e}", action.0),
+    })?;
+    Ok(Some(KeptRequest {
+        method,
+        url,
+        headers,
+        body,
+    }))
 }
 
 #[cfg(test)]

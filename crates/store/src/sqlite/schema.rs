@@ -23,7 +23,8 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 /// migration after it left the tables and columns they read unchanged or only added to them:
 /// 8 -> 9 only adds the index `actions_open`, which nothing but the gateway's start-up scans
 /// uses; 9 -> 10 adds the audit events' `agent` column, which an older file is read without
-/// (`AGENT_SHIM`). A migration that changes anything else a reader reads (a table, a column,
+/// (`AGENT_SHIM`); 10 -> 11 adds the table `kept_requests` (and its trigger), which no reader
+/// reads. A migration that changes anything else a reader reads (a table, a column,
 /// how a value is stored) must raise this to its own version; the test
 /// `migrations_after_the_oldest_readable_version_only_add_indexes` fails until it does.
 pub const OLDEST_READABLE_VERSION: i64 = 8;
@@ -353,10 +354,32 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE audit_events ADD COLUMN agent TEXT;
     "#,
+    // 10 -> 11: a write keeps its request (method, URL, end-to-end headers without credentials,
+    // body) from before its first send until it ends, so that restart recovery finishes it
+    // itself (SPEC §6, §12). The row goes with the action's end (the trigger), never into the
+    // audit chain. Readers do not read it.
+    r#"
+    CREATE TABLE kept_requests (
+        action_id INTEGER PRIMARY KEY REFERENCES actions(id),
+        method    TEXT NOT NULL,
+        url       TEXT NOT NULL,
+        headers   TEXT NOT NULL,
+        body      BLOB NOT NULL
+    );
+    CREATE TRIGGER kept_request_ends_with_its_action AFTER UPDATE OF state ON actions
+        WHEN NEW.state = 'finished'
+    BEGIN
+        DELETE FROM kept_requests WHERE action_id = NEW.id;
+    END;
+    "#,
 ];
 
 /// The first schema version whose `audit_events` has the `agent` column.
 const AGENT_VERSION: i64 = 10;
+
+/// The first schema version with the table `kept_requests` (a write's request at rest).
+#[cfg(test)]
+const KEPT_REQUESTS_VERSION: i64 = 11;
 
 /// For a file older than [`AGENT_VERSION`], opened by [`open_reader`]: a temporary view named
 /// like the table (unqualified names find the `temp` schema first, SQLite's name resolution),
@@ -1431,7 +1454,9 @@ mod tests {
                     statement.starts_with("CREATE INDEX")
                         || statement.starts_with("CREATE UNIQUE INDEX")
                         || (i + 1 == AGENT_VERSION as usize
-                            && statement == "ALTER TABLE audit_events ADD COLUMN agent TEXT"),
+                            && statement == "ALTER TABLE audit_events ADD COLUMN agent TEXT")
+                        || (i + 1 == KEPT_REQUESTS_VERSION as usize
+                            && (statement.contains("kept_request") || statement == "END")),
                     "migration {i} -> {} changes what the read-only commands read \
                      (raise OLDEST_READABLE_VERSION to {}): {statement}",
                     i + 1,

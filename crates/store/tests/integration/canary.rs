@@ -59,6 +59,7 @@ fn no_credential_or_request_body_in_db_bytes_or_export() {
             external_reference: Some(format!("ext-{i}")),
             desired_outcome: None,
             fingerprint: None,
+            request: None,
         };
         let Admission::New(id) = store.record_action(action, t(i)).expect("record") else {
             panic!("fresh key existed");

@@ -248,7 +248,7 @@ fn a_resend_reopens_only_a_write_that_ended_waiting_in_a_live_task() {
         .reopen_for_resend(done, None, None, t(5))
         .expect_err("succeeded");
     assert!(err.to_string().contains("budget_exhausted"), "{err}");
-    for outcome in [Outcome::Rejected, Outcome::Cancelled, Outcome::Escalated] {
+    for outcome in [Outcome::Rejected, Outcome::Escalated] {
         let a = ended(
             &store,
             &format!("key-{}", outcome.as_str()),
@@ -260,6 +260,17 @@ fn a_resend_reopens_only_a_write_that_ended_waiting_in_a_live_task() {
             Err(StoreError::InvalidTransition { .. })
         ));
     }
+    // A write cancelled while its task lives (its caller went away, a restart closed it)
+    // binds nothing at the provider: its resend reopens it.
+    let cancelled = ended(
+        &store,
+        "key-cancelled",
+        Outcome::Cancelled,
+        serde_json::json!({}),
+    );
+    store
+        .reopen_for_resend(cancelled, None, None, t(5))
+        .expect("a cancelled write of a live task is reopened");
     assert!(matches!(
         store.reopen_for_resend(backstop_store::ActionId(999), None, None, t(5)),
         Err(StoreError::NotFound { .. })

@@ -13,6 +13,7 @@ mod canonical_encoding;
 mod crash;
 mod escalation_decisions;
 mod foreign_db;
+mod kept_requests;
 mod key_target;
 mod queued_operations;
 mod read_groups;

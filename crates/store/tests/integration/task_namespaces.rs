@@ -30,6 +30,7 @@ fn write(agent: &str, key: &str) -> NewAction {
         external_reference: None,
         desired_outcome: None,
         fingerprint: None,
+        request: None,
     }
 }
 

@@ -56,6 +56,7 @@ pub fn sent_action(
                 external_reference: None,
                 desired_outcome: None,
                 fingerprint: None,
+                request: None,
             },
             at(0),
         )

@@ -483,6 +483,31 @@ impl Store for FailingStore {
         self.inner
             .reopen_for_resend(action, advised, escalation, at)
     }
+
+    fn keep_request(
+        &self,
+        action: ActionId,
+        request: backstop_store::KeptRequest,
+    ) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(self.error());
+        }
+        self.inner.keep_request(action, request)
+    }
+
+    fn kept_request(
+        &self,
+        action: ActionId,
+    ) -> Result<Option<backstop_store::KeptRequest>, StoreError> {
+        self.inner.kept_request(action)
+    }
+
+    fn resume_after_restart(&self, action: ActionId, at: Timestamp) -> Result<(), StoreError> {
+        if self.failing() {
+            return Err(self.error());
+        }
+        self.inner.resume_after_restart(action, at)
+    }
     fn record_access_decision(
         &self,
         escalation: EscalationId,

@@ -307,6 +307,7 @@ impl Harness {
             payload_digest: PayloadDigest::of(body.as_bytes()).as_str().to_owned(),
             target_digest: Some(PayloadDigest::of(path.as_bytes()).as_str().to_owned()),
             desired_outcome: None,
+            resumed: false,
         }
     }
 
@@ -341,6 +342,7 @@ impl Harness {
                     external_reference: None,
                     desired_outcome: None,
                     fingerprint: None,
+                    request: None,
                 },
                 self.t0,
             )

@@ -44,6 +44,7 @@ pub fn new_action(task: &str, key: &str, payload: &[u8]) -> NewAction {
         external_reference: None,
         desired_outcome: None,
         fingerprint: None,
+        request: None,
     }
 }
 
@@ -63,6 +64,7 @@ pub fn read_action_of(task: &str, agent: &str) -> NewAction {
         external_reference: None,
         desired_outcome: None,
         fingerprint: None,
+        request: None,
     }
 }
 
