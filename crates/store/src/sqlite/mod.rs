@@ -1782,7 +1782,7 @@ impl AuditReader {
     /// makes before it continues the chain, so a damaged head is never printed for anchoring;
     /// storage errors.
     pub fn head(&self) -> Result<Option<ChainHead>, StoreError> {
-        checked_head(&self.conn, &self.path)
+        self.snapshot(|conn| checked_head(conn, &self.path))
     }
 
     /// Writes every event with `seq > since` as NDJSON to `out`; returns how many.
@@ -1792,24 +1792,26 @@ impl AuditReader {
     pub fn export<W: std::io::Write>(&self, since: u64, out: &mut W) -> Result<u64, StoreError> {
         let mut count = 0u64;
         let mut failure = None;
-        rows::for_each_event(&self.conn, since, None, |e| match e {
-            Ok(e) => match crate::audit::write_export(out, [&e]) {
-                Ok(()) => {
-                    count += 1;
-                    true
-                }
-                Err(io) => {
-                    failure = Some(StoreError::Io {
-                        place: "stdout".into(),
-                        reason: io.to_string(),
-                    });
+        self.snapshot(|conn| {
+            rows::for_each_event(conn, since, None, |e| match e {
+                Ok(e) => match crate::audit::write_export(out, [&e]) {
+                    Ok(()) => {
+                        count += 1;
+                        true
+                    }
+                    Err(io) => {
+                        failure = Some(StoreError::Io {
+                            place: "stdout".into(),
+                            reason: io.to_string(),
+                        });
+                        false
+                    }
+                },
+                Err(e) => {
+                    failure = Some(e);
                     false
                 }
-            },
-            Err(e) => {
-                failure = Some(e);
-                false
-            }
+            })
         })?;
         match failure {
             Some(e) => Err(e),
@@ -1822,7 +1824,7 @@ impl AuditReader {
     /// # Errors
     /// Storage errors; a chain break is a [`Verdict::Broken`], not an error.
     pub fn verify(&self, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
-        verify_connection(&self.conn, expect_head)
+        self.snapshot(|conn| verify_connection(conn, expect_head))
     }
 
     /// Rows outside the chain (`seq` 0 or below, which the store never writes and
@@ -1832,7 +1834,50 @@ impl AuditReader {
     /// # Errors
     /// Storage errors.
     pub fn outside_chain(&self) -> Result<(u64, Vec<i64>), StoreError> {
-        rows::seqs_outside_chain(&self.conn, OUTSIDE_SHOWN)
+        self.snapshot(|conn| rows::seqs_outside_chain(conn, OUTSIDE_SHOWN))
+    }
+
+    /// Runs `f` on this reader inside one read transaction: every call it makes ([`verify`],
+    /// [`export`], [`head`], [`outside_chain`]) reads the same committed state of the
+    /// database, whatever a gateway commits meanwhile (SQLite's WAL gives the transaction the
+    /// snapshot current at its first read and keeps it to its end). Each of those calls alone
+    /// already reads one snapshot; this groups several.
+    ///
+    /// [`verify`]: AuditReader::verify
+    /// [`export`]: AuditReader::export
+    /// [`head`]: AuditReader::head
+    /// [`outside_chain`]: AuditReader::outside_chain
+    ///
+    /// # Errors
+    /// [`StoreError::Sqlite`] naming the file when the read transaction cannot begin or its
+    /// first read fails.
+    pub fn in_snapshot<T>(&self, f: impl FnOnce(&Self) -> T) -> Result<T, StoreError> {
+        self.snapshot(|_| Ok(f(self)))
+    }
+
+    /// Runs `f` in one read transaction (see [`AuditReader::in_snapshot`]); inside one
+    /// already, `f` joins it.
+    fn snapshot<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if !self.conn.is_autocommit() {
+            return f(&self.conn);
+        }
+        let named =
+            |e: rusqlite::Error| StoreError::Sqlite(format!("{}: {e}", self.path.display()));
+        self.conn.execute_batch("BEGIN DEFERRED").map_err(named)?;
+        // A deferred transaction takes its snapshot at its first read: taken here, before `f`.
+        let began = self
+            .conn
+            .query_row("SELECT count(*) FROM sqlite_schema", [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map_err(named);
+        let result = began.and_then(|_| f(&self.conn));
+        // Nothing was written: ending the read transaction cannot lose anything.
+        let _ = self.conn.execute_batch("ROLLBACK");
+        result
     }
 }
 
