@@ -80,6 +80,7 @@
 //! copy of the event), and a watcher's call takes it out. What was committed before the store
 //! opened, or dropped from a full feed, is read from the database as before.
 
+mod durable;
 mod feed;
 mod lock;
 mod ops;
@@ -375,7 +376,9 @@ impl SqliteStore {
     /// see the `lock` module); [`StoreError::BrokenHead`] when the
     /// audit log's last event does not match its hash, cannot be decoded (its hash included)
     /// or does not link to the event before it (new events would extend a broken chain);
-    /// [`StoreError::Sqlite`] for I/O problems.
+    /// [`StoreError::NotDurable`] when writes cannot be made durable there (a read-only file or
+    /// file system, a directory that takes no new file, a test commit that fails; see the
+    /// `durable` module); [`StoreError::Sqlite`] for I/O problems.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Self::start(path.as_ref(), true)
     }
