@@ -253,6 +253,20 @@ struct Counters {
     /// The latest instant (ms since the epoch) a read's operation brought: how old a held read
     /// is, without reading the clock.
     latest_ms: AtomicI64,
+    /// Why the writer's last transaction could not begin or commit; `None` once one commits
+    /// (see [`Store::write_failure`]).
+    write_failure: Mutex<Option<String>>,
+}
+
+impl Counters {
+    /// Keeps what a transaction's begin or commit came to: its error, or none after a commit.
+    fn note_write(&self, result: &Result<(), StoreError>) {
+        *self
+            .write_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) =
+            result.as_ref().err().map(ToString::to_string);
+    }
 }
 
 /// How long the writer lingers over a group of reads only, and whether it is lingering now
@@ -393,8 +407,10 @@ impl SqliteStore {
 
     fn start(path: &Path, create: bool) -> Result<Self, StoreError> {
         // One writer per file: refused before the file is opened or migrated.
+        durable::check_place(path)?;
         let lock = lock::StoreLock::acquire(path, create)?;
         let conn = schema::open_writer(path, create)?;
+        durable::check_commit(&conn, path)?;
         let head = checked_head(&conn, path)?;
         let chain = Chain::after(head.as_ref());
         let next_id: i64 = conn
@@ -989,6 +1005,7 @@ fn writer_loop(
         }
         let full = !only_reads || linger.due_for_sync(last_sync.elapsed());
         if let Err(e) = set_synchronous(&conn, &mut synchronous_full, full) {
+            counters.note_write(&Err(e.clone()));
             for job in batch.drain(..) {
                 job.fail(e.clone());
             }
@@ -998,6 +1015,7 @@ fn writer_loop(
         // A group before may have been rolled back, with tasks its reads opened.
         group.stmts.forget_tasks();
         if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
+            counters.note_write(&Err(e.clone()));
             for job in batch.drain(..) {
                 job.fail(e.clone());
             }
@@ -1023,6 +1041,7 @@ fn writer_loop(
             }
         }
         let committed = control(&conn, "COMMIT");
+        counters.note_write(&committed);
         if committed.is_err() {
             let _ = control(&conn, "ROLLBACK");
             group.chain = before;
@@ -1745,6 +1764,14 @@ impl Store for SqliteStore {
 
     fn audit_head(&self) -> Result<Option<ChainHead>, StoreError> {
         self.read(rows::audit_head)
+    }
+
+    fn write_failure(&self) -> Option<String> {
+        self.counters
+            .write_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 }
 
