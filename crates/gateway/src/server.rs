@@ -179,6 +179,9 @@ pub struct AppState {
     in_flight: AtomicUsize,
     /// Woken when `in_flight` drops to zero.
     idle: Notify,
+    /// The store whose writes `GET /v1/live` reports on, when one is set
+    /// ([`AppState::with_store`]).
+    store: Option<Arc<dyn Store>>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -217,7 +220,16 @@ impl AppState {
             accepting: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
             idle: Notify::new(),
+            store: None,
         }
+    }
+
+    /// The state with `store` as the one `GET /v1/live` reports on: while its last write
+    /// transaction failed ([`Store::write_failure`]), the gateway is not serving.
+    #[must_use]
+    pub fn with_store(mut self, store: Arc<dyn Store>) -> AppState {
+        self.store = Some(store);
+        self
     }
 
     /// Requests being answered now (counted by the edge layer of [`full_router`], until the
@@ -260,10 +272,23 @@ async fn scopes(State(state): State<Arc<AppState>>, request: Request<Body>) -> R
 }
 
 /// `GET /v1/live`: `200 {"status": "serving"}` without a token, for a liveness or readiness
-/// probe (a load balancer, an orchestrator). It says only that this process answers and takes
-/// work; nothing about providers, tasks or the store. During a stop it is answered `503
-/// shutting_down` like every other request.
-async fn live() -> Response {
+/// probe (a load balancer, an orchestrator). It says that this process answers and takes work,
+/// and that its store makes writes durable: the gateway does not start on a store it cannot
+/// write (`SqliteStore::open` checks it), and while the store's last write transaction failed
+/// it is answered `503 store_unavailable` naming the store's error, until a write commits
+/// again. Nothing about providers or tasks. During a stop it is answered `503 shutting_down`
+/// like every other request.
+async fn live(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(failure) = state.store.as_ref().and_then(|s| s.write_failure()) {
+        return Problem::store_unavailable(
+            false,
+            format!(
+                "the store's last write could not be made durable ({failure}); the gateway \
+                 answers writes 503 until one commits again"
+            ),
+        )
+        .into_response();
+    }
     axum::Json(serde_json::json!({ "status": "serving" })).into_response()
 }
 
@@ -601,7 +626,7 @@ pub async fn start(
         seed: options.seed,
         credentials: lookup_credentials,
     });
-    let state = Arc::new(AppState::new(
+    let state = AppState::new(
         policy.clone(),
         auth,
         credentials,
@@ -610,7 +635,9 @@ pub async fn start(
         metrics,
         options.door,
         addr.ip().is_loopback(),
-    ));
+    )
+    .with_store(store.clone());
+    let state = Arc::new(state);
     for error in state.auth.unavailable() {
         tracing::warn!(
             "{error}; this caller cannot authenticate until the file exists and backstop restarts"
@@ -1517,6 +1544,67 @@ mod tests {
             executor.seen.lock().unwrap()[0].request.url,
             "http://127.0.0.1:9/api/v1/accounts/a%2Fb"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn live_says_the_store_fails_while_its_last_write_failed_and_serving_once_one_commits() {
+        let (state, _) = state(ok_answer, true);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.db");
+        let store = Arc::new(backstop_store::SqliteStore::open(&path).unwrap());
+        let state = Arc::try_unwrap(state).expect("one owner");
+        let state = Arc::new(state.with_store(store.clone()));
+        let live = || Request::get("/v1/live").body(Body::empty()).unwrap();
+        let open_task = |id: &str| {
+            let (store, id) = (store.clone(), id.to_owned());
+            tokio::task::spawn_blocking(move || {
+                let task = backstop_store::NewTask {
+                    id,
+                    agent: "invoice-agent".into(),
+                    priority: backstop_store::Priority::Normal,
+                    deadline: None,
+                };
+                store.open_task(task, "2026-01-01T00:00:00Z".parse().unwrap())
+            })
+        };
+        open_task("run-1")
+            .await
+            .unwrap()
+            .expect("a first write commits");
+        let (parts, body) = call(state.clone(), live()).await;
+        assert_eq!(parts.status, 200, "{}", String::from_utf8_lossy(&body));
+
+        // Another connection holds the write lock past the store's busy timeout (5 s): the
+        // store's next transaction cannot begin.
+        let other = rusqlite::Connection::open(&path).unwrap();
+        other.execute_batch("BEGIN IMMEDIATE").unwrap();
+        open_task("run-2")
+            .await
+            .unwrap()
+            .expect_err("the write lock is held");
+        let (parts, body) = call(state.clone(), live()).await;
+        assert_eq!(parts.status, 503);
+        let body = json(&body);
+        assert!(
+            body["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("store_unavailable"),
+            "{body}"
+        );
+        let detail = body["detail"].as_str().unwrap();
+        assert!(
+            detail.contains("could not be made durable") && detail.contains("locked"),
+            "{detail}"
+        );
+
+        other.execute_batch("ROLLBACK").unwrap();
+        open_task("run-2")
+            .await
+            .unwrap()
+            .expect("the lock is free again");
+        let (parts, body) = call(state, live()).await;
+        assert_eq!(parts.status, 200, "{}", String::from_utf8_lossy(&body));
     }
 
     /// The whole router over a fresh store (the store outlives the router through the guard).

@@ -120,6 +120,17 @@ pub enum StoreError {
         /// SQLite's error on the plain read-only open.
         reason: String,
     },
+    /// The store cannot make writes durable where it is (a read-only file, a read-only file
+    /// system, a directory that takes no new file, a test commit that failed), found when it
+    /// opens for writing: SQLite would open such a file for reading only, and every write
+    /// would then fail.
+    #[error("{path}: writes cannot be made durable here: {reason}; make the file and its directory writable for this user (on a writable file system), or use another store")]
+    NotDurable {
+        /// The database file.
+        path: PathBuf,
+        /// What stops writes, e.g. `the file cannot be opened for writing (permission denied)`.
+        reason: String,
+    },
     /// A SQLite error while reading or writing.
     #[error("sqlite: {0}")]
     Sqlite(String),

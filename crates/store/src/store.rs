@@ -684,4 +684,12 @@ pub trait Store: Send + Sync {
     /// # Errors
     /// Storage errors only.
     fn audit_head(&self) -> Result<Option<ChainHead>, StoreError>;
+
+    /// Why the store's last write transaction could not begin or commit (a file system turned
+    /// read-only, a full disk), or `None` while writes commit, and before the first one. Set
+    /// by a failed transaction and cleared by the next one that commits; `GET /v1/live`
+    /// reports it. Stores that cannot tell answer `None`.
+    fn write_failure(&self) -> Option<String> {
+        None
+    }
 }

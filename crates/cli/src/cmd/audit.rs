@@ -12,9 +12,11 @@
 //! it, naming the row's column and what it holds, with the `--since` that exports past it).
 //! Audit commands open databases read-only and never create one; where SQLite cannot create
 //! the `-shm` file beside a database, they read it as immutable (see `AuditReader::open`).
+//! Each reads one snapshot of the database (one read transaction), so a gateway writing
+//! meanwhile is seen as of one commit, never half before and half after one.
 
 use std::io::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use backstop_store::audit::{
@@ -190,6 +192,11 @@ fn verify(args: VerifyArgs) -> Result<Printed, StoreError> {
 
 fn export(db: PathBuf, since: u64) -> Result<Printed, StoreError> {
     let reader = AuditReader::open(&db)?;
+    // The events and the rows outside the chain, from one snapshot while a gateway writes.
+    reader.in_snapshot(|reader| export_from(reader, &db, since))?
+}
+
+fn export_from(reader: &AuditReader, db: &Path, since: u64) -> Result<Printed, StoreError> {
     let stdout = std::io::stdout();
     let mut out = PipeWatch::new(std::io::BufWriter::new(stdout.lock()));
     let written = reader.export(since, &mut out).and_then(|_| {

@@ -17,5 +17,6 @@ mod policy_cli;
 mod restart_recovery;
 mod scopes_cli;
 mod serve_cli;
+mod serve_store_cli;
 mod snapshots_cli;
 mod snapshots_export_cli;

@@ -80,6 +80,7 @@
 //! copy of the event), and a watcher's call takes it out. What was committed before the store
 //! opened, or dropped from a full feed, is read from the database as before.
 
+mod durable;
 mod feed;
 mod lock;
 mod ops;
@@ -252,6 +253,20 @@ struct Counters {
     /// The latest instant (ms since the epoch) a read's operation brought: how old a held read
     /// is, without reading the clock.
     latest_ms: AtomicI64,
+    /// Why the writer's last transaction could not begin or commit; `None` once one commits
+    /// (see [`Store::write_failure`]).
+    write_failure: Mutex<Option<String>>,
+}
+
+impl Counters {
+    /// Keeps what a transaction's begin or commit came to: its error, or none after a commit.
+    fn note_write(&self, result: &Result<(), StoreError>) {
+        *self
+            .write_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) =
+            result.as_ref().err().map(ToString::to_string);
+    }
 }
 
 /// How long the writer lingers over a group of reads only, and whether it is lingering now
@@ -375,7 +390,9 @@ impl SqliteStore {
     /// see the `lock` module); [`StoreError::BrokenHead`] when the
     /// audit log's last event does not match its hash, cannot be decoded (its hash included)
     /// or does not link to the event before it (new events would extend a broken chain);
-    /// [`StoreError::Sqlite`] for I/O problems.
+    /// [`StoreError::NotDurable`] when writes cannot be made durable there (a read-only file or
+    /// file system, a directory that takes no new file, a test commit that fails; see the
+    /// `durable` module); [`StoreError::Sqlite`] for I/O problems.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         Self::start(path.as_ref(), true)
     }
@@ -390,8 +407,10 @@ impl SqliteStore {
 
     fn start(path: &Path, create: bool) -> Result<Self, StoreError> {
         // One writer per file: refused before the file is opened or migrated.
+        durable::check_place(path)?;
         let lock = lock::StoreLock::acquire(path, create)?;
         let conn = schema::open_writer(path, create)?;
+        durable::check_commit(&conn, path)?;
         let head = checked_head(&conn, path)?;
         let chain = Chain::after(head.as_ref());
         let next_id: i64 = conn
@@ -986,6 +1005,7 @@ fn writer_loop(
         }
         let full = !only_reads || linger.due_for_sync(last_sync.elapsed());
         if let Err(e) = set_synchronous(&conn, &mut synchronous_full, full) {
+            counters.note_write(&Err(e.clone()));
             for job in batch.drain(..) {
                 job.fail(e.clone());
             }
@@ -995,6 +1015,7 @@ fn writer_loop(
         // A group before may have been rolled back, with tasks its reads opened.
         group.stmts.forget_tasks();
         if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
+            counters.note_write(&Err(e.clone()));
             for job in batch.drain(..) {
                 job.fail(e.clone());
             }
@@ -1020,6 +1041,7 @@ fn writer_loop(
             }
         }
         let committed = control(&conn, "COMMIT");
+        counters.note_write(&committed);
         if committed.is_err() {
             let _ = control(&conn, "ROLLBACK");
             group.chain = before;
@@ -1755,6 +1777,14 @@ impl Store for SqliteStore {
     fn audit_head(&self) -> Result<Option<ChainHead>, StoreError> {
         self.read(rows::audit_head)
     }
+
+    fn write_failure(&self) -> Option<String> {
+        self.counters
+            .write_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
 /// Read-only access to the audit log of an existing backstop database, for
@@ -1794,7 +1824,7 @@ impl AuditReader {
     /// makes before it continues the chain, so a damaged head is never printed for anchoring;
     /// storage errors.
     pub fn head(&self) -> Result<Option<ChainHead>, StoreError> {
-        checked_head(&self.conn, &self.path)
+        self.snapshot(|conn| checked_head(conn, &self.path))
     }
 
     /// Writes every event with `seq > since` as NDJSON to `out`; returns how many.
@@ -1804,24 +1834,26 @@ impl AuditReader {
     pub fn export<W: std::io::Write>(&self, since: u64, out: &mut W) -> Result<u64, StoreError> {
         let mut count = 0u64;
         let mut failure = None;
-        rows::for_each_event(&self.conn, since, None, |e| match e {
-            Ok(e) => match crate::audit::write_export(out, [&e]) {
-                Ok(()) => {
-                    count += 1;
-                    true
-                }
-                Err(io) => {
-                    failure = Some(StoreError::Io {
-                        place: "stdout".into(),
-                        reason: io.to_string(),
-                    });
+        self.snapshot(|conn| {
+            rows::for_each_event(conn, since, None, |e| match e {
+                Ok(e) => match crate::audit::write_export(out, [&e]) {
+                    Ok(()) => {
+                        count += 1;
+                        true
+                    }
+                    Err(io) => {
+                        failure = Some(StoreError::Io {
+                            place: "stdout".into(),
+                            reason: io.to_string(),
+                        });
+                        false
+                    }
+                },
+                Err(e) => {
+                    failure = Some(e);
                     false
                 }
-            },
-            Err(e) => {
-                failure = Some(e);
-                false
-            }
+            })
         })?;
         match failure {
             Some(e) => Err(e),
@@ -1834,7 +1866,7 @@ impl AuditReader {
     /// # Errors
     /// Storage errors; a chain break is a [`Verdict::Broken`], not an error.
     pub fn verify(&self, expect_head: Option<&str>) -> Result<Verdict, StoreError> {
-        verify_connection(&self.conn, expect_head)
+        self.snapshot(|conn| verify_connection(conn, expect_head))
     }
 
     /// Rows outside the chain (`seq` 0 or below, which the store never writes and
@@ -1844,7 +1876,50 @@ impl AuditReader {
     /// # Errors
     /// Storage errors.
     pub fn outside_chain(&self) -> Result<(u64, Vec<i64>), StoreError> {
-        rows::seqs_outside_chain(&self.conn, OUTSIDE_SHOWN)
+        self.snapshot(|conn| rows::seqs_outside_chain(conn, OUTSIDE_SHOWN))
+    }
+
+    /// Runs `f` on this reader inside one read transaction: every call it makes ([`verify`],
+    /// [`export`], [`head`], [`outside_chain`]) reads the same committed state of the
+    /// database, whatever a gateway commits meanwhile (SQLite's WAL gives the transaction the
+    /// snapshot current at its first read and keeps it to its end). Each of those calls alone
+    /// already reads one snapshot; this groups several.
+    ///
+    /// [`verify`]: AuditReader::verify
+    /// [`export`]: AuditReader::export
+    /// [`head`]: AuditReader::head
+    /// [`outside_chain`]: AuditReader::outside_chain
+    ///
+    /// # Errors
+    /// [`StoreError::Sqlite`] naming the file when the read transaction cannot begin or its
+    /// first read fails.
+    pub fn in_snapshot<T>(&self, f: impl FnOnce(&Self) -> T) -> Result<T, StoreError> {
+        self.snapshot(|_| Ok(f(self)))
+    }
+
+    /// Runs `f` in one read transaction (see [`AuditReader::in_snapshot`]); inside one
+    /// already, `f` joins it.
+    fn snapshot<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if !self.conn.is_autocommit() {
+            return f(&self.conn);
+        }
+        let named =
+            |e: rusqlite::Error| StoreError::Sqlite(format!("{}: {e}", self.path.display()));
+        self.conn.execute_batch("BEGIN DEFERRED").map_err(named)?;
+        // A deferred transaction takes its snapshot at its first read: taken here, before `f`.
+        let began = self
+            .conn
+            .query_row("SELECT count(*) FROM sqlite_schema", [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map_err(named);
+        let result = began.and_then(|_| f(&self.conn));
+        // Nothing was written: ending the read transaction cannot lose anything.
+        let _ = self.conn.execute_batch("ROLLBACK");
+        result
     }
 }
 

@@ -8,6 +8,7 @@ mod common;
 mod audit_agents;
 mod audit_chain;
 mod audit_edges;
+mod audit_snapshot;
 mod canary;
 mod canonical_encoding;
 mod crash;
