@@ -36,9 +36,9 @@
 use std::{sync::Arc, time::Duration};
 
 use axum::{
-    body::Bytes,
+    body::{Body, Bytes},
     extract::{Path, Query, State},
-    http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri},
+    http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri},
     response::{IntoResponse, Response},
     routing::{get, post},
     Router,
@@ -70,12 +70,8 @@ pub const MAX_DESIRED_OUTCOME_CHARS: usize = 2_000;
 
 /// The action API routes (see the module table).
 pub fn router(state: Arc<AppState>) -> Router {
-    let envelope = submit_body_limit(state.door);
     Router::new()
-        .route(
-            "/v1/actions",
-            post(submit).layer(axum::extract::DefaultBodyLimit::max(envelope)),
-        )
+        .route("/v1/actions", post(submit))
         .route("/v1/actions/{id}", get(show))
         .route("/v1/tasks/{id}/cancel", post(cancel))
         .with_state(state)
@@ -84,12 +80,26 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// The largest `POST /v1/actions` body read: room for a payload at the door's hard cap
 /// ([`door::DoorConfig::max_body_bytes`]) in `body_base64` (4/3 of it) plus 64 KiB for the
 /// other members. A larger body is answered `413 body_too_large`; the payload itself is then
-/// held to the hard cap like a proxied body.
+/// held to the hard cap like a proxied body. The body is read only once the caller is
+/// authenticated as an agent, under the shared cap on buffered bodies
+/// ([`crate::body_budget`]: `503 body_budget_exhausted` when it has no room); the decoded
+/// payload takes over the body's share of it.
 pub fn submit_body_limit(config: door::DoorConfig) -> usize {
     config
         .max_body_bytes
         .saturating_add(config.max_body_bytes / 3 + 3)
         .saturating_add(64 * 1024)
+}
+
+/// The `413 body_too_large` of a `POST /v1/actions` body over [`submit_body_limit`].
+fn envelope_too_large(config: door::DoorConfig) -> Problem {
+    let mut problem = door::body_too_large(config);
+    problem.detail = format!(
+        "the request body is larger than {} bytes (room for a payload at backstop's hard cap of {} bytes in body_base64); nothing was sent",
+        submit_body_limit(config),
+        config.max_body_bytes
+    );
+    problem
 }
 
 /// The body of `POST /v1/actions`.
@@ -152,9 +162,10 @@ fn engine(state: &AppState, what: &str) -> Result<Engine, Problem> {
 
 /// `POST /v1/actions`; every refusal is logged at INFO ([`Problem::log_refusal`]), with the
 /// agent once it is known.
-async fn submit(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn submit(State(state): State<Arc<AppState>>, request: Request<Body>) -> Response {
+    let (parts, body) = request.into_parts();
     let mut agent = None;
-    match submit_inner(&state, &headers, body, &mut agent).await {
+    match submit_inner(&state, &parts.headers, body, &mut agent).await {
         Ok(response) => response,
         Err(problem) => {
             problem.log_refusal("POST /v1/actions", agent.as_deref(), &state.metrics);
@@ -167,7 +178,7 @@ async fn submit(State(state): State<Arc<AppState>>, headers: HeaderMap, body: By
 async fn submit_inner(
     state: &Arc<AppState>,
     headers: &HeaderMap,
-    body: Bytes,
+    body: Body,
     agent: &mut Option<String>,
 ) -> Result<Response, Problem> {
     if !state.accepting() {
@@ -181,8 +192,19 @@ async fn submit_inner(
         )));
     }
     *agent = Some(who.name.clone());
+    // Read only now: an unknown caller's body is never read, and a body the budget has no room
+    // for is refused before the rest of it arrives.
+    let envelope = state
+        .body_budget
+        .read(
+            body,
+            door::declared_length(headers),
+            submit_body_limit(state.door),
+        )
+        .await
+        .map_err(|error| door::body_problem(error, || envelope_too_large(state.door)))?;
     engine(state, "POST /v1/actions")?;
-    let mut request: NewActionBody = serde_json::from_slice(&body).map_err(|e| {
+    let mut request: NewActionBody = serde_json::from_slice(envelope.as_slice()).map_err(|e| {
         // Say first whether the body is JSON at all; a JSON body of the wrong shape names
         // the member (serde's words: `invalid type: integer -1, expected u64` and the like).
         let what = match e.classify() {
@@ -214,8 +236,8 @@ async fn submit_inner(
                 "body, body_base64: give one of them, not both",
             ))
         }
-        (Some(text), None) => Bytes::from(text),
-        (None, Some(encoded)) => Bytes::from(
+        (Some(text), None) => envelope.replace(text.into_bytes()),
+        (None, Some(encoded)) => envelope.replace(
             decode_base64(&encoded)
                 .map_err(|reason| api_bad_request(format!("body_base64: {reason}")))?,
         ),
@@ -326,25 +348,38 @@ fn is_task_id(task: &str) -> bool {
 }
 
 /// The `503 shutting_down` of a `POST /v1/actions` that arrives while the gateway drains,
-/// answered before authentication: nothing was recorded or sent. As the proxy door's drain
+/// whatever its token (never a 401): nothing was recorded or sent. As the proxy door's drain
 /// answer ([`door::draining`]) it names the request's task — `Backstop-Task` and `task`, the
 /// `task` member or one minted as a submission mints one — and for a write its key —
 /// `Idempotency-Key` and `idempotency_key`, the key the action API reads (this request's
 /// `Idempotency-Key` header, the provider's key header inside `headers`, the `idempotency_key`
 /// member) or one minted to submit the action again with — with `Backstop-Action-Id: 0`: no
 /// action exists. A task or key a submission would refuse is not echoed, and nothing is minted
-/// in its place; a body that cannot be read (in time, within [`submit_body_limit`]) or parsed
-/// gets the plain 503.
+/// in its place. The body is read only for a caller authenticated as an agent, and under the
+/// shared cap on buffered bodies ([`crate::body_budget`]); a caller that is not, or a body that
+/// cannot be read (in time, within [`submit_body_limit`] and the cap) or parsed, gets the plain
+/// 503.
 pub async fn draining(state: &AppState, headers: &HeaderMap, body: axum::body::Body) -> Response {
+    if !state
+        .auth
+        .authenticate(headers)
+        .is_ok_and(|caller| caller.role == Role::Agent)
+    {
+        return Problem::shutting_down().into_response();
+    }
     let read = tokio::time::timeout(
         state.door.body_read_timeout,
-        axum::body::to_bytes(body, submit_body_limit(state.door)),
+        state.body_budget.read(
+            body,
+            door::declared_length(headers),
+            submit_body_limit(state.door),
+        ),
     )
     .await;
     let Some(request) = read
         .ok()
         .and_then(Result::ok)
-        .and_then(|bytes| serde_json::from_slice::<NewActionBody>(&bytes).ok())
+        .and_then(|held| serde_json::from_slice::<NewActionBody>(held.as_slice()).ok())
     else {
         return Problem::shutting_down().into_response();
     };

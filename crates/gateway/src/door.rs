@@ -17,7 +17,10 @@
 //!    attempts as its class allows. A larger body is still buffered, up to the hard cap
 //!    [`DoorConfig::max_body_bytes`] (default 32 MiB; beyond it, 413), but the action is
 //!    marked `single_attempt`: exactly one attempt, and the answer carries
-//!    `Backstop-Single-Attempt: body-too-large` (and a warning is logged).
+//!    `Backstop-Single-Attempt: body-too-large` (and a warning is logged). Every buffered body,
+//!    of either kind, is held under the shared cap [`DoorConfig::body_budget_bytes`] until its
+//!    action lets go of it; one that does not fit is `503 body_budget_exhausted`, nothing sent
+//!    (see [`crate::body_budget`]). The body is read only after step 1.
 //! 6. Prepares the upstream headers: hop-by-hop headers removed (RFC 9110 §7.6.1: `Connection`
 //!    and every header it names, `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`,
 //!    `Upgrade`), `Host` dropped (the client sets the provider's), the agent's `Authorization`
@@ -59,13 +62,13 @@ use backstop_core::{
 };
 use backstop_store::audit::push_lower_hex;
 use bytes::{Bytes, BytesMut};
-use http_body_util::BodyExt;
 use jiff::Timestamp;
 use sha2::{Digest, Sha256};
 
 use crate::{
     action::{ActionReceipt, ActionSpec, Execution},
     auth::{AuthError, Role},
+    body_budget::{BodyBudget, BodyError},
     engine::Submitted,
     problem::Problem,
     server::AppState,
@@ -123,6 +126,11 @@ pub struct DoorConfig {
     /// The whole request body must arrive within this time of the request head, on every
     /// route (default 30 s); a slower one is answered `408 request_timeout`, nothing sent.
     pub body_read_timeout: Duration,
+    /// Request bodies held in memory at once, across every connection and action, total at
+    /// most this many bytes (default [`crate::body_budget::DEFAULT_BODY_BUDGET_BYTES`], 256
+    /// MiB); a body that does not fit is answered `503 body_budget_exhausted`, nothing sent
+    /// (see [`crate::body_budget`]).
+    pub body_budget_bytes: usize,
 }
 
 impl Default for DoorConfig {
@@ -131,6 +139,7 @@ impl Default for DoorConfig {
             max_buffered_body_bytes: 1024 * 1024,
             max_body_bytes: 32 * 1024 * 1024,
             body_read_timeout: Duration::from_secs(30),
+            body_budget_bytes: crate::body_budget::DEFAULT_BODY_BUDGET_BYTES,
         }
     }
 }
@@ -695,24 +704,53 @@ fn split_provider_query<'a>(path: &'a str, query: Option<&str>) -> Option<(&'a s
     Some((provider, out))
 }
 
-/// Reads a body into memory up to `config.max_body_bytes`. Returns the bytes and whether they
-/// exceed `config.max_buffered_body_bytes`.
-async fn read_body(body: Body, config: DoorConfig) -> Result<(Bytes, bool), Problem> {
-    let mut body = body;
-    let mut buffer = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| {
+/// Reads the whole body, at most [`DoorConfig::max_body_bytes`], under the shared `budget` of
+/// buffered bodies (a `declared` `Content-Length` is taken from it before anything is read);
+/// `true` when it is larger than the retry buffer. The bytes hold their part of the budget
+/// until the action lets go of its last copy.
+///
+/// # Errors
+/// A [`Problem`] from [`body_problem`]: 413 past the hard cap, 503 `body_budget_exhausted`
+/// when the budget has no room, 400 for a body that could not be read.
+async fn read_body(
+    budget: &BodyBudget,
+    body: Body,
+    declared: Option<u64>,
+    config: DoorConfig,
+) -> Result<(Bytes, bool), Problem> {
+    let held = budget
+        .read(body, declared, config.max_body_bytes)
+        .await
+        .map_err(|error| body_problem(error, || body_too_large(config)))?;
+    let large = held.len() > config.max_buffered_body_bytes;
+    Ok((held.into_bytes(), large))
+}
+
+/// The request's `Content-Length`, when it has a valid one.
+pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+}
+
+/// The problem for a body not read whole: `too_large` for one past the request's own limit,
+/// 413 for one larger than the whole budget, `503 body_budget_exhausted` (`Retry-After: 1`,
+/// `x-should-retry: true`) for one the budget has no room for now, 400 for one that could not
+/// be read.
+pub(crate) fn body_problem(error: BodyError, too_large: impl FnOnce() -> Problem) -> Problem {
+    match error {
+        BodyError::TooLarge { .. } => too_large(),
+        BodyError::LargerThanBudget { total } => Problem::larger_than_body_budget(total),
+        BodyError::Exhausted {
+            wanted,
+            held,
+            total,
+        } => Problem::body_budget_exhausted(wanted, held, total),
+        BodyError::Unreadable(e) => {
             Problem::bad_request(format!("the request body could not be read: {e}"))
-        })?;
-        if let Ok(data) = frame.into_data() {
-            if buffer.len() + data.len() > config.max_body_bytes {
-                return Err(body_too_large(config));
-            }
-            buffer.extend_from_slice(&data);
         }
     }
-    let large = buffer.len() > config.max_buffered_body_bytes;
-    Ok((buffer.freeze(), large))
 }
 
 pub(crate) fn body_too_large(config: DoorConfig) -> Problem {
@@ -1031,15 +1069,9 @@ async fn prepare_as(
     request: Request<Body>,
 ) -> Result<ActionSpec, Problem> {
     let (parts, body) = request.into_parts();
-    if let Some(length) = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-    {
-        if length > state.door.max_body_bytes as u64 {
-            return Err(body_too_large(state.door));
-        }
+    let declared = declared_length(&parts.headers);
+    if declared.is_some_and(|length| length > state.door.max_body_bytes as u64) {
+        return Err(body_too_large(state.door));
     }
     let path_and_query = parts
         .uri
@@ -1047,7 +1079,7 @@ async fn prepare_as(
         .map(|pq| pq.as_str())
         .unwrap_or("/");
     let backstop = parse_backstop_headers(&parts.headers)?;
-    let (body, single_attempt) = read_body(body, state.door).await?;
+    let (body, single_attempt) = read_body(&state.body_budget, body, declared, state.door).await?;
     build_spec(
         state,
         agent.to_owned(),
@@ -1990,13 +2022,53 @@ mod tests {
             max_body_bytes: 8,
             ..DoorConfig::default()
         };
-        let (bytes, large) = read_body(Body::from("abcd"), config).await.unwrap();
+        let budget = BodyBudget::new(100);
+        let (bytes, large) = read_body(&budget, Body::from("abcd"), None, config)
+            .await
+            .unwrap();
         assert_eq!((&bytes[..], large), (&b"abcd"[..], false));
-        let (bytes, large) = read_body(Body::from("abcdef"), config).await.unwrap();
+        let (bytes, large) = read_body(&budget, Body::from("abcdef"), Some(6), config)
+            .await
+            .unwrap();
         assert_eq!((bytes.len(), large), (6, true));
-        let problem = read_body(Body::from("abcdefghi"), config)
+        let problem = read_body(&budget, Body::from("abcdefghi"), None, config)
             .await
             .unwrap_err();
         assert_eq!(problem.status, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[tokio::test]
+    async fn a_body_the_budget_has_no_room_for_is_a_503_that_may_be_retried() {
+        let budget = BodyBudget::new(10);
+        let (held, _) = read_body(
+            &budget,
+            Body::from("abcdef"),
+            Some(6),
+            DoorConfig::default(),
+        )
+        .await
+        .unwrap();
+        let problem = read_body(
+            &budget,
+            Body::from("abcdef"),
+            Some(6),
+            DoorConfig::default(),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(problem.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(problem.name, "body_budget_exhausted");
+        assert_eq!(problem.retry_after_seconds, Some(1));
+        assert!(problem.should_retry);
+        assert_eq!(problem.extensions["sent"], false);
+        drop(held);
+        assert!(read_body(
+            &budget,
+            Body::from("abcdef"),
+            Some(6),
+            DoorConfig::default()
+        )
+        .await
+        .is_ok());
     }
 }

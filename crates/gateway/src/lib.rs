@@ -25,6 +25,7 @@ pub mod scheduler;
 
 // The HTTP edge: `backstop serve`, the proxy door, the upstream client.
 pub mod auth;
+pub mod body_budget;
 pub mod door;
 pub mod problem;
 pub mod secrets;

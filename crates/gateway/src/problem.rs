@@ -106,17 +106,19 @@
 //! | `store_error` (the store could not be read) | 500 | `InternalServerError` | `InternalServerError` | `false` |
 //! | `not_supported` | 501 | `InternalServerError` | `HTTPNotImplementedError` | `false` |
 //! | `shutting_down`, `store_unavailable` | 503 | `InternalServerError` | `ServiceUnavailableError` | `true` + `Retry-After: 1` with `sent: false`, else `false` |
+//! | `body_budget_exhausted` (the request bodies held in memory fill `--buffered-body-bytes`) | 503 | `InternalServerError` | `ServiceUnavailableError` | `true` + `Retry-After: 1` |
 //!
 //! `x-should-retry: true` stays only where nothing reached the provider and a retry is safe by
 //! construction, case by case: the gateway shutting down (the request was not taken on, or its
 //! action stays open under its key and a same-key resend resumes it as that same action, once),
-//! and the store failing before any send (the same: nothing left, the action resumable). The
-//! client's retry is then the request's first chance at the provider, not a second layer of
-//! attempts. The engine adds one more case to the stop's answers: a read whose attempt was out
-//! when the gateway stopped is answered `true` with `Retry-After: 1` (a read changes nothing at
-//! the provider, and its action ends `cancelled` after the restart). A `store_error`, a
-//! `request_timeout` or any refusal of the request's content says `false`: the same request
-//! would be refused the same way.
+//! the store failing before any send (the same: nothing left, the action resumable), and the
+//! cap on buffered request bodies being full (the body was refused before it was read; room
+//! comes back as other actions end). The client's retry is then the request's first chance at
+//! the provider, not a second layer of attempts. The engine adds one more case to the stop's
+//! answers: a read whose attempt was out when the gateway stopped is answered `true` with
+//! `Retry-After: 1` (a read changes nothing at the provider, and its action ends `cancelled`
+//! after the restart). A `store_error`, a `request_timeout` or any refusal of the request's
+//! content says `false`: the same request would be refused the same way.
 //!
 //! ## What common clients retry on
 //!
@@ -481,6 +483,43 @@ impl Problem {
         problem.retry_after_seconds = Some(1);
         problem.should_retry = true;
         problem
+    }
+
+    /// 503 `body_budget_exhausted`: the request bodies backstop holds in memory already fill
+    /// its cap ([`crate::door::DoorConfig::body_budget_bytes`], `--buffered-body-bytes`), so
+    /// this one was refused before more of it was read; nothing was sent. Room comes back as
+    /// actions end, so a retry shortly is safe: `Retry-After: 1`, `x-should-retry: true`.
+    /// `wanted`, `held` and `total` are bytes: this body's (its `Content-Length`, or what had
+    /// arrived of it), the other bodies', the cap; all three are extension members too.
+    pub fn body_budget_exhausted(wanted: usize, held: usize, total: usize) -> Problem {
+        let mut problem = Problem::door(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "body_budget_exhausted",
+            "backstop holds too many request bodies",
+            format!(
+                "backstop already holds {held} bytes of request bodies; this body of {wanted} bytes does not fit under its cap of {total} bytes (--buffered-body-bytes); nothing was sent, retry shortly"
+            ),
+        )
+        .with_extension("body_bytes", wanted.into())
+        .with_extension("held_bytes", held.into())
+        .with_extension("limit_bytes", total.into());
+        problem.retry_after_seconds = Some(1);
+        problem.should_retry = true;
+        problem
+    }
+
+    /// 413 `body_too_large` for a body larger than backstop's whole cap on buffered request
+    /// bodies (`total` bytes, `--buffered-body-bytes`): it could never be held, so waiting
+    /// does not help; nothing was sent.
+    pub fn larger_than_body_budget(total: usize) -> Problem {
+        Problem::door(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            "Request body too large",
+            format!(
+                "the request body is larger than backstop's cap of {total} bytes on all buffered request bodies (--buffered-body-bytes); nothing was sent"
+            ),
+        )
     }
 
     /// 503 `store_unavailable`: backstop's store failed (a damaged file, a full disk, the

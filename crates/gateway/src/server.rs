@@ -65,6 +65,7 @@ use tokio::{
 use crate::{
     action::{ActionSpec, Execution},
     auth::{Authenticator, Role},
+    body_budget::BodyBudget,
     clock::TokioClock,
     door::{self, DoorConfig},
     escalations, health,
@@ -174,6 +175,9 @@ pub struct AppState {
     pub door: DoorConfig,
     /// Whether `/metrics` is served without a token (loopback listener).
     pub metrics_open: bool,
+    /// Request bodies held in memory, capped at [`DoorConfig::body_budget_bytes`] across
+    /// connections (the door and `POST /v1/actions` read bodies through it).
+    pub body_budget: BodyBudget,
     accepting: AtomicBool,
     /// Requests whose response has not been dropped yet (a streamed body counts until its end).
     in_flight: AtomicUsize,
@@ -217,6 +221,7 @@ impl AppState {
             metrics,
             door,
             metrics_open,
+            body_budget: BodyBudget::new(door.body_budget_bytes),
             accepting: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
             idle: Notify::new(),

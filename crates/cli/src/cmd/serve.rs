@@ -50,6 +50,11 @@ pub struct Args {
     /// Hard cap on request bodies; larger ones are refused with 413.
     #[arg(long, value_name = "BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Most bytes of request bodies held in memory at once, across all connections (a body is
+    /// held from its first byte until its action ends); a request whose body does not fit gets
+    /// 503 body_budget_exhausted with Retry-After: 1, nothing sent. At least --max-body-bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub buffered_body_bytes: usize,
     /// Most seconds from the start of an attempt to the provider's response head.
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]
     pub attempt_timeout_seconds: u64,
@@ -105,6 +110,14 @@ pub fn run(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    if args.buffered_body_bytes < args.max_body_bytes {
+        errln!(
+            "backstop serve: --buffered-body-bytes ({}) must be at least --max-body-bytes ({})",
+            args.buffered_body_bytes,
+            args.max_body_bytes
+        );
+        return ExitCode::from(2);
+    }
     if args.attempt_timeout_seconds == 0 {
         errln!("backstop serve: --attempt-timeout-seconds must be at least 1");
         return ExitCode::from(2);
@@ -136,6 +149,7 @@ pub fn run(args: Args) -> ExitCode {
             max_buffered_body_bytes: args.retry_body_bytes,
             max_body_bytes: args.max_body_bytes,
             body_read_timeout: read_timeout,
+            body_budget_bytes: args.buffered_body_bytes,
         },
         upstream: UpstreamConfig {
             attempt_timeout: Duration::from_secs(args.attempt_timeout_seconds),

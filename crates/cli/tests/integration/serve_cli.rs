@@ -503,3 +503,72 @@ fn a_store_whose_last_event_keeps_its_hash_as_text_is_refused_pointing_to_audit_
     );
     assert!(!stderr.contains("corrupt record"), "{stderr}");
 }
+
+#[test]
+fn a_buffered_body_cap_below_the_body_cap_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = serve_example_with_secrets(dir.path())
+        .args([
+            "--buffered-body-bytes",
+            "1000",
+            "--max-body-bytes",
+            "2000",
+            "--retry-body-bytes",
+            "1000",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "backstop serve: --buffered-body-bytes (1000) must be at least --max-body-bytes (2000)"
+        ),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("b.db").exists(), "nothing was started");
+}
+
+#[cfg(unix)]
+#[test]
+fn buffered_body_bytes_caps_the_bodies_held_at_once() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = serve_example_with_secrets(dir.path())
+        .args([
+            "--buffered-body-bytes",
+            "3000",
+            "--max-body-bytes",
+            "2000",
+            "--retry-body-bytes",
+            "1000",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let mut seen = String::new();
+    let addr = listening_addr(&mut lines, &mut seen);
+    std::thread::spawn(move || lines.for_each(drop));
+    let upload = |length: usize| {
+        format!(
+            "POST /billing-api/v1/invoices HTTP/1.1\r\nhost: x\r\nauthorization: Bearer invoice-token\r\ncontent-length: {length}\r\nconnection: close\r\n\r\n"
+        )
+    };
+    // A body of 2000 bytes still arriving holds 2000 of the 3000.
+    let mut held = std::net::TcpStream::connect(&addr).unwrap();
+    held.write_all(upload(2000).as_bytes()).unwrap();
+    held.write_all(b"0123456789").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let refused = exchange(&addr, upload(2000).as_bytes());
+    drop(held);
+    let stopped = sigterm(&child).unwrap().success() && child.wait().unwrap().success();
+    assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+    assert!(refused.contains("body_budget_exhausted"), "{refused}");
+    assert!(
+        refused.to_ascii_lowercase().contains("retry-after: 1\r\n"),
+        "{refused}"
+    );
+    assert!(stopped, "serve stopped cleanly");
+}

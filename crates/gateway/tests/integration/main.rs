@@ -7,6 +7,7 @@ mod engine_support;
 mod support;
 
 mod actions_api;
+mod body_budget;
 mod cancelled_task_keys;
 mod cancelled_writes;
 mod door_edge;
