@@ -798,7 +798,6 @@ mod tests {
             backstop_store::Outcome::DeadlineExhausted,
             backstop_store::Outcome::Succeeded,
             backstop_store::Outcome::Rejected,
-            backstop_store::Outcome::Cancelled,
             backstop_store::Outcome::Escalated,
             backstop_store::Outcome::ReconciliationRequired,
         ] {
@@ -809,6 +808,15 @@ mod tests {
                 "{outcome:?}"
             );
         }
+        // `cancelled` reopens at once while nothing of it is unsettled (rule 5).
+        let cancelled = finished(backstop_store::Outcome::Cancelled, serde_json::json!({}));
+        assert_eq!(
+            verdict(&cancelled, &[], &[], at("2026-01-02T00:00:00Z")),
+            Verdict::Reopen {
+                advised: None,
+                escalation: None
+            }
+        );
         let read = ActionRecord {
             idempotency_key: String::new(),
             ..finished(

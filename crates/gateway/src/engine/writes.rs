@@ -285,6 +285,25 @@ pub(super) fn unsettled_in(attempts: &[AttemptRecord]) -> bool {
     backstop_store::unsettled_attempt(attempts).is_some()
 }
 
+/// Whether the write `record` provably created nothing at the provider: it ended without
+/// succeeding, and each of its `attempts` was refused by the provider or never reached it — a
+/// 429, a quota signal, a 503/529, a `not_sent` failure, a 4xx rejection. A `transient` 5xx,
+/// a `409` or an `uncertain` attempt may have been acted on, so such a write proves nothing.
+pub(super) fn created_nothing(record: &ActionRecord, attempts: &[AttemptRecord]) -> bool {
+    use backstop_store::Disposition as D;
+    let ended = record.state == backstop_store::ActionState::Finished
+        && record.outcome != Some(backstop_store::Outcome::Succeeded);
+    ended
+        && attempts.iter().all(|a| {
+            matches!(
+                a.disposition,
+                Some(
+                    D::RateLimited | D::QuotaExhausted | D::Unavailable | D::NotSent | D::Rejected
+                )
+            )
+        })
+}
+
 /// What the store could not commit for one action, recorded by
 /// [`Inner::record_when_store_commits`] as soon as it commits again.
 #[derive(Debug)]
@@ -549,8 +568,21 @@ impl Inner {
             return verdict;
         };
         let (id, provider) = (facts.action, facts.provider.clone());
+        // An earlier action that provably created nothing (it ended, and the provider refused
+        // or never saw every attempt) cannot be what the lookup found.
         let shared = self
-            .blocking(move |s| s.actions_sharing_reference(&provider, &reference, id))
+            .blocking(move |s| {
+                let mut others = s.actions_sharing_reference(&provider, &reference, id)?;
+                let mut kept = Vec::with_capacity(others.len());
+                for other in others.drain(..) {
+                    let record = s.action(other)?;
+                    let attempts = s.attempts(other)?;
+                    if !record.is_some_and(|r| created_nothing(&r, &attempts)) {
+                        kept.push(other);
+                    }
+                }
+                Ok(kept)
+            })
             .await;
         let reason = match shared {
             Ok(others) if others.is_empty() => return verdict,

@@ -267,3 +267,74 @@ async fn an_empty_external_reference_is_replaced_and_never_looked_up_as_an_empty
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+/// An earlier action that provably created nothing (the provider rejected its only attempt)
+/// does not make a lookup under the same reference ambiguous: the agent's second write under a
+/// new key, whose create the provider committed and then dropped, is reconciled `succeeded`
+/// from the lookup — no human is asked, nothing is sent twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reference_shared_only_with_a_write_that_created_nothing_still_reconciles() {
+    let fake = {
+        let config = FakeConfig::default()
+            .with_route(
+                RouteConfig::new(
+                    "POST /v1/tx2",
+                    Handler::Create {
+                        collection: "tx2".into(),
+                        id_prefix: "tx_".into(),
+                        reference_field: Some("reference".into()),
+                        unique_reference: false,
+                    },
+                )
+                .with_idempotency()
+                .with_fault(FaultRule::on_calls(
+                    [1],
+                    Fault::Status {
+                        status: 422,
+                        retry_after: None,
+                        body: None,
+                    },
+                ))
+                .with_fault(FaultRule::on_calls(
+                    [2],
+                    Fault::StoreThenDrop { hold_ms: 0 },
+                )),
+            )
+            .with_route(RouteConfig::new("GET /v1/tx2", lookup("tx2")));
+        support::start_fake(config)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+
+    let body = r#"{"amount":9,"reference":"shared-ref-3"}"#;
+    let (first, status, answer) = post(&gateway, ALPHA_TOKEN, "alpha-3", body).await;
+    assert_eq!(status, 422, "{answer}");
+    let (second, status, answer) = post(&gateway, ALPHA_TOKEN, "alpha-3-again", body).await;
+    assert_ne!(first, second);
+    assert_eq!(status, 200, "reconciled from the lookup: {answer}");
+    let attempts = fake.attempts();
+    assert_eq!(
+        on_route(&attempts, "POST", "/v1/tx2").len(),
+        2,
+        "{attempts:?}"
+    );
+    assert_eq!(
+        on_route(&attempts, "GET", "/v1/tx2").len(),
+        1,
+        "{attempts:?}"
+    );
+    assert!(
+        support::open_escalations(&gateway, OPERATOR_TOKEN)
+            .await
+            .is_empty(),
+        "no human is asked"
+    );
+    gateway.shutdown().await.unwrap();
+    let store = SqliteStore::open_existing(dir.path().join("backstop.db")).expect("store");
+    let record = store.action(ActionId(second)).unwrap().expect("action");
+    assert_eq!(record.outcome.map(|o| o.as_str()), Some("succeeded"));
+    assert!(record
+        .provider_operation_id
+        .is_some_and(|id| id.starts_with("tx_")));
+    fake.shutdown().await;
+}
