@@ -564,7 +564,7 @@ impl Engine {
             return DecisionApplied {
                 request_not_held: true,
                 ..DecisionApplied::not(&format!(
-                    "the decision is recorded and action {} is reopened, but backstop no longer holds its request (the gateway restarted since the escalation; payloads are never stored); the agent must resubmit the same payload with Idempotency-Key `{key}`: that request is sent as this same action, under this same key",
+                    "the decision is recorded and action {} is reopened, but backstop no longer holds its request (the gateway restarted since the escalation, and a write's request is kept only until the write ends); the agent must resubmit the same payload with Idempotency-Key `{key}`: that request is sent as this same action, under this same key",
                     action.0
                 ))
             };
@@ -601,7 +601,7 @@ impl Engine {
             return DecisionApplied {
                 request_not_held: true,
                 ..DecisionApplied::not(&format!(
-                    "the decision is recorded, but backstop no longer holds the request of action {} (the gateway restarted since the escalation; payloads are never stored); the agent must submit the payload as a new action with a new Idempotency-Key",
+                    "the decision is recorded, but backstop no longer holds the request of action {} (the gateway restarted since the escalation, and a write's request is kept only until the write ends); the agent must submit the payload as a new action with a new Idempotency-Key",
                     action.0
                 ))
             };

@@ -15,9 +15,10 @@
 //!
 //! The same rule runs at start-up for every write attempt the store recorded as `sent` without a
 //! result (the gateway died while the request was in flight): the attempt is recorded
-//! `uncertain`, then reconciled with its ORIGINAL key. The payload itself is never stored, so a
-//! write that must be resent after a restart is escalated instead (an operator or the agent
-//! resubmitting the same key and payload decides). So is every other write whose last attempt was
+//! `uncertain`, then reconciled with its ORIGINAL key; a write that must be resent is resent from
+//! its kept request (see [`super::resume`]), and one whose request was not kept is escalated
+//! instead (an operator or the agent resubmitting the same key and payload decides). So is every
+//! other write whose last attempt was
 //! `uncertain` and that nothing will send again ([`Closing`], the one decision for all of them):
 //! left between two attempts by the previous run, a retry re-armed after a restart, a retry whose
 //! schedule or start the store could not record (once the store commits again, see
