@@ -13,13 +13,14 @@
 //! - delay-seconds with surrounding whitespace and decimals (`1.5` → 1500 ms, rounded up to the
 //!   millisecond); Go-style durations (`1m0s`); IMF-fixdate, RFC 850 and asctime dates (plus the
 //!   RFC 2822 variants some servers emit, such as `+0000` instead of `GMT`);
-//! - signs, prefixes (`+3`, `-1`, `0x10`), empty values, garbage and delays over
-//!   [`RetryAfterOptions::ceiling`] → `Unknown` with the raw value kept;
+//! - signs, prefixes (`+3`, `-1`, `0x10`), empty values and garbage → `Unknown` with the raw
+//!   value kept; a delay over [`RetryAfterOptions::ceiling`] is a known lower bound, not before
+//!   now + the ceiling (the raw value kept), never unknown and never retried before it;
 //! - an HTTP-date with a `Date` header in the same response: delay = Retry-After − Date, added to
 //!   the local receive time ([`ClockSource::ServerDate`], immune to clock skew); without `Date` it
 //!   is compared with the local receive time ([`ClockSource::Local`]);
-//! - a date in the past, a zero delay or any delay below [`RetryAfterOptions::min_delay`] →
-//!   `min_delay` (the reason records the raised value), never a tight loop;
+//! - a date in the past or a zero delay → [`RetryAfterOptions::min_delay`], never a tight loop;
+//!   a positive delay below it (`0.503`, `retry-after-ms: 250`) is honoured as given;
 //! - several instances or a joined value → the largest valid one; `retry-after-ms` wins over
 //!   `Retry-After`.
 //!
@@ -49,11 +50,11 @@ static RETRY_AFTER_MS_HEADER: http::HeaderName = http::HeaderName::from_static("
 /// Limits applied while normalizing a Retry-After value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryAfterOptions {
-    /// Smallest wait ever returned for a usable signal: a floor applied to every known delay —
-    /// "now" (zero), a date already past, or a positive delay below it. Default 1 s.
+    /// The wait given for a signal that says "now": a zero delay or a date already past (a
+    /// positive delay below it is honoured as given). Default 1 s.
     pub min_delay: Duration,
-    /// Largest believable wait; anything longer is treated as absurd and yields
-    /// [`Boundary::Unknown`]. Default 24 h.
+    /// Largest wait counted: a longer one is the known lower bound `now + ceiling` (SPEC §2.2),
+    /// its raw value kept. Default 24 h.
     pub ceiling: Duration,
 }
 
@@ -85,7 +86,7 @@ pub enum Boundary {
     Known {
         /// Earliest instant (UTC) a retry may be sent.
         retry_not_before: Timestamp,
-        /// `retry_not_before` − receive time, in milliseconds (≥ `min_delay`).
+        /// `retry_not_before` − receive time, in milliseconds.
         delay_ms: u64,
         /// Where the signal came from, e.g. `Retry-After`, `retry-after-ms`, a quota header
         /// family or a body pointer.
@@ -133,14 +134,53 @@ impl Boundary {
     }
 }
 
+/// The boundary of a signal whose delay (`over`, in words) is past `opts.ceiling` (SPEC §2.2):
+/// NOT unknown — the provider forbade a retry for at least that long — but the known lower bound
+/// `received_at + ceiling`, the raw value kept and the reason saying it is a lower bound. It is
+/// beyond any budget, so the action ends at once with its outcome, never retried before it.
+fn beyond_ceiling(
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+    source: &str,
+    raw: Option<&str>,
+    clock: Option<ClockSource>,
+    over: &str,
+) -> Boundary {
+    let ceiling_ms = u64::try_from(opts.ceiling.as_millis()).unwrap_or(u64::MAX);
+    let reason = format!(
+        "{over} is over the ceiling of {ceiling_ms} ms: a lower bound, not before now + the ceiling"
+    );
+    let at = i64::try_from(ceiling_ms).ok().and_then(|ms| {
+        received_at
+            .checked_add(SignedDuration::from_millis(ms))
+            .ok()
+    });
+    match at {
+        Some(retry_not_before) => Boundary::Known {
+            retry_not_before,
+            delay_ms: ceiling_ms,
+            source: source.to_owned(),
+            raw: raw.map(str::to_owned),
+            clock,
+            reason: Some(reason),
+        },
+        None => Boundary::unknown(
+            raw,
+            "the ceiling does not fit after the receive time",
+            Some(source),
+        ),
+    }
+}
+
 /// Builds a known boundary `delay` after `received_at`, applying `min_delay` and `ceiling`.
 ///
-/// `adjust_reason` explains an adjustment already made by the caller. `min_delay` is a floor
-/// for every known delay: a zero delay gets `min_delay` (reason `zero delay; min_delay applied`
-/// unless the caller gave one), a smaller non-zero delay (`Retry-After: 0.0001`,
-/// `retry-after-ms: 1`) is raised to it and the reason records the raised value. Returns `Unknown` when the delay is over the ceiling or the instant
-/// does not fit in a `Timestamp`. Shared by the Retry-After, quota and body-hint readers so that
-/// every boundary obeys the same limits.
+/// `adjust_reason` explains an adjustment already made by the caller. A zero delay (now, or a
+/// date already past) gets `min_delay` (reason `zero delay; min_delay applied` unless the caller
+/// gave one), never a tight loop; a positive delay below it (`Retry-After: 0.503`,
+/// `retry-after-ms: 250`) is honoured as given (SPEC §2.2). A delay over the ceiling is the known
+/// lower bound `received_at + ceiling` ([`beyond_ceiling`]). Returns `Unknown` only when the
+/// instant does not fit in a `Timestamp`. Shared by the Retry-After, quota and body-hint readers
+/// so that every boundary obeys the same limits.
 pub fn boundary_after(
     delay: Duration,
     received_at: Timestamp,
@@ -151,31 +191,14 @@ pub fn boundary_after(
     adjust_reason: Option<String>,
 ) -> Boundary {
     if delay > opts.ceiling {
-        return Boundary::unknown(
-            raw,
-            format!(
-                "delay of {} ms exceeds the ceiling of {} ms",
-                delay.as_millis(),
-                opts.ceiling.as_millis()
-            ),
-            Some(source),
-        );
+        let over = format!("a delay of {} ms", delay.as_millis());
+        return beyond_ceiling(received_at, opts, source, raw, clock, &over);
     }
     let (delay, reason) = if delay.is_zero() {
         (
             opts.min_delay,
             Some(adjust_reason.unwrap_or_else(|| "zero delay; min_delay applied".to_owned())),
         )
-    } else if delay < opts.min_delay {
-        let raised = format!(
-            "raised to min_delay {} ms",
-            opts.min_delay.as_nanos().div_ceil(1_000_000)
-        );
-        let reason = match adjust_reason {
-            Some(r) => format!("{r}; {raised}"),
-            None => format!("delay of {delay:?} is below min_delay; {raised}"),
-        };
-        (opts.min_delay, Some(reason))
     } else {
         (delay, adjust_reason)
     };
@@ -310,13 +333,13 @@ fn normalize_single(
         }
         Ok(None) => {}
         Err(()) => {
-            return Boundary::unknown(
+            return beyond_ceiling(
+                received_at,
+                opts,
+                SOURCE_RETRY_AFTER,
                 Some(raw),
-                format!(
-                    "delay exceeds the ceiling of {} ms",
-                    opts.ceiling.as_millis()
-                ),
-                src,
+                None,
+                "a delay too large to count",
             )
         }
     }
@@ -528,13 +551,13 @@ fn normalize_ms_value(raw: &str, received_at: Timestamp, opts: &RetryAfterOption
                     "retry-after-ms must be unsigned decimal milliseconds",
                     src,
                 ),
-                Err(()) => Boundary::unknown(
+                Err(()) => beyond_ceiling(
+                    received_at,
+                    opts,
+                    SOURCE_RETRY_AFTER_MS,
                     Some(raw),
-                    format!(
-                        "delay exceeds the ceiling of {} ms",
-                        opts.ceiling.as_millis()
-                    ),
-                    src,
+                    None,
+                    "a delay too large to count",
                 ),
             }
         })

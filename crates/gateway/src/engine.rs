@@ -2661,6 +2661,20 @@ impl Engine {
                         reason = reason.describe(),
                         "retry refused by the plan"
                     );
+                    // One name per signal: a quota-exhausted answer ends `quota_exhausted`
+                    // whatever its reset, beyond the budget or not, with the boundary and the
+                    // scope's `shared_quota_exhausted` escalation (SPEC §8).
+                    if signal.disposition == Disposition::QuotaExhausted {
+                        return Box::pin(self.finish_quota_exhausted(
+                            run,
+                            &budget,
+                            result,
+                            context,
+                            (boundary, signal.error_code.as_deref()),
+                            seen.sent,
+                        ))
+                        .await;
+                    }
                     let escalate = reason.is_provider_boundary() && route.class != "read";
                     let reason_detail = detail.clone();
                     let mut execution = Box::pin(self.finish_with_result(
@@ -3316,26 +3330,15 @@ impl Engine {
             (Disposition::QuotaExhausted, _) => {
                 let boundary = seen.boundary;
                 let context = self.context(budget, seen, boundary, wait_then_abort(boundary));
-                let detail =
-                    quota_escalations::exhausted_detail(boundary, signal.error_code.as_deref());
-                let mut execution = Box::pin(self.finish_with_result(
+                Box::pin(self.finish_quota_exhausted(
                     run,
                     budget,
                     result,
-                    Outcome::QuotaExhausted,
                     context,
-                    detail,
+                    (boundary, signal.error_code.as_deref()),
                     seen.sent,
                 ))
-                .await;
-                // SPEC §8: the shared quota itself is exhausted; a human decides, once per scope.
-                let why = match &signal.error_code {
-                    Some(code) => format!("the provider answered `{code}`"),
-                    None => "the provider said the quota is exhausted".to_owned(),
-                };
-                self.escalate_exhausted_quota(run.id, &why, boundary, &mut execution)
-                    .await;
-                execution
+                .await
             }
             (disposition, _) => {
                 let boundary = seen.boundary;
@@ -3589,6 +3592,39 @@ impl Engine {
             Err(e) => tracing::debug!(action = id.0, error = %e, "action not finished again"),
         }
         self.ended(run, outcome, context, detail, attempts)
+    }
+
+    /// Ends the action `quota_exhausted` with the last attempt's `result` — the provider said
+    /// its shared quota is exhausted (`signal`: the boundary it gave, if any, and its error
+    /// code) — and hands the scope to a human once (SPEC §8: `shared_quota_exhausted`).
+    async fn finish_quota_exhausted(
+        &self,
+        run: &Run<'_>,
+        budget: &ActionBudget,
+        result: AttemptResult,
+        context: OutcomeContext,
+        signal: (Option<Timestamp>, Option<&str>),
+        attempts: u32,
+    ) -> Execution {
+        let (boundary, error_code) = signal;
+        let detail = quota_escalations::exhausted_detail(boundary, error_code);
+        let mut execution = Box::pin(self.finish_with_result(
+            run,
+            budget,
+            result,
+            Outcome::QuotaExhausted,
+            context,
+            detail,
+            attempts,
+        ))
+        .await;
+        let why = match error_code {
+            Some(code) => format!("the provider answered `{code}`"),
+            None => "the provider said the quota is exhausted".to_owned(),
+        };
+        self.escalate_exhausted_quota(run.id, &why, boundary, &mut execution)
+            .await;
+        execution
     }
 
     /// Ends the action with a gateway-made outcome together with the last attempt's result.

@@ -305,13 +305,24 @@ fn missing_retry_after_is_uncertain_boundary() {
 
 #[test]
 fn invalid_retry_after_is_uncertain_boundary_never_a_guess() {
-    for raw in ["soon", "-5", "", "+3", "0x10", "999999999"] {
+    for raw in ["soon", "-5", "", "+3", "0x10"] {
         let r = run(&with(base(), json!({ "retry_after_raw": raw })));
         assert_eq!(r.diagnosis, Diagnosis::UncertainBoundary, "raw {raw:?}");
         assert_eq!(r.proofs.limit, Some(false));
         assert_eq!(r.proofs.wake, None, "raw {raw:?}: wake cannot be judged");
         assert!(r.boundary_reason.is_some());
     }
+}
+
+#[test]
+fn a_retry_after_over_the_ceiling_is_a_known_boundary_beyond_the_budget_not_uncertain() {
+    let r = run(&with(base(), json!({ "retry_after_raw": "999999999" })));
+    assert_ne!(r.diagnosis, Diagnosis::UncertainBoundary);
+    assert_eq!(r.diagnosis, Diagnosis::RetryBudgetExhausted);
+    assert!(
+        r.retry_not_before.is_some(),
+        "now + the ceiling, a lower bound"
+    );
 }
 
 #[test]

@@ -99,7 +99,10 @@ proptest! {
     fn exponent_like_huge_values_never_overflow(digits in "[1-9][0-9]{15,60}", exp in "(e|E)[0-9]{1,4}") {
         let opts = RetryAfterOptions::default();
         for raw in [digits.clone(), format!("{digits}{exp}"), format!("{digits}.{digits}"), format!("{digits}h{digits}m")] {
-            prop_assert!(!normalize_value(&raw, None, now(), &opts).is_known(), "{raw}");
+            // Unusable, or the known lower bound now + ceiling (SPEC §2.2): never a count.
+            if let backstop_core::retry_after::Boundary::Known { delay_ms, .. } = normalize_value(&raw, None, now(), &opts) {
+                prop_assert_eq!(u128::from(delay_ms), opts.ceiling.as_millis(), "{}", raw);
+            }
             let _ = parse_go_duration(&raw);
             let mut h = HeaderMap::new();
             h.insert("x-ratelimit-reset", HeaderValue::from_str(&raw).unwrap());
@@ -107,7 +110,9 @@ proptest! {
             h.insert("ratelimit", HeaderValue::from_str(&format!("\"d\";r=0;t={digits}")).unwrap());
             let obs = parse_quota(&h, Dialect::Generic, now());
             let _ = quota_boundary(&obs, now());
-            prop_assert!(!normalize(&h, now(), &opts).is_known());
+            if let backstop_core::retry_after::Boundary::Known { delay_ms, .. } = normalize(&h, now(), &opts) {
+                prop_assert_eq!(u128::from(delay_ms), opts.ceiling.as_millis());
+            }
         }
     }
 }

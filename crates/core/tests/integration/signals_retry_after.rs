@@ -186,17 +186,34 @@ fn retry_after_invalid_values_are_unknown_with_raw_kept() {
 }
 
 #[test]
-fn retry_after_over_the_ceiling_is_unknown() {
-    let b = normalize_value("86401", None, ts(NOW), &opts());
-    assert!(unknown(&b).1.contains("ceiling"));
-    // Exactly the ceiling is still believable.
+fn retry_after_over_the_ceiling_is_a_known_lower_bound_never_unknown() {
+    // 86,401 s, 10^32 s, a date in 2100 or 9999: the provider forbade a retry for at least the
+    // ceiling, so the boundary is now + 24 h, raw value kept — never unknown.
+    let lower_bound = ts("2025-03-02T12:00:00Z");
+    for raw in [
+        "86401",
+        "100000",
+        "99999999999999999999999999999999",
+        "Fri, 01 Jan 2100 00:00:00 GMT",
+    ] {
+        let b = normalize_value(raw, None, ts(NOW), &opts());
+        let (at, delay_ms, _, reason, _) = known(&b);
+        assert_eq!(at, lower_bound, "{raw}");
+        assert_eq!(delay_ms, 86_400_000, "{raw}");
+        let Boundary::Known { raw: kept, .. } = &b else {
+            unreachable!("known above")
+        };
+        assert_eq!(kept.as_deref(), Some(raw), "{raw}");
+        let reason = reason.unwrap_or_default();
+        assert!(reason.contains("lower bound"), "{raw}: {reason}");
+    }
+    // Exactly the ceiling is counted as given.
     assert_eq!(delay_of("86400"), 86_400_000);
-    let huge = normalize_value("99999999999999999999999999999999", None, ts(NOW), &opts());
-    assert!(!huge.is_known());
-    let far_date = normalize_value("Fri, 01 Jan 2100 00:00:00 GMT", None, ts(NOW), &opts());
-    assert!(unknown(&far_date).1.contains("ceiling"));
-    let edge_of_time = normalize_value("Fri, 31 Dec 9999 23:59:59 GMT", None, ts(NOW), &opts());
-    assert!(!edge_of_time.is_known());
+    let h = headers(&[("retry-after-ms", "99999999999999999999999999999")]);
+    let (at, _, _, reason, source) = known(&normalize(&h, ts(NOW), &opts()));
+    assert_eq!(at, lower_bound);
+    assert_eq!(source, "retry-after-ms");
+    assert!(reason.unwrap_or_default().contains("lower bound"));
 }
 
 #[test]
@@ -284,25 +301,26 @@ fn boundary_serializes_with_a_state_tag() {
 }
 
 #[test]
-fn delay_below_min_delay_is_raised_to_it_with_a_reason() {
-    for raw in ["0.0001", "1ms", "0.25", "250ms", "0"] {
-        let (at, delay_ms, _, reason, _) = known(&normalize_value(raw, None, ts(NOW), &opts()));
-        assert_eq!(delay_ms, 1_000, "{raw}");
-        assert_eq!(at, ts("2025-03-01T12:00:01Z"), "{raw}");
-        let reason = reason.unwrap_or_default();
-        assert!(reason.contains("min_delay"), "{raw}: {reason}");
+fn a_sub_second_delay_is_honoured_as_given_and_only_zero_gets_min_delay() {
+    for (raw, ms) in [
+        ("0.503", 503),
+        ("0.25", 250),
+        ("250ms", 250),
+        ("0.0001", 1),
+        ("1ms", 1),
+    ] {
+        let (_, delay_ms, _, reason, _) = known(&normalize_value(raw, None, ts(NOW), &opts()));
+        assert_eq!(delay_ms, ms, "{raw}");
+        assert_eq!(reason, None, "{raw}: nothing adjusted");
     }
-    let (_, delay_ms, _, reason, _) = known(&normalize_value("0.0001", None, ts(NOW), &opts()));
-    assert_eq!(delay_ms, 1_000);
-    assert_eq!(
-        reason.as_deref(),
-        Some("delay of 100µs is below min_delay; raised to min_delay 1000 ms")
-    );
-    let h = headers(&[("retry-after-ms", "1")]);
-    let (_, delay_ms, _, reason, source) = known(&normalize(&h, ts(NOW), &opts()));
-    assert_eq!(delay_ms, 1_000);
+    let h = headers(&[("retry-after-ms", "250")]);
+    let (at, delay_ms, _, _, source) = known(&normalize(&h, ts(NOW), &opts()));
+    assert_eq!(delay_ms, 250);
     assert_eq!(source, "retry-after-ms");
-    assert!(reason
-        .unwrap_or_default()
-        .contains("raised to min_delay 1000 ms"));
+    assert_eq!(at, ts("2025-03-01T12:00:00.25Z"));
+    // "Now" is never a tight loop.
+    let (at, delay_ms, _, reason, _) = known(&normalize_value("0", None, ts(NOW), &opts()));
+    assert_eq!(delay_ms, 1_000);
+    assert_eq!(at, ts("2025-03-01T12:00:01Z"));
+    assert!(reason.unwrap_or_default().contains("min_delay"));
 }

@@ -1025,8 +1025,9 @@ async fn a_429_without_a_usable_retry_after_still_pauses_its_whole_scope() {
     );
 }
 
-/// SPEC §2.2/§2.3: one answer whose quota reset lies centuries ahead (`remaining: 0`) is absurd:
-/// the boundary is unknown, so it never blocks the scope past the Retry-After ceiling.
+/// SPEC §2.2/§2.3: one answer whose quota reset lies centuries ahead (`remaining: 0`) is over
+/// the ceiling: a known lower bound, now + the ceiling — it holds the scope that long, never
+/// for centuries, and nothing is sent before it.
 #[tokio::test(start_paused = true)]
 async fn an_absurd_quota_reset_never_blocks_its_scope_for_centuries() {
     let h = Harness::new();
@@ -1071,9 +1072,22 @@ async fn an_absurd_quota_reset_never_blocks_its_scope_for_centuries() {
         stored.next_allowed_at.is_none_or(|at| at <= ceiling),
         "{stored:?}"
     );
-    // The next read is sent, not refused for a wait of 3,000 years.
+    // The next read is not sent before the lower bound: it ends at once, told to wait until
+    // then — not for 3,000 years.
+    assert!(
+        view.next_allowed_at.is_some(),
+        "the lower bound holds the scope"
+    );
     let next = h.spawn(h.get("task-b", "/v1/items/2"));
     advance(Duration::from_secs(5)).await;
-    assert_eq!(summary(&next.await.unwrap()), "200");
-    assert_eq!(h.transport.sent_to("/v1/items/2").len(), 1);
+    let next = next.await.unwrap();
+    assert_eq!(summary(&next), "budget_exhausted");
+    let Execution::Outcome { context, .. } = &next else {
+        panic!("an outcome: {next:?}")
+    };
+    assert!(
+        context.boundary.is_some_and(|at| at <= ceiling),
+        "{context:?}"
+    );
+    assert!(h.transport.sent_to("/v1/items/2").is_empty());
 }

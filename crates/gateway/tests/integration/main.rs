@@ -32,6 +32,7 @@ mod restart_unsent_writes;
 mod scenario_reference;
 mod shutdown_writes;
 mod signal_evidence;
+mod signals_beyond_the_ceiling;
 mod task_namespaces;
 mod watchdog_reads;
 mod writes_decisions;
