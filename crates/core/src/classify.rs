@@ -525,6 +525,15 @@ fn later_of(retry_after: Boundary, quota: Boundary) -> Boundary {
     winner
 }
 
+/// Whether the engine tries `signal`'s request again (within its budget and after its
+/// boundary): the signal's own [`Signal::retryable`], or, for a request without side effects
+/// (`has_side_effect` false: a safe method, or a class with `side_effect: none` such as a read or
+/// an LLM completion, SPEC §4.2a), an `uncertain` answer too — it changed nothing to protect, so
+/// there is nothing to reconcile first. One rule for the gateway and `backstop classify`.
+pub fn tried_again(signal: &Signal, has_side_effect: bool) -> bool {
+    signal.retryable || (signal.disposition == Disposition::Uncertain && !has_side_effect)
+}
+
 /// Classifies one attempt's result (SPEC §2.1–§2.3).
 ///
 /// - `observed`: the response (status, headers, optional body) or the transport error.

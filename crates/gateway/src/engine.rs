@@ -2553,9 +2553,9 @@ impl Engine {
 
             // An uncertain READ changed nothing at the provider: it is retried within the read
             // class budget like any transient failure, never left `reconciliation_required`.
-            let uncertain_read =
-                signal.disposition == Disposition::Uncertain && !run.spec.has_side_effect();
-            if !signal.retryable && !resend_same_key && !uncertain_read {
+            let tried_again =
+                backstop_core::classify::tried_again(&signal, run.spec.has_side_effect());
+            if !tried_again && !resend_same_key {
                 guard.armed = false;
                 return Box::pin(
                     self.final_failure(

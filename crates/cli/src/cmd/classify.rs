@@ -4,7 +4,7 @@
 //!
 //! The tool to debug a provider (SPEC §11): give it what came back — a status with headers (and
 //! optionally the error body), or a transport error instead — and it prints the normalized signal
-//! as ONE JSON object (one line; indented with `--pretty`): `disposition`, `retryable` (for the request class), `boundary` (`state`,
+//! as ONE JSON object (one line; indented with `--pretty`): `disposition`, `retryable` (whether the gateway tries it again, for the request class), `boundary` (`state`,
 //! `retry_not_before`, `delay_ms`, `source`, `raw`, `clock`, `reason`, every key present, `null`
 //! when not applicable), `quota` (array of `dialect`, `policy`, `limit`, `remaining`, `reset_at`,
 //! `window_seconds`, `interpretation` — how an ambiguous reset was read in the generic dialect),
@@ -58,6 +58,13 @@ impl Class {
             Class::UncertainWrite => "uncertain_write",
             Class::LlmCall => "llm_call",
         }
+    }
+
+    /// Whether a request of the class has side effects to protect (its built-in
+    /// `side_effect`): `false` for `read` and `llm_call`.
+    pub fn has_side_effect(self) -> bool {
+        builtin_class(self.name())
+            .is_none_or(|class| class.side_effect == backstop_core::side_effect::SideEffect::Write)
     }
 
     /// The default `retry_statuses` of the class, from core's built-in classes.
@@ -221,7 +228,9 @@ fn build(args: Args) -> Result<Value, String> {
             })
         }
     };
-    let signal = classify(&observed, &rules, received_at);
+    let mut signal = classify(&observed, &rules, received_at);
+    // What the gateway does with it, from the same rule (an `uncertain` read is retried).
+    signal.retryable = backstop_core::classify::tried_again(&signal, args.class.has_side_effect());
     let mut v = serde_json::to_value(&signal).map_err(|e| format!("cannot encode signal: {e}"))?;
     complete_boundary(&mut v);
     Ok(v)

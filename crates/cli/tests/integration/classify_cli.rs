@@ -143,11 +143,25 @@ fn transport_errors_split_not_sent_from_uncertain() {
     ]);
     assert_eq!(v["disposition"], "not_sent");
     assert_eq!(v["retryable"], true);
-    let v = json(&["--transport-error", "timeout-after-send"]);
-    assert_eq!(v["disposition"], "uncertain");
-    assert_eq!(v["retryable"], false);
     let v = json(&["--transport-error", "connect", "--class", "uncertain_write"]);
     assert_eq!(v["retryable"], false);
+}
+
+/// `backstop classify` says what the gateway does, from the same rule: a read (or an LLM
+/// completion) timed out after its send changed nothing to protect and is retried; a write in
+/// that state is reconciled first, never retried blindly.
+#[test]
+fn a_timeout_after_send_is_retried_for_a_read_and_reconciled_for_a_write_as_the_gateway_does() {
+    for class in ["read", "llm_call"] {
+        let v = json(&["--transport-error", "timeout-after-send", "--class", class]);
+        assert_eq!(v["disposition"], "uncertain", "{class}");
+        assert_eq!(v["retryable"], true, "{class}: the gateway retries it");
+    }
+    for class in ["idempotent_write", "uncertain_write"] {
+        let v = json(&["--transport-error", "timeout-after-send", "--class", class]);
+        assert_eq!(v["disposition"], "uncertain", "{class}");
+        assert_eq!(v["retryable"], false, "{class}: reconciled first");
+    }
 }
 
 #[test]
