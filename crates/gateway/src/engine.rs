@@ -2574,6 +2574,33 @@ impl Engine {
             }
 
             // Retryable: attempts left, retry quota, then the core's plan.
+            if budget.attempts_remaining() == 0 && seen.unsettled && run.spec.has_side_effect() {
+                // An earlier attempt may have been acted on and nothing settled it: the write is
+                // not "not done" — it must be reconciled before any further side effect.
+                guard.armed = false;
+                let key_honoured = provider.is_some_and(|p| p.idempotency_header.is_some());
+                let mut next_safe = vec![NextSafe::QueryStatus];
+                if key_honoured {
+                    next_safe.push(NextSafe::ResendSameKey);
+                }
+                next_safe.push(NextSafe::Abort);
+                let context = self.context(&budget, &seen, seen.boundary, next_safe);
+                let detail = format!(
+                    "all {} attempts of the `{}` budget are used, and an earlier attempt may have been acted on (it got no answer, and no later answer under the same key settled it): reconcile before any further side effect, and never send it under a new key",
+                    budget.attempts_used(),
+                    route.class,
+                );
+                return Box::pin(self.finish_with_result(
+                    run,
+                    &budget,
+                    result,
+                    Outcome::ReconciliationRequired,
+                    context,
+                    detail,
+                    seen.sent,
+                ))
+                .await;
+            }
             if budget.attempts_remaining() == 0 {
                 guard.armed = false;
                 let boundary = seen.boundary;
@@ -2874,7 +2901,7 @@ impl Engine {
                 last_attempt(seen)
             ),
             AfterRestart::RetrySameKey => format!(
-                "backstop is shutting down before this write was sent again: it was reopened for a retry under its same Idempotency-Key (by an operator's decision, or by a same-key resend its earlier answer allowed), and nothing more was sent now. It stays reopened across the restart: sending it again with the same Idempotency-Key and payload sends it as this action (GET /v1/actions/{id}), under that key; never send it under a new key — an earlier attempt may have been acted on"
+                "backstop is shutting down before this write was sent again: it was reopened for a retry under its same Idempotency-Key (by an operator's decision, or by a same-key resend its earlier answer allowed), and nothing more was sent now. It stays reopened across the restart, and the next start sends it under that key from its kept request; a resend with the same Idempotency-Key and payload joins it or, when its request could not be kept, sends it as this action (GET /v1/actions/{id}); never send it under a new key — an earlier attempt may have been acted on"
             ),
         };
         let receipt = run.receipt(seen.sent);
@@ -2947,7 +2974,7 @@ impl Engine {
                 last_attempt(seen)
             ),
             Some(AfterRestart::RetrySameKey) => format!(
-                "The {what} stays reopened for a send under its same Idempotency-Key across the restart: sending it again with the same Idempotency-Key and payload sends it as this action (GET /v1/actions/{id}); never send it under a new key — an earlier attempt may have been acted on"
+                "The {what} stays reopened for a send under its same Idempotency-Key across the restart: the next start sends it from its kept request, and a resend with the same Idempotency-Key and payload joins it or sends it as this action (GET /v1/actions/{id}); never send it under a new key — an earlier attempt may have been acted on"
             ),
             None => {
                 let (kept, undone) = AfterRestart::if_kept_or_not(run, seen, interrupted);

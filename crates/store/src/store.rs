@@ -586,12 +586,13 @@ pub trait Store: Send + Sync {
     fn unsent_reads(&self) -> Result<Vec<ActionId>, StoreError>;
 
     /// Actions left between two attempts: the last attempt has a result, but the action
-    /// neither ended nor has a waiting retry — state `attempted` or `waiting`, no unclaimed
+    /// neither ended nor has a waiting retry — state `attempted`, `waiting` or `reopened`, no unclaimed
     /// scheduled retry — in id order. After a restart these are actions whose run stopped (or
     /// whose store could not commit) after recording an attempt's result and before recording
     /// what came next (the retry's schedule or the outcome), and actions whose retry an earlier
-    /// start claimed to recover them and then stopped before recording how. Nothing waits for
-    /// them any more. Scans the actions
+    /// start claimed to recover them and then stopped before recording how, and writes
+    /// `reopened` for a send under their key that no send followed. Nothing waits for them any
+    /// more. Scans the actions
     /// table: meant for start-up only.
     ///
     /// # Errors

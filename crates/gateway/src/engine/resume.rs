@@ -291,6 +291,11 @@ impl Inner {
         let Some(kept) = self.kept(record.id).await else {
             return false;
         };
+        if record.state == backstop_store::ActionState::Reopened {
+            // Reopened for a send under its key (judged safe when it was reopened) and stopped
+            // before that send: its kept request is sent now.
+            return self.resume(record, kept, true).await;
+        }
         match Closing::of_stored(&self.policy, record, attempts) {
             Closing::Reconcile => match self.reconcile_then_resume(record).await {
                 Ok(()) => true,

@@ -1067,6 +1067,11 @@ impl Inner {
             if self.resume_between_attempts(&record, &attempts).await {
                 continue;
             }
+            if record.state == backstop_store::ActionState::Reopened {
+                // Reopened, its request not kept: it waits for the agent's resend under the
+                // same key, which sends it (an operator's `retry_same_key` after a restart).
+                continue;
+            }
             let end = restarted_end(&self.policy, &record, &attempts);
             if matches!(end, DeferredEnd::Reconcile { .. }) {
                 tracing::info!(

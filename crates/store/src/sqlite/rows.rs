@@ -387,10 +387,12 @@ pub(crate) const UNSENT_READS_SQL: &str = "SELECT a.id FROM actions a \
 /// Actions between two attempts with no retry waiting to be claimed (the start-up scan): an
 /// attempt's result recorded and nothing scheduled after it, or a retry whose job an earlier
 /// run claimed (restart recovery reconciling it) and that no record followed — the process
-/// that claimed it is gone, so the job is this start's to finish. Reads the `actions_open`
+/// that claimed it is gone, so the job is this start's to finish; and writes reopened for a
+/// send under their key (by an operator, an agent's resend or restart recovery) that no send
+/// followed — the caller decides with what it keeps of them. Reads the `actions_open`
 /// index as [`UNSENT_WRITES_SQL`] does.
 pub(crate) const ACTIONS_BETWEEN_ATTEMPTS_SQL: &str = "SELECT a.id FROM actions a \
-     WHERE a.state != 'finished' AND a.state IN ('attempted', 'waiting') \
+     WHERE a.state != 'finished' AND a.state IN ('attempted', 'waiting', 'reopened') \
      AND NOT EXISTS (SELECT 1 FROM scheduled_retries r \
                      WHERE r.action_id = a.id AND r.claimed_at_ms IS NULL) \
      ORDER BY a.id";
