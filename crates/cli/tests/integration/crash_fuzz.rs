@@ -934,3 +934,119 @@ fn a_write_left_uncertain_then_throttled_to_the_end_of_its_budget_is_not_reporte
     );
     runtime.block_on(fake.shutdown());
 }
+
+/// Found by the fuzz: restart recovery resumes a write between two attempts by moving it to
+/// `reopened` (audited `action_reopened`, its retry job claimed as `resumed`) and then sends
+/// it; a gateway killed between the two leaves the write in exactly the state built here,
+/// through the store, before `serve` starts on it. Nothing of it is left to send it but the
+/// next start — a `202`-accepted write has no agent resending it.
+#[test]
+fn a_write_resumed_by_recovery_and_killed_before_its_resend_is_sent_at_the_next_start() {
+    use crate::common::at;
+    use backstop_store::{
+        Admission, AttemptResult, Disposition, KeptRequest, NewAction, NewTask, PayloadDigest,
+        Priority, RouteTemplate,
+    };
+
+    let runtime = runtime();
+    let config = FakeConfig::default().with_route(
+        RouteConfig::new(
+            "POST /v1/invoices",
+            Handler::Create {
+                collection: "invoices".into(),
+                id_prefix: "in_".into(),
+                reference_field: Some("reference".into()),
+                unique_reference: false,
+            },
+        )
+        .with_idempotency(),
+    );
+    let fake = runtime.block_on(async {
+        FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let policy_file = dir.path().join("policy.yaml");
+    std::fs::write(&policy_file, policy(&fake.url())).unwrap();
+    let db = dir.path().join("backstop.db");
+
+    let body = r#"{"reference":"w-resumed","amount":5}"#;
+    let id = {
+        let store = SqliteStore::open(&db).expect("store");
+        store
+            .open_task(
+                NewTask {
+                    id: "task-resumed".into(),
+                    agent: AGENT.into(),
+                    priority: Priority::Normal,
+                    deadline: None,
+                },
+                at(0),
+            )
+            .unwrap();
+        let Admission::New(id) = store
+            .record_action(
+                NewAction {
+                    task_id: "task-resumed".into(),
+                    agent: AGENT.into(),
+                    provider: "fake".into(),
+                    method: "POST".into(),
+                    route: RouteTemplate::try_new("/v1/invoices").unwrap(),
+                    request_class: "idempotent_write".into(),
+                    payload_digest: PayloadDigest::of(body.as_bytes()),
+                    target_digest: None,
+                    idempotency_key: "resumed-once".into(),
+                    external_reference: None,
+                    desired_outcome: None,
+                    fingerprint: None,
+                    request: Some(KeptRequest {
+                        method: "POST".into(),
+                        url: format!("{}/v1/invoices", fake.url()),
+                        headers: vec![("content-type".into(), "application/json".into())],
+                        body: body.as_bytes().to_vec(),
+                    }),
+                },
+                at(0),
+            )
+            .unwrap()
+        else {
+            panic!("a new action");
+        };
+        let attempt = store.mark_attempt_sent(id, at(1)).unwrap();
+        store
+            .record_result(
+                AttemptResult {
+                    action: id,
+                    attempt,
+                    status: Some(503),
+                    disposition: Disposition::Unavailable,
+                    boundary: None,
+                    source: None,
+                    provider_operation_id: None,
+                    signal_headers: Vec::new(),
+                    finish: None,
+                },
+                at(2),
+            )
+            .unwrap();
+        // What recovery records before it sends the resumed write; the kill comes next.
+        store.resume_after_restart(id, at(3)).unwrap();
+        id
+    };
+
+    let mut gateway = serve(&policy_file, &db, 11);
+    let sent = poll_until(Duration::from_secs(20), || {
+        fake.attempts().iter().any(|a| a.method == "POST")
+    });
+    gateway.kill();
+    let store = SqliteStore::open_existing(&db).expect("store");
+    let record = store.action(id).unwrap().expect("the action");
+    assert!(
+        sent,
+        "the resumed write was never sent: state {}, outcome {:?}, attempts {:?}",
+        record.state.as_str(),
+        record.outcome.map(|o| o.as_str()),
+        store.attempts(id).unwrap()
+    );
+    assert_eq!(record.outcome.map(|o| o.as_str()), Some("succeeded"));
+    runtime.block_on(fake.shutdown());
+}
