@@ -8,6 +8,7 @@ mod common;
 mod audit_cli;
 mod audit_edges_cli;
 mod classify_cli;
+mod crash_fuzz;
 mod demo_cli;
 mod diagnose_cli;
 mod escalations_cli;
