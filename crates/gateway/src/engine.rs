@@ -2576,30 +2576,27 @@ impl Engine {
             // Retryable: attempts left, retry quota, then the core's plan.
             if budget.attempts_remaining() == 0 && seen.unsettled && run.spec.has_side_effect() {
                 // An earlier attempt may have been acted on and nothing settled it: the write is
-                // not "not done" — it must be reconciled before any further side effect.
+                // not "not done", and no attempt is left to resend it under its key — a human
+                // decides (the case file offers the status query and the same-key resend).
                 guard.armed = false;
-                let key_honoured = provider.is_some_and(|p| p.idempotency_header.is_some());
-                let mut next_safe = vec![NextSafe::QueryStatus];
-                if key_honoured {
-                    next_safe.push(NextSafe::ResendSameKey);
+                if let Some(tokens) = pending.take() {
+                    inner.scheduler.deposit(&route.scopes, Some(tokens));
                 }
-                next_safe.push(NextSafe::Abort);
-                let context = self.context(&budget, &seen, seen.boundary, next_safe);
-                let detail = format!(
-                    "all {} attempts of the `{}` budget are used, and an earlier attempt may have been acted on (it got no answer, and no later answer under the same key settled it): reconcile before any further side effect, and never send it under a new key",
+                if let Err(e) = inner
+                    .blocking(move |s| s.record_result(result, received_at))
+                    .await
+                {
+                    tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
+                }
+                guard.so_far.in_flight = None;
+                let facts = self.write_facts(run, &budget);
+                let reason = format!(
+                    "all {} attempts of the `{}` budget are used, and an earlier attempt may have been acted on (it got no answer, and no later answer under the same key settled it)",
                     budget.attempts_used(),
                     route.class,
                 );
-                return Box::pin(self.finish_with_result(
-                    run,
-                    &budget,
-                    result,
-                    Outcome::ReconciliationRequired,
-                    context,
-                    detail,
-                    seen.sent,
-                ))
-                .await;
+                return Box::pin(self.escalate_uncertain(run, &budget, &seen, &facts, &reason))
+                    .await;
             }
             if budget.attempts_remaining() == 0 {
                 guard.armed = false;
