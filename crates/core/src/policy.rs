@@ -870,7 +870,42 @@ std::thread_local! {
 /// internal view is a struct with a `value` field) is dropped, and the keys of
 /// [`SpannedMap`]s, which the tracker cannot capture because they are read as [`Spanned`]
 /// strings, are filled in from [`FAILED_MAP_KEYS`].
+/// The first explicit YAML tag in `src` (`!include`, `!!binary`, `!env`, …), as a positioned
+/// error: a policy uses none, and a tag ignored or decoded behind the reader's back would change
+/// what a value means (`store: !include /etc/passwd` taken as a path, base64 taken as text).
+/// Syntax errors are left to the deserializer, which reports them with their own position.
+fn explicit_tag(src: &str, file: &str) -> Option<PolicyError> {
+    use serde_saphyr::granit_parser::{Event, Parser};
+    for parsed in Parser::new_from_str(src) {
+        let Ok((event, span)) = parsed else {
+            return None;
+        };
+        let tag = match event {
+            Event::Scalar(_, _, _, tag)
+            | Event::SequenceStart(_, _, tag)
+            | Event::MappingStart(_, _, tag) => tag,
+            _ => None,
+        };
+        if let Some(tag) = tag {
+            let at = span.tag_start.unwrap_or(span.start);
+            return Some(PolicyError {
+                file: file.to_owned(),
+                line: u64::try_from(at.line()).unwrap_or(u64::MAX),
+                column: u64::try_from(at.col() + 1).unwrap_or(u64::MAX),
+                message: format!(
+                    "the YAML tag `{}` is not allowed in a policy: write the value itself (no tags, includes or encodings)",
+                    tag.original()
+                ),
+            });
+        }
+    }
+    None
+}
+
 fn read_raw(src: &str, file: &str) -> Result<RawPolicy, PolicyErrors> {
+    if let Some(error) = explicit_tag(src, file) {
+        return Err(PolicyErrors(vec![error]));
+    }
     FAILED_MAP_KEYS.with(|keys| keys.borrow_mut().clear());
     let mut at = None;
     // A tag the policy has no use for (`!include`, `!env`, a custom one) is refused with its
@@ -3171,6 +3206,28 @@ mod tests {
             .iter()
             .map(|e| format!("{}:{}: {}", e.line, e.column, e.message))
             .collect()
+    }
+
+    #[test]
+    fn an_explicit_yaml_tag_is_refused_with_its_line_and_column_never_ignored() {
+        for (src, at, tag) in [
+            ("store: !include /etc/passwd\n", "1:8", "!include"),
+            (
+                "providers: {}\nstore: !!binary aGVsbG8=\n",
+                "2:8",
+                "!!binary",
+            ),
+            ("agents:\n  a: { token_env: !env X }\n", "2:19", "!env"),
+            ("store: !!str x.db\n", "1:8", "!!str"),
+            ("agents: !!map { a: { token_env: X } }\n", "1:9", "!!map"),
+        ] {
+            let got = problems(src);
+            assert_eq!(got.len(), 1, "{src}: {got:?}");
+            assert!(
+                got[0].starts_with(&format!("{at}: the YAML tag `{tag}`")),
+                "{src}: {got:?}"
+            );
+        }
     }
 
     #[test]
