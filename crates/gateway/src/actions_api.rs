@@ -336,7 +336,7 @@ async fn submit_inner(
     // lists `desired_outcome` in its redactions.
     spec.desired_outcome = request
         .desired_outcome
-        .map(|text| backstop_core::escalation::sanitize_text(&text).text);
+        .map(|text| state.secrets.scrub(&text));
     Ok(door::submit_async(state, spec).await)
 }
 

@@ -26,7 +26,8 @@
 //! `retry_same_key`, with a new key for `send_new`), 422 `decision_refused` (option not offered,
 //! unknown, or `send_new` without `confirm_second_side_effect: true`), 500 `store_error`.
 //!
-//! The note is sanitized (secrets masked) and kept with the decision; `GET` returns it.
+//! The note is sanitized (what looks like a secret masked, and every credential or token the
+//! gateway holds, see [`crate::scrub`]) and kept with the decision; `GET` returns it.
 //!
 //! ## `query_status` closes only when the write is found
 //! `query_status` asks the provider before anything is recorded. When the lookup finds the
@@ -80,6 +81,8 @@ pub struct EscalationsState {
     pub operators: Arc<OperatorLookup>,
     /// The clock that stamps decisions.
     pub clock: TokioClock,
+    /// What a decision note is scrubbed of (see [`crate::scrub`]).
+    pub secrets: Arc<crate::scrub::HeldSecrets>,
 }
 
 impl std::fmt::Debug for EscalationsState {
@@ -423,10 +426,7 @@ async fn decide(
         )
     })?;
     let word = effect.option().as_str();
-    let note = decision
-        .note
-        .as_deref()
-        .map(|n| backstop_core::escalation::sanitize_text(n).text);
+    let note = decision.note.as_deref().map(|n| state.secrets.scrub(n));
     // The store keeps milliseconds; answer the instant exactly as recorded.
     let now = state.clock.now();
     let at = jiff::Timestamp::from_millisecond(now.as_millisecond()).unwrap_or(now);

@@ -28,6 +28,7 @@ pub mod auth;
 pub mod body_budget;
 pub mod door;
 pub mod problem;
+pub mod scrub;
 pub mod secrets;
 pub mod server;
 pub mod upstream;

@@ -255,6 +255,34 @@ impl ProviderCredentials {
     pub fn unavailable(&self) -> &BTreeMap<String, SecretError> {
         &self.unavailable
     }
+
+    /// Every credential's text as it could appear in free text: the whole header value
+    /// (`Bearer sk-…`) and, for a value with a scheme, the secret after it. For scrubbing
+    /// (see [`crate::scrub`]); never logged.
+    pub fn secret_values(&self) -> impl Iterator<Item = &str> {
+        self.by_provider.values().flat_map(|header| {
+            let whole = header.value.to_str().unwrap_or("");
+            let after_scheme = whole.split_once(' ').map(|(_, secret)| secret.trim());
+            std::iter::once(whole).chain(after_scheme)
+        })
+    }
+
+    /// Credentials for tests and embedding: `provider`'s credential sent as `header: value`.
+    ///
+    /// # Panics
+    /// When `header` is not a header name or `value` not a header value.
+    pub fn with_secret(provider: &str, header: &str, value: &str) -> ProviderCredentials {
+        let mut value = HeaderValue::from_str(value).expect("a header value");
+        value.set_sensitive(true);
+        let header = CredentialHeader {
+            name: HeaderName::from_bytes(header.as_bytes()).expect("a header name"),
+            value,
+        };
+        ProviderCredentials {
+            by_provider: BTreeMap::from([(provider.to_owned(), header)]),
+            unavailable: BTreeMap::new(),
+        }
+    }
 }
 
 /// One provider's credential header, from its `credential` section.

@@ -178,6 +178,8 @@ pub struct AppState {
     /// Request bodies held in memory, capped at [`DoorConfig::body_budget_bytes`] across
     /// connections (the door and `POST /v1/actions` read bodies through it).
     pub body_budget: BodyBudget,
+    /// What free text kept with an action or a decision is scrubbed of (see [`crate::scrub`]).
+    pub secrets: Arc<crate::scrub::HeldSecrets>,
     accepting: AtomicBool,
     /// Requests whose response has not been dropped yet (a streamed body counts until its end).
     in_flight: AtomicUsize,
@@ -212,9 +214,12 @@ impl AppState {
         door: DoorConfig,
         metrics_open: bool,
     ) -> AppState {
+        let auth = Arc::new(auth);
+        let secrets = Arc::new(crate::scrub::HeldSecrets::new(auth.clone(), &credentials));
         AppState {
             policy,
-            auth: Arc::new(auth),
+            auth,
+            secrets,
             credentials,
             executor,
             clock,
@@ -1113,6 +1118,7 @@ pub fn full_router(state: Arc<AppState>, store: Arc<dyn Store>) -> Router {
         store: store.clone(),
         operators,
         clock: state.clock,
+        secrets: state.secrets.clone(),
     };
     let auth = state.auth.clone();
     let health_state = health::HealthState {

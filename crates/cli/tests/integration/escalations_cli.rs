@@ -123,6 +123,7 @@ fn gateway() -> Gateway {
             store: state_store,
             operators: Arc::new(|token: &str| (token == TOKEN).then(|| "alice".to_owned())),
             clock: TokioClock::anchored_at(t("2026-01-01T00:10:00Z")),
+            secrets: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

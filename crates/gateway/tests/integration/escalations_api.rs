@@ -117,6 +117,7 @@ fn fixture() -> Fixture {
         store: store.clone(),
         operators: Arc::new(|token: &str| (token == OPERATOR_TOKEN).then(|| "alice".to_owned())),
         clock: TokioClock::anchored_at(t("2026-01-01T00:10:00Z")),
+        secrets: Default::default(),
     });
     Fixture {
         _dir: dir,

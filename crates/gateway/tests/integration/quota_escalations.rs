@@ -309,3 +309,61 @@ async fn repeated_limits_in_a_scope_open_one_account_configuration_escalation() 
     gateway.shutdown().await.expect("shutdown");
     fake.shutdown().await;
 }
+
+/// An operator's decision note is free text that reaches the store and every later reader of
+/// the escalation: it is scrubbed of every secret the gateway holds — the provider's credential
+/// and the callers' tokens, however plain they look — before it is kept or answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_note_never_keeps_a_credential_or_token_the_gateway_holds() {
+    const PLAIN_KEY: &str = "providerkeyplain9931";
+    const PLAIN_OPERATOR: &str = "oncallplaintoken5521";
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let env =
+        |name: &str| support::agent_oncall_secret(name, AGENT_TOKEN, PLAIN_OPERATOR, PLAIN_KEY);
+    let options = support::serve_options(dir.path(), 54);
+    let gateway =
+        support::start_gateway(&policy_yaml(&fake.url()), "quota.yaml", &env, options).await;
+    let answer = write(&gateway, "task-note", "note-1").await;
+    assert_eq!(answer["outcome"], "quota_exhausted", "{answer}");
+    let open = support::open_escalations(&gateway, PLAIN_OPERATOR).await;
+    let escalation = open[0]["id"].as_i64().expect("an escalation");
+    let note = format!(
+        "provider key is {PLAIN_KEY}, my token {PLAIN_OPERATOR}, agent's {AGENT_TOKEN}; raise tomorrow"
+    );
+    let (status, decided) = support::decide(
+        &gateway,
+        PLAIN_OPERATOR,
+        escalation,
+        json!({ "option": "wait", "note": note }),
+    )
+    .await;
+    assert_eq!(status, 200, "{decided}");
+    let shown = client()
+        .get(format!(
+            "http://{}/v1/escalations/{escalation}",
+            gateway.addr
+        ))
+        .bearer_auth(PLAIN_OPERATOR)
+        .send()
+        .await
+        .expect("escalation");
+    let (_, shown) = json_of(shown).await;
+    gateway.shutdown().await.unwrap();
+    let stored = SqliteStore::open_existing(dir.path().join("backstop.db"))
+        .expect("store")
+        .escalation(backstop_store::EscalationId(escalation))
+        .unwrap()
+        .expect("stored");
+    for text in [
+        decided["note"].to_string(),
+        shown["note"].to_string(),
+        stored.note.clone().unwrap_or_default(),
+    ] {
+        for secret in [PLAIN_KEY, PLAIN_OPERATOR, AGENT_TOKEN] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        assert!(text.contains("raise tomorrow"), "{text}");
+    }
+    fake.shutdown().await;
+}

@@ -623,6 +623,7 @@ async fn an_undecidable_write_reaches_the_operator_as_a_sanitized_escalation() {
                 (token == "operator-token-scenario").then(|| "ops".to_owned())
             }),
             clock: backstop_gateway::clock::TokioClock::system(),
+            secrets: Default::default(),
         });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
