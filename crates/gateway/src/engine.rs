@@ -2611,11 +2611,18 @@ impl Engine {
                     ),
                     None => signal.disposition.to_string(),
                 };
-                let detail = format!(
-                    "all {} attempts of the `{}` budget are used (last: {last})",
-                    budget.attempts_used(),
-                    route.class,
-                );
+                let detail = if spec.single_attempt {
+                    format!(
+                        "its body ({} bytes) is over --retry-body-bytes, so backstop sends it once and never retries it (last: {last}); raise --retry-body-bytes to have it retried",
+                        spec.request.body.len(),
+                    )
+                } else {
+                    format!(
+                        "all {} attempts of the `{}` budget are used (last: {last})",
+                        budget.attempts_used(),
+                        route.class,
+                    )
+                };
                 return Box::pin(self.finish_with_result(
                     run,
                     &budget,
@@ -2672,10 +2679,25 @@ impl Engine {
                     if let Some(tokens) = pending.take() {
                         inner.scheduler.deposit(&route.scopes, Some(tokens));
                     }
-                    let context = self.context(&budget, &seen, boundary, decision.next_safe());
+                    // `boundary` is the provider's instant only: a stop by backstop's own backoff
+                    // shows the provider's (if it gave one) there, and its own instant in
+                    // `next_safe`'s `wait_until` and the detail.
+                    let provider_boundary = if reason.is_provider_boundary() {
+                        boundary
+                    } else {
+                        seen.boundary
+                    };
+                    let context =
+                        self.context(&budget, &seen, provider_boundary, decision.next_safe());
                     let detail = match (boundary, reason.is_provider_boundary()) {
                         (Some(at), true) => format!("the provider allows a retry only at {at}: {}; not sleeping into failure", reason.describe()),
-                        (Some(at), false) => format!("the backoff allows the next retry only at {at}: {}; not retrying early", reason.describe()),
+                        (Some(at), false) => {
+                            let provider = match seen.boundary {
+                                Some(b) => format!("the provider's boundary is {b}"),
+                                None => "the provider gave no boundary".to_owned(),
+                            };
+                            format!("backstop's own backoff allows the next retry only at {at} ({provider}): {}; not retrying early", reason.describe())
+                        }
                         (None, _) => format!("no retry: {}", reason.describe()),
                     };
                     tracing::info!(
@@ -2833,12 +2855,21 @@ impl Engine {
                         tracing::warn!(action = run.id.0, error = %e, "the retry could not be scheduled");
                         let context =
                             self.context(&budget, &seen, seen.boundary, vec![NextSafe::Abort]);
+                        // The store refuses a retry of an open action only for its task's
+                        // cancellation: said in the agent's words, not the store's.
+                        let detail = match &e {
+                            EngineError::Store(StoreError::InvalidTransition { .. }) => format!(
+                                "task `{}` was cancelled while this attempt was out, so no retry is sent; the provider's answer to it is in last_status",
+                                run.task()
+                            ),
+                            _ => "the retry could not be scheduled, so no retry is sent".to_owned(),
+                        };
                         return Box::pin(self.finish(
                             run,
                             &budget,
                             Outcome::Cancelled,
                             context,
-                            format!("the retry could not be scheduled: {e}"),
+                            detail,
                             seen.sent,
                         ))
                         .await;

@@ -24,6 +24,7 @@ mod health_snapshots;
 mod health_watchdog;
 mod key_target;
 mod llm_calls;
+mod outcome_wording;
 mod quota_escalations;
 mod refusal_logs;
 mod restart_cancelled;
