@@ -233,20 +233,20 @@ fn stored_state(dir: &Path, action: ActionId) -> String {
     )
 }
 
-/// Polls `ready` every 50 ms, at most `limit` long; whether it became true (a bounded poll of
-/// another process, not a sleep that waits for a race to settle).
+/// Polls `ready` every 50 ms until it is true or `limit` has passed, counting the time `ready`
+/// itself takes (a long-poll); whether it became true. A bounded poll of another process, not
+/// a sleep that waits for a race to settle.
+#[allow(clippy::disallowed_methods)] // a bound on waiting for another process, not the code's clock
 fn became(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
-    let step = Duration::from_millis(50);
-    let mut polled = Duration::ZERO;
+    let deadline = std::time::Instant::now() + limit;
     loop {
         if ready() {
             return true;
         }
-        if polled >= limit {
+        if std::time::Instant::now() >= deadline {
             return false;
         }
-        std::thread::sleep(step);
-        polled += step;
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
