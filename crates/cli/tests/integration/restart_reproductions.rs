@@ -101,8 +101,8 @@ impl Answer {
     }
 }
 
-/// One HTTP/1.1 exchange on a connection of its own (`Connection: close`), read to its end
-/// (at most 40 s): the agent's token is sent unless `headers` name an `Authorization`.
+/// One HTTP/1.1 exchange on a connection of its own (`Connection: close`) with the agent's
+/// token and `headers`, read to its end (each read waits at most 40 s).
 fn exchange(
     addr: SocketAddr,
     method: &str,
