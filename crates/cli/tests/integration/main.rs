@@ -16,6 +16,7 @@ mod fake_api_cli;
 mod output_cli;
 mod policy_cli;
 mod restart_recovery;
+mod restart_reproductions;
 mod scopes_cli;
 mod serve_cli;
 mod serve_store_cli;

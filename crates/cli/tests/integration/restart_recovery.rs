@@ -62,7 +62,7 @@ fn serve(config: &Path, store: &Path, limit: Duration) -> Listening {
 }
 
 /// A runtime of one worker thread for the fake provider.
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -71,14 +71,14 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Starts the fake provider with `config` on a loopback port, inside `runtime`.
-fn start_fake(runtime: &tokio::runtime::Runtime, config: FakeConfig) -> RunningFake {
+pub(crate) fn start_fake(runtime: &tokio::runtime::Runtime, config: FakeConfig) -> RunningFake {
     runtime.block_on(async {
         FakeApi::start(config, "127.0.0.1:0".parse().unwrap()).expect("fake starts")
     })
 }
 
 /// A handler that creates objects in `collection` with ids starting `prefix` (no reference).
-fn create(collection: &str, prefix: &str) -> Handler {
+pub(crate) fn create(collection: &str, prefix: &str) -> Handler {
     Handler::Create {
         collection: collection.into(),
         id_prefix: prefix.into(),
@@ -126,7 +126,7 @@ fn restart_until_audited(
 
 /// Polls `ready` every 50 ms, at most `limit` long (a bounded poll of another process, not a
 /// sleep that waits for a race to settle).
-fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
     let step = Duration::from_millis(50);
     let mut polled = Duration::ZERO;
     while !ready() {
