@@ -2482,16 +2482,14 @@ impl Engine {
                         if let Some(tokens) = pending.take() {
                             inner.scheduler.deposit(&route.scopes, Some(tokens));
                         }
-                        if let Err(e) = inner
-                            .blocking(move |s| s.record_result(result, received_at))
-                            .await
-                        {
-                            tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
-                        }
                         guard.so_far.in_flight = None;
-                        return Box::pin(
-                            self.escalate_uncertain(run, &budget, &seen, &facts, &reason),
-                        )
+                        return Box::pin(self.record_then_escalate(
+                            run,
+                            (&budget, &seen),
+                            (result, received_at),
+                            &facts,
+                            &reason,
+                        ))
                         .await;
                     }
                 }
@@ -2582,12 +2580,6 @@ impl Engine {
                 if let Some(tokens) = pending.take() {
                     inner.scheduler.deposit(&route.scopes, Some(tokens));
                 }
-                if let Err(e) = inner
-                    .blocking(move |s| s.record_result(result, received_at))
-                    .await
-                {
-                    tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
-                }
                 guard.so_far.in_flight = None;
                 let facts = self.write_facts(run, &budget);
                 let reason = format!(
@@ -2595,8 +2587,14 @@ impl Engine {
                     budget.attempts_used(),
                     route.class,
                 );
-                return Box::pin(self.escalate_uncertain(run, &budget, &seen, &facts, &reason))
-                    .await;
+                return Box::pin(self.record_then_escalate(
+                    run,
+                    (&budget, &seen),
+                    (result, received_at),
+                    &facts,
+                    &reason,
+                ))
+                .await;
             }
             if budget.attempts_remaining() == 0 {
                 guard.armed = false;
@@ -3068,6 +3066,27 @@ impl Engine {
             deadline: budget.deadline(),
             wait_used_ms: wait_ms(budget),
         }
+    }
+
+    /// Records the last attempt's `result` (received at the instant given beside it; a store
+    /// that cannot is logged, and the escalation still opens), then escalates the write as one
+    /// whose side effect is unknown ([`Engine::escalate_uncertain`]) for `reason`.
+    async fn record_then_escalate(
+        &self,
+        run: &Run<'_>,
+        (budget, seen): (&ActionBudget, &Seen),
+        (result, received_at): (AttemptResult, Timestamp),
+        facts: &writes::WriteFacts,
+        reason: &str,
+    ) -> Execution {
+        if let Err(e) = self
+            .inner
+            .blocking(move |s| s.record_result(result, received_at))
+            .await
+        {
+            tracing::warn!(action = run.id.0, task = %run.task(), agent = %run.spec.agent, route = %run.spec.route.template, error = %e, "could not record the result");
+        }
+        Box::pin(self.escalate_uncertain(run, budget, seen, facts, reason)).await
     }
 
     /// Escalates an uncertain write (its attempt result already recorded) and keeps its
