@@ -555,7 +555,7 @@ pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Tim
                 (
                     Disposition::Uncertain,
                     false,
-                    format!("{e}: the provider may have acted; reconcile before any resend"),
+                    format!("{e}: the provider may have acted; a write is reconciled before any resend, a request without side effects (a read, an LLM completion) is retried"),
                 )
             } else {
                 (

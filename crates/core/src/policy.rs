@@ -870,15 +870,16 @@ std::thread_local! {
 /// internal view is a struct with a `value` field) is dropped, and the keys of
 /// [`SpannedMap`]s, which the tracker cannot capture because they are read as [`Spanned`]
 /// strings, are filled in from [`FAILED_MAP_KEYS`].
-/// The first explicit YAML tag in `src` (`!include`, `!!binary`, `!env`, …), as a positioned
+/// Every explicit YAML tag in `src` (`!include`, `!!binary`, `!env`, …), each a positioned
 /// error: a policy uses none, and a tag ignored or decoded behind the reader's back would change
 /// what a value means (`store: !include /etc/passwd` taken as a path, base64 taken as text).
 /// Syntax errors are left to the deserializer, which reports them with their own position.
-fn explicit_tag(src: &str, file: &str) -> Option<PolicyError> {
+fn explicit_tags(src: &str, file: &str) -> Vec<PolicyError> {
     use serde_saphyr::granit_parser::{Event, Parser};
+    let mut found = Vec::new();
     for parsed in Parser::new_from_str(src) {
         let Ok((event, span)) = parsed else {
-            return None;
+            break;
         };
         let tag = match event {
             Event::Scalar(_, _, _, tag)
@@ -888,7 +889,7 @@ fn explicit_tag(src: &str, file: &str) -> Option<PolicyError> {
         };
         if let Some(tag) = tag {
             let at = span.tag_start.unwrap_or(span.start);
-            return Some(PolicyError {
+            found.push(PolicyError {
                 file: file.to_owned(),
                 line: u64::try_from(at.line()).unwrap_or(u64::MAX),
                 column: u64::try_from(at.col() + 1).unwrap_or(u64::MAX),
@@ -899,12 +900,13 @@ fn explicit_tag(src: &str, file: &str) -> Option<PolicyError> {
             });
         }
     }
-    None
+    found
 }
 
 fn read_raw(src: &str, file: &str) -> Result<RawPolicy, PolicyErrors> {
-    if let Some(error) = explicit_tag(src, file) {
-        return Err(PolicyErrors(vec![error]));
+    let tags = explicit_tags(src, file);
+    if !tags.is_empty() {
+        return Err(PolicyErrors(tags));
     }
     FAILED_MAP_KEYS.with(|keys| keys.borrow_mut().clear());
     let mut at = None;
@@ -3228,6 +3230,10 @@ mod tests {
                 "{src}: {got:?}"
             );
         }
+        // Every tag is named, not only the first.
+        let got = problems("store: !a x\nlisten: !b y\n");
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got[1].starts_with("2:9: the YAML tag `!b`"), "{got:?}");
     }
 
     #[test]
