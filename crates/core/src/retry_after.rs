@@ -120,6 +120,13 @@ impl Boundary {
         }
     }
 
+    /// Whether the boundary is only the lower bound `now + ceiling` of a signal over the
+    /// ceiling (SPEC §2.2): the provider's real instant is later, so no retry is ever planned
+    /// at it — the action ends with its outcome instead.
+    pub fn is_lower_bound(&self) -> bool {
+        matches!(self, Boundary::Known { reason: Some(r), .. } if r.contains(LOWER_BOUND))
+    }
+
     /// Whether the provider gave a usable boundary.
     pub fn is_known(&self) -> bool {
         matches!(self, Boundary::Known { .. })
@@ -134,6 +141,9 @@ impl Boundary {
     }
 }
 
+/// The words every over-the-ceiling boundary's `reason` carries ([`Boundary::is_lower_bound`]).
+pub const LOWER_BOUND: &str = "a lower bound, not before now + the ceiling";
+
 /// The boundary of a signal whose delay (`over`, in words) is past `opts.ceiling` (SPEC §2.2):
 /// NOT unknown — the provider forbade a retry for at least that long — but the known lower bound
 /// `received_at + ceiling`, the raw value kept and the reason saying it is a lower bound. It is
@@ -147,9 +157,7 @@ fn beyond_ceiling(
     over: &str,
 ) -> Boundary {
     let ceiling_ms = u64::try_from(opts.ceiling.as_millis()).unwrap_or(u64::MAX);
-    let reason = format!(
-        "{over} is over the ceiling of {ceiling_ms} ms: a lower bound, not before now + the ceiling"
-    );
+    let reason = format!("{over} is over the ceiling of {ceiling_ms} ms: {LOWER_BOUND}");
     let at = i64::try_from(ceiling_ms).ok().and_then(|ms| {
         received_at
             .checked_add(SignedDuration::from_millis(ms))

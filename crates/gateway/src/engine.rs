@@ -2661,7 +2661,13 @@ impl Engine {
                     retry_number: budget.attempts_used(),
                     backoff: inner.policy.backoff.config(),
                     boundary: seen.boundary,
-                    wait_budget_remaining: budget.wait_remaining(),
+                    // A lower bound over the ceiling is never a retry instant: the real one is
+                    // later, so it is beyond any wait and the action ends now.
+                    wait_budget_remaining: if signal.boundary.is_lower_bound() {
+                        std::time::Duration::ZERO
+                    } else {
+                        budget.wait_remaining()
+                    },
                     deadline: budget.deadline(),
                 },
                 plan_now,

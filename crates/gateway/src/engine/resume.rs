@@ -67,7 +67,48 @@ pub(super) fn kept_request_of(
     })
 }
 
+/// Whether a kept header `name` may be sent again: not hop-by-hop (RFC 9110 §7.6.1, including
+/// the names a `Connection` header lists, `listed`, lower case), not `Host`, the framing the
+/// client redoes (`Content-Length`, `Expect`) or one of backstop's own `X-Backstop-*` — as the
+/// proxy door forwards an agent's headers.
+fn forwarded(name: &str, listed: &[String]) -> bool {
+    let name = name.to_ascii_lowercase();
+    let hop_by_hop = matches!(
+        name.as_str(),
+        "connection" | "keep-alive" | "te" | "trailer" | "transfer-encoding" | "upgrade"
+    ) || name.starts_with("proxy-");
+    !(hop_by_hop
+        || matches!(name.as_str(), "host" | "content-length" | "expect")
+        || name.starts_with("x-backstop-")
+        || listed.contains(&name))
+}
+
 impl Inner {
+    /// Whether `kept` is the request of the write `record`: its URL under the provider's
+    /// `base_url` in the policy now, its method the action's, and its body the payload the
+    /// action recorded (SHA-256). A row edited or damaged at rest is never sent — above all
+    /// not to another host with the provider's credential.
+    fn kept_matches(&self, record: &ActionRecord, kept: &KeptRequest) -> Result<(), String> {
+        let base = self
+            .policy
+            .providers
+            .get(&record.provider)
+            .map(|p| p.base_url.trim_end_matches('/').to_owned())
+            .ok_or_else(|| format!("provider `{}` is not in the policy", record.provider))?;
+        let rest = kept.url.strip_prefix(&base).unwrap_or("\0");
+        if !(rest.is_empty() || rest.starts_with('/') || rest.starts_with('?')) {
+            return Err(format!("its URL is not under the provider's base_url {base}"));
+        }
+        if !kept.method.eq_ignore_ascii_case(&record.method) {
+            return Err(format!("its method {} is not the action's {}", kept.method, record.method));
+        }
+        let digest = backstop_store::PayloadDigest::of(&kept.body);
+        if digest.as_str() != record.payload_digest {
+            return Err("its body is not the payload the action recorded".to_owned());
+        }
+        Ok(())
+    }
+
     /// The name of `provider`'s credential header in the policy, if it names one.
     pub(super) fn credential_header(&self, provider: &str) -> Option<&str> {
         self.policy
@@ -139,8 +180,22 @@ impl Inner {
             tracing::warn!(action = id, method = %kept.method, "restart recovery: the kept request's method cannot be sent");
             return None;
         };
+        if let Err(why) = self.kept_matches(record, &kept) {
+            tracing::warn!(action = id, reason = %why, "restart recovery: the kept request is not the write's own; it is not sent");
+            return None;
+        }
         let mut headers = http::HeaderMap::with_capacity(kept.headers.len() + 1);
-        for (name, value) in &kept.headers {
+        let listed: Vec<String> = kept
+            .headers
+            .iter()
+            .filter(|(name, _)| name.eq_ignore_ascii_case("connection"))
+            .flat_map(|(_, value)| value.split(',').map(|n| n.trim().to_ascii_lowercase()))
+            .collect();
+        for (name, value) in kept
+            .headers
+            .iter()
+            .filter(|(name, _)| forwarded(name, &listed))
+        {
             match (
                 http::HeaderName::from_bytes(name.as_bytes()),
                 http::HeaderValue::from_str(value),

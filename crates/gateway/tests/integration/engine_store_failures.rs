@@ -1706,3 +1706,36 @@ async fn a_write_whose_retry_start_the_store_cannot_record_at_a_stop_is_told_the
     assert_eq!(sent[0].idempotency_key, sent[1].idempotency_key);
     restarted.shutdown().await;
 }
+
+/// A kept request edited or damaged at rest is never sent — not to another host with the
+/// provider's credential, not with another body: restart recovery falls back to closing the
+/// write as one whose request was not kept.
+#[tokio::test(start_paused = true)]
+async fn a_kept_request_edited_at_rest_is_never_sent_after_a_restart() {
+    for (url, body) in [
+        ("https://evil.test/steal", r#"{"amount":5}"#),
+        ("https://billing.test/v1/transfers", r#"{"amount":500}"#),
+    ] {
+        let h = Harness::new();
+        h.transport.script(
+            "/v1/transfers",
+            vec![answer(503, &[("retry-after", "20")], "")],
+        );
+        let running = h.spawn(write(&h, "t", "k-edit"));
+        assert!(until(|| h.store.scheduled_retries().is_ok_and(|r| r.len() == 1)).await);
+        let action = h.store.scheduled_retries().unwrap()[0].action;
+        h.engine.shutdown().await;
+        let _ = running.await.unwrap();
+        let mut kept = h.store.kept_request(action).unwrap().expect("kept");
+        kept.url = url.to_owned();
+        kept.body = body.as_bytes().to_vec();
+        h.store.keep_request(action, kept).unwrap();
+        let restarted = h.restarted(9);
+        advance(Duration::from_secs(30)).await;
+        assert!(until(|| stored(&h, action).outcome.is_some()).await);
+        assert_eq!(stored(&h, action).outcome, Some(Outcome::Cancelled), "{url}");
+        assert!(h.transport.sent_to("/steal").is_empty(), "{url}");
+        assert_eq!(h.transport.sent().len(), 1, "{url}: nothing more was sent");
+        restarted.shutdown().await;
+    }
+}

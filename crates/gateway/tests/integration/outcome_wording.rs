@@ -98,3 +98,27 @@ async fn a_backoff_past_the_deadline_shows_no_provider_boundary_and_names_backst
     assert!(detail.contains("backstop's own backoff"), "{detail}");
     assert!(detail.contains("the provider gave no boundary"), "{detail}");
 }
+
+/// A `Retry-After` over the ceiling is only the lower bound now + 24 h: even a class patient
+/// enough to wait that long is never retried at it (the provider's instant is later); the
+/// action ends at once with the boundary.
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_over_the_ceiling_is_never_retried_at_its_lower_bound_even_by_a_patient_class(
+) {
+    let policy = crate::engine_support::POLICY.replace(
+        "read:             { max_attempts: 4, max_wait_seconds: 90,",
+        "read:             { max_attempts: 4, max_wait_seconds: 200000,",
+    );
+    assert_ne!(policy, crate::engine_support::POLICY, "the class is patient");
+    let h = Harness::with_policy(&policy);
+    h.transport.script(
+        "/v1/items/1",
+        vec![answer(429, &[("retry-after", "90000")], "")],
+    );
+    let running = h.spawn(h.get("t", "/v1/items/1"));
+    advance(Duration::from_secs(90_000)).await;
+    let (outcome, context, detail) = outcome_of(&running.await.unwrap());
+    assert_eq!(outcome, Outcome::BudgetExhausted, "{detail}");
+    assert!(context.boundary.is_some(), "{context:?}");
+    assert_eq!(h.transport.sent_to("/v1/items/1").len(), 1, "never retried early");
+}
