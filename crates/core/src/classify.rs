@@ -350,8 +350,13 @@ fn read_body(body: Option<&[u8]>, rules: &ClassifyRules) -> BodyFields {
     };
     let (error_code, error_code_reason) = match rules.error_code_pointer.as_deref() {
         None => (None, None),
-        Some(p) => match json.pointer(p) {
-            None => (None, Some("nothing at the pointer".to_owned())),
+        Some(p) => match json.pointer(p).filter(|v| !v.is_null()) {
+            // ChatGPT's `usage_limit_reached` carries its code as the sibling `type` with no
+            // `code`: taken only when it is a code the rules know.
+            None => match sibling_type(&json, p, rules) {
+                Some(code) => (Some(code), None),
+                None => (None, Some("nothing at the pointer".to_owned())),
+            },
             Some(v) => match scalar_text(v) {
                 None => (
                     None,
@@ -372,6 +377,18 @@ fn read_body(body: Option<&[u8]>, rules: &ClassifyRules) -> BodyFields {
         quota_id: first(&rules.quota_id_pointers).map(|(_, v)| v),
         resets_in: first(&rules.resets_in_seconds_pointers),
     }
+}
+
+/// The `type` beside an error-code `pointer` ending in `/code` (`/error/code` → `/error/type`),
+/// when it is a code `rules.error_codes` maps: the shape ChatGPT answers `usage_limit_reached`
+/// in (`{"error":{"type":"usage_limit_reached","resets_in_seconds":…}}`, no `code`).
+fn sibling_type(json: &serde_json::Value, pointer: &str, rules: &ClassifyRules) -> Option<String> {
+    let parent = pointer.strip_suffix("/code")?;
+    let code = json.pointer(&format!("{parent}/type"))?.as_str()?;
+    rules
+        .error_codes
+        .contains_key(code)
+        .then(|| code.to_owned())
 }
 
 /// The table of SPEC §2.1 for a status, before codes, envoy marks and hints.

@@ -164,6 +164,27 @@ fn usage_limit_reached_with_resets_in_seconds_is_quota_exhausted_with_that_bound
     assert!(s.retryable, "known reset: the class may try again after it");
 }
 
+/// ChatGPT answers `usage_limit_reached` as `type` with no `code`: under the OpenAI dialect's
+/// own pointer (`/error/code`) it is still read, since the rules know that code.
+#[test]
+fn usage_limit_reached_as_type_is_quota_exhausted_under_the_dialects_code_pointer() {
+    let body =
+        r#"{"error":{"type":"usage_limit_reached","plan_type":"plus","resets_in_seconds":1800}}"#;
+    let rules = ClassifyRules {
+        error_code_pointer: Some("/error/code".to_owned()),
+        resets_in_seconds_pointers: vec!["/error/resets_in_seconds".to_owned()],
+        ..read()
+    };
+    let s = respond(429, &[], Some(body), &rules);
+    assert_eq!(s.disposition, Disposition::QuotaExhausted);
+    assert_eq!(s.error_code.as_deref(), Some("usage_limit_reached"));
+    // A `type` the rules do not know is no code.
+    let other = r#"{"error":{"type":"requests","message":"slow down"}}"#;
+    let s = respond(429, &[], Some(other), &rules);
+    assert_eq!(s.disposition, Disposition::RateLimited);
+    assert_eq!(s.error_code, None);
+}
+
 #[test]
 fn status_503_and_529_are_unavailable() {
     assert_eq!(disposition(503, &[]), Disposition::Unavailable);

@@ -97,10 +97,15 @@ impl Inner {
             .ok_or_else(|| format!("provider `{}` is not in the policy", record.provider))?;
         let rest = kept.url.strip_prefix(&base).unwrap_or("\0");
         if !(rest.is_empty() || rest.starts_with('/') || rest.starts_with('?')) {
-            return Err(format!("its URL is not under the provider's base_url {base}"));
+            return Err(format!(
+                "its URL is not under the provider's base_url {base}"
+            ));
         }
         if !kept.method.eq_ignore_ascii_case(&record.method) {
-            return Err(format!("its method {} is not the action's {}", kept.method, record.method));
+            return Err(format!(
+                "its method {} is not the action's {}",
+                kept.method, record.method
+            ));
         }
         let digest = backstop_store::PayloadDigest::of(&kept.body);
         if digest.as_str() != record.payload_digest {

@@ -1733,7 +1733,11 @@ async fn a_kept_request_edited_at_rest_is_never_sent_after_a_restart() {
         let restarted = h.restarted(9);
         advance(Duration::from_secs(30)).await;
         assert!(until(|| stored(&h, action).outcome.is_some()).await);
-        assert_eq!(stored(&h, action).outcome, Some(Outcome::Cancelled), "{url}");
+        assert_eq!(
+            stored(&h, action).outcome,
+            Some(Outcome::Cancelled),
+            "{url}"
+        );
         assert!(h.transport.sent_to("/steal").is_empty(), "{url}");
         assert_eq!(h.transport.sent().len(), 1, "{url}: nothing more was sent");
         restarted.shutdown().await;

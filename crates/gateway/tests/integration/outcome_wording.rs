@@ -109,7 +109,11 @@ async fn a_retry_after_over_the_ceiling_is_never_retried_at_its_lower_bound_even
         "read:             { max_attempts: 4, max_wait_seconds: 90,",
         "read:             { max_attempts: 4, max_wait_seconds: 200000,",
     );
-    assert_ne!(policy, crate::engine_support::POLICY, "the class is patient");
+    assert_ne!(
+        policy,
+        crate::engine_support::POLICY,
+        "the class is patient"
+    );
     let h = Harness::with_policy(&policy);
     h.transport.script(
         "/v1/items/1",
@@ -120,5 +124,9 @@ async fn a_retry_after_over_the_ceiling_is_never_retried_at_its_lower_bound_even
     let (outcome, context, detail) = outcome_of(&running.await.unwrap());
     assert_eq!(outcome, Outcome::BudgetExhausted, "{detail}");
     assert!(context.boundary.is_some(), "{context:?}");
-    assert_eq!(h.transport.sent_to("/v1/items/1").len(), 1, "never retried early");
+    assert_eq!(
+        h.transport.sent_to("/v1/items/1").len(),
+        1,
+        "never retried early"
+    );
 }
