@@ -57,6 +57,11 @@ pub struct ActionSpec {
     /// left for a write resent under its key after its lookup found nothing). `false` for every
     /// request an agent sends.
     pub resumed: bool,
+    /// The request carries a secret the gateway holds (a provider credential, an agent's or
+    /// operator's token) in its URL or in a header other than the provider's credential header:
+    /// it is never kept at rest (SPEC §6), so after a restart it is recovered as a write whose
+    /// request was not kept.
+    pub holds_secret: bool,
 }
 
 impl ActionSpec {

@@ -69,6 +69,9 @@ struct Entry {
 pub struct Authenticator {
     entries: Vec<Entry>,
     unavailable: Vec<SecretError>,
+    /// The lengths (in characters) of the tokens read in clear at start, never the tokens: what
+    /// [`crate::scrub`] slides over free text to find a token inside a longer word.
+    lengths: std::collections::BTreeSet<usize>,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -111,6 +114,7 @@ impl Authenticator {
         let mut entries = Vec::new();
         let mut unavailable = Vec::new();
         let mut errors = Vec::new();
+        let mut lengths = std::collections::BTreeSet::new();
         for (section, role, tokens) in [
             ("agents", Role::Agent, &policy.agents),
             ("operators", Role::Operator, &policy.operators),
@@ -126,7 +130,10 @@ impl Authenticator {
                         }
                     },
                     other => match read_token(&place, other, env) {
-                        Ok(Some(token)) => token_digest(token.expose()),
+                        Ok(Some(token)) => {
+                            lengths.insert(token.expose().chars().count());
+                            token_digest(token.expose())
+                        }
                         Ok(None) => continue,
                         Err(error @ SecretError::ReadFile { .. }) => {
                             unavailable.push(error);
@@ -161,6 +168,7 @@ impl Authenticator {
             Authenticator {
                 entries,
                 unavailable,
+                lengths,
             },
             errors,
         )
@@ -171,8 +179,15 @@ impl Authenticator {
         &self.unavailable
     }
 
+    /// The lengths, in characters, of the tokens read in clear at start (none for a
+    /// `token_sha256`, whose token backstop never sees).
+    pub fn token_lengths(&self) -> impl Iterator<Item = usize> + '_ {
+        self.lengths.iter().copied()
+    }
+
     /// Adds one token (tests and embedding).
     pub fn with_token(mut self, name: &str, role: Role, token: &str) -> Authenticator {
+        self.lengths.insert(token.chars().count());
         self.entries.push(Entry {
             name: name.to_owned(),
             role,

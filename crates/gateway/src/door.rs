@@ -1164,6 +1164,14 @@ pub(crate) fn build_spec(
     let mut url = String::with_capacity(provider.base_url.len() + rest.len());
     url.push_str(&provider.base_url);
     url.push_str(&rest);
+    // Only a write that would be kept at rest is looked through (reads never are kept).
+    let credential = state.credentials.get(provider_name).map(|c| &c.name);
+    let kept = route.side_effect == SideEffect::Write && !is_safe(&method) && !single_attempt;
+    let holds_secret = kept
+        && (state.secrets.holds(&url)
+            || headers.iter().any(|(name, value)| {
+                Some(name) != credential && value.to_str().is_ok_and(|v| state.secrets.holds(v))
+            }));
     Ok(ActionSpec {
         task_id,
         task_given,
@@ -1184,6 +1192,7 @@ pub(crate) fn build_spec(
         target_digest,
         desired_outcome: None,
         resumed: false,
+        holds_secret,
     })
 }
 

@@ -1677,7 +1677,7 @@ impl Engine {
             fingerprint: Some(fingerprint.as_str().to_owned()),
             // A write's request is kept until it ends, so that restart recovery finishes it
             // (SPEC §6); a body too large to resend is sent once and never kept.
-            request: (is_write && !spec.single_attempt)
+            request: (is_write && !spec.single_attempt && !spec.holds_secret)
                 .then(|| {
                     resume::kept_request_of(&spec.request, inner.credential_header(&route.provider))
                 })

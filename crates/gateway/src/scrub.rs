@@ -59,7 +59,18 @@ impl HeldSecrets {
     /// provider credential (the whole header value and the secret after its scheme) and every
     /// caller token replaced by [`HELD_SECRET`].
     pub fn scrub(&self, text: &str) -> String {
-        let mut out = backstop_core::escalation::sanitize_text(text).text;
+        self.replace_held(&backstop_core::escalation::sanitize_text(text).text)
+    }
+
+    /// Whether `text` contains a secret the gateway holds (what [`HeldSecrets::scrub`]
+    /// replaces): a request carrying one is never kept at rest.
+    pub fn holds(&self, text: &str) -> bool {
+        self.replace_held(text) != text
+    }
+
+    /// `text` with every held secret replaced by [`HELD_SECRET`] (nothing else changed).
+    fn replace_held(&self, text: &str) -> String {
+        let mut out = text.to_owned();
         for secret in &self.credentials {
             out = out.replace(secret.as_str(), HELD_SECRET);
         }
@@ -74,7 +85,45 @@ impl HeldSecrets {
             }
         }
         self.flush(&mut word, &mut scrubbed);
-        scrubbed
+        self.tokens_inside_words(&scrubbed)
+    }
+
+    /// `text` with every caller token found inside a longer word (`x_TOKEN`, `TOKEN.`,
+    /// `/TOKEN/`) replaced by [`HELD_SECRET`]: every window of a known token length is looked up
+    /// by its digest (the lengths of the tokens read at start; a `token_sha256` one is found
+    /// only as a whole word).
+    fn tokens_inside_words(&self, text: &str) -> String {
+        let bounds: Vec<usize> = text
+            .char_indices()
+            .map(|(i, _)| i)
+            .chain(std::iter::once(text.len()))
+            .collect();
+        let chars = bounds.len() - 1;
+        let mut found: Vec<(usize, usize)> = Vec::new();
+        for len in self.auth.token_lengths().filter(|&l| l > 0 && l <= chars) {
+            for start in 0..=chars - len {
+                let (from, to) = (bounds[start], bounds[start + len]);
+                if self.auth.identify(&text[from..to]).is_some() {
+                    found.push((from, to));
+                }
+            }
+        }
+        if found.is_empty() {
+            return text.to_owned();
+        }
+        found.sort_unstable();
+        let mut out = String::with_capacity(text.len());
+        let mut at = 0;
+        for (from, to) in found {
+            if to <= at {
+                continue;
+            }
+            out.push_str(&text[at..from.max(at)]);
+            out.push_str(HELD_SECRET);
+            at = to;
+        }
+        out.push_str(&text[at..]);
+        out
     }
 
     /// Appends `word` to `out`, or [`HELD_SECRET`] when it is a caller's token; empties `word`.
@@ -107,6 +156,21 @@ mod tests {
         }
         assert_eq!(scrubbed.matches(HELD_SECRET).count(), 3, "{scrubbed}");
         assert!(scrubbed.starts_with("provider key is "), "{scrubbed}");
+        // Inside longer words too.
+        for smuggled in [
+            "x_agent.token.31",
+            "agent.token.31.",
+            "/plainword-operator-77/",
+            "*plainword-operator-77*",
+            "xxagent.token.31yy",
+            "me@agent.token.31@host",
+        ] {
+            let scrubbed = held.scrub(smuggled);
+            assert!(
+                !scrubbed.contains("agent.token.31") && !scrubbed.contains("plainword-operator-77"),
+                "{smuggled} → {scrubbed}"
+            );
+        }
         // Ordinary words stay.
         let plain = held.scrub("retry tomorrow after the reset");
         assert_eq!(plain, "retry tomorrow after the reset");

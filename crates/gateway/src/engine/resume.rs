@@ -132,7 +132,7 @@ impl Inner {
         spec: &ActionSpec,
         id: backstop_store::ActionId,
     ) -> bool {
-        if spec.single_attempt || !spec.has_side_effect() {
+        if spec.single_attempt || spec.holds_secret || !spec.has_side_effect() {
             return false;
         }
         let Some(kept) =
@@ -244,6 +244,7 @@ impl Inner {
             target_digest: None,
             desired_outcome: record.desired_outcome.clone(),
             resumed: true,
+            holds_secret: false,
         })
     }
 

@@ -1434,6 +1434,7 @@ async fn a_deferred_reconciliation_asks_the_provider_once_while_the_store_cannot
         target_digest: None,
         desired_outcome: None,
         resumed: false,
+        holds_secret: false,
     };
     let lookups = || support::on_route(&fake.attempts(), "GET", "/v1/transfers").len();
 

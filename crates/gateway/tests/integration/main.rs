@@ -22,6 +22,7 @@ mod escalations_api;
 mod examples_walkthrough;
 mod health_snapshots;
 mod health_watchdog;
+mod kept_at_rest;
 mod key_target;
 mod llm_calls;
 mod outcome_wording;

@@ -308,6 +308,7 @@ impl Harness {
             target_digest: Some(PayloadDigest::of(path.as_bytes()).as_str().to_owned()),
             desired_outcome: None,
             resumed: false,
+            holds_secret: false,
         }
     }
 
