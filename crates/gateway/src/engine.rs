@@ -2572,10 +2572,15 @@ impl Engine {
             }
 
             // Retryable: attempts left, retry quota, then the core's plan.
-            if budget.attempts_remaining() == 0 && seen.unsettled && run.spec.has_side_effect() {
-                // An earlier attempt may have been acted on and nothing settled it: the write is
-                // not "not done", and no attempt is left to resend it under its key — a human
-                // decides (the case file offers the status query and the same-key resend).
+            if budget.attempts_remaining() == 0
+                && seen.unsettled
+                && run.spec.has_side_effect()
+                && route.reconcile.is_none()
+            {
+                // An earlier attempt may have been acted on, nothing settled it and no lookup can
+                // tell (a route with one looked each uncertain attempt up when it came back and
+                // found nothing): the write is not "not done", and no attempt is left to resend
+                // it under its key — a human decides (the case file offers the same-key resend).
                 guard.armed = false;
                 if let Some(tokens) = pending.take() {
                     inner.scheduler.deposit(&route.scopes, Some(tokens));

@@ -499,7 +499,7 @@ fn provider_objects(fake: &RunningFake) -> BTreeMap<(Route, String), Vec<String>
 ///
 /// - no key and no lookup: nothing can tell whether the write happened, nor resend it safely;
 /// - an inconclusive lookup: the provider was asked and its answer settled nothing;
-/// - no lookup, and the class's attempts all used with the last one uncertain: whether the
+/// - no lookup, and the class's attempts all used with an attempt left uncertain: whether the
 ///   write happened is unknown, and sending it again needs an authority the policy did not
 ///   give (a route with a lookup asks it instead, and must not land here).
 fn escalation_kind(case_file: &Value) -> &'static str {
@@ -517,8 +517,9 @@ fn escalation_kind(case_file: &Value) -> &'static str {
         "no key and no lookup"
     } else if detail.contains("inconclusive") {
         "inconclusive lookup"
-    } else if no_lookup && used_up && last_uncertain {
-        "no lookup, attempts used up, last one uncertain"
+    } else if no_lookup && used_up && (last_uncertain || detail.contains("may have been acted on"))
+    {
+        "no lookup, attempts used up, an attempt left uncertain"
     } else {
         "needless"
     }
