@@ -138,8 +138,9 @@ fn a_refusing_port_refuses_connections_and_no_listener_can_take_it_while_held() 
     // What a port found free and let go cannot promise: another process listening on it.
     let taken = std::net::TcpListener::bind(("127.0.0.1", port)).expect_err("the port is held");
     assert_eq!(taken.kind(), std::io::ErrorKind::AddrInUse);
+    // Once let go, the port is anyone's again: another test's process may take it at once, so
+    // nothing is asserted about it after the drop.
     drop(held);
-    assert!(std::net::TcpListener::bind(("127.0.0.1", port)).is_ok());
 }
 
 #[test]
