@@ -1452,9 +1452,12 @@ fn no_second_retry(response: &mut Response) {
     {
         return;
     }
-    response
-        .headers_mut()
-        .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
+    let headers = response.headers_mut();
+    headers.insert(SHOULD_RETRY, HeaderValue::from_static("false"));
+    headers.insert(
+        crate::problem::STRIPE_SHOULD_RETRY,
+        HeaderValue::from_static("false"),
+    );
 }
 
 /// A duplicated `Authorization` header is a malformed request (400 `bad_header`), every other
@@ -1545,10 +1548,19 @@ mod tests {
         // A success is the provider's, untouched.
         assert_eq!(provider(200, None), None);
         assert_eq!(provider(201, Some("true")).as_deref(), Some("true"));
+        // Stripe's SDKs read their own header: the same decision.
+        let mut passed = Response::new(Body::empty());
+        *passed.status_mut() = StatusCode::CONFLICT;
+        passed
+            .headers_mut()
+            .insert("stripe-should-retry", HeaderValue::from_static("true"));
+        no_second_retry(&mut passed);
+        assert_eq!(passed.headers()["stripe-should-retry"], "false");
         // backstop's own answer keeps the hint it was made with.
         let mut own = Problem::shutting_down().into_response();
         no_second_retry(&mut own);
         assert_eq!(own.headers()["x-should-retry"], "true");
+        assert_eq!(own.headers()["stripe-should-retry"], "true");
     }
 
     #[test]

@@ -143,6 +143,10 @@
 //!   or 503 that carries `Retry-After`, after sleeping it. It never reads `x-should-retry`: a read
 //!   answered `429` with `Retry-After` is sent again after that delay. Toward backstop use
 //!   `Retry(total=0)`, or `respect_retry_after_header=False` without a `status_forcelist`.
+//! - **Stripe's SDKs** (stripe-python 16: `max_network_retries` 2 by default) obey
+//!   `Stripe-Should-Retry: true|false` first, then retry 409 and every status ≥ 500: backstop sets
+//!   `Stripe-Should-Retry` beside `x-should-retry`, with the same value, on every answer it makes
+//!   and on every provider answer it passes on after deciding that no attempt follows.
 //! - **tenacity** retries whatever the decorator says, and reads no header; a bare `@retry`
 //!   retries every exception, forever, without waiting. Retry on connection errors if at all, not
 //!   on backstop's answers: `e.code` names the outcome and `x-should-retry: false` says that no
@@ -767,6 +771,12 @@ pub fn log_refusal(at: &str, by: Refused<'_>, status: StatusCode, name: &str, de
     );
 }
 
+/// Stripe's own retry hint, which Stripe's SDKs obey before their status rules (stripe-python
+/// 16: `max_network_retries` 2 by default, retrying 409 and every status ≥ 500 otherwise): set
+/// beside `x-should-retry` with the same value.
+pub const STRIPE_SHOULD_RETRY: http::HeaderName =
+    http::HeaderName::from_static("stripe-should-retry");
+
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let body = serde_json::to_vec(&self.body()).unwrap_or_default();
@@ -775,10 +785,9 @@ impl IntoResponse for Problem {
         response.extensions_mut().insert(OwnAnswer);
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        headers.insert(
-            "x-should-retry",
-            HeaderValue::from_static(if self.should_retry { "true" } else { "false" }),
-        );
+        let hint = HeaderValue::from_static(if self.should_retry { "true" } else { "false" });
+        headers.insert(STRIPE_SHOULD_RETRY, hint.clone());
+        headers.insert("x-should-retry", hint);
         if let Some(seconds) = self.retry_after_seconds {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
@@ -910,6 +919,11 @@ mod tests {
             assert_eq!(problem.retry_after_seconds, None);
             let response = problem.into_response();
             assert_eq!(response.headers()["x-should-retry"], "false", "{outcome}");
+            assert_eq!(
+                response.headers()["stripe-should-retry"],
+                "false",
+                "{outcome}"
+            );
             assert!(response.headers().get(header::RETRY_AFTER).is_none());
         }
     }
