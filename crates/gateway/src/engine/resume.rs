@@ -352,11 +352,6 @@ impl Inner {
         let Some(kept) = self.kept(record.id).await else {
             return false;
         };
-        if record.state == backstop_store::ActionState::Reopened {
-            // Reopened for a send under its key (judged safe when it was reopened) and stopped
-            // before that send: its kept request is sent now.
-            return self.resume(record, kept, true).await;
-        }
         match Closing::of_stored(&self.policy, record, attempts) {
             Closing::Reconcile => match self.reconcile_then_resume(record).await {
                 Ok(()) => true,
@@ -376,6 +371,15 @@ impl Inner {
                 let sent = u32::try_from(attempts.len()).unwrap_or(u32::MAX);
                 sent < budget && self.resume(record, kept, true).await
             }
+        }
+    }
+
+    /// Restart recovery of a write reopened for a send under its key (judged safe when it was
+    /// reopened) and stopped before that send: its kept request is sent now; without one,
+    /// nothing is done (its agent's resend under the key sends it).
+    pub(super) async fn resume_reopened(self: &Arc<Self>, record: &ActionRecord) {
+        if let Some(kept) = self.kept(record.id).await {
+            self.resume(record, kept, true).await;
         }
     }
 

@@ -1057,6 +1057,13 @@ impl Inner {
             let Some(record) = self.recovered_action(id).await else {
                 continue;
             };
+            if record.state == backstop_store::ActionState::Reopened {
+                // Reopened for a send under its key and stopped before it: sent from its kept
+                // request; without one it waits for the agent's resend under the same key,
+                // which sends it (an operator's `retry_same_key` after a restart).
+                self.resume_reopened(&record).await;
+                continue;
+            }
             let attempts = match self.blocking(move |s| s.attempts(id)).await {
                 Ok(attempts) => attempts,
                 Err(e) => {
@@ -1065,11 +1072,6 @@ impl Inner {
                 }
             };
             if self.resume_between_attempts(&record, &attempts).await {
-                continue;
-            }
-            if record.state == backstop_store::ActionState::Reopened {
-                // Reopened, its request not kept: it waits for the agent's resend under the
-                // same key, which sends it (an operator's `retry_same_key` after a restart).
                 continue;
             }
             let end = restarted_end(&self.policy, &record, &attempts);
