@@ -910,12 +910,7 @@ fn read_raw(src: &str, file: &str) -> Result<RawPolicy, PolicyErrors> {
     }
     FAILED_MAP_KEYS.with(|keys| keys.borrow_mut().clear());
     let mut at = None;
-    // A tag the policy has no use for (`!include`, `!env`, a custom one) is refused with its
-    // line and column, never ignored; so is one on a key.
-    let mut options = serde_saphyr::Options::default();
-    options.reject_unsupported_tags = true;
-    options.reject_tagged_field_names = true;
-    let raw = serde_saphyr::with_deserializer_from_str_with_options(src, options, |de| {
+    let raw = serde_saphyr::with_deserializer_from_str(src, |de| {
         serde_path_to_error::deserialize::<_, RawPolicy>(de).map_err(|e| {
             at = Some(key_path(e.path()));
             e.into_inner()

@@ -29,9 +29,9 @@ use std::sync::Arc;
 
 use backstop_core::clock::Clock as _;
 
-use backstop_store::{ActionRecord, KeptRequest, TaskRecord};
+use backstop_store::{ActionRecord, KeptRequest};
 
-use super::{core_priority, Engine, Inner};
+use super::{Engine, Inner};
 use crate::{action::ActionSpec, transport::AttemptRequest};
 
 /// Headers never kept at rest, whatever the provider's policy: credentials of the agent or of
@@ -132,6 +132,10 @@ impl Inner {
         spec: &ActionSpec,
         id: backstop_store::ActionId,
     ) -> bool {
+        if spec.resumed {
+            // Sent from the very row the store keeps, checked against the action.
+            return true;
+        }
         if spec.single_attempt || spec.holds_secret || !spec.has_side_effect() {
             return false;
         }
@@ -161,15 +165,11 @@ impl Inner {
     }
 
     /// The action spec that sends the stored write `record` again from its `kept` request:
-    /// its own task (priority and deadline from `task`), agent, key and payload digest, the
-    /// route the policy now gives its template, the provider's credential added. `None`
-    /// (logged) when the policy no longer routes it or the kept request cannot be sent.
-    fn resumed_spec(
-        &self,
-        record: &ActionRecord,
-        task: Option<&TaskRecord>,
-        kept: KeptRequest,
-    ) -> Option<ActionSpec> {
+    /// its own task, agent, key and payload digest, the route the policy now gives its
+    /// template, the provider's credential added (the take-over paces it with its task's
+    /// recorded priority and deadline). `None` (logged) when the policy no longer routes it or
+    /// the kept request cannot be sent.
+    fn resumed_spec(&self, record: &ActionRecord, kept: KeptRequest) -> Option<ActionSpec> {
         let id = record.id.0;
         let route = match self
             .policy
@@ -226,10 +226,8 @@ impl Inner {
             task_id: record.task_id.clone(),
             task_given: true,
             agent: record.agent.clone(),
-            priority: task.map_or(backstop_core::pacing::Priority::Normal, |t| {
-                core_priority(t.priority)
-            }),
-            deadline: task.and_then(|t| t.deadline),
+            priority: backstop_core::pacing::Priority::Normal,
+            deadline: None,
             max_wait: None,
             route,
             request: AttemptRequest {
@@ -259,15 +257,7 @@ impl Inner {
         reopen: bool,
     ) -> bool {
         let id = record.id;
-        let (agent, task_id) = (record.agent.clone(), record.task_id.clone());
-        let task = match self.blocking(move |s| s.task(&agent, &task_id)).await {
-            Ok(task) => task,
-            Err(e) => {
-                tracing::warn!(action = id.0, error = %e, "restart recovery: cannot read the write's task");
-                return false;
-            }
-        };
-        let Some(spec) = self.resumed_spec(record, task.as_ref(), kept) else {
+        let Some(spec) = self.resumed_spec(record, kept) else {
             return false;
         };
         if reopen {
@@ -296,13 +286,10 @@ impl Inner {
         let engine = Engine {
             inner: self.clone(),
         };
-        match engine.submit(spec).await {
-            Ok(_) => true,
-            Err(answer) => {
-                tracing::warn!(action = id.0, answer = ?answer.receipt(), "restart recovery: the resumed write was answered before it ran");
-                true
-            }
+        if let Err(answer) = engine.submit(spec).await {
+            tracing::warn!(action = id.0, answer = ?answer.receipt(), "restart recovery: the resumed write was answered before it ran");
         }
+        true
     }
 
     /// Restart recovery of the write `record` whose last attempt may have been acted on
