@@ -58,20 +58,26 @@ async fn start_gateway(base_url: &str, dir: &Path) -> Running {
 
 /// The provider's creates keep the payload's `reference`; `fault` is applied to the creates.
 fn fake(fault: FaultRule) -> backstop_fake_api::RunningFake {
+    fake_with([fault])
+}
+
+/// [`fake`] with every fault of `faults` applied to the creates.
+fn fake_with(faults: impl IntoIterator<Item = FaultRule>) -> backstop_fake_api::RunningFake {
+    let creates = RouteConfig::new(
+        "POST /v1/tx2",
+        Handler::Create {
+            collection: "tx2".into(),
+            id_prefix: "tx_".into(),
+            reference_field: Some("reference".into()),
+            unique_reference: false,
+        },
+    )
+    .with_idempotency();
+    let creates = faults
+        .into_iter()
+        .fold(creates, |route, fault| route.with_fault(fault));
     let config = FakeConfig::default()
-        .with_route(
-            RouteConfig::new(
-                "POST /v1/tx2",
-                Handler::Create {
-                    collection: "tx2".into(),
-                    id_prefix: "tx_".into(),
-                    reference_field: Some("reference".into()),
-                    unique_reference: false,
-                },
-            )
-            .with_idempotency()
-            .with_fault(fault),
-        )
+        .with_route(creates)
         .with_route(RouteConfig::new("GET /v1/tx2", lookup("tx2")));
     support::start_fake(config)
 }
@@ -274,35 +280,17 @@ async fn an_empty_external_reference_is_replaced_and_never_looked_up_as_an_empty
 /// from the lookup — no human is asked, nothing is sent twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reference_shared_only_with_a_write_that_created_nothing_still_reconciles() {
-    let fake = {
-        let config = FakeConfig::default()
-            .with_route(
-                RouteConfig::new(
-                    "POST /v1/tx2",
-                    Handler::Create {
-                        collection: "tx2".into(),
-                        id_prefix: "tx_".into(),
-                        reference_field: Some("reference".into()),
-                        unique_reference: false,
-                    },
-                )
-                .with_idempotency()
-                .with_fault(FaultRule::on_calls(
-                    [1],
-                    Fault::Status {
-                        status: 422,
-                        retry_after: None,
-                        body: None,
-                    },
-                ))
-                .with_fault(FaultRule::on_calls(
-                    [2],
-                    Fault::StoreThenDrop { hold_ms: 0 },
-                )),
-            )
-            .with_route(RouteConfig::new("GET /v1/tx2", lookup("tx2")));
-        support::start_fake(config)
-    };
+    let fake = fake_with([
+        FaultRule::on_calls(
+            [1],
+            Fault::Status {
+                status: 422,
+                retry_after: None,
+                body: None,
+            },
+        ),
+        FaultRule::on_calls([2], Fault::StoreThenDrop { hold_ms: 0 }),
+    ]);
     let dir = tempfile::tempdir().unwrap();
     let gateway = start_gateway(&fake.url(), dir.path()).await;
 
