@@ -56,7 +56,7 @@ use crate::{
     door::{self, BackstopHeaders},
     engine::{Completion, Engine, EngineError},
     problem::Problem,
-    server::AppState,
+    state::AppState,
 };
 
 /// The longest `?wait=` honoured by `GET /v1/actions/{id}` (60 s); longer values are capped.

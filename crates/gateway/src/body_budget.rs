@@ -15,7 +15,7 @@
 //! sent. Nothing waits for room: a caller told to come back in a second is better served than
 //! one whose connection hangs while other actions finish.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
@@ -236,6 +236,35 @@ impl<T: AsRef<[u8]> + Send + 'static> Owned<T> {
 impl<T: AsRef<[u8]>> AsRef<[u8]> for Owned<T> {
     fn as_ref(&self) -> &[u8] {
         self.data.as_ref()
+    }
+}
+
+/// Body limits of the door.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DoorConfig {
+    /// Bodies up to this size may be resent on retries (default 1 MiB).
+    pub max_buffered_body_bytes: usize,
+    /// Hard cap: larger bodies are refused with 413 (default 32 MiB). Bodies between the two
+    /// limits get exactly one attempt.
+    pub max_body_bytes: usize,
+    /// The whole request body must arrive within this time of the request head, on every
+    /// route (default 30 s); a slower one is answered `408 request_timeout`, nothing sent.
+    pub body_read_timeout: Duration,
+    /// Request bodies held in memory at once, across every connection and action, total at
+    /// most this many bytes (default [`DEFAULT_BODY_BUDGET_BYTES`], 256
+    /// MiB); a body that does not fit is answered `503 body_budget_exhausted`, nothing sent
+    /// (see [`crate::body_budget`]).
+    pub body_budget_bytes: usize,
+}
+
+impl Default for DoorConfig {
+    fn default() -> Self {
+        DoorConfig {
+            max_buffered_body_bytes: 1024 * 1024,
+            max_body_bytes: 32 * 1024 * 1024,
+            body_read_timeout: Duration::from_secs(30),
+            body_budget_bytes: DEFAULT_BODY_BUDGET_BYTES,
+        }
     }
 }
 

@@ -572,8 +572,8 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), Cut
     }
 }
 
-/// A write's final response as kept for idempotent replay ([`crate::door::replay_record`]):
-/// at most [`crate::door::REPLAY_BODY_LIMIT`] bytes of its body are read and kept. An event
+/// A write's final response as kept for idempotent replay ([`crate::wire::replay_record`]):
+/// at most [`crate::wire::REPLAY_BODY_LIMIT`] bytes of its body are read and kept. An event
 /// stream's body is never kept (only its status and headers); it is read — at most
 /// [`ERROR_BODY_LIMIT`] bytes, for an operation id — only when `read_stream`. Returns the
 /// response to pass on (the bytes read, then the rest of the body), the record to store, and
@@ -581,31 +581,31 @@ async fn read_bounded(mut body: Body, limit: usize) -> Result<(Bytes, Body), Cut
 ///
 /// A body cut while it is read (the provider closed before its `Content-Length` was sent, or a
 /// chunked body broke off) is passed on as the bytes received, with
-/// [`crate::door::BODY_TRUNCATED_HEADER`] giving their number and the provider's
+/// [`crate::wire::BODY_TRUNCATED_HEADER`] giving their number and the provider's
 /// `Content-Length` removed, and kept the same way (up to the replay limit; an event stream's
-/// never), so its replay carries those bytes under [`crate::door::REPLAY_TRUNCATED_HEADER`].
+/// never), so its replay carries those bytes under [`crate::wire::REPLAY_TRUNCATED_HEADER`].
 /// Nothing of it passes for complete.
 async fn kept_for_replay(
     response: http::Response<Body>,
     action: ActionId,
     read_stream: bool,
 ) -> (http::Response<Body>, StoredResponse, Bytes) {
-    let stream = crate::door::is_event_stream(response.headers());
+    let stream = crate::wire::is_event_stream(response.headers());
     if stream && !read_stream {
-        let record = crate::door::replay_record(response.status(), response.headers(), &[], false);
+        let record = crate::wire::replay_record(response.status(), response.headers(), &[], false);
         return (response, record, Bytes::new());
     }
     let limit = if stream {
         ERROR_BODY_LIMIT
     } else {
-        crate::door::REPLAY_BODY_LIMIT
+        crate::wire::REPLAY_BODY_LIMIT
     };
     let (parts, body) = response.into_parts();
     match read_bounded(body, limit).await {
         Ok((bytes, body)) => {
             let complete = !stream && bytes.len() <= limit;
             let kept = if stream { &[][..] } else { &bytes[..] };
-            let record = crate::door::replay_record(parts.status, &parts.headers, kept, complete);
+            let record = crate::wire::replay_record(parts.status, &parts.headers, kept, complete);
             (http::Response::from_parts(parts, body), record, bytes)
         }
         Err(cut) => {
@@ -617,11 +617,11 @@ async fn kept_for_replay(
                 "the write's response body was cut while it was read; the bytes received are passed on, marked incomplete"
             );
             let kept = if stream { &[][..] } else { &received[..] };
-            let record = crate::door::replay_record(parts.status, &parts.headers, kept, false);
+            let record = crate::wire::replay_record(parts.status, &parts.headers, kept, false);
             let mut parts = parts;
             parts.headers.remove(http::header::CONTENT_LENGTH);
             parts.headers.insert(
-                crate::door::BODY_TRUNCATED_HEADER,
+                crate::wire::BODY_TRUNCATED_HEADER,
                 http::HeaderValue::from(received.len()),
             );
             (
@@ -4253,7 +4253,7 @@ fn is_store_failure(e: &EngineError) -> bool {
 fn without_provider_replay_mark(reply: AttemptReply) -> AttemptReply {
     match reply {
         AttemptReply::Response(mut response) => {
-            response.headers_mut().remove(crate::door::REPLAYED_HEADER);
+            response.headers_mut().remove(crate::wire::REPLAYED_HEADER);
             AttemptReply::Response(response)
         }
         failed => failed,
@@ -4266,9 +4266,9 @@ fn without_provider_replay_mark(reply: AttemptReply) -> AttemptReply {
 fn replay(receipt: ActionReceipt, stored: StoredResponse) -> Execution {
     let mut builder = http::Response::builder()
         .status(stored.status)
-        .header(crate::door::REPLAYED_HEADER, "true");
+        .header(crate::wire::REPLAYED_HEADER, "true");
     for (name, value) in &stored.headers {
-        if name.eq_ignore_ascii_case(crate::door::REPLAYED_HEADER) {
+        if name.eq_ignore_ascii_case(crate::wire::REPLAYED_HEADER) {
             continue;
         }
         builder = builder.header(name, value);
@@ -4322,7 +4322,7 @@ fn unkept_replay(
     }
     let mut response = problem.into_response();
     response.headers_mut().insert(
-        crate::door::REPLAYED_HEADER,
+        crate::wire::REPLAYED_HEADER,
         http::HeaderValue::from_static("true"),
     );
     Execution::Response { receipt, response }

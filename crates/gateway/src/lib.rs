@@ -11,12 +11,14 @@
 //! - [`transport`]: the seam between the executor and the network (one attempt, no retries).
 //! - [`action`]: what the proxy door hands the executor, and what comes back.
 //! - [`metrics`]: Prometheus metrics (`GET /metrics`).
+//! - [`wire`]: responses as passed on and kept for replay (hop-by-hop headers, replay records).
 #![deny(missing_docs)]
 
 pub mod action;
 pub mod clock;
 pub mod metrics;
 pub mod transport;
+pub mod wire;
 
 // The engine: one scheduler for all work and the executor that owns every retry.
 pub mod coalesce;
@@ -27,10 +29,12 @@ pub mod scheduler;
 pub mod auth;
 pub mod body_budget;
 pub mod door;
+pub mod executor;
 pub mod problem;
 pub mod scrub;
 pub mod secrets;
 pub mod server;
+pub mod state;
 pub mod upstream;
 
 // Operators: escalation case files and decisions.

@@ -37,7 +37,7 @@ use std::{
     path::PathBuf,
     pin::Pin,
     sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, Ordering},
         Arc,
     },
     task::{Context, Poll},
@@ -58,14 +58,12 @@ use backstop_store::Store;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::{
     net::{TcpListener, TcpStream},
-    sync::{watch, Notify},
+    sync::watch,
     task::{JoinHandle, JoinSet},
 };
 
 use crate::{
-    action::{ActionSpec, Execution},
     auth::{Authenticator, Role},
-    body_budget::BodyBudget,
     clock::TokioClock,
     door::{self, DoorConfig},
     escalations, health,
@@ -75,74 +73,13 @@ use crate::{
     transport::Transport,
     upstream::{Upstream, UpstreamConfig, UpstreamError},
     watchdog,
+    wire::ProviderResponse,
 };
 
-/// A boxed, sendable future.
-pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
-/// What the HTTP edge needs from the engine (implemented by `engine::Engine`; tests plug in
-/// simpler executors).
-pub trait Executor: Send + Sync + 'static {
-    /// Runs one action to its end (see `Engine::execute`). Dropping the future before the first
-    /// send cancels the action.
-    fn execute(&self, spec: ActionSpec) -> BoxFuture<Execution>;
-    /// The scope records as JSON (an array), for `GET /v1/scopes`.
-    fn scopes(&self) -> serde_json::Value;
-    /// Stops taking new work; accepted actions stay recoverable in the store.
-    fn shutdown(&self) -> BoxFuture<()>;
-    /// The stop's grace is running out: attempts still out are no longer waited for, and their
-    /// callers are answered `503 shutting_down` at once (see `Engine::give_up_attempts`).
-    /// Nothing by default.
-    fn give_up_attempts(&self) {}
-    /// The engine behind this executor, when it is one: the action API, task cancellation and
-    /// acting escalation decisions need it. Executors that are not an engine answer those
-    /// routes with `501 not_supported`.
-    fn engine(&self) -> Option<crate::engine::Engine> {
-        None
-    }
-}
-
-impl Executor for crate::engine::Engine {
-    fn execute(&self, spec: ActionSpec) -> BoxFuture<Execution> {
-        let engine = self.clone();
-        // The spec lives here once; the engine borrows it (see `Engine::execute_notifying`).
-        Box::pin(async move { engine.execute_notifying(&spec, None).await })
-    }
-
-    /// Each scope record with `name`: the full scope name `provider/scope`
-    /// (`billing-api/account`), as metrics and `backstop diagnose` spell it.
-    fn scopes(&self) -> serde_json::Value {
-        let mut records = serde_json::to_value(crate::engine::Engine::scopes(self))
-            .unwrap_or_else(|_| serde_json::Value::Array(Vec::new()));
-        if let Some(list) = records.as_array_mut() {
-            for record in list {
-                let name = match (record.get("provider"), record.get("scope")) {
-                    (Some(serde_json::Value::String(p)), Some(serde_json::Value::String(s))) => {
-                        format!("{p}/{s}")
-                    }
-                    _ => continue,
-                };
-                if let Some(map) = record.as_object_mut() {
-                    map.insert("name".into(), serde_json::Value::String(name));
-                }
-            }
-        }
-        records
-    }
-
-    fn shutdown(&self) -> BoxFuture<()> {
-        let engine = self.clone();
-        Box::pin(async move { crate::engine::Engine::shutdown(&engine).await })
-    }
-
-    fn give_up_attempts(&self) {
-        crate::engine::Engine::give_up_attempts(self);
-    }
-
-    fn engine(&self) -> Option<crate::engine::Engine> {
-        Some(self.clone())
-    }
-}
+pub use crate::{
+    executor::{BoxFuture, Executor},
+    state::AppState,
+};
 
 /// The production executor: `engine::Engine` over the given parts (pass to [`start`]).
 pub fn engine(parts: Parts) -> Arc<dyn Executor> {
@@ -155,108 +92,6 @@ pub fn engine(parts: Parts) -> Arc<dyn Executor> {
         parts.seed,
         parts.credentials,
     ))
-}
-
-/// Shared state of the router.
-pub struct AppState {
-    /// The validated policy.
-    pub policy: Arc<Policy>,
-    /// Agent and operator token digests (shared with the escalation and health routes).
-    pub auth: Arc<Authenticator>,
-    /// Provider credential headers.
-    pub credentials: ProviderCredentials,
-    /// The engine.
-    pub executor: Arc<dyn Executor>,
-    /// The clock (for `Retry-After` in problems).
-    pub clock: TokioClock,
-    /// Metrics rendered at `/metrics`.
-    pub metrics: Arc<Metrics>,
-    /// Body limits of the door.
-    pub door: DoorConfig,
-    /// Whether `/metrics` is served without a token (loopback listener).
-    pub metrics_open: bool,
-    /// Request bodies held in memory, capped at [`DoorConfig::body_budget_bytes`] across
-    /// connections (the door and `POST /v1/actions` read bodies through it).
-    pub body_budget: BodyBudget,
-    /// What free text kept with an action or a decision is scrubbed of (see [`crate::scrub`]).
-    pub secrets: Arc<crate::scrub::HeldSecrets>,
-    accepting: AtomicBool,
-    /// Requests whose response has not been dropped yet (a streamed body counts until its end).
-    in_flight: AtomicUsize,
-    /// Woken when `in_flight` drops to zero.
-    idle: Notify,
-    /// The store whose writes `GET /v1/live` reports on, when one is set
-    /// ([`AppState::with_store`]).
-    store: Option<Arc<dyn Store>>,
-}
-
-impl std::fmt::Debug for AppState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AppState")
-            .field("auth", &self.auth)
-            .field("credentials", &self.credentials)
-            .field("door", &self.door)
-            .field("metrics_open", &self.metrics_open)
-            .finish_non_exhaustive()
-    }
-}
-
-impl AppState {
-    /// Assembles the state; it accepts work until [`AppState::stop_accepting`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        policy: Arc<Policy>,
-        auth: Authenticator,
-        credentials: ProviderCredentials,
-        executor: Arc<dyn Executor>,
-        clock: TokioClock,
-        metrics: Arc<Metrics>,
-        door: DoorConfig,
-        metrics_open: bool,
-    ) -> AppState {
-        let auth = Arc::new(auth);
-        let secrets = Arc::new(crate::scrub::HeldSecrets::new(auth.clone(), &credentials));
-        AppState {
-            policy,
-            auth,
-            secrets,
-            credentials,
-            executor,
-            clock,
-            metrics,
-            door,
-            metrics_open,
-            body_budget: BodyBudget::new(door.body_budget_bytes),
-            accepting: AtomicBool::new(true),
-            in_flight: AtomicUsize::new(0),
-            idle: Notify::new(),
-            store: None,
-        }
-    }
-
-    /// The state with `store` as the one `GET /v1/live` reports on: while its last write
-    /// transaction failed ([`Store::write_failure`]), the gateway is not serving.
-    #[must_use]
-    pub fn with_store(mut self, store: Arc<dyn Store>) -> AppState {
-        self.store = Some(store);
-        self
-    }
-
-    /// Requests being answered now (counted by the edge layer of [`full_router`], until the
-    /// response body ends or is dropped).
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
-    }
-
-    /// Whether new work is accepted.
-    pub fn accepting(&self) -> bool {
-        self.accepting.load(Ordering::Acquire)
-    }
-
-    /// From now on the door answers 503 `shutting_down`.
-    pub fn stop_accepting(&self) {
-        self.accepting.store(false, Ordering::Release);
-    }
 }
 
 /// The router: `GET /v1/scopes`, `GET /v1/live`, `GET /metrics`, and the proxy door for every
@@ -975,11 +810,6 @@ impl HttpBody for Timed {
     }
 }
 
-/// Marks a response that is the provider's, passed through by the door: the edge layer never
-/// rewrites it, whatever its status and content type.
-#[derive(Debug, Clone, Copy)]
-pub struct ProviderResponse;
-
 /// The edge layer around every route of [`full_router`]:
 /// - while shutting down, every request is answered `503 shutting_down` with
 ///   `Connection: close` (nothing sent); on the proxy door and `POST /v1/actions` naming its
@@ -1170,7 +1000,7 @@ async fn operators_only(
 mod tests {
     use super::*;
     use crate::{
-        action::ActionReceipt,
+        action::{ActionReceipt, ActionSpec, Execution},
         auth::Role,
         transport::{AttemptReply, AttemptRequest},
     };

@@ -110,12 +110,12 @@ async fn keep(execution: Execution) -> Completion {
                     bytes,
                     parts
                         .headers
-                        .contains_key(crate::door::BODY_TRUNCATED_HEADER),
+                        .contains_key(crate::wire::BODY_TRUNCATED_HEADER),
                 ),
                 Err(_) => (Bytes::new(), true),
             };
             // As the door would have passed them on: not the provider's hop-by-hop headers.
-            let headers = crate::door::end_to_end_pairs(&parts.headers);
+            let headers = crate::wire::end_to_end_pairs(&parts.headers);
             Completion::Response {
                 receipt,
                 response: KeptResponse {
