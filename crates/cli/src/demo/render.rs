@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use backstop_fake_api::AttemptRecord;
+use backstop_gateway::engine::TaskCancelled;
 use backstop_store::audit::AuditEvent;
 use jiff::{SignedDuration, Timestamp};
 
@@ -374,17 +375,52 @@ fn header(report: &Report) -> String {
 
 fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {
     let _ = writeln!(out, "\n{}", style.bold("Summary"));
-    // Per task: logical actions, requests sent, status queries (reconciliation lookups). A status
-    // query is a call to the provider but not an attempt of the write it reconciles (the write's
-    // answer counts its attempts only), so calls = requests + status queries.
-    let mut tasks: BTreeMap<String, [usize; 3]> = BTreeMap::new();
+    let totals = task_table(report, out);
+    provider_calls(report, &totals, out);
+    let _ = writeln!(out, "\nWaits and their sources:");
+    waits(report, origin, out);
+    if let Some(cancelled) = &report.cancelled {
+        let _ = writeln!(out, "{}.", cancellation(cancelled));
+    }
+}
+
+/// One task's counts in the summary table. A status query (reconciliation lookup) is a call to
+/// the provider but not an attempt of the write it reconciles (the write's answer counts its
+/// attempts only), so calls = requests + status queries.
+#[derive(Debug, Default, Clone, Copy)]
+struct Calls {
+    /// Logical actions.
+    actions: usize,
+    /// Requests sent.
+    sent: usize,
+    /// Status queries.
+    queries: usize,
+}
+
+impl Calls {
+    fn calls(self) -> usize {
+        self.sent + self.queries
+    }
+
+    fn add(self, other: Calls) -> Calls {
+        Calls {
+            actions: self.actions + other.actions,
+            sent: self.sent + other.sent,
+            queries: self.queries + other.queries,
+        }
+    }
+}
+
+/// The per-task table with its total line; returns the total.
+fn task_table(report: &Report, out: &mut String) -> Calls {
+    let mut tasks: BTreeMap<String, Calls> = BTreeMap::new();
     for e in &report.events {
         if let Some(task) = &e.task {
             let entry = tasks.entry(task.clone()).or_default();
             match e.kind.as_str() {
-                "action_requested" => entry[0] += 1,
-                "action_sent" => entry[1] += 1,
-                "reconciliation_lookup" => entry[2] += 1,
+                "action_requested" => entry.actions += 1,
+                "action_sent" => entry.sent += 1,
+                "reconciliation_lookup" => entry.queries += 1,
                 _ => {}
             }
         }
@@ -394,38 +430,26 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         "{:<12} {:>15} {:>13} {:>14} {:>8}  answers the agent got",
         "task", "logical actions", "requests sent", "status queries", "calls"
     );
-    for (task, [actions, sent, queries]) in &tasks {
-        let answers: Vec<String> = report
-            .answers
-            .iter()
-            .filter(|a| &a.task == task)
-            .map(|a| {
-                format!(
-                    "{} → {}{}{}",
-                    a.request,
-                    a.status,
-                    a.outcome
-                        .as_deref()
-                        .map(|o| format!(" {o}"))
-                        .unwrap_or_default(),
-                    a.attempts
-                        .as_deref()
-                        .map(|n| format!(" ({n} attempt{})", if n == "1" { "" } else { "s" }))
-                        .unwrap_or_default()
-                )
-            })
-            .collect();
+    for (task, calls) in &tasks {
+        let Calls {
+            actions,
+            sent,
+            queries,
+        } = calls;
         let _ = writeln!(
             out,
             "{task:<12} {actions:>15} {sent:>13} {queries:>14} {:>8}  {}",
-            sent + queries,
-            answers.join(", ")
+            calls.calls(),
+            answers_of(report, task)
         );
     }
-    let logical: usize = tasks.values().map(|t| t[0]).sum();
-    let sent: usize = tasks.values().map(|t| t[1]).sum();
-    let queries: usize = tasks.values().map(|t| t[2]).sum();
-    let calls = sent + queries;
+    let total = tasks.values().fold(Calls::default(), |sum, t| sum.add(*t));
+    let Calls {
+        actions: logical,
+        sent,
+        queries,
+    } = total;
+    let calls = total.calls();
     let _ = writeln!(
         out,
         "{:<12} {logical:>15} {sent:>13} {queries:>14} {calls:>8}",
@@ -435,6 +459,36 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         out,
         "(a status query asks the provider whether a write happened: a call to the provider, counted and audited apart from the write's attempts)"
     );
+    total
+}
+
+/// The answers `task`'s agent got, in order: `GET /v1/items/42 → 200 (2 attempts), …`.
+fn answers_of(report: &Report, task: &str) -> String {
+    let answers: Vec<String> = report
+        .answers
+        .iter()
+        .filter(|a| a.task == task)
+        .map(|a| {
+            format!(
+                "{} → {}{}{}",
+                a.request,
+                a.status,
+                a.outcome
+                    .as_deref()
+                    .map(|o| format!(" {o}"))
+                    .unwrap_or_default(),
+                a.attempts
+                    .as_deref()
+                    .map(|n| format!(" ({n} attempt{})", if n == "1" { "" } else { "s" }))
+                    .unwrap_or_default()
+            )
+        })
+        .collect();
+    answers.join(", ")
+}
+
+/// What the provider saw, per route, against what backstop recorded (`total`).
+fn provider_calls(report: &Report, total: &Calls, out: &mut String) {
     let seen = report.attempts.len();
     let mut by_route: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     for a in &report.attempts {
@@ -446,6 +500,8 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             entry.1 += 1;
         }
     }
+    let Calls { sent, queries, .. } = *total;
+    let calls = total.calls();
     let agreement = if seen == calls {
         format!("= {sent} requests + {queries} status queries above")
     } else {
@@ -455,7 +511,7 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         out,
         "\nThe provider saw {} ({agreement}) for {}:",
         count(seen, "call"),
-        count(logical, "logical action")
+        count(total.actions, "logical action")
     );
     for (route, (count, throttled)) in &by_route {
         let _ = writeln!(
@@ -464,33 +520,50 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             if *count == 1 { "" } else { "s" }
         );
     }
+}
 
-    let _ = writeln!(out, "\nWaits and their sources:");
-    let mut requested: BTreeMap<i64, Timestamp> = BTreeMap::new();
-    let mut first_sent: BTreeMap<i64, Timestamp> = BTreeMap::new();
-    let mut last_scope_source: Option<(Timestamp, String)> = None;
-    let mut scope_sources: Vec<(Timestamp, String)> = Vec::new();
-    for e in &report.events {
-        let at = parse(&e.at);
-        if e.kind == "scope_updated" {
-            if let (Some(at), Some(source)) = (at, &e.source) {
-                if e.boundary.is_some() {
-                    scope_sources.push((at, source.clone()));
+/// When each action was requested and first sent, and every scope boundary with its source, as
+/// the audit log recorded them.
+#[derive(Default)]
+struct WaitMarks {
+    requested: BTreeMap<i64, Timestamp>,
+    first_sent: BTreeMap<i64, Timestamp>,
+    scope_sources: Vec<(Timestamp, String)>,
+}
+
+impl WaitMarks {
+    fn of(events: &[AuditEvent]) -> WaitMarks {
+        let mut marks = WaitMarks::default();
+        for e in events {
+            let at = parse(&e.at);
+            if e.kind == "scope_updated" {
+                if let (Some(at), Some(source)) = (at, &e.source) {
+                    if e.boundary.is_some() {
+                        marks.scope_sources.push((at, source.clone()));
+                    }
+                }
+            }
+            if let (Some(action), Some(at)) = (e.action, at) {
+                match e.kind.as_str() {
+                    "action_requested" => {
+                        marks.requested.entry(action).or_insert(at);
+                    }
+                    "action_sent" => {
+                        marks.first_sent.entry(action).or_insert(at);
+                    }
+                    _ => {}
                 }
             }
         }
-        if let (Some(action), Some(at)) = (e.action, at) {
-            match e.kind.as_str() {
-                "action_requested" => {
-                    requested.entry(action).or_insert(at);
-                }
-                "action_sent" => {
-                    first_sent.entry(action).or_insert(at);
-                }
-                _ => {}
-            }
-        }
+        marks
     }
+}
+
+/// One line per scheduled retry and per action that waited in the delayed queue before its
+/// first send, with where the wait came from.
+fn waits(report: &Report, origin: Timestamp, out: &mut String) {
+    let marks = WaitMarks::of(&report.events);
+    let mut last_scope_source: Option<(Timestamp, String)> = None;
     for e in &report.events {
         let (Some(action), Some(at)) = (e.action, parse(&e.at)) else {
             continue;
@@ -511,59 +584,66 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
                 );
             }
         }
-        if e.kind == "action_sent" && first_sent.get(&action) == Some(&at) {
-            if let Some(start) = requested.get(&action) {
-                let queued = at.duration_since(*start);
-                if queued >= SignedDuration::from_millis(200) {
-                    last_scope_source = scope_sources
-                        .iter()
-                        .rev()
-                        .find(|(when, _)| when <= start)
-                        .cloned()
-                        .or(last_scope_source);
-                    let source = last_scope_source
-                        .as_ref()
-                        .map(|(_, s)| s.clone())
-                        .unwrap_or_else(|| "pacing".to_owned());
-                    let _ = writeln!(
-                        out,
-                        "  {task:<12} action {action:<3} waited {} in the delayed queue before its first send ({route}) — scope boundary from {source}",
-                        seconds(queued)
-                    );
-                }
-            }
+        if e.kind != "action_sent" || marks.first_sent.get(&action) != Some(&at) {
+            continue;
         }
-    }
-    if let Some(cancelled) = &report.cancelled {
-        // The cancellation's three counts look at the same actions from three places (their
-        // outcomes, the delayed queue, the durable retries): they overlap, never add them up.
-        let mut sentence = format!(
-            "\nCancelled {}: {} ended cancelled (actions_cancelled {})",
-            cancelled.task_id,
-            count(cancelled.actions_cancelled, "action"),
-            cancelled.actions_cancelled
+        let Some(start) = marks.requested.get(&action) else {
+            continue;
+        };
+        let queued = at.duration_since(*start);
+        if queued < SignedDuration::from_millis(200) {
+            continue;
+        }
+        last_scope_source = marks
+            .scope_sources
+            .iter()
+            .rev()
+            .find(|(when, _)| when <= start)
+            .cloned()
+            .or(last_scope_source);
+        let source = last_scope_source
+            .as_ref()
+            .map(|(_, s)| s.clone())
+            .unwrap_or_else(|| "pacing".to_owned());
+        let _ = writeln!(
+            out,
+            "  {task:<12} action {action:<3} waited {} in the delayed queue before its first send ({route}) — scope boundary from {source}",
+            seconds(queued)
         );
-        if cancelled.waiting_dropped > 0 {
-            let _ = write!(
-                sentence,
-                "; {} of them {} taken out of the delayed queue before {} woke (waiting_dropped {})",
-                cancelled.waiting_dropped,
-                if cancelled.waiting_dropped == 1 { "was" } else { "were" },
-                if cancelled.waiting_dropped == 1 { "it" } else { "they" },
-                cancelled.waiting_dropped
-            );
-        }
-        if cancelled.retries_dropped > 0 {
-            let _ = write!(
-                sentence,
-                ", and {} of those also had {} scheduled retry dropped from the store (retries_dropped {})",
-                cancelled.retries_dropped,
-                if cancelled.retries_dropped == 1 { "its" } else { "their" },
-                cancelled.retries_dropped
-            );
-        }
-        let _ = writeln!(out, "{sentence}.");
     }
+}
+
+/// The sentence on what cancelling the task changed (without its final full stop).
+fn cancellation(cancelled: &TaskCancelled) -> String {
+    // The cancellation's three counts look at the same actions from three places (their
+    // outcomes, the delayed queue, the durable retries): they overlap, never add them up.
+    let mut sentence = format!(
+        "\nCancelled {}: {} ended cancelled (actions_cancelled {})",
+        cancelled.task_id,
+        count(cancelled.actions_cancelled, "action"),
+        cancelled.actions_cancelled
+    );
+    if cancelled.waiting_dropped > 0 {
+        let _ =
+            write!(
+            sentence,
+            "; {} of them {} taken out of the delayed queue before {} woke (waiting_dropped {})",
+            cancelled.waiting_dropped,
+            if cancelled.waiting_dropped == 1 { "was" } else { "were" },
+            if cancelled.waiting_dropped == 1 { "it" } else { "they" },
+            cancelled.waiting_dropped
+        );
+    }
+    if cancelled.retries_dropped > 0 {
+        let _ = write!(
+            sentence,
+            ", and {} of those also had {} scheduled retry dropped from the store (retries_dropped {})",
+            cancelled.retries_dropped,
+            if cancelled.retries_dropped == 1 { "its" } else { "their" },
+            cancelled.retries_dropped
+        );
+    }
+    sentence
 }
 
 fn escalation(report: &Report, style: &Style, out: &mut String) {
