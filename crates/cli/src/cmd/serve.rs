@@ -26,8 +26,36 @@ use backstop_gateway::{
 
 use crate::cmd::output::{self, errln};
 
+/// Where serve's secrets come from, shown by `backstop serve --help` after the options.
+const SECRETS_HELP: &str = "\
+SECRETS (agent tokens and provider keys):
+  Neither the policy nor the command line holds a secret: the policy names the environment
+  variable or the file that serve reads each one from at start-up (a file's trailing newline is
+  dropped). A missing environment variable stops the start, naming the policy key; a secret file
+  that cannot be read only makes its agent or provider unavailable (a warning).
+    agents.NAME.token_env                  environment variable with the token the agent sends
+                                           (Authorization: Bearer TOKEN)
+    agents.NAME.token_file                 file with that token
+    agents.NAME.token_sha256               or the token's lowercase hex SHA-256 (nothing to set)
+    operators.NAME.token_env | token_file | token_sha256
+                                           the same for an operator (`backstop escalations`)
+    providers.NAME.credential.secret_env   environment variable with the provider key backstop
+                                           adds to every call it forwards
+    providers.NAME.credential.secret_file  file with that key
+
+EXAMPLES:
+  Against the bundled fake provider (`backstop fake-api --config examples/fake-api.yaml
+  --listen 127.0.0.1:8081` in another terminal); its policy reads the agent's token from
+  BACKSTOP_TOKEN (agents.local-agent.token_env) and the provider key from FAKE_API_KEY
+  (providers.fake.credential.secret_env):
+    BACKSTOP_TOKEN=local-agent-token FAKE_API_KEY=local-provider-key \\
+      backstop serve --config examples/backstop-fake.yaml
+  `backstop demo` prints the serve command for the store it leaves behind, with its policy's
+  variables set (DEMO_AGENT_TOKEN, DEMO_PROVIDER_KEY, DEMO_OPERATOR_TOKEN).";
+
 /// Arguments of `backstop serve`.
 #[derive(Debug, clap::Args)]
+#[command(after_long_help = SECRETS_HELP)]
 pub struct Args {
     /// The policy file (YAML).
     #[arg(
