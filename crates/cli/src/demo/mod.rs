@@ -502,6 +502,10 @@ impl Steps {
         let scheduled = receipts(store, "retry_scheduled", "research-a", 1).await;
         self.require(scheduled, "step 2: no retry was scheduled after the 429");
         let second = self.spawn_get("research-b", "/v1/items/42");
+        // One after the other, so that the action ids (and the timeline) are the same in
+        // every run.
+        let requested = receipts(store, "action_requested", "research-b", 1).await;
+        self.require(requested, "step 2: research-b's read was not recorded");
         let third = self.spawn_get("research-c", "/v1/items/42");
         for handle in [first, second, third] {
             self.join(handle, "3", 200, None).await?;
