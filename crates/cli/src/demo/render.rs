@@ -101,11 +101,124 @@ fn word(kind: &str) -> &str {
     }
 }
 
+/// Where an audit event stands in the life of an action, for rows recorded in the same
+/// millisecond: requested, then sent, then seen by the provider, then the answer's scope
+/// update and result, then what backstop did about the result, then how the action ended. (An
+/// uncertain write's result is recorded after its status query, so the recording order alone
+/// would show the query first.)
+fn stage(kind: &str) -> u8 {
+    match kind {
+        "task_opened" | "action_requested" => 0,
+        "action_sent" | "retry_started" => 1,
+        "scope_updated" => 3,
+        "action_result" => 4,
+        "retry_scheduled" | "reconciliation_required" | "reconciliation_lookup" => 5,
+        _ => 6,
+    }
+}
+
+/// The [`stage`] of a provider's attempt record: after the send, before the answer's effects.
+/// A status query's attempt takes the stage of the `reconciliation_lookup` event that records
+/// its answer instead (see [`StatusQueries`]).
+const PROVIDER_STAGE: u8 = 2;
+
+/// Which provider attempts were status queries, each paired with the `reconciliation_lookup`
+/// event that recorded its answer: the n-th lookup event with the first attempt not yet paired
+/// whose method and path fit the lookup's template and whose status is the one recorded.
+#[derive(Default)]
+struct StatusQueries {
+    /// Attempt sequence number → the lookup event's sequence number.
+    event_of: BTreeMap<u64, u64>,
+}
+
+impl StatusQueries {
+    fn of(report: &Report) -> StatusQueries {
+        let mut queries = StatusQueries::default();
+        for e in report
+            .events
+            .iter()
+            .filter(|e| e.kind == "reconciliation_lookup")
+        {
+            let Some((method, template)) = e.source.as_deref().and_then(|s| s.split_once(' '))
+            else {
+                continue;
+            };
+            let template = template.split('?').next().unwrap_or(template);
+            let attempt = report.attempts.iter().find(|a| {
+                !queries.event_of.contains_key(&a.seq)
+                    && a.method == method
+                    && path_fits(template, &a.path)
+                    && (e.status.is_none() || a.status == e.status)
+            });
+            if let Some(attempt) = attempt {
+                queries.event_of.insert(attempt.seq, e.seq);
+            }
+        }
+        queries
+    }
+}
+
+/// Whether `path` fits the route template `template` (`/v1/transfers/{id}`): segment by
+/// segment, a `{placeholder}` fits any segment.
+fn path_fits(template: &str, path: &str) -> bool {
+    let (mut wanted, mut got) = (template.split('/'), path.split('/'));
+    loop {
+        match (wanted.next(), got.next()) {
+            (None, None) => return true,
+            (Some(w), Some(g)) if w == g || (w.starts_with('{') && w.ends_with('}')) => {}
+            _ => return false,
+        }
+    }
+}
+
+/// Where a scope's numbers came from, in a reader's words: the gateway names quota headers by
+/// their dialect (`ietf quota headers`), the rest (`HTTP 429 Retry-After`) reads as is.
+fn source_words(source: &str) -> String {
+    let Some(dialect) = source.strip_suffix(" quota headers") else {
+        return source.to_owned();
+    };
+    let headers = match dialect {
+        "ietf" => "IETF draft: RateLimit, RateLimit-Policy",
+        "openai" => "OpenAI: x-ratelimit-*",
+        "anthropic" => "Anthropic: anthropic-ratelimit-*",
+        "github" => "GitHub: x-ratelimit-*",
+        "generic" => "x-ratelimit-*",
+        other => other,
+    };
+    format!("quota headers ({headers})")
+}
+
+/// What the fake provider's scripted fault did, in a reader's words.
+fn fault_words(fault: &str) -> String {
+    let words = match fault {
+        "store_then_drop" => "the provider stored the write, then dropped the connection",
+        "drop" => "the provider dropped the connection without acting",
+        "timeout" => "the provider never answered",
+        "slow" => "the provider answered slowly",
+        "status" => "a scripted error status",
+        "error_code" => "a scripted error code",
+        other => {
+            return match other.strip_prefix("quota:") {
+                Some(quota) => format!("the provider's quota {quota} was used up"),
+                None => format!("scripted fault {other}"),
+            }
+        }
+    };
+    words.to_owned()
+}
+
 /// One line of the timeline.
 struct Row {
     at: Option<Timestamp>,
-    order: (u8, u64),
+    /// The row's [`stage`], which orders rows of equal times causally.
+    stage: u8,
+    /// The sequence number of the row's record (an audit event's, or for a provider attempt its
+    /// own; for a status query's attempt, the lookup event's), then 0 for a provider attempt and
+    /// 1 for an audit event: the last, stable key of the order.
+    order: (u64, u8),
     who: String,
+    /// The action id (`Backstop-Action-Id`), the name the summary's waits use.
+    action: String,
     what: String,
     route: String,
     status: String,
@@ -212,7 +325,7 @@ fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known, scopes: &mut Scop
         reason.push(format!("wakes at {}", relative(Some(due), origin)));
     }
     if let Some(source) = &e.source {
-        reason.push(source.clone());
+        reason.push(source_words(source));
     }
     if e.kind == "action_requested" || e.kind == "reconciled" {
         if let Some(key) = &e.idempotency_key {
@@ -240,8 +353,10 @@ fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known, scopes: &mut Scop
     };
     Row {
         at,
-        order: (0, e.seq),
+        stage: stage(&e.kind),
+        order: (e.seq, 1),
         who: e.task.clone().unwrap_or_else(|| "backstop".to_owned()),
+        action: e.action.map(|a| a.to_string()).unwrap_or_default(),
         what: word(&e.kind).to_owned(),
         route,
         status: e.status.map(|s| s.to_string()).unwrap_or_default(),
@@ -250,10 +365,10 @@ fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known, scopes: &mut Scop
     }
 }
 
-fn attempt_row(a: &AttemptRecord) -> Row {
+fn attempt_row(a: &AttemptRecord, queries: &StatusQueries) -> Row {
     let mut reason = Vec::new();
     if let Some(fault) = &a.fault {
-        reason.push(format!("fault {fault}"));
+        reason.push(fault_words(fault));
     }
     if let Some(key) = &a.idempotency_key {
         reason.push(format!("key {key}"));
@@ -267,8 +382,13 @@ fn attempt_row(a: &AttemptRecord) -> Row {
     };
     Row {
         at: parse(&a.at),
-        order: (1, a.seq),
+        stage: match queries.event_of.get(&a.seq) {
+            Some(_) => stage("reconciliation_lookup"),
+            None => PROVIDER_STAGE,
+        },
+        order: (*queries.event_of.get(&a.seq).unwrap_or(&a.seq), 0),
         who: "  provider".to_owned(),
+        action: String::new(),
         what: "provider saw".to_owned(),
         route: format!("{} {path}", a.method),
         status: a
@@ -300,6 +420,18 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
     );
     let _ = writeln!(out, "{}", header(report));
     let _ = writeln!(out, "{}", style.bold("Timeline"));
+    timeline(report, &style, origin, &mut out);
+
+    summary(report, &style, origin, &mut out);
+    escalation(report, &style, &mut out);
+    where_to_look(report, &style, program, &mut out);
+    out
+}
+
+/// The timeline: every audit event (but task openings and scope updates that repeat the last
+/// one of their scope) and every provider attempt, in time order, rows of one instant in
+/// causal order.
+fn timeline(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {
     let known = Known::of(report);
     let mut scopes = ScopesShown::default();
     let mut rows: Vec<Row> = Vec::new();
@@ -313,19 +445,21 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
             rows.push(row);
         }
     }
-    rows.extend(report.attempts.iter().map(attempt_row));
-    rows.sort_by(|a, b| a.at.cmp(&b.at).then(a.order.cmp(&b.order)));
+    let queries = StatusQueries::of(report);
+    rows.extend(report.attempts.iter().map(|a| attempt_row(a, &queries)));
+    rows.sort_by_key(|row| (row.at, row.stage, row.order));
     let _ = writeln!(
         out,
-        "{:<9} {:<12} {:<17} {:<40} {:<6} {:<12} reason",
-        "time", "task", "event", "route", "status", "disposition"
+        "{:<9} {:<12} {:<6} {:<17} {:<40} {:<6} {:<12} reason",
+        "time", "task", "action", "event", "route", "status", "disposition"
     );
     for row in &rows {
         let _ = writeln!(
             out,
-            "{:<9} {:<12} {} {:<40} {:<6} {:<12} {}",
+            "{:<9} {:<12} {:<6} {} {:<40} {:<6} {:<12} {}",
             relative(row.at, origin),
             row.who,
+            row.action,
             style.event(&row.what),
             row.route,
             row.status,
@@ -333,11 +467,6 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
             row.reason
         );
     }
-
-    summary(report, &style, origin, &mut out);
-    escalation(report, &style, &mut out);
-    where_to_look(report, &style, program, &mut out);
-    out
 }
 
 /// The sentence under the title: how many tasks ran and the quota scopes their calls fell
@@ -618,29 +747,28 @@ fn cancellation(cancelled: &TaskCancelled) -> String {
     // The cancellation's three counts look at the same actions from three places (their
     // outcomes, the delayed queue, the durable retries): they overlap, never add them up.
     let mut sentence = format!(
-        "\nCancelled {}: {} ended cancelled (actions_cancelled {})",
+        "\nCancelled {}: {} ended cancelled",
         cancelled.task_id,
         count(cancelled.actions_cancelled, "action"),
-        cancelled.actions_cancelled
     );
-    if cancelled.waiting_dropped > 0 {
-        let _ =
-            write!(
-            sentence,
-            "; {} of them {} taken out of the delayed queue before {} woke (waiting_dropped {})",
-            cancelled.waiting_dropped,
-            if cancelled.waiting_dropped == 1 { "was" } else { "were" },
-            if cancelled.waiting_dropped == 1 { "it" } else { "they" },
-            cancelled.waiting_dropped
-        );
-    }
-    if cancelled.retries_dropped > 0 {
+    let waiting = cancelled.waiting_dropped;
+    if waiting > 0 {
+        let (were, they) = if waiting == 1 {
+            ("was", "it")
+        } else {
+            ("were", "they")
+        };
         let _ = write!(
             sentence,
-            ", and {} of those also had {} scheduled retry dropped from the store (retries_dropped {})",
-            cancelled.retries_dropped,
-            if cancelled.retries_dropped == 1 { "its" } else { "their" },
-            cancelled.retries_dropped
+            "; {waiting} of them {were} waiting in the delayed queue and {were} dropped before {they} woke"
+        );
+    }
+    let retries = cancelled.retries_dropped;
+    if retries > 0 {
+        let their = if retries == 1 { "its" } else { "their" };
+        let _ = write!(
+            sentence,
+            ", and {retries} of those also had {their} scheduled retry removed from the store"
         );
     }
     sentence
@@ -731,5 +859,98 @@ fn where_to_look(report: &Report, style: &Style, program: &str, out: &mut String
             "  {operator} {program} escalations decide {} --option query_status",
             e.id.0
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(seq: u64, at: &str, kind: &str, extra: serde_json::Value) -> AuditEvent {
+        let mut e = AuditEvent {
+            seq,
+            at: format!("2026-01-01T00:00:00.{at}Z"),
+            kind: kind.to_owned(),
+            task: Some("t".to_owned()),
+            action: Some(4),
+            method: Some("POST".to_owned()),
+            route: Some("/v1/transfers".to_owned()),
+            ..AuditEvent::default()
+        };
+        if let Some(status) = extra["status"].as_u64() {
+            e.status = u16::try_from(status).ok();
+        }
+        e.source = extra["source"].as_str().map(str::to_owned);
+        e.disposition = extra["disposition"].as_str().map(str::to_owned);
+        e
+    }
+
+    fn attempt(seq: u64, at: &str, method: &str, path: &str, status: Option<u16>) -> AttemptRecord {
+        serde_json::from_value(serde_json::json!({
+            "seq": seq, "at": format!("2026-01-01T00:00:00.{at}Z"), "method": method,
+            "path": path, "query": null, "route": null, "call": null, "idempotency_key": null,
+            "body_sha256": null, "body_bytes": 0, "auth_present": true, "auth_sha256": null,
+            "status": status, "outcome": if status.is_some() { "answered" } else { "dropped" },
+            "fault": null, "replayed": false
+        }))
+        .expect("an attempt record")
+    }
+
+    /// The timeline's event words and provider methods, in printed order.
+    fn order(lookup_at: &str, get_at: &str) -> Vec<String> {
+        let lookup = serde_json::json!({
+            "status": 200, "disposition": "found",
+            "source": "GET /v1/transfers?idempotency_key={key}"
+        });
+        let uncertain = serde_json::json!({"disposition": "uncertain"});
+        // As the gateway records them: the uncertain result after the status query it caused.
+        let report = Report {
+            dir: "d".into(),
+            store_path: "d/backstop.db".into(),
+            audit_path: Err("none".to_owned()),
+            events: vec![
+                event(1, "100", "action_sent", serde_json::json!({})),
+                event(2, lookup_at, "reconciliation_lookup", lookup),
+                event(3, "105", "action_result", uncertain),
+                event(4, "110", "reconciled", serde_json::json!({})),
+            ],
+            attempts: vec![
+                attempt(1, "105", "POST", "/v1/transfers", None),
+                attempt(2, get_at, "GET", "/v1/transfers", Some(200)),
+            ],
+            answers: Vec::new(),
+            escalations: Vec::new(),
+            cancelled: None,
+            failures: Vec::new(),
+        };
+        let mut out = String::new();
+        let origin = parse("2026-01-01T00:00:00.100Z").expect("instant");
+        timeline(&report, &Style { on: false }, origin, &mut out);
+        out.lines()
+            .skip(1)
+            .map(|l| {
+                let words: Vec<&str> = l.split_whitespace().collect();
+                match words.as_slice() {
+                    [_, "provider", "provider", "saw", method, ..] => format!("saw {method}"),
+                    [_, _, _, first, second, ..] => format!("{first} {second}"),
+                    _ => l.to_owned(),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rows_of_one_instant_print_in_causal_order() {
+        let causal = [
+            "sent POST",
+            "saw POST",
+            "result POST",
+            "saw GET",
+            "status query",
+            "reconciled POST",
+        ];
+        // All of the write's rows in one millisecond, or each a millisecond apart.
+        assert_eq!(order("105", "105"), causal);
+        assert_eq!(order("107", "106"), causal);
     }
 }
