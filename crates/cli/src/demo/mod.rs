@@ -513,29 +513,45 @@ impl Steps {
         Ok(())
     }
 
+    /// Creates a transfer as `task` under the idempotency key `key`.
+    async fn transfer(&self, task: &'static str, key: &'static str, body: &'static str) -> Answer {
+        let key = vec![("Idempotency-Key", key)];
+        call(
+            self.base.clone(),
+            task,
+            "POST",
+            "/v1/transfers",
+            key,
+            Some(body),
+        )
+        .await
+    }
+
     /// (4) a write with a stable key that the provider stores and drops the connection of;
     /// (5b) a dropped write whose status query fails: a human decides.
     async fn dropped_writes(&mut self) {
-        let transfer = call(
-            self.base.clone(),
-            "research-a",
-            "POST",
-            "/v1/transfers",
-            vec![("Idempotency-Key", "demo-transfer-0001")],
-            Some(r#"{"amount":1250,"currency":"eur","destination":"acct_9"}"#),
-        )
-        .await;
-        self.check("4", transfer, 200, None);
-        let refund = call(
-            self.base.clone(),
-            "research-b",
-            "POST",
-            "/v1/transfers",
-            vec![("Idempotency-Key", "demo-refund-0002")],
-            Some(r#"{"amount":990,"currency":"eur","destination":"acct_4"}"#),
-        )
-        .await;
-        self.check("5", refund, 424, Some("escalated"));
+        let writes = [
+            (
+                "4",
+                "research-a",
+                "demo-transfer-0001",
+                r#"{"amount":1250,"currency":"eur","destination":"acct_9"}"#,
+                200,
+                None,
+            ),
+            (
+                "5",
+                "research-b",
+                "demo-refund-0002",
+                r#"{"amount":990,"currency":"eur","destination":"acct_4"}"#,
+                424,
+                Some("escalated"),
+            ),
+        ];
+        for (step, task, key, body, status, outcome) in writes {
+            let answer = self.transfer(task, key, body).await;
+            self.check(step, answer, status, outcome);
+        }
     }
 
     /// (5a): a boundary beyond the wait budget ends the action at once.
