@@ -26,6 +26,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    // Listed first in `backstop --help`: the variants are shown in declaration order.
+    /// Run the reference scenario on loopback and print its timeline: start here.
+    Demo(cmd::demo::Args),
     /// Run the gateway: the proxy door and the action API on one listener.
     Serve(cmd::serve::Args),
     /// Classify one provider response (or transport error) and print the normalized signal as JSON.
@@ -43,8 +46,6 @@ enum Command {
     Escalations(cmd::escalations::Args),
     /// Print the scope records of a running gateway: who may send when, what is in flight.
     Scopes(cmd::scopes::Args),
-    /// Run the reference scenario on loopback and print its timeline: start here.
-    Demo(cmd::demo::Args),
     /// Export health snapshots of throttled actions from a gateway database (NDJSON).
     Snapshots(cmd::snapshots::Args),
 }
@@ -52,6 +53,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo(args) => cmd::demo::run(args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::Classify(args) => cmd::classify::run(args),
         Command::Policy(command) => cmd::policy::run(command),
@@ -60,7 +62,20 @@ fn main() -> ExitCode {
         Command::FakeApi(args) => cmd::fake_api::run(args),
         Command::Escalations(args) => cmd::escalations::run(args),
         Command::Scopes(args) => cmd::scopes::run(args),
-        Command::Demo(args) => cmd::demo::run(args),
         Command::Snapshots(args) => cmd::snapshots::run(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    #[test]
+    fn help_lists_demo_first() {
+        let command = Cli::command();
+        let first = command.get_subcommands().next().map(|c| c.get_name());
+        assert_eq!(first, Some("demo"));
     }
 }

@@ -356,115 +356,174 @@ fn check_and_diagnose(
     format: Format,
     spool: &mut Option<Spool>,
 ) -> Result<u64, Failure> {
-    let progress = io::stderr().is_terminal();
-    let mut totals = Totals::default();
-    let mut buf = Vec::with_capacity(1024);
-    let mut line_no: u64 = 0;
-    let mut bad: u64 = 0;
-    let mut first = true;
-    // Bad lines that are audit events: reported once, then counted.
-    let mut audit_lines: u64 = 0;
-
-    // A database is not read line by line: say what it is, once.
-    let start = reader
-        .fill_buf()
-        .map_err(|e| Failure::Fatal(format!("cannot read: {e}")))?;
-    if start.starts_with(SQLITE_HEADER) {
-        let db = if name == "<stdin>" { "FILE" } else { name };
-        return Err(Failure::Fatal(format!(
-            "this is a SQLite database, not NDJSON snapshots; diagnose reads health snapshots: \
-             when it is a gateway's store, derive them with `backstop snapshots export --db {db} \
-             --policy POLICY | backstop diagnose -`, or check its audit log with `backstop audit \
-             verify --db {db}`"
-        )));
-    }
-
+    refuse_database(&mut reader, name)?;
     if let Some(out) = spool.as_mut() {
         write_header(out, format).map_err(spool_failure)?;
     }
+    let mut check = Check {
+        name,
+        now,
+        opts,
+        format,
+        progress: io::stderr().is_terminal(),
+        totals: Totals::default(),
+        line_no: 0,
+        bad: 0,
+        first: true,
+        audit_lines: 0,
+    };
+    let mut buf = Vec::with_capacity(1024);
+    while let Some(line) = check.read(&mut reader, &mut buf)? {
+        check.line(line, &buf, spool)?;
+    }
+    check.finish(spool)
+}
 
-    loop {
-        let line = match read_line_capped(&mut reader, &mut buf, MAX_LINE_BYTES) {
+/// A database is not read line by line: says what it is, once, as a fatal failure.
+fn refuse_database(reader: &mut Box<dyn BufRead>, name: &str) -> Result<(), Failure> {
+    let start = reader
+        .fill_buf()
+        .map_err(|e| Failure::Fatal(format!("cannot read: {e}")))?;
+    if !start.starts_with(SQLITE_HEADER) {
+        return Ok(());
+    }
+    let db = if name == "<stdin>" { "FILE" } else { name };
+    Err(Failure::Fatal(format!(
+        "this is a SQLite database, not NDJSON snapshots; diagnose reads health snapshots: \
+         when it is a gateway's store, derive them with `backstop snapshots export --db {db} \
+         --policy POLICY | backstop diagnose -`, or check its audit log with `backstop audit \
+         verify --db {db}`"
+    )))
+}
+
+/// The state of one pass over the input in [`check_and_diagnose`].
+struct Check<'a> {
+    name: &'a str,
+    now: Timestamp,
+    opts: &'a DiagnoseOptions,
+    format: Format,
+    /// Whether a progress counter is shown (stderr is a terminal).
+    progress: bool,
+    totals: Totals,
+    line_no: u64,
+    bad: u64,
+    /// No result was written yet.
+    first: bool,
+    /// Bad lines that are audit events: reported once, then counted.
+    audit_lines: u64,
+}
+
+impl Check<'_> {
+    /// Reads the next line into `buf` (`None` at the end), counting it and showing progress.
+    fn read(
+        &mut self,
+        reader: &mut Box<dyn BufRead>,
+        buf: &mut Vec<u8>,
+    ) -> Result<Option<Line>, Failure> {
+        let line = match read_line_capped(reader, buf, MAX_LINE_BYTES) {
             Ok(Some(line)) => line,
-            Ok(None) => break,
+            Ok(None) => return Ok(None),
             Err(e) => {
-                if progress {
+                if self.progress {
                     output::stderr_raw(format_args!("\r\x1b[K"));
                 }
                 return Err(Failure::Fatal(format!(
-                    "cannot read after line {line_no}: {e}"
+                    "cannot read after line {}: {e}",
+                    self.line_no
                 )));
             }
         };
-        line_no += 1;
-        if progress && line_no.is_multiple_of(PROGRESS_EVERY_LINES) {
-            output::stderr_raw(format_args!("\r{name}: {line_no} lines"));
+        self.line_no += 1;
+        if self.progress && self.line_no.is_multiple_of(PROGRESS_EVERY_LINES) {
+            output::stderr_raw(format_args!("\r{}: {} lines", self.name, self.line_no));
         }
+        Ok(Some(line))
+    }
+
+    /// Checks one line (held in `buf`) and, while `spool` is kept, diagnoses it into `spool`.
+    fn line(&mut self, line: Line, buf: &[u8], spool: &mut Option<Spool>) -> Result<(), Failure> {
+        let (name, line_no) = (self.name, self.line_no);
         let bytes = match line {
             Line::TooLong => {
-                bad += 1;
+                self.bad += 1;
                 *spool = None;
                 errln!("{name}: LINE {line_no}: longer than {MAX_LINE_BYTES} bytes");
-                continue;
+                return Ok(());
             }
             Line::Complete if line_no == 1 => {
-                buf.strip_prefix(UTF8_BOM).unwrap_or(&buf).trim_ascii()
+                buf.strip_prefix(UTF8_BOM).unwrap_or(buf).trim_ascii()
             }
             Line::Complete => buf.trim_ascii(),
         };
         if bytes.is_empty() {
-            continue;
+            return Ok(());
         }
-        let snapshot = match parse_snapshot(bytes).and_then(|s| s.check_at(now).map(|()| s)) {
+        let snapshot = match parse_snapshot(bytes).and_then(|s| s.check_at(self.now).map(|()| s)) {
             Ok(snapshot) => snapshot,
             Err(e) => {
-                bad += 1;
+                self.bad += 1;
                 *spool = None;
-                if is_audit_event(bytes) {
-                    audit_lines += 1;
-                    if audit_lines == 1 {
-                        errln!(
-                            "{name}: LINE {line_no}: this line is an audit event (as `backstop \
-                             audit export` writes), not a health snapshot; {SNAPSHOTS_HINT}; \
-                             further audit event lines are counted at the end, not listed"
-                        );
-                    }
-                } else {
-                    errln!("{name}: LINE {line_no}: {e}");
-                }
-                continue;
+                self.bad_snapshot(bytes, &e);
+                return Ok(());
             }
         };
         // After a bad line nothing will be printed: the rest is only checked.
         let Some(out) = spool.as_mut() else {
-            continue;
+            return Ok(());
         };
-        let report = diagnose_owned(snapshot, now, opts);
-        totals.add(&report);
+        let report = diagnose_owned(snapshot, self.now, self.opts);
+        self.totals.add(&report);
         let row = Row {
             line: line_no,
             report: &report,
         };
-        write_row(out, format, &row, first).map_err(spool_failure)?;
-        first = false;
+        write_row(out, self.format, &row, self.first).map_err(spool_failure)?;
+        self.first = false;
+        Ok(())
     }
-    if progress && line_no >= PROGRESS_EVERY_LINES {
-        output::stderr_raw(format_args!("\r\x1b[K"));
+
+    /// Reports a line that is not a valid snapshot: an audit event only the first time.
+    fn bad_snapshot(&mut self, bytes: &[u8], error: &dyn std::fmt::Display) {
+        let (name, line_no) = (self.name, self.line_no);
+        if !is_audit_event(bytes) {
+            errln!("{name}: LINE {line_no}: {error}");
+            return;
+        }
+        self.audit_lines += 1;
+        if self.audit_lines == 1 {
+            errln!(
+                "{name}: LINE {line_no}: this line is an audit event (as `backstop \
+                 audit export` writes), not a health snapshot; {SNAPSHOTS_HINT}; \
+                 further audit event lines are counted at the end, not listed"
+            );
+        }
     }
-    if audit_lines > 1 {
-        errln!("{name}: {audit_lines} lines are audit events, not snapshots");
+
+    /// After the last line: clears the progress counter, says what was counted, writes the
+    /// totals to `spool` when kept, and returns the number of bad lines.
+    fn finish(self, spool: &mut Option<Spool>) -> Result<u64, Failure> {
+        let name = self.name;
+        if self.progress && self.line_no >= PROGRESS_EVERY_LINES {
+            output::stderr_raw(format_args!("\r\x1b[K"));
+        }
+        if self.audit_lines > 1 {
+            errln!(
+                "{name}: {} lines are audit events, not snapshots",
+                self.audit_lines
+            );
+        }
+        if self.first && self.bad == 0 {
+            // Not an error (an export of a run that was never throttled is empty), but said, so
+            // an empty table is not mistaken for "all healthy".
+            errln!(
+                "{name}: no snapshots (the input is empty or only blank lines): nothing was diagnosed"
+            );
+        }
+        if let Some(out) = spool.as_mut() {
+            write_totals(out, self.format, &self.totals).map_err(spool_failure)?;
+        }
+        Ok(self.bad)
     }
-    if first && bad == 0 {
-        // Not an error (an export of a run that was never throttled is empty), but said, so
-        // an empty table is not mistaken for "all healthy".
-        errln!(
-            "{name}: no snapshots (the input is empty or only blank lines): nothing was diagnosed"
-        );
-    }
-    if let Some(out) = spool.as_mut() {
-        write_totals(out, format, &totals).map_err(spool_failure)?;
-    }
-    Ok(bad)
 }
 
 /// What comes before the first result: the table's header, the JSON document's opening.

@@ -2,7 +2,7 @@
 
 use std::{path::PathBuf, process::ExitCode};
 
-use backstop_core::policy::Policy;
+use backstop_core::policy::{Policy, Provider};
 
 use crate::cmd::output::{self, errln};
 
@@ -67,26 +67,7 @@ fn count(n: usize, noun: &str) -> String {
 /// breaker's, backoff's, shared scope limits' and retry quota's settings, then one line per scope
 /// and route.
 fn summary(policy: &Policy) -> String {
-    let scopes: Vec<_> = policy.scopes().collect();
-    let routes = policy
-        .providers
-        .values()
-        .map(|p| p.routes.len())
-        .sum::<usize>();
-    let warnings = match policy.warnings.len() {
-        0 => String::new(),
-        n => format!(" ({})", count(n, "warning")),
-    };
-    let mut out = format!(
-        "{}: ok: {}, {}, {}, {}, {}, {}{warnings}\n",
-        policy.file,
-        count(policy.request_classes.len(), "request class"),
-        count(policy.providers.len(), "provider"),
-        count(scopes.len(), "scope"),
-        count(routes, "route"),
-        count(policy.agents.len(), "agent"),
-        count(policy.operators.len(), "operator"),
-    );
+    let mut out = counts(policy);
     for class in policy.request_classes.values() {
         out.push_str(&format!(
             "class {}: max_attempts {}, max_wait {} s, retry_statuses {:?}, side_effect {}\n",
@@ -97,30 +78,8 @@ fn summary(policy: &Policy) -> String {
             class.side_effect.as_str()
         ));
     }
-    out.push_str(&format!(
-        "breaker: threshold {}, forget_after {} s\n",
-        policy.breaker.threshold,
-        policy.breaker.forget_after.as_secs_f64()
-    ));
-    let b = &policy.backoff;
-    out.push_str(&format!(
-        "backoff: base {} s, max {} s, min_delay {} s, retry_after_ceiling {} s, boundary_spread {} s\n",
-        b.base.as_secs_f64(),
-        b.max.as_secs_f64(),
-        b.min_delay.as_secs_f64(),
-        b.retry_after_ceiling.as_secs_f64(),
-        b.boundary_spread.as_secs_f64()
-    ));
-    out.push_str(&format!(
-        "shared_scope: max_concurrent_requests {}, max_delayed_requests {}\n",
-        policy.shared_scope.max_concurrent_requests, policy.shared_scope.max_delayed_requests
-    ));
-    let q = &policy.retry_quota;
-    out.push_str(&format!(
-        "retry_quota: capacity {}, retry_cost {}, timeout_cost {}, success_refund {}\n",
-        q.capacity, q.retry_cost, q.timeout_cost, q.success_refund
-    ));
-    for scope in scopes {
+    out.push_str(&settings(policy));
+    for scope in policy.scopes() {
         match scope.limit {
             Some(limit) => out.push_str(&format!(
                 "scope {}: {} requests / {} s, paced at {} %, {} % reserved for interactive\n",
@@ -137,37 +96,93 @@ fn summary(policy: &Policy) -> String {
         }
     }
     for provider in policy.providers.values() {
-        for route in &provider.routes {
-            out.push_str(&format!(
-                "route {} {} {} -> {} [{}]\n",
-                provider.name,
-                route.method,
-                route.template,
-                route.class,
-                route.scopes.join(", ")
-            ));
-        }
-        let implied: Vec<&str> = backstop_core::side_effect::completion_routes(provider.dialect)
-            .filter(|path| {
-                !provider
-                    .routes
-                    .iter()
-                    .any(|r| r.method == "POST" && r.template == *path)
-            })
-            .collect();
-        if !implied.is_empty() {
-            out.push_str(&format!(
-                "route {} POST {} -> {} (dialect {}, side_effect {}) [{}]\n",
-                provider.name,
-                implied.join(" | "),
-                backstop_core::side_effect::COMPLETION_CLASS,
-                provider.dialect.as_str(),
-                policy
-                    .side_effect_of(backstop_core::side_effect::COMPLETION_CLASS)
-                    .as_str(),
-                provider.default_scopes.join(", ")
-            ));
-        }
+        out.push_str(&routes(policy, provider));
+    }
+    out
+}
+
+/// The summary's first line: the file, `ok`, and how many of each thing it declares.
+fn counts(policy: &Policy) -> String {
+    let routes = policy
+        .providers
+        .values()
+        .map(|p| p.routes.len())
+        .sum::<usize>();
+    let warnings = match policy.warnings.len() {
+        0 => String::new(),
+        n => format!(" ({})", count(n, "warning")),
+    };
+    format!(
+        "{}: ok: {}, {}, {}, {}, {}, {}{warnings}\n",
+        policy.file,
+        count(policy.request_classes.len(), "request class"),
+        count(policy.providers.len(), "provider"),
+        count(policy.scopes().count(), "scope"),
+        count(routes, "route"),
+        count(policy.agents.len(), "agent"),
+        count(policy.operators.len(), "operator"),
+    )
+}
+
+/// The breaker, backoff, shared scope and retry quota lines.
+fn settings(policy: &Policy) -> String {
+    let b = &policy.backoff;
+    let q = &policy.retry_quota;
+    format!(
+        "breaker: threshold {}, forget_after {} s\n\
+         backoff: base {} s, max {} s, min_delay {} s, retry_after_ceiling {} s, boundary_spread {} s\n\
+         shared_scope: max_concurrent_requests {}, max_delayed_requests {}\n\
+         retry_quota: capacity {}, retry_cost {}, timeout_cost {}, success_refund {}\n",
+        policy.breaker.threshold,
+        policy.breaker.forget_after.as_secs_f64(),
+        b.base.as_secs_f64(),
+        b.max.as_secs_f64(),
+        b.min_delay.as_secs_f64(),
+        b.retry_after_ceiling.as_secs_f64(),
+        b.boundary_spread.as_secs_f64(),
+        policy.shared_scope.max_concurrent_requests,
+        policy.shared_scope.max_delayed_requests,
+        q.capacity,
+        q.retry_cost,
+        q.timeout_cost,
+        q.success_refund
+    )
+}
+
+/// One line per route of `provider`, then one for the completion routes its dialect implies
+/// that it does not declare itself.
+fn routes(policy: &Policy, provider: &Provider) -> String {
+    let mut out = String::new();
+    for route in &provider.routes {
+        out.push_str(&format!(
+            "route {} {} {} -> {} [{}]\n",
+            provider.name,
+            route.method,
+            route.template,
+            route.class,
+            route.scopes.join(", ")
+        ));
+    }
+    let implied: Vec<&str> = backstop_core::side_effect::completion_routes(provider.dialect)
+        .filter(|path| {
+            !provider
+                .routes
+                .iter()
+                .any(|r| r.method == "POST" && r.template == *path)
+        })
+        .collect();
+    if !implied.is_empty() {
+        out.push_str(&format!(
+            "route {} POST {} -> {} (dialect {}, side_effect {}) [{}]\n",
+            provider.name,
+            implied.join(" | "),
+            backstop_core::side_effect::COMPLETION_CLASS,
+            provider.dialect.as_str(),
+            policy
+                .side_effect_of(backstop_core::side_effect::COMPLETION_CLASS)
+                .as_str(),
+            provider.default_scopes.join(", ")
+        ));
     }
     out
 }

@@ -26,8 +26,36 @@ use backstop_gateway::{
 
 use crate::cmd::output::{self, errln};
 
+/// Where serve's secrets come from, shown by `backstop serve --help` after the options.
+const SECRETS_HELP: &str = "\
+SECRETS (agent tokens and provider keys):
+  Neither the policy nor the command line holds a secret: the policy names the environment
+  variable or the file that serve reads each one from at start-up (a file's trailing newline is
+  dropped). A missing environment variable stops the start, naming the policy key; a secret file
+  that cannot be read only makes its agent or provider unavailable (a warning).
+    agents.NAME.token_env                  environment variable with the token the agent sends
+                                           (Authorization: Bearer TOKEN)
+    agents.NAME.token_file                 file with that token
+    agents.NAME.token_sha256               or the token's lowercase hex SHA-256 (nothing to set)
+    operators.NAME.token_env | token_file | token_sha256
+                                           the same for an operator (`backstop escalations`)
+    providers.NAME.credential.secret_env   environment variable with the provider key backstop
+                                           adds to every call it forwards
+    providers.NAME.credential.secret_file  file with that key
+
+EXAMPLES:
+  Against the bundled fake provider (`backstop fake-api --config examples/fake-api.yaml
+  --listen 127.0.0.1:8081` in another terminal); its policy reads the agent's token from
+  BACKSTOP_TOKEN (agents.local-agent.token_env) and the provider key from FAKE_API_KEY
+  (providers.fake.credential.secret_env):
+    BACKSTOP_TOKEN=local-agent-token FAKE_API_KEY=local-provider-key \\
+      backstop serve --config examples/backstop-fake.yaml
+  `backstop demo` prints the serve command for the store it leaves behind, with its policy's
+  variables set (DEMO_AGENT_TOKEN, DEMO_PROVIDER_KEY, DEMO_OPERATOR_TOKEN).";
+
 /// Arguments of `backstop serve`.
 #[derive(Debug, clap::Args)]
+#[command(after_long_help = SECRETS_HELP)]
 pub struct Args {
     /// The policy file (YAML).
     #[arg(
@@ -82,15 +110,41 @@ pub struct Args {
 /// cannot start.
 pub fn run(args: Args) -> ExitCode {
     init_logging();
+    let Some(policy) = load_policy(&args) else {
+        return ExitCode::from(2);
+    };
+    if let Err(problem) = check_limits(&args) {
+        errln!("backstop serve: {problem}");
+        return ExitCode::from(2);
+    }
+    if !secrets_resolve(&policy) {
+        return ExitCode::from(2);
+    }
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.worker_threads {
+        builder.worker_threads(threads);
+    }
+    let runtime = match builder.enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            errln!("backstop serve: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    runtime.block_on(serve(policy, serve_options(args)))
+}
+
+/// The policy of `--config`, or `None` after saying why it cannot be used.
+fn load_policy(args: &Args) -> Option<Policy> {
     if !args.config.exists() {
         errln!(
             "backstop serve: no policy file at {} (pass one with --config FILE; examples/backstop-fake.yaml runs against the bundled fake provider)",
             args.config.display()
         );
-        return ExitCode::from(2);
+        return None;
     }
-    let policy = match Policy::load(&args.config) {
-        Ok(policy) => policy,
+    match Policy::load(&args.config) {
+        Ok(policy) => Some(policy),
         Err(errors) => {
             for error in &errors.0 {
                 errln!("{}", output::terminal_safe(&error.to_string()));
@@ -99,50 +153,49 @@ pub fn run(args: Args) -> ExitCode {
                 "backstop serve: the policy {} is invalid",
                 args.config.display()
             );
-            return ExitCode::from(2);
+            None
         }
-    };
+    }
+}
+
+/// Checks the size and time limits against each other and their minimums.
+fn check_limits(args: &Args) -> Result<(), String> {
     if args.retry_body_bytes > args.max_body_bytes {
-        errln!(
-            "backstop serve: --retry-body-bytes ({}) must not exceed --max-body-bytes ({})",
-            args.retry_body_bytes,
-            args.max_body_bytes
-        );
-        return ExitCode::from(2);
+        return Err(format!(
+            "--retry-body-bytes ({}) must not exceed --max-body-bytes ({})",
+            args.retry_body_bytes, args.max_body_bytes
+        ));
     }
     if args.buffered_body_bytes < args.max_body_bytes {
-        errln!(
-            "backstop serve: --buffered-body-bytes ({}) must be at least --max-body-bytes ({})",
-            args.buffered_body_bytes,
-            args.max_body_bytes
-        );
-        return ExitCode::from(2);
+        return Err(format!(
+            "--buffered-body-bytes ({}) must be at least --max-body-bytes ({})",
+            args.buffered_body_bytes, args.max_body_bytes
+        ));
     }
     if args.attempt_timeout_seconds == 0 {
-        errln!("backstop serve: --attempt-timeout-seconds must be at least 1");
-        return ExitCode::from(2);
+        return Err("--attempt-timeout-seconds must be at least 1".to_owned());
     }
     if args.shutdown_grace_seconds == 0 {
         // With no grace, an attempt still out could not be answered 503 shutting_down: its
         // caller would get an empty reply.
-        errln!(
-            "backstop serve: --shutdown-grace-seconds must be at least 1 (the stop answers every caller within it)"
+        return Err(
+            "--shutdown-grace-seconds must be at least 1 (the stop answers every caller within it)"
+                .to_owned(),
         );
-        return ExitCode::from(2);
     }
     if args.read_timeout_seconds == 0 {
-        errln!("backstop serve: --read-timeout-seconds must be at least 1");
-        return ExitCode::from(2);
+        return Err("--read-timeout-seconds must be at least 1".to_owned());
     }
     if args.worker_threads == Some(0) {
-        errln!("backstop serve: --worker-threads must be at least 1");
-        return ExitCode::from(2);
+        return Err("--worker-threads must be at least 1".to_owned());
     }
-    if !secrets_resolve(&policy) {
-        return ExitCode::from(2);
-    }
+    Ok(())
+}
+
+/// The server's options from the command line.
+fn serve_options(args: Args) -> ServeOptions {
     let read_timeout = Duration::from_secs(args.read_timeout_seconds);
-    let options = ServeOptions {
+    ServeOptions {
         listen: args.listen,
         store: args.store,
         door: DoorConfig {
@@ -160,51 +213,43 @@ pub fn run(args: Args) -> ExitCode {
             .unwrap_or_else(|| RandomState::new().hash_one(std::process::id())),
         shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
         header_read_timeout: read_timeout,
-    };
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = args.worker_threads {
-        builder.worker_threads(threads);
     }
-    let runtime = match builder.enable_all().build() {
-        Ok(runtime) => runtime,
+}
+
+/// Starts the gateway and serves until a stop signal (exit 0 after a clean stop) or until the
+/// server stops by itself (exit 1); exit 2 when it cannot start.
+async fn serve(policy: Policy, options: ServeOptions) -> ExitCode {
+    // Registered before anything listens: a SIGTERM that arrives as soon as the listening line
+    // is printed is a stop, not the signal's default action (killing the process before the
+    // store is closed).
+    let stop = stop_signal();
+    let mut running = match server::start(policy, options, &process_env, server::engine).await {
+        Ok(running) => running,
         Err(e) => {
-            errln!("backstop serve: cannot start the async runtime: {e}");
+            errln!("backstop serve: {e}");
             return ExitCode::from(2);
         }
     };
-    runtime.block_on(async move {
-        // Registered before anything listens: a SIGTERM that arrives as soon as the listening
-        // line is printed is a stop, not the signal's default action (killing the process
-        // before the store is closed).
-        let stop = stop_signal();
-        let mut running = match server::start(policy, options, &process_env, server::engine).await {
-            Ok(running) => running,
-            Err(e) => {
-                errln!("backstop serve: {e}");
-                return ExitCode::from(2);
+    tokio::select! {
+        () = stop => {}
+        result = running.wait() => {
+            if let Err(e) = result {
+                errln!("backstop serve: the server stopped: {e}");
             }
-        };
-        tokio::select! {
-            () = stop => {}
-            result = running.wait() => {
-                if let Err(e) = result {
-                    errln!("backstop serve: the server stopped: {e}");
-                }
-                return ExitCode::from(1);
-            }
+            return ExitCode::from(1);
         }
-        tracing::info!("backstop serve: stop signal received");
-        match running.shutdown().await {
-            Ok(()) => {
-                tracing::info!("backstop serve: stopped");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                errln!("backstop serve: error while stopping: {e}");
-                ExitCode::from(1)
-            }
+    }
+    tracing::info!("backstop serve: stop signal received");
+    match running.shutdown().await {
+        Ok(()) => {
+            tracing::info!("backstop serve: stopped");
+            ExitCode::SUCCESS
         }
-    })
+        Err(e) => {
+            errln!("backstop serve: error while stopping: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// Resolves every agent token and provider secret of `policy` once, before anything starts, so

@@ -87,129 +87,35 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn export(args: ExportArgs) -> ExitCode {
-    let loaded = match &args.policy {
-        None => None,
-        Some(path) => match Policy::load(path) {
-            Ok(policy) => Some(policy),
-            Err(errors) => {
-                for error in &errors.0 {
-                    errln!(
-                        "backstop snapshots export: {}",
-                        output::terminal_safe(&error.to_string())
-                    );
-                }
-                return ExitCode::from(2);
-            }
-        },
+    let loaded = match load_policy(args.policy.as_ref()) {
+        Ok(loaded) => loaded,
+        Err(code) => return code,
     };
     let policy = loaded
         .as_ref()
         .map_or_else(HealthPolicy::spec_defaults, HealthPolicy::from_policy);
-    let mut mismatch = Mismatch::default();
     let place = args.db.display().to_string();
-    let reader = match RunRecordsReader::open(&args.db) {
-        Ok(reader) => reader,
-        Err(e) => {
-            errln!("backstop snapshots export: {}", at_place(&place, &e));
-            return ExitCode::from(2);
-        }
+    let (reader, evidence) = match read_evidence(&args, &place) {
+        Ok(read) => read,
+        Err(code) => return code,
     };
-    let events = match reader.audit_events() {
-        Ok(events) => events,
-        Err(e) => {
-            errln!("backstop snapshots export: {}", at_place(&place, &e));
-            return ExitCode::from(2);
-        }
+    let export = Export {
+        reader: &reader,
+        evidence: &evidence,
+        policy: &policy,
+        loaded: loaded.as_ref(),
+        task: args.task.as_deref(),
+        now: args.now.unwrap_or_else(current_time),
+        place: &place,
     };
-    let mut evidence = Evidence::new();
-    for event in &events {
-        if let Err(e) = evidence.ingest(event) {
-            errln!("backstop snapshots export: {place}: skipped: {e}");
-        }
-    }
-    drop(events);
-    let now = args.now.unwrap_or_else(current_time);
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
-    let mut deadlines: HashMap<String, Option<Timestamp>> = HashMap::new();
-    let mut written = Ok(());
-    // Actions of the task asked for, snapshots written, and snapshots named by provider only.
-    let (mut of_task, mut exported, mut by_provider) = (0usize, 0usize, 0usize);
-    // Actions of the task asked for that were throttled and then cancelled (no snapshot).
-    let mut cancelled_throttled = 0usize;
-    for trail in evidence.trails() {
-        if args.task.as_deref().is_some_and(|t| t != trail.task) {
-            continue;
-        }
-        of_task += 1;
-        if trail.throttled_then_cancelled() {
-            cancelled_throttled += 1;
-        }
-        let deadline = match deadlines.get(&trail.task) {
-            Some(deadline) => *deadline,
-            // The audit trail names the task id only; this offline operator view considers
-            // every agent's task with the id, and the earliest deadline wins (warn soonest).
-            None => match reader.tasks_of_every_agent(&trail.task) {
-                Ok(tasks) => {
-                    let deadline = tasks.into_iter().filter_map(|t| t.deadline).min();
-                    deadlines.insert(trail.task.clone(), deadline);
-                    deadline
-                }
-                Err(e) => {
-                    errln!("backstop snapshots export: {}", at_place(&place, &e));
-                    return ExitCode::from(2);
-                }
-            },
-        };
-        let ctx = SnapshotContext {
-            deadline,
-            policy: &policy,
-            heartbeat_at: evidence.heartbeat_at(),
-            now,
-        };
-        let Some(snapshot) = derive_snapshot(trail, &ctx) else {
-            continue;
-        };
-        exported += 1;
-        if snapshot.quota_scope == trail.provider {
-            by_provider += 1;
-        }
-        if let Some(loaded) = &loaded {
-            mismatch.note(loaded, trail, &snapshot.quota_scope);
-        }
-        written = serde_json::to_writer(&mut out, &snapshot)
-            .map_err(io::Error::from)
-            .and_then(|()| out.write_all(b"\n"));
-        if written.is_err() {
-            break;
-        }
-    }
+    let (counts, mismatch, written) = match export.write(&mut out) {
+        Ok(done) => done,
+        Err(code) => return code,
+    };
     let written = written.and_then(|()| out.flush());
-    let mut code = ExitCode::SUCCESS;
-    if let Some(task) = &args.task {
-        if of_task == 0 {
-            errln!("backstop snapshots export: {place}: no action of task `{task}` was found");
-            code = ExitCode::from(1);
-        } else if exported == 0 && cancelled_throttled > 0 {
-            errln!(
-                "backstop snapshots export: {place}: task `{task}` has {of_task} action{}; {cancelled_throttled} of them {} throttled and then cancelled, and a cancelled action waits for nothing, so it has no snapshot: nothing to export",
-                if of_task == 1 { "" } else { "s" },
-                if cancelled_throttled == 1 { "was" } else { "were" }
-            );
-        } else if exported == 0 {
-            errln!(
-                "backstop snapshots export: {place}: task `{task}` has {of_task} action{}, none throttled: nothing to export",
-                if of_task == 1 { "" } else { "s" }
-            );
-        }
-    }
-    if args.policy.is_none() && by_provider > 0 {
-        errln!(
-            "backstop snapshots export: note: without --policy, {by_provider} snapshot{} whose scope the gateway did not record {} named by the provider only (quota_scope without `/scope`); pass the gateway's policy with --policy to name the route's scope",
-            if by_provider == 1 { "" } else { "s" },
-            if by_provider == 1 { "is" } else { "are" }
-        );
-    }
+    let code = counts.report(&args, &place);
     if let Some(loaded) = &loaded {
         for warning in mismatch.warnings(&loaded.file) {
             errln!("backstop snapshots export: warning: {warning}");
@@ -222,6 +128,174 @@ fn export(args: ExportArgs) -> ExitCode {
             errln!("backstop snapshots export: cannot write output: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// The `--policy` file, when given; its problems are printed and exit 2.
+fn load_policy(path: Option<&PathBuf>) -> Result<Option<Policy>, ExitCode> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    match Policy::load(path) {
+        Ok(policy) => Ok(Some(policy)),
+        Err(errors) => {
+            for error in &errors.0 {
+                errln!(
+                    "backstop snapshots export: {}",
+                    output::terminal_safe(&error.to_string())
+                );
+            }
+            Err(ExitCode::from(2))
+        }
+    }
+}
+
+/// Opens the database read-only and ingests its audit log (an event that cannot be ingested is
+/// skipped, said on stderr); a database that cannot be read exits 2.
+fn read_evidence(args: &ExportArgs, place: &str) -> Result<(RunRecordsReader, Evidence), ExitCode> {
+    let failed = |e: &dyn std::fmt::Display| {
+        errln!("backstop snapshots export: {}", at_place(place, e));
+        ExitCode::from(2)
+    };
+    let reader = RunRecordsReader::open(&args.db).map_err(|e| failed(&e))?;
+    let events = reader.audit_events().map_err(|e| failed(&e))?;
+    let mut evidence = Evidence::new();
+    for event in &events {
+        if let Err(e) = evidence.ingest(event) {
+            errln!("backstop snapshots export: {place}: skipped: {e}");
+        }
+    }
+    Ok((reader, evidence))
+}
+
+/// One export's inputs.
+struct Export<'a> {
+    reader: &'a RunRecordsReader,
+    evidence: &'a Evidence,
+    policy: &'a HealthPolicy,
+    loaded: Option<&'a Policy>,
+    task: Option<&'a str>,
+    now: Timestamp,
+    place: &'a str,
+}
+
+/// How many actions an export looked at and wrote.
+#[derive(Debug, Default)]
+struct Counts {
+    /// Actions of the task asked for.
+    of_task: usize,
+    /// Snapshots written.
+    exported: usize,
+    /// Snapshots named by provider only.
+    by_provider: usize,
+    /// Actions of the task asked for that were throttled and then cancelled (no snapshot).
+    cancelled_throttled: usize,
+}
+
+impl Export<'_> {
+    /// Writes one NDJSON snapshot per throttled action (of the task asked for) to `out`, up to
+    /// the first write error; returns the counts, what the policy lacks and the write result.
+    /// A task record that cannot be read exits 2.
+    fn write(&self, out: &mut impl Write) -> Result<(Counts, Mismatch, io::Result<()>), ExitCode> {
+        let mut counts = Counts::default();
+        let mut mismatch = Mismatch::default();
+        let mut deadlines: HashMap<String, Option<Timestamp>> = HashMap::new();
+        let mut written = Ok(());
+        for trail in self.evidence.trails() {
+            if self.task.is_some_and(|t| t != trail.task) {
+                continue;
+            }
+            counts.of_task += 1;
+            if trail.throttled_then_cancelled() {
+                counts.cancelled_throttled += 1;
+            }
+            let ctx = SnapshotContext {
+                deadline: self.deadline(&mut deadlines, &trail.task)?,
+                policy: self.policy,
+                heartbeat_at: self.evidence.heartbeat_at(),
+                now: self.now,
+            };
+            let Some(snapshot) = derive_snapshot(trail, &ctx) else {
+                continue;
+            };
+            counts.exported += 1;
+            if snapshot.quota_scope == trail.provider {
+                counts.by_provider += 1;
+            }
+            if let Some(loaded) = self.loaded {
+                mismatch.note(loaded, trail, &snapshot.quota_scope);
+            }
+            written = serde_json::to_writer(&mut *out, &snapshot)
+                .map_err(io::Error::from)
+                .and_then(|()| out.write_all(b"\n"));
+            if written.is_err() {
+                break;
+            }
+        }
+        Ok((counts, mismatch, written))
+    }
+
+    /// The deadline of `task`, read once per task into `deadlines`.
+    fn deadline(
+        &self,
+        deadlines: &mut HashMap<String, Option<Timestamp>>,
+        task: &str,
+    ) -> Result<Option<Timestamp>, ExitCode> {
+        if let Some(deadline) = deadlines.get(task) {
+            return Ok(*deadline);
+        }
+        // The audit trail names the task id only; this offline operator view considers every
+        // agent's task with the id, and the earliest deadline wins (warn soonest).
+        match self.reader.tasks_of_every_agent(task) {
+            Ok(tasks) => {
+                let deadline = tasks.into_iter().filter_map(|t| t.deadline).min();
+                deadlines.insert(task.to_owned(), deadline);
+                Ok(deadline)
+            }
+            Err(e) => {
+                errln!("backstop snapshots export: {}", at_place(self.place, &e));
+                Err(ExitCode::from(2))
+            }
+        }
+    }
+}
+
+impl Counts {
+    /// Says on stderr what a `--task` export found nothing to export for, and what a
+    /// policy-less export named by provider only; exit 1 when `--task` names no action.
+    fn report(&self, args: &ExportArgs, place: &str) -> ExitCode {
+        let Counts {
+            of_task,
+            exported,
+            by_provider,
+            cancelled_throttled,
+        } = *self;
+        let mut code = ExitCode::SUCCESS;
+        if let Some(task) = &args.task {
+            if of_task == 0 {
+                errln!("backstop snapshots export: {place}: no action of task `{task}` was found");
+                code = ExitCode::from(1);
+            } else if exported == 0 && cancelled_throttled > 0 {
+                errln!(
+                    "backstop snapshots export: {place}: task `{task}` has {of_task} action{}; {cancelled_throttled} of them {} throttled and then cancelled, and a cancelled action waits for nothing, so it has no snapshot: nothing to export",
+                    if of_task == 1 { "" } else { "s" },
+                    if cancelled_throttled == 1 { "was" } else { "were" }
+                );
+            } else if exported == 0 {
+                errln!(
+                    "backstop snapshots export: {place}: task `{task}` has {of_task} action{}, none throttled: nothing to export",
+                    if of_task == 1 { "" } else { "s" }
+                );
+            }
+        }
+        if args.policy.is_none() && by_provider > 0 {
+            errln!(
+                "backstop snapshots export: note: without --policy, {by_provider} snapshot{} whose scope the gateway did not record {} named by the provider only (quota_scope without `/scope`); pass the gateway's policy with --policy to name the route's scope",
+                if by_provider == 1 { "" } else { "s" },
+                if by_provider == 1 { "is" } else { "are" }
+            );
+        }
+        code
     }
 }
 
@@ -308,7 +382,7 @@ impl Mismatch {
 
 /// A store error as one message naming the database once: the store's own message when it
 /// already names the path (`nope.db: no such database file`), else `PATH: message`.
-fn at_place(place: &str, error: &impl std::fmt::Display) -> String {
+fn at_place(place: &str, error: &(impl std::fmt::Display + ?Sized)) -> String {
     let message = error.to_string();
     if message.contains(place) {
         message

@@ -299,6 +299,16 @@ async fn start(dir: &Path) -> Result<Live, String> {
     })
 }
 
+/// What one agent call got back: status, `outcome`, `Backstop-Attempts`, `Backstop-Action-Id`
+/// and `detail` (see [`Answer`]).
+type Got = (
+    u16,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+);
+
 /// One agent call through the proxy door (blocking HTTP on a worker thread).
 async fn call(
     base: String,
@@ -309,75 +319,21 @@ async fn call(
     body: Option<&'static str>,
 ) -> Answer {
     let request = format!("{method} {path}");
-    let outcome = tokio::task::spawn_blocking(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(20)))
-            .build()
-            .into();
-        let url = format!("{base}/fake{path}");
-        let auth = format!("Bearer {AGENT_TOKEN}");
-        let result = if method == "POST" {
-            let mut builder = agent
-                .post(&url)
-                .header("Authorization", &auth)
-                .header("X-Backstop-Task", task);
-            for (name, value) in &extra {
-                builder = builder.header(*name, *value);
-            }
-            builder
-                .content_type("application/json")
-                .send(body.unwrap_or("{}").as_bytes())
-        } else {
-            let mut builder = agent
-                .get(&url)
-                .header("Authorization", &auth)
-                .header("X-Backstop-Task", task);
-            for (name, value) in &extra {
-                builder = builder.header(*name, *value);
-            }
-            builder.call()
-        };
-        match result {
-            Ok(mut response) => {
-                let status = response.status().as_u16();
-                let header = |name: &str| {
-                    response
-                        .headers()
-                        .get(name)
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_owned)
-                };
-                let attempts = header("backstop-attempts");
-                let action = header("backstop-action-id")
-                    .and_then(|id| id.parse::<i64>().ok())
-                    .filter(|id| *id > 0);
-                let text = response.body_mut().read_to_string().unwrap_or_default();
-                let problem = serde_json::from_str::<serde_json::Value>(&text).ok();
-                let member = |name: &str| {
-                    problem
-                        .as_ref()
-                        .and_then(|v| v[name].as_str().map(str::to_owned))
-                };
-                (
-                    status,
-                    member("outcome"),
-                    attempts,
-                    action,
-                    member("detail"),
-                )
-            }
-            Err(e) => (0, Some(format!("transport error: {e}")), None, None, None),
-        }
-    })
-    .await
-    .unwrap_or((
-        0,
-        Some("the agent call panicked".to_owned()),
-        None,
-        None,
-        None,
-    ));
+    let outcome =
+        tokio::task::spawn_blocking(
+            move || match send(&base, task, method, path, &extra, body) {
+                Ok(response) => read_answer(response),
+                Err(e) => (0, Some(format!("transport error: {e}")), None, None, None),
+            },
+        )
+        .await
+        .unwrap_or((
+            0,
+            Some("the agent call panicked".to_owned()),
+            None,
+            None,
+            None,
+        ));
     Answer {
         task: task.to_owned(),
         request,
@@ -387,6 +343,75 @@ async fn call(
         action: outcome.3,
         detail: outcome.4,
     }
+}
+
+/// Sends one agent request (as `task`, with the demo agent's token and `extra` headers).
+fn send(
+    base: &str,
+    task: &str,
+    method: &str,
+    path: &str,
+    extra: &[(&str, &str)],
+    body: Option<&str>,
+) -> Result<ureq::http::Response<ureq::Body>, ureq::Error> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(20)))
+        .build()
+        .into();
+    let url = format!("{base}/fake{path}");
+    let auth = format!("Bearer {AGENT_TOKEN}");
+    if method == "POST" {
+        let mut builder = agent
+            .post(&url)
+            .header("Authorization", &auth)
+            .header("X-Backstop-Task", task);
+        for (name, value) in extra {
+            builder = builder.header(*name, *value);
+        }
+        builder
+            .content_type("application/json")
+            .send(body.unwrap_or("{}").as_bytes())
+    } else {
+        let mut builder = agent
+            .get(&url)
+            .header("Authorization", &auth)
+            .header("X-Backstop-Task", task);
+        for (name, value) in extra {
+            builder = builder.header(*name, *value);
+        }
+        builder.call()
+    }
+}
+
+/// What the agent reads off an answer: its status, headers and, for a problem, its members.
+fn read_answer(mut response: ureq::http::Response<ureq::Body>) -> Got {
+    let status = response.status().as_u16();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let attempts = header("backstop-attempts");
+    let action = header("backstop-action-id")
+        .and_then(|id| id.parse::<i64>().ok())
+        .filter(|id| *id > 0);
+    let text = response.body_mut().read_to_string().unwrap_or_default();
+    let problem = serde_json::from_str::<serde_json::Value>(&text).ok();
+    let member = |name: &str| {
+        problem
+            .as_ref()
+            .and_then(|v| v[name].as_str().map(str::to_owned))
+    };
+    (
+        status,
+        member("outcome"),
+        attempts,
+        action,
+        member("detail"),
+    )
 }
 
 /// Polls the store (every 20 ms, at most 10 s) until `count` events of `kind` exist for `task`.
@@ -429,153 +454,203 @@ fn expect(
     }
 }
 
+/// What the scenario's steps collected so far: the agents' answers and the unmet expectations.
+struct Steps {
+    /// The gateway's base URL (`http://ADDR`).
+    base: String,
+    failures: Vec<String>,
+    answers: Vec<Answer>,
+}
+
+impl Steps {
+    /// Starts one agent read through the proxy door on its own task.
+    fn spawn_get(&self, task: &'static str, path: &'static str) -> tokio::task::JoinHandle<Answer> {
+        tokio::spawn(call(self.base.clone(), task, "GET", path, vec![], None))
+    }
+
+    /// Waits for a spawned agent call and checks its answer against step `step`'s expectation.
+    async fn join(
+        &mut self,
+        handle: tokio::task::JoinHandle<Answer>,
+        step: &str,
+        status: u16,
+        outcome: Option<&str>,
+    ) -> Result<(), String> {
+        let answer = handle
+            .await
+            .map_err(|e| format!("an agent task failed: {e}"))?;
+        self.check(step, answer, status, outcome);
+        Ok(())
+    }
+
+    /// Keeps `answer`, noting a failure of step `step` when it is not what was expected.
+    fn check(&mut self, step: &str, answer: Answer, status: u16, outcome: Option<&str>) {
+        expect(&mut self.failures, step, &answer, status, outcome);
+        self.answers.push(answer);
+    }
+
+    /// Notes `failure` unless `ok`.
+    fn require(&mut self, ok: bool, failure: &str) {
+        if !ok {
+            self.failures.push(failure.to_owned());
+        }
+    }
+
+    /// (1)–(3): one shared quota, one 429, the whole scope waits, the release is spread.
+    async fn shared_boundary(&mut self, store: &Arc<dyn Store>) -> Result<(), String> {
+        let first = self.spawn_get("research-a", "/v1/items/42");
+        let scheduled = receipts(store, "retry_scheduled", "research-a", 1).await;
+        self.require(scheduled, "step 2: no retry was scheduled after the 429");
+        let second = self.spawn_get("research-b", "/v1/items/42");
+        // One after the other, so that the action ids (and the timeline) are the same in
+        // every run.
+        let requested = receipts(store, "action_requested", "research-b", 1).await;
+        self.require(requested, "step 2: research-b's read was not recorded");
+        let third = self.spawn_get("research-c", "/v1/items/42");
+        for handle in [first, second, third] {
+            self.join(handle, "3", 200, None).await?;
+        }
+        Ok(())
+    }
+
+    /// Creates a transfer as `task` under the idempotency key `key`.
+    async fn transfer(&self, task: &'static str, key: &'static str, body: &'static str) -> Answer {
+        let key = vec![("Idempotency-Key", key)];
+        call(
+            self.base.clone(),
+            task,
+            "POST",
+            "/v1/transfers",
+            key,
+            Some(body),
+        )
+        .await
+    }
+
+    /// (4) a write with a stable key that the provider stores and drops the connection of;
+    /// (5b) a dropped write whose status query fails: a human decides.
+    async fn dropped_writes(&mut self) {
+        let writes = [
+            (
+                "4",
+                "research-a",
+                "demo-transfer-0001",
+                r#"{"amount":1250,"currency":"eur","destination":"acct_9"}"#,
+                200,
+                None,
+            ),
+            (
+                "5",
+                "research-b",
+                "demo-refund-0002",
+                r#"{"amount":990,"currency":"eur","destination":"acct_4"}"#,
+                424,
+                Some("escalated"),
+            ),
+        ];
+        for (step, task, key, body, status, outcome) in writes {
+            let answer = self.transfer(task, key, body).await;
+            self.check(step, answer, status, outcome);
+        }
+    }
+
+    /// (5a): a boundary beyond the wait budget ends the action at once.
+    async fn beyond_budget(&mut self) {
+        let export = call(
+            self.base.clone(),
+            "research-b",
+            "GET",
+            "/v1/exports/9",
+            vec![("Prefer", "wait=1")],
+            None,
+        )
+        .await;
+        self.check("5", export, 429, Some("budget_exhausted"));
+    }
+
+    /// (5c): research-c is cancelled while two of its reads wait for a boundary.
+    async fn cancelled_task(&mut self, live: &Live) -> Result<Option<TaskCancelled>, String> {
+        let throttled = self.spawn_get("research-c", "/v1/reports/1");
+        let scheduled = receipts(&live.store, "retry_scheduled", "research-c", 1).await;
+        self.require(scheduled, "step 5: the report read was not throttled");
+        let waiting = self.spawn_get("research-c", "/v1/reports/2");
+        let recorded = receipts(&live.store, "action_requested", "research-c", 3).await;
+        self.require(recorded, "step 5: the second report read was not recorded");
+        let cancelled = match live.engine.cancel_task("research-c", AGENT).await {
+            Ok(report) => Some(report),
+            Err(e) => {
+                self.failures
+                    .push(format!("step 5: cancelling research-c failed: {e}"));
+                None
+            }
+        };
+        for handle in [throttled, waiting] {
+            self.join(handle, "5", 410, Some("cancelled")).await?;
+        }
+        // Wait past the cancelled retry's wake (2 s boundary + up to 1 s jitter).
+        tokio::time::sleep(Duration::from_millis(3_500)).await;
+        Ok(cancelled)
+    }
+
+    /// Checks the provider's own record: cancelled work never reached it, and two logical
+    /// writes were created once each.
+    fn check_provider(&mut self, attempts: &[AttemptRecord]) {
+        let calls_to = |route: &str| {
+            attempts
+                .iter()
+                .filter(|a| a.route.as_deref() == Some(route))
+                .count()
+        };
+        let reports = calls_to("GET /v1/reports/{id}");
+        if reports != 1 {
+            self.failures.push(format!(
+                "step 5: the provider saw {reports} report reads; cancelled work must never reach it (expected 1)"
+            ));
+        }
+        let creates = calls_to("POST /v1/transfers");
+        if creates != 2 {
+            self.failures.push(format!(
+                "step 4: the provider saw {creates} creates for two logical writes (expected 2)"
+            ));
+        }
+    }
+}
+
 async fn scenario(dir: &Path) -> Result<Report, String> {
     let live = start(dir).await?;
-    let base = format!("http://{}", live.gateway.addr);
-    let mut failures = Vec::new();
-    let mut answers = Vec::new();
-
-    // (1)–(3): one shared quota, one 429, the whole scope waits, the release is spread.
-    let first = tokio::spawn(call(
-        base.clone(),
-        "research-a",
-        "GET",
-        "/v1/items/42",
-        vec![],
-        None,
-    ));
-    if !receipts(&live.store, "retry_scheduled", "research-a", 1).await {
-        failures.push("step 2: no retry was scheduled after the 429".to_owned());
-    }
-    let second = tokio::spawn(call(
-        base.clone(),
-        "research-b",
-        "GET",
-        "/v1/items/42",
-        vec![],
-        None,
-    ));
-    let third = tokio::spawn(call(
-        base.clone(),
-        "research-c",
-        "GET",
-        "/v1/items/42",
-        vec![],
-        None,
-    ));
-    for handle in [first, second, third] {
-        let answer = handle
-            .await
-            .map_err(|e| format!("an agent task failed: {e}"))?;
-        expect(&mut failures, "3", &answer, 200, None);
-        answers.push(answer);
-    }
-
-    // (4): a write with a stable key; the provider stores it and drops the connection.
-    let transfer = call(
-        base.clone(),
-        "research-a",
-        "POST",
-        "/v1/transfers",
-        vec![("Idempotency-Key", "demo-transfer-0001")],
-        Some(r#"{"amount":1250,"currency":"eur","destination":"acct_9"}"#),
-    )
-    .await;
-    expect(&mut failures, "4", &transfer, 200, None);
-    answers.push(transfer);
-
-    // (5b): a dropped write whose status query fails: a human decides.
-    let refund = call(
-        base.clone(),
-        "research-b",
-        "POST",
-        "/v1/transfers",
-        vec![("Idempotency-Key", "demo-refund-0002")],
-        Some(r#"{"amount":990,"currency":"eur","destination":"acct_4"}"#),
-    )
-    .await;
-    expect(&mut failures, "5", &refund, 424, Some("escalated"));
-    answers.push(refund);
-
-    // (5a): a boundary beyond the wait budget ends the action at once.
-    let export = call(
-        base.clone(),
-        "research-b",
-        "GET",
-        "/v1/exports/9",
-        vec![("Prefer", "wait=1")],
-        None,
-    )
-    .await;
-    expect(&mut failures, "5", &export, 429, Some("budget_exhausted"));
-    answers.push(export);
-
-    // (5c): research-c is cancelled while two of its reads wait for a boundary.
-    let throttled = tokio::spawn(call(
-        base.clone(),
-        "research-c",
-        "GET",
-        "/v1/reports/1",
-        vec![],
-        None,
-    ));
-    if !receipts(&live.store, "retry_scheduled", "research-c", 1).await {
-        failures.push("step 5: the report read was not throttled".to_owned());
-    }
-    let waiting = tokio::spawn(call(
-        base.clone(),
-        "research-c",
-        "GET",
-        "/v1/reports/2",
-        vec![],
-        None,
-    ));
-    if !receipts(&live.store, "action_requested", "research-c", 3).await {
-        failures.push("step 5: the second report read was not recorded".to_owned());
-    }
-    let cancelled = match live.engine.cancel_task("research-c", AGENT).await {
-        Ok(report) => Some(report),
-        Err(e) => {
-            failures.push(format!("step 5: cancelling research-c failed: {e}"));
-            None
-        }
+    let mut steps = Steps {
+        base: format!("http://{}", live.gateway.addr),
+        failures: Vec::new(),
+        answers: Vec::new(),
     };
-    for handle in [throttled, waiting] {
-        let answer = handle
-            .await
-            .map_err(|e| format!("an agent task failed: {e}"))?;
-        expect(&mut failures, "5", &answer, 410, Some("cancelled"));
-        answers.push(answer);
-    }
-    // Wait past the cancelled retry's wake (2 s boundary + up to 1 s jitter).
-    tokio::time::sleep(Duration::from_millis(3_500)).await;
-
+    steps.shared_boundary(&live.store).await?;
+    steps.dropped_writes().await;
+    steps.beyond_budget().await;
+    let cancelled = steps.cancelled_task(&live).await?;
     let attempts = live.fake.attempts();
-    let reports = attempts
-        .iter()
-        .filter(|a| a.route.as_deref() == Some("GET /v1/reports/{id}"))
-        .count();
-    if reports != 1 {
-        failures.push(format!(
-            "step 5: the provider saw {reports} report reads; cancelled work must never reach it (expected 1)"
-        ));
-    }
-    let creates = attempts
-        .iter()
-        .filter(|a| a.route.as_deref() == Some("POST /v1/transfers"))
-        .count();
-    if creates != 2 {
-        failures.push(format!(
-            "step 4: the provider saw {creates} creates for two logical writes (expected 2)"
-        ));
-    }
+    steps.check_provider(&attempts);
     let escalations = live
         .store
         .open_escalations()
         .map_err(|e| format!("cannot read the escalations: {e}"))?;
-    if escalations.is_empty() {
-        failures.push("step 5: no escalation is open".to_owned());
-    }
+    steps.require(!escalations.is_empty(), "step 5: no escalation is open");
+    let (store_path, events) = stop(live).await?;
+    let audit_path = export_audit(&events, &dir.join("audit.ndjson"));
+    Ok(Report {
+        dir: dir.to_path_buf(),
+        store_path,
+        audit_path,
+        events,
+        attempts,
+        answers: steps.answers,
+        escalations,
+        cancelled,
+        failures: steps.failures,
+    })
+}
+
+/// Stops the gateway and the fake provider; returns the store's path and every audit event.
+async fn stop(live: Live) -> Result<(PathBuf, Vec<AuditEvent>), String> {
     let store_path = live.gateway.store_path.clone();
     live.gateway
         .shutdown()
@@ -590,19 +665,7 @@ async fn scenario(dir: &Path) -> Result<Report, String> {
         .map_err(|e| format!("cannot read the audit log: {e}"))?;
     drop(live.engine);
     drop(live.store);
-
-    let audit_path = export_audit(&events, &dir.join("audit.ndjson"));
-    Ok(Report {
-        dir: dir.to_path_buf(),
-        store_path,
-        audit_path,
-        events,
-        attempts,
-        answers,
-        escalations,
-        cancelled,
-        failures,
-    })
+    Ok((store_path, events))
 }
 
 /// Writes `events` to `out` as `backstop audit export` prints them (NDJSON).

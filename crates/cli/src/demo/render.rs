@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use backstop_fake_api::AttemptRecord;
+use backstop_gateway::engine::TaskCancelled;
 use backstop_store::audit::AuditEvent;
 use jiff::{SignedDuration, Timestamp};
 
@@ -100,11 +101,124 @@ fn word(kind: &str) -> &str {
     }
 }
 
+/// Where an audit event stands in the life of an action, for rows recorded in the same
+/// millisecond: requested, then sent, then seen by the provider, then the answer's scope
+/// update and result, then what backstop did about the result, then how the action ended. (An
+/// uncertain write's result is recorded after its status query, so the recording order alone
+/// would show the query first.)
+fn stage(kind: &str) -> u8 {
+    match kind {
+        "task_opened" | "action_requested" => 0,
+        "action_sent" | "retry_started" => 1,
+        "scope_updated" => 3,
+        "action_result" => 4,
+        "retry_scheduled" | "reconciliation_required" | "reconciliation_lookup" => 5,
+        _ => 6,
+    }
+}
+
+/// The [`stage`] of a provider's attempt record: after the send, before the answer's effects.
+/// A status query's attempt takes the stage of the `reconciliation_lookup` event that records
+/// its answer instead (see [`StatusQueries`]).
+const PROVIDER_STAGE: u8 = 2;
+
+/// Which provider attempts were status queries, each paired with the `reconciliation_lookup`
+/// event that recorded its answer: the n-th lookup event with the first attempt not yet paired
+/// whose method and path fit the lookup's template and whose status is the one recorded.
+#[derive(Default)]
+struct StatusQueries {
+    /// Attempt sequence number → the lookup event's sequence number.
+    event_of: BTreeMap<u64, u64>,
+}
+
+impl StatusQueries {
+    fn of(report: &Report) -> StatusQueries {
+        let mut queries = StatusQueries::default();
+        for e in report
+            .events
+            .iter()
+            .filter(|e| e.kind == "reconciliation_lookup")
+        {
+            let Some((method, template)) = e.source.as_deref().and_then(|s| s.split_once(' '))
+            else {
+                continue;
+            };
+            let template = template.split('?').next().unwrap_or(template);
+            let attempt = report.attempts.iter().find(|a| {
+                !queries.event_of.contains_key(&a.seq)
+                    && a.method == method
+                    && path_fits(template, &a.path)
+                    && (e.status.is_none() || a.status == e.status)
+            });
+            if let Some(attempt) = attempt {
+                queries.event_of.insert(attempt.seq, e.seq);
+            }
+        }
+        queries
+    }
+}
+
+/// Whether `path` fits the route template `template` (`/v1/transfers/{id}`): segment by
+/// segment, a `{placeholder}` fits any segment.
+fn path_fits(template: &str, path: &str) -> bool {
+    let (mut wanted, mut got) = (template.split('/'), path.split('/'));
+    loop {
+        match (wanted.next(), got.next()) {
+            (None, None) => return true,
+            (Some(w), Some(g)) if w == g || (w.starts_with('{') && w.ends_with('}')) => {}
+            _ => return false,
+        }
+    }
+}
+
+/// Where a scope's numbers came from, in a reader's words: the gateway names quota headers by
+/// their dialect (`ietf quota headers`), the rest (`HTTP 429 Retry-After`) reads as is.
+fn source_words(source: &str) -> String {
+    let Some(dialect) = source.strip_suffix(" quota headers") else {
+        return source.to_owned();
+    };
+    let headers = match dialect {
+        "ietf" => "IETF draft: RateLimit, RateLimit-Policy",
+        "openai" => "OpenAI: x-ratelimit-*",
+        "anthropic" => "Anthropic: anthropic-ratelimit-*",
+        "github" => "GitHub: x-ratelimit-*",
+        "generic" => "x-ratelimit-*",
+        other => other,
+    };
+    format!("quota headers ({headers})")
+}
+
+/// What the fake provider's scripted fault did, in a reader's words.
+fn fault_words(fault: &str) -> String {
+    let words = match fault {
+        "store_then_drop" => "the provider stored the write, then dropped the connection",
+        "drop" => "the provider dropped the connection without acting",
+        "timeout" => "the provider never answered",
+        "slow" => "the provider answered slowly",
+        "status" => "a scripted error status",
+        "error_code" => "a scripted error code",
+        other => {
+            return match other.strip_prefix("quota:") {
+                Some(quota) => format!("the provider's quota {quota} was used up"),
+                None => format!("scripted fault {other}"),
+            }
+        }
+    };
+    words.to_owned()
+}
+
 /// One line of the timeline.
 struct Row {
     at: Option<Timestamp>,
-    order: (u8, u64),
+    /// The row's [`stage`], which orders rows of equal times causally.
+    stage: u8,
+    /// The sequence number of the row's record (an audit event's, or for a provider attempt its
+    /// own; for a status query's attempt, the lookup event's), then 0 for a provider attempt and
+    /// 1 for an audit event: the last, stable key of the order.
+    order: (u64, u8),
     who: String,
+    /// The action id (`Backstop-Action-Id`), the name the summary's waits use.
+    action: String,
     what: String,
     route: String,
     status: String,
@@ -211,7 +325,7 @@ fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known, scopes: &mut Scop
         reason.push(format!("wakes at {}", relative(Some(due), origin)));
     }
     if let Some(source) = &e.source {
-        reason.push(source.clone());
+        reason.push(source_words(source));
     }
     if e.kind == "action_requested" || e.kind == "reconciled" {
         if let Some(key) = &e.idempotency_key {
@@ -239,8 +353,10 @@ fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known, scopes: &mut Scop
     };
     Row {
         at,
-        order: (0, e.seq),
+        stage: stage(&e.kind),
+        order: (e.seq, 1),
         who: e.task.clone().unwrap_or_else(|| "backstop".to_owned()),
+        action: e.action.map(|a| a.to_string()).unwrap_or_default(),
         what: word(&e.kind).to_owned(),
         route,
         status: e.status.map(|s| s.to_string()).unwrap_or_default(),
@@ -249,10 +365,10 @@ fn event_row(e: &AuditEvent, origin: Timestamp, known: &Known, scopes: &mut Scop
     }
 }
 
-fn attempt_row(a: &AttemptRecord) -> Row {
+fn attempt_row(a: &AttemptRecord, queries: &StatusQueries) -> Row {
     let mut reason = Vec::new();
     if let Some(fault) = &a.fault {
-        reason.push(format!("fault {fault}"));
+        reason.push(fault_words(fault));
     }
     if let Some(key) = &a.idempotency_key {
         reason.push(format!("key {key}"));
@@ -266,8 +382,13 @@ fn attempt_row(a: &AttemptRecord) -> Row {
     };
     Row {
         at: parse(&a.at),
-        order: (1, a.seq),
+        stage: match queries.event_of.get(&a.seq) {
+            Some(_) => stage("reconciliation_lookup"),
+            None => PROVIDER_STAGE,
+        },
+        order: (*queries.event_of.get(&a.seq).unwrap_or(&a.seq), 0),
         who: "  provider".to_owned(),
+        action: String::new(),
         what: "provider saw".to_owned(),
         route: format!("{} {path}", a.method),
         status: a
@@ -299,6 +420,18 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
     );
     let _ = writeln!(out, "{}", header(report));
     let _ = writeln!(out, "{}", style.bold("Timeline"));
+    timeline(report, &style, origin, &mut out);
+
+    summary(report, &style, origin, &mut out);
+    escalation(report, &style, &mut out);
+    where_to_look(report, &style, program, &mut out);
+    out
+}
+
+/// The timeline: every audit event (but task openings and scope updates that repeat the last
+/// one of their scope) and every provider attempt, in time order, rows of one instant in
+/// causal order.
+fn timeline(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {
     let known = Known::of(report);
     let mut scopes = ScopesShown::default();
     let mut rows: Vec<Row> = Vec::new();
@@ -312,19 +445,21 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
             rows.push(row);
         }
     }
-    rows.extend(report.attempts.iter().map(attempt_row));
-    rows.sort_by(|a, b| a.at.cmp(&b.at).then(a.order.cmp(&b.order)));
+    let queries = StatusQueries::of(report);
+    rows.extend(report.attempts.iter().map(|a| attempt_row(a, &queries)));
+    rows.sort_by_key(|row| (row.at, row.stage, row.order));
     let _ = writeln!(
         out,
-        "{:<9} {:<12} {:<17} {:<40} {:<6} {:<12} reason",
-        "time", "task", "event", "route", "status", "disposition"
+        "{:<9} {:<12} {:<6} {:<17} {:<40} {:<6} {:<12} reason",
+        "time", "task", "action", "event", "route", "status", "disposition"
     );
     for row in &rows {
         let _ = writeln!(
             out,
-            "{:<9} {:<12} {} {:<40} {:<6} {:<12} {}",
+            "{:<9} {:<12} {:<6} {} {:<40} {:<6} {:<12} {}",
             relative(row.at, origin),
             row.who,
+            row.action,
             style.event(&row.what),
             row.route,
             row.status,
@@ -332,11 +467,6 @@ pub fn render(report: &Report, colour: bool, program: &str) -> String {
             row.reason
         );
     }
-
-    summary(report, &style, origin, &mut out);
-    escalation(report, &style, &mut out);
-    where_to_look(report, &style, program, &mut out);
-    out
 }
 
 /// The sentence under the title: how many tasks ran and the quota scopes their calls fell
@@ -374,17 +504,52 @@ fn header(report: &Report) -> String {
 
 fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) {
     let _ = writeln!(out, "\n{}", style.bold("Summary"));
-    // Per task: logical actions, requests sent, status queries (reconciliation lookups). A status
-    // query is a call to the provider but not an attempt of the write it reconciles (the write's
-    // answer counts its attempts only), so calls = requests + status queries.
-    let mut tasks: BTreeMap<String, [usize; 3]> = BTreeMap::new();
+    let totals = task_table(report, out);
+    provider_calls(report, &totals, out);
+    let _ = writeln!(out, "\nWaits and their sources:");
+    waits(report, origin, out);
+    if let Some(cancelled) = &report.cancelled {
+        let _ = writeln!(out, "{}.", cancellation(cancelled));
+    }
+}
+
+/// One task's counts in the summary table. A status query (reconciliation lookup) is a call to
+/// the provider but not an attempt of the write it reconciles (the write's answer counts its
+/// attempts only), so calls = requests + status queries.
+#[derive(Debug, Default, Clone, Copy)]
+struct Calls {
+    /// Logical actions.
+    actions: usize,
+    /// Requests sent.
+    sent: usize,
+    /// Status queries.
+    queries: usize,
+}
+
+impl Calls {
+    fn calls(self) -> usize {
+        self.sent + self.queries
+    }
+
+    fn add(self, other: Calls) -> Calls {
+        Calls {
+            actions: self.actions + other.actions,
+            sent: self.sent + other.sent,
+            queries: self.queries + other.queries,
+        }
+    }
+}
+
+/// The per-task table with its total line; returns the total.
+fn task_table(report: &Report, out: &mut String) -> Calls {
+    let mut tasks: BTreeMap<String, Calls> = BTreeMap::new();
     for e in &report.events {
         if let Some(task) = &e.task {
             let entry = tasks.entry(task.clone()).or_default();
             match e.kind.as_str() {
-                "action_requested" => entry[0] += 1,
-                "action_sent" => entry[1] += 1,
-                "reconciliation_lookup" => entry[2] += 1,
+                "action_requested" => entry.actions += 1,
+                "action_sent" => entry.sent += 1,
+                "reconciliation_lookup" => entry.queries += 1,
                 _ => {}
             }
         }
@@ -394,38 +559,26 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         "{:<12} {:>15} {:>13} {:>14} {:>8}  answers the agent got",
         "task", "logical actions", "requests sent", "status queries", "calls"
     );
-    for (task, [actions, sent, queries]) in &tasks {
-        let answers: Vec<String> = report
-            .answers
-            .iter()
-            .filter(|a| &a.task == task)
-            .map(|a| {
-                format!(
-                    "{} → {}{}{}",
-                    a.request,
-                    a.status,
-                    a.outcome
-                        .as_deref()
-                        .map(|o| format!(" {o}"))
-                        .unwrap_or_default(),
-                    a.attempts
-                        .as_deref()
-                        .map(|n| format!(" ({n} attempt{})", if n == "1" { "" } else { "s" }))
-                        .unwrap_or_default()
-                )
-            })
-            .collect();
+    for (task, calls) in &tasks {
+        let Calls {
+            actions,
+            sent,
+            queries,
+        } = calls;
         let _ = writeln!(
             out,
             "{task:<12} {actions:>15} {sent:>13} {queries:>14} {:>8}  {}",
-            sent + queries,
-            answers.join(", ")
+            calls.calls(),
+            answers_of(report, task)
         );
     }
-    let logical: usize = tasks.values().map(|t| t[0]).sum();
-    let sent: usize = tasks.values().map(|t| t[1]).sum();
-    let queries: usize = tasks.values().map(|t| t[2]).sum();
-    let calls = sent + queries;
+    let total = tasks.values().fold(Calls::default(), |sum, t| sum.add(*t));
+    let Calls {
+        actions: logical,
+        sent,
+        queries,
+    } = total;
+    let calls = total.calls();
     let _ = writeln!(
         out,
         "{:<12} {logical:>15} {sent:>13} {queries:>14} {calls:>8}",
@@ -435,6 +588,36 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         out,
         "(a status query asks the provider whether a write happened: a call to the provider, counted and audited apart from the write's attempts)"
     );
+    total
+}
+
+/// The answers `task`'s agent got, in order: `GET /v1/items/42 → 200 (2 attempts), …`.
+fn answers_of(report: &Report, task: &str) -> String {
+    let answers: Vec<String> = report
+        .answers
+        .iter()
+        .filter(|a| a.task == task)
+        .map(|a| {
+            format!(
+                "{} → {}{}{}",
+                a.request,
+                a.status,
+                a.outcome
+                    .as_deref()
+                    .map(|o| format!(" {o}"))
+                    .unwrap_or_default(),
+                a.attempts
+                    .as_deref()
+                    .map(|n| format!(" ({n} attempt{})", if n == "1" { "" } else { "s" }))
+                    .unwrap_or_default()
+            )
+        })
+        .collect();
+    answers.join(", ")
+}
+
+/// What the provider saw, per route, against what backstop recorded (`total`).
+fn provider_calls(report: &Report, total: &Calls, out: &mut String) {
     let seen = report.attempts.len();
     let mut by_route: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     for a in &report.attempts {
@@ -446,6 +629,8 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             entry.1 += 1;
         }
     }
+    let Calls { sent, queries, .. } = *total;
+    let calls = total.calls();
     let agreement = if seen == calls {
         format!("= {sent} requests + {queries} status queries above")
     } else {
@@ -455,7 +640,7 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
         out,
         "\nThe provider saw {} ({agreement}) for {}:",
         count(seen, "call"),
-        count(logical, "logical action")
+        count(total.actions, "logical action")
     );
     for (route, (count, throttled)) in &by_route {
         let _ = writeln!(
@@ -464,33 +649,50 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
             if *count == 1 { "" } else { "s" }
         );
     }
+}
 
-    let _ = writeln!(out, "\nWaits and their sources:");
-    let mut requested: BTreeMap<i64, Timestamp> = BTreeMap::new();
-    let mut first_sent: BTreeMap<i64, Timestamp> = BTreeMap::new();
-    let mut last_scope_source: Option<(Timestamp, String)> = None;
-    let mut scope_sources: Vec<(Timestamp, String)> = Vec::new();
-    for e in &report.events {
-        let at = parse(&e.at);
-        if e.kind == "scope_updated" {
-            if let (Some(at), Some(source)) = (at, &e.source) {
-                if e.boundary.is_some() {
-                    scope_sources.push((at, source.clone()));
+/// When each action was requested and first sent, and every scope boundary with its source, as
+/// the audit log recorded them.
+#[derive(Default)]
+struct WaitMarks {
+    requested: BTreeMap<i64, Timestamp>,
+    first_sent: BTreeMap<i64, Timestamp>,
+    scope_sources: Vec<(Timestamp, String)>,
+}
+
+impl WaitMarks {
+    fn of(events: &[AuditEvent]) -> WaitMarks {
+        let mut marks = WaitMarks::default();
+        for e in events {
+            let at = parse(&e.at);
+            if e.kind == "scope_updated" {
+                if let (Some(at), Some(source)) = (at, &e.source) {
+                    if e.boundary.is_some() {
+                        marks.scope_sources.push((at, source.clone()));
+                    }
+                }
+            }
+            if let (Some(action), Some(at)) = (e.action, at) {
+                match e.kind.as_str() {
+                    "action_requested" => {
+                        marks.requested.entry(action).or_insert(at);
+                    }
+                    "action_sent" => {
+                        marks.first_sent.entry(action).or_insert(at);
+                    }
+                    _ => {}
                 }
             }
         }
-        if let (Some(action), Some(at)) = (e.action, at) {
-            match e.kind.as_str() {
-                "action_requested" => {
-                    requested.entry(action).or_insert(at);
-                }
-                "action_sent" => {
-                    first_sent.entry(action).or_insert(at);
-                }
-                _ => {}
-            }
-        }
+        marks
     }
+}
+
+/// One line per scheduled retry and per action that waited in the delayed queue before its
+/// first send, with where the wait came from.
+fn waits(report: &Report, origin: Timestamp, out: &mut String) {
+    let marks = WaitMarks::of(&report.events);
+    let mut last_scope_source: Option<(Timestamp, String)> = None;
     for e in &report.events {
         let (Some(action), Some(at)) = (e.action, parse(&e.at)) else {
             continue;
@@ -511,59 +713,65 @@ fn summary(report: &Report, style: &Style, origin: Timestamp, out: &mut String) 
                 );
             }
         }
-        if e.kind == "action_sent" && first_sent.get(&action) == Some(&at) {
-            if let Some(start) = requested.get(&action) {
-                let queued = at.duration_since(*start);
-                if queued >= SignedDuration::from_millis(200) {
-                    last_scope_source = scope_sources
-                        .iter()
-                        .rev()
-                        .find(|(when, _)| when <= start)
-                        .cloned()
-                        .or(last_scope_source);
-                    let source = last_scope_source
-                        .as_ref()
-                        .map(|(_, s)| s.clone())
-                        .unwrap_or_else(|| "pacing".to_owned());
-                    let _ = writeln!(
-                        out,
-                        "  {task:<12} action {action:<3} waited {} in the delayed queue before its first send ({route}) — scope boundary from {source}",
-                        seconds(queued)
-                    );
-                }
-            }
+        if e.kind != "action_sent" || marks.first_sent.get(&action) != Some(&at) {
+            continue;
         }
-    }
-    if let Some(cancelled) = &report.cancelled {
-        // The cancellation's three counts look at the same actions from three places (their
-        // outcomes, the delayed queue, the durable retries): they overlap, never add them up.
-        let mut sentence = format!(
-            "\nCancelled {}: {} ended cancelled (actions_cancelled {})",
-            cancelled.task_id,
-            count(cancelled.actions_cancelled, "action"),
-            cancelled.actions_cancelled
+        let Some(start) = marks.requested.get(&action) else {
+            continue;
+        };
+        let queued = at.duration_since(*start);
+        if queued < SignedDuration::from_millis(200) {
+            continue;
+        }
+        last_scope_source = marks
+            .scope_sources
+            .iter()
+            .rev()
+            .find(|(when, _)| when <= start)
+            .cloned()
+            .or(last_scope_source);
+        let source = last_scope_source
+            .as_ref()
+            .map(|(_, s)| s.clone())
+            .unwrap_or_else(|| "pacing".to_owned());
+        let _ = writeln!(
+            out,
+            "  {task:<12} action {action:<3} waited {} in the delayed queue before its first send ({route}) — scope boundary from {source}",
+            seconds(queued)
         );
-        if cancelled.waiting_dropped > 0 {
-            let _ = write!(
-                sentence,
-                "; {} of them {} taken out of the delayed queue before {} woke (waiting_dropped {})",
-                cancelled.waiting_dropped,
-                if cancelled.waiting_dropped == 1 { "was" } else { "were" },
-                if cancelled.waiting_dropped == 1 { "it" } else { "they" },
-                cancelled.waiting_dropped
-            );
-        }
-        if cancelled.retries_dropped > 0 {
-            let _ = write!(
-                sentence,
-                ", and {} of those also had {} scheduled retry dropped from the store (retries_dropped {})",
-                cancelled.retries_dropped,
-                if cancelled.retries_dropped == 1 { "its" } else { "their" },
-                cancelled.retries_dropped
-            );
-        }
-        let _ = writeln!(out, "{sentence}.");
     }
+}
+
+/// The sentence on what cancelling the task changed (without its final full stop).
+fn cancellation(cancelled: &TaskCancelled) -> String {
+    // The cancellation's three counts look at the same actions from three places (their
+    // outcomes, the delayed queue, the durable retries): they overlap, never add them up.
+    let mut sentence = format!(
+        "\nCancelled {}: {} ended cancelled",
+        cancelled.task_id,
+        count(cancelled.actions_cancelled, "action"),
+    );
+    let waiting = cancelled.waiting_dropped;
+    if waiting > 0 {
+        let (were, they) = if waiting == 1 {
+            ("was", "it")
+        } else {
+            ("were", "they")
+        };
+        let _ = write!(
+            sentence,
+            "; {waiting} of them {were} waiting in the delayed queue and {were} dropped before {they} woke"
+        );
+    }
+    let retries = cancelled.retries_dropped;
+    if retries > 0 {
+        let their = if retries == 1 { "its" } else { "their" };
+        let _ = write!(
+            sentence,
+            ", and {retries} of those also had {their} scheduled retry removed from the store"
+        );
+    }
+    sentence
 }
 
 fn escalation(report: &Report, style: &Style, out: &mut String) {
@@ -651,5 +859,98 @@ fn where_to_look(report: &Report, style: &Style, program: &str, out: &mut String
             "  {operator} {program} escalations decide {} --option query_status",
             e.id.0
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(seq: u64, at: &str, kind: &str, extra: serde_json::Value) -> AuditEvent {
+        let mut e = AuditEvent {
+            seq,
+            at: format!("2026-01-01T00:00:00.{at}Z"),
+            kind: kind.to_owned(),
+            task: Some("t".to_owned()),
+            action: Some(4),
+            method: Some("POST".to_owned()),
+            route: Some("/v1/transfers".to_owned()),
+            ..AuditEvent::default()
+        };
+        if let Some(status) = extra["status"].as_u64() {
+            e.status = u16::try_from(status).ok();
+        }
+        e.source = extra["source"].as_str().map(str::to_owned);
+        e.disposition = extra["disposition"].as_str().map(str::to_owned);
+        e
+    }
+
+    fn attempt(seq: u64, at: &str, method: &str, path: &str, status: Option<u16>) -> AttemptRecord {
+        serde_json::from_value(serde_json::json!({
+            "seq": seq, "at": format!("2026-01-01T00:00:00.{at}Z"), "method": method,
+            "path": path, "query": null, "route": null, "call": null, "idempotency_key": null,
+            "body_sha256": null, "body_bytes": 0, "auth_present": true, "auth_sha256": null,
+            "status": status, "outcome": if status.is_some() { "answered" } else { "dropped" },
+            "fault": null, "replayed": false
+        }))
+        .expect("an attempt record")
+    }
+
+    /// The timeline's event words and provider methods, in printed order.
+    fn order(lookup_at: &str, get_at: &str) -> Vec<String> {
+        let lookup = serde_json::json!({
+            "status": 200, "disposition": "found",
+            "source": "GET /v1/transfers?idempotency_key={key}"
+        });
+        let uncertain = serde_json::json!({"disposition": "uncertain"});
+        // As the gateway records them: the uncertain result after the status query it caused.
+        let report = Report {
+            dir: "d".into(),
+            store_path: "d/backstop.db".into(),
+            audit_path: Err("none".to_owned()),
+            events: vec![
+                event(1, "100", "action_sent", serde_json::json!({})),
+                event(2, lookup_at, "reconciliation_lookup", lookup),
+                event(3, "105", "action_result", uncertain),
+                event(4, "110", "reconciled", serde_json::json!({})),
+            ],
+            attempts: vec![
+                attempt(1, "105", "POST", "/v1/transfers", None),
+                attempt(2, get_at, "GET", "/v1/transfers", Some(200)),
+            ],
+            answers: Vec::new(),
+            escalations: Vec::new(),
+            cancelled: None,
+            failures: Vec::new(),
+        };
+        let mut out = String::new();
+        let origin = parse("2026-01-01T00:00:00.100Z").expect("instant");
+        timeline(&report, &Style { on: false }, origin, &mut out);
+        out.lines()
+            .skip(1)
+            .map(|l| {
+                let words: Vec<&str> = l.split_whitespace().collect();
+                match words.as_slice() {
+                    [_, "provider", "provider", "saw", method, ..] => format!("saw {method}"),
+                    [_, _, _, first, second, ..] => format!("{first} {second}"),
+                    _ => l.to_owned(),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rows_of_one_instant_print_in_causal_order() {
+        let causal = [
+            "sent POST",
+            "saw POST",
+            "result POST",
+            "saw GET",
+            "status query",
+            "reconciled POST",
+        ];
+        // All of the write's rows in one millisecond, or each a millisecond apart.
+        assert_eq!(order("105", "105"), causal);
+        assert_eq!(order("107", "106"), causal);
     }
 }

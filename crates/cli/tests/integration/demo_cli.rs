@@ -128,9 +128,46 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         "provider saw",
         "POST /v1/transfers",
         "dropped",
-        "store_then_drop"
+        "the provider stored the write, then dropped the connection"
     ]));
     assert!(line_with(&["research-a", "status query", "found"]));
+    // The internal names stay out: quota header dialects and fault names are said in words.
+    for internal in ["store_then_drop", "ietf quota headers", "fault status"] {
+        assert!(!stdout.contains(internal), "{internal} in:\n{stdout}");
+    }
+    assert!(line_with(&["scope updated", "quota headers (IETF draft"]));
+    // Each write's status query follows the uncertain result that caused it, and the provider's
+    // record of the query stands between them.
+    for task in ["research-a", "research-b"] {
+        let at = |needles: &[&str]| {
+            timeline
+                .lines()
+                .position(|l| needles.iter().all(|n| l.contains(n)))
+                .unwrap_or_else(|| panic!("no {needles:?} line:\n{timeline}"))
+        };
+        let result = at(&[task, "result", "uncertain"]);
+        let query = at(&[task, "status query"]);
+        assert!(
+            result < query,
+            "{task}: the status query before its cause:\n{timeline}"
+        );
+        let seen = timeline.lines().skip(result).take(query - result).any(|l| {
+            l.contains("provider saw") && l.contains("GET /v1/transfers?idempotency_key=")
+        });
+        assert!(
+            seen,
+            "{task}: the provider's status query is not between:\n{timeline}"
+        );
+    }
+    // The timeline names the action ids the summary's waits use.
+    assert!(line_with(&["research-a", " 1 ", "retry scheduled"]));
+    assert!(line_with(&[
+        "research-c",
+        " 3 ",
+        "sent",
+        "GET /v1/items/{id}"
+    ]));
+    assert!(line_with(&["research-c", "action 3", "waited"]));
     assert!(line_with(&[
         "research-a",
         "reconciled",
@@ -219,12 +256,15 @@ fn demo_prints_the_timeline_the_table_and_the_commands_and_exits_zero() {
         .find(|l| l.starts_with("Cancelled research-c: "))
         .expect("the cancellation's sentence");
     assert!(
-        cancelled.contains(" ended cancelled (actions_cancelled ")
+        cancelled.contains(" ended cancelled; ")
             && cancelled.contains(
-                " of them were taken out of the delayed queue before they woke (waiting_dropped "
+                " of them were waiting in the delayed queue and were dropped before they woke"
             ),
         "{cancelled}"
     );
+    for internal in ["actions_cancelled", "waiting_dropped", "retries_dropped"] {
+        assert!(!cancelled.contains(internal), "{cancelled}");
+    }
     assert!(!cancelled.contains("wakes dropped"), "{cancelled}");
 
     // The open escalation and its options.

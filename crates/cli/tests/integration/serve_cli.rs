@@ -178,6 +178,23 @@ fn a_missing_policy_file_is_called_missing_not_invalid() {
 }
 
 #[test]
+fn long_help_says_where_tokens_and_provider_keys_come_from() {
+    let out = backstop().args(["serve", "--help"]).output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for key in [
+        "agents.NAME.token_env",
+        "agents.NAME.token_file",
+        "providers.NAME.credential.secret_env",
+        "providers.NAME.credential.secret_file",
+        "BACKSTOP_TOKEN=local-agent-token FAKE_API_KEY=local-provider-key",
+        "examples/backstop-fake.yaml",
+    ] {
+        assert!(help.contains(key), "{key} missing from:\n{help}");
+    }
+}
+
+#[test]
 fn missing_secret_env_var_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let out = serve_example_without_secrets(dir.path());
