@@ -952,6 +952,8 @@ impl<'c> Group<'c> {
     }
 }
 
+/// The writer thread: takes the queued jobs in groups and commits each group as one
+/// transaction, answering its jobs only after its `COMMIT` returned.
 fn writer_loop(
     conn: Connection,
     chain: Chain,
@@ -961,108 +963,171 @@ fn writer_loop(
     feed: &Mutex<feed::WatchFeed>,
     linger: &Linger,
 ) {
-    // Whether the connection runs with `synchronous=FULL` (as opened) or NORMAL.
-    let mut synchronous_full = true;
-    // When the last fsync'd commit returned (the migrations' commits count as one).
-    let mut last_sync = pacing_now();
     // Room for every statement the operations and these control statements use.
     conn.set_prepared_statement_cache_capacity(64);
-    let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
-    let mut completions: Vec<AfterCommit> = Vec::with_capacity(MAX_BATCH);
-    let mut reads: Vec<Box<ReadJob>> = Vec::with_capacity(MAX_BATCH);
-    let mut group = Group::new(&conn, chain, &counters.next_action_id);
-    let mut results: Vec<Result<Vec<u32>, StoreError>> = Vec::with_capacity(MAX_BATCH);
-    let mut idle_ticks = 0u32;
-    loop {
+    let mut writer = Writer {
+        group: Group::new(&conn, chain, &counters.next_action_id),
+        rx,
+        counters,
+        held,
+        feed,
+        linger,
+        synchronous_full: true,
+        last_sync: pacing_now(),
+        idle_ticks: 0,
+        batch: Vec::with_capacity(MAX_BATCH),
+        completions: Vec::with_capacity(MAX_BATCH),
+        reads: Vec::with_capacity(MAX_BATCH),
+        results: Vec::with_capacity(MAX_BATCH),
+    };
+    while writer.gather() {
+        if !writer.batch.is_empty() {
+            writer.commit_batch();
+        }
+    }
+}
+
+/// The writer thread's state between groups.
+struct Writer<'c> {
+    group: Group<'c>,
+    rx: Receiver<Job>,
+    counters: &'c Arc<Counters>,
+    held: &'c HeldReads,
+    feed: &'c Mutex<feed::WatchFeed>,
+    linger: &'c Linger,
+    /// Whether the connection runs with `synchronous=FULL` (as opened) or NORMAL.
+    synchronous_full: bool,
+    /// When the last fsync'd commit returned (the migrations' commits count as one).
+    last_sync: Instant,
+    /// Rounds without a job, counted only while a read is held, from the first that sees one.
+    idle_ticks: u32,
+    /// The jobs of the next group.
+    batch: Vec<Job>,
+    /// The open group's completions, called once it committed or failed.
+    completions: Vec<AfterCommit>,
+    /// A run of consecutive reads of the open group, and their results.
+    #[allow(clippy::vec_box)] // each read arrives boxed in its job and is moved, never copied
+    reads: Vec<Box<ReadJob>>,
+    results: Vec<Result<Vec<u32>, StoreError>>,
+}
+
+impl Writer<'_> {
+    /// Moves into the batch the next job (waiting at most [`HOLD_TICK`]), every job queued
+    /// behind it and the reads held too long. Returns `false` when the channel is closed and
+    /// empty: nothing more will come.
+    fn gather(&mut self) -> bool {
         // Wake at least every HOLD_TICK to queue reads held too long.
-        match rx.recv_timeout(HOLD_TICK) {
+        match self.rx.recv_timeout(HOLD_TICK) {
             Ok(job) => {
-                idle_ticks = 0;
-                batch.push(job);
+                self.idle_ticks = 0;
+                self.batch.push(job);
             }
-            Err(RecvTimeoutError::Timeout) => idle_ticks = idle_ticks.saturating_add(1),
-            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => self.idle_ticks = self.idle_ticks.saturating_add(1),
+            Err(RecvTimeoutError::Disconnected) => return false,
         }
         // A closed channel is seen by the next `recv_timeout`, after this batch committed.
-        take_queued(&rx, &mut batch);
+        take_queued(&self.rx, &mut self.batch);
         // After what was queued: nothing queued so far concerns a read still held.
         // Idle ticks count only while a read is held, from the first tick that sees one.
-        let all = idle_ticks >= HOLD_IDLE_TICKS;
-        match take_overdue(held, counters, &mut batch, all) {
-            Some(false) => idle_ticks = 0,
-            Some(true) if all => idle_ticks = 0,
+        let all = self.idle_ticks >= HOLD_IDLE_TICKS;
+        match take_overdue(self.held, self.counters, &mut self.batch, all) {
+            Some(false) => self.idle_ticks = 0,
+            Some(true) if all => self.idle_ticks = 0,
             // Still held, or not looked at (busy: someone is queuing).
             Some(true) | None => {}
         }
-        if batch.is_empty() {
-            continue;
+        true
+    }
+
+    /// Runs the batch as one transaction and commits it; then calls every job's completion
+    /// with the commit's result.
+    fn commit_batch(&mut self) {
+        let full = self.linger_for_reads();
+        if let Err(e) = set_synchronous(self.group.conn, &mut self.synchronous_full, full) {
+            self.fail_batch(e);
+            return;
         }
-        // Reads only: nobody waits for this commit, so let more reads join it, and do not wait
-        // for the disk (a later fsync'd commit makes these frames durable too).
-        let mut only_reads = batch.iter().all(|job| matches!(job, Job::Read(_)));
-        if only_reads && batch.len() < MAX_BATCH {
-            only_reads = linger.wait_for_more(&rx, &mut batch);
-        }
-        let full = !only_reads || linger.due_for_sync(last_sync.elapsed());
-        if let Err(e) = set_synchronous(&conn, &mut synchronous_full, full) {
-            counters.note_write(&Err(e.clone()));
-            for job in batch.drain(..) {
-                job.fail(e.clone());
-            }
-            continue;
-        }
-        let before = group.chain.clone();
+        let before = self.group.chain.clone();
         // A group before may have been rolled back, with tasks its reads opened.
-        group.stmts.forget_tasks();
-        if let Err(e) = control(&conn, "BEGIN IMMEDIATE") {
-            counters.note_write(&Err(e.clone()));
-            for job in batch.drain(..) {
-                job.fail(e.clone());
-            }
-            continue;
+        self.group.stmts.forget_tasks();
+        if let Err(e) = control(self.group.conn, "BEGIN IMMEDIATE") {
+            self.fail_batch(e);
+            return;
         }
-        let mut jobs = batch.drain(..).peekable();
+        self.run_batch();
+        let committed = control(self.group.conn, "COMMIT");
+        self.counters.note_write(&committed);
+        if committed.is_err() {
+            let _ = control(self.group.conn, "ROLLBACK");
+            self.group.chain = before;
+            self.group.watched.clear();
+        } else {
+            self.note_commit();
+        }
+        for done in self.completions.drain(..) {
+            done(committed.clone());
+        }
+    }
+
+    /// Reads only: nobody waits for this commit, so let more reads join it, and do not wait
+    /// for the disk (a later fsync'd commit makes these frames durable too). Returns whether
+    /// the group's commit is to be fsync'd (`synchronous=FULL`).
+    fn linger_for_reads(&mut self) -> bool {
+        let mut only_reads = self.batch.iter().all(|job| matches!(job, Job::Read(_)));
+        if only_reads && self.batch.len() < MAX_BATCH {
+            only_reads = self.linger.wait_for_more(&self.rx, &mut self.batch);
+        }
+        !only_reads || self.linger.due_for_sync(self.last_sync.elapsed())
+    }
+
+    /// Answers every job of the batch with `e`, the error that kept its group from beginning.
+    fn fail_batch(&mut self, e: StoreError) {
+        self.counters.note_write(&Err(e.clone()));
+        for job in self.batch.drain(..) {
+            job.fail(e.clone());
+        }
+    }
+
+    /// Runs the batch's jobs in the open transaction, in order: each operation in a savepoint
+    /// of its own, each run of consecutive reads together ([`Group::run_reads`]).
+    fn run_batch(&mut self) {
+        let mut jobs = self.batch.drain(..).peekable();
         while let Some(job) = jobs.next() {
             let read = match job {
                 Job::Op(op) => {
-                    completions.push(group.run_op(op));
+                    self.completions.push(self.group.run_op(op));
                     continue;
                 }
                 Job::Read(read) => read,
             };
             // A run of consecutive reads.
-            reads.push(read);
+            self.reads.push(read);
             while let Some(Job::Read(read)) = jobs.next_if(|j| matches!(j, Job::Read(_))) {
-                reads.push(read);
+                self.reads.push(read);
             }
-            group.run_reads(&reads, &mut results);
-            for (read, result) in reads.drain(..).zip(results.drain(..)) {
-                completions.push(read.after(result));
+            self.group.run_reads(&self.reads, &mut self.results);
+            for (read, result) in self.reads.drain(..).zip(self.results.drain(..)) {
+                self.completions.push(read.after(result));
             }
         }
-        let committed = control(&conn, "COMMIT");
-        counters.note_write(&committed);
-        if committed.is_err() {
-            let _ = control(&conn, "ROLLBACK");
-            group.chain = before;
-            group.watched.clear();
+    }
+
+    /// After a commit: hands what it sealed to the watch feed and counts it.
+    fn note_commit(&mut self) {
+        self.feed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .committed(&mut self.group.watched, self.group.chain.last_seq());
+        let counters = &self.counters;
+        counters.transactions.fetch_add(1, Ordering::Relaxed);
+        if self.synchronous_full {
+            self.last_sync = pacing_now();
         } else {
-            feed.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .committed(&mut group.watched, group.chain.last_seq());
-            counters.transactions.fetch_add(1, Ordering::Relaxed);
-            if synchronous_full {
-                last_sync = pacing_now();
-            } else {
-                counters.lazy_transactions.fetch_add(1, Ordering::Relaxed);
-            }
-            counters
-                .operations
-                .fetch_add(completions.len() as u64, Ordering::Relaxed);
+            counters.lazy_transactions.fetch_add(1, Ordering::Relaxed);
         }
-        for done in completions.drain(..) {
-            done(committed.clone());
-        }
+        counters
+            .operations
+            .fetch_add(self.completions.len() as u64, Ordering::Relaxed);
     }
 }
 
