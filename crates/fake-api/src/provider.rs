@@ -16,7 +16,9 @@ use crate::compiled::{Compiled, CompiledRoute, RouteMatch};
 use crate::completion;
 use crate::config::{Fault, Handler, QuotaConfig, ScopeKey};
 use crate::quota::{self, QuotaState};
-use crate::reply::{error_body, invalid_request, json_reply, status_code, Action, Reply};
+use crate::reply::{
+    error_body, error_reply, invalid_request, json_reply, status_code, Action, Reply,
+};
 use crate::rng::SplitMix64;
 
 /// Identifies an attempt record across a possible reset.
@@ -339,8 +341,22 @@ fn decide_inner<'r>(
 ) -> (Action, Option<Duration>) {
     let (route_index, params) = match compiled.match_route(request.method, request.path) {
         RouteMatch::Found { index, params } => (index, params),
-        RouteMatch::MethodNotAllowed => return (method_not_allowed(request), None),
-        RouteMatch::NotFound => return (route_not_found(request), None),
+        RouteMatch::MethodNotAllowed => {
+            let message = format!("{} is not allowed on {}", request.method, request.path);
+            let refusal = error_reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                &message,
+            );
+            return (refusal, None);
+        }
+        RouteMatch::NotFound => {
+            let message = format!("no route for {} {}", request.method, request.path);
+            return (
+                error_reply(StatusCode::NOT_FOUND, "route_not_found", &message),
+                None,
+            );
+        }
     };
     let route = &compiled.routes[route_index];
     let call_number = count_call(state, route_index, route, index);
@@ -384,28 +400,6 @@ fn decide_inner<'r>(
     };
     write_quota_headers(compiled, state, &call, &mut action);
     (action, slow)
-}
-
-/// The answer to a request whose path some route matches, but not with its method.
-fn method_not_allowed(request: &Incoming<'_>) -> Action {
-    Action::Reply(json_reply(
-        StatusCode::METHOD_NOT_ALLOWED,
-        error_body(
-            "method_not_allowed",
-            &format!("{} is not allowed on {}", request.method, request.path),
-        ),
-    ))
-}
-
-/// The answer to a request no route matches.
-fn route_not_found(request: &Incoming<'_>) -> Action {
-    Action::Reply(json_reply(
-        StatusCode::NOT_FOUND,
-        error_body(
-            "route_not_found",
-            &format!("no route for {} {}", request.method, request.path),
-        ),
-    ))
 }
 
 /// Counts a call of the route at `route_index` and notes route and call number in the

@@ -75,12 +75,14 @@ pub(crate) fn json_reply(status: StatusCode, body: Bytes) -> Reply {
     }
 }
 
+/// An error answer: `status`, with `code` and `message` in the body.
+pub(crate) fn error_reply(status: StatusCode, code: &str, message: &str) -> Action {
+    Action::Reply(json_reply(status, error_body(code, message)))
+}
+
 /// A `400 invalid_request` answer saying `message`.
 pub(crate) fn invalid_request(message: &str) -> Action {
-    Action::Reply(json_reply(
-        StatusCode::BAD_REQUEST,
-        error_body("invalid_request", message),
-    ))
+    error_reply(StatusCode::BAD_REQUEST, "invalid_request", message)
 }
 
 /// The status a config names (validated to be one); 500 if it is not.
