@@ -1,10 +1,13 @@
-//! The validated, ready-to-match form of a [`FakeConfig`].
+//! The validated, ready-to-match form of a [`FakeConfig`], and the checks that build it
+//! ([`FakeConfig::validate`]).
 
 use std::collections::BTreeMap;
 
 use http::{HeaderName, Method};
 
-use crate::config::{FakeConfig, Fault, FaultRule, Handler, QuotaConfig};
+use crate::config::{
+    FakeConfig, Fault, FaultRule, FixedWindow, Handler, QuotaConfig, RouteConfig, TokenBucket,
+};
 use crate::Error;
 
 /// Upper bounds that keep a config from asking for absurd work.
@@ -173,19 +176,8 @@ fn parse_pattern(place: &str, pattern: &str) -> Result<(Method, Vec<Segment>), E
 impl Compiled {
     /// Validates `config` and prepares it for matching.
     pub(crate) fn new(config: &FakeConfig) -> Result<Self, Error> {
-        let idempotency_header = HeaderName::from_bytes(config.idempotency_header.as_bytes())
-            .map_err(|_| {
-                invalid(
-                    "idempotency_header".into(),
-                    format!("{:?} is not a header name", config.idempotency_header),
-                )
-            })?;
-        let auth_header = HeaderName::from_bytes(config.auth_header.as_bytes()).map_err(|_| {
-            invalid(
-                "auth_header".into(),
-                format!("{:?} is not a header name", config.auth_header),
-            )
-        })?;
+        let idempotency_header = header_name("idempotency_header", &config.idempotency_header)?;
+        let auth_header = header_name("auth_header", &config.auth_header)?;
         if !matches!(config.idempotency_conflict_status, 409 | 422) {
             return Err(invalid(
                 "idempotency_conflict_status".into(),
@@ -193,185 +185,12 @@ impl Compiled {
             ));
         }
         for (i, quota) in config.quotas.iter().enumerate() {
-            let place = format!("quotas[{i}]");
-            check_name(format!("{place}.name"), &quota.name)?;
-            if config.quotas[..i].iter().any(|q| q.name == quota.name) {
-                return Err(invalid(
-                    format!("{place}.name"),
-                    format!("quota {:?} is defined twice", quota.name),
-                ));
-            }
-            match (&quota.fixed_window, &quota.token_bucket) {
-                (Some(w), None) => {
-                    if w.limit == 0 {
-                        return Err(invalid(
-                            format!("{place}.fixed_window.limit"),
-                            "must be at least 1",
-                        ));
-                    }
-                    if w.window_ms == 0 {
-                        return Err(invalid(
-                            format!("{place}.fixed_window.window_ms"),
-                            "must be at least 1",
-                        ));
-                    }
-                }
-                (None, Some(b)) => {
-                    if b.burst == 0 {
-                        return Err(invalid(
-                            format!("{place}.token_bucket.burst"),
-                            "must be at least 1",
-                        ));
-                    }
-                    if !(b.rate_per_second.is_finite() && b.rate_per_second > 0.0) {
-                        return Err(invalid(
-                            format!("{place}.token_bucket.rate_per_second"),
-                            format!("{} must be a finite number above 0", b.rate_per_second),
-                        ));
-                    }
-                }
-                _ => {
-                    return Err(invalid(
-                        place,
-                        "set exactly one of `fixed_window` and `token_bucket`",
-                    ))
-                }
-            }
-            check_status(format!("{place}.exceeded_status"), quota.exceeded_status)?;
-            if let Some(resource) = &quota.resource {
-                check_name(format!("{place}.resource"), resource)?;
-            }
+            check_quota(&config.quotas[..i], &format!("quotas[{i}]"), quota)?;
         }
         let mut routes = Vec::with_capacity(config.routes.len());
         for (i, route) in config.routes.iter().enumerate() {
-            let place = format!("routes[{i}]");
-            let (method, segments) = parse_pattern(&place, &route.route)?;
-            // Two routes for the same method and path shape (parameter names aside): the second
-            // could never be reached.
-            if let Some(k) = routes.iter().position(|r: &CompiledRoute| {
-                r.method == method && same_shape(&r.segments, &segments)
-            }) {
-                return Err(invalid(
-                    format!("{place}.route"),
-                    format!(
-                        "{:?} duplicates routes[{k}] (same method and path); each route once",
-                        route.route
-                    ),
-                ));
-            }
-            let mut quotas = Vec::new();
-            for (j, name) in route.quotas.iter().enumerate() {
-                let index = config
-                    .quotas
-                    .iter()
-                    .position(|q| &q.name == name)
-                    .ok_or_else(|| {
-                        invalid(
-                            format!("{place}.quotas[{j}]"),
-                            format!("unknown quota {name:?}"),
-                        )
-                    })?;
-                quotas.push(index);
-            }
-            match &route.handler {
-                Handler::Respond { status, .. } => {
-                    check_status(format!("{place}.handler.status"), *status)?
-                }
-                Handler::Fast => {}
-                Handler::Create {
-                    collection,
-                    id_prefix,
-                    ..
-                } => {
-                    check_name(format!("{place}.handler.collection"), collection)?;
-                    if !id_prefix.is_empty() {
-                        check_name(format!("{place}.handler.id_prefix"), id_prefix)?;
-                    }
-                }
-                Handler::Lookup { collection } => {
-                    check_name(format!("{place}.handler.collection"), collection)?
-                }
-                Handler::Get {
-                    collection,
-                    id_param,
-                } => {
-                    check_name(format!("{place}.handler.collection"), collection)?;
-                    if !segments.contains(&Segment::Param(id_param.clone())) {
-                        return Err(invalid(
-                            format!("{place}.handler.id_param"),
-                            format!("the pattern has no `{{{id_param}}}` segment"),
-                        ));
-                    }
-                }
-                Handler::Stream {
-                    events,
-                    interval_ms,
-                }
-                | Handler::Completion {
-                    events,
-                    interval_ms,
-                    ..
-                } => {
-                    if *events > MAX_STREAM_EVENTS {
-                        return Err(invalid(
-                            format!("{place}.handler.events"),
-                            format!("{events} is over {MAX_STREAM_EVENTS}"),
-                        ));
-                    }
-                    if *interval_ms > MAX_INTERVAL_MS {
-                        return Err(invalid(
-                            format!("{place}.handler.interval_ms"),
-                            format!("{interval_ms} ms is over {MAX_INTERVAL_MS} ms"),
-                        ));
-                    }
-                }
-            }
-            for (j, fault) in route.script.iter().enumerate() {
-                check_fault(&format!("{place}.script[{j}]"), fault)?;
-            }
-            for (j, rule) in route.faults.iter().enumerate() {
-                let rule_place = format!("{place}.faults[{j}]");
-                let triggers = usize::from(!rule.on_calls.is_empty())
-                    + usize::from(rule.every_nth.is_some())
-                    + usize::from(rule.probability.is_some());
-                if triggers != 1 {
-                    return Err(invalid(
-                        rule_place,
-                        "set exactly one of `on_calls`, `every_nth`, `probability`",
-                    ));
-                }
-                if rule.on_calls.contains(&0) {
-                    return Err(invalid(
-                        format!("{rule_place}.on_calls"),
-                        "call numbers start at 1",
-                    ));
-                }
-                if rule.every_nth == Some(0) {
-                    return Err(invalid(
-                        format!("{rule_place}.every_nth"),
-                        "must be at least 1",
-                    ));
-                }
-                if let Some(p) = rule.probability {
-                    if !(0.0..=1.0).contains(&p) {
-                        return Err(invalid(
-                            format!("{rule_place}.probability"),
-                            format!("{p} is not within [0, 1]"),
-                        ));
-                    }
-                }
-                check_fault(&format!("{rule_place}.fault"), &rule.fault)?;
-            }
-            routes.push(CompiledRoute {
-                template: format!("{method} /{}", route_path(&segments)),
-                method,
-                segments,
-                handler: route.handler.clone(),
-                quotas,
-                idempotency: route.idempotency,
-                script: route.script.clone(),
-                faults: route.faults.clone(),
-            });
+            let compiled = compile_route(config, &routes, &format!("routes[{i}]"), route)?;
+            routes.push(compiled);
         }
         Ok(Compiled {
             seed: config.seed,
@@ -425,6 +244,234 @@ impl Compiled {
             RouteMatch::NotFound
         }
     }
+}
+
+impl FakeConfig {
+    /// Checks the config: names, limits, route patterns, quota references, fault triggers.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first bad place (`routes[1].faults[0]`) and why.
+    pub fn validate(&self) -> Result<(), Error> {
+        Compiled::new(self).map(|_| ())
+    }
+}
+
+/// The header named `raw`, the config's field `place`.
+fn header_name(place: &str, raw: &str) -> Result<HeaderName, Error> {
+    HeaderName::from_bytes(raw.as_bytes())
+        .map_err(|_| invalid(place.into(), format!("{raw:?} is not a header name")))
+}
+
+/// Checks one quota at `place`; `earlier` are the quotas defined before it.
+fn check_quota(earlier: &[QuotaConfig], place: &str, quota: &QuotaConfig) -> Result<(), Error> {
+    check_name(format!("{place}.name"), &quota.name)?;
+    if earlier.iter().any(|q| q.name == quota.name) {
+        return Err(invalid(
+            format!("{place}.name"),
+            format!("quota {:?} is defined twice", quota.name),
+        ));
+    }
+    match (&quota.fixed_window, &quota.token_bucket) {
+        (Some(w), None) => check_fixed_window(place, w)?,
+        (None, Some(b)) => check_token_bucket(place, b)?,
+        _ => {
+            return Err(invalid(
+                place.to_owned(),
+                "set exactly one of `fixed_window` and `token_bucket`",
+            ))
+        }
+    }
+    check_status(format!("{place}.exceeded_status"), quota.exceeded_status)?;
+    if let Some(resource) = &quota.resource {
+        check_name(format!("{place}.resource"), resource)?;
+    }
+    Ok(())
+}
+
+fn check_fixed_window(place: &str, window: &FixedWindow) -> Result<(), Error> {
+    if window.limit == 0 {
+        return Err(invalid(
+            format!("{place}.fixed_window.limit"),
+            "must be at least 1",
+        ));
+    }
+    if window.window_ms == 0 {
+        return Err(invalid(
+            format!("{place}.fixed_window.window_ms"),
+            "must be at least 1",
+        ));
+    }
+    Ok(())
+}
+
+fn check_token_bucket(place: &str, bucket: &TokenBucket) -> Result<(), Error> {
+    if bucket.burst == 0 {
+        return Err(invalid(
+            format!("{place}.token_bucket.burst"),
+            "must be at least 1",
+        ));
+    }
+    if !(bucket.rate_per_second.is_finite() && bucket.rate_per_second > 0.0) {
+        return Err(invalid(
+            format!("{place}.token_bucket.rate_per_second"),
+            format!("{} must be a finite number above 0", bucket.rate_per_second),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates the route at `place` and prepares it for matching; `earlier` are the routes
+/// compiled before it.
+fn compile_route(
+    config: &FakeConfig,
+    earlier: &[CompiledRoute],
+    place: &str,
+    route: &RouteConfig,
+) -> Result<CompiledRoute, Error> {
+    let (method, segments) = parse_pattern(place, &route.route)?;
+    // Two routes for the same method and path shape (parameter names aside): the second
+    // could never be reached.
+    if let Some(k) = earlier
+        .iter()
+        .position(|r| r.method == method && same_shape(&r.segments, &segments))
+    {
+        return Err(invalid(
+            format!("{place}.route"),
+            format!(
+                "{:?} duplicates routes[{k}] (same method and path); each route once",
+                route.route
+            ),
+        ));
+    }
+    let quotas = quota_indices(config, place, &route.quotas)?;
+    check_handler(place, &route.handler, &segments)?;
+    for (j, fault) in route.script.iter().enumerate() {
+        check_fault(&format!("{place}.script[{j}]"), fault)?;
+    }
+    for (j, rule) in route.faults.iter().enumerate() {
+        check_fault_rule(&format!("{place}.faults[{j}]"), rule)?;
+    }
+    Ok(CompiledRoute {
+        template: format!("{method} /{}", route_path(&segments)),
+        method,
+        segments,
+        handler: route.handler.clone(),
+        quotas,
+        idempotency: route.idempotency,
+        script: route.script.clone(),
+        faults: route.faults.clone(),
+    })
+}
+
+/// The indices into the config's quotas of the quotas a route names.
+fn quota_indices(config: &FakeConfig, place: &str, names: &[String]) -> Result<Vec<usize>, Error> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(j, name)| {
+            config
+                .quotas
+                .iter()
+                .position(|q| &q.name == name)
+                .ok_or_else(|| {
+                    invalid(
+                        format!("{place}.quotas[{j}]"),
+                        format!("unknown quota {name:?}"),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// Checks a route's handler against the route's path `segments`.
+fn check_handler(place: &str, handler: &Handler, segments: &[Segment]) -> Result<(), Error> {
+    match handler {
+        Handler::Respond { status, .. } => check_status(format!("{place}.handler.status"), *status),
+        Handler::Fast => Ok(()),
+        Handler::Create {
+            collection,
+            id_prefix,
+            ..
+        } => {
+            check_name(format!("{place}.handler.collection"), collection)?;
+            if !id_prefix.is_empty() {
+                check_name(format!("{place}.handler.id_prefix"), id_prefix)?;
+            }
+            Ok(())
+        }
+        Handler::Lookup { collection } => {
+            check_name(format!("{place}.handler.collection"), collection)
+        }
+        Handler::Get {
+            collection,
+            id_param,
+        } => {
+            check_name(format!("{place}.handler.collection"), collection)?;
+            if !segments.contains(&Segment::Param(id_param.clone())) {
+                return Err(invalid(
+                    format!("{place}.handler.id_param"),
+                    format!("the pattern has no `{{{id_param}}}` segment"),
+                ));
+            }
+            Ok(())
+        }
+        Handler::Stream {
+            events,
+            interval_ms,
+        }
+        | Handler::Completion {
+            events,
+            interval_ms,
+            ..
+        } => check_stream_bounds(place, *events, *interval_ms),
+    }
+}
+
+fn check_stream_bounds(place: &str, events: u32, interval_ms: u64) -> Result<(), Error> {
+    if events > MAX_STREAM_EVENTS {
+        return Err(invalid(
+            format!("{place}.handler.events"),
+            format!("{events} is over {MAX_STREAM_EVENTS}"),
+        ));
+    }
+    if interval_ms > MAX_INTERVAL_MS {
+        return Err(invalid(
+            format!("{place}.handler.interval_ms"),
+            format!("{interval_ms} ms is over {MAX_INTERVAL_MS} ms"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a fault rule: exactly one trigger, a sensible one, and its fault.
+fn check_fault_rule(place: &str, rule: &FaultRule) -> Result<(), Error> {
+    let triggers = usize::from(!rule.on_calls.is_empty())
+        + usize::from(rule.every_nth.is_some())
+        + usize::from(rule.probability.is_some());
+    if triggers != 1 {
+        return Err(invalid(
+            place.to_owned(),
+            "set exactly one of `on_calls`, `every_nth`, `probability`",
+        ));
+    }
+    if rule.on_calls.contains(&0) {
+        return Err(invalid(
+            format!("{place}.on_calls"),
+            "call numbers start at 1",
+        ));
+    }
+    if rule.every_nth == Some(0) {
+        return Err(invalid(format!("{place}.every_nth"), "must be at least 1"));
+    }
+    if let Some(p) = rule.probability {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(invalid(
+                format!("{place}.probability"),
+                format!("{p} is not within [0, 1]"),
+            ));
+        }
+    }
+    check_fault(&format!("{place}.fault"), &rule.fault)
 }
 
 /// Whether two patterns match the same paths: equal literals, parameters in the same places.

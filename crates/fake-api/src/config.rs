@@ -559,14 +559,6 @@ impl FakeConfig {
         self.seed = seed;
         self
     }
-
-    /// Checks the config: names, limits, route patterns, quota references, fault triggers.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the first bad place (`routes[1].faults[0]`) and why.
-    pub fn validate(&self) -> Result<(), Error> {
-        crate::compiled::Compiled::new(self).map(|_| ())
-    }
 }
 
 /// The YAML library's messages without its inline position (reported once, as `LINE:COL`) and

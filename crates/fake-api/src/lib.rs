@@ -41,9 +41,11 @@
 mod attempt;
 mod clock;
 mod compiled;
+mod completion;
 mod config;
 mod provider;
 mod quota;
+mod reply;
 mod rng;
 mod server;
 

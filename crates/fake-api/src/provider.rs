@@ -1,5 +1,5 @@
 //! The provider's decisions for one request: which route, which fault, quota, idempotency, the
-//! handler's work. All of it runs under one lock and without awaiting, so the provider's state
+//! handler's work (the streaming handlers are in `completion`). All of it runs under one lock and without awaiting, so the provider's state
 //! changes atomically per request; the caller then carries the decision out (answer, stream,
 //! hold, or drop the connection).
 
@@ -12,57 +12,14 @@ use serde_json::{json, Map, Value};
 
 use crate::attempt::{credential_digest, sha256_hex, AttemptOutcome, AttemptRecord};
 use crate::clock::Now;
-use crate::compiled::{Compiled, CompiledRoute, RouteMatch, MAX_INTERVAL_MS, MAX_STREAM_EVENTS};
-use crate::config::{CompletionApi, Fault, Handler, ScopeKey};
+use crate::compiled::{Compiled, CompiledRoute, RouteMatch};
+use crate::completion;
+use crate::config::{Fault, Handler, QuotaConfig, ScopeKey};
 use crate::quota::{self, QuotaState};
+use crate::reply::{
+    error_body, error_reply, invalid_request, json_reply, status_code, Action, Reply,
+};
 use crate::rng::SplitMix64;
-
-/// A complete answer.
-#[derive(Debug, Clone)]
-pub(crate) struct Reply {
-    pub(crate) status: StatusCode,
-    pub(crate) headers: HeaderMap,
-    pub(crate) body: Bytes,
-}
-
-/// What the caller must do with the connection.
-#[derive(Debug)]
-pub(crate) enum Action {
-    /// Send this answer.
-    Reply(Reply),
-    /// Send a 200 event stream: `chunks` in order, the first at once and each later one
-    /// `interval` after the one before.
-    Stream {
-        headers: HeaderMap,
-        chunks: Vec<Bytes>,
-        interval: Duration,
-    },
-    /// Hold for `hold`, then close the connection without a response byte.
-    Drop {
-        hold: Duration,
-        outcome: AttemptOutcome,
-    },
-}
-
-impl Action {
-    /// The headers of an answer (`Reply` or `Stream`); `None` for `Drop`, which sends none.
-    pub(crate) fn headers_mut(&mut self) -> Option<&mut HeaderMap> {
-        match self {
-            Action::Reply(reply) => Some(&mut reply.headers),
-            Action::Stream { headers, .. } => Some(headers),
-            Action::Drop { .. } => None,
-        }
-    }
-
-    /// The status this action answers with; `None` when it sends no answer.
-    pub(crate) fn status(&self) -> Option<StatusCode> {
-        match self {
-            Action::Reply(reply) => Some(reply.status),
-            Action::Stream { .. } => Some(StatusCode::OK),
-            Action::Drop { .. } => None,
-        }
-    }
-}
 
 /// Identifies an attempt record across a possible reset.
 #[derive(Debug, Clone, Copy)]
@@ -151,27 +108,6 @@ pub(crate) struct Incoming<'a> {
     pub(crate) body: Option<&'a Bytes>,
 }
 
-fn error_body(code: &str, message: &str) -> Bytes {
-    Bytes::from(json!({"error": {"code": code, "type": code, "message": message}}).to_string())
-}
-
-fn json_reply(status: StatusCode, body: Bytes) -> Reply {
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    Reply {
-        status,
-        headers,
-        body,
-    }
-}
-
-fn status_code(status: u16) -> StatusCode {
-    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
-}
-
 fn header_str<'h>(headers: &'h HeaderMap, name: &header::HeaderName) -> Option<&'h str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
@@ -202,9 +138,42 @@ pub(crate) fn decide(
     request: &Incoming<'_>,
     now: Now,
 ) -> Decision {
+    let record = attempt_record(compiled, request, now, state.attempts.len() as u64 + 1);
+    let ticket = Ticket {
+        generation: state.generation,
+        index: state.attempts.len(),
+    };
+    state.attempts.push(record);
+    let (mut action, hold) = decide_inner(compiled, state, request, now, ticket.index);
+    if let Some(headers) = action.headers_mut() {
+        stamp_date(headers, now);
+    }
+    let finished = match (&action, hold) {
+        (_, Some(_)) | (Action::Drop { .. }, None) => None,
+        (answer, None) => state.finish(
+            ticket,
+            AttemptOutcome::Answered,
+            answer.status().map(|s| s.as_u16()),
+        ),
+    };
+    Decision {
+        action,
+        hold,
+        ticket,
+        finished,
+    }
+}
+
+/// The record of a new attempt (number `seq`), still `pending`.
+fn attempt_record(
+    compiled: &Compiled,
+    request: &Incoming<'_>,
+    now: Now,
+    seq: u64,
+) -> AttemptRecord {
     let auth = request.headers.get(&compiled.auth_header);
-    let record = AttemptRecord {
-        seq: state.attempts.len() as u64 + 1,
+    AttemptRecord {
+        seq,
         at: format!("{:.3}", now.wall),
         method: request.method.to_string(),
         path: request.path.to_owned(),
@@ -224,30 +193,6 @@ pub(crate) fn decide(
         outcome: AttemptOutcome::Pending,
         fault: None,
         replayed: false,
-    };
-    let ticket = Ticket {
-        generation: state.generation,
-        index: state.attempts.len(),
-    };
-    state.attempts.push(record);
-    let mut hold = None;
-    let mut action = decide_inner(compiled, state, request, now, ticket.index, &mut hold);
-    if let Some(headers) = action.headers_mut() {
-        stamp_date(headers, now);
-    }
-    let finished = match (&action, hold) {
-        (_, Some(_)) | (Action::Drop { .. }, None) => None,
-        (answer, None) => state.finish(
-            ticket,
-            AttemptOutcome::Answered,
-            answer.status().map(|s| s.as_u16()),
-        ),
-    };
-    Decision {
-        action,
-        hold,
-        ticket,
-        finished,
     }
 }
 
@@ -294,74 +239,22 @@ fn fault_name(fault: &Fault) -> &'static str {
     }
 }
 
-fn decide_inner(
-    compiled: &Compiled,
-    state: &mut ProviderState,
-    request: &Incoming<'_>,
-    now: Now,
-    index: usize,
-    hold: &mut Option<Duration>,
-) -> Action {
-    let (route_index, params) = match compiled.match_route(request.method, request.path) {
-        RouteMatch::Found { index, params } => (index, params),
-        RouteMatch::MethodNotAllowed => {
-            return Action::Reply(json_reply(
-                StatusCode::METHOD_NOT_ALLOWED,
-                error_body(
-                    "method_not_allowed",
-                    &format!("{} is not allowed on {}", request.method, request.path),
-                ),
-            ))
-        }
-        RouteMatch::NotFound => {
-            return Action::Reply(json_reply(
-                StatusCode::NOT_FOUND,
-                error_body(
-                    "route_not_found",
-                    &format!("no route for {} {}", request.method, request.path),
-                ),
-            ))
-        }
-    };
-    let route = &compiled.routes[route_index];
-    state.calls[route_index] += 1;
-    let call = state.calls[route_index];
-    let record = &mut state.attempts[index];
-    record.route = Some(route.template.clone());
-    record.call = Some(call);
+/// What a chosen fault makes of a request.
+enum FaultEffect {
+    /// Answer with this instead of serving the request.
+    Answer(Action),
+    /// Drop the connection without serving the request.
+    Drop(Action),
+    /// Serve the request (its writes are kept), then drop the connection after this hold
+    /// without a response byte.
+    ServeThenDrop(Duration),
+    /// Serve the request; hold the answer this long first when `Some` (a slow answer).
+    Serve(Option<Duration>),
+}
 
-    let Some(body) = request.body else {
-        return Action::Reply(json_reply(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            error_body("body_too_large", "request body is over 1 MiB"),
-        ));
-    };
-    if matches!(route.handler, Handler::Fast) {
-        return Action::Reply(json_reply(
-            StatusCode::OK,
-            Bytes::from_static(b"{\"ok\":true}"),
-        ));
-    }
-
-    let credential = request
-        .headers
-        .get(&compiled.auth_header)
-        .map(|v| format!("credential:{}", credential_digest(v.as_bytes())))
-        .unwrap_or_else(|| "credential:anonymous".to_owned());
-    let scope = move |key: &ScopeKey| match key {
-        ScopeKey::Account => "account".to_owned(),
-        ScopeKey::Credential => credential.clone(),
-    };
-
-    let fault = choose_fault(route, call, &mut state.rng);
-    if let Some(fault) = &fault {
-        if !matches!(fault, Fault::Pass) {
-            state.attempts[index].fault = Some(fault_name(fault).to_owned());
-        }
-    }
-    let mut drop_after_commit = None;
-    let mut slow = None;
-    let action = match fault {
+/// The effect of `fault` (`None`: no fault chosen).
+fn fault_effect(fault: Option<Fault>) -> FaultEffect {
+    match fault {
         Some(Fault::Status {
             status,
             retry_after,
@@ -375,163 +268,191 @@ fn decide_inner(
             if let Some(raw) = retry_after.and_then(|r| HeaderValue::from_str(&r).ok()) {
                 reply.headers.insert(header::RETRY_AFTER, raw);
             }
-            Some(Action::Reply(reply))
+            FaultEffect::Answer(Action::Reply(reply))
         }
         Some(Fault::ErrorCode {
             status,
             code,
             message,
-        }) => Some(Action::Reply(json_reply(
+        }) => FaultEffect::Answer(Action::Reply(json_reply(
             status_code(status),
             error_body(&code, &message),
         ))),
-        Some(Fault::Timeout { hold_ms }) => {
-            return Action::Drop {
-                hold: Duration::from_millis(hold_ms),
-                outcome: AttemptOutcome::Timeout,
-            }
-        }
-        Some(Fault::Drop) => {
-            return Action::Drop {
-                hold: Duration::ZERO,
-                outcome: AttemptOutcome::Dropped,
-            }
-        }
-        Some(Fault::StoreThenDrop { hold_ms }) => {
-            drop_after_commit = Some(Duration::from_millis(hold_ms));
-            None
-        }
-        Some(Fault::Slow { hold_ms }) => {
-            slow = Some(Duration::from_millis(hold_ms));
-            None
-        }
-        Some(Fault::Pass) | None => None,
-    };
-
-    let mut action = match action {
-        Some(action) => action,
-        None => serve(
-            compiled, state, request, body, route, &params, now, index, &scope,
-        ),
-    };
-    if let Some(hold) = drop_after_commit {
-        return Action::Drop {
-            hold,
+        Some(Fault::Timeout { hold_ms }) => FaultEffect::Drop(Action::Drop {
+            hold: Duration::from_millis(hold_ms),
+            outcome: AttemptOutcome::Timeout,
+        }),
+        Some(Fault::Drop) => FaultEffect::Drop(Action::Drop {
+            hold: Duration::ZERO,
             outcome: AttemptOutcome::Dropped,
-        };
+        }),
+        Some(Fault::StoreThenDrop { hold_ms }) => {
+            FaultEffect::ServeThenDrop(Duration::from_millis(hold_ms))
+        }
+        Some(Fault::Slow { hold_ms }) => FaultEffect::Serve(Some(Duration::from_millis(hold_ms))),
+        Some(Fault::Pass) | None => FaultEffect::Serve(None),
     }
-    // Quota headers on every answer of a route with a quota (from its first quota).
-    if let (Some(headers), Some(&q)) = (action.headers_mut(), route.quotas.first()) {
-        let config = &compiled.quotas[q];
-        let counter = state
-            .quotas
-            .entry((q, scope(&config.scope)))
-            .or_insert_with(|| QuotaState::new(config, now.mono));
-        let snap = counter.snapshot(config, now.mono);
-        quota::write_headers(headers, config, &snap, now.wall);
-    }
-    *hold = slow;
-    action
 }
 
-/// The normal path: quota, idempotency, handler.
-#[allow(clippy::too_many_arguments)]
-fn serve(
-    compiled: &Compiled,
+/// The scopes a quota counts a request in: the whole account, or the credential it carries.
+struct Scopes {
+    credential: String,
+}
+
+impl Scopes {
+    /// The scopes of a request with `headers`.
+    fn of(compiled: &Compiled, headers: &HeaderMap) -> Self {
+        let credential = headers
+            .get(&compiled.auth_header)
+            .map(|v| format!("credential:{}", credential_digest(v.as_bytes())))
+            .unwrap_or_else(|| "credential:anonymous".to_owned());
+        Scopes { credential }
+    }
+
+    /// The name of the counter `key` selects.
+    fn name(&self, key: &ScopeKey) -> String {
+        match key {
+            ScopeKey::Account => "account".to_owned(),
+            ScopeKey::Credential => self.credential.clone(),
+        }
+    }
+}
+
+/// A request that matched a route, on its way to the route's handler.
+struct Call<'r> {
+    request: &'r Incoming<'r>,
+    /// The request body (within the size limit).
+    body: &'r Bytes,
+    route: &'r CompiledRoute,
+    params: BTreeMap<String, String>,
+    now: Now,
+    /// The attempt's index in the record.
+    index: usize,
+    scopes: Scopes,
+}
+
+/// Decides one recorded attempt (at `index`): its action, and how long to hold it first.
+fn decide_inner<'r>(
+    compiled: &'r Compiled,
     state: &mut ProviderState,
-    request: &Incoming<'_>,
-    body: &Bytes,
-    route: &CompiledRoute,
-    params: &BTreeMap<String, String>,
+    request: &'r Incoming<'r>,
     now: Now,
     index: usize,
-    scope: &dyn Fn(&ScopeKey) -> String,
-) -> Action {
-    // Quota: every quota of the route must admit the request; then all are charged.
-    let mut refusal: Option<(usize, Duration)> = None;
-    for &q in &route.quotas {
-        let config = &compiled.quotas[q];
-        let counter = state
-            .quotas
-            .entry((q, scope(&config.scope)))
-            .or_insert_with(|| QuotaState::new(config, now.mono));
-        if let Some(wait) = counter.check(config, now.mono) {
-            if refusal.is_none_or(|(_, longest)| wait > longest) {
-                refusal = Some((q, wait));
-            }
+) -> (Action, Option<Duration>) {
+    let (route_index, params) = match compiled.match_route(request.method, request.path) {
+        RouteMatch::Found { index, params } => (index, params),
+        RouteMatch::MethodNotAllowed => {
+            let message = format!("{} is not allowed on {}", request.method, request.path);
+            let refusal = error_reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                &message,
+            );
+            return (refusal, None);
         }
-    }
-    if let Some((q, wait)) = refusal {
-        let config = &compiled.quotas[q];
-        state.attempts[index].fault = Some(format!("quota:{}", config.name));
-        let mut reply = json_reply(
-            status_code(config.exceeded_status),
-            error_body(
-                "rate_limit_exceeded",
-                &format!(
-                    "quota {} exceeded; retry in {} s",
-                    config.name,
-                    quota::ceil_seconds(wait)
-                ),
-            ),
-        );
-        quota::write_retry_after(&mut reply.headers, config.retry_after, wait, now.wall);
-        return Action::Reply(reply);
-    }
-    for &q in &route.quotas {
-        let config = &compiled.quotas[q];
-        if let Some(counter) = state.quotas.get_mut(&(q, scope(&config.scope))) {
-            counter.charge();
+        RouteMatch::NotFound => {
+            let message = format!("no route for {} {}", request.method, request.path);
+            return (
+                error_reply(StatusCode::NOT_FOUND, "route_not_found", &message),
+                None,
+            );
         }
-    }
-
-    // Idempotency (IETF Idempotency-Key draft): replay, or refuse a reused key.
-    let key = if route.idempotency {
-        header_str(request.headers, &compiled.idempotency_header).map(str::to_owned)
-    } else {
-        None
     };
-    let fingerprint = key.as_ref().map(|_| {
-        let mut material = Vec::with_capacity(body.len() + 64);
-        material.extend_from_slice(request.method.as_str().as_bytes());
-        material.push(b' ');
-        material.extend_from_slice(request.path.as_bytes());
-        material.push(b'\n');
-        material.extend_from_slice(body);
-        sha256_hex(&material)
-    });
-    if let (Some(key), Some(fingerprint)) = (&key, &fingerprint) {
-        if let Some(stored) = state.idempotency.get(key) {
-            if &stored.fingerprint == fingerprint {
-                let mut reply = json_reply(stored.status, stored.body.clone());
-                reply.headers.insert(
-                    http::HeaderName::from_static("idempotent-replayed"),
-                    HeaderValue::from_static("true"),
-                );
-                state.attempts[index].replayed = true;
-                return Action::Reply(reply);
-            }
-            return Action::Reply(json_reply(
-                status_code(compiled.idempotency_conflict_status),
-                error_body(
-                    "idempotency_key_reused",
-                    "this idempotency key was already used with a different request",
-                ),
-            ));
-        }
+    let route = &compiled.routes[route_index];
+    let call_number = count_call(state, route_index, route, index);
+    let Some(body) = request.body else {
+        let refusal = json_reply(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            error_body("body_too_large", "request body is over 1 MiB"),
+        );
+        return (Action::Reply(refusal), None);
+    };
+    if matches!(route.handler, Handler::Fast) {
+        return (Action::Reply(fast_reply()), None);
     }
-
-    let action = run_handler(
-        state,
+    let call = Call {
         request,
         body,
         route,
         params,
-        key.as_deref(),
-        index,
         now,
-    );
-    if let (Some(key), Some(fingerprint), Action::Reply(reply)) = (key, fingerprint, &action) {
+        index,
+        scopes: Scopes::of(compiled, request.headers),
+    };
+    let fault = choose_fault(route, call_number, &mut state.rng);
+    if let Some(fault) = &fault {
+        if !matches!(fault, Fault::Pass) {
+            state.attempts[index].fault = Some(fault_name(fault).to_owned());
+        }
+    }
+    let (mut action, slow) = match fault_effect(fault) {
+        FaultEffect::Answer(action) => (action, None),
+        FaultEffect::Drop(action) => return (action, None),
+        FaultEffect::ServeThenDrop(hold) => {
+            serve(compiled, state, &call);
+            let drop = Action::Drop {
+                hold,
+                outcome: AttemptOutcome::Dropped,
+            };
+            return (drop, None);
+        }
+        FaultEffect::Serve(slow) => (serve(compiled, state, &call), slow),
+    };
+    write_quota_headers(compiled, state, &call, &mut action);
+    (action, slow)
+}
+
+/// Counts a call of the route at `route_index` and notes route and call number in the
+/// attempt's record (at `index`); returns the call's number (from 1).
+fn count_call(
+    state: &mut ProviderState,
+    route_index: usize,
+    route: &CompiledRoute,
+    index: usize,
+) -> u64 {
+    state.calls[route_index] += 1;
+    let call = state.calls[route_index];
+    let record = &mut state.attempts[index];
+    record.route = Some(route.template.clone());
+    record.call = Some(call);
+    call
+}
+
+/// The answer of [`Handler::Fast`].
+fn fast_reply() -> Reply {
+    json_reply(StatusCode::OK, Bytes::from_static(b"{\"ok\":true}"))
+}
+
+/// Quota headers on every answer of a route with a quota (from its first quota).
+fn write_quota_headers(
+    compiled: &Compiled,
+    state: &mut ProviderState,
+    call: &Call<'_>,
+    action: &mut Action,
+) {
+    if let (Some(headers), Some(&q)) = (action.headers_mut(), call.route.quotas.first()) {
+        let config = &compiled.quotas[q];
+        let snap = state
+            .quota(q, config, &call.scopes, call.now)
+            .snapshot(config, call.now.mono);
+        quota::write_headers(headers, config, &snap, call.now.wall);
+    }
+}
+
+/// The normal path: quota, idempotency, handler.
+fn serve(compiled: &Compiled, state: &mut ProviderState, call: &Call<'_>) -> Action {
+    if let Some(refusal) = refuse_over_quota(compiled, state, call) {
+        return refusal;
+    }
+    charge_quotas(compiled, state, call);
+    let key = idempotency_key(compiled, call);
+    if let Some((key, fingerprint)) = &key {
+        if let Some(answer) = replay(compiled, state, call.index, key, fingerprint) {
+            return answer;
+        }
+    }
+    let action = run_handler(state, call, key.as_ref().map(|(key, _)| key.as_str()));
+    if let (Some((key, fingerprint)), Action::Reply(reply)) = (key, &action) {
         state.idempotency.insert(
             key,
             Stored {
@@ -544,388 +465,268 @@ fn serve(
     action
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Every quota of the route must admit the request: the refusal of the one that asks for the
+/// longest wait, or `None`.
+fn refuse_over_quota(
+    compiled: &Compiled,
+    state: &mut ProviderState,
+    call: &Call<'_>,
+) -> Option<Action> {
+    let mut refusal: Option<(usize, Duration)> = None;
+    for &q in &call.route.quotas {
+        let config = &compiled.quotas[q];
+        let counter = state.quota(q, config, &call.scopes, call.now);
+        if let Some(wait) = counter.check(config, call.now.mono) {
+            if refusal.is_none_or(|(_, longest)| wait > longest) {
+                refusal = Some((q, wait));
+            }
+        }
+    }
+    let (q, wait) = refusal?;
+    let config = &compiled.quotas[q];
+    state.attempts[call.index].fault = Some(format!("quota:{}", config.name));
+    let mut reply = json_reply(
+        status_code(config.exceeded_status),
+        error_body(
+            "rate_limit_exceeded",
+            &format!(
+                "quota {} exceeded; retry in {} s",
+                config.name,
+                quota::ceil_seconds(wait)
+            ),
+        ),
+    );
+    quota::write_retry_after(&mut reply.headers, config.retry_after, wait, call.now.wall);
+    Some(Action::Reply(reply))
+}
+
+/// Charges the admitted request to every quota of its route.
+fn charge_quotas(compiled: &Compiled, state: &mut ProviderState, call: &Call<'_>) {
+    for &q in &call.route.quotas {
+        let config = &compiled.quotas[q];
+        if let Some(counter) = state.quotas.get_mut(&(q, call.scopes.name(&config.scope))) {
+            counter.charge();
+        }
+    }
+}
+
+/// The request's idempotency key and its request's fingerprint (method, path, body), when the
+/// route keeps keys and the request carries one (IETF Idempotency-Key draft).
+fn idempotency_key(compiled: &Compiled, call: &Call<'_>) -> Option<(String, String)> {
+    if !call.route.idempotency {
+        return None;
+    }
+    let key = header_str(call.request.headers, &compiled.idempotency_header)?.to_owned();
+    let mut material = Vec::with_capacity(call.body.len() + 64);
+    material.extend_from_slice(call.request.method.as_str().as_bytes());
+    material.push(b' ');
+    material.extend_from_slice(call.request.path.as_bytes());
+    material.push(b'\n');
+    material.extend_from_slice(call.body);
+    Some((key, sha256_hex(&material)))
+}
+
+/// The answer for a `key` used before: the stored one replayed for the same request
+/// (`fingerprint`), a refusal for another; `None` for a new key.
+fn replay(
+    compiled: &Compiled,
+    state: &mut ProviderState,
+    index: usize,
+    key: &str,
+    fingerprint: &str,
+) -> Option<Action> {
+    let stored = state.idempotency.get(key)?;
+    if stored.fingerprint == fingerprint {
+        let mut reply = json_reply(stored.status, stored.body.clone());
+        reply.headers.insert(
+            http::HeaderName::from_static("idempotent-replayed"),
+            HeaderValue::from_static("true"),
+        );
+        state.attempts[index].replayed = true;
+        return Some(Action::Reply(reply));
+    }
+    Some(Action::Reply(json_reply(
+        status_code(compiled.idempotency_conflict_status),
+        error_body(
+            "idempotency_key_reused",
+            "this idempotency key was already used with a different request",
+        ),
+    )))
+}
+
+/// Carries out the route's handler; `idempotency_key` is the key a created object is kept
+/// under.
 fn run_handler(
     state: &mut ProviderState,
-    request: &Incoming<'_>,
-    body: &Bytes,
-    route: &CompiledRoute,
-    params: &BTreeMap<String, String>,
+    call: &Call<'_>,
     idempotency_key: Option<&str>,
-    index: usize,
-    now: Now,
 ) -> Action {
-    match &route.handler {
+    match &call.route.handler {
         Handler::Respond { status, body } => {
-            let body = body
-                .clone()
-                .unwrap_or_else(|| json!({"ok": true, "route": route.template, "params": params}));
+            let body = body.clone().unwrap_or_else(
+                || json!({"ok": true, "route": call.route.template, "params": call.params}),
+            );
             Action::Reply(json_reply(
                 status_code(*status),
                 Bytes::from(body.to_string()),
             ))
         }
-        Handler::Fast => Action::Reply(json_reply(
-            StatusCode::OK,
-            Bytes::from_static(b"{\"ok\":true}"),
-        )),
+        Handler::Fast => Action::Reply(fast_reply()),
         Handler::Create {
             collection,
             id_prefix,
             reference_field,
             unique_reference,
         } => {
-            let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else {
-                return Action::Reply(json_reply(
-                    StatusCode::BAD_REQUEST,
-                    error_body("invalid_request", "request body must be a JSON object"),
-                ));
+            let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(call.body) else {
+                return invalid_request("request body must be a JSON object");
             };
             let reference = reference_field.as_ref().and_then(|f| match fields.get(f) {
                 Some(Value::String(s)) => Some(s.clone()),
                 Some(Value::Number(n)) => Some(n.to_string()),
                 _ => None,
             });
-            let objects = state.collections.entry(collection.clone()).or_default();
-            if *unique_reference {
-                if let Some(existing) = reference
-                    .as_ref()
-                    .and_then(|r| objects.iter().find(|o| o.reference.as_ref() == Some(r)))
-                {
-                    return Action::Reply(json_reply(
-                        StatusCode::CONFLICT,
-                        Bytes::from(
-                            json!({"error": {
-                                "code": "duplicate_reference",
-                                "type": "duplicate_reference",
-                                "message": "an object with this reference already exists",
-                                "existing_id": existing.id,
-                            }})
-                            .to_string(),
-                        ),
-                    ));
-                }
-            }
-            let id = format!("{id_prefix}{:016x}", state.rng.next_u64());
-            let mut object: Map<String, Value> = fields;
-            object.insert("id".to_owned(), Value::String(id.clone()));
-            let object = Value::Object(object);
-            let reply = json_reply(StatusCode::CREATED, Bytes::from(object.to_string()));
-            objects.push(Resource {
-                object,
-                id,
+            let new = NewResource {
+                fields,
+                id_prefix,
                 reference,
-                idempotency_key: idempotency_key.map(str::to_owned),
-            });
-            Action::Reply(reply)
+                idempotency_key,
+            };
+            state.create(collection, new, *unique_reference)
         }
         Handler::Lookup { collection } => {
-            let query = query_pairs(request.query);
-            let by_key = query.get("idempotency_key");
-            let by_reference = query.get("reference");
-            let data: Vec<Value> = state
-                .collections
-                .get(collection)
-                .map(|objects| {
-                    objects
-                        .iter()
-                        .filter(|o| by_key.is_none_or(|k| o.idempotency_key.as_ref() == Some(k)))
-                        .filter(|o| by_reference.is_none_or(|r| o.reference.as_ref() == Some(r)))
-                        .map(|o| o.object.clone())
-                        .collect()
-                })
-                .unwrap_or_default();
-            Action::Reply(json_reply(
-                StatusCode::OK,
-                Bytes::from(json!({"object": "list", "data": data}).to_string()),
-            ))
+            state.lookup(collection, &query_pairs(call.request.query))
         }
         Handler::Get {
             collection,
             id_param,
         } => {
-            let id = params.get(id_param).map(String::as_str).unwrap_or_default();
-            let found = state
-                .collections
-                .get(collection)
-                .and_then(|objects| objects.iter().find(|o| o.id == id));
-            match found {
-                Some(object) => Action::Reply(json_reply(
-                    StatusCode::OK,
-                    Bytes::from(object.object.to_string()),
-                )),
-                None => Action::Reply(json_reply(
-                    StatusCode::NOT_FOUND,
-                    error_body(
-                        "resource_missing",
-                        &format!("no {collection} object with id {id:?}"),
-                    ),
-                )),
-            }
+            let id = call
+                .params
+                .get(id_param)
+                .map(String::as_str)
+                .unwrap_or_default();
+            state.get(collection, id)
         }
         Handler::Stream {
             events,
             interval_ms,
-        } => stream(request, body, *events, *interval_ms, index),
+        } => completion::stream(
+            &query_pairs(call.request.query),
+            call.body,
+            *events,
+            *interval_ms,
+            call.index,
+        ),
         Handler::Completion {
             api,
             events,
             interval_ms,
-        } => completion(*api, body, *events, *interval_ms, index, now),
+        } => completion::completion(*api, call.body, *events, *interval_ms, call.index, call.now),
     }
 }
 
-fn stream(
-    request: &Incoming<'_>,
-    body: &Bytes,
-    events: u32,
-    interval_ms: u64,
-    index: usize,
-) -> Action {
-    let query = query_pairs(request.query);
-    let events = match query.get("n").map(|n| n.parse::<u32>()) {
-        None => events,
-        Some(Ok(n)) if n <= MAX_STREAM_EVENTS => n,
-        Some(_) => {
-            return Action::Reply(json_reply(
-                StatusCode::BAD_REQUEST,
-                error_body(
-                    "invalid_request",
-                    &format!("query n must be an integer in 0..={MAX_STREAM_EVENTS}"),
-                ),
-            ))
-        }
-    };
-    let interval_ms = match query.get("interval_ms").map(|n| n.parse::<u64>()) {
-        None => interval_ms,
-        Some(Ok(ms)) if ms <= MAX_INTERVAL_MS => ms,
-        Some(_) => {
-            return Action::Reply(json_reply(
-                StatusCode::BAD_REQUEST,
-                error_body(
-                    "invalid_request",
-                    &format!("query interval_ms must be an integer in 0..={MAX_INTERVAL_MS}"),
-                ),
-            ))
-        }
-    };
-    let stream_id = format!("chatcmpl-{}", index + 1);
-    if !body.is_empty() {
-        match serde_json::from_slice::<Value>(body) {
-            Ok(value) if value.get("stream") == Some(&Value::Bool(false)) => {
-                let text: String = (0..events).map(|i| format!("token-{i} ")).collect();
+/// An object [`Handler::Create`] is asked to store.
+struct NewResource<'a> {
+    fields: Map<String, Value>,
+    id_prefix: &'a str,
+    reference: Option<String>,
+    idempotency_key: Option<&'a str>,
+}
+
+impl ProviderState {
+    /// The counter of quota `q` (`config`) for the request's scope, started at `now` if new.
+    fn quota(
+        &mut self,
+        q: usize,
+        config: &QuotaConfig,
+        scopes: &Scopes,
+        now: Now,
+    ) -> &mut QuotaState {
+        self.quotas
+            .entry((q, scopes.name(&config.scope)))
+            .or_insert_with(|| QuotaState::new(config, now.mono))
+    }
+
+    /// [`Handler::Create`]: stores `new` in `collection` under a fresh id, unless references are
+    /// `unique` and an object with the same reference exists.
+    fn create(&mut self, collection: &str, new: NewResource<'_>, unique: bool) -> Action {
+        let objects = self.collections.entry(collection.to_owned()).or_default();
+        if unique {
+            if let Some(existing) = new
+                .reference
+                .as_ref()
+                .and_then(|r| objects.iter().find(|o| o.reference.as_ref() == Some(r)))
+            {
                 return Action::Reply(json_reply(
-                    StatusCode::OK,
+                    StatusCode::CONFLICT,
                     Bytes::from(
-                        json!({
-                            "id": stream_id,
-                            "object": "chat.completion",
-                            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                        })
+                        json!({"error": {
+                            "code": "duplicate_reference",
+                            "type": "duplicate_reference",
+                            "message": "an object with this reference already exists",
+                            "existing_id": existing.id,
+                        }})
                         .to_string(),
                     ),
                 ));
             }
-            Ok(_) => {}
-            Err(_) => {
-                return Action::Reply(json_reply(
-                    StatusCode::BAD_REQUEST,
-                    error_body("invalid_request", "request body is not valid JSON"),
-                ))
-            }
         }
+        let id = format!("{}{:016x}", new.id_prefix, self.rng.next_u64());
+        let mut object = new.fields;
+        object.insert("id".to_owned(), Value::String(id.clone()));
+        let object = Value::Object(object);
+        let reply = json_reply(StatusCode::CREATED, Bytes::from(object.to_string()));
+        objects.push(Resource {
+            object,
+            id,
+            reference: new.reference,
+            idempotency_key: new.idempotency_key.map(str::to_owned),
+        });
+        Action::Reply(reply)
     }
-    let chunks = (0..events)
-        .map(|i| {
-            let chunk = json!({
-                "id": stream_id,
-                "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"content": token(i)}}],
-            });
-            sse(None, &chunk)
-        })
-        .chain([Bytes::from_static(b"data: [DONE]\n\n")])
-        .collect();
-    event_stream(chunks, interval_ms)
-}
 
-/// Output token `i` of every fake completion.
-fn token(i: u32) -> String {
-    format!("token-{i} ")
-}
-
-/// One server-sent event: an optional `event:` line and one `data:` line of JSON.
-fn sse(event: Option<&str>, data: &Value) -> Bytes {
-    Bytes::from(match event {
-        Some(name) => format!("event: {name}\ndata: {data}\n\n"),
-        None => format!("data: {data}\n\n"),
-    })
-}
-
-fn event_stream(chunks: Vec<Bytes>, interval_ms: u64) -> Action {
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    Action::Stream {
-        headers,
-        chunks,
-        interval: Duration::from_millis(interval_ms),
-    }
-}
-
-/// [`Handler::Completion`]: one JSON answer, or the stream when the body says `"stream": true`.
-fn completion(
-    api: CompletionApi,
-    body: &Bytes,
-    events: u32,
-    interval_ms: u64,
-    index: usize,
-    now: Now,
-) -> Action {
-    let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(body) else {
-        return Action::Reply(json_reply(
-            StatusCode::BAD_REQUEST,
-            error_body("invalid_request", "request body must be a JSON object"),
-        ));
-    };
-    let model = request
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or("fake-model");
-    let streamed = request.get("stream") == Some(&Value::Bool(true));
-    let input_tokens = body.len().div_ceil(4);
-    let text: String = (0..events).map(token).collect();
-    let seq = index + 1;
-    match (api, streamed) {
-        (CompletionApi::Openai, false) => Action::Reply(json_reply(
+    /// [`Handler::Lookup`]: the objects of `collection` with the `query`'s `idempotency_key`
+    /// and `reference`, each when given.
+    fn lookup(&self, collection: &str, query: &BTreeMap<String, String>) -> Action {
+        let by_key = query.get("idempotency_key");
+        let by_reference = query.get("reference");
+        let data: Vec<Value> = self
+            .collections
+            .get(collection)
+            .map(|objects| {
+                objects
+                    .iter()
+                    .filter(|o| by_key.is_none_or(|k| o.idempotency_key.as_ref() == Some(k)))
+                    .filter(|o| by_reference.is_none_or(|r| o.reference.as_ref() == Some(r)))
+                    .map(|o| o.object.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        Action::Reply(json_reply(
             StatusCode::OK,
-            Bytes::from(
-                json!({
-                    "id": format!("chatcmpl-{seq}"),
-                    "object": "chat.completion",
-                    "created": now.wall.as_second(),
-                    "model": model,
-                    "choices": [{
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
-                    }],
-                    "usage": {
-                        "prompt_tokens": input_tokens,
-                        "completion_tokens": events,
-                        "total_tokens": input_tokens + events as usize,
-                    },
-                })
-                .to_string(),
-            ),
-        )),
-        (CompletionApi::Openai, true) => {
-            let id = format!("chatcmpl-{seq}");
-            let created = now.wall.as_second();
-            let chunk = |delta: Value, finish: Value| {
-                sse(
-                    None,
-                    &json!({
-                        "id": id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": model,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                    }),
-                )
-            };
-            let chunks = (0..events)
-                .map(|i| {
-                    let delta = if i == 0 {
-                        json!({"role": "assistant", "content": token(i)})
-                    } else {
-                        json!({"content": token(i)})
-                    };
-                    chunk(delta, Value::Null)
-                })
-                .chain([concat(&[
-                    chunk(json!({}), json!("stop")),
-                    Bytes::from_static(b"data: [DONE]\n\n"),
-                ])])
-                .collect();
-            event_stream(chunks, interval_ms)
-        }
-        (CompletionApi::Anthropic, false) => Action::Reply(json_reply(
-            StatusCode::OK,
-            Bytes::from(
-                json!({
-                    "id": format!("msg_fake{seq}"),
-                    "type": "message",
-                    "role": "assistant",
-                    "model": model,
-                    "content": [{"type": "text", "text": text}],
-                    "stop_reason": "end_turn",
-                    "stop_sequence": null,
-                    "usage": {"input_tokens": input_tokens, "output_tokens": events},
-                })
-                .to_string(),
-            ),
-        )),
-        (CompletionApi::Anthropic, true) => {
-            let opening = concat(&[
-                sse(
-                    Some("message_start"),
-                    &json!({"type": "message_start", "message": {
-                        "id": format!("msg_fake{seq}"),
-                        "type": "message",
-                        "role": "assistant",
-                        "model": model,
-                        "content": [],
-                        "stop_reason": null,
-                        "stop_sequence": null,
-                        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
-                    }}),
+            Bytes::from(json!({"object": "list", "data": data}).to_string()),
+        ))
+    }
+
+    /// [`Handler::Get`]: the object of `collection` with `id`.
+    fn get(&self, collection: &str, id: &str) -> Action {
+        let found = self
+            .collections
+            .get(collection)
+            .and_then(|objects| objects.iter().find(|o| o.id == id));
+        match found {
+            Some(object) => Action::Reply(json_reply(
+                StatusCode::OK,
+                Bytes::from(object.object.to_string()),
+            )),
+            None => Action::Reply(json_reply(
+                StatusCode::NOT_FOUND,
+                error_body(
+                    "resource_missing",
+                    &format!("no {collection} object with id {id:?}"),
                 ),
-                sse(
-                    Some("content_block_start"),
-                    &json!({"type": "content_block_start", "index": 0,
-                            "content_block": {"type": "text", "text": ""}}),
-                ),
-            ]);
-            let closing = concat(&[
-                sse(
-                    Some("content_block_stop"),
-                    &json!({"type": "content_block_stop", "index": 0}),
-                ),
-                sse(
-                    Some("message_delta"),
-                    &json!({"type": "message_delta",
-                            "delta": {"stop_reason": "end_turn", "stop_sequence": null},
-                            "usage": {"output_tokens": events}}),
-                ),
-                sse(Some("message_stop"), &json!({"type": "message_stop"})),
-            ]);
-            let mut chunks: Vec<Bytes> = (0..events)
-                .map(|i| {
-                    sse(
-                        Some("content_block_delta"),
-                        &json!({"type": "content_block_delta", "index": 0,
-                                "delta": {"type": "text_delta", "text": token(i)}}),
-                    )
-                })
-                .collect();
-            match chunks.first_mut() {
-                Some(first) => *first = concat(&[opening, first.clone()]),
-                None => chunks.push(opening),
-            }
-            match chunks.len() {
-                // No token: the opening and the closing events go together.
-                1 if events == 0 => chunks[0] = concat(&[chunks[0].clone(), closing]),
-                _ => chunks.push(closing),
-            }
-            event_stream(chunks, interval_ms)
+            )),
         }
     }
-}
-
-fn concat(parts: &[Bytes]) -> Bytes {
-    Bytes::from(parts.concat())
 }

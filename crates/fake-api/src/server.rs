@@ -23,7 +23,8 @@ use tokio::sync::{watch, Notify};
 
 use crate::attempt::{AttemptOutcome, AttemptRecord};
 use crate::compiled::Compiled;
-use crate::provider::{self, Action, Incoming, ProviderState, Ticket};
+use crate::provider::{self, Incoming, ProviderState, Ticket};
+use crate::reply::Action;
 
 /// Request bodies above this many bytes are answered 413.
 const MAX_BODY_BYTES: usize = 1 << 20;

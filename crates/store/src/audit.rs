@@ -634,13 +634,7 @@ where
 {
     let mut expected: u64 = 1;
     let mut prev = GENESIS_PREV.to_owned();
-    let wanted = expect_head.map(|h| parse_expected_head(h).unwrap_or((None, h.to_owned())));
-    // The genesis value is the head of an empty log (seq 0), and so is part of every log.
-    let mut head_seen = wanted
-        .as_ref()
-        .is_none_or(|(seq, hash)| hash == GENESIS_PREV && seq.is_none_or(|s| s == 0));
-    // The seq at which the expected hash was found when it is not the expected seq.
-    let mut head_elsewhere: Option<u64> = None;
+    let mut head_search = HeadSearch::new(expect_head);
     let mut buf = Vec::with_capacity(320);
     let mut count: u64 = 0;
     for (position, event) in events.into_iter().enumerate() {
@@ -660,158 +654,237 @@ where
             Err(e) => return Err(e),
         };
         let event: &AuditEvent = event.borrow();
-        let broken = |kind, detail| {
-            Ok(Verdict::Broken(ChainBreak {
-                seq: signed(event.seq),
-                kind,
-                detail,
-            }))
-        };
-        if event.seq == 0 {
-            return broken(
-                BreakKind::Inserted,
-                "seq 0 lies outside the chain, which starts at seq 1".to_owned(),
-            );
+        let found = out_of_place(seqs, position, event, expected)
+            .or_else(|| misfit(event, &prev, expected, &mut buf));
+        if let Some(found) = found {
+            return Ok(Verdict::Broken(found));
         }
-        if event.seq != expected {
-            let occurrences = seqs.iter().filter(|&&s| s == event.seq).count();
-            if occurrences > 1 {
-                return broken(
-                    BreakKind::Inserted,
-                    format!("seq {} occurs {occurrences} times", event.seq),
-                );
-            }
-            if event.seq < expected {
-                return broken(
-                    BreakKind::Reordered,
-                    format!("seq {} comes after seq {}", event.seq, expected - 1),
-                );
-            }
-            let later = seqs.get(position + 1..).unwrap_or(&[]);
-            if later.contains(&expected) {
-                if event.seq > seqs.len() as u64 {
-                    return broken(
-                        BreakKind::Inserted,
-                        format!(
-                            "seq {} is beyond the log's {} events",
-                            event.seq,
-                            seqs.len()
-                        ),
-                    );
-                }
-                return broken(
-                    BreakKind::Reordered,
-                    format!("seq {} appears before seq {expected}", event.seq),
-                );
-            }
-            return Ok(Verdict::Broken(ChainBreak {
-                seq: signed(expected),
-                kind: BreakKind::Missing,
-                detail: format!(
-                    "seq {expected} is absent (the next event is seq {})",
-                    event.seq
-                ),
-            }));
-        }
-        let hash = event.hash_with(&mut buf);
-        let linked = event.prev == prev;
-        if hash != event.hash {
-            if !linked {
-                // Put the right link back: when the event then matches its hash, only its
-                // `prev` was changed, not its content.
-                let relinked = AuditEvent {
-                    prev: prev.clone(),
-                    ..event.clone()
-                };
-                if relinked.hash_with(&mut buf) == event.hash {
-                    let (recorded, expected_prev) = distinct(&event.prev, &prev);
-                    return broken(
-                        BreakKind::BrokenLink,
-                        format!(
-                            "prev {recorded} is not {} ({expected_prev}); with that prev the \
-                             event matches its hash, so its link was changed, not its content",
-                            link_target(expected),
-                        ),
-                    );
-                }
-            }
-            let (recorded, computed) = distinct(&event.hash, &hash);
-            let detail = if hash.eq_ignore_ascii_case(&event.hash) {
-                format!(
-                    "hash {recorded} differs from the computed {computed} only in letter case; \
-                     the chain writes lower-case hex"
-                )
-            } else if linked {
-                format!(
-                    "content does not match its hash ({recorded} recorded, {computed} computed)"
-                )
-            } else {
-                format!(
-                    "content does not match its hash ({recorded} recorded, {computed} computed), \
-                     and its prev is not {} either",
-                    link_target(expected),
-                )
-            };
-            return broken(BreakKind::Altered, detail);
-        }
-        if !linked {
-            let (recorded, expected_prev) = distinct(&event.prev, &prev);
-            return broken(
-                BreakKind::Inserted,
-                format!(
-                    "prev {recorded} does not link to {} ({expected_prev}); an event was \
-                     inserted or replaced here",
-                    link_target(expected),
-                ),
-            );
-        }
-        if let Some((seq, hash)) = wanted.as_ref().filter(|_| !head_seen) {
-            if *hash == event.hash {
-                match seq {
-                    Some(seq) if *seq != event.seq => head_elsewhere = Some(event.seq),
-                    _ => head_seen = true,
-                }
-            }
-        }
+        head_search.observe(event);
         prev.clear();
         prev.push_str(&event.hash);
         expected += 1;
         count += 1;
     }
-    if let (false, Some(found), Some((Some(seq), hash))) = (head_seen, head_elsewhere, &wanted) {
-        let (kind, what) = if found > *seq {
-            (BreakKind::Inserted, "added")
-        } else {
-            (BreakKind::Missing, "removed")
-        };
-        return Ok(Verdict::Broken(ChainBreak {
-            seq: signed(found.min(*seq)),
-            kind,
-            detail: format!(
-                "expected head {} is at seq {found}, not seq {seq}: events before it were {what}",
-                short(hash)
-            ),
-        }));
-    }
-    if !head_seen {
-        return Ok(Verdict::Broken(ChainBreak {
-            seq: signed(expected),
-            kind: BreakKind::Truncated,
-            detail: format!(
-                "expected head {} not found: the log (ending at seq {}) was truncated before it, \
-                 or the head belongs to another log",
-                wanted
-                    .as_ref()
-                    .map_or(expect_head.unwrap_or_default(), |(_, hash)| hash),
-                expected - 1,
-            ),
-        }));
+    if let Some(found) = head_search.not_found(expected, expect_head) {
+        return Ok(Verdict::Broken(found));
     }
     let head = (count > 0).then(|| ChainHead {
         seq: expected - 1,
         hash: prev,
     });
     Ok(Verdict::Intact { count, head })
+}
+
+/// The break when `event`, at `position` in the source, is not the `expected` one (see
+/// [`verify_chain`] for the rules), or `None`.
+fn out_of_place(
+    seqs: &[u64],
+    position: usize,
+    event: &AuditEvent,
+    expected: u64,
+) -> Option<ChainBreak> {
+    let broken = |kind, detail| {
+        Some(ChainBreak {
+            seq: signed(event.seq),
+            kind,
+            detail,
+        })
+    };
+    if event.seq == 0 {
+        return broken(
+            BreakKind::Inserted,
+            "seq 0 lies outside the chain, which starts at seq 1".to_owned(),
+        );
+    }
+    if event.seq == expected {
+        return None;
+    }
+    let occurrences = seqs.iter().filter(|&&s| s == event.seq).count();
+    if occurrences > 1 {
+        return broken(
+            BreakKind::Inserted,
+            format!("seq {} occurs {occurrences} times", event.seq),
+        );
+    }
+    if event.seq < expected {
+        return broken(
+            BreakKind::Reordered,
+            format!("seq {} comes after seq {}", event.seq, expected - 1),
+        );
+    }
+    let later = seqs.get(position + 1..).unwrap_or(&[]);
+    if later.contains(&expected) {
+        if event.seq > seqs.len() as u64 {
+            return broken(
+                BreakKind::Inserted,
+                format!(
+                    "seq {} is beyond the log's {} events",
+                    event.seq,
+                    seqs.len()
+                ),
+            );
+        }
+        return broken(
+            BreakKind::Reordered,
+            format!("seq {} appears before seq {expected}", event.seq),
+        );
+    }
+    Some(ChainBreak {
+        seq: signed(expected),
+        kind: BreakKind::Missing,
+        detail: format!(
+            "seq {expected} is absent (the next event is seq {})",
+            event.seq
+        ),
+    })
+}
+
+/// The break when `event` (the `expected` seq) does not match its own hash or does not link to
+/// `prev`, the hash before it; or `None`. `buf` is room for the encoding.
+fn misfit(event: &AuditEvent, prev: &str, expected: u64, buf: &mut Vec<u8>) -> Option<ChainBreak> {
+    let hash = event.hash_with(buf);
+    let linked = event.prev == prev;
+    let (kind, detail) = if hash != event.hash {
+        unmatched_hash(event, prev, &hash, expected, buf)
+    } else if !linked {
+        let (recorded, expected_prev) = distinct(&event.prev, prev);
+        (
+            BreakKind::Inserted,
+            format!(
+                "prev {recorded} does not link to {} ({expected_prev}); an event was \
+                 inserted or replaced here",
+                link_target(expected),
+            ),
+        )
+    } else {
+        return None;
+    };
+    Some(ChainBreak {
+        seq: signed(event.seq),
+        kind,
+        detail,
+    })
+}
+
+/// What is wrong with `event`, whose content does not match its recorded hash (`hash` is the
+/// computed one): only its link (`broken link`), or its content (`altered`).
+fn unmatched_hash(
+    event: &AuditEvent,
+    prev: &str,
+    hash: &str,
+    expected: u64,
+    buf: &mut Vec<u8>,
+) -> (BreakKind, String) {
+    let linked = event.prev == prev;
+    if !linked {
+        // Put the right link back: when the event then matches its hash, only its `prev` was
+        // changed, not its content.
+        let relinked = AuditEvent {
+            prev: prev.to_owned(),
+            ..event.clone()
+        };
+        if relinked.hash_with(buf) == event.hash {
+            let (recorded, expected_prev) = distinct(&event.prev, prev);
+            return (
+                BreakKind::BrokenLink,
+                format!(
+                    "prev {recorded} is not {} ({expected_prev}); with that prev the event \
+                     matches its hash, so its link was changed, not its content",
+                    link_target(expected),
+                ),
+            );
+        }
+    }
+    let (recorded, computed) = distinct(&event.hash, hash);
+    let detail = if hash.eq_ignore_ascii_case(&event.hash) {
+        format!(
+            "hash {recorded} differs from the computed {computed} only in letter case; the chain \
+             writes lower-case hex"
+        )
+    } else if linked {
+        format!("content does not match its hash ({recorded} recorded, {computed} computed)")
+    } else {
+        format!(
+            "content does not match its hash ({recorded} recorded, {computed} computed), and its \
+             prev is not {} either",
+            link_target(expected),
+        )
+    };
+    (BreakKind::Altered, detail)
+}
+
+/// The search along a log for the head it is expected to contain (`--expect-head`).
+struct HeadSearch {
+    /// The expected head: its `seq` when given, and its hash.
+    wanted: Option<(Option<u64>, String)>,
+    /// Whether it was found (at its `seq`, when given).
+    seen: bool,
+    /// The seq at which the expected hash was found when it is not the expected seq.
+    elsewhere: Option<u64>,
+}
+
+impl HeadSearch {
+    /// The search for `expect_head` (see [`verify_chain`]).
+    fn new(expect_head: Option<&str>) -> Self {
+        let wanted = expect_head.map(|h| parse_expected_head(h).unwrap_or((None, h.to_owned())));
+        // The genesis value is the head of an empty log (seq 0), and so is part of every log.
+        let seen = wanted
+            .as_ref()
+            .is_none_or(|(seq, hash)| hash == GENESIS_PREV && seq.is_none_or(|s| s == 0));
+        HeadSearch {
+            wanted,
+            seen,
+            elsewhere: None,
+        }
+    }
+
+    /// Looks for the head at `event`, the next event of an intact chain.
+    fn observe(&mut self, event: &AuditEvent) {
+        if let Some((seq, hash)) = self.wanted.as_ref().filter(|_| !self.seen) {
+            if *hash == event.hash {
+                match seq {
+                    Some(seq) if *seq != event.seq => self.elsewhere = Some(event.seq),
+                    _ => self.seen = true,
+                }
+            }
+        }
+    }
+
+    /// The break when the head was not found in the intact chain that ends before `expected`,
+    /// or `None`; `expect_head` as given to [`verify_chain`].
+    fn not_found(&self, expected: u64, expect_head: Option<&str>) -> Option<ChainBreak> {
+        if self.seen {
+            return None;
+        }
+        if let (Some(found), Some((Some(seq), hash))) = (self.elsewhere, &self.wanted) {
+            let (kind, what) = if found > *seq {
+                (BreakKind::Inserted, "added")
+            } else {
+                (BreakKind::Missing, "removed")
+            };
+            return Some(ChainBreak {
+                seq: signed(found.min(*seq)),
+                kind,
+                detail: format!(
+                    "expected head {} is at seq {found}, not seq {seq}: events before it were \
+                     {what}",
+                    short(hash)
+                ),
+            });
+        }
+        Some(ChainBreak {
+            seq: signed(expected),
+            kind: BreakKind::Truncated,
+            detail: format!(
+                "expected head {} not found: the log (ending at seq {}) was truncated before it, \
+                 or the head belongs to another log",
+                self.wanted
+                    .as_ref()
+                    .map_or(expect_head.unwrap_or_default(), |(_, hash)| hash),
+                expected - 1,
+            ),
+        })
+    }
 }
 
 /// Reads an expected chain head for `backstop audit verify --expect-head`: the hash alone (64

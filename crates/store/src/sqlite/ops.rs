@@ -544,63 +544,10 @@ impl WriteTx<'_> {
         })?;
         // A read carries no key (empty): nothing to find, nothing stored or audited.
         let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
-        let existing = match key {
-            None => None,
-            Some(key) => self
-                .conn
-                .prepare_cached(
-                    "SELECT id, provider, method, route, payload_digest, target_digest \
-                     FROM actions WHERE agent = ?1 AND idempotency_key = ?2",
-                )?
-                .query_row(params![task.agent, key], |r| {
-                    Ok((
-                        r.get::<_, i64>(0)?,
-                        BoundRequest {
-                            provider: r.get(1)?,
-                            method: r.get(2)?,
-                            route: r.get(3)?,
-                        },
-                        r.get::<_, String>(4)?,
-                        r.get::<_, Option<String>>(5)?,
-                    ))
-                })
-                .optional()?,
-        };
-        if let Some((id, bound, digest, target)) = existing {
-            // A key binds one request (SPEC §6): the same provider, method, route template,
-            // concrete target (path and query) and payload; anything else under it is another
-            // request. The target refines the route: it is named only when the route template
-            // is the same (another template is another target anyway). A target not known on
-            // either side (recorded before schema version 7) is not compared.
-            let route_differs = bound.route != new.route.as_str();
-            let target_differs = match (target.as_deref(), new.target_digest.as_ref()) {
-                (Some(bound), Some(new)) => !route_differs && bound != new.as_str(),
-                _ => false,
-            };
-            let differs: Vec<&'static str> = [
-                ("provider", bound.provider != new.provider),
-                ("method", bound.method != new.method),
-                ("route", route_differs),
-                ("target", target_differs),
-                ("payload", digest != new.payload_digest.as_str()),
-            ]
-            .into_iter()
-            .filter_map(|(what, differs)| differs.then_some(what))
-            .collect();
-            if !differs.is_empty() {
-                return Err(StoreError::KeyReuse {
-                    agent: task.agent,
-                    key: new.idempotency_key,
-                    existing: id,
-                    differs,
-                    bound: Box::new(bound),
-                });
+        if let Some(key) = key {
+            if let Some(bound) = self.action_under_key(&task.agent, key)? {
+                return self.admit_same_key(task.agent, new, bound);
             }
-            let record =
-                rows::action(self.conn, ActionId(id))?.ok_or_else(|| StoreError::NotFound {
-                    what: format!("action {id}"),
-                })?;
-            return Ok(Admission::Existing(Box::new(record)));
         }
         // A cancelled task takes no NEW action. The key of one recorded before (in this task
         // or another of the agent's) is found above all the same: its outcome is replayed,
@@ -615,6 +562,72 @@ impl WriteTx<'_> {
             Some(id) => id,
             None => ActionId(self.next_action_id.fetch_add(1, Ordering::Relaxed)),
         };
+        self.insert_action(&new, &task.agent, id, at)?;
+        if let Some(request) = &new.request {
+            self.insert_kept_request(id, request)?;
+        }
+        self.append(requested_event(new, id, at))?;
+        Ok(Admission::New(id))
+    }
+
+    /// The action `agent` recorded under idempotency `key` before, as the key bound it.
+    fn action_under_key(&self, agent: &str, key: &str) -> Result<Option<KeyBinding>, StoreError> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT id, provider, method, route, payload_digest, target_digest \
+                 FROM actions WHERE agent = ?1 AND idempotency_key = ?2",
+            )?
+            .query_row(params![agent, key], |r| {
+                Ok(KeyBinding {
+                    id: r.get::<_, i64>(0)?,
+                    request: BoundRequest {
+                        provider: r.get(1)?,
+                        method: r.get(2)?,
+                        route: r.get(3)?,
+                    },
+                    payload_digest: r.get::<_, String>(4)?,
+                    target_digest: r.get::<_, Option<String>>(5)?,
+                })
+            })
+            .optional()?)
+    }
+
+    /// `new` under a key already `bound` to an action of `agent`: that action, when `new` is
+    /// the request the key bound, else the key's reuse refused.
+    fn admit_same_key(
+        &self,
+        agent: String,
+        new: NewAction,
+        bound: KeyBinding,
+    ) -> Result<Admission, StoreError> {
+        let differs = bound.differences(&new);
+        if !differs.is_empty() {
+            return Err(StoreError::KeyReuse {
+                agent,
+                key: new.idempotency_key,
+                existing: bound.id,
+                differs,
+                bound: Box::new(bound.request),
+            });
+        }
+        let id = bound.id;
+        let record =
+            rows::action(self.conn, ActionId(id))?.ok_or_else(|| StoreError::NotFound {
+                what: format!("action {id}"),
+            })?;
+        Ok(Admission::Existing(Box::new(record)))
+    }
+
+    /// Inserts the row of the new action `id` of `agent`, requested at `at`.
+    fn insert_action(
+        &self,
+        new: &NewAction,
+        agent: &str,
+        id: ActionId,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key.as_str());
         self.conn
             .prepare_cached(
                 "INSERT INTO actions (task_id, agent, provider, method, route, request_class, \
@@ -624,7 +637,7 @@ impl WriteTx<'_> {
             )?
             .execute(params![
                 new.task_id,
-                task.agent,
+                agent,
                 new.provider,
                 new.method,
                 new.route.as_str(),
@@ -639,21 +652,7 @@ impl WriteTx<'_> {
                 new.fingerprint,
                 new.target_digest.as_ref().map(PayloadDigest::as_str),
             ])?;
-        if let Some(request) = &new.request {
-            self.insert_kept_request(id, request)?;
-        }
-        let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
-        e.task = Some(new.task_id);
-        e.agent = Some(new.agent);
-        e.action = Some(id.0);
-        e.provider = Some(new.provider);
-        e.route = Some(new.route.as_str().to_owned());
-        e.method = Some(new.method);
-        e.request_class = Some(new.request_class);
-        e.idempotency_key = key.map(str::to_owned);
-        e.payload_digest = Some(new.payload_digest.as_str().to_owned());
-        self.append(e)?;
-        Ok(Admission::New(id))
+        Ok(())
     }
 
     pub(crate) fn mark_attempt_sent(
@@ -1588,4 +1587,60 @@ fn signal_headers_json(headers: &[(String, String)]) -> Result<Option<String>, S
             field: "signal_headers",
             reason: e.to_string(),
         })
+}
+
+/// What an idempotency key bound when it was first used: the action and its request.
+struct KeyBinding {
+    id: i64,
+    request: BoundRequest,
+    payload_digest: String,
+    /// `None` when recorded before schema version 7.
+    target_digest: Option<String>,
+}
+
+impl KeyBinding {
+    /// What of `new` differs from the request the key bound, by name.
+    ///
+    /// A key binds one request (SPEC §6): the same provider, method, route template, concrete
+    /// target (path and query) and payload; anything else under it is another request. The
+    /// target refines the route: it is named only when the route template is the same
+    /// (another template is another target anyway). A target not known on either side
+    /// (recorded before schema version 7) is not compared.
+    fn differences(&self, new: &NewAction) -> Vec<&'static str> {
+        let bound = &self.request;
+        let route_differs = bound.route != new.route.as_str();
+        let target_differs = match (self.target_digest.as_deref(), new.target_digest.as_ref()) {
+            (Some(bound), Some(new)) => !route_differs && bound != new.as_str(),
+            _ => false,
+        };
+        [
+            ("provider", bound.provider != new.provider),
+            ("method", bound.method != new.method),
+            ("route", route_differs),
+            ("target", target_differs),
+            (
+                "payload",
+                self.payload_digest != new.payload_digest.as_str(),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(what, differs)| differs.then_some(what))
+        .collect()
+    }
+}
+
+/// The `action_requested` event of the new action `id`, requested at `at`.
+fn requested_event(new: NewAction, id: ActionId, at: Timestamp) -> AuditEvent {
+    let key = (!new.idempotency_key.is_empty()).then_some(new.idempotency_key);
+    let mut e = AuditEvent::new(EventKind::ActionRequested.as_str(), &format_instant(at));
+    e.task = Some(new.task_id);
+    e.agent = Some(new.agent);
+    e.action = Some(id.0);
+    e.provider = Some(new.provider);
+    e.route = Some(new.route.as_str().to_owned());
+    e.method = Some(new.method);
+    e.request_class = Some(new.request_class);
+    e.idempotency_key = key;
+    e.payload_digest = Some(new.payload_digest.as_str().to_owned());
+    e
 }
