@@ -6,12 +6,36 @@
 //! a [`transport::Transport`], asks `backstop-core` what each answer means, and records every
 //! step in the store's audit chain.
 //!
+//! The crate in three layers; a module imports only its own layer and the ones below it:
+//!
+//! ```text
+//!  faces     server ── mounts ──> door · actions_api · escalations · health (+ watchdog)
+//!            (state: what they share; executor: the seam to the engine)
+//!              │ an ActionSpec in, an Execution out
+//!  engine    engine ── admit ─> send ─> classify ─> settle scope ─> decide ─> finish
+//!              │        (scheduler: permits, pacing, scope boundaries; coalesce: shared reads)
+//!  below     transport · upstream · wire · problem · action · metrics · clock
+//!            auth · secrets · scrub · body_budget
+//!                       └──> backstop-store (records, audit chain) · backstop-core (decisions)
+//! ```
+//!
+//! One request, from the door to the audit log: [`door::proxy`] authenticates the agent,
+//! resolves the route and builds an [`action::ActionSpec`]; [`executor::Executor::execute`]
+//! hands it to [`engine::Engine`], which records the task and action, then runs its attempts
+//! as phases — a permit from the [`scheduler`], `action_sent` made durable (for a write)
+//! before the bytes leave through the [`transport::Transport`], the answer classified by
+//! `backstop-core`, scope records updated first on a rate-limit signal, then retry,
+//! reconcile or end — and every step lands in the store's hash-chained audit log. The
+//! [`action::Execution`] it returns is what the door answers with.
+//!
 //! Module map:
 //! - [`clock`]: the one place that reads real time (tokio-aware, so paused-time tests work).
 //! - [`transport`]: the seam between the executor and the network (one attempt, no retries).
 //! - [`action`]: what the proxy door hands the executor, and what comes back.
 //! - [`metrics`]: Prometheus metrics (`GET /metrics`).
 //! - [`wire`]: responses as passed on and kept for replay (hop-by-hop headers, replay records).
+//! - [`executor`] and [`state`]: the seam between the faces and the engine, and what the faces
+//!   share.
 #![deny(missing_docs)]
 
 pub mod action;

@@ -104,7 +104,7 @@ impl AppState {
         self
     }
 
-    /// Requests being answered now (counted by the edge layer of [`full_router`], until the
+    /// Requests being answered now (counted by the edge layer of [`crate::server::full_router`], until the
     /// response body ends or is dropped).
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Acquire)
