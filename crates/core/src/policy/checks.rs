@@ -48,3 +48,20 @@ pub(super) fn check_pointer(ctx: &mut Ctx, v: &Option<S<String>>, path: &str) ->
     }
     Some(s.value.clone())
 }
+
+/// Every JSON pointer of the list `v` (absent: none), each checked at `path`; a pointer that is
+/// not one is reported and left out.
+pub(super) fn check_pointers(
+    ctx: &mut Ctx,
+    v: &Option<S<Vec<S<String>>>>,
+    path: &str,
+) -> Vec<String> {
+    v.as_ref()
+        .map(|list| {
+            list.value
+                .iter()
+                .filter_map(|f| check_pointer(ctx, &Some(f.clone()), path))
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,12 +1,14 @@
 //! Request classes (`request_classes`): the built-in ones with their SPEC §3 defaults, and the
 //! validation of the classes a file configures.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde::Serialize;
 
+use super::checks::is_name;
 use super::diagnostics::Ctx;
-use super::raw::RawClass;
+use super::raw::{Num, RawClass, SpannedMap, S};
 use crate::budget::ClassBudget;
 use crate::side_effect::SideEffect;
 
@@ -82,7 +84,7 @@ pub fn builtin_class(name: &str) -> Option<RequestClass> {
 /// SPEC §1/§6: an uncertain write (no honoured idempotency key) is never resent blindly — the
 /// provider may already have applied it — so its class allows one attempt and no retry statuses;
 /// what comes next is reconciliation or an escalation.
-pub(super) fn check_uncertain_write(
+fn check_uncertain_write(
     raw: &RawClass,
     max_attempts: u32,
     retry_statuses: &[u16],
@@ -110,12 +112,7 @@ pub(super) fn check_uncertain_write(
 }
 
 /// The `side_effect` of a class: `none` or `write`, else `default` with an error at the value.
-pub(super) fn class_side_effect(
-    c: &RawClass,
-    default: SideEffect,
-    path: &str,
-    ctx: &mut Ctx,
-) -> SideEffect {
+fn class_side_effect(c: &RawClass, default: SideEffect, path: &str, ctx: &mut Ctx) -> SideEffect {
     let Some(value) = &c.side_effect else {
         return default;
     };
@@ -130,4 +127,117 @@ pub(super) fn class_side_effect(
         );
         default
     })
+}
+
+/// The request classes: the built-in ones ([`BUILTIN_CLASSES`]), then those of the file
+/// (`request_classes`), each overriding a built-in class of its name field by field.
+pub(super) fn validate_classes(
+    raw: Option<SpannedMap<S<RawClass>>>,
+    ctx: &mut Ctx,
+) -> BTreeMap<String, RequestClass> {
+    let mut request_classes: BTreeMap<String, RequestClass> = BUILTIN_CLASSES
+        .iter()
+        .filter_map(|n| builtin_class(n).map(|c| (n.to_string(), c)))
+        .collect();
+    for (key, class) in raw.map(|m| m.0).unwrap_or_default() {
+        let class = validate_class(&key, &class, ctx);
+        request_classes.insert(class.name.clone(), class);
+    }
+    request_classes
+}
+
+/// The class configured at `key`: its built-in defaults (or, for a configured class, one
+/// attempt and no wait) overridden by the fields the file sets.
+fn validate_class(key: &S<String>, class: &S<RawClass>, ctx: &mut Ctx) -> RequestClass {
+    let name = key.value.clone();
+    let path = format!("request_classes.{name}");
+    if !is_name(&name) {
+        ctx.err(
+            &key.referenced,
+            format!("{path}: a class name uses letters, digits, `_`, `-`, `.` or `:`"),
+        );
+    }
+    let builtin = builtin_class(&name);
+    let c = &class.value;
+    if builtin.is_none() {
+        check_required_fields(class, &path, ctx);
+    }
+    let defaults = builtin.unwrap_or(RequestClass {
+        name: name.clone(),
+        max_attempts: 1,
+        max_wait: Duration::ZERO,
+        retry_statuses: Vec::new(),
+        side_effect: SideEffect::Write,
+    });
+    let max_attempts = ctx.at_least_one(
+        &c.max_attempts,
+        &format!("{path}.max_attempts"),
+        defaults.max_attempts,
+    );
+    let max_wait = ctx.seconds(
+        &c.max_wait_seconds,
+        &format!("{path}.max_wait_seconds"),
+        defaults.max_wait,
+    );
+    let retry_statuses = match &c.retry_statuses {
+        Some(list) => validate_retry_statuses(list, &path, ctx),
+        None => defaults.retry_statuses,
+    };
+    if name == "uncertain_write" {
+        check_uncertain_write(c, max_attempts, &retry_statuses, &path, ctx);
+    }
+    let side_effect = class_side_effect(c, defaults.side_effect, &path, ctx);
+    RequestClass {
+        name,
+        max_attempts,
+        max_wait,
+        retry_statuses,
+        side_effect,
+    }
+}
+
+/// A configured class (not built in) states its `max_attempts` and `max_wait_seconds`.
+fn check_required_fields(class: &S<RawClass>, path: &str, ctx: &mut Ctx) {
+    let c = &class.value;
+    for (missing, field) in [
+        (c.max_attempts.is_none(), "max_attempts"),
+        (c.max_wait_seconds.is_none(), "max_wait_seconds"),
+    ] {
+        if missing {
+            ctx.err(
+                &class.referenced,
+                format!("{path}: missing `{field}` (required for a configured class)"),
+            );
+        }
+    }
+}
+
+/// `retry_statuses` of the class at `path`: HTTP statuses (100–599) that are not successes,
+/// each listed once; sorted. Every other entry is reported and left out.
+fn validate_retry_statuses(list: &S<Vec<S<Num>>>, path: &str, ctx: &mut Ctx) -> Vec<u16> {
+    let mut statuses = BTreeSet::new();
+    for status in &list.value {
+        let Some(code) = ctx.integer(status, &format!("{path}.retry_statuses"), 0, u64::MAX) else {
+            continue;
+        };
+        if !(100..=599).contains(&code) {
+            ctx.err(
+                &status.referenced,
+                format!("{path}.retry_statuses: {code} is not an HTTP status (100–599)"),
+            );
+        } else if (200..=299).contains(&code) {
+            ctx.err(
+                &status.referenced,
+                format!("{path}.retry_statuses: {code} is a success; it cannot be retried"),
+            );
+        } else if let Ok(code) = u16::try_from(code) {
+            if !statuses.insert(code) {
+                ctx.err(
+                    &status.referenced,
+                    format!("{path}.retry_statuses: {code} is listed twice"),
+                );
+            }
+        }
+    }
+    statuses.into_iter().collect()
 }

@@ -1,27 +1,22 @@
 //! The validated policy document ([`Policy`]): reading it from a file or text, and assembling
 //! it from its validated sections.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use serde::Serialize;
 
 use super::backoff::{validate_backoff, BackoffPolicy};
 use super::breaker::{validate_breaker, BreakerPolicy};
-use super::checks::is_name;
-use super::classes::{
-    builtin_class, check_uncertain_write, class_side_effect, RequestClass, BUILTIN_CLASSES,
-};
+use super::classes::{validate_classes, RequestClass};
 use super::diagnostics::{Ctx, PolicyError, PolicyErrors};
 use super::parse::{is_blank_yaml, read_raw};
-use super::providers::{validate_provider, Provider};
-use super::raw::RawPolicy;
+use super::providers::{validate_providers, Provider};
+use super::raw::{RawPolicy, S};
 use super::retry_quota::validate_retry_quota;
-use super::scopes::SharedScope;
+use super::scopes::{validate_shared_scope, SharedScope};
 use super::secrets::{validate_principals, TokenRef, TokenSources};
 use crate::budget::RetryQuotaConfig;
-use crate::side_effect::SideEffect;
 
 /// The largest policy file [`Policy::load`] reads, in bytes (4 MiB): far above any real policy,
 /// small enough that a wrong path (a log, an image) is refused at once.
@@ -225,124 +220,11 @@ fn check_listen(value: &str) -> Result<(), String> {
     }
 }
 
+/// Every section of `raw`, validated in file order of concern, into a [`Policy`] (without its
+/// warnings, which [`Policy::from_yaml_str`] adds once it knows there is no error).
 fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
-    // Request classes: built-ins first, then the file's.
-    let mut request_classes: BTreeMap<String, RequestClass> = BUILTIN_CLASSES
-        .iter()
-        .filter_map(|n| builtin_class(n).map(|c| (n.to_string(), c)))
-        .collect();
-    for (key, class) in raw.request_classes.map(|m| m.0).unwrap_or_default() {
-        let name = key.value.clone();
-        let path = format!("request_classes.{name}");
-        if !is_name(&name) {
-            ctx.err(
-                &key.referenced,
-                format!("{path}: a class name uses letters, digits, `_`, `-`, `.` or `:`"),
-            );
-        }
-        let builtin = builtin_class(&name);
-        let c = &class.value;
-        if builtin.is_none() {
-            for (missing, field) in [
-                (c.max_attempts.is_none(), "max_attempts"),
-                (c.max_wait_seconds.is_none(), "max_wait_seconds"),
-            ] {
-                if missing {
-                    ctx.err(
-                        &class.referenced,
-                        format!("{path}: missing `{field}` (required for a configured class)"),
-                    );
-                }
-            }
-        }
-        let defaults = builtin.unwrap_or(RequestClass {
-            name: name.clone(),
-            max_attempts: 1,
-            max_wait: Duration::ZERO,
-            retry_statuses: Vec::new(),
-            side_effect: SideEffect::Write,
-        });
-        let max_attempts = ctx.at_least_one(
-            &c.max_attempts,
-            &format!("{path}.max_attempts"),
-            defaults.max_attempts,
-        );
-        let max_wait = ctx.seconds(
-            &c.max_wait_seconds,
-            &format!("{path}.max_wait_seconds"),
-            defaults.max_wait,
-        );
-        let retry_statuses = match &c.retry_statuses {
-            Some(list) => {
-                let mut statuses = BTreeSet::new();
-                for status in &list.value {
-                    let Some(code) =
-                        ctx.integer(status, &format!("{path}.retry_statuses"), 0, u64::MAX)
-                    else {
-                        continue;
-                    };
-                    if !(100..=599).contains(&code) {
-                        ctx.err(
-                            &status.referenced,
-                            format!(
-                                "{path}.retry_statuses: {code} is not an HTTP status (100–599)"
-                            ),
-                        );
-                    } else if (200..=299).contains(&code) {
-                        ctx.err(
-                            &status.referenced,
-                            format!(
-                                "{path}.retry_statuses: {code} is a success; it cannot be retried"
-                            ),
-                        );
-                    } else if let Ok(code) = u16::try_from(code) {
-                        if !statuses.insert(code) {
-                            ctx.err(
-                                &status.referenced,
-                                format!("{path}.retry_statuses: {code} is listed twice"),
-                            );
-                        }
-                    }
-                }
-                statuses.into_iter().collect()
-            }
-            None => defaults.retry_statuses,
-        };
-        if name == "uncertain_write" {
-            check_uncertain_write(c, max_attempts, &retry_statuses, &path, ctx);
-        }
-        let side_effect = class_side_effect(c, defaults.side_effect, &path, ctx);
-        request_classes.insert(
-            name.clone(),
-            RequestClass {
-                name,
-                max_attempts,
-                max_wait,
-                retry_statuses,
-                side_effect,
-            },
-        );
-    }
-
-    let shared_scope = match &raw.shared_scope {
-        Some(s) => SharedScope {
-            max_delayed_requests: ctx.at_least_one(
-                &s.value.max_delayed_requests,
-                "shared_scope.max_delayed_requests",
-                25,
-            ),
-            max_concurrent_requests: ctx.at_least_one(
-                &s.value.max_concurrent_requests,
-                "shared_scope.max_concurrent_requests",
-                2,
-            ),
-        },
-        None => SharedScope {
-            max_delayed_requests: 25,
-            max_concurrent_requests: 2,
-        },
-    };
-
+    let request_classes = validate_classes(raw.request_classes, ctx);
+    let shared_scope = validate_shared_scope(raw.shared_scope.as_ref(), ctx);
     let backoff = validate_backoff(raw.backoff.as_ref(), ctx);
     let breaker = validate_breaker(raw.breaker.as_ref(), ctx);
     let retry_quota = validate_retry_quota(raw.retry_quota.as_ref(), ctx);
@@ -357,13 +239,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
         );
     }
     let operators = validate_principals(raw.operators, "operators", &mut tokens, ctx);
-
-    let mut providers = BTreeMap::new();
-    for (key, provider) in raw.providers.map(|m| m.0).unwrap_or_default() {
-        if let Some(p) = validate_provider(&key, provider, &request_classes, &shared_scope, ctx) {
-            providers.insert(p.name.clone(), p);
-        }
-    }
+    let providers = validate_providers(raw.providers, &request_classes, &shared_scope, ctx);
     if operators.is_empty() && !providers.is_empty() {
         ctx.warn(
             1,
@@ -371,15 +247,7 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
             "operators: none configured, but calls through these providers can be escalated (a write whose outcome is uncertain, an exhausted shared quota, a boundary past the deadline) and no one could decide them: `escalations list` and `decide` would refuse every token (add `operators:` with a token_env, token_file or token_sha256)",
         );
     }
-
-    if let Some(store) = &raw.store {
-        if store.value.trim().is_empty() {
-            ctx.err(
-                &store.referenced,
-                "store: must be the path of the SQLite database file, not empty",
-            );
-        }
-    }
+    check_store(raw.store.as_ref(), ctx);
     if let Some(listen) = &raw.listen {
         if let Err(reason) = check_listen(&listen.value) {
             ctx.err(&listen.referenced, format!("listen: {reason}"));
@@ -399,5 +267,17 @@ fn validate(raw: RawPolicy, ctx: &mut Ctx) -> Policy {
         operators,
         providers,
         warnings: Vec::new(),
+    }
+}
+
+/// `store`: the path of the SQLite database file, not empty.
+fn check_store(store: Option<&S<String>>, ctx: &mut Ctx) {
+    if let Some(store) = store {
+        if store.value.trim().is_empty() {
+            ctx.err(
+                &store.referenced,
+                "store: must be the path of the SQLite database file, not empty",
+            );
+        }
     }
 }

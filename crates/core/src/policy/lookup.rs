@@ -107,7 +107,11 @@ impl Policy {
         }
         let class = match completion_route(p.dialect, &method, path) {
             Some(_) => COMPLETION_CLASS,
-            None => default_class(p, &method),
+            None => default_class(
+                &method,
+                p.idempotent_put_delete,
+                p.idempotency_header.is_some(),
+            ),
         };
         Ok(RouteMatch {
             provider: provider.to_owned(),

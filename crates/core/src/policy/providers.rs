@@ -4,16 +4,14 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::checks::{check_pointer, is_name};
+use super::checks::{check_pointer, check_pointers, is_name};
 use super::classes::RequestClass;
 use super::diagnostics::Ctx;
 use super::headers::{check_credential_header, check_header_name, check_idempotency_header};
-use super::raw::{RawProvider, S};
-use super::reconcile::validate_reconcile;
-use super::routes::{default_class, Route};
-use super::scopes::{validate_scope, Scope, SharedScope};
+use super::raw::{RawProvider, SpannedMap, S};
+use super::routes::{validate_routes, Route, RouteContext};
+use super::scopes::{scope_refs, validate_scopes, Scope, SharedScope};
 use super::secrets::{validate_credential, Credential};
-use super::templates::{parse_route_key, Segment};
 use crate::classify::Disposition;
 use crate::quota::Dialect;
 
@@ -129,7 +127,27 @@ fn check_request_target(url: &str) -> Result<(), String> {
     Ok(())
 }
 
-pub(super) fn validate_provider(
+/// Where a provider's secret is referenced from, as the messages that refuse a literal one say.
+const SECRET_REFS: &str = "credential.secret_env or credential.secret_file";
+
+/// Validates every provider (`providers`) against the request classes and shared scope limits
+/// already read, keyed by provider name.
+pub(super) fn validate_providers(
+    raw: Option<SpannedMap<S<RawProvider>>>,
+    classes: &BTreeMap<String, RequestClass>,
+    shared: &SharedScope,
+    ctx: &mut Ctx,
+) -> BTreeMap<String, Provider> {
+    let mut providers = BTreeMap::new();
+    for (key, provider) in raw.map(|m| m.0).unwrap_or_default() {
+        if let Some(p) = validate_provider(&key, provider, classes, shared, ctx) {
+            providers.insert(p.name.clone(), p);
+        }
+    }
+    providers
+}
+
+fn validate_provider(
     key: &S<String>,
     raw: S<RawProvider>,
     classes: &BTreeMap<String, RequestClass>,
@@ -138,125 +156,220 @@ pub(super) fn validate_provider(
 ) -> Option<Provider> {
     let name = key.value.clone();
     let path = format!("providers.{name}");
-    if !is_name(&name) || name.contains('/') {
-        ctx.err(
-            &key.referenced,
-            format!("{path}: a provider name uses letters, digits, `_`, `-`, `.` or `:`"),
-        );
-    } else if let Err(reason) = check_provider_name(&name) {
-        ctx.err(&key.referenced, format!("{path}: {reason}"));
-    }
+    check_provider_key(key, &path, ctx);
     let p = raw.value;
-    let use_instead = "credential.secret_env or credential.secret_file";
-    ctx.trap(&p.secret, &format!("{path}.secret"), use_instead);
-    ctx.trap(&p.token, &format!("{path}.token"), use_instead);
-    ctx.trap(&p.api_key, &format!("{path}.api_key"), use_instead);
-
-    let base_url = match &p.base_url {
-        Some(s) => {
-            let url = s.value.trim_end_matches('/').to_owned();
-            let rest = url
-                .strip_prefix("https://")
-                .or_else(|| url.strip_prefix("http://"));
-            match rest {
-                None => ctx.err(
-                    &s.referenced,
-                    format!("{path}.base_url: must start with http:// or https://"),
-                ),
-                Some(rest) => {
-                    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-                    if rest.contains(['?', '#']) {
-                        ctx.err(
-                            &s.referenced,
-                            format!("{path}.base_url: must not carry a query string or fragment (they can hold keys; use {use_instead} for credentials; value not shown)"),
-                        );
-                    } else if authority.contains('@') {
-                        ctx.err(
-                            &s.referenced,
-                            format!("{path}.base_url: literal secret; credentials in the URL are not allowed (use {use_instead})"),
-                        );
-                    } else if authority.is_empty() {
-                        ctx.err(&s.referenced, format!("{path}.base_url: missing host"));
-                    } else if let Some(c) = rest[authority.len()..].chars().find(|c| !c.is_ascii())
-                    {
-                        // http::Uri refuses a non-ASCII host but lets such a path through;
-                        // sent raw, its bytes are not a valid request target (RFC 9112 §3.2).
-                        ctx.err(
-                            &s.referenced,
-                            format!("{path}.base_url: the path holds `{c}`, which is not ASCII; a URL path is ASCII, so percent-encode the character's UTF-8 bytes (e.g. `é` as `%C3%A9`)"),
-                        );
-                    } else if let Err(reason) = check_request_target(&url) {
-                        ctx.err(&s.referenced, format!("{path}.base_url: {reason}"));
-                    }
-                }
-            }
-            url
-        }
-        None => {
-            ctx.err(&key.referenced, format!("{path}: missing `base_url`"));
-            String::new()
-        }
-    };
-
+    ctx.trap(&p.secret, &format!("{path}.secret"), SECRET_REFS);
+    ctx.trap(&p.token, &format!("{path}.token"), SECRET_REFS);
+    ctx.trap(&p.api_key, &format!("{path}.api_key"), SECRET_REFS);
+    let base_url = validate_base_url(p.base_url.as_ref(), key, &path, ctx);
     let credential = p
         .credential
         .as_ref()
         .and_then(|c| validate_credential(c, &format!("{path}.credential"), ctx));
-
-    let dialect = match &p.dialect {
-        Some(d) => {
-            match serde_json::from_value::<Dialect>(serde_json::Value::String(d.value.clone())) {
-                Ok(dialect) => dialect,
-                Err(_) => {
-                    ctx.err(
-                        &d.referenced,
-                        format!(
-                            "{path}.dialect: unknown dialect `{}` (one of {})",
-                            d.value,
-                            DIALECTS.join(", ")
-                        ),
-                    );
-                    Dialect::Generic
-                }
-            }
-        }
-        None => Dialect::Generic,
+    let dialect = validate_dialect(p.dialect.as_ref(), &path, ctx);
+    let idempotency_header = validate_idempotency_header(&p, &path, ctx);
+    check_credential_header_of(&p, &path, ctx);
+    let error_code_pointer = validate_error_code_pointer(&p, dialect, &path, ctx);
+    let error_codes = validate_error_codes(p.error_codes, &path, ctx);
+    let pointers = |field: &str, v: &Option<S<Vec<S<String>>>>, ctx: &mut Ctx| {
+        check_pointers(ctx, v, &format!("{path}.{field}"))
     };
+    let retry_delay_pointers = pointers("retry_delay_pointers", &p.retry_delay_pointers, ctx);
+    let quota_id_pointers = pointers("quota_id_pointers", &p.quota_id_pointers, ctx);
+    let resets_in_seconds_pointers = pointers(
+        "resets_in_seconds_pointers",
+        &p.resets_in_seconds_pointers,
+        ctx,
+    );
+    if !error_codes.is_empty() && error_code_pointer.is_none() && p.error_code_pointer.is_none() {
+        ctx.err(
+            &raw.referenced,
+            format!("{path}: `error_codes` needs `error_code_pointer` to find the code in an error body"),
+        );
+    }
+    let scopes = validate_scopes(key, p.scopes, &path, shared, ctx);
+    let default_scopes = match &p.default_scopes {
+        Some(list) => scope_refs(&name, &scopes, list, &format!("{path}.default_scopes"), ctx),
+        None => scopes.values().map(|s| s.name.clone()).collect::<Vec<_>>(),
+    };
+    let idempotent_put_delete = p.idempotent_put_delete.as_ref().is_some_and(|b| b.value);
+    let routes = validate_routes(
+        p.routes,
+        &RouteContext {
+            provider: &name,
+            path: &path,
+            classes,
+            scopes: &scopes,
+            default_scopes: &default_scopes,
+            idempotency_header: idempotency_header.as_deref(),
+            declares_idempotency_header: p.idempotency_header.is_some(),
+            idempotent_put_delete,
+        },
+        ctx,
+    );
+    Some(Provider {
+        name: name.clone(),
+        base_url,
+        credential,
+        dialect,
+        idempotency_header,
+        idempotent_put_delete,
+        error_code_pointer,
+        error_codes,
+        retry_delay_pointers,
+        quota_id_pointers,
+        resets_in_seconds_pointers,
+        honour_hints: p.honour_hints.as_ref().is_none_or(|b| b.value),
+        scopes,
+        default_scopes,
+        routes,
+    })
+}
 
+/// Reports a provider name (the key at `path`, `providers.NAME`) that is not a name or that the
+/// proxy door cannot serve ([`check_provider_name`]).
+fn check_provider_key(key: &S<String>, path: &str, ctx: &mut Ctx) {
+    let name = &key.value;
+    if !is_name(name) || name.contains('/') {
+        ctx.err(
+            &key.referenced,
+            format!("{path}: a provider name uses letters, digits, `_`, `-`, `.` or `:`"),
+        );
+    } else if let Err(reason) = check_provider_name(name) {
+        ctx.err(&key.referenced, format!("{path}: {reason}"));
+    }
+}
+
+/// `base_url` without its trailing slashes (empty when missing, reported at the provider's
+/// `key`); a URL no request can be sent to is reported and still returned.
+fn validate_base_url(
+    raw: Option<&S<String>>,
+    key: &S<String>,
+    path: &str,
+    ctx: &mut Ctx,
+) -> String {
+    let Some(s) = raw else {
+        ctx.err(&key.referenced, format!("{path}: missing `base_url`"));
+        return String::new();
+    };
+    let url = s.value.trim_end_matches('/').to_owned();
+    if let Err(reason) = base_url_problem(&url) {
+        ctx.err(&s.referenced, format!("{path}.base_url: {reason}"));
+    }
+    url
+}
+
+/// Why `url` (without trailing slashes) cannot be a provider's `base_url`, in the words that
+/// follow `providers.P.base_url: `. Never echoes a query, fragment or userinfo, which can hold
+/// keys.
+fn base_url_problem(url: &str) -> Result<(), String> {
+    let use_instead = SECRET_REFS;
+    let Some(rest) = url
+        .strip_prefix("https://")
+        .or_else(|| url.strip_prefix("http://"))
+    else {
+        return Err("must start with http:// or https://".to_owned());
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if rest.contains(['?', '#']) {
+        Err(format!("must not carry a query string or fragment (they can hold keys; use {use_instead} for credentials; value not shown)"))
+    } else if authority.contains('@') {
+        Err(format!(
+            "literal secret; credentials in the URL are not allowed (use {use_instead})"
+        ))
+    } else if authority.is_empty() {
+        Err("missing host".to_owned())
+    } else if let Some(c) = rest[authority.len()..].chars().find(|c| !c.is_ascii()) {
+        // http::Uri refuses a non-ASCII host but lets such a path through; sent raw, its bytes
+        // are not a valid request target (RFC 9112 §3.2).
+        Err(format!("the path holds `{c}`, which is not ASCII; a URL path is ASCII, so percent-encode the character's UTF-8 bytes (e.g. `é` as `%C3%A9`)"))
+    } else {
+        check_request_target(url)
+    }
+}
+
+/// `dialect`, one of [`DIALECTS`]; absent or unknown (reported), [`Dialect::Generic`].
+fn validate_dialect(raw: Option<&S<String>>, path: &str, ctx: &mut Ctx) -> Dialect {
+    let Some(d) = raw else {
+        return Dialect::Generic;
+    };
+    match serde_json::from_value::<Dialect>(serde_json::Value::String(d.value.clone())) {
+        Ok(dialect) => dialect,
+        Err(_) => {
+            ctx.err(
+                &d.referenced,
+                format!(
+                    "{path}.dialect: unknown dialect `{}` (one of {})",
+                    d.value,
+                    DIALECTS.join(", ")
+                ),
+            );
+            Dialect::Generic
+        }
+    }
+}
+
+/// `idempotency_header`, if set and a header that may carry the key (see
+/// [`check_idempotency_header`]); a refused one is reported and dropped.
+fn validate_idempotency_header(p: &RawProvider, path: &str, ctx: &mut Ctx) -> Option<String> {
     let credential_header = p.credential.as_ref().map(|c| {
         c.value
             .header
             .as_ref()
             .map_or("Authorization", |h| h.value.as_str())
     });
-    let idempotency_header = p.idempotency_header.as_ref().and_then(|s| {
+    p.idempotency_header.as_ref().and_then(|s| {
         let field = format!("{path}.idempotency_header");
         (check_header_name(ctx, s, &field)
             && check_idempotency_header(ctx, s, &field, credential_header))
         .then(|| s.value.clone())
-    });
-    // A credential header equal to the `idempotency_header` is reported there, once.
-    if let Some(header) = p.credential.as_ref().and_then(|c| c.value.header.as_ref()) {
-        let key_header = p.idempotency_header.as_ref().map(|s| s.value.as_str());
-        if !key_header.is_some_and(|k| k.eq_ignore_ascii_case(&header.value))
-            && http::HeaderName::from_bytes(header.value.as_bytes()).is_ok()
-        {
-            let field = format!("{path}.credential.header");
-            check_credential_header(ctx, header, &field, key_header.is_some());
-        }
+    })
+}
+
+/// Reports a `credential.header` that cannot carry the credential (see
+/// [`check_credential_header`]). A credential header equal to the `idempotency_header` is
+/// reported there, once, and an invalid header name by [`validate_credential`].
+fn check_credential_header_of(p: &RawProvider, path: &str, ctx: &mut Ctx) {
+    let Some(header) = p.credential.as_ref().and_then(|c| c.value.header.as_ref()) else {
+        return;
+    };
+    let key_header = p.idempotency_header.as_ref().map(|s| s.value.as_str());
+    if !key_header.is_some_and(|k| k.eq_ignore_ascii_case(&header.value))
+        && http::HeaderName::from_bytes(header.value.as_bytes()).is_ok()
+    {
+        let field = format!("{path}.credential.header");
+        check_credential_header(ctx, header, &field, key_header.is_some());
     }
-    // Absent: the dialect's documented place, if it has one (OpenAI: /error/code), so that a
-    // provider declared `dialect: openai` reads `insufficient_quota` without more settings.
-    let error_code_pointer = match &p.error_code_pointer {
+}
+
+/// `error_code_pointer`, checked; absent, the dialect's documented place, if it has one
+/// (OpenAI: `/error/code`), so that a provider declared `dialect: openai` reads
+/// `insufficient_quota` without more settings.
+fn validate_error_code_pointer(
+    p: &RawProvider,
+    dialect: Dialect,
+    path: &str,
+    ctx: &mut Ctx,
+) -> Option<String> {
+    match &p.error_code_pointer {
         Some(_) => check_pointer(
             ctx,
             &p.error_code_pointer,
             &format!("{path}.error_code_pointer"),
         ),
         None => dialect.error_code_pointer().map(str::to_owned),
-    };
+    }
+}
+
+/// `error_codes`: provider error code → one of [`DISPOSITIONS`]; an unknown disposition is
+/// reported and its entry left out.
+fn validate_error_codes(
+    raw: Option<SpannedMap<S<String>>>,
+    path: &str,
+    ctx: &mut Ctx,
+) -> BTreeMap<String, Disposition> {
     let mut error_codes = BTreeMap::new();
-    for (code, disposition) in p.error_codes.map(|m| m.0).unwrap_or_default() {
+    for (code, disposition) in raw.map(|m| m.0).unwrap_or_default() {
         match serde_json::from_value::<Disposition>(serde_json::Value::String(
             disposition.value.clone(),
         )) {
@@ -274,262 +387,5 @@ pub(super) fn validate_provider(
             ),
         }
     }
-    let pointer_list = |ctx: &mut Ctx, v: &Option<S<Vec<S<String>>>>, field: &str| -> Vec<String> {
-        v.as_ref()
-            .map(|list| {
-                list.value
-                    .iter()
-                    .filter_map(|f| {
-                        check_pointer(ctx, &Some(f.clone()), &format!("{path}.{field}"))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let retry_delay_pointers = pointer_list(ctx, &p.retry_delay_pointers, "retry_delay_pointers");
-    let quota_id_pointers = pointer_list(ctx, &p.quota_id_pointers, "quota_id_pointers");
-    let resets_in_seconds_pointers = pointer_list(
-        ctx,
-        &p.resets_in_seconds_pointers,
-        "resets_in_seconds_pointers",
-    );
-    if !error_codes.is_empty() && error_code_pointer.is_none() && p.error_code_pointer.is_none() {
-        ctx.err(
-            &raw.referenced,
-            format!("{path}: `error_codes` needs `error_code_pointer` to find the code in an error body"),
-        );
-    }
-
-    let mut scopes = BTreeMap::new();
-    let scope_entries = p.scopes.map(|m| m.0).unwrap_or_default();
-    if scope_entries.is_empty() {
-        ctx.warn(
-            key.referenced.line(),
-            key.referenced.column(),
-            format!("{path}: no scopes, so its calls share no quota record, pacing or concurrency limit (add `scopes:`)"),
-        );
-    }
-    for (scope_key, scope) in scope_entries {
-        let scope_path = format!("{path}.scopes.{}", scope_key.value);
-        if !is_name(&scope_key.value) {
-            ctx.err(
-                &scope_key.referenced,
-                format!("{scope_path}: a scope name uses letters, digits, `_`, `-`, `.` or `:`"),
-            );
-        }
-        let s = validate_scope(&name, &scope_key.value, &scope, &scope_path, shared, ctx);
-        scopes.insert(scope_key.value.clone(), s);
-    }
-
-    let scope_ref = |ctx: &mut Ctx, s: &S<String>, at: &str| -> Option<String> {
-        let short = s
-            .value
-            .strip_prefix(&format!("{name}/"))
-            .unwrap_or(&s.value);
-        if scopes.contains_key(short) {
-            Some(format!("{name}/{short}"))
-        } else {
-            let known: Vec<&str> = scopes.keys().map(String::as_str).collect();
-            ctx.err(
-                &s.referenced,
-                format!(
-                    "{at}: unknown scope `{}` (provider {name} has: {})",
-                    s.value,
-                    if known.is_empty() {
-                        "no scopes".to_owned()
-                    } else {
-                        known.join(", ")
-                    }
-                ),
-            );
-            None
-        }
-    };
-
-    let default_scopes = match &p.default_scopes {
-        Some(list) => list
-            .value
-            .iter()
-            .filter_map(|s| scope_ref(ctx, s, &format!("{path}.default_scopes")))
-            .collect(),
-        None => scopes.values().map(|s| s.name.clone()).collect::<Vec<_>>(),
-    };
-
-    let mut routes: Vec<Route> = Vec::new();
-    // Each route's shape (method, literal segments, parameters without their names) and its key
-    // and position: two routes of one shape match exactly the same requests.
-    #[allow(clippy::type_complexity)]
-    let mut seen_routes: BTreeMap<
-        (String, Vec<Option<String>>),
-        (String, Vec<Segment>, u64, u64),
-    > = BTreeMap::new();
-    for (route_key, route) in p.routes.map(|m| m.0).unwrap_or_default() {
-        let route_path = format!("{path}.routes.\"{}\"", route_key.value);
-        let Some((method, template, segments)) = parse_route_key(&route_key, &route_path, ctx)
-        else {
-            continue;
-        };
-        let shape = segments
-            .iter()
-            .map(|segment| match segment {
-                Segment::Literal(text) => Some(text.clone()),
-                Segment::Param(_) => None,
-            })
-            .collect();
-        match seen_routes.entry((method.clone(), shape)) {
-            std::collections::btree_map::Entry::Occupied(first) => {
-                let (first_key, first_segments, line, column) = first.get();
-                let message = if *first_segments == segments {
-                    format!(
-                        "{route_path}: the same method and template are already routed by route \"{first_key}\" ({}:{line}:{column})",
-                        ctx.file
-                    )
-                } else {
-                    format!(
-                        "{route_path}: matches exactly the same requests as route \"{first_key}\" ({}:{line}:{column}), only the parameter names differ, so which of them applies would be ambiguous; keep one",
-                        ctx.file
-                    )
-                };
-                ctx.err(&route_key.referenced, message);
-            }
-            std::collections::btree_map::Entry::Vacant(slot) => {
-                slot.insert((
-                    format!("{method} {template}"),
-                    segments.clone(),
-                    route_key.referenced.line(),
-                    route_key.referenced.column(),
-                ));
-            }
-        }
-        let r = &route.value;
-        // An unknown class is reported and the route's other members are still checked, so
-        // that one run names every problem; the route itself is then left out.
-        let class = match &r.class {
-            Some(c) if classes.contains_key(&c.value) => Some(c.value.clone()),
-            Some(c) => {
-                ctx.err(
-                    &c.referenced,
-                    format!(
-                        "{route_path}.class: unknown request class `{}` (known: {})",
-                        c.value,
-                        classes.keys().cloned().collect::<Vec<_>>().join(", ")
-                    ),
-                );
-                None
-            }
-            None => {
-                let provider_stub = Provider {
-                    name: name.clone(),
-                    base_url: String::new(),
-                    credential: None,
-                    dialect: Dialect::Generic,
-                    idempotency_header: idempotency_header.clone(),
-                    idempotent_put_delete: p
-                        .idempotent_put_delete
-                        .as_ref()
-                        .is_some_and(|b| b.value),
-                    error_code_pointer: None,
-                    error_codes: BTreeMap::new(),
-                    retry_delay_pointers: Vec::new(),
-                    quota_id_pointers: Vec::new(),
-                    resets_in_seconds_pointers: Vec::new(),
-                    honour_hints: true,
-                    scopes: BTreeMap::new(),
-                    default_scopes: Vec::new(),
-                    routes: Vec::new(),
-                };
-                Some(default_class(&provider_stub, &method).to_owned())
-            }
-        };
-        if let Some(c) = r.class.as_ref().filter(|c| c.value == "idempotent_write") {
-            if idempotency_header.is_none() && p.idempotency_header.is_none() {
-                let put_delete = matches!(method.as_str(), "PUT" | "DELETE");
-                let contract = p.idempotent_put_delete.as_ref().is_some_and(|b| b.value);
-                if put_delete && contract {
-                    ctx.warn(
-                        c.referenced.line(),
-                        c.referenced.column(),
-                        format!("{route_path}.class: `idempotent_write` without an `idempotency_header`: retries rely on the provider's idempotent {method} contract (`idempotent_put_delete: true`) alone; no key lets the provider deduplicate them"),
-                    );
-                } else if !matches!(method.as_str(), "GET" | "HEAD" | "OPTIONS") {
-                    ctx.err(
-                        &c.referenced,
-                        format!("{route_path}.class: `idempotent_write` needs the provider to honour an idempotency key (SPEC §3), but providers.{name} has no `idempotency_header`, so retries of this {method} would not be deduplicated{}; set `idempotency_header` or use `uncertain_write`", if put_delete { " (and `idempotent_put_delete` is not true)" } else { "" }),
-                    );
-                }
-            }
-        }
-        let route_scopes = match &r.scopes {
-            Some(list) => list
-                .value
-                .iter()
-                .filter_map(|s| scope_ref(ctx, s, &format!("{route_path}.scopes")))
-                .collect(),
-            None => default_scopes.clone(),
-        };
-        let coalesce = r.coalesce.as_ref().is_some_and(|c| c.value);
-        if let Some(c) = r.coalesce.as_ref().filter(|c| c.value) {
-            if !matches!(method.as_str(), "GET" | "HEAD")
-                || class.as_deref().is_some_and(|c| c != "read")
-            {
-                ctx.err(
-                    &c.referenced,
-                    format!("{route_path}.coalesce: only safe reads (GET/HEAD of class `read`) may be coalesced"),
-                );
-            }
-        }
-        let fingerprint_fields = match &r.fingerprint_fields {
-            Some(list) => list
-                .value
-                .iter()
-                .filter_map(|f| {
-                    check_pointer(
-                        ctx,
-                        &Some(f.clone()),
-                        &format!("{route_path}.fingerprint_fields"),
-                    )
-                })
-                .collect(),
-            None => Vec::new(),
-        };
-        let reconcile = r.reconcile.as_ref().and_then(|rc| {
-            validate_reconcile(
-                rc,
-                &format!("{route_path}.reconcile"),
-                idempotency_header.is_some(),
-                ctx,
-            )
-        });
-        let Some(class) = class else {
-            continue;
-        };
-        routes.push(Route {
-            method,
-            template,
-            segments,
-            class,
-            scopes: route_scopes,
-            coalesce,
-            fingerprint_fields,
-            reconcile,
-        });
-    }
-
-    Some(Provider {
-        name: name.clone(),
-        base_url,
-        credential,
-        dialect,
-        idempotency_header,
-        idempotent_put_delete: p.idempotent_put_delete.as_ref().is_some_and(|b| b.value),
-        error_code_pointer,
-        error_codes,
-        retry_delay_pointers,
-        quota_id_pointers,
-        resets_in_seconds_pointers,
-        honour_hints: p.honour_hints.as_ref().is_none_or(|b| b.value),
-        scopes,
-        default_scopes,
-        routes,
-    })
+    error_codes
 }

@@ -1,11 +1,13 @@
 //! Quota scopes and their pacing (`shared_scope`, `providers.P.scopes`, SPEC §4.1).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Serialize;
 
+use super::checks::is_name;
 use super::diagnostics::Ctx;
-use super::raw::{RawScope, S};
+use super::raw::{RawScope, RawSharedScope, SpannedMap, S};
 use crate::pacing::{PacerConfig, ScopeRecord, MIN_WINDOW};
 
 /// Scope limits shared by all scopes unless a scope sets its own (`shared_scope`).
@@ -56,7 +58,115 @@ impl Scope {
     }
 }
 
-pub(super) fn validate_scope(
+/// `shared_scope`: each limit at least 1; absent, 25 delayed and 2 concurrent requests.
+pub(super) fn validate_shared_scope(raw: Option<&S<RawSharedScope>>, ctx: &mut Ctx) -> SharedScope {
+    match raw {
+        Some(s) => SharedScope {
+            max_delayed_requests: ctx.at_least_one(
+                &s.value.max_delayed_requests,
+                "shared_scope.max_delayed_requests",
+                25,
+            ),
+            max_concurrent_requests: ctx.at_least_one(
+                &s.value.max_concurrent_requests,
+                "shared_scope.max_concurrent_requests",
+                2,
+            ),
+        },
+        None => SharedScope {
+            max_delayed_requests: 25,
+            max_concurrent_requests: 2,
+        },
+    }
+}
+
+/// The scopes of the provider whose key is `key` (`path` is `providers.NAME`), by short name. A
+/// provider without scopes loads with a warning at its key.
+pub(super) fn validate_scopes(
+    key: &S<String>,
+    raw: Option<SpannedMap<S<RawScope>>>,
+    path: &str,
+    shared: &SharedScope,
+    ctx: &mut Ctx,
+) -> BTreeMap<String, Scope> {
+    let mut scopes = BTreeMap::new();
+    let entries = raw.map(|m| m.0).unwrap_or_default();
+    if entries.is_empty() {
+        ctx.warn(
+            key.referenced.line(),
+            key.referenced.column(),
+            format!("{path}: no scopes, so its calls share no quota record, pacing or concurrency limit (add `scopes:`)"),
+        );
+    }
+    for (scope_key, scope) in entries {
+        let scope_path = format!("{path}.scopes.{}", scope_key.value);
+        if !is_name(&scope_key.value) {
+            ctx.err(
+                &scope_key.referenced,
+                format!("{scope_path}: a scope name uses letters, digits, `_`, `-`, `.` or `:`"),
+            );
+        }
+        let s = validate_scope(
+            &key.value,
+            &scope_key.value,
+            &scope,
+            &scope_path,
+            shared,
+            ctx,
+        );
+        scopes.insert(scope_key.value.clone(), s);
+    }
+    scopes
+}
+
+/// The full names (`provider/scope`) of the scopes `list` names at `at`, each given short or
+/// full; a scope `provider` does not have is reported and left out.
+pub(super) fn scope_refs(
+    provider: &str,
+    scopes: &BTreeMap<String, Scope>,
+    list: &S<Vec<S<String>>>,
+    at: &str,
+    ctx: &mut Ctx,
+) -> Vec<String> {
+    list.value
+        .iter()
+        .filter_map(|s| scope_ref(provider, scopes, s, at, ctx))
+        .collect()
+}
+
+/// The full name of the scope `s` names, short or full, or `None` after reporting at `at` a
+/// scope `provider` does not have.
+fn scope_ref(
+    provider: &str,
+    scopes: &BTreeMap<String, Scope>,
+    s: &S<String>,
+    at: &str,
+    ctx: &mut Ctx,
+) -> Option<String> {
+    let short = s
+        .value
+        .strip_prefix(&format!("{provider}/"))
+        .unwrap_or(&s.value);
+    if scopes.contains_key(short) {
+        return Some(format!("{provider}/{short}"));
+    }
+    let known: Vec<&str> = scopes.keys().map(String::as_str).collect();
+    ctx.err(
+        &s.referenced,
+        format!(
+            "{at}: unknown scope `{}` (provider {provider} has: {})",
+            s.value,
+            if known.is_empty() {
+                "no scopes".to_owned()
+            } else {
+                known.join(", ")
+            }
+        ),
+    );
+    None
+}
+
+fn validate_scope(
     provider: &str,
     short: &str,
     raw: &S<RawScope>,
