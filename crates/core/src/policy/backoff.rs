@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::diagnostics::Ctx;
-use super::raw::{RawBackoff, S};
+use super::raw::{Num, RawBackoff, S};
 use crate::backoff::BackoffConfig;
 
 /// Backoff and Retry-After parameters (`backoff`).
@@ -58,19 +58,33 @@ pub const MIN_RETRY_DELAY_FLOOR: Duration = Duration::from_millis(100);
 /// the provider allows it.
 pub const MIN_RETRY_AFTER_CEILING: Duration = Duration::from_secs(1);
 
+/// The backoff of a policy without a `backoff` section, and the default of each field: base 1 s,
+/// max 60 s, minimum delay 1 s, Retry-After ceiling 86,400 s, boundary spread 5 s.
+const DEFAULT_BACKOFF: BackoffPolicy = BackoffPolicy {
+    base: Duration::from_secs(1),
+    max: Duration::from_secs(60),
+    min_delay: Duration::from_secs(1),
+    retry_after_ceiling: Duration::from_secs(86_400),
+    boundary_spread: Duration::from_secs(5),
+};
+
+/// `backoff`: each duration read in seconds (absent: [`DEFAULT_BACKOFF`]), then checked
+/// against its lower bound and against the others.
 pub(super) fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> BackoffPolicy {
-    let defaults = BackoffPolicy {
-        base: Duration::from_secs(1),
-        max: Duration::from_secs(60),
-        min_delay: Duration::from_secs(1),
-        retry_after_ceiling: Duration::from_secs(86_400),
-        boundary_spread: Duration::from_secs(5),
-    };
     let Some(raw) = raw else {
-        return defaults;
+        return DEFAULT_BACKOFF;
     };
-    let b = &raw.value;
-    let policy = BackoffPolicy {
+    let policy = read_backoff(&raw.value, ctx);
+    warn_without_spread(&raw.value, &policy, ctx);
+    check_lower_bounds(&raw.value, &policy, ctx);
+    check_order(raw, &policy, ctx);
+    policy
+}
+
+/// The durations of `b`, each defaulted when absent or invalid (reported).
+fn read_backoff(b: &RawBackoff, ctx: &mut Ctx) -> BackoffPolicy {
+    let defaults = DEFAULT_BACKOFF;
+    BackoffPolicy {
         base: ctx.seconds(&b.base_seconds, "backoff.base_seconds", defaults.base),
         max: ctx.seconds(&b.max_seconds, "backoff.max_seconds", defaults.max),
         min_delay: ctx.seconds(
@@ -88,7 +102,11 @@ pub(super) fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> Ba
             "backoff.boundary_spread_seconds",
             defaults.boundary_spread,
         ),
-    };
+    }
+}
+
+/// A `boundary_spread_seconds` of 0 loads, with a warning: it releases retries as one burst.
+fn warn_without_spread(b: &RawBackoff, policy: &BackoffPolicy, ctx: &mut Ctx) {
     if let (Some(s), true) = (&b.boundary_spread_seconds, policy.boundary_spread.is_zero()) {
         ctx.warn(
             s.referenced.line(),
@@ -96,6 +114,11 @@ pub(super) fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> Ba
             "backoff.boundary_spread_seconds: 0 turns off the jitter after a provider boundary, so every retry one boundary releases (one 429's Retry-After delays the whole scope) goes out in the same instant, as one burst that can hit the limit again (SPEC §4.2); keep it above 0 unless one agent's retries alone use the scope",
         );
     }
+}
+
+/// `base_seconds` and `min_delay_seconds` are at least [`MIN_BACKOFF_BASE`] and
+/// [`MIN_RETRY_DELAY_FLOOR`]: smaller ones make a tight retry loop.
+fn check_lower_bounds(b: &RawBackoff, policy: &BackoffPolicy, ctx: &mut Ctx) {
     if let (Some(s), true) = (&b.base_seconds, policy.base < MIN_BACKOFF_BASE) {
         ctx.err(
             &s.referenced,
@@ -123,14 +146,17 @@ pub(super) fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> Ba
             ),
         );
     }
+}
+
+/// `max_seconds` is at least `base_seconds`, and `retry_after_ceiling_seconds` at least
+/// [`MIN_RETRY_AFTER_CEILING`] and `min_delay_seconds`. A bound the file leaves out is reported
+/// at the `backoff` section.
+fn check_order(raw: &S<RawBackoff>, policy: &BackoffPolicy, ctx: &mut Ctx) {
+    let b = &raw.value;
+    let at = |v: &Option<S<Num>>| v.as_ref().map(|s| s.referenced).unwrap_or(raw.referenced);
     if policy.max < policy.base {
-        let at = b
-            .max_seconds
-            .as_ref()
-            .map(|s| s.referenced)
-            .unwrap_or(raw.referenced);
         ctx.err(
-            &at,
+            &at(&b.max_seconds),
             "backoff.max_seconds: must be at least backoff.base_seconds",
         );
     }
@@ -148,15 +174,9 @@ pub(super) fn validate_backoff(raw: Option<&S<RawBackoff>>, ctx: &mut Ctx) -> Ba
             ),
         );
     } else if policy.retry_after_ceiling < policy.min_delay {
-        let at = b
-            .retry_after_ceiling_seconds
-            .as_ref()
-            .map(|s| s.referenced)
-            .unwrap_or(raw.referenced);
         ctx.err(
-            &at,
+            &at(&b.retry_after_ceiling_seconds),
             "backoff.retry_after_ceiling_seconds: must be at least backoff.min_delay_seconds",
         );
     }
-    policy
 }
