@@ -423,22 +423,15 @@ fn date_boundary(
 ) -> Boundary {
     let (clock, reference, note) = date_reference(date_header, received_at);
     let diff = reference.duration_until(at);
-    if diff.is_negative() || diff.is_zero() {
+    let (delay, reason) = if diff.is_negative() || diff.is_zero() {
         let reason = match note {
             Some(n) => format!("date not in the future; min_delay applied ({n})"),
             None => "date not in the future; min_delay applied".to_owned(),
         };
-        return boundary_after(
-            Duration::ZERO,
-            received_at,
-            opts,
-            SOURCE_RETRY_AFTER,
-            Some(raw),
-            Some(clock),
-            Some(reason),
-        );
-    }
-    let delay = diff.unsigned_abs();
+        (Duration::ZERO, Some(reason))
+    } else {
+        (diff.unsigned_abs(), note.map(str::to_owned))
+    };
     boundary_after(
         delay,
         received_at,
@@ -446,7 +439,7 @@ fn date_boundary(
         SOURCE_RETRY_AFTER,
         Some(raw),
         Some(clock),
-        note.map(str::to_owned),
+        reason,
     )
 }
 
