@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::classes::RequestClass;
 use super::document::Policy;
+use super::providers::Provider;
 use super::reconcile::Reconcile;
 use super::routes::{default_class, Route};
 use super::scopes::Scope;
@@ -70,41 +71,54 @@ impl Policy {
         method: &str,
         path: &str,
     ) -> Result<RouteMatch, UnknownProvider> {
-        let p = self
-            .providers
-            .get(provider)
-            .ok_or_else(|| UnknownProvider(provider.to_owned()))?;
+        let p = self.provider(provider)?;
         let method = method.trim().to_ascii_uppercase();
         let path = path.split(['?', '#']).next().unwrap_or("");
-        let segments = path_segments(path);
-        let mut best: Option<(&Route, usize, BTreeMap<String, String>)> = None;
-        for route in p.routes.iter().filter(|r| r.method == method) {
-            if let Some(params) = match_segments(&route.segments, &segments) {
-                let literals = route
-                    .segments
-                    .iter()
-                    .filter(|s| matches!(s, Segment::Literal(_)))
-                    .count();
-                if best.as_ref().is_none_or(|(_, l, _)| literals > *l) {
-                    best = Some((route, literals, params));
-                }
-            }
+        Ok(match best_route(p, &method, path) {
+            Some((route, params)) => self.configured_match(provider, method, route, params),
+            None => self.default_match(provider, p, method, path),
+        })
+    }
+
+    /// The provider named `name`.
+    fn provider(&self, name: &str) -> Result<&Provider, UnknownProvider> {
+        self.providers
+            .get(name)
+            .ok_or_else(|| UnknownProvider(name.to_owned()))
+    }
+
+    /// The answer for a request that `route` of `provider` matched, binding `params`.
+    fn configured_match(
+        &self,
+        provider: &str,
+        method: String,
+        route: &Route,
+        params: BTreeMap<String, String>,
+    ) -> RouteMatch {
+        RouteMatch {
+            provider: provider.to_owned(),
+            method,
+            template: route.template.clone(),
+            side_effect: self.side_effect_of(&route.class),
+            class: route.class.clone(),
+            scopes: route.scopes.clone(),
+            coalesce: route.coalesce,
+            fingerprint_fields: route.fingerprint_fields.clone(),
+            reconcile: route.reconcile.clone(),
+            params,
+            configured: true,
         }
-        if let Some((route, _, params)) = best {
-            return Ok(RouteMatch {
-                provider: provider.to_owned(),
-                method,
-                template: route.template.clone(),
-                side_effect: self.side_effect_of(&route.class),
-                class: route.class.clone(),
-                scopes: route.scopes.clone(),
-                coalesce: route.coalesce,
-                fingerprint_fields: route.fingerprint_fields.clone(),
-                reconcile: route.reconcile.clone(),
-                params,
-                configured: true,
-            });
-        }
+    }
+
+    /// The answer for a request to `path` (without query) that no route of `provider` (`p`)
+    /// matched: an LLM completion route's class, else the SPEC §3 default class of `method`.
+    fn default_match(
+        &self,
+        provider: &str,
+        p: &Provider,
+        method: String,
+        path: &str,
+    ) -> RouteMatch {
         let class = match completion_route(p.dialect, &method, path) {
             Some(_) => COMPLETION_CLASS,
             None => default_class(
@@ -113,7 +127,7 @@ impl Policy {
                 p.idempotency_header.is_some(),
             ),
         };
-        Ok(RouteMatch {
+        RouteMatch {
             provider: provider.to_owned(),
             side_effect: self.side_effect_of(class),
             class: class.to_owned(),
@@ -125,7 +139,7 @@ impl Policy {
             reconcile: None,
             params: BTreeMap::new(),
             configured: false,
-        })
+        }
     }
 
     /// The rules to classify a response of `provider` for a request of `class` (SPEC §2):
@@ -140,10 +154,7 @@ impl Policy {
         provider: &str,
         class: &RequestClass,
     ) -> Result<ClassifyRules, UnknownProvider> {
-        let p = self
-            .providers
-            .get(provider)
-            .ok_or_else(|| UnknownProvider(provider.to_owned()))?;
+        let p = self.provider(provider)?;
         let mut error_codes = default_error_codes();
         error_codes.extend(p.error_codes.iter().map(|(k, v)| (k.clone(), *v)));
         Ok(ClassifyRules {
@@ -174,4 +185,28 @@ impl Policy {
     pub fn scopes(&self) -> impl Iterator<Item = &Scope> {
         self.providers.values().flat_map(|p| p.scopes.values())
     }
+}
+
+/// The route of `p` for `method` (upper case) that matches `path` (without query) with the most
+/// literal segments (the first of those in file order), with the parameters it binds.
+fn best_route<'a>(
+    p: &'a Provider,
+    method: &str,
+    path: &str,
+) -> Option<(&'a Route, BTreeMap<String, String>)> {
+    let segments = path_segments(path);
+    let mut best: Option<(&Route, usize, BTreeMap<String, String>)> = None;
+    for route in p.routes.iter().filter(|r| r.method == method) {
+        if let Some(params) = match_segments(&route.segments, &segments) {
+            let literals = route
+                .segments
+                .iter()
+                .filter(|s| matches!(s, Segment::Literal(_)))
+                .count();
+            if best.as_ref().is_none_or(|(_, l, _)| literals > *l) {
+                best = Some((route, literals, params));
+            }
+        }
+    }
+    best.map(|(route, _, params)| (route, params))
 }
