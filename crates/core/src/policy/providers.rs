@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
+use serde_saphyr::Location;
 
 use super::checks::{check_pointer, check_pointers, is_name};
 use super::classes::RequestClass;
@@ -169,24 +170,7 @@ fn validate_provider(
     let dialect = validate_dialect(p.dialect.as_ref(), &path, ctx);
     let idempotency_header = validate_idempotency_header(&p, &path, ctx);
     check_credential_header_of(&p, &path, ctx);
-    let error_code_pointer = validate_error_code_pointer(&p, dialect, &path, ctx);
-    let error_codes = validate_error_codes(p.error_codes, &path, ctx);
-    let pointers = |field: &str, v: &Option<S<Vec<S<String>>>>, ctx: &mut Ctx| {
-        check_pointers(ctx, v, &format!("{path}.{field}"))
-    };
-    let retry_delay_pointers = pointers("retry_delay_pointers", &p.retry_delay_pointers, ctx);
-    let quota_id_pointers = pointers("quota_id_pointers", &p.quota_id_pointers, ctx);
-    let resets_in_seconds_pointers = pointers(
-        "resets_in_seconds_pointers",
-        &p.resets_in_seconds_pointers,
-        ctx,
-    );
-    if !error_codes.is_empty() && error_code_pointer.is_none() && p.error_code_pointer.is_none() {
-        ctx.err(
-            &raw.referenced,
-            format!("{path}: `error_codes` needs `error_code_pointer` to find the code in an error body"),
-        );
-    }
+    let body = validate_error_body(&p, dialect, &raw.referenced, &path, ctx);
     let scopes = validate_scopes(key, p.scopes, &path, shared, ctx);
     let default_scopes = match &p.default_scopes {
         Some(list) => scope_refs(&name, &scopes, list, &format!("{path}.default_scopes"), ctx),
@@ -214,11 +198,11 @@ fn validate_provider(
         dialect,
         idempotency_header,
         idempotent_put_delete,
-        error_code_pointer,
-        error_codes,
-        retry_delay_pointers,
-        quota_id_pointers,
-        resets_in_seconds_pointers,
+        error_code_pointer: body.error_code_pointer,
+        error_codes: body.error_codes,
+        retry_delay_pointers: body.retry_delay_pointers,
+        quota_id_pointers: body.quota_id_pointers,
+        resets_in_seconds_pointers: body.resets_in_seconds_pointers,
         honour_hints: p.honour_hints.as_ref().is_none_or(|b| b.value),
         scopes,
         default_scopes,
@@ -342,6 +326,50 @@ fn check_credential_header_of(p: &RawProvider, path: &str, ctx: &mut Ctx) {
     }
 }
 
+/// How a provider's error bodies are read: where the error code is and what each code means,
+/// and where retry delays, quota names and reset times are.
+struct ErrorBodyRules {
+    error_code_pointer: Option<String>,
+    error_codes: BTreeMap<String, Disposition>,
+    retry_delay_pointers: Vec<String>,
+    quota_id_pointers: Vec<String>,
+    resets_in_seconds_pointers: Vec<String>,
+}
+
+/// The error-body settings of provider `p` (at `path`, its section at `at`), each pointer
+/// checked. `error_codes` without any `error_code_pointer` (the file's or the dialect's) is
+/// reported.
+fn validate_error_body(
+    p: &RawProvider,
+    dialect: Dialect,
+    at: &Location,
+    path: &str,
+    ctx: &mut Ctx,
+) -> ErrorBodyRules {
+    let error_code_pointer = validate_error_code_pointer(p, dialect, path, ctx);
+    let error_codes = validate_error_codes(p.error_codes.as_ref(), path, ctx);
+    let mut pointers = |field: &str, v: &Option<S<Vec<S<String>>>>| {
+        check_pointers(ctx, v, &format!("{path}.{field}"))
+    };
+    let retry_delay_pointers = pointers("retry_delay_pointers", &p.retry_delay_pointers);
+    let quota_id_pointers = pointers("quota_id_pointers", &p.quota_id_pointers);
+    let resets_in_seconds_pointers =
+        pointers("resets_in_seconds_pointers", &p.resets_in_seconds_pointers);
+    if !error_codes.is_empty() && error_code_pointer.is_none() && p.error_code_pointer.is_none() {
+        ctx.err(
+            at,
+            format!("{path}: `error_codes` needs `error_code_pointer` to find the code in an error body"),
+        );
+    }
+    ErrorBodyRules {
+        error_code_pointer,
+        error_codes,
+        retry_delay_pointers,
+        quota_id_pointers,
+        resets_in_seconds_pointers,
+    }
+}
+
 /// `error_code_pointer`, checked; absent, the dialect's documented place, if it has one
 /// (OpenAI: `/error/code`), so that a provider declared `dialect: openai` reads
 /// `insufficient_quota` without more settings.
@@ -364,17 +392,17 @@ fn validate_error_code_pointer(
 /// `error_codes`: provider error code → one of [`DISPOSITIONS`]; an unknown disposition is
 /// reported and its entry left out.
 fn validate_error_codes(
-    raw: Option<SpannedMap<S<String>>>,
+    raw: Option<&SpannedMap<S<String>>>,
     path: &str,
     ctx: &mut Ctx,
 ) -> BTreeMap<String, Disposition> {
     let mut error_codes = BTreeMap::new();
-    for (code, disposition) in raw.map(|m| m.0).unwrap_or_default() {
+    for (code, disposition) in raw.map_or(&[][..], |m| &m.0[..]) {
         match serde_json::from_value::<Disposition>(serde_json::Value::String(
             disposition.value.clone(),
         )) {
             Ok(d) => {
-                error_codes.insert(code.value, d);
+                error_codes.insert(code.value.clone(), d);
             }
             Err(_) => ctx.err(
                 &disposition.referenced,

@@ -111,6 +111,8 @@ impl TokenSources {
     }
 }
 
+/// The agents or operators of `section` (`agents`, `operators`), each with exactly one token
+/// source; a source another caller already has is reported (see [`TokenSources`]).
 pub(super) fn validate_principals(
     raw: Option<SpannedMap<S<RawPrincipal>>>,
     section: &str,
@@ -119,90 +121,135 @@ pub(super) fn validate_principals(
 ) -> BTreeMap<String, TokenRef> {
     let mut out = BTreeMap::new();
     for (key, principal) in raw.map(|m| m.0).unwrap_or_default() {
-        let path = format!("{section}.{}", key.value);
-        let p = &principal.value;
-        let use_instead = "token_env, token_file or token_sha256";
-        ctx.trap(&p.token, &format!("{path}.token"), use_instead);
-        ctx.trap(&p.secret, &format!("{path}.secret"), use_instead);
-        ctx.trap(&p.password, &format!("{path}.password"), use_instead);
-        ctx.trap(&p.api_key, &format!("{path}.api_key"), use_instead);
-        let mut refs = Vec::new();
-        if let Some(s) = &p.token_env {
-            check_secret_ref(ctx, s, &format!("{path}.token_env"), true);
-            let source = TokenRef::Env(s.value.clone());
-            tokens.claim(&source, &format!("{path}.token_env"), &s.referenced, ctx);
-            refs.push(source);
-        }
-        if let Some(s) = &p.token_file {
-            check_secret_ref(ctx, s, &format!("{path}.token_file"), false);
-            let source = TokenRef::File(PathBuf::from(&s.value));
-            tokens.claim(&source, &format!("{path}.token_file"), &s.referenced, ctx);
-            refs.push(source);
-        }
-        if let Some(s) = &p.token_sha256 {
-            let digest = s.value.trim().to_ascii_lowercase();
-            if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
-                ctx.err(
-                    &s.referenced,
-                    format!("{path}.token_sha256: must be 64 hex digits (a SHA-256 digest)"),
-                );
-            }
-            let source = TokenRef::Sha256(digest);
-            tokens.claim(&source, &format!("{path}.token_sha256"), &s.referenced, ctx);
-            refs.push(source);
-        }
-        match refs.len() {
-            1 => {
-                out.insert(key.value.clone(), refs.remove(0));
-            }
-            0 => {
-                if p.token.is_none()
-                    && p.secret.is_none()
-                    && p.password.is_none()
-                    && p.api_key.is_none()
-                {
-                    ctx.err(
-                        &key.referenced,
-                        format!("{path}: needs exactly one of {use_instead}"),
-                    );
-                }
-            }
-            _ => ctx.err(
-                &key.referenced,
-                format!("{path}: give only one of {use_instead}"),
-            ),
+        if let Some(source) = validate_principal(&key, &principal.value, section, tokens, ctx) {
+            out.insert(key.value.clone(), source);
         }
     }
     out
 }
 
+/// Where the token of the caller at `key` is found, or `None` after reporting that it gives
+/// none (unless it wrote one in clear, which is reported as such) or more than one.
+fn validate_principal(
+    key: &S<String>,
+    p: &RawPrincipal,
+    section: &str,
+    tokens: &mut TokenSources,
+    ctx: &mut Ctx,
+) -> Option<TokenRef> {
+    let path = format!("{section}.{}", key.value);
+    let use_instead = "token_env, token_file or token_sha256";
+    ctx.trap(&p.token, &format!("{path}.token"), use_instead);
+    ctx.trap(&p.secret, &format!("{path}.secret"), use_instead);
+    ctx.trap(&p.password, &format!("{path}.password"), use_instead);
+    ctx.trap(&p.api_key, &format!("{path}.api_key"), use_instead);
+    let mut refs = token_sources(p, &path, tokens, ctx);
+    match refs.len() {
+        1 => return refs.pop(),
+        0 => {
+            let trapped = p.token.is_some()
+                || p.secret.is_some()
+                || p.password.is_some()
+                || p.api_key.is_some();
+            if !trapped {
+                ctx.err(
+                    &key.referenced,
+                    format!("{path}: needs exactly one of {use_instead}"),
+                );
+            }
+        }
+        _ => ctx.err(
+            &key.referenced,
+            format!("{path}: give only one of {use_instead}"),
+        ),
+    }
+    None
+}
+
+/// Every token source the caller at `path` gives, each checked and claimed in `tokens`.
+fn token_sources(
+    p: &RawPrincipal,
+    path: &str,
+    tokens: &mut TokenSources,
+    ctx: &mut Ctx,
+) -> Vec<TokenRef> {
+    let mut refs = Vec::new();
+    if let Some(s) = &p.token_env {
+        check_secret_ref(ctx, s, &format!("{path}.token_env"), true);
+        let source = TokenRef::Env(s.value.clone());
+        tokens.claim(&source, &format!("{path}.token_env"), &s.referenced, ctx);
+        refs.push(source);
+    }
+    if let Some(s) = &p.token_file {
+        check_secret_ref(ctx, s, &format!("{path}.token_file"), false);
+        let source = TokenRef::File(PathBuf::from(&s.value));
+        tokens.claim(&source, &format!("{path}.token_file"), &s.referenced, ctx);
+        refs.push(source);
+    }
+    if let Some(s) = &p.token_sha256 {
+        let digest = s.value.trim().to_ascii_lowercase();
+        if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+            ctx.err(
+                &s.referenced,
+                format!("{path}.token_sha256: must be 64 hex digits (a SHA-256 digest)"),
+            );
+        }
+        let source = TokenRef::Sha256(digest);
+        tokens.claim(&source, &format!("{path}.token_sha256"), &s.referenced, ctx);
+        refs.push(source);
+    }
+    refs
+}
+
+/// Where a credential's secret is referenced from, as the messages that refuse a literal one or
+/// ask for one say.
+const SECRET_REFS: &str = "secret_env or secret_file";
+
+/// The credential at `path` (`providers.P.credential`): exactly one of `secret_env` or
+/// `secret_file`, a valid header name (default `Authorization`) and a one-word scheme (default
+/// `Bearer`). `None` after reporting a missing, doubled or invalid secret reference.
 pub(super) fn validate_credential(
     raw: &S<RawCredential>,
     path: &str,
     ctx: &mut Ctx,
 ) -> Option<Credential> {
     let c = &raw.value;
-    let use_instead = "secret_env or secret_file";
+    let use_instead = SECRET_REFS;
     ctx.trap(&c.secret, &format!("{path}.secret"), use_instead);
     ctx.trap(&c.value, &format!("{path}.value"), use_instead);
     ctx.trap(&c.token, &format!("{path}.token"), use_instead);
     ctx.trap(&c.api_key, &format!("{path}.api_key"), use_instead);
     ctx.trap(&c.password, &format!("{path}.password"), use_instead);
-    let header = match &c.header {
-        Some(h) => {
-            if http::HeaderName::from_bytes(h.value.as_bytes()).is_err() {
-                ctx.err(
-                    &h.referenced,
-                    format!(
-                        "{path}.header: not a valid HTTP header field name (no `:` or spaces; \
-                         the name only, e.g. `Authorization`, never the secret; value not shown)"
-                    ),
-                );
-            }
-            h.value.clone()
-        }
-        None => "Authorization".to_owned(),
+    let header = credential_header(c, path, ctx);
+    let scheme = credential_scheme(c, path, ctx);
+    let secret = credential_secret(raw, path, ctx)?;
+    Some(Credential {
+        secret,
+        header,
+        scheme,
+    })
+}
+
+/// `header`, default `Authorization`; a value that is not a header name is reported (never
+/// echoed) and still returned.
+fn credential_header(c: &RawCredential, path: &str, ctx: &mut Ctx) -> String {
+    let Some(h) = &c.header else {
+        return "Authorization".to_owned();
     };
+    if http::HeaderName::from_bytes(h.value.as_bytes()).is_err() {
+        ctx.err(
+            &h.referenced,
+            format!(
+                "{path}.header: not a valid HTTP header field name (no `:` or spaces; \
+                 the name only, e.g. `Authorization`, never the secret; value not shown)"
+            ),
+        );
+    }
+    h.value.clone()
+}
+
+/// `scheme`, default `Bearer`; one with whitespace is reported and still returned.
+fn credential_scheme(c: &RawCredential, path: &str, ctx: &mut Ctx) -> String {
     let scheme = c
         .scheme
         .as_ref()
@@ -218,6 +265,14 @@ pub(super) fn validate_credential(
             );
         }
     }
+    scheme
+}
+
+/// Where the secret is: exactly one valid `secret_env` or `secret_file`, else `None` after
+/// reporting (no second report when a secret was written in clear).
+fn credential_secret(raw: &S<RawCredential>, path: &str, ctx: &mut Ctx) -> Option<SecretRef> {
+    let c = &raw.value;
+    let use_instead = SECRET_REFS;
     let secret = match (&c.secret_env, &c.secret_file) {
         (Some(env), None) => {
             if !check_secret_ref(ctx, env, &format!("{path}.secret_env"), true) {
@@ -251,9 +306,5 @@ pub(super) fn validate_credential(
             return None;
         }
     };
-    Some(Credential {
-        secret,
-        header,
-        scheme,
-    })
+    Some(secret)
 }
