@@ -99,56 +99,8 @@ impl Policy {
                 message,
             }])
         };
-        // A device (`/dev/zero`), a FIFO or a directory is refused before it is opened: opening
-        // a FIFO blocks until a writer comes, and a device may never end.
-        let meta = std::fs::metadata(path)
-            .map_err(|e| unpositioned(format!("cannot read the policy file: {e}")))?;
-        if !meta.is_file() {
-            return Err(unpositioned(format!(
-                "not a regular file ({}); a policy is read from a regular file",
-                file_kind(&meta)
-            )));
-        }
-        let too_large = || {
-            unpositioned(format!(
-                "larger than {} MiB; a policy file is at most {MAX_POLICY_BYTES} bytes",
-                MAX_POLICY_BYTES / (1024 * 1024)
-            ))
-        };
-        if meta.len() > MAX_POLICY_BYTES {
-            return Err(too_large());
-        }
-        let mut bytes = Vec::new();
-        std::fs::File::open(path)
-            .and_then(|f| {
-                std::io::Read::read_to_end(
-                    &mut std::io::Read::take(f, MAX_POLICY_BYTES + 1),
-                    &mut bytes,
-                )
-            })
-            .map_err(|e| unpositioned(format!("cannot read the policy file: {e}")))?;
-        // The file grew after its size was read.
-        if bytes.len() as u64 > MAX_POLICY_BYTES {
-            return Err(too_large());
-        }
-        let src = match String::from_utf8(bytes) {
-            Ok(src) => src,
-            Err(e) => {
-                let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
-                let line = valid.iter().filter(|&&b| b == b'\n').count() as u64 + 1;
-                let column =
-                    valid.len() - valid.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
-                return Err(PolicyErrors(vec![PolicyError {
-                    file: file.clone(),
-                    line,
-                    column: column as u64,
-                    message: format!(
-                        "not UTF-8 (invalid byte at offset {}); a policy file is UTF-8 text",
-                        e.utf8_error().valid_up_to()
-                    ),
-                }]));
-            }
-        };
+        let bytes = read_policy_file(path).map_err(unpositioned)?;
+        let src = String::from_utf8(bytes).map_err(|e| not_utf8(&e, &file))?;
         Policy::from_yaml_str(&src, &file)
     }
 
@@ -183,6 +135,61 @@ impl Policy {
             Err(PolicyErrors(ctx.errors))
         }
     }
+}
+
+/// The bytes of the policy file at `path`, or why it cannot be read: it is missing or
+/// unreadable, not a regular file (a device, FIFO or directory), or larger than
+/// [`MAX_POLICY_BYTES`], before or while it is read.
+fn read_policy_file(path: &Path) -> Result<Vec<u8>, String> {
+    // A device (`/dev/zero`), a FIFO or a directory is refused before it is opened: opening
+    // a FIFO blocks until a writer comes, and a device may never end.
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read the policy file: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!(
+            "not a regular file ({}); a policy is read from a regular file",
+            file_kind(&meta)
+        ));
+    }
+    let too_large = || {
+        format!(
+            "larger than {} MiB; a policy file is at most {MAX_POLICY_BYTES} bytes",
+            MAX_POLICY_BYTES / (1024 * 1024)
+        )
+    };
+    if meta.len() > MAX_POLICY_BYTES {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| {
+            std::io::Read::read_to_end(
+                &mut std::io::Read::take(f, MAX_POLICY_BYTES + 1),
+                &mut bytes,
+            )
+        })
+        .map_err(|e| format!("cannot read the policy file: {e}"))?;
+    // The file grew after its size was read.
+    if bytes.len() as u64 > MAX_POLICY_BYTES {
+        return Err(too_large());
+    }
+    Ok(bytes)
+}
+
+/// The refusal of a policy `file` that is not UTF-8, at the line and column of its first
+/// invalid byte.
+fn not_utf8(e: &std::string::FromUtf8Error, file: &str) -> PolicyErrors {
+    let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+    let line = valid.iter().filter(|&&b| b == b'\n').count() as u64 + 1;
+    let column = valid.len() - valid.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
+    PolicyErrors(vec![PolicyError {
+        file: file.to_owned(),
+        line,
+        column: column as u64,
+        message: format!(
+            "not UTF-8 (invalid byte at offset {}); a policy file is UTF-8 text",
+            e.utf8_error().valid_up_to()
+        ),
+    }])
 }
 
 /// `listen`: `HOST:PORT` as a TCP listener binds it — an IPv4 address, a bracketed IPv6 address

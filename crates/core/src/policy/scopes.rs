@@ -179,27 +179,7 @@ fn validate_scope(
         .limit
         .as_ref()
         .and_then(|l| ctx.integer(l, &format!("{path}.limit"), 1, u64::MAX));
-    let default_window = Duration::from_secs(60);
-    let window = ctx.seconds(
-        &s.window_seconds,
-        &format!("{path}.window_seconds"),
-        default_window,
-    );
-    let short_window = window < MIN_WINDOW;
-    if let (Some(w), true) = (&s.window_seconds, short_window) {
-        ctx.err(
-            &w.referenced,
-            format!(
-                "{path}.window_seconds: must be at least {} second, got {} (providers publish \
-                 their limit windows in whole seconds; a shorter one, such as 0.0001, paces so \
-                 fast that pacing holds nothing back)",
-                MIN_WINDOW.as_secs(),
-                w.value
-            ),
-        );
-    }
-    // A refused window is reported once: the pacing below is checked with the default.
-    let window = if short_window { default_window } else { window };
+    let window = scope_window(s, path, ctx);
     let headroom = ctx.fraction(
         &s.headroom,
         &format!("{path}.headroom"),
@@ -242,4 +222,31 @@ fn validate_scope(
             shared.max_concurrent_requests,
         ),
     }
+}
+
+/// `window_seconds` of the scope at `path`, default 60 s. One under [`MIN_WINDOW`] is
+/// reported, once: the default stands in for it, so the pacing is checked with the default.
+fn scope_window(s: &RawScope, path: &str, ctx: &mut Ctx) -> Duration {
+    let default_window = Duration::from_secs(60);
+    let window = ctx.seconds(
+        &s.window_seconds,
+        &format!("{path}.window_seconds"),
+        default_window,
+    );
+    if window >= MIN_WINDOW {
+        return window;
+    }
+    if let Some(w) = &s.window_seconds {
+        ctx.err(
+            &w.referenced,
+            format!(
+                "{path}.window_seconds: must be at least {} second, got {} (providers publish \
+                 their limit windows in whole seconds; a shorter one, such as 0.0001, paces so \
+                 fast that pacing holds nothing back)",
+                MIN_WINDOW.as_secs(),
+                w.value
+            ),
+        );
+    }
+    default_window
 }
