@@ -52,7 +52,7 @@ impl RequestClass {
 /// | `llm_call` | 3 | 60 s | 408, 429, 500, 502, 503, 504, 529 |
 ///
 /// `read` and `llm_call` have `side_effect: none`, the others `write` (see
-/// [`crate::side_effect`]). A policy file may override these fields per class; [`Policy`] holds the resulting classes.
+/// [`crate::side_effect`]). A policy file may override these fields per class; [`Policy`](crate::policy::Policy) holds the resulting classes.
 ///
 /// ```
 /// use backstop_core::policy::builtin_class;

@@ -48,9 +48,9 @@ fn explicit_tags(src: &str, file: &str) -> Vec<PolicyError> {
 /// when the error concerns the document as a whole.
 ///
 /// The path comes from `serde_path_to_error`, which tracks struct fields and sequence
-/// indexes. Two things are mended: the `value` level that every [`Spanned`] adds (its
+/// indexes. Two things are mended: the `value` level that every [`Spanned`](serde_saphyr::Spanned) adds (its
 /// internal view is a struct with a `value` field) is dropped, and the keys of
-/// [`SpannedMap`]s, which the tracker cannot capture because they are read as [`Spanned`]
+/// [`SpannedMap`](super::raw::SpannedMap)s, which the tracker cannot capture because they are read as [`Spanned`](serde_saphyr::Spanned)
 /// strings, are filled in from [`FAILED_MAP_KEYS`].
 pub(super) fn read_raw(src: &str, file: &str) -> Result<RawPolicy, PolicyErrors> {
     let tags = explicit_tags(src, file);
@@ -100,14 +100,14 @@ pub(super) fn read_raw(src: &str, file: &str) -> Result<RawPolicy, PolicyErrors>
 enum PathSegment {
     /// A struct field (a setting's name).
     Field(String),
-    /// A key the tracker could not read (the key of a [`SpannedMap`] entry).
+    /// A key the tracker could not read (the key of a [`SpannedMap`](super::raw::SpannedMap) entry).
     MapKey,
     /// A sequence index.
     Index(usize),
 }
 
-/// The levels of `path` without the `value` level each [`Spanned`] adds. No raw type has a
-/// setting named `value` whose value can fail (`value` is a [`Trap`], read as anything), and
+/// The levels of `path` without the `value` level each [`Spanned`](serde_saphyr::Spanned) adds. No raw type has a
+/// setting named `value` whose value can fail (`value` is a [`Trap`](super::raw::Trap), read as anything), and
 /// names chosen in the file are [`PathSegment::MapKey`]s, so no real level is lost.
 fn key_path(path: &serde_path_to_error::Path) -> Vec<PathSegment> {
     path.iter()

@@ -46,12 +46,12 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for SpannedMap<V> {
 
 pub(super) type S<T> = Spanned<T>;
 /// A key that would hold a secret in clear: read only to be refused with its own message
-/// ([`Ctx::trap`]). Its name is one of [`REFUSED_SECRET_KEYS`].
+/// ([`Ctx::trap`](super::diagnostics::Ctx::trap)). Its name is one of [`REFUSED_SECRET_KEYS`].
 pub(super) type Trap = Option<S<IgnoredAny>>;
 
 /// The names of every [`Trap`] field: keys that would hold a secret in clear, refused
 /// wherever they appear. They are not settings, so the list of keys an unknown key's message
-/// says are expected leaves them out (see [`PolicyMessages`]); no setting may be named like one.
+/// says are expected leaves them out (see `PolicyMessages` in `parse.rs`); no setting may be named like one.
 pub(super) const REFUSED_SECRET_KEYS: [&str; 5] =
     ["secret", "value", "token", "api_key", "password"];
 
