@@ -35,6 +35,18 @@
 //! uncertain write is never resent blindly (SPEC §6). Numbers are read permissively and checked
 //! here, so a wrong sign, size or type is reported with its key path.
 //!
+//! ## Where each part lives
+//! - `parse`: the pre-scan (blank file, YAML tags) and deserialization into `raw`, the
+//!   span-carrying document; `diagnostics`: [`PolicyError`] and the context that collects them
+//!   while `document` validates each section into a [`Policy`].
+//! - `classes`: request classes; `backoff`, `breaker`, `retry_quota`: retry limits;
+//!   `scopes`: quota scopes and their pacing; `secrets`: credentials and caller tokens.
+//! - `providers`: a provider's settings; `routes`, `templates`: its routes and their
+//!   `METHOD /path/{param}` keys; `reconcile`: reconciliation lookups; `headers`, `checks`:
+//!   header names and JSON pointers.
+//! - `lookup`: what a loaded policy answers at run time ([`Policy::route`],
+//!   [`Policy::classify_rules`]).
+//!
 //! ```
 //! use backstop_core::policy::Policy;
 //!
