@@ -567,125 +567,34 @@ pub fn tried_again(signal: &Signal, has_side_effect: bool) -> bool {
 /// body hint (a Google `retryDelay` is not used for a `…PerDay` quota), else `unknown`. Never panics, whatever the headers or body.
 pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Timestamp) -> Signal {
     let view = match observed {
-        Observed::Transport(e) => {
-            let (disposition, retryable, reason) = if e.maybe_delivered() {
-                (
-                    Disposition::Uncertain,
-                    false,
-                    format!("{e}: the provider may have acted; a write is reconciled before any resend, a request without side effects (a read, an LLM completion) is retried"),
-                )
-            } else {
-                (
-                    Disposition::NotSent,
-                    !rules.retry_statuses.is_empty(),
-                    format!("{e}: no request byte reached the provider"),
-                )
-            };
-            return Signal {
-                disposition,
-                retryable,
-                boundary: Boundary::Unknown {
-                    raw: None,
-                    reason,
-                    source: None,
-                },
-                quota: Vec::new(),
-                hint: None,
-                error_code: None,
-                error_code_reason: rules
-                    .error_code_pointer
-                    .as_ref()
-                    .map(|_| "no response (transport error)".to_owned()),
-            };
-        }
+        Observed::Transport(e) => return transport_signal(e, rules),
         Observed::Response(view) => view,
     };
     let headers = view.headers;
     let status = view.status;
     let quota = parse_quota(headers, rules.dialect, received_at);
     let fields = read_body(view.body, rules);
-
-    // 1. The status table.
-    let mut disposition = status_disposition(status, headers, rules);
     let per_day = status >= 400
         && fields
             .quota_id
             .as_deref()
             .is_some_and(|q| q.contains("PerDay"));
-    // 2. Provider error codes and body quota names (error responses only).
-    if status >= 400 {
-        if let Some(mapped) = fields
-            .error_code
-            .as_ref()
-            .and_then(|c| rules.error_codes.get(c))
-        {
-            disposition = *mapped;
-        }
-        if per_day && matches!(disposition, Disposition::RateLimited) {
-            disposition = Disposition::QuotaExhausted;
-        }
-        // 3. Envoy's rate-limit mark, even on 503.
-        if headers.contains_key(&X_ENVOY_RATELIMITED)
-            && !matches!(disposition, Disposition::QuotaExhausted)
-        {
-            disposition = Disposition::RateLimited;
-        }
-    }
-
-    // Boundary: Retry-After, then exhausted quota, then body hint.
-    let opts = &rules.retry_after;
-    let ra = normalize(headers, received_at, opts);
-    let exhausted = quota_boundary_with(&quota, received_at, opts).filter(Boundary::is_known);
-    let boundary = if ra.is_known() {
-        match exhausted {
-            Some(q) => later_of(ra, q),
-            None => ra,
-        }
-    } else if let Some(b) = exhausted {
-        b
-    } else if let Some(b) =
-        body_boundary(&fields, per_day, received_at, opts).filter(Boundary::is_known)
-    {
-        b
-    } else {
-        ra
-    };
-
-    // Retryable, then hints.
-    let class_ok = class_allows(disposition, status, rules, boundary.is_known());
-    let mut retryable = class_ok;
+    let disposition = response_disposition(status, headers, &fields, per_day, rules);
+    let boundary = response_boundary(headers, &quota, &fields, per_day, received_at, rules);
+    let mut retryable = class_allows(disposition, status, rules, boundary.is_known());
     let hint = read_hint(headers).map(|(header, value, should_retry)| {
-        let (applied, reason) = match (rules.honour_hints, should_retry) {
-            (false, _) => (false, "hints are not honoured for this provider".to_owned()),
-            (true, None) => (false, "unreadable hint value".to_owned()),
-            (true, Some(false)) => {
-                retryable = false;
-                (true, "provider says do not retry".to_owned())
-            }
-            (true, Some(true)) => {
-                let can = !rules.retry_statuses.is_empty()
-                    && !matches!(disposition, Disposition::Success | Disposition::Uncertain)
-                    && (disposition != Disposition::QuotaExhausted || boundary.is_known());
-                if can {
-                    retryable = true;
-                    (true, "provider says retry".to_owned())
-                } else {
-                    (
-                        false,
-                        "provider says retry, but the class or disposition forbids it".to_owned(),
-                    )
-                }
-            }
-        };
+        let verdict = hint_verdict(should_retry, disposition, boundary.is_known(), rules);
+        if let Some(allowed) = verdict.retryable {
+            retryable = allowed;
+        }
         Hint {
             header,
             value,
             should_retry,
-            applied,
-            reason,
+            applied: verdict.applied,
+            reason: verdict.reason,
         }
     });
-
     Signal {
         disposition,
         retryable,
@@ -694,5 +603,146 @@ pub fn classify(observed: &Observed<'_>, rules: &ClassifyRules, received_at: Tim
         hint,
         error_code: fields.error_code,
         error_code_reason: fields.error_code_reason,
+    }
+}
+
+/// The signal of an attempt without a (complete) response: `uncertain` when the request may
+/// have reached the provider (never retryable), else `not_sent` (retryable when the class has
+/// any retry status). Its boundary is unknown.
+fn transport_signal(e: &TransportError, rules: &ClassifyRules) -> Signal {
+    let (disposition, retryable, reason) = if e.maybe_delivered() {
+        (
+            Disposition::Uncertain,
+            false,
+            format!("{e}: the provider may have acted; a write is reconciled before any resend, a request without side effects (a read, an LLM completion) is retried"),
+        )
+    } else {
+        (
+            Disposition::NotSent,
+            !rules.retry_statuses.is_empty(),
+            format!("{e}: no request byte reached the provider"),
+        )
+    };
+    Signal {
+        disposition,
+        retryable,
+        boundary: Boundary::Unknown {
+            raw: None,
+            reason,
+            source: None,
+        },
+        quota: Vec::new(),
+        hint: None,
+        error_code: None,
+        error_code_reason: rules
+            .error_code_pointer
+            .as_ref()
+            .map(|_| "no response (transport error)".to_owned()),
+    }
+}
+
+/// The disposition of a response: 1. the status table; on an error response, 2. the provider's
+/// error code, then a per-day quota name (`rate_limited` becomes `quota_exhausted`), then
+/// 3. Envoy's rate-limit mark, even on 503.
+fn response_disposition(
+    status: u16,
+    headers: &HeaderMap,
+    fields: &BodyFields,
+    per_day: bool,
+    rules: &ClassifyRules,
+) -> Disposition {
+    let mut disposition = status_disposition(status, headers, rules);
+    if status < 400 {
+        return disposition;
+    }
+    if let Some(mapped) = fields
+        .error_code
+        .as_ref()
+        .and_then(|c| rules.error_codes.get(c))
+    {
+        disposition = *mapped;
+    }
+    if per_day && matches!(disposition, Disposition::RateLimited) {
+        disposition = Disposition::QuotaExhausted;
+    }
+    if headers.contains_key(&X_ENVOY_RATELIMITED)
+        && !matches!(disposition, Disposition::QuotaExhausted)
+    {
+        disposition = Disposition::RateLimited;
+    }
+    disposition
+}
+
+/// The boundary of a response: Retry-After (or an exhausted quota's reset when that is later),
+/// else the exhausted quota's reset, else a body hint, else Retry-After's unknown boundary.
+fn response_boundary(
+    headers: &HeaderMap,
+    quota: &[QuotaObservation],
+    fields: &BodyFields,
+    per_day: bool,
+    received_at: Timestamp,
+    rules: &ClassifyRules,
+) -> Boundary {
+    let opts = &rules.retry_after;
+    let ra = normalize(headers, received_at, opts);
+    let exhausted = quota_boundary_with(quota, received_at, opts).filter(Boundary::is_known);
+    if ra.is_known() {
+        match exhausted {
+            Some(q) => later_of(ra, q),
+            None => ra,
+        }
+    } else if let Some(b) = exhausted {
+        b
+    } else if let Some(b) =
+        body_boundary(fields, per_day, received_at, opts).filter(Boundary::is_known)
+    {
+        b
+    } else {
+        ra
+    }
+}
+
+/// What a provider retry hint does to a response's `retryable`.
+struct HintVerdict {
+    /// The new `retryable`, when the hint is applied.
+    retryable: Option<bool>,
+    /// Whether the hint was applied.
+    applied: bool,
+    /// Why or why not.
+    reason: String,
+}
+
+/// The verdict on a hint whose value says `should_retry` (`None`: unreadable). A "retry" hint
+/// applies only when the class has retry statuses, the disposition is neither a success nor
+/// `uncertain`, and an exhausted quota has a known boundary (`boundary_known`).
+fn hint_verdict(
+    should_retry: Option<bool>,
+    disposition: Disposition,
+    boundary_known: bool,
+    rules: &ClassifyRules,
+) -> HintVerdict {
+    let verdict = |retryable: Option<bool>, applied: bool, reason: &str| HintVerdict {
+        retryable,
+        applied,
+        reason: reason.to_owned(),
+    };
+    match (rules.honour_hints, should_retry) {
+        (false, _) => verdict(None, false, "hints are not honoured for this provider"),
+        (true, None) => verdict(None, false, "unreadable hint value"),
+        (true, Some(false)) => verdict(Some(false), true, "provider says do not retry"),
+        (true, Some(true)) => {
+            let can = !rules.retry_statuses.is_empty()
+                && !matches!(disposition, Disposition::Success | Disposition::Uncertain)
+                && (disposition != Disposition::QuotaExhausted || boundary_known);
+            if can {
+                verdict(Some(true), true, "provider says retry")
+            } else {
+                verdict(
+                    None,
+                    false,
+                    "provider says retry, but the class or disposition forbids it",
+                )
+            }
+        }
     }
 }

@@ -506,139 +506,158 @@ fn is_quota_header(name: &str) -> bool {
 /// [`CaseFile::beside_outcome`]), `wait` and `raise_quota` say that backstop holds nothing and
 /// the agent resubmits, and `abort` that the action keeps its outcome.
 pub fn offered_options(case: &CaseFile) -> Vec<OfferedOption> {
-    let offer = |option: DecisionOption, risk: String| OfferedOption {
+    match case.reason {
+        EscalationReason::SideEffectUnknown => side_effect_unknown_options(case),
+        EscalationReason::RemainingWaitExceedsDeadline => {
+            vec![wait_option(case), change_plan_option(), abort_option(case)]
+        }
+        EscalationReason::SharedQuotaExhausted => vec![
+            wait_option(case),
+            raise_quota_option(case),
+            change_plan_option(),
+            abort_option(case),
+        ],
+        EscalationReason::AccountConfiguration => vec![
+            raise_quota_option(case),
+            change_plan_option(),
+            wait_option(case),
+            abort_option(case),
+        ],
+    }
+}
+
+/// `option` with its `risk`; only `send_new` requires confirmation.
+fn offer(option: DecisionOption, risk: String) -> OfferedOption {
+    OfferedOption {
         option,
         risk,
         requires_confirmation: option == DecisionOption::SendNew,
+    }
+}
+
+/// The options of a write whose side effect is unknown: `query_status` (with a reconciliation
+/// query or operation id), `retry_same_key` (when the provider honours the key and there is
+/// one), `abort`, `send_new`.
+fn side_effect_unknown_options(case: &CaseFile) -> Vec<OfferedOption> {
+    let mut options = Vec::new();
+    if case.reconciliation_query.is_some() || case.provider_operation_id.is_some() {
+        let how = case
+            .reconciliation_query
+            .as_deref()
+            .unwrap_or("the provider's operation id");
+        options.push(offer(
+            DecisionOption::QueryStatus,
+            format!(
+                "Ask the provider whether the write happened ({how}). No side effect; \
+                 if the operation is found the action ends `succeeded`, otherwise it \
+                 comes back here."
+            ),
+        ));
+    }
+    if case.honours_key {
+        if let Some(key) = &case.idempotency_key {
+            options.push(offer(
+                DecisionOption::RetrySameKey,
+                format!(
+                    "Send again with the same idempotency key `{key}`. The provider \
+                     deduplicates it, so a write that already happened is not repeated, \
+                     as long as the provider still remembers the key (often 24 hours)."
+                ),
+            ));
+        }
+    }
+    options.push(abort_option(case));
+    options.push(offer(
+        DecisionOption::SendNew,
+        "Send the request as a NEW operation with a new idempotency key. If the first \
+         write did happen, this CREATES A SECOND SIDE EFFECT (a second payment, message \
+         or deployment). Requires explicit confirmation: \
+         `confirm_second_side_effect: true`."
+            .to_owned(),
+    ));
+    options
+}
+
+/// `wait`: hold the action until the boundary, or, when the action already ended, resubmit it
+/// once at the boundary; with the deadline that will be missed, if that is the reason.
+fn wait_option(case: &CaseFile) -> OfferedOption {
+    let deadline = match (case.budget.deadline, case.reason) {
+        (Some(d), EscalationReason::RemainingWaitExceedsDeadline) => {
+            format!(" The task deadline {d} will be missed.")
+        }
+        _ => String::new(),
     };
-    let wait = || {
+    let risk = if case.action_ended() {
+        resubmit_risk(case, &deadline)
+    } else {
         let until = match case.retry_not_before {
             Some(at) => format!("until {at}"),
             None => "until the provider's limit resets (the instant is not known)".to_owned(),
         };
-        let deadline = match (case.budget.deadline, case.reason) {
-            (Some(d), EscalationReason::RemainingWaitExceedsDeadline) => {
-                format!(" The task deadline {d} will be missed.")
-            }
-            _ => String::new(),
-        };
-        let risk = if case.action_ended() {
-            // This escalation is opened beside an outcome that already ended the action, so
-            // backstop holds nothing: waiting means the agent resubmits after the boundary.
-            let resubmit = if case.idempotency_key.is_some() {
-                "Resubmit it with the same Idempotency-Key"
-            } else {
-                "Resubmit it"
-            };
-            // Once, at the boundary: "resubmit until …" would read as "keep resubmitting".
-            let when = match case.retry_not_before {
-                Some(at) => format!("once, at or after {at}"),
-                None => {
-                    "once, after the provider's limit resets (the instant is not known)".to_owned()
-                }
-            };
-            format!(
-                "The action has ended and backstop sends nothing more. {resubmit} {when}; \
-                 anything sent earlier meets the same limit.{deadline}"
-            )
-        } else {
-            format!("Hold the action {until}, then send it; nothing is sent before then.{deadline}")
-        };
-        offer(DecisionOption::Wait, risk)
+        format!("Hold the action {until}, then send it; nothing is sent before then.{deadline}")
     };
-    let abort = || {
-        let risk = if case.reason == EscalationReason::SideEffectUnknown {
-            "Stop here and send nothing more. If the first write did happen, it stays done and \
-             nobody is told automatically: check with the provider."
-        } else if case.action_ended() {
-            "Close this escalation and send nothing more. The action keeps the outcome it ended \
-             with; the work is not done."
-        } else {
-            "Stop here and send nothing more. The agent gets the outcome `escalated` with this \
-             decision; the work is not done."
-        };
-        offer(DecisionOption::Abort, risk.to_owned())
+    offer(DecisionOption::Wait, risk)
+}
+
+/// The risk of `wait` for an escalation opened beside an outcome that already ended the
+/// action: backstop holds nothing, so waiting means the agent resubmits after the boundary.
+fn resubmit_risk(case: &CaseFile, deadline: &str) -> String {
+    let resubmit = if case.idempotency_key.is_some() {
+        "Resubmit it with the same Idempotency-Key"
+    } else {
+        "Resubmit it"
     };
-    let raise_quota = || {
-        let risk = if case.action_ended() {
-            "Raise the provider quota or plan for the scope at the provider first (may cost \
-             money; backstop does not change it). The action has ended and backstop sends \
-             nothing more: resubmit it once the quota is raised. Until then every request in the \
-             scope meets the same exhausted quota."
-        } else {
-            "Raise the provider quota or plan for the scope first (may cost money). Until it is \
-             raised, every task in the scope stays delayed; the action is sent once the quota \
-             allows it."
-        };
-        offer(DecisionOption::RaiseQuota, risk.to_owned())
+    // Once, at the boundary: "resubmit until …" would read as "keep resubmitting".
+    let when = match case.retry_not_before {
+        Some(at) => format!("once, at or after {at}"),
+        None => "once, after the provider's limit resets (the instant is not known)".to_owned(),
     };
-    let change_plan = || {
-        offer(
-            DecisionOption::ChangePlan,
-            "Change the plan: extend the deadline, reduce or reschedule the work, or move it to \
-             another account. Nothing is sent for this action; the agent must submit the changed \
-             work."
-                .to_owned(),
-        )
+    format!(
+        "The action has ended and backstop sends nothing more. {resubmit} {when}; \
+         anything sent earlier meets the same limit.{deadline}"
+    )
+}
+
+/// `abort`: send nothing more; what happens to a write already done or to an ended action.
+fn abort_option(case: &CaseFile) -> OfferedOption {
+    let risk = if case.reason == EscalationReason::SideEffectUnknown {
+        "Stop here and send nothing more. If the first write did happen, it stays done and \
+         nobody is told automatically: check with the provider."
+    } else if case.action_ended() {
+        "Close this escalation and send nothing more. The action keeps the outcome it ended \
+         with; the work is not done."
+    } else {
+        "Stop here and send nothing more. The agent gets the outcome `escalated` with this \
+         decision; the work is not done."
     };
-    let mut options = Vec::new();
-    match case.reason {
-        EscalationReason::SideEffectUnknown => {
-            if case.reconciliation_query.is_some() || case.provider_operation_id.is_some() {
-                let how = case
-                    .reconciliation_query
-                    .as_deref()
-                    .unwrap_or("the provider's operation id");
-                options.push(offer(
-                    DecisionOption::QueryStatus,
-                    format!(
-                        "Ask the provider whether the write happened ({how}). No side effect; \
-                         if the operation is found the action ends `succeeded`, otherwise it \
-                         comes back here."
-                    ),
-                ));
-            }
-            if case.honours_key {
-                if let Some(key) = &case.idempotency_key {
-                    options.push(offer(
-                        DecisionOption::RetrySameKey,
-                        format!(
-                            "Send again with the same idempotency key `{key}`. The provider \
-                             deduplicates it, so a write that already happened is not repeated, \
-                             as long as the provider still remembers the key (often 24 hours)."
-                        ),
-                    ));
-                }
-            }
-            options.push(abort());
-            options.push(offer(
-                DecisionOption::SendNew,
-                "Send the request as a NEW operation with a new idempotency key. If the first \
-                 write did happen, this CREATES A SECOND SIDE EFFECT (a second payment, message \
-                 or deployment). Requires explicit confirmation: \
-                 `confirm_second_side_effect: true`."
-                    .to_owned(),
-            ));
-        }
-        EscalationReason::RemainingWaitExceedsDeadline => {
-            options.push(wait());
-            options.push(change_plan());
-            options.push(abort());
-        }
-        EscalationReason::SharedQuotaExhausted => {
-            options.push(wait());
-            options.push(raise_quota());
-            options.push(change_plan());
-            options.push(abort());
-        }
-        EscalationReason::AccountConfiguration => {
-            options.push(raise_quota());
-            options.push(change_plan());
-            options.push(wait());
-            options.push(abort());
-        }
-    }
-    options
+    offer(DecisionOption::Abort, risk.to_owned())
+}
+
+/// `raise_quota`: raise the quota at the provider first; then resubmit (action ended) or the
+/// action is sent once the quota allows it.
+fn raise_quota_option(case: &CaseFile) -> OfferedOption {
+    let risk = if case.action_ended() {
+        "Raise the provider quota or plan for the scope at the provider first (may cost \
+         money; backstop does not change it). The action has ended and backstop sends \
+         nothing more: resubmit it once the quota is raised. Until then every request in the \
+         scope meets the same exhausted quota."
+    } else {
+        "Raise the provider quota or plan for the scope first (may cost money). Until it is \
+         raised, every task in the scope stays delayed; the action is sent once the quota \
+         allows it."
+    };
+    offer(DecisionOption::RaiseQuota, risk.to_owned())
+}
+
+/// `change_plan`: nothing is sent; the agent submits changed work.
+fn change_plan_option() -> OfferedOption {
+    offer(
+        DecisionOption::ChangePlan,
+        "Change the plan: extend the deadline, reduce or reschedule the work, or move it to \
+         another account. Nothing is sent for this action; the agent must submit the changed \
+         work."
+            .to_owned(),
+    )
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -327,29 +327,8 @@ fn normalize_single(
             src,
         );
     }
-    match parse_decimal(s, 1_000_000_000) {
-        Ok(Some(d)) => {
-            return boundary_after(
-                d,
-                received_at,
-                opts,
-                SOURCE_RETRY_AFTER,
-                Some(raw),
-                None,
-                None,
-            )
-        }
-        Ok(None) => {}
-        Err(()) => {
-            return beyond_ceiling(
-                received_at,
-                opts,
-                SOURCE_RETRY_AFTER,
-                Some(raw),
-                None,
-                "a delay too large to count",
-            )
-        }
+    if let Some(boundary) = delay_seconds_boundary(s, raw, received_at, opts) {
+        return boundary;
     }
     let lower = s.to_ascii_lowercase();
     if lower.starts_with("0x") || lower.starts_with("0o") || lower.starts_with("0b") {
@@ -360,25 +339,7 @@ fn normalize_single(
         );
     }
     if s.as_bytes()[0].is_ascii_digit() || s.starts_with('.') {
-        return match parse_go_duration(s) {
-            Ok(d) => boundary_after(
-                d,
-                received_at,
-                opts,
-                SOURCE_RETRY_AFTER,
-                Some(raw),
-                None,
-                None,
-            ),
-            Err(e) => Boundary::unknown(
-                Some(raw),
-                format!(
-                    "neither delay-seconds, an HTTP-date nor a duration: {}",
-                    e.reason
-                ),
-                src,
-            ),
-        };
+        return duration_boundary(s, raw, received_at, opts);
     }
     let Some(at) = parse_http_date(s) else {
         return Boundary::unknown(
@@ -387,33 +348,90 @@ fn normalize_single(
             src,
         );
     };
-    let server_now = date_header.and_then(parse_http_date);
-    let (clock, reference, note) = match (server_now, date_header) {
-        (Some(d), _) => (ClockSource::ServerDate, d, None),
-        (None, Some(_)) => (
-            ClockSource::Local,
-            received_at,
-            Some("Date header unparseable; local clock used"),
-        ),
-        (None, None) => (ClockSource::Local, received_at, None),
-    };
-    let diff = reference.duration_until(at);
-    if diff.is_negative() || diff.is_zero() {
-        let reason = match note {
-            Some(n) => format!("date not in the future; min_delay applied ({n})"),
-            None => "date not in the future; min_delay applied".to_owned(),
-        };
-        return boundary_after(
-            Duration::ZERO,
+    date_boundary(at, raw, date_header, received_at, opts)
+}
+
+/// The boundary `delay` after `received_at` of the Retry-After value `raw`.
+fn retry_after_delay(
+    delay: Duration,
+    raw: &str,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Boundary {
+    boundary_after(
+        delay,
+        received_at,
+        opts,
+        SOURCE_RETRY_AFTER,
+        Some(raw),
+        None,
+        None,
+    )
+}
+
+/// The boundary of `s` (trimmed `raw`) read as decimal delay-seconds, `None` when it is not
+/// a decimal number. A number too large to count is beyond the ceiling.
+fn delay_seconds_boundary(
+    s: &str,
+    raw: &str,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Option<Boundary> {
+    match parse_decimal(s, 1_000_000_000) {
+        Ok(Some(d)) => Some(retry_after_delay(d, raw, received_at, opts)),
+        Ok(None) => None,
+        Err(()) => Some(beyond_ceiling(
             received_at,
             opts,
             SOURCE_RETRY_AFTER,
             Some(raw),
-            Some(clock),
-            Some(reason),
-        );
+            None,
+            "a delay too large to count",
+        )),
     }
-    let delay = diff.unsigned_abs();
+}
+
+/// The boundary of `s` (trimmed `raw`, starting with a digit or `.`) read as a Go-style
+/// duration (`1m30s`), else unknown naming why not.
+fn duration_boundary(
+    s: &str,
+    raw: &str,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Boundary {
+    match parse_go_duration(s) {
+        Ok(d) => retry_after_delay(d, raw, received_at, opts),
+        Err(e) => Boundary::unknown(
+            Some(raw),
+            format!(
+                "neither delay-seconds, an HTTP-date nor a duration: {}",
+                e.reason
+            ),
+            Some(SOURCE_RETRY_AFTER),
+        ),
+    }
+}
+
+/// The boundary of the HTTP-date `at` (read from `raw`), compared with the server's `Date`
+/// when it parses, else the local clock. A date not in the future gets `min_delay`.
+fn date_boundary(
+    at: Timestamp,
+    raw: &str,
+    date_header: Option<&str>,
+    received_at: Timestamp,
+    opts: &RetryAfterOptions,
+) -> Boundary {
+    let (clock, reference, note) = date_reference(date_header, received_at);
+    let diff = reference.duration_until(at);
+    let (delay, reason) = if diff.is_negative() || diff.is_zero() {
+        let reason = match note {
+            Some(n) => format!("date not in the future; min_delay applied ({n})"),
+            None => "date not in the future; min_delay applied".to_owned(),
+        };
+        (Duration::ZERO, Some(reason))
+    } else {
+        (diff.unsigned_abs(), note.map(str::to_owned))
+    };
     boundary_after(
         delay,
         received_at,
@@ -421,8 +439,26 @@ fn normalize_single(
         SOURCE_RETRY_AFTER,
         Some(raw),
         Some(clock),
-        note.map(str::to_owned),
+        reason,
     )
+}
+
+/// The clock an HTTP-date is compared with, its "now", and a note when a `Date` header was
+/// present but unparseable (the local clock is used then).
+fn date_reference(
+    date_header: Option<&str>,
+    received_at: Timestamp,
+) -> (ClockSource, Timestamp, Option<&'static str>) {
+    let server_now = date_header.and_then(parse_http_date);
+    match (server_now, date_header) {
+        (Some(d), _) => (ClockSource::ServerDate, d, None),
+        (None, Some(_)) => (
+            ClockSource::Local,
+            received_at,
+            Some("Date header unparseable; local clock used"),
+        ),
+        (None, None) => (ClockSource::Local, received_at, None),
+    }
 }
 
 const WEEKDAYS: [&str; 14] = [
