@@ -26,7 +26,7 @@
 # added latency (backstop − direct) at p50 and p99; then, for nginx and each backstop, the CPU
 # time per request and the mean run-queue wait per time slice of each of its threads during
 # those runs (from /proc/PID/task/*/schedstat: how long a runnable thread waited for a core,
-# which a request carried by it waits too). Method and caveats: BENCHMARKS.md, "Gateway
+# which a request carried by it waits too). Method and caveats: bench/HISTORY.md, "Gateway
 # overhead".
 #
 # Every process it starts (upstream, nginx, backstop) is stopped on exit, also on Ctrl-C.

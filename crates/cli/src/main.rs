@@ -10,7 +10,7 @@ mod cmd;
 mod demo;
 
 /// mimalloc instead of glibc's allocator: the proxy path allocates per request on every tokio
-/// worker, and mimalloc's thread-local free lists cost less there (measured in BENCHMARKS.md,
+/// worker, and mimalloc's thread-local free lists cost less there (measured in bench/HISTORY.md,
 /// "Gateway overhead after the watchdog's read-back and with mimalloc"). Built with its
 /// `override` feature, it also serves the C code's malloc/free (the bundled SQLite).
 #[global_allocator]

@@ -101,7 +101,8 @@ pub struct Args {
     pub seed: Option<u64>,
     /// Threads that serve requests (the async runtime's workers); default: one per CPU core.
     /// The store's writer runs on a thread of its own beside them, so on a small machine one
-    /// worker fewer than the cores can leave it a core (BENCHMARKS.md, "Worker threads").
+    /// worker fewer than the cores can leave it a core (bench/HISTORY.md, "Where the added
+    /// latency goes, and worker threads").
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
 }

@@ -676,10 +676,10 @@ async fn budget_exhausted_after_a_529_answers_529() {
     fake.shutdown().await;
 }
 
-/// The curl command of docs/gateway.md ("A first call"), verbatim.
+/// The curl command of docs/calling.md (its opening example), verbatim.
 const DOCUMENTED_CURL: &str = r#"curl -sS -i http://127.0.0.1:8080/fake/v1/items/7 -H "Authorization: Bearer $BACKSTOP_TOKEN" -H "X-Backstop-Task: run-42""#;
 
-/// The curl command of docs/gateway.md ("A first call"), run as documented.
+/// The curl command of docs/calling.md (its opening example), run as documented.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn documented_curl_command_works() {
     let fake = fake(vec![RouteConfig::new(

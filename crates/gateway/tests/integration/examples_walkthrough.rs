@@ -1,6 +1,7 @@
-//! The README's "Try the gateway on one machine": `examples/backstop-fake.yaml` in front of the
-//! bundled fake provider configured by `examples/fake-api.yaml`, both read from the repository
-//! as shipped (only the fake's address, the store and the listener are this test's own).
+//! The README's "Try it on one machine" (and the `insufficient_quota` case of
+//! docs/escalations.md): `examples/backstop-fake.yaml` in front of the bundled fake provider
+//! configured by `examples/fake-api.yaml`, both read from the repository as shipped (only the
+//! fake's address, the store and the listener are this test's own).
 
 use backstop_fake_api::FakeConfig;
 
