@@ -232,6 +232,10 @@ struct Inner {
     /// run), and those of this run whose first send the store could not record. The agent's
     /// resend under the same key takes one over and sends it as the same action.
     unsent: Mutex<HashSet<i64>>,
+    /// Actions a restart-recovery path of this run has taken up, by action id: each is
+    /// recovered once per run (see [`Inner::take_up`]), whichever of the lists read at start
+    /// names it first.
+    recovering: Mutex<HashSet<i64>>,
     /// Provider credential headers for lookups made without an agent request (after a restart).
     credentials: Mutex<HashMap<String, (http::HeaderName, http::HeaderValue)>>,
     /// Prepared requests of escalated writes (in memory only), for operator decisions.
@@ -1151,6 +1155,7 @@ impl Engine {
             given_up: tokio::sync::watch::Sender::new(false),
             recovery_listed: tokio::sync::watch::Sender::new(false),
             unsent: Mutex::new(HashSet::new()),
+            recovering: Mutex::new(HashSet::new()),
             closing: Mutex::new(HashSet::new()),
             credentials: Mutex::new(credentials),
             held: Mutex::new(HashMap::new()),

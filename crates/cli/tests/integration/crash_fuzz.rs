@@ -507,8 +507,15 @@ fn escalation_kind(case_file: &Value) -> &'static str {
     let no_lookup = case_file["reconciliation_query"].is_null();
     let detail = case_file["reason_detail"].as_str().unwrap_or("");
     let budget = &case_file["budget"];
-    let used_up = budget["attempts_used"].as_u64().is_some()
-        && budget["attempts_used"] == budget["max_attempts"];
+    // A write resumed after a restart may use one attempt over its class's, the resend its
+    // recovery judged safe (the provider honours the key): used up either way.
+    let used_up = match (
+        budget["attempts_used"].as_u64(),
+        budget["max_attempts"].as_u64(),
+    ) {
+        (Some(used), Some(max)) => used >= max,
+        _ => false,
+    };
     let last_uncertain = case_file["attempts"]
         .as_array()
         .and_then(|a| a.last())
@@ -809,8 +816,12 @@ fn crash_fuzz_sigkills_at_seeded_instants_leave_no_duplicate_no_lost_and_no_stuc
         }
         if let Some(id) = id {
             let needle = format!("action={id} ");
-            for line in logs.iter().flat_map(|l| l.lines()) {
-                if line.contains(&needle) {
+            for (run, log) in logs.iter().enumerate() {
+                let lines: Vec<&str> = log.lines().filter(|l| l.contains(&needle)).collect();
+                if !lines.is_empty() {
+                    println!("  gateway run {run}:");
+                }
+                for line in lines {
                     println!("  log: {line}");
                 }
             }

@@ -123,6 +123,41 @@ impl Inner {
             .map(|c| c.header.as_str())
     }
 
+    /// Whether restart recovery of `id` is this caller's: `true` the first time a recovery
+    /// path of this run asks, `false` after. The lists read at start can name one action twice
+    /// over time (a re-armed retry that resumed it, then the scan of actions between attempts
+    /// reached after slow lookups), and an action this run already resumed is running here:
+    /// recovering it again would send it twice or escalate a write that is in flight.
+    pub(super) fn take_up(&self, id: backstop_store::ActionId) -> bool {
+        if self.runs_here(id) {
+            tracing::debug!(
+                action = id.0,
+                "restart recovery: a request of this run already sends the action; left to it"
+            );
+            return false;
+        }
+        let first = self
+            .recovering
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(id.0);
+        if !first {
+            tracing::debug!(
+                action = id.0,
+                "restart recovery: this run already took the action up; left to it"
+            );
+        }
+        first
+    }
+
+    /// Whether a request of this run drives the write `id` now (an agent's same-key resend took
+    /// it over, or recovery resumed it): it leads the action's flight.
+    fn runs_here(&self, id: backstop_store::ActionId) -> bool {
+        self.flights
+            .follow(&crate::coalesce::FlightKey::Action(id.0))
+            .is_some()
+    }
+
     /// Keeps the request of `spec`, a same-key resend taking the write `id` over, as the
     /// write's request until it ends (a write reopened after it ended has none kept any more).
     /// A store that cannot keep it is logged and the resend goes on: the write is then
@@ -266,6 +301,11 @@ impl Inner {
                 .blocking(move |s| s.resume_after_restart(id, now))
                 .await
             {
+                if self.runs_here(id) {
+                    // Taken over by its agent's same-key resend between the listing and now.
+                    tracing::info!(action = id.0, "restart recovery: the write was taken over by a resend under its key; left to it");
+                    return true;
+                }
                 tracing::warn!(action = id.0, error = %e, "restart recovery: the write cannot be resumed");
                 return false;
             }
@@ -378,6 +418,9 @@ impl Inner {
     /// resend under the same key reopens and sends it.
     pub(super) async fn resume_unsent(self: &Arc<Self>, unsent: Vec<backstop_store::ActionId>) {
         for id in unsent {
+            if !self.take_up(id) {
+                continue;
+            }
             let Some(record) = self.recovered_action(id).await else {
                 continue;
             };

@@ -987,6 +987,9 @@ impl Inner {
         };
         for attempt in unfinished {
             let id = attempt.action;
+            if !self.take_up(id) {
+                continue;
+            }
             let Some(record) = self.recovered_action(id).await else {
                 continue;
             };
@@ -1054,6 +1057,9 @@ impl Inner {
             return;
         };
         for id in listed {
+            if !self.take_up(id) {
+                continue;
+            }
             let Some(record) = self.recovered_action(id).await else {
                 continue;
             };
@@ -1229,6 +1235,9 @@ impl Inner {
             tokio::spawn(async move {
                 tokio::time::sleep_until(inner.clock.instant_at(retry.due_at)).await;
                 let id = retry.action;
+                if !inner.take_up(id) {
+                    return;
+                }
                 let Some(record) = inner.recovered_action(id).await else {
                     return;
                 };
