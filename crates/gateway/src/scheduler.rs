@@ -1266,18 +1266,7 @@ impl State {
     fn handle(&mut self, msg: Msg) -> bool {
         match msg {
             Msg::Acquire(pending) => self.enqueue(pending),
-            Msg::Abandon { ticket } => {
-                if let Some(slot) = self.tickets.get(&ticket).copied() {
-                    if let Some(waiter) = self.remove(slot) {
-                        tracing::info!(
-                            task = %waiter.task.1,
-                            route = %waiter.route,
-                            "waiting action abandoned by its client before it was sent"
-                        );
-                        undelay(&mut self.scopes, &waiter);
-                    }
-                }
-            }
+            Msg::Abandon { ticket } => self.abandon(ticket),
             Msg::Release { scopes } => self.release(&scopes),
             Msg::Signal {
                 scopes,
@@ -1285,43 +1274,7 @@ impl State {
                 done,
             } => {
                 for name in &scopes {
-                    let id = self.ensure_scope(name);
-                    let record = &mut self.scopes[id as usize].state.record;
-                    match &signal {
-                        ScopeSignal::RateLimited { boundary, source } => {
-                            record.observe_429(*boundary, source.clone());
-                            tracing::info!(
-                                scope = %name,
-                                source = %source,
-                                boundary = %boundary,
-                                "scope record updated: every action of the scope waits for the boundary"
-                            );
-                        }
-                        ScopeSignal::Quota {
-                            remaining,
-                            limit,
-                            reset_at,
-                            source,
-                        } => {
-                            record.observe_quota(*remaining, *limit, *reset_at, source.clone());
-                            tracing::debug!(scope = %name, source = %source, remaining = ?remaining, "quota observed");
-                        }
-                        ScopeSignal::Restore {
-                            next_allowed_at,
-                            remaining,
-                            limit,
-                            reset_at,
-                            source,
-                        } => {
-                            if let Some(at) = next_allowed_at {
-                                record.observe_429(*at, source.clone());
-                            }
-                            record.remaining = remaining.or(record.remaining);
-                            record.limit = limit.or(record.limit);
-                            record.reset_at = reset_at.or(record.reset_at);
-                            record.source = Some(source.clone());
-                        }
-                    }
+                    self.apply_signal(name, &signal);
                 }
                 // Waiters whose wake is earlier re-check against the new record when they wake.
                 let _ = done.send(());
@@ -1340,31 +1293,7 @@ impl State {
                 task_id,
                 reply,
             } => {
-                let key: TaskKey = (agent, task_id);
-                let task = self.tasks.get(&key).unwrap_or_else(|| Arc::new(key));
-                self.cancelled_tasks
-                    .entry(task.0.clone())
-                    .or_default()
-                    .insert(task.1.clone());
-                let slots: Vec<u32> = self
-                    .slots
-                    .iter()
-                    .filter(|(_, w)| Arc::ptr_eq(&w.task, &task) && !w.reconciliation)
-                    .map(|(slot, _)| slot)
-                    .collect();
-                let mut dropped = 0;
-                for slot in slots {
-                    if let Some(waiter) = self.remove(slot) {
-                        dropped += 1;
-                        self.refuse(
-                            waiter,
-                            Outcome::Cancelled,
-                            "the task was cancelled; the action never sends again".to_owned(),
-                            None,
-                        );
-                    }
-                }
-                tracing::info!(task = %task.1, dropped, "task cancelled: delayed actions dropped");
+                let dropped = self.cancel_task(agent, task_id);
                 let _ = reply.send(dropped);
             }
             Msg::Shutdown { done } => {
@@ -1378,6 +1307,92 @@ impl State {
             }
         }
         false
+    }
+
+    /// Takes the waiting action of `ticket` out of the delayed queue: its client went away.
+    fn abandon(&mut self, ticket: u64) {
+        if let Some(slot) = self.tickets.get(&ticket).copied() {
+            if let Some(waiter) = self.remove(slot) {
+                tracing::info!(
+                    task = %waiter.task.1,
+                    route = %waiter.route,
+                    "waiting action abandoned by its client before it was sent"
+                );
+                undelay(&mut self.scopes, &waiter);
+            }
+        }
+    }
+
+    /// Applies `signal` to the record of scope `name` (created when it is not known).
+    fn apply_signal(&mut self, name: &str, signal: &ScopeSignal) {
+        let id = self.ensure_scope(name);
+        let record = &mut self.scopes[id as usize].state.record;
+        match signal {
+            ScopeSignal::RateLimited { boundary, source } => {
+                record.observe_429(*boundary, source.clone());
+                tracing::info!(
+                    scope = %name,
+                    source = %source,
+                    boundary = %boundary,
+                    "scope record updated: every action of the scope waits for the boundary"
+                );
+            }
+            ScopeSignal::Quota {
+                remaining,
+                limit,
+                reset_at,
+                source,
+            } => {
+                record.observe_quota(*remaining, *limit, *reset_at, source.clone());
+                tracing::debug!(scope = %name, source = %source, remaining = ?remaining, "quota observed");
+            }
+            ScopeSignal::Restore {
+                next_allowed_at,
+                remaining,
+                limit,
+                reset_at,
+                source,
+            } => {
+                if let Some(at) = next_allowed_at {
+                    record.observe_429(*at, source.clone());
+                }
+                record.remaining = remaining.or(record.remaining);
+                record.limit = limit.or(record.limit);
+                record.reset_at = reset_at.or(record.reset_at);
+                record.source = Some(source.clone());
+            }
+        }
+    }
+
+    /// Marks `agent`'s task `task_id` cancelled and refuses its waiting actions (not its
+    /// reconciliation lookups) `cancelled`; returns how many were dropped.
+    fn cancel_task(&mut self, agent: String, task_id: String) -> u64 {
+        let key: TaskKey = (agent, task_id);
+        let task = self.tasks.get(&key).unwrap_or_else(|| Arc::new(key));
+        self.cancelled_tasks
+            .entry(task.0.clone())
+            .or_default()
+            .insert(task.1.clone());
+        let slots: Vec<u32> = self
+            .slots
+            .iter()
+            .filter(|(_, w)| Arc::ptr_eq(&w.task, &task) && !w.reconciliation)
+            .map(|(slot, _)| slot)
+            .collect();
+        let mut dropped = 0;
+        for slot in slots {
+            if let Some(waiter) = self.remove(slot) {
+                dropped += 1;
+                self.refuse(
+                    waiter,
+                    Outcome::Cancelled,
+                    "the task was cancelled; the action never sends again".to_owned(),
+                    None,
+                );
+            }
+        }
+        tracing::info!(task = %task.1, dropped, "task cancelled: delayed actions dropped");
+        dropped
     }
 
     /// Adds a scope to the table (or replaces the state of one with the same name).
@@ -1635,30 +1650,12 @@ impl State {
     /// Runs the dispatch check for the waiter in `slot` at `now`. It stays in its slot while it
     /// keeps waiting and leaves the slab when it is answered.
     fn examine(&mut self, slot: u32, now: Timestamp) {
+        if !self.charge_wait(slot, now) {
+            return;
+        }
         let Some(waiter) = self.slots.get_mut(slot) else {
             return;
         };
-        if waiter.reply.as_ref().is_none_or(oneshot::Sender::is_closed) {
-            if let Some(waiter) = self.remove(slot) {
-                undelay(&mut self.scopes, &waiter);
-            }
-            return;
-        }
-        let waited = if std::mem::take(&mut waiter.fresh) {
-            Duration::ZERO
-        } else {
-            positive(now.duration_since(waiter.since))
-        };
-        waiter.since = now;
-        if !waited.is_zero() {
-            if let Err(refusal) = waiter.budget.withdraw_wait(waited) {
-                let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
-                if let Some(waiter) = self.remove(slot) {
-                    self.refuse(waiter, refusal.outcome(), refusal.to_string(), boundary);
-                }
-                return;
-            }
-        }
         let cancelled = !waiter.reconciliation
             && is_cancelled(&self.cancelled_tasks, &waiter.task.0, &waiter.task.1);
         let request = AdmitRequest {
@@ -1673,98 +1670,157 @@ impl State {
             now,
         );
         match admission {
-            Admission::Go => {
-                undelay(&mut self.scopes, waiter);
-                tracing::debug!(
-                    task = %waiter.task.1,
-                    route = %waiter.route,
-                    priority = ?waiter.priority,
-                    attempt = waiter.budget.attempts_used(),
-                    "dispatch: attempt admitted"
-                );
-                let reply = waiter.reply.take();
-                let answer = Answer::Go {
-                    scopes: std::mem::take(&mut waiter.scopes),
-                    granted_at: self.clock.now(),
-                    budget: waiter.budget,
-                };
-                // Dropped where it lies: the answer took what it needs.
-                self.discard(slot);
-                if let Some(reply) = reply {
-                    // The client is gone: its slots come back as a dropped permit's would.
-                    if let Err(Answer::Go { scopes, .. }) = reply.send(answer) {
-                        let _ = self.tx.send(Msg::Release { scopes });
-                    }
-                }
-            }
-            Admission::WaitUntil { at, reason } => {
-                if let Err(detail) = try_delay(&mut self.scopes, waiter) {
-                    // The boundary, when a scope has one, tells the agent when to come back
-                    // (`Retry-After`); the queue it found full drains from then on.
-                    let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
-                    if let Some(waiter) = self.remove(slot) {
-                        self.refuse(waiter, Outcome::ScopeSaturated, detail, boundary);
-                    }
-                    return;
-                }
-                let wake = match &reason {
-                    WaitReason::NextAllowedAt { .. } => {
-                        jittered(&mut self.rng, &self.backoff, at, &waiter.budget, now)
-                    }
-                    WaitReason::Pacing { .. } => at,
-                };
-                match &reason {
-                    WaitReason::NextAllowedAt { scope, source } => tracing::info!(
-                        task = %waiter.task.1,
-                        route = %waiter.route,
-                        scope = %scope,
-                        source = source.as_deref().unwrap_or("unknown"),
-                        boundary = %at,
-                        wake = %wake,
-                        wait_left_ms = waiter.budget.wait_remaining().as_millis() as u64,
-                        "waiting: the scope's next_allowed_at is in the future"
-                    ),
-                    WaitReason::Pacing { scope } => tracing::info!(
-                        task = %waiter.task.1,
-                        route = %waiter.route,
-                        scope = %scope,
-                        wake = %wake,
-                        "waiting: local pacing of the scope"
-                    ),
-                }
-                waiter.wake = wake;
-                waiter.timed = true;
-                self.timers.insert((wake, waiter.order()), slot);
-            }
-            Admission::WaitForSlot { scope } => {
-                if let Err(detail) = try_delay(&mut self.scopes, waiter) {
-                    // The boundary, when a scope has one, tells the agent when to come back
-                    // (`Retry-After`); the queue it found full drains from then on.
-                    let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
-                    if let Some(waiter) = self.remove(slot) {
-                        self.refuse(waiter, Outcome::ScopeSaturated, detail, boundary);
-                    }
-                    return;
-                }
-                tracing::debug!(
-                    task = %waiter.task.1,
-                    route = %waiter.route,
-                    scope = %scope,
-                    "waiting for a concurrency slot"
-                );
-                self.slot_waiters.push(slot);
-            }
+            Admission::Go => self.dispatch(slot),
+            Admission::WaitUntil { at, reason } => self.wait_until(slot, at, &reason, now),
+            Admission::WaitForSlot { scope } => self.wait_for_slot(slot, &scope, now),
             Admission::Refuse {
                 outcome,
                 detail,
                 not_before,
             } => {
-                let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
+                let boundary = self
+                    .slots
+                    .get_mut(slot)
+                    .and_then(|waiter| latest_boundary(&self.scopes, &waiter.scopes, now));
                 if let Some(waiter) = self.remove(slot) {
                     self.refuse_until(waiter, outcome, detail, boundary, not_before);
                 }
             }
         }
+    }
+
+    /// Charges the time the waiter in `slot` waited since it was last looked at to its wait
+    /// budget. `false` when it is answered instead: its client is gone (it leaves quietly), or
+    /// the wait exhausted its budget (refused).
+    fn charge_wait(&mut self, slot: u32, now: Timestamp) -> bool {
+        let Some(waiter) = self.slots.get_mut(slot) else {
+            return false;
+        };
+        if waiter.reply.as_ref().is_none_or(oneshot::Sender::is_closed) {
+            if let Some(waiter) = self.remove(slot) {
+                undelay(&mut self.scopes, &waiter);
+            }
+            return false;
+        }
+        let waited = if std::mem::take(&mut waiter.fresh) {
+            Duration::ZERO
+        } else {
+            positive(now.duration_since(waiter.since))
+        };
+        waiter.since = now;
+        if !waited.is_zero() {
+            if let Err(refusal) = waiter.budget.withdraw_wait(waited) {
+                let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
+                if let Some(waiter) = self.remove(slot) {
+                    self.refuse(waiter, refusal.outcome(), refusal.to_string(), boundary);
+                }
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Answers the admitted waiter in `slot` `Go` and drops it from the slab.
+    fn dispatch(&mut self, slot: u32) {
+        let Some(waiter) = self.slots.get_mut(slot) else {
+            return;
+        };
+        undelay(&mut self.scopes, waiter);
+        tracing::debug!(
+            task = %waiter.task.1,
+            route = %waiter.route,
+            priority = ?waiter.priority,
+            attempt = waiter.budget.attempts_used(),
+            "dispatch: attempt admitted"
+        );
+        let reply = waiter.reply.take();
+        let answer = Answer::Go {
+            scopes: std::mem::take(&mut waiter.scopes),
+            granted_at: self.clock.now(),
+            budget: waiter.budget,
+        };
+        // Dropped where it lies: the answer took what it needs.
+        self.discard(slot);
+        if let Some(reply) = reply {
+            // The client is gone: its slots come back as a dropped permit's would.
+            if let Err(Answer::Go { scopes, .. }) = reply.send(answer) {
+                let _ = self.tx.send(Msg::Release { scopes });
+            }
+        }
+    }
+
+    /// Counts the waiter in `slot` in its scopes' delayed queues. `false` when a queue is full:
+    /// the waiter is then refused `scope_saturated` and leaves the slab.
+    fn delay_or_refuse(&mut self, slot: u32, now: Timestamp) -> bool {
+        let Some(waiter) = self.slots.get_mut(slot) else {
+            return false;
+        };
+        let Err(detail) = try_delay(&mut self.scopes, waiter) else {
+            return true;
+        };
+        // The boundary, when a scope has one, tells the agent when to come back
+        // (`Retry-After`); the queue it found full drains from then on.
+        let boundary = latest_boundary(&self.scopes, &waiter.scopes, now);
+        if let Some(waiter) = self.remove(slot) {
+            self.refuse(waiter, Outcome::ScopeSaturated, detail, boundary);
+        }
+        false
+    }
+
+    /// Puts the waiter in `slot` in the wake queue for `at` — past a scope's `next_allowed_at`
+    /// by a jitter ([`jittered`]), at a pacing instant exactly — counted as delayed.
+    fn wait_until(&mut self, slot: u32, at: Timestamp, reason: &WaitReason, now: Timestamp) {
+        if !self.delay_or_refuse(slot, now) {
+            return;
+        }
+        let Some(waiter) = self.slots.get_mut(slot) else {
+            return;
+        };
+        let wake = match reason {
+            WaitReason::NextAllowedAt { .. } => {
+                jittered(&mut self.rng, &self.backoff, at, &waiter.budget, now)
+            }
+            WaitReason::Pacing { .. } => at,
+        };
+        match reason {
+            WaitReason::NextAllowedAt { scope, source } => tracing::info!(
+                task = %waiter.task.1,
+                route = %waiter.route,
+                scope = %scope,
+                source = source.as_deref().unwrap_or("unknown"),
+                boundary = %at,
+                wake = %wake,
+                wait_left_ms = waiter.budget.wait_remaining().as_millis() as u64,
+                "waiting: the scope's next_allowed_at is in the future"
+            ),
+            WaitReason::Pacing { scope } => tracing::info!(
+                task = %waiter.task.1,
+                route = %waiter.route,
+                scope = %scope,
+                wake = %wake,
+                "waiting: local pacing of the scope"
+            ),
+        }
+        waiter.wake = wake;
+        waiter.timed = true;
+        self.timers.insert((wake, waiter.order()), slot);
+    }
+
+    /// Lists the waiter in `slot` among those woken when a concurrency slot is released,
+    /// counted as delayed.
+    fn wait_for_slot(&mut self, slot: u32, scope: &str, now: Timestamp) {
+        if !self.delay_or_refuse(slot, now) {
+            return;
+        }
+        if let Some(waiter) = self.slots.get_mut(slot) {
+            tracing::debug!(
+                task = %waiter.task.1,
+                route = %waiter.route,
+                scope = %scope,
+                "waiting for a concurrency slot"
+            );
+        }
+        self.slot_waiters.push(slot);
     }
 
     /// Publishes the scope views and gauges. Cheap when little changed, as after most
