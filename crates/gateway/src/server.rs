@@ -431,37 +431,12 @@ pub async fn start(
         .clone()
         .or_else(|| policy.store.clone())
         .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE));
-    // `localhost:0` and other host names are resolved (every address is tried in turn).
-    let listener = TcpListener::bind(listen.as_str())
-        .await
-        .map_err(|e| StartError::Listen {
-            addr: listen.clone(),
-            reason: match e.kind() {
-                std::io::ErrorKind::AddrInUse => "the address is already in use".to_owned(),
-                std::io::ErrorKind::PermissionDenied => {
-                    "permission denied (ports below 1024 need privileges)".to_owned()
-                }
-                _ => e.to_string(),
-            },
-        })?;
-    let addr = listener.local_addr().map_err(|e| StartError::Listen {
-        addr: listen.clone(),
-        reason: e.to_string(),
-    })?;
+    let (listener, addr) = bind(&listen).await?;
     let store = open_sqlite(store_path.clone()).await?;
     let transport: Arc<dyn Transport> = Arc::new(Upstream::new(options.upstream)?);
     let policy = Arc::new(policy);
     let clock = TokioClock::system();
     let metrics = Arc::new(Metrics::new());
-    let lookup_credentials = policy
-        .providers
-        .keys()
-        .filter_map(|name| {
-            credentials
-                .get(name)
-                .map(|c| (name.clone(), c.name.clone(), c.value.clone()))
-        })
-        .collect();
     let executor = build(Parts {
         policy: policy.clone(),
         store: store.clone(),
@@ -469,7 +444,7 @@ pub async fn start(
         clock,
         metrics: metrics.clone(),
         seed: options.seed,
-        credentials: lookup_credentials,
+        credentials: lookup_credentials(&policy, &credentials),
     });
     let state = AppState::new(
         policy.clone(),
@@ -483,42 +458,11 @@ pub async fn start(
     )
     .with_store(store.clone());
     let state = Arc::new(state);
-    for error in state.auth.unavailable() {
-        tracing::warn!(
-            "{error}; this caller cannot authenticate until the file exists and backstop restarts"
-        );
-    }
-    for error in state.credentials.unavailable().values() {
-        tracing::warn!("{error}; calls to this provider are refused (credential_unavailable) until the file exists and backstop restarts");
-    }
-    let providers: Vec<&str> = policy.providers.keys().map(String::as_str).collect();
-    // The runtime's own count: what `--worker-threads` (or one per core) gave.
-    let workers = tokio::runtime::Handle::current().metrics().num_workers();
-    tracing::info!(
-        listen = %addr,
-        store = %store_path.display(),
-        providers = %providers.join(","),
-        tokens = state.auth.len(),
-        workers,
-        "backstop serve: listening on http://{addr} (store {}, providers: {}, {workers} worker thread{})",
-        store_path.display(),
-        if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
-        if workers == 1 { "" } else { "s" },
-    );
+    warn_unavailable_secrets(&state);
+    log_listening(&state, addr, &store_path);
     let (trigger, signal) = watch::channel(false);
     let app = full_router(state.clone(), store.clone());
-    let kept = store.clone();
-    let health_policy = Arc::new(health::HealthPolicy::from_policy(&policy));
-    let watchdog = watchdog::spawn_watchdog(
-        store,
-        clock,
-        state.metrics.clone(),
-        watchdog::WatchdogConfig {
-            policy: health_policy,
-            escalate: false,
-            ..watchdog::WatchdogConfig::default()
-        },
-    );
+    let watchdog = spawn_watchdog(store.clone(), &state, &policy);
     let task = tokio::spawn(serve(
         listener,
         app,
@@ -535,8 +479,97 @@ pub async fn start(
         task,
         watchdog,
         grace: options.shutdown_grace,
-        store: kept,
+        store,
     })
+}
+
+/// Binds the listener to `listen` (`localhost:0` and other host names are resolved, every
+/// address is tried in turn) and returns it with the address it got.
+///
+/// # Errors
+/// [`StartError::Listen`] naming the address and why in words.
+async fn bind(listen: &str) -> Result<(TcpListener, SocketAddr), StartError> {
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|e| StartError::Listen {
+            addr: listen.to_owned(),
+            reason: match e.kind() {
+                std::io::ErrorKind::AddrInUse => "the address is already in use".to_owned(),
+                std::io::ErrorKind::PermissionDenied => {
+                    "permission denied (ports below 1024 need privileges)".to_owned()
+                }
+                _ => e.to_string(),
+            },
+        })?;
+    let addr = listener.local_addr().map_err(|e| StartError::Listen {
+        addr: listen.to_owned(),
+        reason: e.to_string(),
+    })?;
+    Ok((listener, addr))
+}
+
+/// The credentials the executor's lookups send: `(provider, header name, value)` for every
+/// provider whose credential resolved.
+fn lookup_credentials(
+    policy: &Policy,
+    credentials: &ProviderCredentials,
+) -> Vec<(String, http::HeaderName, HeaderValue)> {
+    policy
+        .providers
+        .keys()
+        .filter_map(|name| {
+            credentials
+                .get(name)
+                .map(|c| (name.clone(), c.name.clone(), c.value.clone()))
+        })
+        .collect()
+}
+
+/// Warns once per token or provider credential whose file was missing at start.
+fn warn_unavailable_secrets(state: &AppState) {
+    for error in state.auth.unavailable() {
+        tracing::warn!(
+            "{error}; this caller cannot authenticate until the file exists and backstop restarts"
+        );
+    }
+    for error in state.credentials.unavailable().values() {
+        tracing::warn!("{error}; calls to this provider are refused (credential_unavailable) until the file exists and backstop restarts");
+    }
+}
+
+/// The one startup line: the address, the store, the providers, the tokens and the worker
+/// threads.
+fn log_listening(state: &AppState, addr: SocketAddr, store_path: &std::path::Path) {
+    let providers: Vec<&str> = state.policy.providers.keys().map(String::as_str).collect();
+    // The runtime's own count: what `--worker-threads` (or one per core) gave.
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    tracing::info!(
+        listen = %addr,
+        store = %store_path.display(),
+        providers = %providers.join(","),
+        tokens = state.auth.len(),
+        workers,
+        "backstop serve: listening on http://{addr} (store {}, providers: {}, {workers} worker thread{})",
+        store_path.display(),
+        if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
+        if workers == 1 { "" } else { "s" },
+    );
+}
+
+/// The watchdog of a serving gateway: it watches the store with the policy's health
+/// thresholds and opens no escalations.
+fn spawn_watchdog(store: Arc<dyn Store>, state: &AppState, policy: &Policy) -> JoinHandle<()> {
+    let health_policy = Arc::new(health::HealthPolicy::from_policy(policy));
+    watchdog::spawn_watchdog(
+        store,
+        state.clock,
+        state.metrics.clone(),
+        watchdog::WatchdogConfig {
+            policy: health_policy,
+            escalate: false,
+            ..watchdog::WatchdogConfig::default()
+        },
+    )
 }
 
 /// Accepts connections and serves `app` on each (HTTP/1.1, hyper), until `signal` turns true;
