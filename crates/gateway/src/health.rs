@@ -315,6 +315,98 @@ pub struct ActionTrail {
 }
 
 impl ActionTrail {
+    /// The trail an `action_requested` event starts.
+    fn requested(action: i64, e: &AuditEvent) -> Self {
+        ActionTrail {
+            action,
+            task: e.task.clone().unwrap_or_default(),
+            provider: e.provider.clone().unwrap_or_default(),
+            method: e.method.clone().unwrap_or_default(),
+            route: e.route.clone().unwrap_or_default(),
+            request_class: e.request_class.clone().unwrap_or_default(),
+            idempotency_key: e.idempotency_key.clone(),
+            payload_digest: e.payload_digest.clone(),
+            attempts: BTreeMap::new(),
+            scheduled: Vec::new(),
+            claimed: Vec::new(),
+            outcome: None,
+            ended_at: Vec::new(),
+            findings: BTreeSet::new(),
+        }
+    }
+
+    /// Folds one later event of the action in, its times and scope already read.
+    fn fold(
+        &mut self,
+        e: &AuditEvent,
+        at: Timestamp,
+        boundary: Option<Option<Timestamp>>,
+        due_at: Option<Timestamp>,
+        scope: Option<String>,
+    ) {
+        match e.kind.as_str() {
+            "action_sent" => {
+                if let Some(n) = e.attempt {
+                    self.attempts.insert(
+                        n,
+                        TrailAttempt {
+                            sent_seq: e.seq,
+                            sent_at: at,
+                            result: None,
+                        },
+                    );
+                }
+            }
+            "action_result" => {
+                if let Some(attempt) = e.attempt.and_then(|n| self.attempts.get_mut(&n)) {
+                    attempt.result = Some(TrailResult {
+                        seq: e.seq,
+                        at,
+                        status: e.status,
+                        disposition: e.disposition.clone().unwrap_or_default(),
+                        boundary,
+                        scope,
+                        signal_headers: e.signal_headers.clone().unwrap_or_default(),
+                    });
+                }
+            }
+            "retry_scheduled" | "retry_started" => {
+                let wake = TrailWake {
+                    seq: e.seq,
+                    at,
+                    job: e.job,
+                    due_at,
+                };
+                if e.kind == "retry_scheduled" {
+                    self.scheduled.push(wake);
+                } else {
+                    self.claimed.push(wake);
+                }
+            }
+            "action_finished"
+            | "budget_exhausted"
+            | "deadline_exhausted"
+            | "reconciliation_required"
+            | "escalated"
+            | "cancelled"
+            | "reconciled" => {
+                self.outcome = Some(e.outcome.clone().unwrap_or_else(|| e.kind.clone()));
+                self.ended_at.push(at);
+            }
+            // Reopened for a same-key send (an operator's `retry_same_key`, or a resend its
+            // answer invited): the action runs again, and its outcome is the next one.
+            backstop_store::ACTION_REOPENED => {
+                self.outcome = None;
+            }
+            WATCHDOG_FINDING => {
+                if let Some(finding) = &e.source {
+                    self.findings.insert(finding.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// Whether the action ended (any outcome).
     pub fn finished(&self) -> bool {
         self.outcome.is_some()
@@ -395,6 +487,15 @@ fn instant(event: &AuditEvent, field: &'static str, text: &str) -> Result<Timest
     })
 }
 
+/// The event's `boundary`: `None` when it has none, `Some(None)` when it is `unknown`.
+fn event_boundary(event: &AuditEvent) -> Result<Option<Option<Timestamp>>, HealthError> {
+    Ok(match event.boundary.as_deref() {
+        None => None,
+        Some("unknown") => Some(None),
+        Some(text) => Some(Some(instant(event, "boundary", text)?)),
+    })
+}
+
 impl Evidence {
     /// An empty fold.
     pub fn new() -> Self {
@@ -447,121 +548,51 @@ impl Evidence {
             self.heartbeat_at = Some(self.heartbeat_at.map_or(at, |h| h.max(at)));
         }
         if e.kind == "scope_updated" {
-            if let (Some(provider), Some(scope)) = (&e.provider, &e.scope) {
-                if self.recent_scopes.len() == RECENT_SCOPES {
-                    self.recent_scopes.pop_front();
-                }
-                self.recent_scopes
-                    .push_back((provider.clone(), at, scope.clone()));
-            }
+            self.note_scope_update(e, at);
             return Ok(());
         }
         let Some(action) = e.action else {
             return Ok(());
         };
         if e.kind == "action_requested" {
-            self.trails.insert(
-                action,
-                ActionTrail {
-                    action,
-                    task: e.task.clone().unwrap_or_default(),
-                    provider: e.provider.clone().unwrap_or_default(),
-                    method: e.method.clone().unwrap_or_default(),
-                    route: e.route.clone().unwrap_or_default(),
-                    request_class: e.request_class.clone().unwrap_or_default(),
-                    idempotency_key: e.idempotency_key.clone(),
-                    payload_digest: e.payload_digest.clone(),
-                    attempts: BTreeMap::new(),
-                    scheduled: Vec::new(),
-                    claimed: Vec::new(),
-                    outcome: None,
-                    ended_at: Vec::new(),
-                    findings: BTreeSet::new(),
-                },
-            );
+            self.trails
+                .insert(action, ActionTrail::requested(action, e));
             return Ok(());
         }
         // Parse before borrowing the trail, so a bad event changes nothing.
-        let boundary = match e.boundary.as_deref() {
-            None => None,
-            Some("unknown") => Some(None),
-            Some(text) => Some(Some(instant(e, "boundary", text)?)),
-        };
+        let boundary = event_boundary(e)?;
         let due_at = e
             .due_at
             .as_deref()
             .map(|t| instant(e, "due_at", t))
             .transpose()?;
-        let scope = self
-            .recent_scopes
-            .iter()
-            .find(|(provider, when, _)| Some(provider) == e.provider.as_ref() && *when == at)
-            .map(|(_, _, scope)| scope.clone());
+        let scope = self.scope_updated_with(e, at);
         let Some(trail) = self.trails.get_mut(&action) else {
             return Ok(());
         };
-        match e.kind.as_str() {
-            "action_sent" => {
-                if let Some(n) = e.attempt {
-                    trail.attempts.insert(
-                        n,
-                        TrailAttempt {
-                            sent_seq: e.seq,
-                            sent_at: at,
-                            result: None,
-                        },
-                    );
-                }
-            }
-            "action_result" => {
-                if let Some(attempt) = e.attempt.and_then(|n| trail.attempts.get_mut(&n)) {
-                    attempt.result = Some(TrailResult {
-                        seq: e.seq,
-                        at,
-                        status: e.status,
-                        disposition: e.disposition.clone().unwrap_or_default(),
-                        boundary,
-                        scope,
-                        signal_headers: e.signal_headers.clone().unwrap_or_default(),
-                    });
-                }
-            }
-            "retry_scheduled" | "retry_started" => {
-                let wake = TrailWake {
-                    seq: e.seq,
-                    at,
-                    job: e.job,
-                    due_at,
-                };
-                if e.kind == "retry_scheduled" {
-                    trail.scheduled.push(wake);
-                } else {
-                    trail.claimed.push(wake);
-                }
-            }
-            "action_finished"
-            | "budget_exhausted"
-            | "deadline_exhausted"
-            | "reconciliation_required"
-            | "escalated"
-            | "cancelled"
-            | "reconciled" => {
-                trail.outcome = Some(e.outcome.clone().unwrap_or_else(|| e.kind.clone()));
-                trail.ended_at.push(at);
-            }
-            // Reopened for a same-key send (an operator's `retry_same_key`, or a resend its
-            // answer invited): the action runs again, and its outcome is the next one.
-            backstop_store::ACTION_REOPENED => {
-                trail.outcome = None;
-            }
-            WATCHDOG_FINDING => {
-                if let Some(finding) = &e.source {
-                    trail.findings.insert(finding.clone());
-                }
-            }
-            _ => {}
-        }
+        trail.fold(e, at, boundary, due_at, scope);
         Ok(())
+    }
+
+    /// Keeps a `scope_updated` event among the recent ones (the oldest is dropped past
+    /// [`RECENT_SCOPES`]).
+    fn note_scope_update(&mut self, e: &AuditEvent, at: Timestamp) {
+        if let (Some(provider), Some(scope)) = (&e.provider, &e.scope) {
+            if self.recent_scopes.len() == RECENT_SCOPES {
+                self.recent_scopes.pop_front();
+            }
+            self.recent_scopes
+                .push_back((provider.clone(), at, scope.clone()));
+        }
+    }
+
+    /// The scope a recent `scope_updated` event of `e`'s provider at the same instant names:
+    /// the scope a throttle is attributed to.
+    fn scope_updated_with(&self, e: &AuditEvent, at: Timestamp) -> Option<String> {
+        self.recent_scopes
+            .iter()
+            .find(|(provider, when, _)| Some(provider) == e.provider.as_ref() && *when == at)
+            .map(|(_, _, scope)| scope.clone())
     }
 
     /// Folds every event after [`Evidence::last_seq`] from the store, in pages of
