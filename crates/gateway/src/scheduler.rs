@@ -526,17 +526,7 @@ mod tests {
     };
 
     fn view_of(record: &ScopeRecord, now: Timestamp) -> ScopeView {
-        let mut view = ScopeView {
-            provider: "billing".into(),
-            scope: "account".into(),
-            request_class: None,
-            next_allowed_at: None,
-            remaining: None,
-            reset_after_seconds: None,
-            source: None,
-            in_flight: 0,
-            delayed: 0,
-        };
+        let mut view = ScopeView::unfilled("billing".into(), "account".into());
         refresh(&mut view, record, now);
         view
     }

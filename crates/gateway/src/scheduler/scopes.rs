@@ -38,6 +38,23 @@ pub struct ScopeView {
     pub delayed: u32,
 }
 
+impl ScopeView {
+    /// The view of `provider`'s scope `scope` before any record is copied in ([`refresh`]).
+    pub(super) fn unfilled(provider: String, scope: String) -> Self {
+        ScopeView {
+            provider,
+            scope,
+            request_class: None,
+            next_allowed_at: None,
+            remaining: None,
+            reset_after_seconds: None,
+            source: None,
+            in_flight: 0,
+            delayed: 0,
+        }
+    }
+}
+
 /// Index of a scope in the scheduler's table.
 pub(super) type ScopeId = u32;
 

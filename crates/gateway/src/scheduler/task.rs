@@ -898,17 +898,10 @@ impl State {
                 .map(|(name, &id)| {
                     let entry = &self.scopes[id as usize];
                     let prefix = format!("{}/", entry.provider);
-                    let mut view = ScopeView {
-                        provider: entry.provider.clone(),
-                        scope: name.strip_prefix(&prefix).unwrap_or(name).to_owned(),
-                        request_class: None,
-                        next_allowed_at: None,
-                        remaining: None,
-                        reset_after_seconds: None,
-                        source: None,
-                        in_flight: 0,
-                        delayed: 0,
-                    };
+                    let mut view = ScopeView::unfilled(
+                        entry.provider.clone(),
+                        name.strip_prefix(&prefix).unwrap_or(name).to_owned(),
+                    );
                     refresh(&mut view, &entry.state.record, now);
                     view
                 })
