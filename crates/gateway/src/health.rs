@@ -675,12 +675,7 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
     let boundary = throttle.boundary.flatten();
     let wake = trail.wake_after(k, throttle.seq);
     let retry = trail.attempts.get(&(k + 1));
-    let claim = wake.and_then(|w| {
-        trail
-            .claimed
-            .iter()
-            .find(|c| c.seq > w.seq && (w.job.is_none() || c.job == w.job))
-    });
+    let claim = wake.and_then(|w| trail.claim_of(w));
     let retry_started_at = retry.map(|a| a.sent_at).or(claim.map(|c| c.at));
     let retry_result = retry.and_then(|a| a.result.as_ref());
     // Validation requires finished ≥ started: a finish without a start time cannot exist here.
@@ -690,45 +685,20 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
     let limits = ctx.policy.class(&trail.request_class);
     let attempts_used =
         u32::try_from(trail.attempts.keys().filter(|n| **n <= k + 1).count()).unwrap_or(u32::MAX);
-
-    // Waits already finished before this throttle: result of i → send of i + 1.
-    let mut wait_used_ms: u64 = 0;
-    for i in 1..k {
-        let finished = trail.attempts.get(&i).and_then(|a| a.result.as_ref());
-        let next = trail.attempts.get(&(i + 1));
-        if let (Some(r), Some(n)) = (finished, next) {
-            wait_used_ms = wait_used_ms.saturating_add(ms_between(r.at, n.sent_at));
-        }
-    }
-    // Ended without a retry: the wait stopped with the action's first outcome after this
-    // throttle (module docs).
-    let ended = trail.ended_at.iter().copied().find(|e| *e >= throttled_at);
     let wait_end = match retry_started_at {
         Some(started) => started,
-        None => {
-            let planned = boundary.or(wake.and_then(|w| w.due_at));
-            let until = ended.map_or(ctx.now, |e| e.min(ctx.now));
-            planned.map_or(until, |p| p.min(until))
-        }
+        None => trail.unretried_wait_end(throttled_at, boundary, wake, ctx.now),
     };
-    wait_used_ms = wait_used_ms.saturating_add(ms_between(throttled_at, wait_end));
-
-    let scope = throttle
-        .scope
-        .clone()
-        .or_else(|| {
-            ctx.policy
-                .scope(&trail.provider, &trail.method, &trail.route)
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| trail.provider.clone());
+    let wait_used_ms = trail
+        .waited_before(k)
+        .saturating_add(ms_between(throttled_at, wait_end));
     let outcome_receipt = match trail.outcome.as_deref() {
         Some("succeeded") => Some(OutcomeReceipt { matches: true }),
         _ => None,
     };
     Some(Snapshot {
         run_id: trail.task.clone(),
-        quota_scope: scope,
+        quota_scope: trail.throttle_scope(throttle, ctx.policy),
         throttled_at,
         status,
         retry_after_raw: retry_after_raw(&throttle.signal_headers),
@@ -741,24 +711,79 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
         retry_finished_at: retry_finished_at.filter(|_| retry_started_at.is_some()),
         retry_status: retry_status.filter(|_| retry_started_at.is_some()),
         attempts_used,
-        // An action the gateway ended without success (other than at its deadline) has no
-        // authorized attempt left: nothing will wake it, so its authority is the attempts it
-        // used (module docs).
-        max_attempts: if trail
-            .outcome
-            .as_deref()
-            .is_some_and(ended_without_authority)
-        {
-            attempts_used.min(limits.max_attempts)
-        } else {
-            limits.max_attempts
-        },
+        max_attempts: trail.authorized_attempts(attempts_used, limits.max_attempts),
         wait_budget_ms: limits.max_wait_ms,
         wait_used_ms,
         outcome_deadline: ctx.deadline,
         completion_estimate_ms: 0,
         outcome_receipt,
     })
+}
+
+impl ActionTrail {
+    /// The claim (`retry_started`) of the scheduled wake `wake`: the first later one of its job.
+    fn claim_of(&self, wake: &TrailWake) -> Option<&TrailWake> {
+        self.claimed
+            .iter()
+            .find(|c| c.seq > wake.seq && (wake.job.is_none() || c.job == wake.job))
+    }
+
+    /// Milliseconds of the waits that finished before throttle `k`: the result of attempt `i`
+    /// to the send of attempt `i + 1`.
+    fn waited_before(&self, k: u32) -> u64 {
+        let mut waited: u64 = 0;
+        for i in 1..k {
+            let finished = self.attempts.get(&i).and_then(|a| a.result.as_ref());
+            let next = self.attempts.get(&(i + 1));
+            if let (Some(r), Some(n)) = (finished, next) {
+                waited = waited.saturating_add(ms_between(r.at, n.sent_at));
+            }
+        }
+        waited
+    }
+
+    /// Where the wait after a throttle at `throttled_at` that no retry followed ends: at the
+    /// planned instant (the boundary, else the wake's due time) or `now`, whichever is first —
+    /// and no later than the action's first outcome after the throttle, where it stopped
+    /// (module docs).
+    fn unretried_wait_end(
+        &self,
+        throttled_at: Timestamp,
+        boundary: Option<Timestamp>,
+        wake: Option<&TrailWake>,
+        now: Timestamp,
+    ) -> Timestamp {
+        let ended = self.ended_at.iter().copied().find(|e| *e >= throttled_at);
+        let planned = boundary.or(wake.and_then(|w| w.due_at));
+        let until = ended.map_or(now, |e| e.min(now));
+        planned.map_or(until, |p| p.min(until))
+    }
+
+    /// The quota scope of `throttle`: the one its `scope_updated` named, else the route's
+    /// scope in the policy, else the provider.
+    fn throttle_scope(&self, throttle: &TrailResult, policy: &HealthPolicy) -> String {
+        throttle
+            .scope
+            .clone()
+            .or_else(|| {
+                policy
+                    .scope(&self.provider, &self.method, &self.route)
+                    .map(str::to_owned)
+            })
+            .unwrap_or_else(|| self.provider.clone())
+    }
+
+    /// The attempts the action is authorized for: the class's `max_attempts`, except that an
+    /// action the gateway ended without success (other than at its deadline) has no authorized
+    /// attempt left — nothing will wake it, so its authority is the attempts it used (module
+    /// docs).
+    fn authorized_attempts(&self, attempts_used: u32, max_attempts: u32) -> u32 {
+        if self.outcome.as_deref().is_some_and(ended_without_authority) {
+            attempts_used.min(max_attempts)
+        } else {
+            max_attempts
+        }
+    }
 }
 
 /// Whether an action that ended with `outcome` has no authorized attempt left: every outcome
