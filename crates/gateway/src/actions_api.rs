@@ -52,6 +52,7 @@ use serde::{de, Deserialize, Deserializer};
 use serde_json::{json, Value};
 
 use crate::{
+    action::ActionSpec,
     auth::{Caller, Role},
     door::{self, BackstopHeaders},
     engine::{Completion, Engine, EngineError},
@@ -181,16 +182,7 @@ async fn submit_inner(
     body: Body,
     agent: &mut Option<String>,
 ) -> Result<Response, Problem> {
-    if !state.accepting() {
-        return Err(Problem::shutting_down());
-    }
-    let who = caller(state, headers)?;
-    if who.role != Role::Agent {
-        return Err(Problem::forbidden(format!(
-            "`{}` is an operator; actions are submitted with agent tokens",
-            who.name
-        )));
-    }
+    let who = submitting_agent(state, headers)?;
     *agent = Some(who.name.clone());
     // Read only now: an unknown caller's body is never read, and a body the budget has no room
     // for is refused before the rest of it arrives.
@@ -204,9 +196,50 @@ async fn submit_inner(
         .await
         .map_err(|error| door::body_problem(error, || envelope_too_large(state.door)))?;
     engine(state, "POST /v1/actions")?;
-    let mut request: NewActionBody = serde_json::from_slice(envelope.as_slice()).map_err(|e| {
-        // Say first whether the body is JSON at all; a JSON body of the wrong shape names
-        // the member (serde's words: `invalid type: integer -1, expected u64` and the like).
+    let mut request = parse_new_action(envelope.as_slice())?;
+    let method = parse_method(&request.method)?;
+    if !state.policy.providers.contains_key(&request.provider) {
+        return Err(Problem::unknown_provider(&request.provider));
+    }
+    check_path(&request.provider, &request.path)?;
+    let payload = take_payload(&mut request, |bytes| envelope.replace(bytes))?;
+    if payload.len() > state.door.max_body_bytes {
+        return Err(door::body_too_large(state.door));
+    }
+    check_desired_outcome(request.desired_outcome.as_deref())?;
+    let incoming = provider_headers(state, headers, &request)?;
+    let backstop = backstop_headers(&mut request)?;
+    let spec = action_spec(state, who, method, request, &incoming, payload, backstop)?;
+    Ok(door::submit_async(state, spec).await)
+}
+
+/// The caller of a `POST /v1/actions`, which must be an agent while the gateway accepts work.
+///
+/// # Errors
+/// `503 shutting_down` while the gateway drains, the authentication refusal, and `403` for an
+/// operator.
+fn submitting_agent(state: &AppState, headers: &HeaderMap) -> Result<Caller, Problem> {
+    if !state.accepting() {
+        return Err(Problem::shutting_down());
+    }
+    let who = caller(state, headers)?;
+    if who.role != Role::Agent {
+        return Err(Problem::forbidden(format!(
+            "`{}` is an operator; actions are submitted with agent tokens",
+            who.name
+        )));
+    }
+    Ok(who)
+}
+
+/// The `POST /v1/actions` body read as JSON.
+///
+/// # Errors
+/// 400 `bad_request` saying first whether the body is JSON at all; a JSON body of the wrong
+/// shape names the member (serde's words: `invalid type: integer -1, expected u64` and the
+/// like).
+fn parse_new_action(envelope: &[u8]) -> Result<NewActionBody, Problem> {
+    serde_json::from_slice(envelope).map_err(|e| {
         let what = match e.classify() {
             serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
                 "the body is not valid JSON"
@@ -218,46 +251,60 @@ async fn submit_inner(
         api_bad_request(format!(
             "body: {what}: expected {{provider, method, path, headers?, body? | body_base64?, task?, priority?, deadline?, max_wait_seconds?, idempotency_key?, desired_outcome?}}: {e}"
         ))
-    })?;
-    let method = Method::from_bytes(request.method.trim().to_ascii_uppercase().as_bytes())
-        .map_err(|_| {
-            api_bad_request(format!(
-                "method: `{}` is not an HTTP method",
-                request.method
-            ))
-        })?;
-    if !state.policy.providers.contains_key(&request.provider) {
-        return Err(Problem::unknown_provider(&request.provider));
-    }
-    check_path(&request.provider, &request.path)?;
-    let payload = match (request.body.take(), request.body_base64.take()) {
-        (Some(_), Some(_)) => {
-            return Err(api_bad_request(
-                "body, body_base64: give one of them, not both",
-            ))
+    })
+}
+
+/// The `method` member as an HTTP method (trimmed, any case).
+fn parse_method(text: &str) -> Result<Method, Problem> {
+    Method::from_bytes(text.trim().to_ascii_uppercase().as_bytes())
+        .map_err(|_| api_bad_request(format!("method: `{text}` is not an HTTP method")))
+}
+
+/// The payload of the action, taken out of `body` or `body_base64` (at most one of them) and
+/// handed to `keep`, which accounts it in place of the envelope; empty when neither is given.
+fn take_payload(
+    request: &mut NewActionBody,
+    keep: impl FnOnce(Vec<u8>) -> Bytes,
+) -> Result<Bytes, Problem> {
+    match (request.body.take(), request.body_base64.take()) {
+        (Some(_), Some(_)) => Err(api_bad_request(
+            "body, body_base64: give one of them, not both",
+        )),
+        (Some(text), None) => Ok(keep(text.into_bytes())),
+        (None, Some(encoded)) => {
+            Ok(keep(decode_base64(&encoded).map_err(|reason| {
+                api_bad_request(format!("body_base64: {reason}"))
+            })?))
         }
-        (Some(text), None) => envelope.replace(text.into_bytes()),
-        (None, Some(encoded)) => envelope.replace(
-            decode_base64(&encoded)
-                .map_err(|reason| api_bad_request(format!("body_base64: {reason}")))?,
-        ),
-        (None, None) => Bytes::new(),
+        (None, None) => Ok(Bytes::new()),
+    }
+}
+
+/// Refuses a `desired_outcome` longer than [`MAX_DESIRED_OUTCOME_CHARS`].
+fn check_desired_outcome(text: Option<&str>) -> Result<(), Problem> {
+    let Some(text) = text else {
+        return Ok(());
     };
-    if payload.len() > state.door.max_body_bytes {
-        return Err(door::body_too_large(state.door));
+    let chars = text.chars().count();
+    if chars > MAX_DESIRED_OUTCOME_CHARS {
+        return Err(api_bad_request(format!(
+            "desired_outcome: {chars} characters, at most {MAX_DESIRED_OUTCOME_CHARS} allowed (one paragraph for the case file)"
+        ))
+        .with_extension("member", "desired_outcome".into())
+        .with_extension("limit", MAX_DESIRED_OUTCOME_CHARS.into()));
     }
-    if let Some(text) = &request.desired_outcome {
-        let chars = text.chars().count();
-        if chars > MAX_DESIRED_OUTCOME_CHARS {
-            return Err(api_bad_request(format!(
-                "desired_outcome: {chars} characters, at most {MAX_DESIRED_OUTCOME_CHARS} allowed (one paragraph for the case file)"
-            ))
-            .with_extension("member", "desired_outcome".into())
-            .with_extension("limit", MAX_DESIRED_OUTCOME_CHARS.into()));
-        }
-    }
+    Ok(())
+}
+
+/// The headers sent to the provider: the `headers` member, with the one idempotency key
+/// ([`idempotency_key`]) under the provider's key header.
+fn provider_headers(
+    state: &AppState,
+    own: &HeaderMap,
+    request: &NewActionBody,
+) -> Result<HeaderMap, Problem> {
     let key_header = door::key_header(state.policy.providers.get(&request.provider));
-    let key = idempotency_key(headers, &request, key_header)?;
+    let key = idempotency_key(own, request, key_header)?;
     let mut incoming = HeaderMap::new();
     for (name, value) in &request.headers {
         let name = HeaderName::from_bytes(name.as_bytes())
@@ -277,21 +324,13 @@ async fn submit_inner(
         };
         incoming.insert(name, value);
     }
-    let priority = match request
-        .priority
-        .as_deref()
-        .map(str::to_ascii_lowercase)
-        .as_deref()
-    {
-        None | Some("normal") => Priority::Normal,
-        Some("interactive") => Priority::Interactive,
-        Some("background") => Priority::Background,
-        Some(other) => {
-            return Err(api_bad_request(format!(
-                "priority: `{other}` is not one of interactive, normal, background"
-            )))
-        }
-    };
+    Ok(incoming)
+}
+
+/// The members a proxied call gives in `X-Backstop-*` headers: `priority`, `deadline`, `task`
+/// (taken out of `request`) and `max_wait_seconds`.
+fn backstop_headers(request: &mut NewActionBody) -> Result<BackstopHeaders, Problem> {
+    let priority = parse_priority(request.priority.as_deref())?;
     let deadline = request
         .deadline
         .as_deref()
@@ -299,14 +338,49 @@ async fn submit_inner(
             door::parse_instant(d).map_err(|reason| api_bad_request(format!("deadline: {reason}")))
         })
         .transpose()?;
-    if let Some(task) = &request.task {
-        if !is_task_id(task) {
-            return Err(api_bad_request(format!(
-                "task: a task id must be 1 to {} visible ASCII characters",
-                door::MAX_TASK_ID_BYTES
-            )));
-        }
+    check_task(request.task.as_deref())?;
+    Ok(BackstopHeaders {
+        task_id: request.task.take(),
+        priority,
+        deadline,
+        max_wait: request.max_wait_seconds.map(Duration::from_secs),
+    })
+}
+
+/// The `priority` member (any case); `normal` when it is not given.
+fn parse_priority(text: Option<&str>) -> Result<Priority, Problem> {
+    match text.map(str::to_ascii_lowercase).as_deref() {
+        None | Some("normal") => Ok(Priority::Normal),
+        Some("interactive") => Ok(Priority::Interactive),
+        Some("background") => Ok(Priority::Background),
+        Some(other) => Err(api_bad_request(format!(
+            "priority: `{other}` is not one of interactive, normal, background"
+        ))),
     }
+}
+
+/// Refuses a `task` member that is not a usable task id ([`is_task_id`]).
+fn check_task(task: Option<&str>) -> Result<(), Problem> {
+    match task {
+        Some(task) if !is_task_id(task) => Err(api_bad_request(format!(
+            "task: a task id must be 1 to {} visible ASCII characters",
+            door::MAX_TASK_ID_BYTES
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The request spec of the checked action, as the proxy door would build it for a call to
+/// `/{provider}{path}`.
+fn action_spec(
+    state: &AppState,
+    who: Caller,
+    method: Method,
+    request: NewActionBody,
+    incoming: &HeaderMap,
+    payload: Bytes,
+    backstop: BackstopHeaders,
+) -> Result<ActionSpec, Problem> {
     let single_attempt = payload.len() > state.door.max_buffered_body_bytes;
     let path_and_query = format!("/{}{}", request.provider, request.path);
     let mut spec = door::build_spec(
@@ -314,15 +388,10 @@ async fn submit_inner(
         who.name,
         method,
         &path_and_query,
-        &incoming,
+        incoming,
         payload,
         single_attempt,
-        BackstopHeaders {
-            task_id: request.task,
-            priority,
-            deadline,
-            max_wait: request.max_wait_seconds.map(Duration::from_secs),
-        },
+        backstop,
     )?;
     // `provider` alone decides the provider: the checks above keep the path below its root,
     // and this one holds whatever the door's reading of `/{provider}{path}` may become.
@@ -337,7 +406,7 @@ async fn submit_inner(
     spec.desired_outcome = request
         .desired_outcome
         .map(|text| state.secrets.scrub(&text));
-    Ok(door::submit_async(state, spec).await)
+    Ok(spec)
 }
 
 /// Whether `task` is a usable task id: 1 to [`door::MAX_TASK_ID_BYTES`] visible ASCII characters.

@@ -964,25 +964,12 @@ pub(crate) fn build_spec(
         None => (path_and_query, None),
     };
     let normalized = normalize_path(path)?;
-    let (provider_name, rest) =
-        split_provider_query(&normalized, query).ok_or_else(|| Problem::not_found(&normalized))?;
-    let policy: &Policy = &state.policy;
-    if backstop_core::policy::check_provider_name(provider_name).is_err() {
-        return Err(Problem::not_found(&normalized));
-    }
-    let provider = policy
-        .providers
-        .get(provider_name)
-        .ok_or_else(|| Problem::unknown_provider(provider_name))?;
-    if state.credentials.unavailable().contains_key(provider_name) {
-        return Err(Problem::credential_unavailable(provider_name));
-    }
-    let route = policy
-        .route(provider_name, method.as_str(), &rest)
-        .map_err(|_| Problem::unknown_provider(provider_name))?;
-    if normalized.contains("%2F") {
-        encoded_slash_keeps_the_route(policy, method.as_str(), &normalized, &route)?;
-    }
+    let Target {
+        provider_name,
+        provider,
+        route,
+        rest,
+    } = resolve_target(state, &method, &normalized, query)?;
     let (headers, idempotency_key) = upstream_headers(
         incoming,
         &method,
@@ -1012,13 +999,8 @@ pub(crate) fn build_spec(
     url.push_str(&provider.base_url);
     url.push_str(&rest);
     // Only a write that would be kept at rest is looked through (reads never are kept).
-    let credential = state.credentials.get(provider_name).map(|c| &c.name);
     let kept = route.side_effect == SideEffect::Write && !is_safe(&method) && !single_attempt;
-    let holds_secret = kept
-        && (state.secrets.holds(&url)
-            || headers.iter().any(|(name, value)| {
-                Some(name) != credential && value.to_str().is_ok_and(|v| state.secrets.holds(v))
-            }));
+    let holds_secret = kept && holds_secret(state, provider_name, &url, &headers);
     Ok(ActionSpec {
         task_id,
         task_given,
@@ -1041,6 +1023,64 @@ pub(crate) fn build_spec(
         resumed: false,
         holds_secret,
     })
+}
+
+/// Where a call goes: its provider, the route it matched and the path and query sent.
+struct Target<'a> {
+    provider_name: &'a str,
+    provider: &'a Provider,
+    route: backstop_core::policy::RouteMatch,
+    /// The path below the provider's root, with the query.
+    rest: String,
+}
+
+/// Resolves the `normalized` path (`/{provider}/{rest}`) and `query` of a call to its target.
+///
+/// # Errors
+/// 404 for a path without a usable provider name, 404 `unknown_provider` for a provider the
+/// policy does not have, 424 when its credential is unavailable, and the refusal of a `%2F`
+/// that would change the route ([`encoded_slash_keeps_the_route`]).
+fn resolve_target<'a>(
+    state: &'a AppState,
+    method: &Method,
+    normalized: &'a str,
+    query: Option<&str>,
+) -> Result<Target<'a>, Problem> {
+    let (provider_name, rest) =
+        split_provider_query(normalized, query).ok_or_else(|| Problem::not_found(normalized))?;
+    let policy: &Policy = &state.policy;
+    if backstop_core::policy::check_provider_name(provider_name).is_err() {
+        return Err(Problem::not_found(normalized));
+    }
+    let provider = policy
+        .providers
+        .get(provider_name)
+        .ok_or_else(|| Problem::unknown_provider(provider_name))?;
+    if state.credentials.unavailable().contains_key(provider_name) {
+        return Err(Problem::credential_unavailable(provider_name));
+    }
+    let route = policy
+        .route(provider_name, method.as_str(), &rest)
+        .map_err(|_| Problem::unknown_provider(provider_name))?;
+    if normalized.contains("%2F") {
+        encoded_slash_keeps_the_route(policy, method.as_str(), normalized, &route)?;
+    }
+    Ok(Target {
+        provider_name,
+        provider,
+        route,
+        rest,
+    })
+}
+
+/// Whether the `url` or a header sent to `provider_name` (other than its injected credential)
+/// holds a known secret.
+fn holds_secret(state: &AppState, provider_name: &str, url: &str, headers: &HeaderMap) -> bool {
+    let credential = state.credentials.get(provider_name).map(|c| &c.name);
+    state.secrets.holds(url)
+        || headers.iter().any(|(name, value)| {
+            Some(name) != credential && value.to_str().is_ok_and(|v| state.secrets.holds(v))
+        })
 }
 
 /// An encoded slash (`%2F`) is data inside one segment and is forwarded as written, but only

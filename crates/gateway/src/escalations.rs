@@ -388,18 +388,68 @@ async fn decide(
     let state = &acting.base;
     let who = operator(state, &headers)?;
     let e = load(state, &id).await?;
-    if let Some(decision) = &e.decision {
-        return Err(ApiProblem::new(
-            StatusCode::CONFLICT,
-            "already_decided",
-            "Already decided",
-            format!(
-                "escalation {id} was already decided: `{decision}` by `{}`",
-                e.decided_by.as_deref().unwrap_or("unknown")
-            ),
-        ));
+    undecided(&e, &id)?;
+    let (decision, effect) = checked_decision(&e, &id, &body)?;
+    let word = effect.option().as_str();
+    let note = decision.note.as_deref().map(|n| state.secrets.scrub(n));
+    // The store keeps milliseconds; answer the instant exactly as recorded.
+    let now = state.clock.now();
+    let at = jiff::Timestamp::from_millisecond(now.as_millisecond()).unwrap_or(now);
+    if matches!(effect, DecisionEffect::QueryStatus) {
+        return query_status(&acting, &e, &who, &effect, note, at).await;
     }
-    let decision = parse_decision(&body).map_err(|reason| {
+    record_decision(state, &e, word, &who, note.clone(), at).await?;
+    let applied = match &acting.engine {
+        Some(engine) => engine.apply_decision(e.action, &effect, &who).await,
+        None => recorded_only(),
+    };
+    if applied.request_not_held {
+        return Err(request_not_held(&e, word, &who, at, applied.detail));
+    }
+    Ok(Json(json!({
+        "id": e.id.0,
+        "action": e.action.0,
+        "decision": word,
+        "decided_by": who,
+        "decided_at": at.to_string(),
+        "effect": effect,
+        "effect_applied": applied.applied,
+        "effect_detail": applied.detail,
+        "action_outcome": applied.outcome,
+        "new_action": applied.new_action,
+        "lookup": applied.lookup,
+        "escalation_state": "decided",
+        "note": note,
+    })))
+}
+
+/// Refuses a second decision of escalation `id` with 409 `already_decided`, naming the first.
+fn undecided(e: &EscalationRecord, id: &str) -> Result<(), ApiProblem> {
+    let Some(decision) = &e.decision else {
+        return Ok(());
+    };
+    Err(ApiProblem::new(
+        StatusCode::CONFLICT,
+        "already_decided",
+        "Already decided",
+        format!(
+            "escalation {id} was already decided: `{decision}` by `{}`",
+            e.decided_by.as_deref().unwrap_or("unknown")
+        ),
+    ))
+}
+
+/// The decision in `body` and its effect, checked against the escalation's case file.
+///
+/// # Errors
+/// 400 `bad_decision` for a body that is not a decision, 500 `store_error` for a stored case
+/// file that cannot be read, 422 `decision_refused` for a decision the case file does not offer.
+fn checked_decision(
+    e: &EscalationRecord,
+    id: &str,
+    body: &[u8],
+) -> Result<(Decision, DecisionEffect), ApiProblem> {
+    let decision = parse_decision(body).map_err(|reason| {
         ApiProblem::new(
             StatusCode::BAD_REQUEST,
             "bad_decision",
@@ -425,20 +475,22 @@ async fn decide(
             err.to_string(),
         )
     })?;
-    let word = effect.option().as_str();
-    let note = decision.note.as_deref().map(|n| state.secrets.scrub(n));
-    // The store keeps milliseconds; answer the instant exactly as recorded.
-    let now = state.clock.now();
-    let at = jiff::Timestamp::from_millisecond(now.as_millisecond()).unwrap_or(now);
-    if matches!(effect, DecisionEffect::QueryStatus) {
-        return query_status(&acting, &e, &who, &effect, note, at).await;
-    }
+    Ok((decision, effect))
+}
+
+/// Records the decision `word` by `who` in the store and logs it.
+async fn record_decision(
+    state: &EscalationsState,
+    e: &EscalationRecord,
+    word: &'static str,
+    who: &str,
+    note: Option<String>,
+    at: jiff::Timestamp,
+) -> Result<(), ApiProblem> {
     let store = state.store.clone();
-    let (escalation, decided_by, kept_note) = (e.id, who.clone(), note.clone());
-    blocking(move || {
-        store.decide_escalation(escalation, word, &decided_by, kept_note.as_deref(), at)
-    })
-    .await?;
+    let (escalation, decided_by) = (e.id, who.to_owned());
+    blocking(move || store.decide_escalation(escalation, word, &decided_by, note.as_deref(), at))
+        .await?;
     tracing::info!(
         target: "backstop::escalations",
         escalation = e.id.0,
@@ -447,45 +499,36 @@ async fn decide(
         decided_by = %who,
         "escalation decided"
     );
-    let applied = match &acting.engine {
-        Some(engine) => engine.apply_decision(e.action, &effect, &who).await,
-        None => recorded_only(),
-    };
-    if applied.request_not_held {
-        let mut problem = ApiProblem::new(
-            StatusCode::CONFLICT,
-            "request_not_held",
-            "Recorded; the agent must resubmit",
-            applied.detail,
-        );
-        for (name, value) in [
-            ("escalation", json!(e.id.0)),
-            ("action", json!(e.action.0)),
-            ("decision", json!(word)),
-            ("decided_by", json!(who)),
-            ("decided_at", json!(at.to_string())),
-            ("decision_recorded", json!(true)),
-            ("idempotency_key", case_file_key(&e.case_file, word)),
-        ] {
-            problem.extensions.insert(name.to_owned(), value);
-        }
-        return Err(problem);
+    Ok(())
+}
+
+/// The 409 `request_not_held` of a decision recorded whose effect needs the agent to submit the
+/// request again (`detail` says why), with the decision and the key to resubmit with.
+fn request_not_held(
+    e: &EscalationRecord,
+    word: &str,
+    who: &str,
+    at: jiff::Timestamp,
+    detail: String,
+) -> ApiProblem {
+    let mut problem = ApiProblem::new(
+        StatusCode::CONFLICT,
+        "request_not_held",
+        "Recorded; the agent must resubmit",
+        detail,
+    );
+    for (name, value) in [
+        ("escalation", json!(e.id.0)),
+        ("action", json!(e.action.0)),
+        ("decision", json!(word)),
+        ("decided_by", json!(who)),
+        ("decided_at", json!(at.to_string())),
+        ("decision_recorded", json!(true)),
+        ("idempotency_key", case_file_key(&e.case_file, word)),
+    ] {
+        problem.extensions.insert(name.to_owned(), value);
     }
-    Ok(Json(json!({
-        "id": e.id.0,
-        "action": e.action.0,
-        "decision": word,
-        "decided_by": who,
-        "decided_at": at.to_string(),
-        "effect": effect,
-        "effect_applied": applied.applied,
-        "effect_detail": applied.detail,
-        "action_outcome": applied.outcome,
-        "new_action": applied.new_action,
-        "lookup": applied.lookup,
-        "escalation_state": "decided",
-        "note": note,
-    })))
+    problem
 }
 
 fn recorded_only() -> crate::engine::DecisionApplied {

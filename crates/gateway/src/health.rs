@@ -315,6 +315,98 @@ pub struct ActionTrail {
 }
 
 impl ActionTrail {
+    /// The trail an `action_requested` event starts.
+    fn requested(action: i64, e: &AuditEvent) -> Self {
+        ActionTrail {
+            action,
+            task: e.task.clone().unwrap_or_default(),
+            provider: e.provider.clone().unwrap_or_default(),
+            method: e.method.clone().unwrap_or_default(),
+            route: e.route.clone().unwrap_or_default(),
+            request_class: e.request_class.clone().unwrap_or_default(),
+            idempotency_key: e.idempotency_key.clone(),
+            payload_digest: e.payload_digest.clone(),
+            attempts: BTreeMap::new(),
+            scheduled: Vec::new(),
+            claimed: Vec::new(),
+            outcome: None,
+            ended_at: Vec::new(),
+            findings: BTreeSet::new(),
+        }
+    }
+
+    /// Folds one later event of the action in, its times and scope already read.
+    fn fold(
+        &mut self,
+        e: &AuditEvent,
+        at: Timestamp,
+        boundary: Option<Option<Timestamp>>,
+        due_at: Option<Timestamp>,
+        scope: Option<String>,
+    ) {
+        match e.kind.as_str() {
+            "action_sent" => {
+                if let Some(n) = e.attempt {
+                    self.attempts.insert(
+                        n,
+                        TrailAttempt {
+                            sent_seq: e.seq,
+                            sent_at: at,
+                            result: None,
+                        },
+                    );
+                }
+            }
+            "action_result" => {
+                if let Some(attempt) = e.attempt.and_then(|n| self.attempts.get_mut(&n)) {
+                    attempt.result = Some(TrailResult {
+                        seq: e.seq,
+                        at,
+                        status: e.status,
+                        disposition: e.disposition.clone().unwrap_or_default(),
+                        boundary,
+                        scope,
+                        signal_headers: e.signal_headers.clone().unwrap_or_default(),
+                    });
+                }
+            }
+            "retry_scheduled" | "retry_started" => {
+                let wake = TrailWake {
+                    seq: e.seq,
+                    at,
+                    job: e.job,
+                    due_at,
+                };
+                if e.kind == "retry_scheduled" {
+                    self.scheduled.push(wake);
+                } else {
+                    self.claimed.push(wake);
+                }
+            }
+            "action_finished"
+            | "budget_exhausted"
+            | "deadline_exhausted"
+            | "reconciliation_required"
+            | "escalated"
+            | "cancelled"
+            | "reconciled" => {
+                self.outcome = Some(e.outcome.clone().unwrap_or_else(|| e.kind.clone()));
+                self.ended_at.push(at);
+            }
+            // Reopened for a same-key send (an operator's `retry_same_key`, or a resend its
+            // answer invited): the action runs again, and its outcome is the next one.
+            backstop_store::ACTION_REOPENED => {
+                self.outcome = None;
+            }
+            WATCHDOG_FINDING => {
+                if let Some(finding) = &e.source {
+                    self.findings.insert(finding.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// Whether the action ended (any outcome).
     pub fn finished(&self) -> bool {
         self.outcome.is_some()
@@ -395,6 +487,15 @@ fn instant(event: &AuditEvent, field: &'static str, text: &str) -> Result<Timest
     })
 }
 
+/// The event's `boundary`: `None` when it has none, `Some(None)` when it is `unknown`.
+fn event_boundary(event: &AuditEvent) -> Result<Option<Option<Timestamp>>, HealthError> {
+    Ok(match event.boundary.as_deref() {
+        None => None,
+        Some("unknown") => Some(None),
+        Some(text) => Some(Some(instant(event, "boundary", text)?)),
+    })
+}
+
 impl Evidence {
     /// An empty fold.
     pub fn new() -> Self {
@@ -447,121 +548,51 @@ impl Evidence {
             self.heartbeat_at = Some(self.heartbeat_at.map_or(at, |h| h.max(at)));
         }
         if e.kind == "scope_updated" {
-            if let (Some(provider), Some(scope)) = (&e.provider, &e.scope) {
-                if self.recent_scopes.len() == RECENT_SCOPES {
-                    self.recent_scopes.pop_front();
-                }
-                self.recent_scopes
-                    .push_back((provider.clone(), at, scope.clone()));
-            }
+            self.note_scope_update(e, at);
             return Ok(());
         }
         let Some(action) = e.action else {
             return Ok(());
         };
         if e.kind == "action_requested" {
-            self.trails.insert(
-                action,
-                ActionTrail {
-                    action,
-                    task: e.task.clone().unwrap_or_default(),
-                    provider: e.provider.clone().unwrap_or_default(),
-                    method: e.method.clone().unwrap_or_default(),
-                    route: e.route.clone().unwrap_or_default(),
-                    request_class: e.request_class.clone().unwrap_or_default(),
-                    idempotency_key: e.idempotency_key.clone(),
-                    payload_digest: e.payload_digest.clone(),
-                    attempts: BTreeMap::new(),
-                    scheduled: Vec::new(),
-                    claimed: Vec::new(),
-                    outcome: None,
-                    ended_at: Vec::new(),
-                    findings: BTreeSet::new(),
-                },
-            );
+            self.trails
+                .insert(action, ActionTrail::requested(action, e));
             return Ok(());
         }
         // Parse before borrowing the trail, so a bad event changes nothing.
-        let boundary = match e.boundary.as_deref() {
-            None => None,
-            Some("unknown") => Some(None),
-            Some(text) => Some(Some(instant(e, "boundary", text)?)),
-        };
+        let boundary = event_boundary(e)?;
         let due_at = e
             .due_at
             .as_deref()
             .map(|t| instant(e, "due_at", t))
             .transpose()?;
-        let scope = self
-            .recent_scopes
-            .iter()
-            .find(|(provider, when, _)| Some(provider) == e.provider.as_ref() && *when == at)
-            .map(|(_, _, scope)| scope.clone());
+        let scope = self.scope_updated_with(e, at);
         let Some(trail) = self.trails.get_mut(&action) else {
             return Ok(());
         };
-        match e.kind.as_str() {
-            "action_sent" => {
-                if let Some(n) = e.attempt {
-                    trail.attempts.insert(
-                        n,
-                        TrailAttempt {
-                            sent_seq: e.seq,
-                            sent_at: at,
-                            result: None,
-                        },
-                    );
-                }
-            }
-            "action_result" => {
-                if let Some(attempt) = e.attempt.and_then(|n| trail.attempts.get_mut(&n)) {
-                    attempt.result = Some(TrailResult {
-                        seq: e.seq,
-                        at,
-                        status: e.status,
-                        disposition: e.disposition.clone().unwrap_or_default(),
-                        boundary,
-                        scope,
-                        signal_headers: e.signal_headers.clone().unwrap_or_default(),
-                    });
-                }
-            }
-            "retry_scheduled" | "retry_started" => {
-                let wake = TrailWake {
-                    seq: e.seq,
-                    at,
-                    job: e.job,
-                    due_at,
-                };
-                if e.kind == "retry_scheduled" {
-                    trail.scheduled.push(wake);
-                } else {
-                    trail.claimed.push(wake);
-                }
-            }
-            "action_finished"
-            | "budget_exhausted"
-            | "deadline_exhausted"
-            | "reconciliation_required"
-            | "escalated"
-            | "cancelled"
-            | "reconciled" => {
-                trail.outcome = Some(e.outcome.clone().unwrap_or_else(|| e.kind.clone()));
-                trail.ended_at.push(at);
-            }
-            // Reopened for a same-key send (an operator's `retry_same_key`, or a resend its
-            // answer invited): the action runs again, and its outcome is the next one.
-            backstop_store::ACTION_REOPENED => {
-                trail.outcome = None;
-            }
-            WATCHDOG_FINDING => {
-                if let Some(finding) = &e.source {
-                    trail.findings.insert(finding.clone());
-                }
-            }
-            _ => {}
-        }
+        trail.fold(e, at, boundary, due_at, scope);
         Ok(())
+    }
+
+    /// Keeps a `scope_updated` event among the recent ones (the oldest is dropped past
+    /// [`RECENT_SCOPES`]).
+    fn note_scope_update(&mut self, e: &AuditEvent, at: Timestamp) {
+        if let (Some(provider), Some(scope)) = (&e.provider, &e.scope) {
+            if self.recent_scopes.len() == RECENT_SCOPES {
+                self.recent_scopes.pop_front();
+            }
+            self.recent_scopes
+                .push_back((provider.clone(), at, scope.clone()));
+        }
+    }
+
+    /// The scope a recent `scope_updated` event of `e`'s provider at the same instant names:
+    /// the scope a throttle is attributed to.
+    fn scope_updated_with(&self, e: &AuditEvent, at: Timestamp) -> Option<String> {
+        self.recent_scopes
+            .iter()
+            .find(|(provider, when, _)| Some(provider) == e.provider.as_ref() && *when == at)
+            .map(|(_, _, scope)| scope.clone())
     }
 
     /// Folds every event after [`Evidence::last_seq`] from the store, in pages of
@@ -644,12 +675,7 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
     let boundary = throttle.boundary.flatten();
     let wake = trail.wake_after(k, throttle.seq);
     let retry = trail.attempts.get(&(k + 1));
-    let claim = wake.and_then(|w| {
-        trail
-            .claimed
-            .iter()
-            .find(|c| c.seq > w.seq && (w.job.is_none() || c.job == w.job))
-    });
+    let claim = wake.and_then(|w| trail.claim_of(w));
     let retry_started_at = retry.map(|a| a.sent_at).or(claim.map(|c| c.at));
     let retry_result = retry.and_then(|a| a.result.as_ref());
     // Validation requires finished ≥ started: a finish without a start time cannot exist here.
@@ -659,45 +685,20 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
     let limits = ctx.policy.class(&trail.request_class);
     let attempts_used =
         u32::try_from(trail.attempts.keys().filter(|n| **n <= k + 1).count()).unwrap_or(u32::MAX);
-
-    // Waits already finished before this throttle: result of i → send of i + 1.
-    let mut wait_used_ms: u64 = 0;
-    for i in 1..k {
-        let finished = trail.attempts.get(&i).and_then(|a| a.result.as_ref());
-        let next = trail.attempts.get(&(i + 1));
-        if let (Some(r), Some(n)) = (finished, next) {
-            wait_used_ms = wait_used_ms.saturating_add(ms_between(r.at, n.sent_at));
-        }
-    }
-    // Ended without a retry: the wait stopped with the action's first outcome after this
-    // throttle (module docs).
-    let ended = trail.ended_at.iter().copied().find(|e| *e >= throttled_at);
     let wait_end = match retry_started_at {
         Some(started) => started,
-        None => {
-            let planned = boundary.or(wake.and_then(|w| w.due_at));
-            let until = ended.map_or(ctx.now, |e| e.min(ctx.now));
-            planned.map_or(until, |p| p.min(until))
-        }
+        None => trail.unretried_wait_end(throttled_at, boundary, wake, ctx.now),
     };
-    wait_used_ms = wait_used_ms.saturating_add(ms_between(throttled_at, wait_end));
-
-    let scope = throttle
-        .scope
-        .clone()
-        .or_else(|| {
-            ctx.policy
-                .scope(&trail.provider, &trail.method, &trail.route)
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| trail.provider.clone());
+    let wait_used_ms = trail
+        .waited_before(k)
+        .saturating_add(ms_between(throttled_at, wait_end));
     let outcome_receipt = match trail.outcome.as_deref() {
         Some("succeeded") => Some(OutcomeReceipt { matches: true }),
         _ => None,
     };
     Some(Snapshot {
         run_id: trail.task.clone(),
-        quota_scope: scope,
+        quota_scope: trail.throttle_scope(throttle, ctx.policy),
         throttled_at,
         status,
         retry_after_raw: retry_after_raw(&throttle.signal_headers),
@@ -710,24 +711,79 @@ pub fn derive_snapshot(trail: &ActionTrail, ctx: &SnapshotContext<'_>) -> Option
         retry_finished_at: retry_finished_at.filter(|_| retry_started_at.is_some()),
         retry_status: retry_status.filter(|_| retry_started_at.is_some()),
         attempts_used,
-        // An action the gateway ended without success (other than at its deadline) has no
-        // authorized attempt left: nothing will wake it, so its authority is the attempts it
-        // used (module docs).
-        max_attempts: if trail
-            .outcome
-            .as_deref()
-            .is_some_and(ended_without_authority)
-        {
-            attempts_used.min(limits.max_attempts)
-        } else {
-            limits.max_attempts
-        },
+        max_attempts: trail.authorized_attempts(attempts_used, limits.max_attempts),
         wait_budget_ms: limits.max_wait_ms,
         wait_used_ms,
         outcome_deadline: ctx.deadline,
         completion_estimate_ms: 0,
         outcome_receipt,
     })
+}
+
+impl ActionTrail {
+    /// The claim (`retry_started`) of the scheduled wake `wake`: the first later one of its job.
+    fn claim_of(&self, wake: &TrailWake) -> Option<&TrailWake> {
+        self.claimed
+            .iter()
+            .find(|c| c.seq > wake.seq && (wake.job.is_none() || c.job == wake.job))
+    }
+
+    /// Milliseconds of the waits that finished before throttle `k`: the result of attempt `i`
+    /// to the send of attempt `i + 1`.
+    fn waited_before(&self, k: u32) -> u64 {
+        let mut waited: u64 = 0;
+        for i in 1..k {
+            let finished = self.attempts.get(&i).and_then(|a| a.result.as_ref());
+            let next = self.attempts.get(&(i + 1));
+            if let (Some(r), Some(n)) = (finished, next) {
+                waited = waited.saturating_add(ms_between(r.at, n.sent_at));
+            }
+        }
+        waited
+    }
+
+    /// Where the wait after a throttle at `throttled_at` that no retry followed ends: at the
+    /// planned instant (the boundary, else the wake's due time) or `now`, whichever is first —
+    /// and no later than the action's first outcome after the throttle, where it stopped
+    /// (module docs).
+    fn unretried_wait_end(
+        &self,
+        throttled_at: Timestamp,
+        boundary: Option<Timestamp>,
+        wake: Option<&TrailWake>,
+        now: Timestamp,
+    ) -> Timestamp {
+        let ended = self.ended_at.iter().copied().find(|e| *e >= throttled_at);
+        let planned = boundary.or(wake.and_then(|w| w.due_at));
+        let until = ended.map_or(now, |e| e.min(now));
+        planned.map_or(until, |p| p.min(until))
+    }
+
+    /// The quota scope of `throttle`: the one its `scope_updated` named, else the route's
+    /// scope in the policy, else the provider.
+    fn throttle_scope(&self, throttle: &TrailResult, policy: &HealthPolicy) -> String {
+        throttle
+            .scope
+            .clone()
+            .or_else(|| {
+                policy
+                    .scope(&self.provider, &self.method, &self.route)
+                    .map(str::to_owned)
+            })
+            .unwrap_or_else(|| self.provider.clone())
+    }
+
+    /// The attempts the action is authorized for: the class's `max_attempts`, except that an
+    /// action the gateway ended without success (other than at its deadline) has no authorized
+    /// attempt left — nothing will wake it, so its authority is the attempts it used (module
+    /// docs).
+    fn authorized_attempts(&self, attempts_used: u32, max_attempts: u32) -> u32 {
+        if self.outcome.as_deref().is_some_and(ended_without_authority) {
+            attempts_used.min(max_attempts)
+        } else {
+            max_attempts
+        }
+    }
 }
 
 /// Whether an action that ended with `outcome` has no authorized attempt left: every outcome

@@ -20,7 +20,7 @@ use prometheus_client::{
         gauge::Gauge,
         histogram::{exponential_buckets, Histogram},
     },
-    registry::Registry,
+    registry::{Metric, Registry},
 };
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -71,26 +71,214 @@ fn upstream_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 14))
 }
 
-/// All gateway metrics, registered once; cheap to update from any task.
+/// Registers `metric` under `name` with its help text and returns it (the registry keeps a
+/// handle to the same values).
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// Actions and their attempts: attempts by disposition, terminal outcomes, reconciliation lookups.
 #[derive(Debug)]
-pub struct Metrics {
-    registry: Registry,
+struct ActionMetrics {
     attempts: Family<AttemptLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
     lookups: Family<LookupLabels, Counter>,
+}
+
+impl ActionMetrics {
+    /// Registers the group's metrics, in exposition order.
+    fn register(registry: &mut Registry) -> Self {
+        Self {
+            attempts: registered(
+                registry,
+                "attempts",
+                "Attempts of actions that left the process, by provider, scope, request class and disposition (reconciliation lookups are counted in backstop_reconciliation_lookups_total). An attempt is counted once for each scope of its route: sum within one scope label, never across scopes",
+                Family::<AttemptLabels, Counter>::default(),
+            ),
+            outcomes: registered(
+                registry,
+                "outcomes",
+                "Terminal outcomes of actions (docs/concepts.md, outcomes)",
+                Family::<OutcomeLabels, Counter>::default(),
+            ),
+            lookups: registered(
+                registry,
+                "reconciliation_lookups",
+                "Reconciliation lookups of uncertain writes, by provider and verdict (found, not_found, inconclusive; an inconclusive one may not have been sent, e.g. when its scope stayed closed)",
+                Family::<LookupLabels, Counter>::default(),
+            ),
+        }
+    }
+}
+
+/// Scopes: the delayed queue, attempts in flight, and the time yielded to provider boundaries.
+#[derive(Debug)]
+struct ScopeMetrics {
     delayed: Family<ScopeLabels, Gauge>,
     in_flight: Family<ScopeLabels, Gauge>,
     retry_after_debt: Family<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+}
+
+impl ScopeMetrics {
+    /// Registers the group's metrics, in exposition order.
+    fn register(registry: &mut Registry) -> Self {
+        Self {
+            delayed: registered(
+                registry,
+                "delayed_actions",
+                "Actions waiting in the delayed queue, by scope",
+                Family::<ScopeLabels, Gauge>::default(),
+            ),
+            in_flight: registered(
+                registry,
+                "in_flight_attempts",
+                "Attempts in flight, by scope",
+                Family::<ScopeLabels, Gauge>::default(),
+            ),
+            retry_after_debt: registered(
+                registry,
+                "retry_after_debt_seconds",
+                "Time deliberately yielded to provider backpressure (retry_not_before - throttled_at), by scope",
+                Family::<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default(),
+            ),
+        }
+    }
+}
+
+/// Agents' own retries: joined to an action in flight, or answered without sending.
+#[derive(Debug)]
+struct ResendMetrics {
     layered_retries_joined: Family<ProviderLabels, Counter>,
     client_resends: Family<ResendLabels, Counter>,
+}
+
+impl ResendMetrics {
+    /// Registers the group's metrics, in exposition order.
+    fn register(registry: &mut Registry) -> Self {
+        Self {
+            layered_retries_joined: registered(
+                registry,
+                "layered_retries_joined",
+                "Agent-side retries of an in-flight action that were joined instead of sent again",
+                Family::<ProviderLabels, Counter>::default(),
+            ),
+            client_resends: registered(
+                registry,
+                "client_resends",
+                "Client re-sends of a side-effect-free call (an SDK's own retry): `answered` after the call's final answer (nothing sent), `joined` to the call still in flight",
+                Family::<ResendLabels, Counter>::default(),
+            ),
+        }
+    }
+}
+
+/// Per-task circuit breakers: opened, and held in memory.
+#[derive(Debug)]
+struct BreakerMetrics {
     breakers_opened: Family<ProviderLabels, Counter>,
     task_breakers: Gauge,
+}
+
+impl BreakerMetrics {
+    /// Registers the group's metrics, in exposition order.
+    fn register(registry: &mut Registry) -> Self {
+        Self {
+            breakers_opened: registered(
+                registry,
+                "breakers_opened",
+                "Per-task circuit breakers opened after repeated identical failures",
+                Family::<ProviderLabels, Counter>::default(),
+            ),
+            task_breakers: registered(
+                registry,
+                "task_breakers",
+                "Per-task circuit breakers held in memory: tasks with a failure streak not ended by a success, not cancelled and not yet forgotten (breaker.forget_after_seconds after their last failure)",
+                Gauge::default(),
+            ),
+        }
+    }
+}
+
+/// What the watchdog finds: missed wakes and early retries.
+#[derive(Debug)]
+struct WatchdogMetrics {
     missed_wakes: Counter,
     early_retries: Counter,
+}
+
+impl WatchdogMetrics {
+    /// Registers the group's metrics, in exposition order.
+    fn register(registry: &mut Registry) -> Self {
+        Self {
+            missed_wakes: registered(
+                registry,
+                "missed_wakes",
+                "Scheduled retries that did not start within the wake grace (watchdog)",
+                Counter::default(),
+            ),
+            early_retries: registered(
+                registry,
+                "early_retries",
+                "Retries that started before the provider's boundary (watchdog)",
+                Counter::default(),
+            ),
+        }
+    }
+}
+
+/// The gateway's own service: its overhead per call, escalations open for a human, requests
+/// refused before they became actions, and the upstream latency per provider.
+#[derive(Debug)]
+struct ServiceMetrics {
     overhead: Histogram,
     open_escalations: Gauge,
     refusals: Family<ProblemLabels, Counter>,
     upstream_attempts: Family<ProviderLabels, Histogram, fn() -> Histogram>,
+}
+
+impl ServiceMetrics {
+    /// Registers the group's metrics, in exposition order.
+    fn register(registry: &mut Registry) -> Self {
+        Self {
+            overhead: registered(
+                registry,
+                "gateway_overhead_seconds",
+                "Time the proxy door spends per call: request head in to the hand-over to the engine, plus the engine's answer to the response head out (excludes queueing, waiting and the upstream call)",
+                Histogram::new(exponential_buckets(0.000_025, 2.0, 14)),
+            ),
+            open_escalations: registered(
+                registry,
+                "open_escalations",
+                "Escalations open for a human decision (counted in the store when /metrics is read)",
+                Gauge::default(),
+            ),
+            refusals: registered(
+                registry,
+                "refusals",
+                "Requests refused before they became actions, nothing sent, by problem type (the proxy door, POST /v1/actions, and the store refusing to record them: a reused idempotency key, a cancelled task); outcomes of recorded actions are in backstop_outcomes_total",
+                Family::<ProblemLabels, Counter>::default(),
+            ),
+            upstream_attempts: registered(
+                registry,
+                "upstream_attempt_seconds",
+                "Time from handing an attempt to the upstream client to its response head or transport error, by provider (reconciliation lookups not included)",
+                Family::<ProviderLabels, Histogram, fn() -> Histogram>::new_with_constructor( upstream_histogram, ),
+            ),
+        }
+    }
+}
+
+/// All gateway metrics, registered once; cheap to update from any task.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    actions: ActionMetrics,
+    scopes: ScopeMetrics,
+    resends: ResendMetrics,
+    breakers: BreakerMetrics,
+    watchdog: WatchdogMetrics,
+    service: ServiceMetrics,
     // Serializes encoding; updates are lock-free.
     encode_lock: Mutex<()>,
 }
@@ -105,131 +293,28 @@ impl Metrics {
     /// Registers every metric under the `backstop_` prefix.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("backstop");
-        let attempts = Family::<AttemptLabels, Counter>::default();
-        registry.register(
-            "attempts",
-            "Attempts of actions that left the process, by provider, scope, request class and disposition (reconciliation lookups are counted in backstop_reconciliation_lookups_total). An attempt is counted once for each scope of its route: sum within one scope label, never across scopes",
-            attempts.clone(),
-        );
-        let outcomes = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
-            "outcomes",
-            "Terminal outcomes of actions (docs/concepts.md, outcomes)",
-            outcomes.clone(),
-        );
-        let lookups = Family::<LookupLabels, Counter>::default();
-        registry.register(
-            "reconciliation_lookups",
-            "Reconciliation lookups of uncertain writes, by provider and verdict (found, not_found, inconclusive; an inconclusive one may not have been sent, e.g. when its scope stayed closed)",
-            lookups.clone(),
-        );
-        let delayed = Family::<ScopeLabels, Gauge>::default();
-        registry.register(
-            "delayed_actions",
-            "Actions waiting in the delayed queue, by scope",
-            delayed.clone(),
-        );
-        let in_flight = Family::<ScopeLabels, Gauge>::default();
-        registry.register(
-            "in_flight_attempts",
-            "Attempts in flight, by scope",
-            in_flight.clone(),
-        );
-        let retry_after_debt =
-            Family::<ScopeLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
-        registry.register(
-            "retry_after_debt_seconds",
-            "Time deliberately yielded to provider backpressure (retry_not_before - throttled_at), by scope",
-            retry_after_debt.clone(),
-        );
-        let layered_retries_joined = Family::<ProviderLabels, Counter>::default();
-        registry.register(
-            "layered_retries_joined",
-            "Agent-side retries of an in-flight action that were joined instead of sent again",
-            layered_retries_joined.clone(),
-        );
-        let client_resends = Family::<ResendLabels, Counter>::default();
-        registry.register(
-            "client_resends",
-            "Client re-sends of a side-effect-free call (an SDK's own retry): `answered` after the call's final answer (nothing sent), `joined` to the call still in flight",
-            client_resends.clone(),
-        );
-        let breakers_opened = Family::<ProviderLabels, Counter>::default();
-        registry.register(
-            "breakers_opened",
-            "Per-task circuit breakers opened after repeated identical failures",
-            breakers_opened.clone(),
-        );
-        let task_breakers = Gauge::default();
-        registry.register(
-            "task_breakers",
-            "Per-task circuit breakers held in memory: tasks with a failure streak not ended by a success, not cancelled and not yet forgotten (breaker.forget_after_seconds after their last failure)",
-            task_breakers.clone(),
-        );
-        let missed_wakes = Counter::default();
-        registry.register(
-            "missed_wakes",
-            "Scheduled retries that did not start within the wake grace (watchdog)",
-            missed_wakes.clone(),
-        );
-        let early_retries = Counter::default();
-        registry.register(
-            "early_retries",
-            "Retries that started before the provider's boundary (watchdog)",
-            early_retries.clone(),
-        );
-        let overhead = Histogram::new(exponential_buckets(0.000_025, 2.0, 14));
-        registry.register(
-            "gateway_overhead_seconds",
-            "Time the proxy door spends per call: request head in to the hand-over to the engine, plus the engine's answer to the response head out (excludes queueing, waiting and the upstream call)",
-            overhead.clone(),
-        );
-        let open_escalations = Gauge::default();
-        registry.register(
-            "open_escalations",
-            "Escalations open for a human decision (counted in the store when /metrics is read)",
-            open_escalations.clone(),
-        );
-        let refusals = Family::<ProblemLabels, Counter>::default();
-        registry.register(
-            "refusals",
-            "Requests refused before they became actions, nothing sent, by problem type (the proxy door, POST /v1/actions, and the store refusing to record them: a reused idempotency key, a cancelled task); outcomes of recorded actions are in backstop_outcomes_total",
-            refusals.clone(),
-        );
-        let upstream_attempts =
-            Family::<ProviderLabels, Histogram, fn() -> Histogram>::new_with_constructor(
-                upstream_histogram,
-            );
-        registry.register(
-            "upstream_attempt_seconds",
-            "Time from handing an attempt to the upstream client to its response head or transport error, by provider (reconciliation lookups not included)",
-            upstream_attempts.clone(),
-        );
+        let actions = ActionMetrics::register(&mut registry);
+        let scopes = ScopeMetrics::register(&mut registry);
+        let resends = ResendMetrics::register(&mut registry);
+        let breakers = BreakerMetrics::register(&mut registry);
+        let watchdog = WatchdogMetrics::register(&mut registry);
+        let service = ServiceMetrics::register(&mut registry);
         Self {
             registry,
-            attempts,
-            outcomes,
-            lookups,
-            delayed,
-            in_flight,
-            retry_after_debt,
-            layered_retries_joined,
-            client_resends,
-            breakers_opened,
-            task_breakers,
-            missed_wakes,
-            early_retries,
-            overhead,
-            open_escalations,
-            refusals,
-            upstream_attempts,
+            actions,
+            scopes,
+            resends,
+            breakers,
+            watchdog,
+            service,
             encode_lock: Mutex::new(()),
         }
     }
 
     /// Counts one attempt that left the process, with the disposition of its answer.
     pub fn attempt(&self, provider: &str, scope: &str, class: &str, disposition: Disposition) {
-        self.attempts
+        self.actions
+            .attempts
             .get_or_create(&AttemptLabels {
                 provider: provider.to_owned(),
                 scope: scope.to_owned(),
@@ -241,7 +326,8 @@ impl Metrics {
 
     /// Counts one reconciliation lookup with its verdict (`found`, `not_found`, `inconclusive`).
     pub fn lookup(&self, provider: &str, verdict: &str) {
-        self.lookups
+        self.actions
+            .lookups
             .get_or_create(&LookupLabels {
                 provider: provider.to_owned(),
                 verdict: verdict.to_owned(),
@@ -251,7 +337,8 @@ impl Metrics {
 
     /// Counts one terminal outcome.
     pub fn outcome(&self, provider: &str, class: &str, outcome: Outcome) {
-        self.outcomes
+        self.actions
+            .outcomes
             .get_or_create(&OutcomeLabels {
                 provider: provider.to_owned(),
                 class: class.to_owned(),
@@ -263,7 +350,8 @@ impl Metrics {
     /// The gauge of actions waiting in the delayed queue of `scope`. Kept by its owner and set
     /// with [`Gauge::set`], it costs one atomic store per update instead of a label lookup.
     pub fn delayed_gauge(&self, scope: &str) -> Gauge {
-        self.delayed
+        self.scopes
+            .delayed
             .get_or_create(&ScopeLabels {
                 scope: scope.to_owned(),
             })
@@ -272,7 +360,8 @@ impl Metrics {
 
     /// The gauge of attempts of `scope` in flight (kept and set as [`Self::delayed_gauge`]).
     pub fn in_flight_gauge(&self, scope: &str) -> Gauge {
-        self.in_flight
+        self.scopes
+            .in_flight
             .get_or_create(&ScopeLabels {
                 scope: scope.to_owned(),
             })
@@ -282,7 +371,8 @@ impl Metrics {
     /// Adds retry-after debt (seconds yielded to a provider boundary) to a scope.
     pub fn add_retry_after_debt(&self, scope: &str, seconds: f64) {
         if seconds.is_finite() && seconds > 0.0 {
-            self.retry_after_debt
+            self.scopes
+                .retry_after_debt
                 .get_or_create(&ScopeLabels {
                     scope: scope.to_owned(),
                 })
@@ -292,7 +382,8 @@ impl Metrics {
 
     /// Counts an agent retry joined to its in-flight action (or refused with 409).
     pub fn layered_retry_joined(&self, provider: &str) {
-        self.layered_retries_joined
+        self.resends
+            .layered_retries_joined
             .get_or_create(&ProviderLabels {
                 provider: provider.to_owned(),
             })
@@ -303,7 +394,8 @@ impl Metrics {
     /// `answered` (after the call's final answer: the same answer, nothing sent) or `joined`
     /// (to the call still in flight). Exported as `backstop_client_resends_total`.
     pub fn client_resend(&self, provider: &str, handling: &str) {
-        self.client_resends
+        self.resends
+            .client_resends
             .get_or_create(&ResendLabels {
                 provider: provider.to_owned(),
                 handling: handling.to_owned(),
@@ -313,7 +405,8 @@ impl Metrics {
 
     /// Counts a circuit breaker opening.
     pub fn breaker_opened(&self, provider: &str) {
-        self.breakers_opened
+        self.breakers
+            .breakers_opened
             .get_or_create(&ProviderLabels {
                 provider: provider.to_owned(),
             })
@@ -323,18 +416,18 @@ impl Metrics {
     /// The gauge of per-task circuit breakers held (`backstop_task_breakers`), kept by the
     /// engine and set with [`Gauge::set`] whenever the number changes.
     pub fn task_breakers_gauge(&self) -> Gauge {
-        self.task_breakers.clone()
+        self.breakers.task_breakers.clone()
     }
 
     /// Counts a missed wake found by the watchdog.
     pub fn missed_wake(&self) {
-        self.missed_wakes.inc();
+        self.watchdog.missed_wakes.inc();
     }
 
     /// Counts a retry found started before its provider boundary (watchdog, SPEC §10
     /// `early_retry_loop`).
     pub fn early_retry(&self) {
-        self.early_retries.inc();
+        self.watchdog.early_retries.inc();
     }
 
     /// Observes the gateway's own overhead for one proxied call, in seconds: the door's time
@@ -343,12 +436,13 @@ impl Metrics {
     /// response head handed to the agent. Queue wait, `Retry-After` waits, the engine's
     /// scheduling and the upstream call are not included.
     pub fn observe_overhead(&self, seconds: f64) {
-        self.overhead.observe(seconds);
+        self.service.overhead.observe(seconds);
     }
 
     /// Sets `backstop_open_escalations`: the escalations open in the store now.
     pub fn set_open_escalations(&self, open: u64) {
-        self.open_escalations
+        self.service
+            .open_escalations
             .set(i64::try_from(open).unwrap_or(i64::MAX));
     }
 
@@ -356,7 +450,8 @@ impl Metrics {
     /// type's name (`unauthorized`, `bad_header`, `idempotency_key_reused`, `cancelled`, …; the
     /// last part of the problem's `type`).
     pub fn refusal(&self, problem: &str) {
-        self.refusals
+        self.service
+            .refusals
             .get_or_create(&ProblemLabels {
                 problem: problem.to_owned(),
             })
@@ -368,7 +463,8 @@ impl Metrics {
     /// it). Negative or non-finite values are not observed.
     pub fn observe_upstream_attempt(&self, provider: &str, seconds: f64) {
         if seconds.is_finite() && seconds >= 0.0 {
-            self.upstream_attempts
+            self.service
+                .upstream_attempts
                 .get_or_create(&ProviderLabels {
                     provider: provider.to_owned(),
                 })

@@ -431,37 +431,12 @@ pub async fn start(
         .clone()
         .or_else(|| policy.store.clone())
         .unwrap_or_else(|| PathBuf::from(DEFAULT_STORE));
-    // `localhost:0` and other host names are resolved (every address is tried in turn).
-    let listener = TcpListener::bind(listen.as_str())
-        .await
-        .map_err(|e| StartError::Listen {
-            addr: listen.clone(),
-            reason: match e.kind() {
-                std::io::ErrorKind::AddrInUse => "the address is already in use".to_owned(),
-                std::io::ErrorKind::PermissionDenied => {
-                    "permission denied (ports below 1024 need privileges)".to_owned()
-                }
-                _ => e.to_string(),
-            },
-        })?;
-    let addr = listener.local_addr().map_err(|e| StartError::Listen {
-        addr: listen.clone(),
-        reason: e.to_string(),
-    })?;
+    let (listener, addr) = bind(&listen).await?;
     let store = open_sqlite(store_path.clone()).await?;
     let transport: Arc<dyn Transport> = Arc::new(Upstream::new(options.upstream)?);
     let policy = Arc::new(policy);
     let clock = TokioClock::system();
     let metrics = Arc::new(Metrics::new());
-    let lookup_credentials = policy
-        .providers
-        .keys()
-        .filter_map(|name| {
-            credentials
-                .get(name)
-                .map(|c| (name.clone(), c.name.clone(), c.value.clone()))
-        })
-        .collect();
     let executor = build(Parts {
         policy: policy.clone(),
         store: store.clone(),
@@ -469,7 +444,7 @@ pub async fn start(
         clock,
         metrics: metrics.clone(),
         seed: options.seed,
-        credentials: lookup_credentials,
+        credentials: lookup_credentials(&policy, &credentials),
     });
     let state = AppState::new(
         policy.clone(),
@@ -483,42 +458,11 @@ pub async fn start(
     )
     .with_store(store.clone());
     let state = Arc::new(state);
-    for error in state.auth.unavailable() {
-        tracing::warn!(
-            "{error}; this caller cannot authenticate until the file exists and backstop restarts"
-        );
-    }
-    for error in state.credentials.unavailable().values() {
-        tracing::warn!("{error}; calls to this provider are refused (credential_unavailable) until the file exists and backstop restarts");
-    }
-    let providers: Vec<&str> = policy.providers.keys().map(String::as_str).collect();
-    // The runtime's own count: what `--worker-threads` (or one per core) gave.
-    let workers = tokio::runtime::Handle::current().metrics().num_workers();
-    tracing::info!(
-        listen = %addr,
-        store = %store_path.display(),
-        providers = %providers.join(","),
-        tokens = state.auth.len(),
-        workers,
-        "backstop serve: listening on http://{addr} (store {}, providers: {}, {workers} worker thread{})",
-        store_path.display(),
-        if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
-        if workers == 1 { "" } else { "s" },
-    );
+    warn_unavailable_secrets(&state);
+    log_listening(&state, addr, &store_path);
     let (trigger, signal) = watch::channel(false);
     let app = full_router(state.clone(), store.clone());
-    let kept = store.clone();
-    let health_policy = Arc::new(health::HealthPolicy::from_policy(&policy));
-    let watchdog = watchdog::spawn_watchdog(
-        store,
-        clock,
-        state.metrics.clone(),
-        watchdog::WatchdogConfig {
-            policy: health_policy,
-            escalate: false,
-            ..watchdog::WatchdogConfig::default()
-        },
-    );
+    let watchdog = spawn_watchdog(store.clone(), &state, &policy);
     let task = tokio::spawn(serve(
         listener,
         app,
@@ -535,8 +479,97 @@ pub async fn start(
         task,
         watchdog,
         grace: options.shutdown_grace,
-        store: kept,
+        store,
     })
+}
+
+/// Binds the listener to `listen` (`localhost:0` and other host names are resolved, every
+/// address is tried in turn) and returns it with the address it got.
+///
+/// # Errors
+/// [`StartError::Listen`] naming the address and why in words.
+async fn bind(listen: &str) -> Result<(TcpListener, SocketAddr), StartError> {
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|e| StartError::Listen {
+            addr: listen.to_owned(),
+            reason: match e.kind() {
+                std::io::ErrorKind::AddrInUse => "the address is already in use".to_owned(),
+                std::io::ErrorKind::PermissionDenied => {
+                    "permission denied (ports below 1024 need privileges)".to_owned()
+                }
+                _ => e.to_string(),
+            },
+        })?;
+    let addr = listener.local_addr().map_err(|e| StartError::Listen {
+        addr: listen.to_owned(),
+        reason: e.to_string(),
+    })?;
+    Ok((listener, addr))
+}
+
+/// The credentials the executor's lookups send: `(provider, header name, value)` for every
+/// provider whose credential resolved.
+fn lookup_credentials(
+    policy: &Policy,
+    credentials: &ProviderCredentials,
+) -> Vec<(String, http::HeaderName, HeaderValue)> {
+    policy
+        .providers
+        .keys()
+        .filter_map(|name| {
+            credentials
+                .get(name)
+                .map(|c| (name.clone(), c.name.clone(), c.value.clone()))
+        })
+        .collect()
+}
+
+/// Warns once per token or provider credential whose file was missing at start.
+fn warn_unavailable_secrets(state: &AppState) {
+    for error in state.auth.unavailable() {
+        tracing::warn!(
+            "{error}; this caller cannot authenticate until the file exists and backstop restarts"
+        );
+    }
+    for error in state.credentials.unavailable().values() {
+        tracing::warn!("{error}; calls to this provider are refused (credential_unavailable) until the file exists and backstop restarts");
+    }
+}
+
+/// The one startup line: the address, the store, the providers, the tokens and the worker
+/// threads.
+fn log_listening(state: &AppState, addr: SocketAddr, store_path: &std::path::Path) {
+    let providers: Vec<&str> = state.policy.providers.keys().map(String::as_str).collect();
+    // The runtime's own count: what `--worker-threads` (or one per core) gave.
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    tracing::info!(
+        listen = %addr,
+        store = %store_path.display(),
+        providers = %providers.join(","),
+        tokens = state.auth.len(),
+        workers,
+        "backstop serve: listening on http://{addr} (store {}, providers: {}, {workers} worker thread{})",
+        store_path.display(),
+        if providers.is_empty() { "none".to_owned() } else { providers.join(", ") },
+        if workers == 1 { "" } else { "s" },
+    );
+}
+
+/// The watchdog of a serving gateway: it watches the store with the policy's health
+/// thresholds and opens no escalations.
+fn spawn_watchdog(store: Arc<dyn Store>, state: &AppState, policy: &Policy) -> JoinHandle<()> {
+    let health_policy = Arc::new(health::HealthPolicy::from_policy(policy));
+    watchdog::spawn_watchdog(
+        store,
+        state.clock,
+        state.metrics.clone(),
+        watchdog::WatchdogConfig {
+            policy: health_policy,
+            escalate: false,
+            ..watchdog::WatchdogConfig::default()
+        },
+    )
 }
 
 /// Accepts connections and serves `app` on each (HTTP/1.1, hyper), until `signal` turns true;
@@ -550,17 +583,38 @@ async fn serve(
     header_read_timeout: Duration,
 ) -> std::io::Result<()> {
     let (close, closing) = watch::channel(false);
-    let mut connections = JoinSet::new();
+    let mut connections = Connections {
+        set: JoinSet::new(),
+        app,
+        state,
+        closing,
+        header_read_timeout,
+    };
     loop {
         tokio::select! {
             _ = async { signal.wait_for(|stop| *stop).await.is_ok() } => break,
-            accepted = listener.accept() => {
-                accept(&mut connections, accepted, &app, &state, &closing, header_read_timeout).await;
-            }
-            Some(_) = connections.join_next() => {}
+            accepted = listener.accept() => connections.accept(accepted).await,
+            Some(_) = connections.set.join_next() => {}
         }
     }
     let deadline = tokio::time::Instant::now() + grace;
+    let in_time = drain(&listener, &mut connections, grace, deadline).await;
+    drop(listener);
+    let _ = close.send(true);
+    connections.close(deadline, in_time).await;
+    Ok(())
+}
+
+/// The stop's grace: new requests get 503 while the engine stops and the requests in flight are
+/// answered; attempts still out near the end are given up. `true` when everything was answered
+/// before `deadline`.
+async fn drain(
+    listener: &TcpListener,
+    connections: &mut Connections,
+    grace: Duration,
+    deadline: tokio::time::Instant,
+) -> bool {
+    let state = connections.state.clone();
     // Attempts still out this long before the deadline are given up, so that their callers
     // are answered within the grace rather than cut off at its end.
     let give_up_at = deadline - answer_margin(grace);
@@ -573,19 +627,15 @@ async fn serve(
     let engine_stop = state.executor.shutdown();
     tokio::pin!(engine_stop);
     let mut engine_stopped = false;
-    let mut in_time = true;
     loop {
         let idle = state.idle.notified();
         tokio::pin!(idle);
         idle.as_mut().enable();
         if engine_stopped && state.in_flight() == 0 {
-            break;
+            return true;
         }
         tokio::select! {
-            _ = tokio::time::sleep_until(deadline) => {
-                in_time = false;
-                break;
-            }
+            _ = tokio::time::sleep_until(deadline) => return false,
             _ = tokio::time::sleep_until(give_up_at), if !given_up => {
                 given_up = true;
                 if state.in_flight() > 0 {
@@ -602,81 +652,89 @@ async fn serve(
             }
             _ = &mut idle => {}
             // Still listening: a new connection is answered 503 rather than refused.
-            accepted = listener.accept() => {
-                accept(&mut connections, accepted, &app, &state, &closing, header_read_timeout).await;
-            }
-            Some(_) = connections.join_next() => {}
+            accepted = listener.accept() => connections.accept(accepted).await,
+            Some(_) = connections.set.join_next() => {}
         }
     }
-    drop(listener);
-    let _ = close.send(true);
-    if in_time {
-        // Idle keep-alive connections close now; a response being written is finished.
-        while tokio::time::timeout_at(deadline, connections.join_next())
-            .await
-            .is_ok_and(|next| next.is_some())
-        {}
+}
+
+/// The connections being served, with what each new one is served with.
+struct Connections {
+    set: JoinSet<()>,
+    app: Router,
+    state: Arc<AppState>,
+    /// Turns true when the connections are to close (gracefully: a response being written is
+    /// finished).
+    closing: watch::Receiver<bool>,
+    header_read_timeout: Duration,
+}
+
+impl Connections {
+    /// Starts serving one accepted connection (a failed `accept` is logged and, for a lack of
+    /// resources, waited out briefly instead of spinning).
+    async fn accept(&mut self, accepted: std::io::Result<(TcpStream, SocketAddr)>) {
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                tracing::debug!(%error, "backstop serve: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let header_read_timeout = self.header_read_timeout;
+        let service = ConnectionService {
+            state: self.state.clone(),
+            router: hyper_util::service::TowerToHyperService::new(self.app.clone()),
+        };
+        let mut closing = self.closing.clone();
+        self.set.spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_read_timeout);
+            let connection =
+                builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                result = connection.as_mut() => {
+                    if let Err(error) = result {
+                        tracing::debug!(%error, "backstop serve: connection ended with an error");
+                    }
+                    return;
+                }
+                _ = async { closing.wait_for(|close| *close).await.is_ok() } => {
+                    connection.as_mut().graceful_shutdown();
+                }
+            }
+            let _ = connection.await;
+        });
     }
-    if !connections.is_empty() {
-        tracing::warn!(
-            connections = connections.len(),
-            "shutdown: connections still open after the grace period; closing them"
-        );
+
+    /// Waits until `deadline` for the connections to close once told to (only when the grace
+    /// ended `in_time`), then closes those still open.
+    async fn close(mut self, deadline: tokio::time::Instant, in_time: bool) {
+        if in_time {
+            // Idle keep-alive connections close now; a response being written is finished.
+            while tokio::time::timeout_at(deadline, self.set.join_next())
+                .await
+                .is_ok_and(|next| next.is_some())
+            {}
+        }
+        if !self.set.is_empty() {
+            tracing::warn!(
+                connections = self.set.len(),
+                "shutdown: connections still open after the grace period; closing them"
+            );
+        }
+        self.set.abort_all();
     }
-    connections.abort_all();
-    Ok(())
 }
 
 /// The end of the stop's grace kept for answering callers whose attempt is given up
 /// ([`Executor::give_up_attempts`]): a quarter of the grace, at most 1 s.
 fn answer_margin(grace: Duration) -> Duration {
     (grace / 4).min(Duration::from_secs(1))
-}
-
-/// Starts serving one accepted connection (a failed `accept` is logged and, for a lack of
-/// resources, waited out briefly instead of spinning).
-async fn accept(
-    connections: &mut JoinSet<()>,
-    accepted: std::io::Result<(TcpStream, SocketAddr)>,
-    app: &Router,
-    state: &Arc<AppState>,
-    closing: &watch::Receiver<bool>,
-    header_read_timeout: Duration,
-) {
-    let stream = match accepted {
-        Ok((stream, _)) => stream,
-        Err(error) => {
-            tracing::debug!(%error, "backstop serve: accept failed");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            return;
-        }
-    };
-    let _ = stream.set_nodelay(true);
-    let service = ConnectionService {
-        state: state.clone(),
-        router: hyper_util::service::TowerToHyperService::new(app.clone()),
-    };
-    let mut closing = closing.clone();
-    connections.spawn(async move {
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        builder
-            .timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(header_read_timeout);
-        let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-        tokio::pin!(connection);
-        tokio::select! {
-            result = connection.as_mut() => {
-                if let Err(error) = result {
-                    tracing::debug!(%error, "backstop serve: connection ended with an error");
-                }
-                return;
-            }
-            _ = async { closing.wait_for(|close| *close).await.is_ok() } => {
-                connection.as_mut().graceful_shutdown();
-            }
-        }
-        let _ = connection.await;
-    });
 }
 
 /// The service of one connection. A request whose first path segment names a provider of the

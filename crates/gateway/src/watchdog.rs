@@ -306,57 +306,8 @@ fn case_input(
     grace: Duration,
     now: Timestamp,
 ) -> CaseInput {
-    let (reason, detail) = match diagnosis {
-        Diagnosis::EarlyRetryLoop => (
-            EscalationReason::AccountConfiguration,
-            format!(
-                "early_retry_loop: a retry started at {} before the provider's boundary {}; look for layered retries",
-                fmt_opt(snapshot.retry_started_at),
-                fmt_opt(snapshot.retry_not_before)
-            ),
-        ),
-        Diagnosis::StuckMissedWake => (
-            EscalationReason::SideEffectUnknown,
-            format!(
-                "stuck_missed_wake: the retry scheduled at {} (job {}) did not start within the {} ms wake grace",
-                fmt_opt(snapshot.scheduled_retry_at),
-                snapshot.scheduler_job_id.as_deref().unwrap_or("-"),
-                grace.as_millis()
-            ),
-        ),
-        _ => (
-            EscalationReason::SideEffectUnknown,
-            format!(
-                "{diagnosis}: no retry at or after the boundary {} is scheduled",
-                fmt_opt(snapshot.retry_not_before)
-            ),
-        ),
-    };
-    let attempts = trail
-        .attempts
-        .iter()
-        .map(|(n, a)| CaseAttempt {
-            n: *n,
-            started_at: a.sent_at,
-            finished_at: a.result.as_ref().map(|r| r.at),
-            status: a.result.as_ref().and_then(|r| r.status),
-            disposition: a.result.as_ref().map(|r| r.disposition.clone()),
-            retry_after_raw: a
-                .result
-                .as_ref()
-                .and_then(|r| retry_after_raw(&r.signal_headers)),
-            retry_not_before: a.result.as_ref().and_then(|r| r.boundary.flatten()),
-            quota_headers: a
-                .result
-                .iter()
-                .flat_map(|r| &r.signal_headers)
-                .map(|(name, value)| ObservedHeader {
-                    name: name.clone(),
-                    value: value.clone(),
-                })
-                .collect(),
-        })
-        .collect();
+    let (reason, detail) = finding_reason(snapshot, diagnosis, grace);
+    let attempts = case_attempts(trail);
     CaseInput {
         opened_at: now,
         reason,
@@ -387,6 +338,70 @@ fn case_input(
         reconciliation_query: None,
         retry_not_before: snapshot.retry_not_before,
     }
+}
+
+/// Why a finding escalates: the reason and its one-line detail.
+fn finding_reason(
+    snapshot: &Snapshot,
+    diagnosis: Diagnosis,
+    grace: Duration,
+) -> (EscalationReason, String) {
+    match diagnosis {
+        Diagnosis::EarlyRetryLoop => (
+            EscalationReason::AccountConfiguration,
+            format!(
+                "early_retry_loop: a retry started at {} before the provider's boundary {}; look for layered retries",
+                fmt_opt(snapshot.retry_started_at),
+                fmt_opt(snapshot.retry_not_before)
+            ),
+        ),
+        Diagnosis::StuckMissedWake => (
+            EscalationReason::SideEffectUnknown,
+            format!(
+                "stuck_missed_wake: the retry scheduled at {} (job {}) did not start within the {} ms wake grace",
+                fmt_opt(snapshot.scheduled_retry_at),
+                snapshot.scheduler_job_id.as_deref().unwrap_or("-"),
+                grace.as_millis()
+            ),
+        ),
+        _ => (
+            EscalationReason::SideEffectUnknown,
+            format!(
+                "{diagnosis}: no retry at or after the boundary {} is scheduled",
+                fmt_opt(snapshot.retry_not_before)
+            ),
+        ),
+    }
+}
+
+/// The attempts of the trail as the case file lists them, with their statuses, boundaries and
+/// signal headers.
+fn case_attempts(trail: &ActionTrail) -> Vec<CaseAttempt> {
+    trail
+        .attempts
+        .iter()
+        .map(|(n, a)| CaseAttempt {
+            n: *n,
+            started_at: a.sent_at,
+            finished_at: a.result.as_ref().map(|r| r.at),
+            status: a.result.as_ref().and_then(|r| r.status),
+            disposition: a.result.as_ref().map(|r| r.disposition.clone()),
+            retry_after_raw: a
+                .result
+                .as_ref()
+                .and_then(|r| retry_after_raw(&r.signal_headers)),
+            retry_not_before: a.result.as_ref().and_then(|r| r.boundary.flatten()),
+            quota_headers: a
+                .result
+                .iter()
+                .flat_map(|r| &r.signal_headers)
+                .map(|(name, value)| ObservedHeader {
+                    name: name.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 fn fmt_opt(at: Option<Timestamp>) -> String {
