@@ -81,6 +81,7 @@ mod refusals;
 mod replay;
 mod resend;
 mod resume;
+mod retry;
 mod scopes;
 mod stopped;
 mod store_calls;
@@ -88,7 +89,7 @@ mod takeover;
 mod uncertain;
 mod writes;
 
-use attempt::Seen;
+use attempt::{Answer, Attempt, Next, Seen};
 use build::RuleTable;
 use guard::{uncertain_result, ActionGuard, SoFar};
 use outcomes::{wait_ms, wait_then_abort, UnrecordedRetry};
