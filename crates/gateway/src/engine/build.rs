@@ -11,13 +11,13 @@ use backstop_core::{
     classify::ClassifyRules,
     policy::{Policy, RouteMatch},
 };
-use backstop_store::Store;
+use backstop_store::{ActionId, Store};
 use std::{
     collections::{HashMap, HashSet},
     sync::{atomic::AtomicBool, Arc, Mutex},
 };
 
-use super::{actions, detached, quota_escalations, Engine, Inner};
+use super::{actions, detached, quota_escalations, Engine, EngineError, Inner};
 use crate::{
     clock::TokioClock,
     coalesce::Flights,
@@ -211,79 +211,116 @@ impl Engine {
             route_fingerprints: fingerprints,
         });
         let restore = inner.clone();
-        tokio::spawn(async move {
-            // The previous run's unfinished attempts and scheduled retries, listed before any
-            // action of this run is recorded (see `recovery_listed`): a retry this run schedules
-            // is its own, never one to re-arm as if its caller were gone.
-            let unfinished = restore.blocking(|s| s.unfinished_attempts()).await;
-            let scheduled = restore.blocking(|s| s.scheduled_retries()).await;
-            let between = restore.blocking(|s| s.actions_between_attempts()).await;
-            let unsent_reads = restore.blocking(|s| s.unsent_reads()).await;
-            let unsent_writes = match restore.blocking(|s| s.unsent_writes()).await {
-                Ok(unsent) => {
-                    if !unsent.is_empty() {
-                        tracing::info!(
-                            writes = unsent.len(),
-                            "restart recovery: writes recorded but never sent are sent from their kept requests under their original keys"
-                        );
-                    }
-                    restore
-                        .unsent
-                        .lock()
-                        .unwrap_or_else(|poisoned| poisoned.into_inner())
-                        .extend(unsent.iter().map(|id| id.0));
-                    unsent
+        tokio::spawn(async move { restore.recover_at_start().await });
+        Engine { inner }
+    }
+}
+
+/// What the previous run left unfinished, as listed at start (each list read on its own: one
+/// that cannot be read is logged by the recovery step it feeds).
+struct Unfinished {
+    unfinished: Result<Vec<backstop_store::UnfinishedAttempt>, EngineError>,
+    scheduled: Result<Vec<backstop_store::DueRetry>, EngineError>,
+    between: Result<Vec<ActionId>, EngineError>,
+    unsent_reads: Result<Vec<ActionId>, EngineError>,
+    unsent_writes: Vec<ActionId>,
+}
+
+impl Inner {
+    /// What every start does before and beside its first action: list the previous run's
+    /// unfinished work, restore the scope records, then recover (SPEC §12).
+    async fn recover_at_start(self: &Arc<Self>) {
+        let Unfinished {
+            unfinished,
+            scheduled,
+            between,
+            unsent_reads,
+            unsent_writes,
+        } = self.list_unfinished().await;
+        self.restore_scopes().await;
+        // Restart recovery (SPEC §12): writes sent without a result are reconciled with
+        // their original key; actions left between two attempts are closed (an uncertain
+        // write reconciled); scheduled retries are re-armed at their due instants.
+        self.recover_unfinished(unfinished).await;
+        self.recover_between_attempts(between).await;
+        self.close_unsent_reads(unsent_reads).await;
+        self.resume_unsent(unsent_writes).await;
+        self.rearm_scheduled(scheduled).await;
+    }
+
+    /// The previous run's unfinished attempts and scheduled retries, listed before any
+    /// action of this run is recorded (`recovery_listed` is told once they are): a retry this
+    /// run schedules is its own, never one to re-arm as if its caller were gone.
+    async fn list_unfinished(&self) -> Unfinished {
+        let unfinished = self.blocking(|s| s.unfinished_attempts()).await;
+        let scheduled = self.blocking(|s| s.scheduled_retries()).await;
+        let between = self.blocking(|s| s.actions_between_attempts()).await;
+        let unsent_reads = self.blocking(|s| s.unsent_reads()).await;
+        let unsent_writes = match self.blocking(|s| s.unsent_writes()).await {
+            Ok(unsent) => {
+                if !unsent.is_empty() {
+                    tracing::info!(
+                        writes = unsent.len(),
+                        "restart recovery: writes recorded but never sent are sent from their kept requests under their original keys"
+                    );
                 }
+                self.unsent
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .extend(unsent.iter().map(|id| id.0));
+                unsent
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "restart recovery: cannot read the writes never sent");
+                Vec::new()
+            }
+        };
+        self.recovery_listed.send_replace(true);
+        Unfinished {
+            unfinished,
+            scheduled,
+            between,
+            unsent_reads,
+            unsent_writes,
+        }
+    }
+
+    /// The scope records as stored before the restart, so boundaries recorded then keep
+    /// holding.
+    async fn restore_scopes(&self) {
+        let scopes: Vec<(String, String)> = self
+            .policy
+            .providers
+            .iter()
+            .flat_map(|(p, provider)| {
+                provider
+                    .scopes
+                    .values()
+                    .map(move |s| (p.clone(), s.name.clone()))
+            })
+            .collect();
+        for (provider, scope) in scopes {
+            let (p, s) = (provider.clone(), scope.clone());
+            match self.blocking(move |st| st.scope(&p, &s)).await {
+                Ok(Some(record)) => {
+                    self.scheduler
+                        .signal(
+                            std::slice::from_ref(&scope),
+                            ScopeSignal::Restore {
+                                next_allowed_at: record.next_allowed_at,
+                                remaining: record.remaining,
+                                limit: record.limit,
+                                reset_at: record.reset_at,
+                                source: record.source,
+                            },
+                        )
+                        .await;
+                }
+                Ok(None) => {}
                 Err(e) => {
-                    tracing::error!(error = %e, "restart recovery: cannot read the writes never sent");
-                    Vec::new()
-                }
-            };
-            restore.recovery_listed.send_replace(true);
-            let scopes: Vec<(String, String)> = restore
-                .policy
-                .providers
-                .iter()
-                .flat_map(|(p, provider)| {
-                    provider
-                        .scopes
-                        .values()
-                        .map(move |s| (p.clone(), s.name.clone()))
-                })
-                .collect();
-            for (provider, scope) in scopes {
-                let (p, s) = (provider.clone(), scope.clone());
-                match restore.blocking(move |st| st.scope(&p, &s)).await {
-                    Ok(Some(record)) => {
-                        restore
-                            .scheduler
-                            .signal(
-                                std::slice::from_ref(&scope),
-                                ScopeSignal::Restore {
-                                    next_allowed_at: record.next_allowed_at,
-                                    remaining: record.remaining,
-                                    limit: record.limit,
-                                    reset_at: record.reset_at,
-                                    source: record.source,
-                                },
-                            )
-                            .await;
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::warn!(scope = %scope, error = %e, "could not read the stored scope record")
-                    }
+                    tracing::warn!(scope = %scope, error = %e, "could not read the stored scope record")
                 }
             }
-            // Restart recovery (SPEC §12): writes sent without a result are reconciled with
-            // their original key; actions left between two attempts are closed (an uncertain
-            // write reconciled); scheduled retries are re-armed at their due instants.
-            restore.recover_unfinished(unfinished).await;
-            restore.recover_between_attempts(between).await;
-            restore.close_unsent_reads(unsent_reads).await;
-            restore.resume_unsent(unsent_writes).await;
-            restore.rearm_scheduled(scheduled).await;
-        });
-        Engine { inner }
+        }
     }
 }

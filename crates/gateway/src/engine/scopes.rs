@@ -29,6 +29,31 @@ impl Engine {
             return;
         }
         let mut updates: Vec<ScopeUpdate> = Vec::new();
+        self.apply_quota(run, signal, received_at, &mut updates)
+            .await;
+        self.apply_rate_limit(run, signal, status, received_at, &mut updates)
+            .await;
+        for update in updates {
+            if let Err(e) = inner
+                .blocking(move |s| s.update_scope(update, received_at).map(|_| ()))
+                .await
+            {
+                tracing::warn!(error = %e, "could not persist the scope record");
+            }
+        }
+    }
+
+    /// Quota headers (the observation with the least remaining): the scheduler is told at
+    /// once; the scope records to persist are added to `updates`.
+    async fn apply_quota(
+        &self,
+        run: &Run<'_>,
+        signal: &Signal,
+        received_at: Timestamp,
+        updates: &mut Vec<ScopeUpdate>,
+    ) {
+        let inner = &self.inner;
+        let route = &run.spec.route;
         if let Some(obs) = signal
             .quota
             .iter()
@@ -70,6 +95,21 @@ impl Engine {
                 });
             }
         }
+    }
+
+    /// A rate limit's or an exhausted quota's boundary: every action of the route's scopes
+    /// waits for it; the scheduler is told at once, the scope records to persist are added to
+    /// `updates`.
+    async fn apply_rate_limit(
+        &self,
+        run: &Run<'_>,
+        signal: &Signal,
+        status: Option<u16>,
+        received_at: Timestamp,
+        updates: &mut Vec<ScopeUpdate>,
+    ) {
+        let inner = &self.inner;
+        let route = &run.spec.route;
         let limited = matches!(
             signal.disposition,
             Disposition::RateLimited | Disposition::QuotaExhausted
@@ -140,14 +180,6 @@ impl Engine {
                 boundary = %boundary,
                 "rate limited: every action of the route's scopes waits for the boundary"
             );
-        }
-        for update in updates {
-            if let Err(e) = inner
-                .blocking(move |s| s.update_scope(update, received_at).map(|_| ()))
-                .await
-            {
-                tracing::warn!(error = %e, "could not persist the scope record");
-            }
         }
     }
 
