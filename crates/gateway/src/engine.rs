@@ -3,20 +3,35 @@
 //! Why one owner: retries layered in SDKs, frameworks and proxies multiply calls exactly when a
 //! provider is already throttling. The engine is the single place that decides whether another
 //! attempt leaves, and every decision is the core's (`classify`, `plan_retry`, `admit`, budgets,
-//! breaker) — the engine only carries them out, in this order for each attempt:
+//! breaker) — the engine only carries them out. One request, from the door to the audit log:
 //!
-//! 1. ask the [scheduler](crate::scheduler) for a permit (SPEC §4.1: cancellation and deadline,
-//!    every scope's `next_allowed_at`, pacing, concurrency slots);
-//! 2. mark the attempt `sent` in the store — durable before the bytes leave (SPEC §9, §12);
-//! 3. send it once through the [`Transport`];
-//! 4. classify the answer with the route's `ClassifyRules` (a 2xx body is never read; a non-2xx
-//!    body is buffered up to [`ERROR_BODY_LIMIT`] for the error-code pointer, then passed on);
-//! 5. on a rate limit or quota signal update the scope record FIRST (scheduler, then
+//! ```text
+//! Engine::execute ─► Engine::run (record.rs): prepare ─► admit_action ─► [found_under_key ─►
+//!   take_over] ─► circuit_open ─► budget_of ─► Engine::attempts
+//! Engine::attempts (attempt.rs), one `Next` at a time over an `Attempt` context:
+//!   Admit ─► Send ─► Classify ─► Settle ─► Decide ─┬─► Succeed | Fail ─────────────► Finish
+//!     ▲                                            ├─► Reconcile (uncertain.rs) ─► Plan | Finish
+//!     │                                            └─► Plan ─► Schedule (retry.rs) ─► Finish
+//!     └───────────────────────────────────────────────────────────┘ (retry due)
+//! ```
+//!
+//! For each attempt, in this order:
+//!
+//! 1. `admit`: ask the [scheduler](crate::scheduler) for a permit (SPEC §4.1: cancellation and
+//!    deadline, every scope's `next_allowed_at`, pacing, concurrency slots);
+//! 2. `send`: mark the attempt `sent` in the store — durable before the bytes leave (SPEC §9,
+//!    §12) — then send it once through the [`Transport`];
+//! 3. `classify`: the answer with the route's `ClassifyRules` (a 2xx body is never read; a
+//!    non-2xx body is buffered up to [`ERROR_BODY_LIMIT`] for the error-code pointer, then
+//!    passed on);
+//! 4. `settle`: on a rate limit or quota signal update the scope record FIRST (scheduler, then
 //!    `store.update_scope`), so no other action assumes the next slot is its own;
-//! 6. record the result; then either pass the response through, plan the retry
-//!    (`plan_retry`: full jitter, boundary precedence, stop instead of sleeping into failure),
-//!    withdraw from the scope retry quota and schedule it durably, or end the action with an
-//!    outcome carrying the SPEC §5 context and `next_safe`.
+//! 5. `decide`: reconcile an uncertain write (SPEC §6), pass the response through, end with
+//!    the final failure (`outcomes.rs`), or `plan` the retry (`plan_retry`: full jitter,
+//!    boundary precedence, stop instead of sleeping into failure), withdraw from the scope
+//!    retry quota and `schedule` it durably; an end carries the SPEC §5 context and
+//!    `next_safe`, and is recorded with the attempt's result (the hash-chained audit is the
+//!    store's).
 //!
 //! Provider responses the agent must see (`rejected`, `conflict`) pass through unchanged;
 //! outcomes the gateway makes (`budget_exhausted`, `deadline_exhausted`, `quota_exhausted`,

@@ -51,57 +51,11 @@ impl Engine {
         result: AttemptResult,
         key_honoured: bool,
     ) -> Execution {
-        let inner = &self.inner;
         let route = &run.spec.route;
         match (signal.disposition, response) {
             (disposition @ (Disposition::Rejected | Disposition::Conflict), Some(response)) => {
-                let outcome = if disposition == Disposition::Rejected {
-                    Outcome::Rejected
-                } else {
-                    Outcome::Conflict
-                };
-                if disposition == Disposition::Rejected {
-                    let code = signal
-                        .error_code
-                        .clone()
-                        .unwrap_or_else(|| format!("http_{}", response.status().as_u16()));
-                    self.breaker_failure(run, &code, seen.last_status).await;
-                }
-                let context = self.context(
-                    budget,
-                    seen,
-                    None,
-                    vec![NextSafe::ChangeRequest, NextSafe::Abort],
-                );
-                // A write's final answer is kept for idempotent replay, refused or not: a
-                // same-key resend is answered as the first request was.
-                let (response, kept) = if !run.spec.has_side_effect() {
-                    (response, None)
-                } else {
-                    let (response, record, _) = kept_for_replay(response, run.id, false).await;
-                    (response, Some(record))
-                };
-                let mut result = result;
-                result.finish = Some(Finish {
-                    outcome: store_outcome(outcome),
-                    context: serde_json::to_value(&context).unwrap_or_default(),
-                    response: kept,
-                });
-                self.record_final_result(run, result).await;
-                inner
-                    .metrics
-                    .outcome(&route.provider, &route.class, outcome);
-                tracing::info!(
-                    task = %run.task(),
-                    route = %route.template,
-                    status = seen.last_status,
-                    outcome = %outcome,
-                    "final provider answer passed through"
-                );
-                Execution::Response {
-                    receipt: run.receipt(seen.sent),
-                    response,
-                }
+                let answer = (disposition, signal, response, result);
+                self.pass_final_answer(run, budget, seen, answer).await
             }
             (Disposition::Uncertain, _) => {
                 let mut next_safe = vec![NextSafe::QueryStatus];
@@ -153,6 +107,71 @@ impl Engine {
                 ))
                 .await
             }
+        }
+    }
+
+    /// A refusal or a conflict the provider answered is the agent's to see: passed through
+    /// unchanged, its rejection counted by the circuit breaker, the action ended with it.
+    async fn pass_final_answer(
+        &self,
+        run: &Run<'_>,
+        budget: &ActionBudget,
+        seen: &Seen,
+        (disposition, signal, response, result): (
+            Disposition,
+            Signal,
+            http::Response<Body>,
+            AttemptResult,
+        ),
+    ) -> Execution {
+        let inner = &self.inner;
+        let route = &run.spec.route;
+        let outcome = if disposition == Disposition::Rejected {
+            Outcome::Rejected
+        } else {
+            Outcome::Conflict
+        };
+        if disposition == Disposition::Rejected {
+            let code = signal
+                .error_code
+                .clone()
+                .unwrap_or_else(|| format!("http_{}", response.status().as_u16()));
+            self.breaker_failure(run, &code, seen.last_status).await;
+        }
+        let context = self.context(
+            budget,
+            seen,
+            None,
+            vec![NextSafe::ChangeRequest, NextSafe::Abort],
+        );
+        // A write's final answer is kept for idempotent replay, refused or not: a
+        // same-key resend is answered as the first request was.
+        let (response, kept) = if !run.spec.has_side_effect() {
+            (response, None)
+        } else {
+            let (response, record, _) = kept_for_replay(response, run.id, false).await;
+            (response, Some(record))
+        };
+        let mut result = result;
+        result.finish = Some(Finish {
+            outcome: store_outcome(outcome),
+            context: serde_json::to_value(&context).unwrap_or_default(),
+            response: kept,
+        });
+        self.record_final_result(run, result).await;
+        inner
+            .metrics
+            .outcome(&route.provider, &route.class, outcome);
+        tracing::info!(
+            task = %run.task(),
+            route = %route.template,
+            status = seen.last_status,
+            outcome = %outcome,
+            "final provider answer passed through"
+        );
+        Execution::Response {
+            receipt: run.receipt(seen.sent),
+            response,
         }
     }
 

@@ -33,13 +33,14 @@ use backstop_core::{
 use backstop_store::{
     ActionId, ActionRecord, ActionState, Admission as StoreAdmission, AttemptRecord,
     Completion as StoreCompletion, NewAction, NewTask, PayloadDigest, RouteTemplate, StoreError,
+    TaskRecord,
 };
 use bytes::Bytes;
 use jiff::Timestamp;
 
 use super::{
     core_priority, is_store_failure, resend, resume, store_priority, unrecorded, ActionGuard,
-    Engine, EngineError, Notify, ReadRecords, SoFar,
+    Engine, EngineError, Inner, Notify, ReadRecords, SoFar,
 };
 use crate::{
     action::{ActionReceipt, ActionSpec, Execution},
@@ -597,7 +598,6 @@ impl Engine {
         guard: LeaderGuard,
     ) -> Step<Admitted> {
         let inner = &self.inner;
-        let route = &spec.route;
         let id = record.id;
         // The caller may go away while they are read. Nothing would close the
         // write then: a never sent one would stay `requested`, out of the
@@ -606,33 +606,7 @@ impl Engine {
         // going away does (never sent → `cancelled`; reopened after an
         // `uncertain` attempt → reconciled); one that failed puts a never sent
         // write back for the next resend, and leaves a reopened one reopened.
-        let orphaned = {
-            let (inner, runtime) = (inner.clone(), tokio::runtime::Handle::current());
-            let (provider, class) = (route.provider.clone(), route.class.clone());
-            move |read: Result<(Vec<AttemptRecord>, _), StoreError>| match read {
-                Ok((attempts, _)) => {
-                    tracing::info!(
-                        action = id.0,
-                        "client disconnected while its same-key resend took the write over, before the resend sent anything"
-                    );
-                    inner.close_for_gone_client(
-                        &runtime,
-                        id,
-                        false,
-                        SoFar::of_stored(&attempts),
-                        (&provider, &class),
-                    );
-                }
-                Err(_) if never_sent => {
-                    inner
-                        .unsent
-                        .lock()
-                        .unwrap_or_else(|poisoned| poisoned.into_inner())
-                        .insert(id.0);
-                }
-                Err(_) => {}
-            }
-        };
+        let orphaned = orphaned_takeover(inner, spec, id, never_sent);
         // With the action's own task: its attempts are scheduled under it, not
         // under the task this request names.
         let (agent, task) = (record.agent.clone(), record.task_id.clone());
@@ -776,4 +750,43 @@ fn budget_of(run: &Run<'_>, class: &RequestClass, own_deadline: Option<Timestamp
         },
         deadline,
     )
+}
+
+/// What a take-over reads of the write: its stored attempts and its own task.
+type TakenOverRead = (Vec<AttemptRecord>, Option<TaskRecord>);
+
+/// What closes a write taken over (`id`, `never_sent` or reopened) when nobody awaits the read
+/// of its attempts any more (see [`Engine::take_over`]).
+fn orphaned_takeover(
+    inner: &Arc<Inner>,
+    spec: &ActionSpec,
+    id: ActionId,
+    never_sent: bool,
+) -> impl FnOnce(Result<TakenOverRead, StoreError>) + Send + 'static {
+    let route = &spec.route;
+    let (inner, runtime) = (inner.clone(), tokio::runtime::Handle::current());
+    let (provider, class) = (route.provider.clone(), route.class.clone());
+    move |read: Result<TakenOverRead, StoreError>| match read {
+        Ok((attempts, _)) => {
+            tracing::info!(
+                action = id.0,
+                "client disconnected while its same-key resend took the write over, before the resend sent anything"
+            );
+            inner.close_for_gone_client(
+                &runtime,
+                id,
+                false,
+                SoFar::of_stored(&attempts),
+                (&provider, &class),
+            );
+        }
+        Err(_) if never_sent => {
+            inner
+                .unsent
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .insert(id.0);
+        }
+        Err(_) => {}
+    }
 }
