@@ -376,67 +376,7 @@ impl Engine {
             Err(e) => return not(&format!("the action could not be read: {e}")),
         };
         match effect {
-            DecisionEffect::QueryStatus => {
-                let facts = inner
-                    .stored_facts(&record, Some(backstop_core::pacing::Priority::Interactive))
-                    .await;
-                let Ok(verdict) = inner.lookup(&facts, None).await else {
-                    // Nothing was asked: the status query is recorded as not run.
-                    return DecisionApplied {
-                        lookup: Some(LookupAnswer {
-                            verdict: "not_run".to_owned(),
-                            reason: Some(
-                                "backstop is shutting down; no lookup was sent".to_owned(),
-                            ),
-                            provider_operation_id: None,
-                        }),
-                        ..not("backstop is shutting down: no lookup was sent; the action stays escalated and the escalation stays open")
-                    };
-                };
-                match verdict {
-                    backstop_core::reconcile::LookupVerdict::Found { operation_id } => {
-                        let now = backstop_core::clock::Clock::now(&inner.clock);
-                        let op = operation_id.clone();
-                        let lookup = LookupAnswer::found(operation_id.clone());
-                        match inner
-                            .blocking(move |s| s.record_reconciled(action, op, now))
-                            .await
-                        {
-                            Ok(()) => DecisionApplied {
-                                applied: true,
-                                outcome: Some("succeeded".to_owned()),
-                                lookup: Some(lookup),
-                                ..not(&match operation_id {
-                                    Some(op) => format!("the provider has this write as `{op}`; the action is succeeded (reconciled)"),
-                                    None => "the provider has this write; the action is succeeded (reconciled)".to_owned(),
-                                })
-                            },
-                            Err(e) => DecisionApplied {
-                                lookup: Some(lookup),
-                                ..not(&format!("found, but the reconciliation could not be recorded: {e}; the escalation stays open"))
-                            },
-                        }
-                    }
-                    backstop_core::reconcile::LookupVerdict::NotFound => DecisionApplied {
-                        lookup: Some(LookupAnswer {
-                            verdict: "not_found".to_owned(),
-                            reason: None,
-                            provider_operation_id: None,
-                        }),
-                        ..not("the lookup did not find the write; the action stays escalated and the escalation stays open")
-                    },
-                    backstop_core::reconcile::LookupVerdict::Inconclusive { reason } => {
-                        DecisionApplied {
-                            lookup: Some(LookupAnswer {
-                                verdict: "inconclusive".to_owned(),
-                                reason: Some(reason.clone()),
-                                provider_operation_id: None,
-                            }),
-                            ..not(&format!("the lookup was inconclusive ({reason}); the action stays escalated and the escalation stays open"))
-                        }
-                    }
-                }
-            }
+            DecisionEffect::QueryStatus => self.query_status_decided(action, &record).await,
             DecisionEffect::Abort
                 if record.outcome.is_some_and(|o| {
                     !matches!(
@@ -461,50 +401,7 @@ impl Engine {
                     ))
                 }
             }
-            DecisionEffect::Abort => {
-                inner
-                    .held
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .remove(&action.0);
-                // The context says what the action's attempts did, as every outcome's does.
-                let attempts = inner.blocking(move |s| s.attempts(action)).await;
-                let mut context = match &attempts {
-                    Ok(attempts) => {
-                        let waited = super::writes::recorded_wait_ms(&record, attempts);
-                        serde_json::to_value(super::writes::recovered_context(attempts, waited))
-                            .unwrap_or_default()
-                    }
-                    Err(_) => serde_json::json!({ "sent": true }),
-                };
-                if let Some(members) = context.as_object_mut() {
-                    members.insert(
-                        "next_safe".to_owned(),
-                        serde_json::json!([{"option": "abort"}]),
-                    );
-                    members.insert(
-                        "detail".to_owned(),
-                        "aborted by an operator's decision; nothing more is sent".into(),
-                    );
-                }
-                let finish = super::Finish {
-                    outcome: backstop_store::Outcome::Cancelled,
-                    context,
-                    response: None,
-                };
-                let now = backstop_core::clock::Clock::now(&inner.clock);
-                match inner
-                    .blocking(move |s| s.finish_action(action, finish, now))
-                    .await
-                {
-                    Ok(()) => DecisionApplied {
-                        applied: true,
-                        outcome: Some("cancelled".to_owned()),
-                        ..not("the action is cancelled; nothing more is sent")
-                    },
-                    Err(e) => not(&format!("the action could not be ended: {e}")),
-                }
-            }
+            DecisionEffect::Abort => self.abort_decided(action, &record).await,
             DecisionEffect::RetrySameKey { idempotency_key } => {
                 self.retry_same_key(action, idempotency_key, decided_by)
                     .await
@@ -528,6 +425,129 @@ impl Engine {
                 }
                 _ => not("the action stays open as decided"),
             },
+        }
+    }
+
+    /// `query_status`: the escalated write `record` (`action`) is looked up at the provider;
+    /// found, it is reconciled `succeeded`; otherwise it stays escalated.
+    async fn query_status_decided(
+        &self,
+        action: backstop_store::ActionId,
+        record: &backstop_store::ActionRecord,
+    ) -> DecisionApplied {
+        let inner = &self.inner;
+        let not = DecisionApplied::not;
+        let facts = inner
+            .stored_facts(record, Some(backstop_core::pacing::Priority::Interactive))
+            .await;
+        let Ok(verdict) = inner.lookup(&facts, None).await else {
+            // Nothing was asked: the status query is recorded as not run.
+            return DecisionApplied {
+                lookup: Some(LookupAnswer {
+                    verdict: "not_run".to_owned(),
+                    reason: Some(
+                        "backstop is shutting down; no lookup was sent".to_owned(),
+                    ),
+                    provider_operation_id: None,
+                }),
+                ..not("backstop is shutting down: no lookup was sent; the action stays escalated and the escalation stays open")
+            };
+        };
+        match verdict {
+            backstop_core::reconcile::LookupVerdict::Found { operation_id } => {
+                let now = backstop_core::clock::Clock::now(&inner.clock);
+                let op = operation_id.clone();
+                let lookup = LookupAnswer::found(operation_id.clone());
+                match inner
+                    .blocking(move |s| s.record_reconciled(action, op, now))
+                    .await
+                {
+                    Ok(()) => DecisionApplied {
+                        applied: true,
+                        outcome: Some("succeeded".to_owned()),
+                        lookup: Some(lookup),
+                        ..not(&match operation_id {
+                            Some(op) => format!("the provider has this write as `{op}`; the action is succeeded (reconciled)"),
+                            None => "the provider has this write; the action is succeeded (reconciled)".to_owned(),
+                        })
+                    },
+                    Err(e) => DecisionApplied {
+                        lookup: Some(lookup),
+                        ..not(&format!("found, but the reconciliation could not be recorded: {e}; the escalation stays open"))
+                    },
+                }
+            }
+            backstop_core::reconcile::LookupVerdict::NotFound => DecisionApplied {
+                lookup: Some(LookupAnswer {
+                    verdict: "not_found".to_owned(),
+                    reason: None,
+                    provider_operation_id: None,
+                }),
+                ..not("the lookup did not find the write; the action stays escalated and the escalation stays open")
+            },
+            backstop_core::reconcile::LookupVerdict::Inconclusive { reason } => {
+                DecisionApplied {
+                    lookup: Some(LookupAnswer {
+                        verdict: "inconclusive".to_owned(),
+                        reason: Some(reason.clone()),
+                        provider_operation_id: None,
+                    }),
+                    ..not(&format!("the lookup was inconclusive ({reason}); the action stays escalated and the escalation stays open"))
+                }
+            }
+        }
+    }
+
+    /// `abort` of the open action `record` (`action`): it ends `cancelled`, its held request
+    /// dropped; nothing more is sent.
+    async fn abort_decided(
+        &self,
+        action: backstop_store::ActionId,
+        record: &backstop_store::ActionRecord,
+    ) -> DecisionApplied {
+        let inner = &self.inner;
+        let not = DecisionApplied::not;
+        inner
+            .held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(&action.0);
+        // The context says what the action's attempts did, as every outcome's does.
+        let attempts = inner.blocking(move |s| s.attempts(action)).await;
+        let mut context = match &attempts {
+            Ok(attempts) => {
+                let waited = super::writes::recorded_wait_ms(record, attempts);
+                serde_json::to_value(super::writes::recovered_context(attempts, waited))
+                    .unwrap_or_default()
+            }
+            Err(_) => serde_json::json!({ "sent": true }),
+        };
+        if let Some(members) = context.as_object_mut() {
+            members.insert(
+                "next_safe".to_owned(),
+                serde_json::json!([{"option": "abort"}]),
+            );
+            members.insert(
+                "detail".to_owned(),
+                "aborted by an operator's decision; nothing more is sent".into(),
+            );
+        }
+        let finish = super::Finish {
+            outcome: backstop_store::Outcome::Cancelled,
+            context,
+            response: None,
+        };
+        let now = backstop_core::clock::Clock::now(&inner.clock);
+        match inner
+            .blocking(move |s| s.finish_action(action, finish, now))
+            .await
+        {
+            Ok(()) => DecisionApplied {
+                applied: true,
+                outcome: Some("cancelled".to_owned()),
+                ..not("the action is cancelled; nothing more is sent")
+            },
+            Err(e) => not(&format!("the action could not be ended: {e}")),
         }
     }
 }

@@ -70,13 +70,15 @@ use backstop_core::{
     escalation::{CaseFile, DecisionOption, EscalationReason},
     outcome::{NextSafe, Outcome, OutcomeContext},
 };
-use backstop_store::{ActionRecord, ActionState, AttemptRecord, EscalationId, EscalationRecord};
+use backstop_store::{
+    ActionId, ActionRecord, ActionState, AttemptRecord, EscalationId, EscalationRecord,
+};
 use jiff::Timestamp;
 
 use super::{core_outcome, from_shared, is_store_failure, writes, Engine, Notify, HELD_REQUESTS};
 use crate::{
     action::{ActionReceipt, ActionSpec, Execution},
-    coalesce::{FlightKey, LeaderGuard, Role},
+    coalesce::{FlightKey, LeaderGuard, Role, Shared},
     transport::AttemptRequest,
 };
 
@@ -335,23 +337,23 @@ impl Engine {
         }
         let guard = match inner.flights.join_or_lead(FlightKey::Action(id.0)) {
             Role::Leader(guard) => guard,
-            Role::Follower(mut rx) => {
-                // Another resend of this action reopened it and runs it: its answer is ours.
-                inner.metrics.layered_retry_joined(&record.provider);
-                tracing::info!(
-                    action = id.0,
-                    "same-key resend joined to the resend that reopened the action"
-                );
-                if let Some(notify) = notify {
-                    notify.runs(Self::stored_receipt(record, &attempts), true);
-                }
-                if let Ok(shared) = rx.recv().await {
-                    return Taken::Answer(from_shared(shared), None);
-                }
-                return self.answer_as_stored(id, notify).await;
-            }
+            // Another resend of this action reopened it and runs it: its answer is ours.
+            Role::Follower(rx) => return self.join_reopening(record, &attempts, rx, notify).await,
         };
-        // Leading: nothing else of this process reopens the action now. Judge afresh.
+        Box::pin(self.lead_resend(spec, (request, key), id, notify, guard)).await
+    }
+    /// Leading the resend of the finished write `id` (`guard` registers it): nothing else of
+    /// this process reopens the action now, so it is judged afresh — reopened and sent
+    /// (`Taken::Send`), or answered.
+    async fn lead_resend(
+        &self,
+        spec: &ActionSpec,
+        (request, key): (&AttemptRequest, &str),
+        id: ActionId,
+        notify: Option<&Notify>,
+        guard: LeaderGuard,
+    ) -> Taken {
+        let inner = &self.inner;
         let fresh = match inner.blocking(move |s| s.action(id)).await {
             Ok(Some(fresh)) => fresh,
             _ => return Taken::Replay,
@@ -418,6 +420,31 @@ impl Engine {
             Ok(()) => Taken::Send(guard),
             Err(answer) => Taken::Answer(answer, Some(guard)),
         }
+    }
+
+    /// Joins the resend of `record` that reopened the action and runs it (`rx` hears its
+    /// answer), as a layered retry joins a running write.
+    async fn join_reopening(
+        &self,
+        record: &ActionRecord,
+        attempts: &[AttemptRecord],
+        mut rx: tokio::sync::broadcast::Receiver<Shared>,
+        notify: Option<&Notify>,
+    ) -> Taken {
+        let id = record.id;
+        self.inner.metrics.layered_retry_joined(&record.provider);
+        // Another resend of this action reopened it and runs it: its answer is ours.
+        tracing::info!(
+            action = id.0,
+            "same-key resend joined to the resend that reopened the action"
+        );
+        if let Some(notify) = notify {
+            notify.runs(Self::stored_receipt(record, attempts), true);
+        }
+        if let Ok(shared) = rx.recv().await {
+            return Taken::Answer(from_shared(shared), None);
+        }
+        return self.answer_as_stored(id, notify).await;
     }
 
     /// The stored attempts and escalations of `record`, for [`verdict`]; `Err` (logged) when
