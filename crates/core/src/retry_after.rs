@@ -186,7 +186,7 @@ fn beyond_ceiling(
 /// date already past) gets `min_delay` (reason `zero delay; min_delay applied` unless the caller
 /// gave one), never a tight loop; a positive delay below it (`Retry-After: 0.503`,
 /// `retry-after-ms: 250`) is honoured as given (SPEC §2.2). A delay over the ceiling is the known
-/// lower bound `received_at + ceiling` ([`beyond_ceiling`]). Returns `Unknown` only when the
+/// lower bound `received_at + ceiling` (`beyond_ceiling`). Returns `Unknown` only when the
 /// instant does not fit in a `Timestamp`. Shared by the Retry-After, quota and body-hint readers
 /// so that every boundary obeys the same limits.
 pub fn boundary_after(

@@ -15,7 +15,7 @@
 //! leader that disappears (its client disconnected) drops its entry; its followers then start
 //! over, one of them becoming the new leader.
 //!
-//! What makes two reads "the same" ([`read_key`]): a response may depend on any request header
+//! What makes two reads "the same" (`read_key`): a response may depend on any request header
 //! (`Cookie`, a tenant header, `Range`, `Accept-*`), and on who asks. So the key is built from
 //! the agent, the method, the URL, *every* end-to-end request header except the short
 //! [`COALESCE_IGNORED_HEADERS`] list (trace context and backstop's own control headers, which no
@@ -94,7 +94,7 @@ pub(crate) fn read_key(
 /// What identifies one shared call.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum FlightKey {
-    /// A coalescable read, by its [`read_key`].
+    /// A coalescable read, by its `read_key`.
     Read(String),
     /// An action in flight, joined by its idempotency key (a layered retry).
     Action(i64),

@@ -896,7 +896,7 @@ async fn draining(state: Arc<AppState>, request: Request<Body>) -> Response {
     Problem::shutting_down().into_response()
 }
 
-/// The edge layer (see [`edge`]) around `handler`: the router's middleware, and the proxy
+/// The edge layer (see `edge`) around `handler`: the router's middleware, and the proxy
 /// door's when [`ConnectionService`] sends a request to it directly. While shutting down the
 /// request is answered by `draining` instead (the door's and the action API's name the
 /// request's task and key, see [`door::draining`] and [`draining`]).
@@ -992,7 +992,7 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
 
 /// Every route of one listener: [`router`] (the proxy door, scopes, metrics), the escalation
 /// routes (operator tokens; decisions act through the engine), the health routes, the action
-/// API and task cancellation — under the edge layer (see [`edge`]: 503 while shutting down,
+/// API and task cancellation — under the edge layer (see `edge`: 503 while shutting down,
 /// the body read timeout, every error answer an RFC 9457 problem; 405 answers name the method
 /// and carry `Allow`).
 pub fn full_router(state: Arc<AppState>, store: Arc<dyn Store>) -> Router {

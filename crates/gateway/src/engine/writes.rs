@@ -19,7 +19,7 @@
 //! its kept request (see [`super::resume`]), and one whose request was not kept is escalated
 //! instead (an operator or the agent resubmitting the same key and payload decides). So is every
 //! other write whose last attempt was
-//! `uncertain` and that nothing will send again ([`Closing`], the one decision for all of them):
+//! `uncertain` and that nothing will send again (`Closing`, the one decision for all of them):
 //! left between two attempts by the previous run, a retry re-armed after a restart, a retry whose
 //! schedule or start the store could not record (once the store commits again, see
 //! [`Inner::record_when_store_commits`]), one whose caller disconnected, or one whose task was
@@ -60,7 +60,7 @@ use crate::{
 
 /// The reason a re-armed retry, or an action left between two attempts, is closed after a
 /// restart (its action ends `cancelled`): any action but a write whose last attempt was
-/// `uncertain`, which is reconciled instead ([`Closing`]).
+/// `uncertain`, which is reconciled instead (`Closing`).
 pub const RESTARTED_BEFORE_RETRY: &str =
     "the gateway restarted before the retry; the caller's request is gone — resubmit";
 
@@ -68,13 +68,13 @@ pub const RESTARTED_BEFORE_RETRY: &str =
 /// `cancelled`): the store failed when the retry was planned (its schedule) or when it came due
 /// (its start, the `action_sent` that claims its job), so nothing of the retry was sent and its
 /// caller was answered `503 store_unavailable`. A write whose last attempt was `uncertain` is
-/// reconciled instead ([`Closing`]).
+/// reconciled instead (`Closing`).
 pub const STORE_FAILED_BEFORE_RETRY: &str = "the store could not record this action's retry (its schedule, or its start when it came due), so the retry was not sent and its caller was answered 503 store_unavailable; the action is closed and nothing more is sent for it";
 
 /// How long the gateway keeps trying to record what the store could not commit for an action
 /// (its outcome, its last attempt's result, the close of a retry that could not be recorded):
 /// 1 h, the store being tried again after 1 s, then after twice the previous wait, at most
-/// every [`STORE_RETRY_MAX_WAIT`]. Past it the action is left as the store has it, and the next
+/// every `STORE_RETRY_MAX_WAIT`. Past it the action is left as the store has it, and the next
 /// start recovers it (SPEC §12).
 pub const DEFERRED_RECORD_WINDOW: Duration = Duration::from_secs(3600);
 
@@ -1352,7 +1352,7 @@ impl Inner {
     /// commits again, so that the action never stays open in the store for a step nothing
     /// takes any more (a `409 idempotency_key_in_flight` for every same-key resend, the
     /// watchdog's stuck findings). The store is tried after [`STORE_RETRY_FIRST_WAIT`], then
-    /// after doubling waits of at most [`STORE_RETRY_MAX_WAIT`], for [`DEFERRED_RECORD_WINDOW`];
+    /// after doubling waits of at most `STORE_RETRY_MAX_WAIT`, for [`DEFERRED_RECORD_WINDOW`];
     /// the first try that commits ends the action (see [`DeferredEnd`]), and each outcome is
     /// logged. An action that ended meanwhile (its task cancelled) is left as it is. At
     /// shutdown, or past the window, the action is left as the store has it, and the next start

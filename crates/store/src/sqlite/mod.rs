@@ -396,7 +396,7 @@ impl SqliteStore {
         result
     }
 
-    /// Verifies the whole audit chain in this database. See [`verify_chain`].
+    /// Verifies the whole audit chain in this database. See `verify_chain`.
     ///
     /// # Errors
     /// Storage errors; a chain break is a [`Verdict::Broken`], not an error.
@@ -960,7 +960,7 @@ impl AuditReader {
         }
     }
 
-    /// Verifies the chain. See [`verify_chain`].
+    /// Verifies the chain. See `verify_chain`.
     ///
     /// # Errors
     /// Storage errors; a chain break is a [`Verdict::Broken`], not an error.

@@ -18,7 +18,7 @@ pub const APPLICATION_ID: i64 = 0x4253_5450;
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
-/// The oldest schema version the read-only openers ([`open_reader`]: `backstop audit
+/// The oldest schema version the read-only openers (`open_reader`: `backstop audit
 /// verify|export|head`, `backstop snapshots export`) read as it is, without migrating it. Every
 /// migration after it left the tables and columns they read unchanged or only added to them:
 /// 8 -> 9 only adds the index `actions_open`, which nothing but the gateway's start-up scans
@@ -381,7 +381,7 @@ const AGENT_VERSION: i64 = 10;
 #[cfg(test)]
 const KEPT_REQUESTS_VERSION: i64 = 11;
 
-/// For a file older than [`AGENT_VERSION`], opened by [`open_reader`]: a temporary view named
+/// For a file older than [`AGENT_VERSION`], opened by `open_reader`: a temporary view named
 /// like the table (unqualified names find the `temp` schema first, SQLite's name resolution),
 /// so the readers' one column list reads such a file too, with no agent. A temporary view lives
 /// in the connection's own memory: the file is not written.
@@ -797,7 +797,7 @@ fn immutable_uri(path: &Path) -> std::ffi::OsString {
 }
 
 /// Opens `path` as immutable after the plain read-only open failed with `first` (see
-/// [`open_reader`]), when its `-wal` file is absent or empty; otherwise refuses with
+/// `open_reader`), when its `-wal` file is absent or empty; otherwise refuses with
 /// [`StoreError::ReadOnlyWal`].
 fn open_immutable(path: &Path, first: Failed) -> Result<Connection, StoreError> {
     let (Failed::Open(first) | Failed::Query(first)) = first;
