@@ -10,6 +10,14 @@
 #   through backstop (side_effect none), write a durable write (committed before its send))
 #   BENCH_ROUNDS [3]        how many times the alternation direct, nginx, backstop is repeated
 #   BENCH_CONNECTIONS [32]  wrk connections of the saturation runs
+#   BENCH_PATHS [direct nginx backstop complete write]  the paths measured, in this order of
+#                           alternation (direct, nginx and backstop are always needed): e.g.
+#                           "direct nginx backstop complete" leaves the durable writes' store
+#                           work out of the rounds
+#   BENCH_PROFILE_DIR [unset]  a directory: after the measured runs, each backstop path is run
+#                           once more alone (wrk, BENCH_SECONDS) under `perf record -F 999 -g`
+#                           on the serving process, and `perf report` of it is written there
+#                           as PATH.txt (flat, self time) and PATH-children.txt (with callees)
 #   BENCH_NO_BUILD [unset]  set to 1 to use the binaries already in target/ as they are
 #   CARGO_TARGET_DIR [target/]  where cargo builds, and so where the binaries are looked for
 #   BENCH_BACKSTOP_ALT [unset]  more backstop binaries, `:`-separated (e.g. builds without the
@@ -160,7 +168,13 @@ declare -A URL=(
 declare -A METHOD=([complete]=POST [write]=POST)
 declare -A BODY=([complete]="$COMPLETION_BODY" [write]='{"amount":5}')
 declare -A PID_OF
-PATHS=(direct nginx backstop complete write)
+read -r -a PATHS <<<"${BENCH_PATHS:-direct nginx backstop complete write}"
+for needed in direct nginx backstop; do
+    [[ " ${PATHS[*]} " == *" $needed "* ]] || die "BENCH_PATHS must hold $needed (it holds: ${PATHS[*]})"
+done
+for p in "${PATHS[@]}"; do
+    [ -n "${URL[$p]:-}" ] || die "BENCH_PATHS: unknown path $p (known: ${!URL[*]})"
+done
 PID_OF=([nginx]=$NGINX_PID [backstop]=$BACKSTOP_PID [complete]=$BACKSTOP_PID [write]=$BACKSTOP_PID)
 
 ALTS=()
@@ -241,10 +255,10 @@ log "saturation: wrk -t1 -c$CONNECTIONS -d${SECONDS_PER_RUN}s, $ROUNDS rounds al
 saturated() { run_wrk "$1" "$CONNECTIONS" "$SECONDS_PER_RUN"; }
 measure_rounds saturated "saturation (wrk -t1 -c$CONNECTIONS, median of $ROUNDS alternating rounds)"
 SAT_BACKSTOP="${RPS[backstop]}"
-awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v c="${RPS[complete]}" -v w="${RPS[write]}" \
+awk -v b="${RPS[backstop]}" -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v c="${RPS[complete]:-0}" -v w="${RPS[write]:-0}" \
     'BEGIN { printf "throughput ratio backstop/direct = %.3f, backstop/nginx = %.3f (target >= 0.5)\n", b / d, b / n
-             printf "completion POST: complete/backstop GET = %.3f (target >= 0.9), complete/nginx = %.3f (target >= 0.5)\n", c / b, c / n
-             printf "durable write POST: write/nginx = %.3f, write/backstop GET = %.3f\n", w / n, w / b }'
+             if (c > 0) printf "completion POST: complete/backstop GET = %.3f (target >= 0.9), complete/nginx = %.3f (target >= 0.5)\n", c / b, c / n
+             if (w > 0) printf "durable write POST: write/nginx = %.3f, write/backstop GET = %.3f\n", w / n, w / b }'
 for a in "${ALTS[@]}"; do
     awk -v name="$a" -v b="${RPS[backstop]}" -v a="${RPS[$a]}" -v n="${RPS[nginx]}" \
         'BEGIN { printf "%s/nginx = %.3f, backstop/%s = %.3f\n", name, a / n, name, b / a }'
@@ -359,6 +373,27 @@ for (path, name), values in sorted(rows.items()):
     wait = statistics.median(v[1] for v in values)
     print(f"{path:<9} {name:<16} {cpu:>15.1f} {wait:>24.1f}")
 PY
+fi
+
+# Profiles of the backstop paths, each run alone: what one path spends its CPU on, beside the
+# other's, from the same build and store.
+if [ -n "${BENCH_PROFILE_DIR:-}" ]; then
+    command -v perf >/dev/null || die "BENCH_PROFILE_DIR needs perf"
+    mkdir -p "$BENCH_PROFILE_DIR"
+    for p in "${PATHS[@]}"; do
+        [ "${PID_OF[$p]:-}" = "$BACKSTOP_PID" ] || continue
+        perf record -q -F 999 -g -p "$BACKSTOP_PID" -o "$WORK/perf-$p.data" 2>/dev/null &
+        perf_pid=$!
+        sleep 0.5
+        read -r rps _ <<<"$(run_wrk "$p" "$CONNECTIONS" "$SECONDS_PER_RUN")"
+        kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
+        log "profiled $p alone: $(printf '%.0f' "$rps") req/s under perf"
+        { echo "# $p alone under perf record -F 999 -g: $(printf '%.0f' "$rps") req/s"
+          perf report -i "$WORK/perf-$p.data" --stdio --no-children --percent-limit 0.5 2>/dev/null \
+              | grep -v '^$' | grep -E '^ +[0-9]' ; } >"$BENCH_PROFILE_DIR/$p.txt"
+        perf report -i "$WORK/perf-$p.data" --stdio --children --percent-limit 2 -g none 2>/dev/null \
+            | grep -E '^ +[0-9]' >"$BENCH_PROFILE_DIR/$p-children.txt" || true
+    done
 fi
 
 errors_logged="$(grep -c ' ERROR ' "$WORK/backstop.log" || true)"

@@ -69,7 +69,8 @@ struct Kept {
     once: bool,
 }
 
-/// One call in flight: who waits for it, and the task running it.
+/// One call in flight: who waits for it, and the task running it once the caller who started
+/// it went away (until then that caller drives it).
 struct Flight {
     waiters: Mutex<Vec<oneshot::Sender<Execution>>>,
     task: Mutex<Option<tokio::task::AbortHandle>>,
@@ -117,16 +118,47 @@ fn call_key(spec: &ActionSpec) -> String {
     hex::encode(hasher.finalize())
 }
 
-/// Removes the waiter's place when its caller goes away, and starts the grace.
+/// The run of a call: its attempts, then the answer handed to whoever waits for it.
+type Run = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Removes the waiter's place when its caller goes away, and starts the grace. The caller who
+/// started the call drives its `run` itself while it waits (no task of its own, no wake-up
+/// across threads); when that caller goes away first, the run is handed to a task of its own
+/// and goes on without it.
 struct Waiting {
     engine: Engine,
     key: String,
     flight: Arc<Flight>,
     rx: oneshot::Receiver<Execution>,
+    run: Option<Run>,
+}
+
+impl Waiting {
+    /// The answer, driving the run meanwhile when this caller holds it.
+    async fn answer(&mut self) -> Result<Execution, oneshot::error::RecvError> {
+        loop {
+            let Some(run) = self.run.as_mut() else {
+                return (&mut self.rx).await;
+            };
+            tokio::select! {
+                biased;
+                answer = &mut self.rx => return answer,
+                () = run => self.run = None,
+            }
+        }
+    }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
+        if let Some(run) = self.run.take() {
+            // The caller went away before the run ended: it goes on, on a task of its own
+            // (which a grace without a re-send aborts).
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let task = runtime.spawn(run);
+                *lock(&self.flight.task) = Some(task.abort_handle());
+            }
+        }
         // Closed first, so that the flight sees this waiter gone.
         self.rx.close();
         if self.flight.done.load(Ordering::SeqCst) || self.flight.has_waiters() {
@@ -153,7 +185,8 @@ impl Engine {
             return super::from_shared(answer);
         }
         let (tx, rx) = oneshot::channel();
-        let (flight, joined) = self.join_or_start(&key, spec, tx);
+        let (flight, run) = self.join_or_start(&key, spec, tx);
+        let joined = run.is_none();
         if joined {
             self.inner
                 .metrics
@@ -165,8 +198,9 @@ impl Engine {
             key,
             flight,
             rx,
+            run,
         };
-        match (&mut waiting.rx).await {
+        match waiting.answer().await {
             Ok(execution) => execution,
             // The run went away without an answer (aborted after a grace that this waiter
             // outlived: not reached in practice); answer as a cancelled call.
@@ -201,17 +235,18 @@ impl Engine {
         Some(kept.answer.clone())
     }
 
-    /// Joins call `key` in flight (`true`), or starts it on a task of its own (`false`).
+    /// Joins call `key` in flight (no run), or starts it: the run to drive, which attempts the
+    /// call and hands its answer to every waiter.
     fn join_or_start(
         &self,
         key: &str,
         spec: &ActionSpec,
         tx: oneshot::Sender<Execution>,
-    ) -> (Arc<Flight>, bool) {
+    ) -> (Arc<Flight>, Option<Run>) {
         let mut in_flight = lock(&self.inner.detached.in_flight);
         if let Some(flight) = in_flight.get(key) {
             lock(&flight.waiters).push(tx);
-            return (flight.clone(), true);
+            return (flight.clone(), None);
         }
         let flight = Arc::new(Flight {
             waiters: Mutex::new(vec![tx]),
@@ -225,12 +260,11 @@ impl Engine {
         in_flight.insert(key.to_owned(), flight.clone());
         let (engine, spec, key_owned, run) =
             (self.clone(), spec.clone(), key.to_owned(), flight.clone());
-        let task = tokio::spawn(async move {
-            let execution = Box::pin(engine.lead(&spec, None, None)).await;
+        let run: Run = Box::pin(async move {
+            let execution = engine.lead(&spec, None, None).await;
             engine.deliver(&key_owned, &run, execution).await;
         });
-        *lock(&flight.task) = Some(task.abort_handle());
-        (flight, false)
+        (flight, Some(run))
     }
 
     /// Ends call `key`: no one joins it any more; its final non-success answer is kept for
