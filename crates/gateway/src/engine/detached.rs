@@ -69,8 +69,7 @@ struct Kept {
     once: bool,
 }
 
-/// One call in flight: who waits for it, and the task running it once the caller who started
-/// it went away (until then that caller drives it).
+/// One call in flight: who waits for it, and the task running it.
 struct Flight {
     waiters: Mutex<Vec<oneshot::Sender<Execution>>>,
     task: Mutex<Option<tokio::task::AbortHandle>>,
@@ -118,47 +117,16 @@ fn call_key(spec: &ActionSpec) -> String {
     hex::encode(hasher.finalize())
 }
 
-/// The run of a call: its attempts, then the answer handed to whoever waits for it.
-type Run = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-
-/// Removes the waiter's place when its caller goes away, and starts the grace. The caller who
-/// started the call drives its `run` itself while it waits (no task of its own, no wake-up
-/// across threads); when that caller goes away first, the run is handed to a task of its own
-/// and goes on without it.
+/// Removes the waiter's place when its caller goes away, and starts the grace.
 struct Waiting {
     engine: Engine,
     key: String,
     flight: Arc<Flight>,
     rx: oneshot::Receiver<Execution>,
-    run: Option<Run>,
-}
-
-impl Waiting {
-    /// The answer, driving the run meanwhile when this caller holds it.
-    async fn answer(&mut self) -> Result<Execution, oneshot::error::RecvError> {
-        loop {
-            let Some(run) = self.run.as_mut() else {
-                return (&mut self.rx).await;
-            };
-            tokio::select! {
-                biased;
-                answer = &mut self.rx => return answer,
-                () = run => self.run = None,
-            }
-        }
-    }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        if let Some(run) = self.run.take() {
-            // The caller went away before the run ended: it goes on, on a task of its own
-            // (which a grace without a re-send aborts).
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let task = runtime.spawn(run);
-                *lock(&self.flight.task) = Some(task.abort_handle());
-            }
-        }
         // Closed first, so that the flight sees this waiter gone.
         self.rx.close();
         if self.flight.done.load(Ordering::SeqCst) || self.flight.has_waiters() {
@@ -185,8 +153,7 @@ impl Engine {
             return super::from_shared(answer);
         }
         let (tx, rx) = oneshot::channel();
-        let (flight, run) = self.join_or_start(&key, spec, tx);
-        let joined = run.is_none();
+        let (flight, joined) = self.join_or_start(&key, spec, tx);
         if joined {
             self.inner
                 .metrics
@@ -198,9 +165,8 @@ impl Engine {
             key,
             flight,
             rx,
-            run,
         };
-        match waiting.answer().await {
+        match (&mut waiting.rx).await {
             Ok(execution) => execution,
             // The run went away without an answer (aborted after a grace that this waiter
             // outlived: not reached in practice); answer as a cancelled call.
@@ -235,18 +201,17 @@ impl Engine {
         Some(kept.answer.clone())
     }
 
-    /// Joins call `key` in flight (no run), or starts it: the run to drive, which attempts the
-    /// call and hands its answer to every waiter.
+    /// Joins call `key` in flight (`true`), or starts it on a task of its own (`false`).
     fn join_or_start(
         &self,
         key: &str,
         spec: &ActionSpec,
         tx: oneshot::Sender<Execution>,
-    ) -> (Arc<Flight>, Option<Run>) {
+    ) -> (Arc<Flight>, bool) {
         let mut in_flight = lock(&self.inner.detached.in_flight);
         if let Some(flight) = in_flight.get(key) {
             lock(&flight.waiters).push(tx);
-            return (flight.clone(), None);
+            return (flight.clone(), true);
         }
         let flight = Arc::new(Flight {
             waiters: Mutex::new(vec![tx]),
@@ -260,11 +225,12 @@ impl Engine {
         in_flight.insert(key.to_owned(), flight.clone());
         let (engine, spec, key_owned, run) =
             (self.clone(), spec.clone(), key.to_owned(), flight.clone());
-        let run: Run = Box::pin(async move {
-            let execution = engine.lead(&spec, None, None).await;
+        let task = tokio::spawn(async move {
+            let execution = Box::pin(engine.lead(&spec, None, None)).await;
             engine.deliver(&key_owned, &run, execution).await;
         });
-        (flight, Some(run))
+        *lock(&flight.task) = Some(task.abort_handle());
+        (flight, false)
     }
 
     /// Ends call `key`: no one joins it any more; its final non-success answer is kept for
