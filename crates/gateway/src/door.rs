@@ -94,6 +94,10 @@ pub const ATTEMPTS_HEADER: &str = "backstop-attempts";
 pub const TASK_ECHO_HEADER: &str = "backstop-task";
 /// `Backstop-Single-Attempt: body-too-large` when the body was too large to allow retries.
 pub const SINGLE_ATTEMPT_HEADER: &str = "backstop-single-attempt";
+/// `Backstop-Reconciled: true` on backstop's own `200` for a write found at the provider by
+/// reconciliation (SPEC §6): the body is backstop's JSON (`outcome`, `provider_operation_id`,
+/// …), not the provider's object, whose answer was lost. A provider's answer never carries it.
+pub const RECONCILED_HEADER: &str = "backstop-reconciled";
 
 /// `Idempotency-Key` (IETF draft-ietf-httpapi-idempotency-key-header): answered on every
 /// response of a write with the key in effect.
@@ -1292,7 +1296,11 @@ pub(crate) fn render(
                     "action_id": receipt.action_id,
                     "idempotency_key": receipt.idempotency_key,
                 });
-                (StatusCode::OK, axum::Json(body)).into_response()
+                let mut response = (StatusCode::OK, axum::Json(body)).into_response();
+                response
+                    .headers_mut()
+                    .insert(RECONCILED_HEADER, HeaderValue::from_static("true"));
+                response
             } else {
                 let mut problem =
                     Problem::from_outcome(outcome, &context, detail, state.clock.now())

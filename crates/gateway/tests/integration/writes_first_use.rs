@@ -500,3 +500,34 @@ async fn scope_records_carry_the_full_scope_name() {
     gateway.shutdown().await.unwrap();
     fake.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconciled_answer_says_so_in_a_header_and_the_providers_own_answer_does_not() {
+    let fake = fake();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = start_gateway(&fake.url(), dir.path()).await;
+    let send = |key: &'static str| {
+        client()
+            .post(format!("http://{}/fake/v1/messages", gateway.addr))
+            .bearer_auth(AGENT_TOKEN)
+            .header("Idempotency-Key", key)
+            .header("content-type", "application/json")
+            .body(r#"{"text":"hi"}"#)
+            .send()
+    };
+
+    // The fake stores the first message, then drops the connection: found by the lookup.
+    let reconciled = send("msg-header-1").await.expect("request");
+    assert_eq!(reconciled.status(), 200);
+    assert_eq!(header(&reconciled, "backstop-reconciled"), Some("true"));
+    let body: serde_json::Value =
+        serde_json::from_slice(&reconciled.bytes().await.unwrap()).expect("json");
+    assert_eq!(body["reconciled"], true, "{body}");
+
+    // The second is answered by the provider itself: its object, and no such header.
+    let answered = send("msg-header-2").await.expect("request");
+    assert_eq!(answered.status(), 201);
+    assert_eq!(header(&answered, "backstop-reconciled"), None);
+    gateway.shutdown().await.unwrap();
+    fake.shutdown().await;
+}
