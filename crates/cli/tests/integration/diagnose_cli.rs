@@ -399,6 +399,18 @@ fn directory_input_fails_before_any_table_header() {
 }
 
 #[test]
+fn a_device_that_never_ends_is_refused_before_it_is_read() {
+    let o = backstop(&["/dev/zero", "--now", NOW], None);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(o.stdout.is_empty(), "printed {}", stdout(&o));
+    assert!(
+        stderr(&o).contains("/dev/zero: cannot open: is a character device"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
 fn bad_line_errors_name_no_root_path_and_no_json_line_number() {
     let input = "{\"run_id\":\"r\",\"quota_scope\":\"s\",\"throttled_at\":\"2026-07-26T18:41:00Z\",\"status\":429}\n{\"run_id\": \"r\",}\n";
     let o = backstop(&["--now", NOW], Some(input.as_bytes()));
