@@ -137,7 +137,8 @@ fn unique_members<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(String, String
             let mut members: Vec<(String, String)> = Vec::new();
             let mut seen = std::collections::HashSet::new();
             while let Some((name, value)) = map.next_entry::<String, String>()? {
-                if !seen.insert(name.clone()) {
+                // Header names are case-insensitive (RFC 9110 §5.1): `X-A` and `x-a` are one.
+                if !seen.insert(name.to_ascii_lowercase()) {
                     return Err(de::Error::custom(format_args!(
                         "headers: member `{name}` is given more than once"
                     )));
@@ -307,6 +308,7 @@ fn provider_headers(
     let key = idempotency_key(own, request, key_header)?;
     let mut incoming = HeaderMap::new();
     for (name, value) in &request.headers {
+        refuse_backstop_header(name)?;
         let name = HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| api_bad_request(format!("headers: `{name}` is not a header name")))?;
         let value = HeaderValue::from_str(value)
@@ -325,6 +327,23 @@ fn provider_headers(
         incoming.insert(name, value);
     }
     Ok(incoming)
+}
+
+/// 400 for an `X-Backstop-*` header inside `headers`: backstop's own headers are members of
+/// the action here (`task`, `priority`, `deadline`), never forwarded, and a silent choice
+/// between the two places would be ambiguous.
+fn refuse_backstop_header(name: &str) -> Result<(), Problem> {
+    let lower = name.to_ascii_lowercase();
+    let Some(rest) = lower.strip_prefix("x-backstop-") else {
+        return Ok(());
+    };
+    let member = match rest {
+        "task" | "priority" | "deadline" => format!("; give it as the member `{rest}`"),
+        _ => String::new(),
+    };
+    Err(api_bad_request(format!(
+        "headers: `{name}` is backstop's own header, not one for the provider{member}"
+    )))
 }
 
 /// The members a proxied call gives in `X-Backstop-*` headers: `priority`, `deadline`, `task`

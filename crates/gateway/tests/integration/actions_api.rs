@@ -654,6 +654,38 @@ async fn a_member_given_twice_in_an_action_body_is_refused_naming_it() {
 }
 
 #[tokio::test]
+async fn backstop_headers_inside_headers_and_names_differing_in_case_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (provider, gw) = transfers_gateway(dir.path()).await;
+    let base = format!("http://{}", gw.addr);
+    for (headers, named) in [
+        (
+            r#"{"x-backstop-task":"zz"}"#,
+            "headers: `x-backstop-task` is backstop's own header, not one for the provider; give it as the member `task`",
+        ),
+        (
+            r#"{"X-Backstop-Priority":"bogus"}"#,
+            "give it as the member `priority`",
+        ),
+        (r#"{"X-Backstop-Other":"1"}"#, "`X-Backstop-Other` is backstop's own header"),
+        (r#"{"X-A":"1","x-a":"2"}"#, "headers: member `x-a` is given more than once"),
+    ] {
+        let body = format!(
+            r#"{{"provider":"fake","method":"POST","path":"/v1/transfers","task":"a","headers":{headers}}}"#
+        );
+        let (status, problem) = post_action(&base, body.clone(), None).await;
+        assert_eq!(status, 400, "{body}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.contains(named), "{body}: {detail}");
+    }
+    assert!(
+        provider.attempts().is_empty(),
+        "nothing reached the provider"
+    );
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_desired_outcome_longer_than_the_limit_is_refused_naming_the_member_and_limit() {
     let dir = tempfile::tempdir().unwrap();
     let (provider, gw) = transfers_gateway(dir.path()).await;
