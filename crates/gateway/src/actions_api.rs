@@ -334,7 +334,7 @@ fn provider_headers(
 /// between the two places would be ambiguous.
 fn refuse_backstop_header(name: &str) -> Result<(), Problem> {
     let lower = name.to_ascii_lowercase();
-    let Some(rest) = lower.strip_prefix("x-backstop-") else {
+    let Some(rest) = lower.strip_prefix(door::BACKSTOP_HEADER_PREFIX) else {
         return Ok(());
     };
     let member = match rest {

@@ -78,6 +78,9 @@ use crate::{
     wire::{connection_listed, is_hop_by_hop, strip_hop_by_hop, ProviderResponse, REPLAYED_HEADER},
 };
 
+/// The prefix of backstop's own request headers (`X-Backstop-Task`, …), lower case: read by
+/// backstop, never forwarded to the provider.
+pub const BACKSTOP_HEADER_PREFIX: &str = "x-backstop-";
 /// `X-Backstop-Task`: the task (run) id.
 pub const TASK_HEADER: &str = "x-backstop-task";
 /// `X-Backstop-Priority`: `interactive`, `normal` or `background`.
@@ -645,7 +648,7 @@ fn upstream_headers(
             || *name == header::CONTENT_LENGTH
             || *name == header::EXPECT
             || *name == PREFER
-            || name.as_str().starts_with("x-backstop-")
+            || name.as_str().starts_with(BACKSTOP_HEADER_PREFIX)
             || listed.contains(name))
     };
     let mut headers = owned_values(incoming, forwarded);

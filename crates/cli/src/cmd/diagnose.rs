@@ -208,16 +208,18 @@ pub fn run(args: Args) -> ExitCode {
             ("<stdin>".to_string(), Box::new(io::stdin().lock()))
         }
         Some(path) => match File::open(path).and_then(|file| {
-            let kind = file.metadata()?.file_type();
-            if kind.is_dir() {
+            use std::os::unix::fs::FileTypeExt;
+            let meta = file.metadata()?;
+            if meta.is_dir() {
                 Err(io::Error::new(
                     io::ErrorKind::IsADirectory,
                     "is a directory",
                 ))
-            } else if let Some(device) = device_kind(&kind) {
+            } else if !meta.is_file() && !meta.file_type().is_fifo() {
                 // A device (`/dev/zero`) may never end a line, nor the input.
                 Err(io::Error::other(format!(
-                    "is {device}; snapshots are read from a file, a pipe, or stdin (`-`)"
+                    "is {}; snapshots are read from a file, a pipe, or stdin (`-`)",
+                    backstop_core::policy::file_kind(&meta)
                 )))
             } else {
                 Ok(file)
@@ -588,18 +590,6 @@ fn is_audit_event(line: &[u8]) -> bool {
         .iter()
         .all(|name| members.contains_key(*name))
         && !members.contains_key("run_id")
-}
-
-/// `Some("a character device")` or `Some("a block device")` for a device, `None` otherwise.
-fn device_kind(kind: &std::fs::FileType) -> Option<&'static str> {
-    use std::os::unix::fs::FileTypeExt;
-    if kind.is_char_device() {
-        Some("a character device")
-    } else if kind.is_block_device() {
-        Some("a block device")
-    } else {
-        None
-    }
 }
 
 /// What [`read_line_capped`] put in the buffer.

@@ -22,8 +22,10 @@ use crate::budget::RetryQuotaConfig;
 /// small enough that a wrong path (a log, an image) is refused at once.
 pub const MAX_POLICY_BYTES: u64 = 4 * 1024 * 1024;
 
-/// What kind of file system entry `meta` is, in words, for a refusal.
-fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+/// What kind of file system entry `meta` is, in words, for a refusal: `"a FIFO"`,
+/// `"a character device"`, `"a block device"`, `"a socket"`, `"a directory"`, or
+/// `"not a regular file"`.
+pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
     #[cfg(unix)]
     {
         use std::os::unix::fs::FileTypeExt;

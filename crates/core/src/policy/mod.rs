@@ -89,7 +89,7 @@ pub use breaker::{BreakerPolicy, MIN_FORGET_AFTER};
 pub use checks::is_json_pointer;
 pub use classes::{builtin_class, RequestClass, BUILTIN_CLASSES};
 pub use diagnostics::{PolicyError, PolicyErrors};
-pub use document::{Policy, MAX_POLICY_BYTES};
+pub use document::{file_kind, Policy, MAX_POLICY_BYTES};
 pub use lookup::{RouteMatch, UnknownProvider};
 pub use providers::{
     check_provider_name, Provider, DIALECTS, DISPOSITIONS, RESERVED_PROVIDER_NAMES,
